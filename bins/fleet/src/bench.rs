@@ -1,0 +1,304 @@
+//! `fleet bench generate`: prefill and decode throughput of batched generation, and peak GPU
+//! memory, measured the way `benches/transformers_generate.py` measures transformers
+//! (benches/README.md has the definitions).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use fleet_models::{
+    parse_dtype, DeviceLocation, DeviceMap, GenerationRequest, Generator, QwenConfig, QwenModel,
+    Weights,
+};
+use serde::Serialize;
+
+#[derive(Args)]
+pub struct BenchGenerateArgs {
+    /// A model shape (a config.json, e.g. configs/models/qwen2.5-7b.json): random weights are
+    /// made directly on the device.
+    #[arg(long, conflicts_with = "model")]
+    pub config: Option<PathBuf>,
+    /// A real checkpoint (local dir or hub id) instead of a shape.
+    #[arg(long)]
+    pub model: Option<String>,
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Device(s); a comma list splits the layers over several GPUs.
+    #[arg(long, default_value = "cuda:0")]
+    pub device: String,
+    #[arg(long, default_value_t = 512)]
+    pub prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub new_tokens: usize,
+    /// Batch sizes, comma-separated.
+    #[arg(long, default_value = "1,32", value_delimiter = ',')]
+    pub batch: Vec<usize>,
+    /// Timed repetitions of each measurement (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the results here as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Run {
+    batch: usize,
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+    t_prefill_s: f64,
+    t_generate_s: f64,
+    /// Highest device memory in use seen during this batch size (all GPUs of the map, minus
+    /// what was in use before the model loaded).
+    peak_used_bytes: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    engine: &'static str,
+    commit: String,
+    device: String,
+    device_map: String,
+    config: String,
+    shape: serde_json::Value,
+    dtype: String,
+    prompt_len: usize,
+    new_tokens: usize,
+    weights_bytes: Option<u64>,
+    runs: Vec<Run>,
+}
+
+/// The commit being measured: $FLEET_COMMIT, a COMMIT file (the device machine gets no .git),
+/// or `git rev-parse HEAD`.
+pub fn commit() -> String {
+    if let Ok(c) = std::env::var("FLEET_COMMIT") {
+        return c;
+    }
+    if let Ok(c) = std::fs::read_to_string("COMMIT") {
+        return c.trim().to_string();
+    }
+    std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Polls the memory in use on the given GPUs from a background thread and keeps the maximum
+/// (the allocator returns freed memory to the driver, so sampling only between steps misses
+/// the peak).
+struct MemoryWatch {
+    stop: Arc<AtomicBool>,
+    peak: Arc<AtomicU64>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl MemoryWatch {
+    fn start(gpus: Vec<usize>, baseline: u64) -> Option<Self> {
+        if gpus.is_empty() {
+            return None;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicU64::new(0));
+        let (s, p) = (stop.clone(), peak.clone());
+        let handle = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                if let Some(used) = used_bytes(&gpus) {
+                    p.fetch_max(used.saturating_sub(baseline), Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+        Some(MemoryWatch {
+            stop,
+            peak,
+            handle: Some(handle),
+        })
+    }
+
+    fn finish(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+fn used_bytes(gpus: &[usize]) -> Option<u64> {
+    let mut used = 0;
+    for &g in gpus {
+        let (free, total) = fleet_topology::gpu_memory_info(g).ok().flatten()?;
+        used += total - free;
+    }
+    Some(used)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
+    let dtype = parse_dtype(&args.dtype)?;
+    let devices = crate::cli::parse_devices(&args.device)?;
+    let gpus: Vec<usize> = devices
+        .iter()
+        .filter_map(|d| match d {
+            DeviceLocation::Cuda(n) => Some(*n),
+            DeviceLocation::Cpu => None,
+        })
+        .collect();
+    let baseline = used_bytes(&gpus).unwrap_or(0);
+
+    let (cfg, label, model) = match (&args.config, &args.model) {
+        (Some(path), None) => {
+            let cfg = QwenConfig::from_file(path)?;
+            let map = device_map(&devices, cfg.num_hidden_layers)?;
+            let t = Instant::now();
+            let model = QwenModel::new(&cfg, &Weights::Random { seed: args.seed }, dtype, &map)?;
+            eprintln!(
+                "built random {} in {:.1}s on {}",
+                path.display(),
+                t.elapsed().as_secs_f64(),
+                map
+            );
+            (cfg, path.display().to_string(), model)
+        }
+        (None, Some(spec)) => {
+            let model_args = crate::cli::ModelArgs {
+                model: spec.clone(),
+                revision: None,
+                dtype: args.dtype.clone(),
+                device: args.device.clone(),
+            };
+            let m = model_args.load()?;
+            (m.model.config().clone(), spec.clone(), m.model)
+        }
+        _ => bail!("give --config FILE (a model shape, random weights) or --model M"),
+    };
+    sync(&model)?;
+    let weights_bytes = used_bytes(&gpus).map(|u| u.saturating_sub(baseline));
+
+    let device_name = match devices[0] {
+        DeviceLocation::Cuda(n) => fleet_topology::discover()?
+            .into_iter()
+            .find(|d| d.location == DeviceLocation::Cuda(n))
+            .map(|d| d.name)
+            .unwrap_or_else(|| format!("cuda:{n}")),
+        DeviceLocation::Cpu => "cpu".into(),
+    };
+    // Never stop early: the benchmark generates exactly new_tokens per row.
+    let generator = Generator::new(&model, None, Vec::new(), 0);
+    let mut runs = Vec::new();
+    for &b in &args.batch {
+        let prompts: Vec<Vec<u32>> = (0..b)
+            .map(|r| {
+                (0..args.prompt_len)
+                    .map(|i| {
+                        ((r * 7919 + i * 104_729 + args.seed as usize) % cfg.vocab_size) as u32
+                    })
+                    .collect()
+            })
+            .collect();
+        let requests: Vec<GenerationRequest> = prompts
+            .iter()
+            .map(|p| GenerationRequest::greedy(p.clone(), args.new_tokens))
+            .collect();
+        // Warm-up: kernel loading, cuBLAS handles, allocator growth.
+        prefill(&model, &prompts)?;
+        let warm = GenerationRequest::greedy(prompts[0].clone(), 4.min(args.new_tokens));
+        generator.generate(&vec![warm; b], None)?;
+        sync(&model)?;
+
+        let watch = MemoryWatch::start(gpus.clone(), baseline);
+        let mut t_prefill = Vec::new();
+        let mut t_generate = Vec::new();
+        for _ in 0..args.repeats.max(1) {
+            t_prefill.push(prefill(&model, &prompts)?);
+            let t = Instant::now();
+            let out = generator.generate(&requests, None)?;
+            sync(&model)?;
+            t_generate.push(t.elapsed().as_secs_f64());
+            if out.iter().any(|o| o.token_ids.len() != args.new_tokens) {
+                bail!("a row stopped before {} tokens", args.new_tokens);
+            }
+        }
+        let peak = watch.map(|w| w.finish());
+        let (tp, tg) = (median(t_prefill), median(t_generate));
+        let run = Run {
+            batch: b,
+            prefill_tok_s: (b * args.prompt_len) as f64 / tp,
+            decode_tok_s: (b * (args.new_tokens - 1)) as f64 / (tg - tp),
+            t_prefill_s: tp,
+            t_generate_s: tg,
+            peak_used_bytes: peak.map(|p| p.max(weights_bytes.unwrap_or(0))),
+        };
+        eprintln!(
+            "batch {:>3}: prefill {:>9.0} tok/s  decode {:>8.1} tok/s  peak {}",
+            run.batch,
+            run.prefill_tok_s,
+            run.decode_tok_s,
+            run.peak_used_bytes
+                .map(|p| format!("{:.2} GiB", p as f64 / (1u64 << 30) as f64))
+                .unwrap_or_else(|| "-".into())
+        );
+        runs.push(run);
+    }
+    let report = Report {
+        engine: "fleet",
+        commit: commit(),
+        device: device_name,
+        device_map: model.device_map().to_string(),
+        config: label,
+        shape: serde_json::json!({
+            "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_kv_heads(),
+            "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
+            "parameters": cfg.num_parameters(),
+        }),
+        dtype: args.dtype.clone(),
+        prompt_len: args.prompt_len,
+        new_tokens: args.new_tokens,
+        weights_bytes,
+        runs,
+    };
+    let json = serde_json::to_string_pretty(&report)?;
+    match &args.json {
+        Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
+        None => println!("{json}"),
+    }
+    Ok(())
+}
+
+fn device_map(devices: &[DeviceLocation], layers: usize) -> Result<DeviceMap> {
+    Ok(if devices.len() == 1 {
+        DeviceMap::single(devices[0], layers)
+    } else {
+        DeviceMap::split_layers(devices, layers)?
+    })
+}
+
+fn sync(model: &QwenModel) -> Result<()> {
+    for (_, d) in model.devices().iter() {
+        d.synchronize()?;
+    }
+    Ok(())
+}
+
+/// Seconds for one prefill of `prompts` (logits of the last position), synchronized.
+fn prefill(model: &QwenModel, prompts: &[Vec<u32>]) -> Result<f64> {
+    let t = Instant::now();
+    let mut cache = model.new_cache(prompts.len(), prompts[0].len())?;
+    let logits = model.forward(prompts, &vec![0; prompts.len()], &mut cache, true)?;
+    drop(logits);
+    sync(model)?;
+    Ok(t.elapsed().as_secs_f64())
+}

@@ -1,0 +1,273 @@
+//! Flags of each subcommand and the small commands (`devices`, `generate`, `logits`).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use fleet_models::{
+    parse_dtype, ChatMessage, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions,
+    SamplingParams, TextModel,
+};
+
+/// fleet: Qwen models on one GPU, on all GPUs of a machine, or across machines.
+#[derive(Parser)]
+#[command(name = "fleet", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// List the GPUs this process can use (name, compute capability, memory), or the CPU.
+    Devices(DevicesArgs),
+    /// Chat with a model: renders the checkpoint's chat template and streams the reply.
+    Generate(GenerateArgs),
+    /// Print the logits of given token ids (JSON), for parity checks.
+    Logits(LogitsArgs),
+    /// Benchmarks, run on the GPU machine.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Prefill and decode throughput and peak memory of batched generation.
+    Generate(crate::bench::BenchGenerateArgs),
+}
+
+#[derive(Args)]
+pub struct DevicesArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags shared by the commands that load a checkpoint.
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// A local checkpoint directory or a hub id (owner/name).
+    #[arg(long)]
+    pub model: String,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Compute dtype: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Device(s): `cpu`, `cuda:0`, or a comma list such as `cuda:0,cuda:1` to split the layers
+    /// over several GPUs in contiguous ranges.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+impl ModelArgs {
+    pub fn load(&self) -> Result<TextModel> {
+        let dtype = parse_dtype(&self.dtype)?;
+        let devices = parse_devices(&self.device)?;
+        // The map needs the layer count, which is in config.json: read it through a first
+        // resolve, then load with the map.
+        let opts = LoadOptions {
+            dtype,
+            revision: self.revision.clone(),
+            ..LoadOptions::default()
+        };
+        let source = fleet_models::ModelSource::parse(&self.model, self.revision.as_deref())?;
+        let files = source.resolve(&opts.hub)?;
+        let cfg = fleet_models::QwenConfig::from_file(&files.config)?;
+        let map = if devices.len() == 1 {
+            DeviceMap::single(devices[0], cfg.num_hidden_layers)
+        } else {
+            DeviceMap::split_layers(&devices, cfg.num_hidden_layers)?
+        };
+        tracing::info!("placing {}", map);
+        let opts = LoadOptions {
+            device_map: Some(map),
+            ..opts
+        };
+        Ok(TextModel::load(&self.model, &opts)?)
+    }
+}
+
+pub fn parse_devices(s: &str) -> Result<Vec<DeviceLocation>> {
+    let devices: Vec<DeviceLocation> = s
+        .split(',')
+        .map(|d| d.parse::<DeviceLocation>())
+        .collect::<Result<_, _>>()?;
+    for (i, d) in devices.iter().enumerate() {
+        if devices[..i].contains(d) {
+            bail!("device {d} is listed twice in --device {s}");
+        }
+    }
+    if devices.is_empty() {
+        bail!("--device needs at least one device");
+    }
+    Ok(devices)
+}
+
+pub fn devices(args: &DevicesArgs) -> Result<()> {
+    let devices = fleet_topology::discover()?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&devices)?);
+        return Ok(());
+    }
+    let gib = |b: Option<u64>| {
+        b.map(|b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64))
+            .unwrap_or_else(|| "?".into())
+    };
+    println!(
+        "{:<8} {:<28} {:<8} {:>12} {:>12}  pci",
+        "device", "name", "cc", "total", "free"
+    );
+    for d in devices {
+        let cc = d
+            .compute_capability
+            .map(|(a, b)| format!("{a}.{b}"))
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "{:<8} {:<28} {:<8} {:>12} {:>12}  {}",
+            d.location.to_string(),
+            d.name,
+            cc,
+            gib(d.total_bytes),
+            gib(d.free_bytes),
+            d.pci_bus_id.unwrap_or_else(|| "-".into())
+        );
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The user message.
+    #[arg(long)]
+    pub prompt: String,
+    /// A system message (else the template's default, if it has one).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Send the prompt as plain text, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop when this text appears (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+}
+
+pub fn generate(args: &GenerateArgs) -> Result<()> {
+    let model = args.model.load()?;
+    let prompt_ids = if args.raw {
+        model.tokenizer()?.encode(&args.prompt)?
+    } else {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(ChatMessage::new("system", s.clone()));
+        }
+        messages.push(ChatMessage::new("user", args.prompt.clone()));
+        model.chat_prompt(&messages, true)?
+    };
+    let request = GenerationRequest {
+        prompt_ids,
+        max_new_tokens: args.max_new_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
+        stop_strings: args.stop.clone(),
+    };
+    let start = std::time::Instant::now();
+    let mut stdout = std::io::stdout();
+    let mut on_token = |e: fleet_models::StreamEvent<'_>| {
+        let _ = stdout.write_all(e.text_delta.as_bytes());
+        let _ = stdout.flush();
+    };
+    let out = model.generate(std::slice::from_ref(&request), Some(&mut on_token))?;
+    let secs = start.elapsed().as_secs_f64();
+    println!();
+    eprintln!(
+        "[{} tokens, {:?}, {:.1} tok/s]",
+        out[0].token_ids.len(),
+        out[0].finish_reason,
+        out[0].token_ids.len() as f64 / secs
+    );
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Comma-separated token ids of one sequence.
+    #[arg(long, conflicts_with = "ids_file")]
+    pub ids: Option<String>,
+    /// A JSON file {"input_ids": [[...], ...]} of equal-length sequences.
+    #[arg(long)]
+    pub ids_file: Option<PathBuf>,
+    /// Write a safetensors file with tensor "logits" (f32, [n, len, vocab]) instead of JSON on
+    /// stdout (for large vocabularies).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+}
+
+pub fn logits(args: &LogitsArgs) -> Result<()> {
+    let ids: Vec<Vec<u32>> = match (&args.ids, &args.ids_file) {
+        (Some(s), _) => vec![s
+            .split(',')
+            .map(|t| {
+                t.trim()
+                    .parse::<u32>()
+                    .with_context(|| format!("--ids: `{t}` is not a token id"))
+            })
+            .collect::<Result<_>>()?],
+        (None, Some(p)) => {
+            #[derive(serde::Deserialize)]
+            struct IdsFile {
+                input_ids: Vec<Vec<u32>>,
+            }
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            serde_json::from_str::<IdsFile>(&text)
+                .with_context(|| {
+                    format!(
+                        "{}: expected {{\"input_ids\": [[ids...], ...]}}",
+                        p.display()
+                    )
+                })?
+                .input_ids
+        }
+        (None, None) => bail!("give --ids 1,2,3 or --ids-file FILE"),
+    };
+    let model = args.model.load()?;
+    let logits = model
+        .model
+        .logits(&ids)?
+        .to_device(&candle_core::Device::Cpu)?;
+    match &args.output {
+        Some(path) => {
+            candle_core::safetensors::save(&HashMap::from([("logits".to_string(), logits)]), path)
+                .with_context(|| format!("writing {}", path.display()))?;
+            eprintln!("wrote {}", path.display());
+        }
+        None => {
+            let v: Vec<Vec<Vec<f32>>> = logits.to_vec3()?;
+            println!("{}", serde_json::json!({ "input_ids": ids, "logits": v }));
+        }
+    }
+    Ok(())
+}

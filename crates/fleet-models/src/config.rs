@@ -1,0 +1,415 @@
+//! `config.json` of Qwen2 / Qwen2.5 / Qwen3 dense checkpoints, as the hub ships them.
+//!
+//! Both the transformers 4.x layout (`rope_theta`, `rope_scaling`, `torch_dtype`) and the 5.x
+//! layout (`rope_parameters`, `dtype`) deserialize.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::{ModelError, Result};
+
+/// Which member of the Qwen family a checkpoint is. They share one decoder; the differences are
+/// flags on [`QwenConfig`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QwenArch {
+    /// `qwen2` (Qwen2, Qwen2.5): bias on q/k/v projections, no q/k norm.
+    Qwen2,
+    /// `qwen3`: RMSNorm on q and k per head, `attention_bias` flag, explicit `head_dim`.
+    Qwen3,
+}
+
+/// The RoPE section of a transformers 5.x config.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RopeParameters {
+    /// Base frequency.
+    pub rope_theta: Option<f64>,
+    /// `default` is the only type fleet implements so far.
+    pub rope_type: Option<String>,
+}
+
+/// The fields of `config.json` that the decoder needs, as named by transformers.
+#[derive(Debug, Clone, Deserialize)]
+pub struct QwenConfig {
+    /// e.g. `["Qwen2ForCausalLM"]`.
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    /// `qwen2` or `qwen3`.
+    pub model_type: String,
+    /// Rows of the embedding and lm_head.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention). Defaults to `num_attention_heads`.
+    pub num_key_value_heads: Option<usize>,
+    /// Per-head width (Qwen3 sets it; Qwen2 derives it).
+    pub head_dim: Option<usize>,
+    /// Longest sequence the positions cover.
+    pub max_position_embeddings: usize,
+    /// RoPE base (transformers 4.x layout).
+    pub rope_theta: Option<f64>,
+    /// RoPE scaling (4.x layout); only `null` is implemented.
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// RoPE section (5.x layout).
+    #[serde(default)]
+    pub rope_parameters: Option<RopeParameters>,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// lm_head shares the embedding matrix.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// MLP activation; fleet implements `silu`.
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    /// Qwen3's bias flag on q/k/v/o; Qwen2 always has q/k/v bias.
+    pub attention_bias: Option<bool>,
+    /// Sliding-window attention; fleet refuses configs that turn it on.
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    /// The dtype the weights were saved in (4.x name).
+    pub torch_dtype: Option<String>,
+    /// The dtype the weights were saved in (5.x name).
+    pub dtype: Option<String>,
+    /// Default EOS id(s); generation_config.json takes precedence.
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+}
+
+fn default_act() -> String {
+    "silu".to_string()
+}
+
+impl QwenConfig {
+    /// Reads and validates `config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        Self::from_json(&text, path)
+    }
+
+    /// Parses and validates the text of a `config.json`; `path` names it in errors.
+    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+        // Architecture first, so an unknown model says so rather than "missing field".
+        let raw: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| ModelError::BadJson {
+                path: path.to_path_buf(),
+                message: format!("not valid JSON: {e}"),
+            })?;
+        let model_type = raw
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("<missing>");
+        if !matches!(model_type, "qwen2" | "qwen3") {
+            let archs = raw
+                .get("architectures")
+                .map(|v| v.to_string())
+                .unwrap_or_default();
+            return Err(ModelError::UnsupportedArchitecture {
+                path: path.to_path_buf(),
+                arch: format!("model_type={model_type} architectures={archs}"),
+                supported: "model_type qwen2 (Qwen2, Qwen2.5) and qwen3 (Qwen3 dense)".into(),
+            });
+        }
+        let cfg: QwenConfig = serde_json::from_value(raw).map_err(|e| ModelError::BadJson {
+            path: path.to_path_buf(),
+            message: format!("{e}; compare with the config.json the checkpoint was published with"),
+        })?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |field: &str, value: String, hint: &str| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            value,
+            hint: hint.to_string(),
+        };
+        for (field, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return Err(bad(field, "0".into(), "must be positive"));
+            }
+        }
+        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+            return Err(bad(
+                "hidden_size",
+                self.hidden_size.to_string(),
+                "must be a multiple of num_attention_heads when head_dim is not given",
+            ));
+        }
+        let kv = self.num_kv_heads();
+        if kv == 0 || self.num_attention_heads % kv != 0 {
+            return Err(bad(
+                "num_key_value_heads",
+                kv.to_string(),
+                "must divide num_attention_heads",
+            ));
+        }
+        if self.head_dim() % 2 != 0 {
+            return Err(bad(
+                "head_dim",
+                self.head_dim().to_string(),
+                "RoPE needs an even head_dim",
+            ));
+        }
+        if self.hidden_act != "silu" {
+            return Err(bad(
+                "hidden_act",
+                self.hidden_act.clone(),
+                "fleet implements `silu`",
+            ));
+        }
+        if self.use_sliding_window {
+            return Err(bad(
+                "use_sliding_window",
+                "true".into(),
+                "sliding-window attention is not implemented; Qwen2.5 and Qwen3 ship it off",
+            ));
+        }
+        if let Some(s) = &self.rope_scaling {
+            if !s.is_null() {
+                return Err(bad(
+                    "rope_scaling",
+                    s.to_string(),
+                    "only unscaled RoPE (null) is implemented; remove it to run at the native context",
+                ));
+            }
+        }
+        if let Some(t) = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|r| r.rope_type.as_deref())
+        {
+            if t != "default" {
+                return Err(bad(
+                    "rope_parameters.rope_type",
+                    t.to_string(),
+                    "only `default` RoPE is implemented",
+                ));
+            }
+        }
+        if self.rope_theta() <= 0.0 {
+            return Err(bad(
+                "rope_theta",
+                self.rope_theta().to_string(),
+                "must be positive",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Qwen2 or Qwen3.
+    pub fn arch(&self) -> QwenArch {
+        if self.model_type == "qwen3" {
+            QwenArch::Qwen3
+        } else {
+            QwenArch::Qwen2
+        }
+    }
+
+    /// Key/value heads.
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Per-head width.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// RoPE base from whichever layout the file uses (transformers' default 10000 otherwise).
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_theta
+            .or_else(|| self.rope_parameters.as_ref().and_then(|r| r.rope_theta))
+            .unwrap_or(10_000.0)
+    }
+
+    /// Whether q/k/v projections carry a bias.
+    pub fn qkv_bias(&self) -> bool {
+        match self.arch() {
+            QwenArch::Qwen2 => true,
+            QwenArch::Qwen3 => self.attention_bias.unwrap_or(false),
+        }
+    }
+
+    /// Whether the output projection carries a bias.
+    pub fn o_bias(&self) -> bool {
+        match self.arch() {
+            QwenArch::Qwen2 => false,
+            QwenArch::Qwen3 => self.attention_bias.unwrap_or(false),
+        }
+    }
+
+    /// Number of parameters, counting a tied matrix once.
+    pub fn num_parameters(&self) -> u64 {
+        let h = self.hidden_size as u64;
+        let hd = self.head_dim() as u64;
+        let q = self.num_attention_heads as u64 * hd;
+        let kv = self.num_kv_heads() as u64 * hd;
+        let i = self.intermediate_size as u64;
+        let mut attn = h * q + 2 * h * kv + q * h;
+        if self.qkv_bias() {
+            attn += q + 2 * kv;
+        }
+        if self.o_bias() {
+            attn += h;
+        }
+        if self.arch() == QwenArch::Qwen3 {
+            attn += 2 * hd;
+        }
+        let layer = attn + 3 * h * i + 2 * h;
+        let embed = self.vocab_size as u64 * h;
+        let head = if self.tie_word_embeddings { 0 } else { embed };
+        embed + head + h + layer * self.num_hidden_layers as u64
+    }
+
+    /// EOS ids named by config.json (a number or a list).
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        json_ids(self.eos_token_id.as_ref())
+    }
+}
+
+/// Reads a token-id field that may be a number, a list of numbers or null.
+pub(crate) fn json_ids(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// `generation_config.json`: the EOS ids and sampling defaults the checkpoint ships with.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct GenerationConfig {
+    /// Stop ids (number or list).
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+    /// Padding id.
+    #[serde(default)]
+    pub pad_token_id: Option<serde_json::Value>,
+    /// Default temperature.
+    pub temperature: Option<f64>,
+    /// Default top-p.
+    pub top_p: Option<f64>,
+    /// Default top-k.
+    pub top_k: Option<usize>,
+    /// Whether the checkpoint samples by default.
+    pub do_sample: Option<bool>,
+}
+
+impl GenerationConfig {
+    /// Reads `generation_config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        serde_json::from_str(&text).map_err(|e| ModelError::BadJson {
+            path: PathBuf::from(path),
+            message: e.to_string(),
+        })
+    }
+
+    /// The EOS ids.
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        json_ids(self.eos_token_id.as_ref())
+    }
+
+    /// The first pad id, if any.
+    pub fn pad_token_id(&self) -> Option<u32> {
+        json_ids(self.pad_token_id.as_ref()).first().copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN25_05B: &str = r#"{
+      "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+      "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+      "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21,
+      "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24,
+      "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+      "sliding_window": 32768, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+      "transformers_version": "4.43.1", "use_cache": true, "use_sliding_window": false,
+      "vocab_size": 151936}"#;
+
+    #[test]
+    fn parses_qwen25_config() {
+        let c = QwenConfig::from_json(QWEN25_05B, Path::new("config.json")).unwrap();
+        assert_eq!(c.arch(), QwenArch::Qwen2);
+        assert_eq!(c.head_dim(), 64);
+        assert_eq!(c.num_kv_heads(), 2);
+        assert!(c.tie_word_embeddings && c.qkv_bias() && !c.o_bias());
+        assert_eq!(c.rope_theta(), 1e6);
+        assert_eq!(c.eos_token_ids(), vec![151645]);
+        // Qwen2.5-0.5B has 494M parameters.
+        let p = c.num_parameters();
+        assert!((490_000_000..500_000_000).contains(&p), "{p}");
+    }
+
+    #[test]
+    fn parses_v5_rope_parameters() {
+        let text = QWEN25_05B.replace(
+            r#""rope_theta": 1000000.0,"#,
+            r#""rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"},"#,
+        );
+        let c = QwenConfig::from_json(&text, Path::new("config.json")).unwrap();
+        assert_eq!(c.rope_theta(), 5000.0);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let text = QWEN25_05B.replace(r#""num_key_value_heads": 2"#, r#""num_key_value_heads": 3"#);
+        let e = QwenConfig::from_json(&text, Path::new("m/config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("m/config.json") && e.contains("num_key_value_heads"),
+            "{e}"
+        );
+
+        let text = QWEN25_05B.replace(r#""hidden_size": 896,"#, "");
+        let e = QwenConfig::from_json(&text, Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hidden_size"), "{e}");
+
+        let text = QWEN25_05B.replace(r#""model_type": "qwen2""#, r#""model_type": "llama""#);
+        let e = QwenConfig::from_json(&text, Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("llama") && e.contains("qwen2"), "{e}");
+
+        let text = QWEN25_05B.replace(
+            r#""use_sliding_window": false"#,
+            r#""use_sliding_window": true"#,
+        );
+        let e = QwenConfig::from_json(&text, Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("use_sliding_window"), "{e}");
+
+        let e = QwenConfig::from_json("{", Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not valid JSON"), "{e}");
+    }
+}

@@ -1,0 +1,134 @@
+//! From fleet-topology's device names to candle devices, and which dtypes each can run.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device};
+use fleet_topology::{DeviceLocation, DeviceMap};
+
+use crate::error::{ModelError, Result};
+
+/// One candle [`Device`] per distinct location of a map. candle tells devices apart by
+/// identity, so every block placed on `cuda:1` must share the same `Device` value.
+#[derive(Clone)]
+pub struct Devices {
+    by_location: BTreeMap<DeviceLocation, Device>,
+}
+
+impl Devices {
+    /// Opens every device the map names and checks that each can compute in `dtype`.
+    pub fn open(map: &DeviceMap, dtype: DType) -> Result<Self> {
+        let mut by_location = BTreeMap::new();
+        for loc in map.devices() {
+            let dev = open_device(loc)?;
+            check_dtype(&dev, loc, dtype)?;
+            by_location.insert(loc, dev);
+        }
+        Ok(Devices { by_location })
+    }
+
+    /// The device at `loc` (which must be one of the map's).
+    pub fn get(&self, loc: DeviceLocation) -> &Device {
+        &self.by_location[&loc]
+    }
+
+    /// All opened devices.
+    pub fn iter(&self) -> impl Iterator<Item = (&DeviceLocation, &Device)> {
+        self.by_location.iter()
+    }
+}
+
+/// Opens one device with an error that says what to do when it is not there.
+pub fn open_device(loc: DeviceLocation) -> Result<Device> {
+    match loc {
+        DeviceLocation::Cpu => Ok(Device::Cpu),
+        DeviceLocation::Cuda(n) => {
+            if !candle_core::utils::cuda_is_available() {
+                return Err(ModelError::DeviceUnavailable {
+                    device: loc.to_string(),
+                    hint: "this build has no GPU support: rebuild with `--features cuda` (docs/gpu.md), or use --device cpu".into(),
+                });
+            }
+            Device::new_cuda(n).map_err(|e| ModelError::DeviceUnavailable {
+                device: loc.to_string(),
+                hint: format!("{e}; `fleet devices` lists the GPUs this process can see (CUDA_VISIBLE_DEVICES applies)"),
+            })
+        }
+    }
+}
+
+/// Parses `f32`, `f16`, `bf16` (and the transformers spellings `float32`, `bfloat16`, …).
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "f32" | "float32" | "float" => Ok(DType::F32),
+        "f16" | "float16" | "half" => Ok(DType::F16),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        other => Err(ModelError::BadInput(format!(
+            "dtype `{other}` is not one of f32, f16, bf16"
+        ))),
+    }
+}
+
+fn check_dtype(dev: &Device, loc: DeviceLocation, dtype: DType) -> Result<()> {
+    match (dev, dtype) {
+        (_, DType::F32 | DType::F16 | DType::BF16) if !dev.is_cuda() => Ok(()),
+        (_, DType::F32) => Ok(()),
+        #[cfg(feature = "cuda")]
+        (Device::Cuda(cuda), DType::BF16 | DType::F16) => {
+            let (major, minor) =
+                cuda.cuda_stream()
+                    .context()
+                    .compute_capability()
+                    .map_err(|e| ModelError::DeviceUnavailable {
+                        device: loc.to_string(),
+                        hint: e.to_string(),
+                    })?;
+            let needed = if dtype == DType::BF16 { 8 } else { 6 };
+            if major < needed {
+                return Err(ModelError::UnsupportedDtype {
+                    dtype: format!("{dtype:?}").to_lowercase(),
+                    device: format!("{loc} (compute capability {major}.{minor})"),
+                    hint: format!(
+                        "it needs compute capability {needed}.0 or newer; use --dtype {}",
+                        if dtype == DType::BF16 {
+                            "f16 or f32"
+                        } else {
+                            "f32"
+                        }
+                    ),
+                });
+            }
+            Ok(())
+        }
+        _ => Err(ModelError::UnsupportedDtype {
+            dtype: format!("{dtype:?}").to_lowercase(),
+            device: loc.to_string(),
+            hint: "use f32, f16 or bf16".into(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtypes_parse() {
+        assert_eq!(parse_dtype("bfloat16").unwrap(), DType::BF16);
+        assert_eq!(parse_dtype("F32").unwrap(), DType::F32);
+        assert!(parse_dtype("int8")
+            .unwrap_err()
+            .to_string()
+            .contains("int8"));
+    }
+
+    #[test]
+    fn missing_gpu_is_a_clear_error() {
+        if candle_core::utils::cuda_is_available() {
+            return;
+        }
+        let e = open_device(DeviceLocation::Cuda(3))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cuda:3") && e.contains("--features cuda"), "{e}");
+    }
+}

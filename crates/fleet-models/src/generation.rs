@@ -1,0 +1,540 @@
+//! Batched generation over a KV cache, sampling, stop conditions and log-probabilities.
+//!
+//! Prompts of different lengths share one batch by left padding; each row stops on its own
+//! (EOS id, stop string or `max_new_tokens`) and leaves the batch, so finished rows cost nothing.
+
+use candle_core::{DType, Tensor, D};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+use crate::qwen::QwenModel;
+use crate::tokenizer::TextTokenizer;
+
+/// How to pick the next token. `temperature == 0` is greedy (argmax).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy.
+    pub temperature: f64,
+    /// Keep only the `k` most likely tokens (transformers applies it after temperature).
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches `p`.
+    pub top_p: Option<f64>,
+    /// Seed of this request's generator; the same seed gives the same tokens.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams::greedy()
+    }
+}
+
+impl SamplingParams {
+    /// Argmax decoding.
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            seed: 0,
+        }
+    }
+
+    fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == Some(1)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(ModelError::BadInput(format!(
+                "temperature {} must be >= 0 (0 = greedy)",
+                self.temperature
+            )));
+        }
+        if self.top_k == Some(0) {
+            return Err(ModelError::BadInput(
+                "top_k 0 keeps no token; use at least 1, or none".into(),
+            ));
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ModelError::BadInput(format!("top_p {p} must be in (0, 1]")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One prompt to continue.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    /// The prompt's token ids (already chat-formatted if wanted).
+    pub prompt_ids: Vec<u32>,
+    /// The most tokens to generate.
+    pub max_new_tokens: usize,
+    /// How to pick tokens.
+    pub sampling: SamplingParams,
+    /// Stop when the generated text contains any of these (needs a tokenizer); the text is cut
+    /// before the stop string.
+    pub stop_strings: Vec<String>,
+}
+
+impl GenerationRequest {
+    /// Greedy continuation of `prompt_ids` for up to `max_new_tokens` tokens.
+    pub fn greedy(prompt_ids: Vec<u32>, max_new_tokens: usize) -> Self {
+        GenerationRequest {
+            prompt_ids,
+            max_new_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_strings: Vec::new(),
+        }
+    }
+}
+
+/// Why a row stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An EOS id was generated (it is included in `token_ids`).
+    Eos,
+    /// A stop string appeared.
+    StopString,
+    /// `max_new_tokens` were generated.
+    Length,
+}
+
+/// The continuation of one request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GenerationOutput {
+    /// New tokens only.
+    pub token_ids: Vec<u32>,
+    /// Their text without special tokens, cut before a stop string; empty without a tokenizer.
+    pub text: String,
+    /// Why generation ended.
+    pub finish_reason: FinishReason,
+}
+
+/// A piece of streamed output.
+#[derive(Debug, Clone)]
+pub struct StreamEvent<'a> {
+    /// Index of the request in the batch.
+    pub request: usize,
+    /// The token just generated.
+    pub token_id: u32,
+    /// Text that became final with this token (may be empty mid-character).
+    pub text_delta: &'a str,
+}
+
+/// Generates continuations for a batch of requests.
+pub struct Generator<'a> {
+    model: &'a QwenModel,
+    tokenizer: Option<&'a TextTokenizer>,
+    eos_ids: Vec<u32>,
+    pad_id: u32,
+}
+
+/// Per-row state during generation.
+struct Row {
+    request: usize,
+    generated: Vec<u32>,
+    rng: StdRng,
+    /// Length of text already streamed.
+    emitted: usize,
+    text: String,
+    finish: Option<FinishReason>,
+}
+
+impl<'a> Generator<'a> {
+    /// A generator that stops on `eos_ids` and pads with `pad_id` (any valid id: padded
+    /// positions are masked).
+    pub fn new(
+        model: &'a QwenModel,
+        tokenizer: Option<&'a TextTokenizer>,
+        eos_ids: Vec<u32>,
+        pad_id: u32,
+    ) -> Self {
+        Generator {
+            model,
+            tokenizer,
+            eos_ids,
+            pad_id,
+        }
+    }
+
+    /// Runs all requests as one batch. `on_token` is called for every generated token.
+    pub fn generate(
+        &self,
+        requests: &[GenerationRequest],
+        mut on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<Vec<GenerationOutput>> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        for (i, r) in requests.iter().enumerate() {
+            if r.prompt_ids.is_empty() {
+                return Err(ModelError::BadInput(format!(
+                    "request {i} has an empty prompt"
+                )));
+            }
+            if !r.stop_strings.is_empty() && self.tokenizer.is_none() {
+                return Err(ModelError::BadInput(
+                    "stop strings need the model's tokenizer".into(),
+                ));
+            }
+            r.sampling.validate()?;
+        }
+        let max_prompt = requests
+            .iter()
+            .map(|r| r.prompt_ids.len())
+            .max()
+            .unwrap_or(0);
+        let max_new = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(0);
+        let mut cache = self.model.new_cache(requests.len(), max_prompt + max_new)?;
+
+        let mut rows: Vec<Row> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Row {
+                request: i,
+                generated: Vec::new(),
+                rng: StdRng::seed_from_u64(r.sampling.seed),
+                emitted: 0,
+                text: String::new(),
+                finish: (r.max_new_tokens == 0).then_some(FinishReason::Length),
+            })
+            .collect();
+        let mut pad: Vec<usize> = requests
+            .iter()
+            .map(|r| max_prompt - r.prompt_ids.len())
+            .collect();
+        let ids: Vec<Vec<u32>> = requests
+            .iter()
+            .zip(&pad)
+            .map(|(r, &p)| {
+                let mut row = vec![self.pad_id; p];
+                row.extend_from_slice(&r.prompt_ids);
+                row
+            })
+            .collect();
+        // `active` maps cache rows to entries of `rows`.
+        let mut active: Vec<usize> = (0..rows.len()).collect();
+        let mut logits = self.model.forward(&ids, &pad, &mut cache, true)?;
+        loop {
+            let next = self.pick(&logits, &active, requests, &mut rows)?;
+            let mut still = Vec::new();
+            for (slot, &ri) in active.iter().enumerate() {
+                let row = &mut rows[ri];
+                if row.finish.is_some() {
+                    continue;
+                }
+                let tok = next[slot];
+                row.generated.push(tok);
+                let req = &requests[row.request];
+                if self.eos_ids.contains(&tok) {
+                    row.finish = Some(FinishReason::Eos);
+                }
+                let delta = self.update_text(row, req)?;
+                if let Some(cb) = on_token.as_mut() {
+                    cb(StreamEvent {
+                        request: row.request,
+                        token_id: tok,
+                        text_delta: &delta,
+                    });
+                }
+                if row.finish.is_none() && row.generated.len() >= req.max_new_tokens {
+                    row.finish = Some(FinishReason::Length);
+                }
+                if row.finish.is_none() {
+                    still.push(slot);
+                }
+            }
+            if still.is_empty() {
+                break;
+            }
+            if still.len() != active.len() {
+                let keep: Vec<u32> = still.iter().map(|&s| s as u32).collect();
+                cache.retain_rows(&keep)?;
+                pad = still.iter().map(|&s| pad[s]).collect();
+                active = still.iter().map(|&s| active[s]).collect();
+            }
+            let step: Vec<Vec<u32>> = active
+                .iter()
+                .map(|&ri| vec![*rows[ri].generated.last().expect("one token per active row")])
+                .collect();
+            logits = self.model.forward(&step, &pad, &mut cache, true)?;
+        }
+        let mut out: Vec<Option<GenerationOutput>> = vec![None; requests.len()];
+        for row in rows {
+            out[row.request] = Some(GenerationOutput {
+                token_ids: row.generated,
+                text: row.text,
+                finish_reason: row.finish.unwrap_or(FinishReason::Length),
+            });
+        }
+        Ok(out
+            .into_iter()
+            .map(|o| o.expect("every request has a row"))
+            .collect())
+    }
+
+    /// Chooses the next token of every active row from `logits` `[rows, 1, vocab]`.
+    fn pick(
+        &self,
+        logits: &Tensor,
+        active: &[usize],
+        requests: &[GenerationRequest],
+        rows: &mut [Row],
+    ) -> Result<Vec<u32>> {
+        let logits = logits.squeeze(1)?;
+        // Argmax on the device moves one id per row back; full rows move only for sampling.
+        let mut next: Vec<u32> = logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1()?;
+        let sampled: Vec<usize> = (0..active.len())
+            .filter(|&s| !requests[rows[active[s]].request].sampling.is_greedy())
+            .collect();
+        if !sampled.is_empty() {
+            let idx: Vec<u32> = sampled.iter().map(|&s| s as u32).collect();
+            let idx = Tensor::from_slice(&idx, idx.len(), logits.device())?;
+            let host: Vec<Vec<f32>> = logits.index_select(&idx, 0)?.to_vec2()?;
+            for (row_logits, &slot) in host.into_iter().zip(&sampled) {
+                let row = &mut rows[active[slot]];
+                let params = &requests[row.request].sampling;
+                next[slot] = sample(row_logits, params, &mut row.rng);
+            }
+        }
+        Ok(next)
+    }
+
+    /// Decodes the row's tokens, applies stop strings, and returns the newly final text.
+    fn update_text(&self, row: &mut Row, req: &GenerationRequest) -> Result<String> {
+        let Some(tok) = self.tokenizer else {
+            return Ok(String::new());
+        };
+        let mut text = tok.decode(&row.generated, true)?;
+        if let Some(cut) = req
+            .stop_strings
+            .iter()
+            .filter_map(|s| text.find(s.as_str()))
+            .min()
+        {
+            text.truncate(cut);
+            row.finish = Some(FinishReason::StopString);
+        }
+        // Hold back an incomplete UTF-8 sequence (shown as U+FFFD) and a possible stop-string
+        // prefix at the end until the next token settles it.
+        let mut stable = text.len();
+        if row.finish.is_none() {
+            if text.ends_with('\u{FFFD}') {
+                stable = text.trim_end_matches('\u{FFFD}').len();
+            }
+            for s in &req.stop_strings {
+                for k in (1..s.len()).rev() {
+                    if s.is_char_boundary(k) && text[..stable].ends_with(&s[..k]) {
+                        stable = stable.min(text.len() - k);
+                        break;
+                    }
+                }
+            }
+        }
+        let delta = if stable > row.emitted && text.is_char_boundary(row.emitted) {
+            text[row.emitted..stable].to_string()
+        } else {
+            String::new()
+        };
+        row.emitted = row.emitted.max(stable);
+        row.text = text;
+        Ok(delta)
+    }
+}
+
+/// Samples one id from `logits` with temperature, then top-k, then top-p (transformers' order).
+pub fn sample(mut logits: Vec<f32>, p: &SamplingParams, rng: &mut StdRng) -> u32 {
+    let t = p.temperature as f32;
+    for l in logits.iter_mut() {
+        *l /= t;
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if let Some(k) = p.top_k {
+        order.truncate(k.max(1));
+    }
+    let max = logits[order[0]];
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] - max) as f64).exp())
+        .collect();
+    let sum: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= sum);
+    if let Some(top_p) = p.top_p {
+        // Keep tokens until the mass reaches top_p; the first token always stays.
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (i, &q) in probs.iter().enumerate() {
+            acc += q;
+            if acc >= top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+        order.truncate(keep);
+        let s: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= s);
+    }
+    let u: f64 = rng.random();
+    let mut acc = 0.0;
+    for (i, &q) in probs.iter().enumerate() {
+        acc += q;
+        if u < acc {
+            return order[i] as u32;
+        }
+    }
+    order[probs.len() - 1] as u32
+}
+
+/// Log-probabilities of `continuation` tokens after `prompt`, for a batch of pairs: element `i`
+/// of a row is `log p(continuation[i] | prompt, continuation[..i])`. No gradients.
+pub fn continuation_logprobs(
+    model: &QwenModel,
+    pairs: &[(Vec<u32>, Vec<u32>)],
+    pad_id: u32,
+) -> Result<Vec<Vec<f32>>> {
+    if pairs.is_empty() {
+        return Ok(Vec::new());
+    }
+    for (i, (p, c)) in pairs.iter().enumerate() {
+        if p.is_empty() || c.is_empty() {
+            return Err(ModelError::BadInput(format!(
+                "pair {i}: prompt and continuation must both be non-empty"
+            )));
+        }
+    }
+    let len = pairs
+        .iter()
+        .map(|(p, c)| p.len() + c.len())
+        .max()
+        .unwrap_or(0);
+    let pad: Vec<usize> = pairs.iter().map(|(p, c)| len - p.len() - c.len()).collect();
+    let ids: Vec<Vec<u32>> = pairs
+        .iter()
+        .zip(&pad)
+        .map(|((p, c), &n)| {
+            let mut row = vec![pad_id; n];
+            row.extend_from_slice(p);
+            row.extend_from_slice(c);
+            row
+        })
+        .collect();
+    // Position t predicts token t+1; the target of the last position is never read.
+    let targets: Vec<u32> = ids
+        .iter()
+        .flat_map(|row| row.iter().skip(1).copied().chain(std::iter::once(pad_id)))
+        .collect();
+    let mut cache = model.new_cache(pairs.len(), len)?;
+    let logits = model.forward(&ids, &pad, &mut cache, false)?; // [b, len, vocab] f32
+    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    let targets = Tensor::from_vec(targets, (pairs.len(), len, 1), logp.device())?;
+    let picked: Vec<Vec<f32>> = logp
+        .gather(&targets, D::Minus1)?
+        .squeeze(D::Minus1)?
+        .to_vec2()?;
+    Ok(pairs
+        .iter()
+        .zip(&pad)
+        .zip(picked)
+        .map(|(((p, c), &n), row)| {
+            let start = n + p.len() - 1;
+            row[start..start + c.len()].to_vec()
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(t: f64, k: Option<usize>, p: Option<f64>) -> SamplingParams {
+        SamplingParams {
+            temperature: t,
+            top_k: k,
+            top_p: p,
+            seed: 0,
+        }
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_argmax() {
+        let logits = vec![0.1, 2.0, 1.9, -1.0];
+        let mut rng = StdRng::seed_from_u64(1);
+        for _ in 0..20 {
+            assert_eq!(
+                sample(logits.clone(), &params(1.0, Some(1), None), &mut rng),
+                1
+            );
+            assert_eq!(
+                sample(logits.clone(), &params(1.0, None, Some(1e-6)), &mut rng),
+                1
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_restricts_support_and_seed_repeats() {
+        let logits = vec![1.0, 1.0, 1.0, 5.0, 5.0];
+        let mut seen = std::collections::BTreeSet::new();
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut first = Vec::new();
+        for _ in 0..200 {
+            let t = sample(logits.clone(), &params(1.0, Some(2), None), &mut rng);
+            seen.insert(t);
+            first.push(t);
+        }
+        assert_eq!(seen, [3, 4].into_iter().collect());
+        let mut rng = StdRng::seed_from_u64(7);
+        let again: Vec<u32> = (0..200)
+            .map(|_| sample(logits.clone(), &params(1.0, Some(2), None), &mut rng))
+            .collect();
+        assert_eq!(first, again);
+    }
+
+    #[test]
+    fn frequencies_follow_the_softmax() {
+        // p = softmax([0, ln 3]) = [0.25, 0.75].
+        let logits = vec![0.0, 3f32.ln()];
+        let mut rng = StdRng::seed_from_u64(3);
+        let n = 20_000;
+        let ones = (0..n)
+            .filter(|_| sample(logits.clone(), &params(1.0, None, None), &mut rng) == 1)
+            .count();
+        let f = ones as f64 / n as f64;
+        assert!((f - 0.75).abs() < 0.015, "{f}");
+        // Temperature 2 flattens: softmax([0, ln3 / 2]) = [0.366, 0.634].
+        let ones = (0..n)
+            .filter(|_| sample(logits.clone(), &params(2.0, None, None), &mut rng) == 1)
+            .count();
+        let f = ones as f64 / n as f64;
+        assert!((f - 0.634).abs() < 0.015, "{f}");
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        // probs ~ [0.5, 0.3, 0.2]: top_p 0.7 keeps the first two.
+        let logits: Vec<f32> = [0.5f32, 0.3, 0.2].iter().map(|p| p.ln()).collect();
+        let mut rng = StdRng::seed_from_u64(5);
+        for _ in 0..500 {
+            assert_ne!(
+                sample(logits.clone(), &params(1.0, None, Some(0.7)), &mut rng),
+                2
+            );
+        }
+    }
+
+    #[test]
+    fn bad_params_are_rejected() {
+        assert!(params(-1.0, None, None).validate().is_err());
+        assert!(params(1.0, Some(0), None).validate().is_err());
+        assert!(params(1.0, None, Some(1.5)).validate().is_err());
+        assert!(params(0.7, Some(20), Some(0.9)).validate().is_ok());
+    }
+}

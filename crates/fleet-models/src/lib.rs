@@ -1,0 +1,203 @@
+//! Checkpoints, tokenizers, chat templates and the Qwen decoder for fleet.
+//!
+//! ```no_run
+//! use fleet_models::{LoadOptions, TextModel, ChatMessage, GenerationRequest};
+//!
+//! # fn main() -> fleet_models::Result<()> {
+//! let model = TextModel::load("Qwen/Qwen2.5-0.5B-Instruct", &LoadOptions::default())?;
+//! let prompt = model.chat_prompt(&[ChatMessage::new("user", "Hello!")], true)?;
+//! let out = model.generate(&[GenerationRequest::greedy(prompt, 32)], None)?;
+//! println!("{}", out[0].text);
+//! # Ok(()) }
+//! ```
+//!
+//! The pieces are usable alone: [`ModelSource`] finds a checkpoint's files, [`QwenConfig`]
+//! reads its config, [`Weights`] maps its shards, [`QwenModel`] runs it on the devices of a
+//! [`DeviceMap`], [`Generator`] batches requests over a KV cache.
+
+pub mod config;
+pub mod device;
+mod error;
+pub mod generation;
+pub mod kv_cache;
+pub mod qwen;
+pub mod source;
+pub mod tokenizer;
+pub mod weights;
+
+use std::path::Path;
+
+pub use candle_core::DType;
+pub use config::{GenerationConfig, QwenArch, QwenConfig};
+pub use device::{open_device, parse_dtype, Devices};
+pub use error::{ModelError, Result};
+pub use fleet_topology::{DeviceLocation, DeviceMap};
+pub use generation::{
+    continuation_logprobs, FinishReason, GenerationOutput, GenerationRequest, Generator,
+    SamplingParams, StreamEvent,
+};
+pub use kv_cache::KvCache;
+pub use qwen::QwenModel;
+pub use source::{CheckpointFiles, HubOptions, ModelSource};
+pub use tokenizer::{ChatMessage, ChatTemplate, TextTokenizer};
+pub use weights::Weights;
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Compute dtype.
+    pub dtype: DType,
+    /// Where each block goes; `None` puts everything on the CPU.
+    pub device_map: Option<DeviceMap>,
+    /// Hub revision (branch, tag or commit) for hub ids.
+    pub revision: Option<String>,
+    /// Hub cache and offline mode.
+    pub hub: HubOptions,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            dtype: DType::F32,
+            device_map: None,
+            revision: None,
+            hub: HubOptions::from_env(),
+        }
+    }
+}
+
+/// A loaded checkpoint: the model with its tokenizer, chat template and generation defaults.
+pub struct TextModel {
+    /// Where it came from.
+    pub source: ModelSource,
+    /// The decoder.
+    pub model: QwenModel,
+    /// tokenizer.json, when the checkpoint has one.
+    pub tokenizer: Option<TextTokenizer>,
+    /// The chat template, when tokenizer_config.json has one.
+    pub chat_template: Option<ChatTemplate>,
+    /// generation_config.json (defaults when absent).
+    pub generation_config: GenerationConfig,
+    /// The files that were loaded.
+    pub files: CheckpointFiles,
+}
+
+impl TextModel {
+    /// Loads a local directory or hub id (`owner/name`) with the given options.
+    pub fn load(spec: &str, opts: &LoadOptions) -> Result<Self> {
+        let source = ModelSource::parse(spec, opts.revision.as_deref())?;
+        let files = source.resolve(&opts.hub)?;
+        let cfg = QwenConfig::from_file(&files.config)?;
+        let map = opts
+            .device_map
+            .clone()
+            .unwrap_or_else(|| DeviceMap::single(DeviceLocation::Cpu, cfg.num_hidden_layers));
+        let weights = Weights::from_safetensors(&files.weights)?;
+        let model = QwenModel::new(&cfg, &weights, opts.dtype, &map)?;
+        let tokenizer = files
+            .tokenizer
+            .as_deref()
+            .map(TextTokenizer::from_file)
+            .transpose()?;
+        if let Some(t) = &tokenizer {
+            if t.vocab_size() > cfg.vocab_size {
+                return Err(ModelError::Tokenizer {
+                    path: files.tokenizer.clone().unwrap_or_default(),
+                    message: format!(
+                        "has {} tokens but the model's vocab_size is {}; tokenizer and weights are from different models",
+                        t.vocab_size(),
+                        cfg.vocab_size
+                    ),
+                });
+            }
+        }
+        let chat_template = match &files.tokenizer_config {
+            Some(p) => ChatTemplate::from_tokenizer_config(p)?,
+            None => None,
+        };
+        let generation_config = match &files.generation_config {
+            Some(p) => GenerationConfig::from_file(p)?,
+            None => GenerationConfig::default(),
+        };
+        Ok(TextModel {
+            source,
+            model,
+            tokenizer,
+            chat_template,
+            generation_config,
+            files,
+        })
+    }
+
+    /// The tokenizer, or an error naming what is missing.
+    pub fn tokenizer(&self) -> Result<&TextTokenizer> {
+        self.tokenizer
+            .as_ref()
+            .ok_or_else(|| ModelError::MissingFile {
+                path: Path::new(&self.files.origin).join("tokenizer.json"),
+                hint: "this checkpoint has no tokenizer; pass token ids instead of text".into(),
+            })
+    }
+
+    /// Token ids of a chat rendered with the checkpoint's template.
+    pub fn chat_prompt(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| ModelError::MissingFile {
+                path: Path::new(&self.files.origin).join("tokenizer_config.json"),
+                hint: "this checkpoint has no chat_template; use a plain prompt".into(),
+            })?;
+        let text = template.render(messages, add_generation_prompt, &Default::default())?;
+        self.tokenizer()?.encode(&text)
+    }
+
+    /// EOS ids: generation_config.json's, else config.json's, else `<|im_end|>` / `<|endoftext|>`.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        let mut ids = self.generation_config.eos_token_ids();
+        if ids.is_empty() {
+            ids = self.model.config().eos_token_ids();
+        }
+        if ids.is_empty() {
+            if let Some(t) = &self.tokenizer {
+                ids.extend(
+                    ["<|im_end|>", "<|endoftext|>"]
+                        .iter()
+                        .filter_map(|s| t.token_id(s)),
+                );
+            }
+        }
+        ids
+    }
+
+    /// The padding id (any id works, padded positions are masked; Qwen uses `<|endoftext|>`).
+    pub fn pad_id(&self) -> u32 {
+        self.generation_config
+            .pad_token_id()
+            .or_else(|| self.eos_ids().first().copied())
+            .unwrap_or(0)
+    }
+
+    /// A generator with this checkpoint's tokenizer and stop ids.
+    pub fn generator(&self) -> Generator<'_> {
+        Generator::new(
+            &self.model,
+            self.tokenizer.as_ref(),
+            self.eos_ids(),
+            self.pad_id(),
+        )
+    }
+
+    /// Generates continuations for a batch of requests (see [`Generator::generate`]).
+    pub fn generate(
+        &self,
+        requests: &[GenerationRequest],
+        on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<Vec<GenerationOutput>> {
+        self.generator().generate(requests, on_token)
+    }
+}

@@ -1,0 +1,594 @@
+//! The Qwen2 / Qwen2.5 / Qwen3 dense decoder, built block by block on the devices of a
+//! [`DeviceMap`].
+//!
+//! Why not candle-transformers' `qwen2`: its layers are private (no per-layer placement), it
+//! builds RoPE tables in the model dtype (positions above 256 lose precision in bf16), and it
+//! has no left-padded batching. This decoder follows transformers' `modeling_qwen2.py` /
+//! `modeling_qwen3.py` operation by operation.
+//!
+//! Batches are left-padded: row `r` starts with `pad[r]` padding tokens that no real token
+//! attends to, and its positions count from its first real token.
+
+use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
+use candle_nn::{Embedding, Linear};
+use fleet_topology::{DeviceLocation, DeviceMap};
+
+use crate::config::{QwenArch, QwenConfig};
+use crate::device::Devices;
+use crate::error::{ModelError, Result};
+use crate::kv_cache::{KvCache, LayerCache};
+use crate::weights::{Init, Weights};
+
+/// RMSNorm with transformers' arithmetic (f32 statistics, scale in the model dtype).
+#[derive(Debug, Clone)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(
+            &x.contiguous()?,
+            &self.weight,
+            self.eps,
+        )?)
+    }
+}
+
+/// Reads the weights of blocks that live on one device.
+struct BlockLoader<'a> {
+    weights: &'a Weights,
+    dtype: DType,
+    device: &'a Device,
+    eps: f64,
+}
+
+/// transformers' `initializer_range` for random weights.
+const INIT_STD: f64 = 0.02;
+
+impl BlockLoader<'_> {
+    /// `{name}.weight` `[out, in]` and, with `bias`, `{name}.bias` `[out]`.
+    fn linear(
+        &self,
+        name: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let w = self.weights.get(
+            &format!("{name}.weight"),
+            &[out_dim, in_dim],
+            Init::Normal(INIT_STD),
+            self.dtype,
+            self.device,
+        )?;
+        let b = if bias {
+            Some(self.weights.get(
+                &format!("{name}.bias"),
+                &[out_dim],
+                Init::Zeros,
+                self.dtype,
+                self.device,
+            )?)
+        } else {
+            None
+        };
+        Ok((w, b))
+    }
+
+    fn norm(&self, name: &str, dim: usize) -> Result<RmsNorm> {
+        Ok(RmsNorm {
+            weight: self.weights.get(
+                &format!("{name}.weight"),
+                &[dim],
+                Init::Ones,
+                self.dtype,
+                self.device,
+            )?,
+            eps: self.eps as f32,
+        })
+    }
+}
+
+/// Concatenates projections that read the same input into one matrix, so one GEMM does the
+/// work of several (q/k/v; gate/up).
+fn fused(parts: Vec<(Tensor, Option<Tensor>)>) -> Result<Linear> {
+    let weights: Vec<&Tensor> = parts.iter().map(|(w, _)| w).collect();
+    let weight = Tensor::cat(&weights, 0)?;
+    let bias = if parts.iter().all(|(_, b)| b.is_some()) {
+        let biases: Vec<&Tensor> = parts.iter().filter_map(|(_, b)| b.as_ref()).collect();
+        Some(Tensor::cat(&biases, 0)?)
+    } else {
+        None
+    };
+    Ok(Linear::new(weight, bias))
+}
+
+struct Attention {
+    qkv: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+struct Mlp {
+    gate_up: Linear,
+    down: Linear,
+    intermediate: usize,
+}
+
+struct DecoderLayer {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_attn_norm: RmsNorm,
+    mlp: Mlp,
+    location: DeviceLocation,
+}
+
+/// cos/sin tables for every position up to `max_position_embeddings`, computed in f32 as
+/// transformers does and then cast to the model dtype (transformers casts before applying).
+struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RopeTables {
+    fn new(cfg: &QwenConfig, dtype: DType, dev: &Device) -> Result<Self> {
+        let half = cfg.head_dim() / 2;
+        let theta = cfg.rope_theta();
+        // inv_freq exactly as transformers: 1 / theta^(2i/d) computed in f32.
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / (theta.powf((2 * i) as f64 / cfg.head_dim() as f64)) as f32)
+            .collect();
+        let n = cfg.max_position_embeddings;
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in 0..n {
+            for &f in &inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Ok(RopeTables {
+            cos: Tensor::from_vec(cos, (n, half), dev)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, (n, half), dev)?.to_dtype(dtype)?,
+        })
+    }
+
+    /// cos/sin for the positions of a batch: `[q_len, d/2]` when all rows share positions,
+    /// `[b, q_len, d/2]` otherwise.
+    fn select(&self, positions: &Positions, dev: &Device) -> Result<(Tensor, Tensor)> {
+        match positions {
+            Positions::Shared { start, len } => Ok((
+                self.cos.narrow(0, *start, *len)?,
+                self.sin.narrow(0, *start, *len)?,
+            )),
+            Positions::PerRow { ids, batch, len } => {
+                let idx = Tensor::from_slice(ids, ids.len(), dev)?;
+                let half = self.cos.dim(1)?;
+                Ok((
+                    self.cos
+                        .index_select(&idx, 0)?
+                        .reshape((*batch, *len, half))?,
+                    self.sin
+                        .index_select(&idx, 0)?
+                        .reshape((*batch, *len, half))?,
+                ))
+            }
+        }
+    }
+}
+
+/// RoPE positions of the tokens in one forward call.
+enum Positions {
+    /// Every row has the same positions `start..start+len` (no padding).
+    Shared { start: usize, len: usize },
+    /// Row-major `[batch, len]` positions.
+    PerRow {
+        ids: Vec<u32>,
+        batch: usize,
+        len: usize,
+    },
+}
+
+/// Which query attends to which key in one forward call, as an additive f32 mask of shape
+/// `[b, 1, 1, q_len, kv_len]` (0 or -inf), or `None` when nothing is masked (one new token per
+/// row and no padding).
+fn attention_mask(
+    pad: &[usize],
+    offset: usize,
+    q_len: usize,
+    dev: &Device,
+) -> Result<Option<Tensor>> {
+    let b = pad.len();
+    let kv_len = offset + q_len;
+    if q_len == 1 && pad.iter().all(|&p| p == 0) {
+        return Ok(None);
+    }
+    let mut m = vec![0f32; b * q_len * kv_len];
+    for (r, &p) in pad.iter().enumerate() {
+        for i in 0..q_len {
+            let qi = offset + i;
+            let row = &mut m[(r * q_len + i) * kv_len..(r * q_len + i + 1) * kv_len];
+            for (j, v) in row.iter_mut().enumerate() {
+                // Future keys and padding keys are hidden. A padding query keeps its own key so
+                // its softmax stays finite; no real token ever reads it.
+                if j > qi || (j < p && j != qi) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    Ok(Some(Tensor::from_vec(m, (b, 1, 1, q_len, kv_len), dev)?))
+}
+
+impl Attention {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: &mut LayerCache,
+    ) -> Result<Tensor> {
+        let (b, q_len, _) = x.dims3()?;
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let qkv = self.qkv.forward(x)?;
+        let q = qkv.narrow(D::Minus1, 0, h * d)?.reshape((b, q_len, h, d))?;
+        let k = qkv
+            .narrow(D::Minus1, h * d, kvh * d)?
+            .reshape((b, q_len, kvh, d))?;
+        let v = qkv
+            .narrow(D::Minus1, (h + kvh) * d, kvh * d)?
+            .reshape((b, q_len, kvh, d))?;
+        // Qwen3 normalises each head before RoPE.
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
+        let q = q.transpose(1, 2)?.contiguous()?;
+        let k = k.transpose(1, 2)?.contiguous()?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        let q = candle_nn::rotary_emb::rope(&q, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope(&k, cos, sin)?;
+        let (k, v) = cache.append(&k, &v)?;
+        let kv_len = k.dim(2)?;
+
+        // Grouped-query attention without copying K/V: query heads that share a KV head are
+        // stacked along the row axis, `[b, kvh, n_rep * q_len, d]`.
+        let n_rep = h / kvh;
+        let q = q.reshape((b, kvh, n_rep * q_len, d))?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let scores = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;
+        let scores = (scores * scale)?.reshape((b, kvh, n_rep, q_len, kv_len))?;
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(m)?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?
+            .to_dtype(v.dtype())?
+            .reshape((b, kvh, n_rep * q_len, kv_len))?;
+        let out = probs.matmul(&v)?; // [b, kvh, n_rep*q_len, d]
+        let out = out
+            .reshape((b, h, q_len, d))?
+            .transpose(1, 2)?
+            .reshape((b, q_len, h * d))?;
+        Ok(self.o_proj.forward(&out)?)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gu = self.gate_up.forward(x)?;
+        let gate = gu.narrow(D::Minus1, 0, self.intermediate)?;
+        let up = gu.narrow(D::Minus1, self.intermediate, self.intermediate)?;
+        let act = (candle_nn::ops::silu(&gate)? * up)?;
+        Ok(self.down.forward(&act)?)
+    }
+}
+
+impl DecoderLayer {
+    fn load(
+        cfg: &QwenConfig,
+        ld: &BlockLoader<'_>,
+        i: usize,
+        location: DeviceLocation,
+    ) -> Result<Self> {
+        let p = format!("model.layers.{i}");
+        let (hs, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (h, kvh) = (cfg.num_attention_heads, cfg.num_kv_heads());
+        let q = ld.linear(&format!("{p}.self_attn.q_proj"), hs, h * hd, cfg.qkv_bias())?;
+        let k = ld.linear(
+            &format!("{p}.self_attn.k_proj"),
+            hs,
+            kvh * hd,
+            cfg.qkv_bias(),
+        )?;
+        let v = ld.linear(
+            &format!("{p}.self_attn.v_proj"),
+            hs,
+            kvh * hd,
+            cfg.qkv_bias(),
+        )?;
+        let (ow, ob) = ld.linear(&format!("{p}.self_attn.o_proj"), h * hd, hs, cfg.o_bias())?;
+        let (q_norm, k_norm) = if cfg.arch() == QwenArch::Qwen3 {
+            (
+                Some(ld.norm(&format!("{p}.self_attn.q_norm"), hd)?),
+                Some(ld.norm(&format!("{p}.self_attn.k_norm"), hd)?),
+            )
+        } else {
+            (None, None)
+        };
+        let im = cfg.intermediate_size;
+        let gate = ld.linear(&format!("{p}.mlp.gate_proj"), hs, im, false)?;
+        let up = ld.linear(&format!("{p}.mlp.up_proj"), hs, im, false)?;
+        let (dw, _) = ld.linear(&format!("{p}.mlp.down_proj"), im, hs, false)?;
+        Ok(DecoderLayer {
+            input_norm: ld.norm(&format!("{p}.input_layernorm"), hs)?,
+            attn: Attention {
+                qkv: fused(vec![q, k, v])?,
+                o_proj: Linear::new(ow, ob),
+                q_norm,
+                k_norm,
+                num_heads: h,
+                num_kv_heads: kvh,
+                head_dim: hd,
+            },
+            post_attn_norm: ld.norm(&format!("{p}.post_attention_layernorm"), hs)?,
+            mlp: Mlp {
+                gate_up: fused(vec![gate, up])?,
+                down: Linear::new(dw, None),
+                intermediate: im,
+            },
+            location,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: &mut LayerCache,
+    ) -> Result<Tensor> {
+        let residual = x;
+        let h = self.input_norm.forward(x)?;
+        let h = self.attn.forward(&h, cos, sin, mask, cache)?;
+        let x = (residual + h)?;
+        let h = self.post_attn_norm.forward(&x)?;
+        let h = self.mlp.forward(&h)?;
+        Ok((x + h)?)
+    }
+}
+
+/// A Qwen-family causal language model whose blocks live on the devices of a [`DeviceMap`].
+pub struct QwenModel {
+    cfg: QwenConfig,
+    dtype: DType,
+    map: DeviceMap,
+    devices: Devices,
+    embed: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    /// One set of RoPE tables per device that holds layers.
+    rope: Vec<(DeviceLocation, RopeTables)>,
+}
+
+impl QwenModel {
+    /// Builds the model from `weights`, each block on the device `map` names.
+    pub fn new(cfg: &QwenConfig, weights: &Weights, dtype: DType, map: &DeviceMap) -> Result<Self> {
+        map.validate(cfg.num_hidden_layers)?;
+        let devices = Devices::open(map, dtype)?;
+        let all: Vec<&Device> = devices.iter().map(|(_, d)| d).collect();
+        weights.seed_devices(&all)?;
+        let (hs, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let loader = |loc: DeviceLocation| BlockLoader {
+            weights,
+            dtype,
+            device: devices.get(loc),
+            eps: cfg.rms_norm_eps,
+        };
+
+        let embed_w = loader(map.embed)
+            .linear("model.embed_tokens", hs, vocab, false)?
+            .0;
+        let embed = Embedding::new(embed_w.clone(), hs);
+
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, &loc) in map.layers.iter().enumerate() {
+            layers.push(DecoderLayer::load(cfg, &loader(loc), i, loc)?);
+        }
+
+        let head = loader(map.head);
+        let norm = head.norm("model.norm", hs)?;
+        // Tied: the lm_head is the embedding matrix (transformers ignores a saved lm_head.weight
+        // then), copied to the head's device when that differs from the embedding's.
+        let lm_head_w = if cfg.tie_word_embeddings {
+            embed_w.to_device(head.device)?
+        } else {
+            head.linear("lm_head", hs, vocab, false)?.0
+        };
+        let lm_head = Linear::new(lm_head_w, None);
+
+        let mut rope = Vec::new();
+        for loc in map.layers.iter() {
+            if !rope.iter().any(|(l, _)| l == loc) {
+                rope.push((*loc, RopeTables::new(cfg, dtype, devices.get(*loc))?));
+            }
+        }
+        Ok(QwenModel {
+            cfg: cfg.clone(),
+            dtype,
+            map: map.clone(),
+            devices,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    /// The config the model was built from.
+    pub fn config(&self) -> &QwenConfig {
+        &self.cfg
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Where each block lives.
+    pub fn device_map(&self) -> &DeviceMap {
+        &self.map
+    }
+
+    /// The device of the token embedding (where input ids go).
+    pub fn input_device(&self) -> &Device {
+        self.devices.get(self.map.embed)
+    }
+
+    /// The device of the lm_head (where logits come out).
+    pub fn output_device(&self) -> &Device {
+        self.devices.get(self.map.head)
+    }
+
+    /// The opened devices.
+    pub fn devices(&self) -> &Devices {
+        &self.devices
+    }
+
+    /// An empty KV cache for `batch` rows and up to `capacity` tokens per row.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
+        if capacity > self.cfg.max_position_embeddings {
+            return Err(ModelError::BadInput(format!(
+                "{capacity} tokens (prompt + new tokens) exceed max_position_embeddings = {} of this \
+                 model; shorten the prompt or lower max_new_tokens",
+                self.cfg.max_position_embeddings
+            )));
+        }
+        Ok(KvCache::new(self.layers.len(), batch, capacity))
+    }
+
+    /// Runs `ids` (`[batch, q_len]`, row `r` left-padded by `pad[r]` tokens counted from the
+    /// start of the cache) through the model, appending keys and values to `cache`.
+    ///
+    /// Returns f32 logits `[batch, q_len, vocab]`, or `[batch, 1, vocab]` for the last position
+    /// only when `last_only` (generation needs no more, and the lm_head is the largest GEMM).
+    pub fn forward(
+        &self,
+        ids: &[Vec<u32>],
+        pad: &[usize],
+        cache: &mut KvCache,
+        last_only: bool,
+    ) -> Result<Tensor> {
+        let b = ids.len();
+        if b == 0 || pad.len() != b {
+            return Err(ModelError::BadInput(
+                "forward needs one pad count per row and at least one row".into(),
+            ));
+        }
+        let q_len = ids[0].len();
+        if q_len == 0 || ids.iter().any(|r| r.len() != q_len) {
+            return Err(ModelError::BadInput(
+                "every row of a forward call must have the same, non-zero length".into(),
+            ));
+        }
+        let offset = cache.len();
+        if offset + q_len > cache.capacity() {
+            return Err(ModelError::BadInput(format!(
+                "the KV cache holds {} tokens per row; {} more do not fit",
+                cache.capacity(),
+                q_len
+            )));
+        }
+        let vocab = self.cfg.vocab_size as u32;
+        if let Some(&bad) = ids.iter().flatten().find(|&&t| t >= vocab) {
+            return Err(ModelError::BadInput(format!(
+                "token id {bad} is outside the vocabulary (vocab_size = {vocab}); the ids come from another tokenizer"
+            )));
+        }
+
+        let positions = if pad.iter().all(|&p| p == 0) {
+            Positions::Shared {
+                start: offset,
+                len: q_len,
+            }
+        } else {
+            let mut ids = Vec::with_capacity(b * q_len);
+            for &p in pad {
+                for i in 0..q_len {
+                    ids.push((offset + i).saturating_sub(p) as u32);
+                }
+            }
+            Positions::PerRow {
+                ids,
+                batch: b,
+                len: q_len,
+            }
+        };
+        let mask_cpu = attention_mask(pad, offset, q_len, &Device::Cpu)?;
+
+        let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+        let input = Tensor::from_vec(flat, (b, q_len), self.input_device())?;
+        let mut x = self.embed.forward(&input)?;
+
+        // Per-device RoPE slices and masks, made once per call.
+        let mut per_device: Vec<(DeviceLocation, Tensor, Tensor, Option<Tensor>)> = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let dev = self.devices.get(layer.location);
+            if !x.device().same_device(dev) {
+                x = x.to_device(dev)?;
+            }
+            if !per_device.iter().any(|(l, ..)| *l == layer.location) {
+                let tables = &self
+                    .rope
+                    .iter()
+                    .find(|(l, _)| *l == layer.location)
+                    .expect("rope per layer device")
+                    .1;
+                let (cos, sin) = tables.select(&positions, dev)?;
+                let mask = match &mask_cpu {
+                    Some(m) => Some(m.to_device(dev)?),
+                    None => None,
+                };
+                per_device.push((layer.location, cos, sin, mask));
+            }
+            let (_, cos, sin, mask) = per_device
+                .iter()
+                .find(|(l, ..)| *l == layer.location)
+                .expect("just inserted");
+            x = layer.forward(&x, cos, sin, mask.as_ref(), cache.layer_mut(i))?;
+        }
+        cache.advance(q_len);
+
+        let head_dev = self.output_device();
+        if !x.device().same_device(head_dev) {
+            x = x.to_device(head_dev)?;
+        }
+        if last_only {
+            x = x.i((.., q_len - 1..q_len, ..))?;
+        }
+        let x = self.norm.forward(&x)?;
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+
+    /// Logits `[batch, len, vocab]` (f32) of equal-length sequences, with no cache kept.
+    pub fn logits(&self, ids: &[Vec<u32>]) -> Result<Tensor> {
+        let len = ids.first().map(|r| r.len()).unwrap_or(0);
+        let mut cache = self.new_cache(ids.len(), len)?;
+        self.forward(ids, &vec![0; ids.len()], &mut cache, false)
+    }
+}

@@ -1,0 +1,150 @@
+//! Which devices this process can use.
+
+use serde::Serialize;
+
+use crate::{DeviceLocation, TopologyError};
+
+/// What the driver reports about one device.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceInfo {
+    /// Where it is.
+    pub location: DeviceLocation,
+    /// Marketing name, e.g. `NVIDIA H200`, or `cpu`.
+    pub name: String,
+    /// CUDA compute capability (major, minor); `None` for the CPU.
+    pub compute_capability: Option<(i32, i32)>,
+    /// Total memory in bytes (GPU memory, or host RAM for the CPU when known).
+    pub total_bytes: Option<u64>,
+    /// Free memory in bytes right now.
+    pub free_bytes: Option<u64>,
+    /// PCI bus id such as `0000:3b:00.0`; `None` for the CPU.
+    pub pci_bus_id: Option<String>,
+}
+
+/// The GPUs the CUDA driver reports (honouring `CUDA_VISIBLE_DEVICES`), or, when none is
+/// visible or the build has no `cuda` feature, the host CPU alone.
+pub fn discover() -> Result<Vec<DeviceInfo>, TopologyError> {
+    let gpus = discover_gpus()?;
+    if gpus.is_empty() {
+        Ok(vec![cpu_info()])
+    } else {
+        Ok(gpus)
+    }
+}
+
+fn cpu_info() -> DeviceInfo {
+    let (total, free) = host_memory();
+    DeviceInfo {
+        location: DeviceLocation::Cpu,
+        name: format!(
+            "cpu ({} threads)",
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        ),
+        compute_capability: None,
+        total_bytes: total,
+        free_bytes: free,
+        pci_bus_id: None,
+    }
+}
+
+/// MemTotal and MemAvailable from /proc/meminfo, where there is one.
+fn host_memory() -> (Option<u64>, Option<u64>) {
+    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
+        return (None, None);
+    };
+    let field = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    (field("MemTotal:"), field("MemAvailable:"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn discover_gpus() -> Result<Vec<DeviceInfo>, TopologyError> {
+    Ok(Vec::new())
+}
+
+#[cfg(feature = "cuda")]
+fn discover_gpus() -> Result<Vec<DeviceInfo>, TopologyError> {
+    use cudarc::driver::{sys::CUdevice_attribute as A, CudaContext};
+
+    // No driver (or no visible GPU) is not an error: the host CPU is reported instead.
+    let count = match CudaContext::device_count() {
+        Ok(n) => n.max(0) as usize,
+        Err(e) => {
+            tracing_free_warn(&format!("CUDA driver unavailable ({e}); reporting the CPU"));
+            return Ok(Vec::new());
+        }
+    };
+    let mut out = Vec::with_capacity(count);
+    for ordinal in 0..count {
+        let err = |e: cudarc::driver::DriverError| TopologyError::Driver {
+            ordinal,
+            message: e.to_string(),
+        };
+        let ctx = CudaContext::new(ordinal).map_err(err)?;
+        let (free, total) = ctx.mem_get_info().map_err(err)?;
+        let attr = |a| ctx.attribute(a).map_err(err);
+        let pci = format!(
+            "{:04x}:{:02x}:{:02x}.0",
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+        );
+        out.push(DeviceInfo {
+            location: DeviceLocation::Cuda(ordinal),
+            name: ctx.name().map_err(err)?,
+            compute_capability: Some(ctx.compute_capability().map_err(err)?),
+            total_bytes: Some(total as u64),
+            free_bytes: Some(free as u64),
+            pci_bus_id: Some(pci),
+        });
+    }
+    Ok(out)
+}
+
+/// `(free, total)` bytes of GPU `ordinal` right now; `None` in a build without CUDA.
+pub fn gpu_memory_info(ordinal: usize) -> Result<Option<(u64, u64)>, TopologyError> {
+    #[cfg(feature = "cuda")]
+    {
+        let err = |e: cudarc::driver::DriverError| TopologyError::Driver {
+            ordinal,
+            message: e.to_string(),
+        };
+        let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(err)?;
+        let (free, total) = ctx.mem_get_info().map_err(err)?;
+        Ok(Some((free as u64, total as u64)))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Ok(None)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn tracing_free_warn(msg: &str) {
+    // This crate carries no logging dependency; stderr is where a CLI user looks.
+    eprintln!("warning: {msg}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_build_reports_the_cpu() {
+        let devices = discover().unwrap();
+        assert!(!devices.is_empty());
+        if cfg!(not(feature = "cuda")) {
+            assert_eq!(devices.len(), 1);
+            assert_eq!(devices[0].location, DeviceLocation::Cpu);
+            assert!(devices[0].name.starts_with("cpu"));
+        }
+    }
+}

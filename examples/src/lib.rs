@@ -1,0 +1,1 @@
+//! Examples live in this folder as `[[example]]` targets; see the README.
