@@ -1,0 +1,146 @@
+//! The `fleet` binary end to end on the tiny fixtures.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fleet() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_fleet"))
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+#[test]
+fn devices_lists_something() {
+    let out = fleet().args(["devices", "--json"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!v.as_array().unwrap().is_empty());
+    let table = fleet().arg("devices").output().unwrap();
+    assert!(String::from_utf8_lossy(&table.stdout).contains("device"));
+}
+
+#[test]
+fn logits_json_matches_the_golden() {
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("golden/qwen3-tiny.json")).unwrap())
+            .unwrap();
+    let case = &golden["logits"][0];
+    let ids: Vec<String> = case["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    let out = fleet()
+        .args(["logits", "--model"])
+        .arg(fixture("qwen3-tiny"))
+        .args(["--ids", &ids.join(",")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got = v["logits"][0].as_array().unwrap();
+    for (pos, want) in case["positions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(case["logits"].as_array().unwrap())
+    {
+        let row = got[pos.as_u64().unwrap() as usize].as_array().unwrap();
+        for (a, b) in row.iter().zip(want.as_array().unwrap()) {
+            assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4);
+        }
+    }
+}
+
+#[test]
+fn logits_to_safetensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let ids = dir.path().join("ids.json");
+    std::fs::write(&ids, r#"{"input_ids": [[1, 2, 3], [4, 5, 6]]}"#).unwrap();
+    let out_file = dir.path().join("logits.safetensors");
+    let out = fleet()
+        .args(["logits", "--model"])
+        .arg(fixture("qwen2-tiny"))
+        .arg("--ids-file")
+        .arg(&ids)
+        .arg("--output")
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&out_file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("logits").unwrap();
+    assert_eq!(t.shape(), &[2, 3, 1024]);
+}
+
+#[test]
+fn generate_streams_a_chat_reply() {
+    let out = fleet()
+        .args(["generate", "--model"])
+        .arg(fixture("qwen2-tiny"))
+        .args(["--prompt", "What is a DU?", "--max-new-tokens", "8"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tokens"), "{err}");
+}
+
+#[test]
+fn bad_input_exits_nonzero_with_a_message() {
+    let out = fleet()
+        .args(["logits", "--model", "/nonexistent/dir", "--ids", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/dir"));
+
+    let out = fleet()
+        .args(["logits", "--model"])
+        .arg(fixture("qwen2-tiny"))
+        .args(["--ids", "1,x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`x` is not a token id"));
+
+    let out = fleet()
+        .args(["generate", "--model"])
+        .arg(fixture("qwen2-tiny"))
+        .args(["--prompt", "hi", "--device", "cuda:0,cuda:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("listed twice"));
+
+    let out = fleet()
+        .args(["generate", "--model"])
+        .arg(fixture("qwen2-tiny"))
+        .args(["--prompt", "hi", "--dtype", "int4"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("int4"));
+}

@@ -1,0 +1,264 @@
+//! Generation behaviour beyond greedy parity: sampling reproducibility, stop strings, streaming,
+//! per-request limits, and the errors users meet with bad input.
+
+use std::path::{Path, PathBuf};
+
+use fleet_models::{
+    DType, DeviceLocation, DeviceMap, FinishReason, GenerationRequest, LoadOptions, ModelError,
+    SamplingParams, TextModel,
+};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn load(dir: &Path) -> fleet_models::Result<TextModel> {
+    TextModel::load(dir.to_str().unwrap(), &LoadOptions::default())
+}
+
+fn sampled(prompt: Vec<u32>, seed: u64) -> GenerationRequest {
+    GenerationRequest {
+        prompt_ids: prompt,
+        max_new_tokens: 12,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_k: Some(50),
+            top_p: Some(0.95),
+            seed,
+        },
+        stop_strings: vec![],
+    }
+}
+
+#[test]
+fn seeded_sampling_repeats_and_differs_across_seeds() {
+    let model = load(&fixture("qwen2-tiny")).unwrap();
+    let prompt = model
+        .tokenizer()
+        .unwrap()
+        .encode("The O-RAN fronthaul")
+        .unwrap();
+    let a = model.generate(&[sampled(prompt.clone(), 1)], None).unwrap();
+    let b = model.generate(&[sampled(prompt.clone(), 1)], None).unwrap();
+    assert_eq!(a[0].token_ids, b[0].token_ids);
+    // Alone or in a batch with other requests: the same seed gives the same tokens.
+    let batch = model
+        .generate(
+            &[sampled(vec![5, 6, 7], 9), sampled(prompt.clone(), 1)],
+            None,
+        )
+        .unwrap();
+    assert_eq!(batch[1].token_ids, a[0].token_ids);
+    let others: Vec<Vec<u32>> = (2..8)
+        .map(|s| {
+            model.generate(&[sampled(prompt.clone(), s)], None).unwrap()[0]
+                .token_ids
+                .clone()
+        })
+        .collect();
+    assert!(
+        others.iter().any(|o| *o != a[0].token_ids),
+        "six seeds all gave the same tokens"
+    );
+}
+
+#[test]
+fn stop_strings_streaming_and_limits() {
+    let model = load(&fixture("qwen3-tiny")).unwrap();
+    let tok = model.tokenizer().unwrap();
+    let prompt = tok.encode("Open RAN radio unit").unwrap();
+    let free = model
+        .generate(&[GenerationRequest::greedy(prompt.clone(), 24)], None)
+        .unwrap();
+    let text = free[0].text.clone();
+    assert!(text.chars().count() > 6, "need some text to cut: {text:?}");
+
+    // Stop at a piece of the greedy text: the output is cut right before it.
+    let cut_at = text.char_indices().nth(text.chars().count() / 2).unwrap().0;
+    let stop: String = text[cut_at..].chars().take(3).collect();
+    let first = text.find(&stop).unwrap();
+    let mut req = GenerationRequest::greedy(prompt.clone(), 24);
+    req.stop_strings = vec![stop.clone()];
+    let mut streamed = String::new();
+    let mut events = 0;
+    let mut on_token = |e: fleet_models::StreamEvent<'_>| {
+        assert_eq!(e.request, 0);
+        streamed.push_str(e.text_delta);
+        events += 1;
+    };
+    let out = model.generate(&[req], Some(&mut on_token)).unwrap();
+    assert_eq!(out[0].finish_reason, FinishReason::StopString);
+    assert_eq!(out[0].text, text[..first]);
+    assert_eq!(
+        streamed, out[0].text,
+        "the stream carries exactly the final text"
+    );
+    assert_eq!(events, out[0].token_ids.len());
+
+    // Per-request max_new_tokens in one batch.
+    let reqs = vec![
+        GenerationRequest::greedy(prompt.clone(), 3),
+        GenerationRequest::greedy(vec![11, 12], 7),
+        GenerationRequest::greedy(prompt.clone(), 0),
+    ];
+    let out = model.generate(&reqs, None).unwrap();
+    assert!(out[0].token_ids.len() <= 3 && out[1].token_ids.len() <= 7);
+    assert!(out[2].token_ids.is_empty());
+    assert_eq!(
+        out[0].token_ids[..],
+        free[0].token_ids[..out[0].token_ids.len()]
+    );
+}
+
+#[test]
+fn eos_ends_a_row_and_is_reported() {
+    // The golden with an early stop (fewer tokens than max_new_tokens) ends on an EOS id.
+    let model = load(&fixture("qwen2-tiny")).unwrap();
+    let g: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("golden/qwen2-tiny.json")).unwrap())
+            .unwrap();
+    let eos = model.eos_ids();
+    let mut saw_eos = false;
+    for case in g["greedy"].as_array().unwrap() {
+        let ids: Vec<u32> = serde_json::from_value(case["input_ids"].clone()).unwrap();
+        let n = case["max_new_tokens"].as_u64().unwrap() as usize;
+        let out = model
+            .generate(&[GenerationRequest::greedy(ids, n)], None)
+            .unwrap();
+        if out[0].token_ids.len() < n {
+            assert_eq!(out[0].finish_reason, FinishReason::Eos);
+            assert!(eos.contains(out[0].token_ids.last().unwrap()));
+            saw_eos = true;
+        } else {
+            assert_eq!(out[0].finish_reason, FinishReason::Length);
+        }
+    }
+    assert!(saw_eos, "the goldens include an EOS stop");
+}
+
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let e = entry.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn bad_checkpoints_name_the_file_and_fix() {
+    // Missing config field.
+    let d = copy_fixture("qwen2-tiny");
+    let cfg = std::fs::read_to_string(d.path().join("config.json")).unwrap();
+    let cfg = cfg.replace("\"num_hidden_layers\"", "\"num_hidden_layers_typo\"");
+    std::fs::write(d.path().join("config.json"), cfg).unwrap();
+    let e = load(d.path()).err().unwrap().to_string();
+    assert!(
+        e.contains("config.json") && e.contains("num_hidden_layers"),
+        "{e}"
+    );
+
+    // Truncated shard.
+    let d = copy_fixture("qwen2-tiny-tied-sharded");
+    let shard = d.path().join("model-00002-of-00003.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load(d.path()).err().unwrap().to_string();
+    assert!(
+        e.contains("model-00002-of-00003.safetensors") && e.contains("truncated"),
+        "{e}"
+    );
+
+    // Missing shard.
+    std::fs::remove_file(&shard).unwrap();
+    let e = load(d.path()).err().unwrap().to_string();
+    assert!(
+        e.contains("model-00002-of-00003.safetensors") && e.contains("missing"),
+        "{e}"
+    );
+
+    // Weights of another shape than the config says.
+    let d = copy_fixture("qwen2-tiny");
+    let cfg = std::fs::read_to_string(d.path().join("config.json")).unwrap();
+    let cfg = cfg.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
+    std::fs::write(d.path().join("config.json"), cfg).unwrap();
+    let e = load(d.path()).err().unwrap().to_string();
+    assert!(
+        e.contains("mlp.gate_proj.weight") && e.contains("shape"),
+        "{e}"
+    );
+
+    // Missing tokenizer: the model loads, text features say what is missing.
+    let d = copy_fixture("qwen2-tiny");
+    std::fs::remove_file(d.path().join("tokenizer.json")).unwrap();
+    let model = load(d.path()).unwrap();
+    let e = model.tokenizer().err().unwrap().to_string();
+    assert!(e.contains("tokenizer.json"), "{e}");
+}
+
+#[test]
+fn bad_requests_are_errors_not_panics() {
+    let model = load(&fixture("qwen2-tiny")).unwrap();
+    let max_pos = model.model.config().max_position_embeddings;
+    let long = vec![1u32; max_pos];
+    let e = model
+        .generate(&[GenerationRequest::greedy(long, 8)], None)
+        .unwrap_err();
+    assert!(matches!(e, ModelError::BadInput(_)));
+    assert!(e.to_string().contains("max_position_embeddings"), "{e}");
+
+    let vocab = model.model.config().vocab_size as u32;
+    let e = model
+        .model
+        .logits(&[vec![1, vocab + 5]])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&(vocab + 5).to_string()) && e.contains("vocab"),
+        "{e}"
+    );
+
+    let e = model
+        .generate(&[GenerationRequest::greedy(vec![], 4)], None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("empty prompt"), "{e}");
+
+    let mut r = GenerationRequest::greedy(vec![1, 2], 4);
+    r.sampling.temperature = -1.0;
+    assert!(model
+        .generate(&[r], None)
+        .unwrap_err()
+        .to_string()
+        .contains("temperature"));
+
+    // A device map of the wrong length, and a GPU in a CPU build.
+    let cfg = model.model.config();
+    let bad_map = DeviceMap::single(DeviceLocation::Cpu, cfg.num_hidden_layers + 1);
+    let opts = LoadOptions {
+        device_map: Some(bad_map),
+        ..LoadOptions::default()
+    };
+    let e = TextModel::load(fixture("qwen2-tiny").to_str().unwrap(), &opts)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("layer"), "{e}");
+    if !cfg!(feature = "cuda") {
+        let opts = LoadOptions {
+            device_map: Some(DeviceMap::single(
+                DeviceLocation::Cuda(7),
+                cfg.num_hidden_layers,
+            )),
+            dtype: DType::BF16,
+            ..LoadOptions::default()
+        };
+        let e = TextModel::load(fixture("qwen2-tiny").to_str().unwrap(), &opts)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("cuda:7"), "{e}");
+    }
+}
