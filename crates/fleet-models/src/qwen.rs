@@ -197,21 +197,24 @@ enum Positions {
 }
 
 /// Which query attends to which key in one forward call, as an additive f32 mask of shape
-/// `[b, 1, 1, q_len, kv_len]` (0 or -inf), or `None` when nothing is masked (one new token per
-/// row and no padding).
+/// `[b, 1, 1, q_len, kv_len]` (0 or -inf; `b` is 1 when no row is padded, since the causal part
+/// is the same for all rows), or `None` when nothing is masked (one new token per row and no
+/// padding).
 fn attention_mask(
     pad: &[usize],
     offset: usize,
     q_len: usize,
     dev: &Device,
 ) -> Result<Option<Tensor>> {
-    let b = pad.len();
-    let kv_len = offset + q_len;
-    if q_len == 1 && pad.iter().all(|&p| p == 0) {
+    let no_padding = pad.iter().all(|&p| p == 0);
+    if q_len == 1 && no_padding {
         return Ok(None);
     }
+    let rows: &[usize] = if no_padding { &[0] } else { pad };
+    let b = rows.len();
+    let kv_len = offset + q_len;
     let mut m = vec![0f32; b * q_len * kv_len];
-    for (r, &p) in pad.iter().enumerate() {
+    for (r, &p) in rows.iter().enumerate() {
         for i in 0..q_len {
             let qi = offset + i;
             let row = &mut m[(r * q_len + i) * kv_len..(r * q_len + i + 1) * kv_len];
