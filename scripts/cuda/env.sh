@@ -49,4 +49,12 @@ done
 
 export CARGO_TARGET_DIR="${FLEET_CUDA_TARGET_DIR:-$_fleet_repo/target/cuda}"
 
+# candle-kernels links a static library of quantized/MoE kernels as sm_90a
+# cubins (~33 MB uncompressed inside every binary). nvcc appends these flags to
+# every call; fatbin compression cuts that to ~8 MB, which matters for the
+# 64 MiB that can be carried to the GPU machine. The 13.0 driver decompresses
+# them at load. Cargo does not track this variable: after changing it, run
+# `cargo clean --release -p candle-kernels` (with this env) to rebuild the kernels.
+export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:---compress-mode=size}"
+
 unset _fleet_env_here _fleet_repo _fleet_tk _fleet_d

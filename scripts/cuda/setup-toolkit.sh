@@ -11,6 +11,7 @@
 #   DIR/include/     CUDA 13.0 headers, CCCL (include/cccl, holds nv/target), nccl.h
 #   DIR/lib/         libcudart/cublas/cublasLt/curand/nvrtc/nccl .so + unversioned links
 #   DIR/lib/stubs/   libcuda.so: a link-time stub of the driver API (soname libcuda.so.1)
+#   DIR/lib64 -> lib (where nvcc's own link step looks)
 #
 # Idempotent: if DIR already holds a toolkit built from the same pins by the
 # same version of this script, it only re-checks it and prints the env.
@@ -28,7 +29,7 @@ WHEELS="${FLEET_CUDA_WHEELS:-$(dirname "$DIR")/wheels}"
 PYTHON="${PYTHON:-python3}"
 CUDARC_VERSION_DEFAULT=0.19.10
 # Bump when the layout this script produces changes.
-LAYOUT_VERSION=1
+LAYOUT_VERSION=2
 
 log() { printf '[setup-toolkit] %s\n' "$*" >&2; }
 die() { printf '[setup-toolkit] error: %s\n' "$*" >&2; exit 1; }
@@ -163,6 +164,10 @@ chmod +x "$STAGE"/bin/* "$STAGE/nvvm/bin/cicc" 2>/dev/null || true
 cp -a "$NCCL/include/." "$STAGE/include/"
 cp -a "$NCCL/lib/libnccl.so.2" "$STAGE/lib/"
 rm -rf "$STAGE/unpacked"
+
+# nvcc's own link step (bin/nvcc.profile) searches lib64 and lib64/stubs, as in
+# a standard install; the wheels ship lib/. Only needed to link with nvcc itself.
+ln -sfn lib "$STAGE/lib64"
 
 # Unversioned names for `-lfoo` (wheels ship only the sonames).
 (

@@ -218,6 +218,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         generator.generate(&vec![warm; b], None)?;
         sync(&model)?;
 
+        fleet_models::profile::take_report(); // drop the warm-up's stages
         let watch = MemoryWatch::start(gpus.clone(), baseline);
         let mut t_prefill = Vec::new();
         let mut t_generate = Vec::new();
@@ -250,6 +251,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
                 .map(|p| format!("{:.2} GiB", p as f64 / (1u64 << 30) as f64))
                 .unwrap_or_else(|| "-".into())
         );
+        print_profile(b);
         runs.push(run);
     }
     let report = Report {
@@ -301,4 +303,23 @@ fn prefill(model: &QwenModel, prompts: &[Vec<u32>]) -> Result<f64> {
     drop(logits);
     sync(model)?;
     Ok(t.elapsed().as_secs_f64())
+}
+
+/// With FLEET_PROFILE=1: where the timed runs of one batch size spent their time.
+fn print_profile(batch: usize) {
+    let mut stages = fleet_models::profile::take_report();
+    if stages.is_empty() {
+        return;
+    }
+    stages.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = stages.iter().map(|s| s.1).sum();
+    eprintln!("profile, batch {batch} (synchronized stages; shares, not speeds):");
+    for (name, secs, calls) in stages {
+        eprintln!(
+            "  {name:<14} {:>9.1} ms {:>5.1}%  {calls:>7} calls  {:>8.1} us/call",
+            secs * 1e3,
+            100.0 * secs / total,
+            1e6 * secs / calls as f64
+        );
+    }
 }

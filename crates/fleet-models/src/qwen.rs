@@ -17,6 +17,7 @@ use crate::config::{QwenArch, QwenConfig};
 use crate::device::Devices;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{KvCache, LayerCache};
+use crate::profile;
 use crate::weights::{Init, Weights};
 
 /// RMSNorm with transformers' arithmetic (f32 statistics, scale in the model dtype).
@@ -89,6 +90,11 @@ impl BlockLoader<'_> {
             eps: self.eps as f32,
         })
     }
+}
+
+/// `t * factor`, computed in f32 and rounded once to `t`'s dtype.
+fn scaled(t: &Tensor, factor: f64) -> Result<Tensor> {
+    Ok((t.to_dtype(DType::F32)? * factor)?.to_dtype(t.dtype())?)
 }
 
 /// Concatenates projections that read the same input into one matrix, so one GEMM does the
@@ -241,61 +247,88 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, q_len, _) = x.dims3()?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let qkv = self.qkv.forward(x)?;
-        let q = qkv.narrow(D::Minus1, 0, h * d)?.reshape((b, q_len, h, d))?;
-        let k = qkv
-            .narrow(D::Minus1, h * d, kvh * d)?
-            .reshape((b, q_len, kvh, d))?;
-        let v = qkv
-            .narrow(D::Minus1, (h + kvh) * d, kvh * d)?
-            .reshape((b, q_len, kvh, d))?;
-        // Qwen3 normalises each head before RoPE.
-        let q = match &self.q_norm {
-            Some(n) => n.forward(&q)?,
-            None => q,
+        // One copy puts every head first: [b, h + 2 kvh, q_len, d]. Narrowing the head axis of
+        // that is free, and contiguous when b == 1 (decode of one request needs no more copies).
+        let dev = x.device();
+        let heads = profile::time(dev, "attn.qkv_proj", || {
+            Ok(self
+                .qkv
+                .forward(x)?
+                .reshape((b, q_len, h + 2 * kvh, d))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        })?;
+        let part = |start: usize, n: usize| -> Result<Tensor> {
+            let t = heads.narrow(1, start, n)?;
+            Ok(if t.is_contiguous() {
+                t
+            } else {
+                t.contiguous()?
+            })
         };
-        let k = match &self.k_norm {
-            Some(n) => n.forward(&k)?,
-            None => k,
+        let contiguous = |t: Tensor| -> Result<Tensor> {
+            Ok(if t.is_contiguous() {
+                t
+            } else {
+                t.contiguous()?
+            })
         };
-        let q = q.transpose(1, 2)?.contiguous()?;
-        let k = k.transpose(1, 2)?.contiguous()?;
-        let v = v.transpose(1, 2)?.contiguous()?;
-        let q = candle_nn::rotary_emb::rope(&q, cos, sin)?;
-        let k = candle_nn::rotary_emb::rope(&k, cos, sin)?;
-        let (k, v) = cache.append(&k, &v)?;
+        let (q, k, v) = profile::time(dev, "attn.rope", || {
+            let (q, k) = match (&self.q_norm, &self.k_norm) {
+                // Qwen3 normalises each head before RoPE.
+                (Some(qn), Some(kn)) => {
+                    let q = candle_nn::rotary_emb::rope(&qn.forward(&part(0, h)?)?, cos, sin)?;
+                    let k = candle_nn::rotary_emb::rope(&kn.forward(&part(h, kvh)?)?, cos, sin)?;
+                    (q, k)
+                }
+                // q and k rotate together in one launch.
+                _ => {
+                    let qk = candle_nn::rotary_emb::rope(&part(0, h + kvh)?, cos, sin)?;
+                    (qk.narrow(1, 0, h)?, qk.narrow(1, h, kvh)?)
+                }
+            };
+            Ok((contiguous(q)?, contiguous(k)?, part(h + kvh, kvh)?))
+        })?;
+        let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
         let kv_len = k.dim(2)?;
 
         // Grouped-query attention without copying K/V: query heads that share a KV head are
-        // stacked along the row axis, `[b, kvh, n_rep * q_len, d]`.
+        // stacked along the row axis, `[b, kvh, n_rep * q_len, d]`. The 1/sqrt(d) scale is
+        // already folded into the query projection (see `DecoderLayer::load`).
         let n_rep = h / kvh;
-        let q = q.reshape((b, kvh, n_rep * q_len, d))?;
-        let scale = 1.0 / (d as f64).sqrt();
-        let scores = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;
-        let scores = (scores * scale)?.reshape((b, kvh, n_rep, q_len, kv_len))?;
-        let scores = match mask {
-            Some(m) => scores.broadcast_add(m)?,
-            None => scores,
-        };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?
-            .to_dtype(v.dtype())?
-            .reshape((b, kvh, n_rep * q_len, kv_len))?;
-        let out = probs.matmul(&v)?; // [b, kvh, n_rep*q_len, d]
-        let out = out
-            .reshape((b, h, q_len, d))?
-            .transpose(1, 2)?
-            .reshape((b, q_len, h * d))?;
-        Ok(self.o_proj.forward(&out)?)
+        let out = profile::time(dev, "attn.core", || {
+            let q = q.reshape((b, kvh, n_rep * q_len, d))?;
+            let scores = q
+                .matmul(&k.t()?)?
+                .to_dtype(DType::F32)?
+                .reshape((b, kvh, n_rep, q_len, kv_len))?;
+            let scores = match mask {
+                Some(m) => scores.broadcast_add(m)?,
+                None => scores,
+            };
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?
+                .to_dtype(v.dtype())?
+                .reshape((b, kvh, n_rep * q_len, kv_len))?;
+            let out = probs.matmul(&v)?; // [b, kvh, n_rep*q_len, d]
+            Ok(out
+                .reshape((b, h, q_len, d))?
+                .transpose(1, 2)?
+                .reshape((b, q_len, h * d))?)
+        })?;
+        profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?))
     }
 }
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gu = self.gate_up.forward(x)?;
-        let gate = gu.narrow(D::Minus1, 0, self.intermediate)?;
-        let up = gu.narrow(D::Minus1, self.intermediate, self.intermediate)?;
-        let act = (candle_nn::ops::silu(&gate)? * up)?;
-        Ok(self.down.forward(&act)?)
+        let dev = x.device();
+        let gu = profile::time(dev, "mlp.gate_up", || Ok(self.gate_up.forward(x)?))?;
+        let act = profile::time(dev, "mlp.act", || {
+            let gate = gu.narrow(D::Minus1, 0, self.intermediate)?;
+            let up = gu.narrow(D::Minus1, self.intermediate, self.intermediate)?;
+            Ok((candle_nn::ops::silu(&gate)? * up)?)
+        })?;
+        profile::time(dev, "mlp.down", || Ok(self.down.forward(&act)?))
     }
 }
 
@@ -310,6 +343,10 @@ impl DecoderLayer {
         let (hs, hd) = (cfg.hidden_size, cfg.head_dim());
         let (h, kvh) = (cfg.num_attention_heads, cfg.num_kv_heads());
         let q = ld.linear(&format!("{p}.self_attn.q_proj"), hs, h * hd, cfg.qkv_bias())?;
+        // The attention scale 1/sqrt(head_dim) is folded into the queries once here, instead
+        // of scaling every score: into q_proj for Qwen2, into q_norm for Qwen3 (whose RMSNorm
+        // would undo a scale applied before it). RoPE is linear, so the order does not matter.
+        let scale = 1.0 / (hd as f64).sqrt();
         let k = ld.linear(
             &format!("{p}.self_attn.k_proj"),
             hs,
@@ -323,13 +360,18 @@ impl DecoderLayer {
             cfg.qkv_bias(),
         )?;
         let (ow, ob) = ld.linear(&format!("{p}.self_attn.o_proj"), h * hd, hs, cfg.o_bias())?;
-        let (q_norm, k_norm) = if cfg.arch() == QwenArch::Qwen3 {
+        let (q, q_norm, k_norm) = if cfg.arch() == QwenArch::Qwen3 {
+            let mut qn = ld.norm(&format!("{p}.self_attn.q_norm"), hd)?;
+            qn.weight = scaled(&qn.weight, scale)?;
             (
-                Some(ld.norm(&format!("{p}.self_attn.q_norm"), hd)?),
+                q,
+                Some(qn),
                 Some(ld.norm(&format!("{p}.self_attn.k_norm"), hd)?),
             )
         } else {
-            (None, None)
+            let (w, b) = q;
+            let b = b.map(|b| scaled(&b, scale)).transpose()?;
+            ((scaled(&w, scale)?, b), None, None)
         };
         let im = cfg.intermediate_size;
         let gate = ld.linear(&format!("{p}.mlp.gate_proj"), hs, im, false)?;
@@ -364,13 +406,13 @@ impl DecoderLayer {
         mask: Option<&Tensor>,
         cache: &mut LayerCache,
     ) -> Result<Tensor> {
-        let residual = x;
-        let h = self.input_norm.forward(x)?;
+        let dev = x.device();
+        let h = profile::time(dev, "norm", || self.input_norm.forward(x))?;
         let h = self.attn.forward(&h, cos, sin, mask, cache)?;
-        let x = (residual + h)?;
-        let h = self.post_attn_norm.forward(&x)?;
+        let x = profile::time(dev, "residual", || Ok((x + h)?))?;
+        let h = profile::time(dev, "norm", || self.post_attn_norm.forward(&x))?;
         let h = self.mlp.forward(&h)?;
-        Ok((x + h)?)
+        profile::time(dev, "residual", || Ok((x + h)?))
     }
 }
 
@@ -584,8 +626,10 @@ impl QwenModel {
         if last_only {
             x = x.i((.., q_len - 1..q_len, ..))?;
         }
-        let x = self.norm.forward(&x)?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        profile::time(head_dev, "head", || {
+            let x = self.norm.forward(&x)?;
+            Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        })
     }
 
     /// Logits `[batch, len, vocab]` (f32) of equal-length sequences, with no cache kept.
