@@ -20,6 +20,7 @@ pub mod device;
 mod error;
 pub mod generation;
 pub mod kv_cache;
+pub mod ops;
 pub mod profile;
 pub mod qwen;
 pub mod source;

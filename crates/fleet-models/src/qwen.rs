@@ -9,7 +9,7 @@
 //! Batches are left-padded: row `r` starts with `pad[r]` padding tokens that no real token
 //! attends to, and its positions count from its first real token.
 
-use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
+use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use candle_nn::{Embedding, Linear};
 use fleet_topology::{DeviceLocation, DeviceMap};
 
@@ -17,8 +17,8 @@ use crate::config::{QwenArch, QwenConfig};
 use crate::device::Devices;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{KvCache, LayerCache};
-use crate::profile;
 use crate::weights::{Init, Weights};
+use crate::{ops, profile};
 
 /// RMSNorm with transformers' arithmetic (f32 statistics, scale in the model dtype).
 #[derive(Debug, Clone)]
@@ -124,7 +124,6 @@ struct Attention {
 struct Mlp {
     gate_up: Linear,
     down: Linear,
-    intermediate: usize,
 }
 
 struct DecoderLayer {
@@ -202,47 +201,13 @@ enum Positions {
     },
 }
 
-/// Which query attends to which key in one forward call, as an additive f32 mask of shape
-/// `[b, 1, 1, q_len, kv_len]` (0 or -inf; `b` is 1 when no row is padded, since the causal part
-/// is the same for all rows), or `None` when nothing is masked (one new token per row and no
-/// padding).
-fn attention_mask(
-    pad: &[usize],
-    offset: usize,
-    q_len: usize,
-    dev: &Device,
-) -> Result<Option<Tensor>> {
-    let no_padding = pad.iter().all(|&p| p == 0);
-    if q_len == 1 && no_padding {
-        return Ok(None);
-    }
-    let rows: &[usize] = if no_padding { &[0] } else { pad };
-    let b = rows.len();
-    let kv_len = offset + q_len;
-    let mut m = vec![0f32; b * q_len * kv_len];
-    for (r, &p) in rows.iter().enumerate() {
-        for i in 0..q_len {
-            let qi = offset + i;
-            let row = &mut m[(r * q_len + i) * kv_len..(r * q_len + i + 1) * kv_len];
-            for (j, v) in row.iter_mut().enumerate() {
-                // Future keys and padding keys are hidden. A padding query keeps its own key so
-                // its softmax stays finite; no real token ever reads it.
-                if j > qi || (j < p && j != qi) {
-                    *v = f32::NEG_INFINITY;
-                }
-            }
-        }
-    }
-    Ok(Some(Tensor::from_vec(m, (b, 1, 1, q_len, kv_len), dev)?))
-}
-
 impl Attention {
     fn forward(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: Option<&Tensor>,
+        pad: &Tensor,
         cache: &mut LayerCache,
     ) -> Result<Tensor> {
         let (b, q_len, _) = x.dims3()?;
@@ -298,17 +263,9 @@ impl Attention {
         let n_rep = h / kvh;
         let out = profile::time(dev, "attn.core", || {
             let q = q.reshape((b, kvh, n_rep * q_len, d))?;
-            let scores = q
-                .matmul(&k.t()?)?
-                .to_dtype(DType::F32)?
-                .reshape((b, kvh, n_rep, q_len, kv_len))?;
-            let scores = match mask {
-                Some(m) => scores.broadcast_add(m)?,
-                None => scores,
-            };
-            let probs = candle_nn::ops::softmax_last_dim(&scores)?
-                .to_dtype(v.dtype())?
-                .reshape((b, kvh, n_rep * q_len, kv_len))?;
+            let scores = q.matmul(&k.t()?)?; // [b, kvh, n_rep * q_len, kv_len]
+            let probs =
+                ops::masked_softmax(&scores, pad, kvh * n_rep * q_len, q_len, kv_len - q_len)?;
             let out = probs.matmul(&v)?; // [b, kvh, n_rep*q_len, d]
             Ok(out
                 .reshape((b, h, q_len, d))?
@@ -323,11 +280,7 @@ impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dev = x.device();
         let gu = profile::time(dev, "mlp.gate_up", || Ok(self.gate_up.forward(x)?))?;
-        let act = profile::time(dev, "mlp.act", || {
-            let gate = gu.narrow(D::Minus1, 0, self.intermediate)?;
-            let up = gu.narrow(D::Minus1, self.intermediate, self.intermediate)?;
-            Ok((candle_nn::ops::silu(&gate)? * up)?)
-        })?;
+        let act = profile::time(dev, "mlp.act", || ops::swiglu(&gu))?;
         profile::time(dev, "mlp.down", || Ok(self.down.forward(&act)?))
     }
 }
@@ -392,7 +345,6 @@ impl DecoderLayer {
             mlp: Mlp {
                 gate_up: fused(vec![gate, up])?,
                 down: Linear::new(dw, None),
-                intermediate: im,
             },
             location,
         })
@@ -403,12 +355,12 @@ impl DecoderLayer {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: Option<&Tensor>,
+        pad: &Tensor,
         cache: &mut LayerCache,
     ) -> Result<Tensor> {
         let dev = x.device();
         let h = profile::time(dev, "norm", || self.input_norm.forward(x))?;
-        let h = self.attn.forward(&h, cos, sin, mask, cache)?;
+        let h = self.attn.forward(&h, cos, sin, pad, cache)?;
         let x = profile::time(dev, "residual", || Ok((x + h)?))?;
         let h = profile::time(dev, "norm", || self.post_attn_norm.forward(&x))?;
         let h = self.mlp.forward(&h)?;
@@ -584,14 +536,14 @@ impl QwenModel {
                 len: q_len,
             }
         };
-        let mask_cpu = attention_mask(pad, offset, q_len, &Device::Cpu)?;
+        let pad_u32: Vec<u32> = pad.iter().map(|&p| p as u32).collect();
 
         let flat: Vec<u32> = ids.iter().flatten().copied().collect();
         let input = Tensor::from_vec(flat, (b, q_len), self.input_device())?;
         let mut x = self.embed.forward(&input)?;
 
-        // Per-device RoPE slices and masks, made once per call.
-        let mut per_device: Vec<(DeviceLocation, Tensor, Tensor, Option<Tensor>)> = Vec::new();
+        // Per-device RoPE slices and padding counts, made once per call.
+        let mut per_device: Vec<(DeviceLocation, Tensor, Tensor, Tensor)> = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let dev = self.devices.get(layer.location);
             if !x.device().same_device(dev) {
@@ -605,17 +557,14 @@ impl QwenModel {
                     .expect("rope per layer device")
                     .1;
                 let (cos, sin) = tables.select(&positions, dev)?;
-                let mask = match &mask_cpu {
-                    Some(m) => Some(m.to_device(dev)?),
-                    None => None,
-                };
-                per_device.push((layer.location, cos, sin, mask));
+                let pad_t = Tensor::from_slice(&pad_u32, b, dev)?;
+                per_device.push((layer.location, cos, sin, pad_t));
             }
-            let (_, cos, sin, mask) = per_device
+            let (_, cos, sin, pad_t) = per_device
                 .iter()
                 .find(|(l, ..)| *l == layer.location)
                 .expect("just inserted");
-            x = layer.forward(&x, cos, sin, mask.as_ref(), cache.layer_mut(i))?;
+            x = layer.forward(&x, cos, sin, pad_t, cache.layer_mut(i))?;
         }
         cache.advance(q_len);
 

@@ -1,0 +1,79 @@
+// Fused kernels of the Qwen decoder that candle has no single kernel for. Compiled to PTX by
+// build.rs (feature `cuda`); crates/fleet-models/src/ops.rs launches them and has the CPU twins
+// that the parity tests run.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+template <typename T> __device__ __forceinline__ float to_f(T x);
+template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+
+// Softmax over the last axis of attention scores with the causal and left-padding mask applied
+// on the fly (no mask tensor). Row r of the [n_rows, kv_len] scores belongs to batch row
+// r / rows_per_batch and query i = r % q_len, at absolute position offset + i. Key j is visible
+// when j <= offset + i and (j >= pad[batch] or j is the query itself). Statistics in f32.
+// One warp per row.
+template <typename T>
+__device__ void masked_softmax(const T *x, T *y, const uint32_t *pad, int n_rows,
+                               int rows_per_batch, int q_len, int kv_len, int offset) {
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    const int lane = threadIdx.x;
+    if (row >= n_rows) return;
+    const int qi = offset + row % q_len;
+    const int p = (int)pad[row / rows_per_batch];
+    const T *xr = x + (size_t)row * kv_len;
+    T *yr = y + (size_t)row * kv_len;
+    const int end = min(kv_len, qi + 1);
+
+    float m = -INFINITY;
+    for (int j = lane; j < end; j += 32) {
+        if (j >= p || j == qi) m = fmaxf(m, to_f(xr[j]));
+    }
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    float s = 0.f;
+    for (int j = lane; j < end; j += 32) {
+        if (j >= p || j == qi) s += expf(to_f(xr[j]) - m);
+    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+    const float inv = 1.f / s;
+    for (int j = lane; j < kv_len; j += 32) {
+        const bool visible = j < end && (j >= p || j == qi);
+        yr[j] = from_f<T>(visible ? expf(to_f(xr[j]) - m) * inv : 0.f);
+    }
+}
+
+// SwiGLU on the fused gate/up projection: x is [n_rows, 2 * n_cols] (gate then up), y is
+// [n_rows, n_cols] = silu(gate) * up, rounded to T after the silu as transformers does.
+template <typename T>
+__device__ void swiglu(const T *x, T *y, int n_rows, int n_cols) {
+    const size_t n = (size_t)n_rows * n_cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / n_cols, c = i % n_cols;
+        const float g = to_f(x[r * 2 * n_cols + c]);
+        const float u = to_f(x[r * 2 * n_cols + n_cols + c]);
+        const float act = to_f(from_f<T>(g / (1.f + expf(-g))));
+        y[i] = from_f<T>(act * u);
+    }
+}
+
+#define OPS(T, SUFFIX)                                                                        \
+    extern "C" __global__ void masked_softmax_##SUFFIX(const T *x, T *y, const uint32_t *pad, \
+                                                       int n_rows, int rows_per_batch,       \
+                                                       int q_len, int kv_len, int offset) {  \
+        masked_softmax<T>(x, y, pad, n_rows, rows_per_batch, q_len, kv_len, offset);         \
+    }                                                                                         \
+    extern "C" __global__ void swiglu_##SUFFIX(const T *x, T *y, int n_rows, int n_cols) {    \
+        swiglu<T>(x, y, n_rows, n_cols);                                                      \
+    }
+
+OPS(float, f32)
+OPS(__half, f16)
+OPS(__nv_bfloat16, bf16)

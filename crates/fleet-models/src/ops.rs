@@ -1,0 +1,420 @@
+//! Fused operations of the decoder: one kernel where candle would launch several.
+//!
+//! - [`masked_softmax`]: causal + left-padding mask and softmax over attention scores, with
+//!   f32 statistics, reading and writing the model dtype (replaces cast, mask add, softmax,
+//!   cast, and the mask tensor itself).
+//! - [`swiglu`]: `silu(gate) * up` on the fused gate/up projection (replaces two strided
+//!   element-wise kernels).
+//!
+//! The CUDA kernels are in `kernels/ops.cu`; the CPU versions here compute the same thing in the
+//! same order, so the CPU parity tests check the logic the GPU runs.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use half::{bf16, f16};
+
+use crate::error::Result;
+
+/// Softmax of `scores` (`[..., kv_len]`, contiguous) over keys a query may see. Row `r` of the
+/// flattened scores is query `offset + r % q_len` of batch row `r / rows_per_batch`; `pad`
+/// (u32, one entry per batch row, on the scores' device) counts the row's left-padding keys.
+pub fn masked_softmax(
+    scores: &Tensor,
+    pad: &Tensor,
+    rows_per_batch: usize,
+    q_len: usize,
+    offset: usize,
+) -> Result<Tensor> {
+    let scores = if scores.is_contiguous() {
+        scores.clone()
+    } else {
+        scores.contiguous()?
+    };
+    Ok(scores.apply_op2_no_bwd(
+        pad,
+        &MaskedSoftmax {
+            rows_per_batch,
+            q_len,
+            offset,
+        },
+    )?)
+}
+
+/// `silu(x[.., :n]) * x[.., n:]` for `x` of last dimension `2n`.
+pub fn swiglu(x: &Tensor) -> Result<Tensor> {
+    let x = if x.is_contiguous() {
+        x.clone()
+    } else {
+        x.contiguous()?
+    };
+    Ok(x.apply_op1_no_bwd(&SwiGlu)?)
+}
+
+/// Conversions between the model dtypes and f32, for the CPU kernels.
+trait Float: Copy + Send + Sync {
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Float for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Float for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+impl Float for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+struct MaskedSoftmax {
+    rows_per_batch: usize,
+    q_len: usize,
+    offset: usize,
+}
+
+impl MaskedSoftmax {
+    fn cpu<T: Float>(&self, x: &[T], pad: &[u32], kv_len: usize) -> Vec<T> {
+        let mut y = vec![T::from_f32(0.0); x.len()];
+        for (r, (xr, yr)) in x.chunks(kv_len).zip(y.chunks_mut(kv_len)).enumerate() {
+            let qi = self.offset + r % self.q_len;
+            let p = pad[r / self.rows_per_batch] as usize;
+            let end = kv_len.min(qi + 1);
+            let visible = |j: usize| j >= p || j == qi;
+            let m = (0..end)
+                .filter(|&j| visible(j))
+                .map(|j| xr[j].to_f32())
+                .fold(f32::NEG_INFINITY, f32::max);
+            let s: f32 = (0..end)
+                .filter(|&j| visible(j))
+                .map(|j| (xr[j].to_f32() - m).exp())
+                .sum();
+            for j in (0..end).filter(|&j| visible(j)) {
+                yr[j] = T::from_f32((xr[j].to_f32() - m).exp() / s);
+            }
+        }
+        y
+    }
+}
+
+fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("fused op input must be contiguous"),
+    }
+}
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "fleet-masked-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let kv_len = l1.dims()[l1.dims().len() - 1];
+        let pad = match s2 {
+            CpuStorage::U32(p) => contiguous(p, l2)?,
+            _ => candle_core::bail!("masked_softmax: pad must be u32"),
+        };
+        let out = match s1 {
+            CpuStorage::F32(x) => CpuStorage::F32(self.cpu(contiguous(x, l1)?, pad, kv_len)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(self.cpu(contiguous(x, l1)?, pad, kv_len)),
+            CpuStorage::F16(x) => CpuStorage::F16(self.cpu(contiguous(x, l1)?, pad, kv_len)),
+            _ => candle_core::bail!("masked_softmax: scores must be f32, f16 or bf16"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::masked_softmax(self, s1, l1, s2, l2)
+    }
+}
+
+struct SwiGlu;
+
+fn swiglu_cpu<T: Float>(x: &[T], n_cols: usize) -> Vec<T> {
+    let mut y = Vec::with_capacity(x.len() / 2);
+    for row in x.chunks(2 * n_cols) {
+        let (gate, up) = row.split_at(n_cols);
+        for (g, u) in gate.iter().zip(up) {
+            let g = g.to_f32();
+            // Rounded after the silu, as transformers computes act_fn(gate) * up.
+            let act = T::from_f32(g / (1.0 + (-g).exp())).to_f32();
+            y.push(T::from_f32(act * u.to_f32()));
+        }
+    }
+    y
+}
+
+impl candle_core::CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "fleet-swiglu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = l.dims();
+        let n = dims[dims.len() - 1];
+        if n % 2 != 0 {
+            candle_core::bail!("swiglu: last dimension {n} is odd");
+        }
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("non-empty") = n / 2;
+        let out = match s {
+            CpuStorage::F32(x) => CpuStorage::F32(swiglu_cpu(contiguous(x, l)?, n / 2)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(swiglu_cpu(contiguous(x, l)?, n / 2)),
+            CpuStorage::F16(x) => CpuStorage::F16(swiglu_cpu(contiguous(x, l)?, n / 2)),
+            _ => candle_core::bail!("swiglu: input must be f32, f16 or bf16"),
+        };
+        Ok((out, Shape::from(out_dims)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::swiglu(s, l)
+    }
+}
+
+/// The element type's kernel-name suffix.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn suffix(dtype: DType) -> candle_core::Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::F16 => Ok("f16"),
+        DType::BF16 => Ok("bf16"),
+        other => candle_core::bail!("fused ops run in f32, f16 or bf16, not {other:?}"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, Layout, Shape};
+    use half::{bf16, f16};
+
+    use super::{suffix, MaskedSoftmax};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
+    const MODULE: &str = "fleet_ops";
+
+    fn input<'a, T: CudaDType + DeviceRepr>(
+        s: &'a CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+        match l.contiguous_offsets() {
+            Some((a, b)) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
+            None => candle_core::bail!("fused op input must be contiguous"),
+        }
+    }
+
+    pub(super) fn masked_softmax(
+        op: &MaskedSoftmax,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &MaskedSoftmax,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let x = input::<T>(s1, l1)?;
+            let pad = input::<u32>(s2, l2)?;
+            let el = l1.shape().elem_count();
+            let kv_len = l1.dims()[l1.dims().len() - 1];
+            let n_rows = el / kv_len;
+            let func = dev.get_or_load_custom_func(
+                &format!("masked_softmax_{}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every element is written by the kernel.
+            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(el)? };
+            const ROWS_PER_BLOCK: u32 = 4;
+            let cfg = LaunchConfig {
+                grid_dim: ((n_rows as u32).div_ceil(ROWS_PER_BLOCK), 1, 1),
+                block_dim: (32, ROWS_PER_BLOCK, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&y);
+            b.arg(&pad);
+            let args = [
+                n_rows as i32,
+                op.rows_per_batch as i32,
+                op.q_len as i32,
+                kv_len as i32,
+                op.offset as i32,
+            ];
+            for a in &args {
+                b.arg(a);
+            }
+            // SAFETY: the kernel reads n_rows * kv_len inputs and writes as many outputs.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(y, dev))
+        }
+        let out = match s1.dtype() {
+            candle_core::DType::F32 => run::<f32>(op, s1, l1, s2, l2)?,
+            candle_core::DType::F16 => run::<f16>(op, s1, l1, s2, l2)?,
+            candle_core::DType::BF16 => run::<bf16>(op, s1, l1, s2, l2)?,
+            other => candle_core::bail!("masked_softmax: unsupported dtype {other:?}"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    pub(super) fn swiglu(s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s.device().clone();
+            let x = input::<T>(s, l)?;
+            let n2 = l.dims()[l.dims().len() - 1];
+            let n_rows = l.shape().elem_count() / n2;
+            let n_cols = n2 / 2;
+            let el = n_rows * n_cols;
+            let func = dev.get_or_load_custom_func(
+                &format!("swiglu_{}", suffix(s.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every element is written by the kernel.
+            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(el)? };
+            let threads = 256u32;
+            let blocks = (el as u32).div_ceil(threads).clamp(1, 65_535);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&y);
+            let (rows, cols) = (n_rows as i32, n_cols as i32);
+            b.arg(&rows);
+            b.arg(&cols);
+            // SAFETY: the grid-stride loop covers n_rows * n_cols outputs.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(y, dev))
+        }
+        let dims = l.dims();
+        let n = dims[dims.len() - 1];
+        if n % 2 != 0 {
+            candle_core::bail!("swiglu: last dimension {n} is odd");
+        }
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("non-empty") = n / 2;
+        let out = match s.dtype() {
+            candle_core::DType::F32 => run::<f32>(s, l)?,
+            candle_core::DType::F16 => run::<f16>(s, l)?,
+            candle_core::DType::BF16 => run::<bf16>(s, l)?,
+            other => candle_core::bail!("swiglu: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from(out_dims)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The fused softmax equals mask-add + softmax done the plain way.
+    #[test]
+    fn masked_softmax_matches_reference() {
+        let dev = Device::Cpu;
+        let (b, rows, q_len, offset) = (2usize, 3usize, 4usize, 2usize);
+        let kv_len = offset + q_len;
+        let scores = Tensor::randn(0f32, 2.0, (b, rows, q_len, kv_len), &dev).unwrap();
+        let pads = [0u32, 3];
+        let pad = Tensor::new(&pads, &dev).unwrap();
+        let got: Vec<f32> = masked_softmax(&scores, &pad, rows * q_len, q_len, offset)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let s: Vec<f32> = scores.flatten_all().unwrap().to_vec1().unwrap();
+        for (r, row) in s.chunks(kv_len).enumerate() {
+            let (batch, qi) = (r / (rows * q_len), offset + r % q_len);
+            let vis: Vec<bool> = (0..kv_len)
+                .map(|j| j <= qi && (j >= pads[batch] as usize || j == qi))
+                .collect();
+            let m = row
+                .iter()
+                .zip(&vis)
+                .filter(|(_, v)| **v)
+                .map(|(x, _)| *x)
+                .fold(f32::MIN, f32::max);
+            let z: f32 = row
+                .iter()
+                .zip(&vis)
+                .filter(|(_, v)| **v)
+                .map(|(x, _)| (x - m).exp())
+                .sum();
+            for j in 0..kv_len {
+                let want = if vis[j] { (row[j] - m).exp() / z } else { 0.0 };
+                assert!((got[r * kv_len + j] - want).abs() < 1e-6, "row {r} key {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn swiglu_matches_reference() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (3, 2, 10), &dev).unwrap();
+        let got = swiglu(&x).unwrap();
+        assert_eq!(got.dims(), &[3, 2, 5]);
+        let gate = x.narrow(2, 0, 5).unwrap();
+        let up = x.narrow(2, 5, 5).unwrap();
+        let want = (candle_nn::ops::silu(&gate).unwrap() * up).unwrap();
+        let d = (got - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d < 1e-6, "{d}");
+    }
+}
