@@ -144,8 +144,12 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The user message.
-    #[arg(long)]
-    pub prompt: String,
+    #[arg(long, required_unless_present = "ids_file")]
+    pub prompt: Option<String>,
+    /// Instead of a chat prompt: a JSON file {"input_ids": [[...], ...]} of prompts (any
+    /// lengths) generated as one left-padded batch; prints one JSON line per prompt.
+    #[arg(long, conflicts_with = "prompt")]
+    pub ids_file: Option<PathBuf>,
     /// A system message (else the template's default, if it has one).
     #[arg(long)]
     pub system: Option<String>,
@@ -170,17 +174,7 @@ pub struct GenerateArgs {
 
 pub fn generate(args: &GenerateArgs) -> Result<()> {
     let model = args.model.load()?;
-    let prompt_ids = if args.raw {
-        model.tokenizer()?.encode(&args.prompt)?
-    } else {
-        let mut messages = Vec::new();
-        if let Some(s) = &args.system {
-            messages.push(ChatMessage::new("system", s.clone()));
-        }
-        messages.push(ChatMessage::new("user", args.prompt.clone()));
-        model.chat_prompt(&messages, true)?
-    };
-    let request = GenerationRequest {
+    let request = |prompt_ids: Vec<u32>| GenerationRequest {
         prompt_ids,
         max_new_tokens: args.max_new_tokens,
         sampling: SamplingParams {
@@ -191,6 +185,26 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         },
         stop_strings: args.stop.clone(),
     };
+    if let Some(path) = &args.ids_file {
+        let requests: Vec<GenerationRequest> =
+            read_ids_file(path)?.into_iter().map(request).collect();
+        for out in model.generate(&requests, None)? {
+            println!("{}", serde_json::to_string(&out)?);
+        }
+        return Ok(());
+    }
+    let prompt = args.prompt.clone().unwrap_or_default();
+    let prompt_ids = if args.raw {
+        model.tokenizer()?.encode(&prompt)?
+    } else {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(ChatMessage::new("system", s.clone()));
+        }
+        messages.push(ChatMessage::new("user", prompt));
+        model.chat_prompt(&messages, true)?
+    };
+    let request = request(prompt_ids);
     let start = std::time::Instant::now();
     let mut stdout = std::io::stdout();
     let mut on_token = |e: fleet_models::StreamEvent<'_>| {
@@ -235,22 +249,7 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
                     .with_context(|| format!("--ids: `{t}` is not a token id"))
             })
             .collect::<Result<_>>()?],
-        (None, Some(p)) => {
-            #[derive(serde::Deserialize)]
-            struct IdsFile {
-                input_ids: Vec<Vec<u32>>,
-            }
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            serde_json::from_str::<IdsFile>(&text)
-                .with_context(|| {
-                    format!(
-                        "{}: expected {{\"input_ids\": [[ids...], ...]}}",
-                        p.display()
-                    )
-                })?
-                .input_ids
-        }
+        (None, Some(p)) => read_ids_file(p)?,
         (None, None) => bail!("give --ids 1,2,3 or --ids-file FILE"),
     };
     let model = args.model.load()?;
@@ -270,4 +269,22 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Reads {"input_ids": [[...], ...]}.
+fn read_ids_file(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
+    #[derive(serde::Deserialize)]
+    struct IdsFile {
+        input_ids: Vec<Vec<u32>>,
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(serde_json::from_str::<IdsFile>(&text)
+        .with_context(|| {
+            format!(
+                "{}: expected {{\"input_ids\": [[ids...], ...]}}",
+                path.display()
+            )
+        })?
+        .input_ids)
 }

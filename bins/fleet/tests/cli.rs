@@ -144,3 +144,53 @@ fn bad_input_exits_nonzero_with_a_message() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("int4"));
 }
+
+#[test]
+fn generate_batch_from_ids_file_matches_goldens() {
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("golden/qwen2-tiny.json")).unwrap())
+            .unwrap();
+    let cases = golden["greedy"].as_array().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ids = dir.path().join("ids.json");
+    let prompts: Vec<&serde_json::Value> = cases.iter().map(|c| &c["input_ids"]).collect();
+    std::fs::write(
+        &ids,
+        serde_json::json!({ "input_ids": prompts }).to_string(),
+    )
+    .unwrap();
+    let out = fleet()
+        .args(["generate", "--model"])
+        .arg(fixture("qwen2-tiny"))
+        .arg("--ids-file")
+        .arg(&ids)
+        .args(["--max-new-tokens", "40"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), cases.len());
+    for (line, case) in lines.iter().zip(cases) {
+        let n = case["max_new_tokens"].as_u64().unwrap() as usize;
+        let got: Vec<u64> = line["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        let want: Vec<u64> = case["output_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(got[..n.min(got.len())], want[..]);
+    }
+}
