@@ -64,6 +64,43 @@ __device__ void swiglu(const T *x, T *y, int n_rows, int n_cols) {
     }
 }
 
+// Residual add fused with the RMSNorm that follows it: out[0] = x + h (rounded to T), and
+// out[1] = w * T(s * rsqrt(mean(s^2) + eps)) with s = out[0], rounded as transformers rounds
+// (the normalised value to T first, then the product with the weight). One block per row.
+template <typename T>
+__device__ void add_rms_norm(const T *x, const T *h, const T *w, T *out, int n_rows, int n,
+                             float eps) {
+    const int row = blockIdx.x;
+    if (row >= n_rows) return;
+    const T *xr = x + (size_t)row * n;
+    const T *hr = h + (size_t)row * n;
+    T *sr = out + (size_t)row * n;
+    T *yr = out + (size_t)n_rows * n + (size_t)row * n;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const T s = from_f<T>(to_f(xr[c]) + to_f(hr[c]));
+        sr[c] = s;
+        const float f = to_f(s);
+        ss += f * f;
+    }
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        ss = lane < (blockDim.x + 31) / 32 ? partial[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+        if (lane == 0) partial[0] = ss;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(partial[0] / n + eps);
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const float normed = to_f(from_f<T>(to_f(sr[c]) * inv));
+        yr[c] = from_f<T>(normed * to_f(w[c]));
+    }
+}
+
 #define OPS(T, SUFFIX)                                                                        \
     extern "C" __global__ void masked_softmax_##SUFFIX(const T *x, T *y, const uint32_t *pad, \
                                                        int n_rows, int rows_per_batch,       \
@@ -72,6 +109,10 @@ __device__ void swiglu(const T *x, T *y, int n_rows, int n_cols) {
     }                                                                                         \
     extern "C" __global__ void swiglu_##SUFFIX(const T *x, T *y, int n_rows, int n_cols) {    \
         swiglu<T>(x, y, n_rows, n_cols);                                                      \
+    }                                                                                         \
+    extern "C" __global__ void add_rms_norm_##SUFFIX(const T *x, const T *h, const T *w,      \
+                                                     T *out, int n_rows, int n, float eps) {  \
+        add_rms_norm<T>(x, h, w, out, n_rows, n, eps);                                        \
     }
 
 OPS(float, f32)

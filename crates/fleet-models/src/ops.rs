@@ -5,11 +5,12 @@
 //!   cast, and the mask tensor itself).
 //! - [`swiglu`]: `silu(gate) * up` on the fused gate/up projection (replaces two strided
 //!   element-wise kernels).
+//! - [`add_rms_norm`]: a residual add and the RMSNorm after it in one pass.
 //!
 //! The CUDA kernels are in `kernels/ops.cu`; the CPU versions here compute the same thing in the
 //! same order, so the CPU parity tests check the logic the GPU runs.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 use half::{bf16, f16};
 
 use crate::error::Result;
@@ -47,6 +48,21 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
         x.contiguous()?
     };
     Ok(x.apply_op1_no_bwd(&SwiGlu)?)
+}
+
+/// `(x + h, rms_norm(x + h) * weight)`: the residual stream after an add, and its normalised
+/// form, with transformers' roundings. `x` and `h` have the same shape, `weight` is the last
+/// dimension.
+pub fn add_rms_norm(x: &Tensor, h: &Tensor, weight: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    let c = |t: &Tensor| -> Result<Tensor> {
+        Ok(if t.is_contiguous() {
+            t.clone()
+        } else {
+            t.contiguous()?
+        })
+    };
+    let both = c(x)?.apply_op3_no_bwd(&c(h)?, weight, &AddRmsNorm { eps })?;
+    Ok((both.get(0)?, both.get(1)?))
 }
 
 /// Conversions between the model dtypes and f32, for the CPU kernels.
@@ -205,6 +221,103 @@ impl candle_core::CustomOp1 for SwiGlu {
     }
 }
 
+struct AddRmsNorm {
+    eps: f32,
+}
+
+fn add_rms_norm_cpu<T: Float>(x: &[T], h: &[T], w: &[T], eps: f32) -> Vec<T> {
+    let n = w.len();
+    let rows = x.len() / n;
+    let mut out = vec![T::from_f32(0.0); 2 * x.len()];
+    let (sums, normed) = out.split_at_mut(x.len());
+    for r in 0..rows {
+        let span = r * n..(r + 1) * n;
+        let mut ss = 0f32;
+        for ((s, a), b) in sums[span.clone()]
+            .iter_mut()
+            .zip(&x[span.clone()])
+            .zip(&h[span.clone()])
+        {
+            *s = T::from_f32(a.to_f32() + b.to_f32());
+            ss += s.to_f32() * s.to_f32();
+        }
+        let inv = 1.0 / (ss / n as f32 + eps).sqrt();
+        for ((y, s), wc) in normed[span.clone()].iter_mut().zip(&sums[span]).zip(w) {
+            let v = T::from_f32(s.to_f32() * inv).to_f32();
+            *y = T::from_f32(v * wc.to_f32());
+        }
+    }
+    out
+}
+
+impl CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "fleet-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if l1.shape() != l2.shape() || l3.dims() != [l1.dims()[l1.dims().len() - 1]] {
+            candle_core::bail!(
+                "add_rms_norm: shapes {:?} {:?} {:?}",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            );
+        }
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(h), CpuStorage::F32(w)) => {
+                CpuStorage::F32(add_rms_norm_cpu(
+                    contiguous(x, l1)?,
+                    contiguous(h, l2)?,
+                    contiguous(w, l3)?,
+                    self.eps,
+                ))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(h), CpuStorage::BF16(w)) => {
+                CpuStorage::BF16(add_rms_norm_cpu(
+                    contiguous(x, l1)?,
+                    contiguous(h, l2)?,
+                    contiguous(w, l3)?,
+                    self.eps,
+                ))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(h), CpuStorage::F16(w)) => {
+                CpuStorage::F16(add_rms_norm_cpu(
+                    contiguous(x, l1)?,
+                    contiguous(h, l2)?,
+                    contiguous(w, l3)?,
+                    self.eps,
+                ))
+            }
+            _ => candle_core::bail!("add_rms_norm: inputs must share one of f32, f16, bf16"),
+        };
+        let mut dims = vec![2];
+        dims.extend_from_slice(l1.dims());
+        Ok((out, Shape::from(dims)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::add_rms_norm(self.eps, s1, l1, s2, l2, s3, l3)
+    }
+}
+
 /// The element type's kernel-name suffix.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn suffix(dtype: DType) -> candle_core::Result<&'static str> {
@@ -299,6 +412,77 @@ mod cuda {
             other => candle_core::bail!("masked_softmax: unsupported dtype {other:?}"),
         };
         Ok((out, l1.shape().clone()))
+    }
+
+    pub(super) fn add_rms_norm(
+        eps: f32,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            eps: f32,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let (x, h, w) = (
+                input::<T>(s1, l1)?,
+                input::<T>(s2, l2)?,
+                input::<T>(s3, l3)?,
+            );
+            let n = l3.dims()[0];
+            let el = l1.shape().elem_count();
+            let n_rows = el / n;
+            let func = dev.get_or_load_custom_func(
+                &format!("add_rms_norm_{}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: the kernel writes both halves, 2 * el elements.
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * el)? };
+            let cfg = LaunchConfig {
+                grid_dim: (n_rows as u32, 1, 1),
+                block_dim: (1024.min(n.next_multiple_of(32)) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&h);
+            b.arg(&w);
+            b.arg(&out);
+            let (rows, cols) = (n_rows as i32, n as i32);
+            b.arg(&rows);
+            b.arg(&cols);
+            b.arg(&eps);
+            // SAFETY: one block per row of n elements.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        if l1.shape() != l2.shape() || l3.dims() != [l1.dims()[l1.dims().len() - 1]] {
+            candle_core::bail!(
+                "add_rms_norm: shapes {:?} {:?} {:?}",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            );
+        }
+        let out = match s1.dtype() {
+            candle_core::DType::F32 => run::<f32>(eps, s1, l1, s2, l2, s3, l3)?,
+            candle_core::DType::F16 => run::<f16>(eps, s1, l1, s2, l2, s3, l3)?,
+            candle_core::DType::BF16 => run::<bf16>(eps, s1, l1, s2, l2, s3, l3)?,
+            other => candle_core::bail!("add_rms_norm: unsupported dtype {other:?}"),
+        };
+        let mut dims = vec![2];
+        dims.extend_from_slice(l1.dims());
+        Ok((out, Shape::from(dims)))
     }
 
     pub(super) fn swiglu(s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
@@ -396,6 +580,34 @@ mod tests {
                 assert!((got[r * kv_len + j] - want).abs() < 1e-6, "row {r} key {j}");
             }
         }
+    }
+
+    #[test]
+    fn add_rms_norm_matches_reference() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 8), &dev).unwrap();
+        let h = Tensor::randn(0f32, 1.0, (2, 3, 8), &dev).unwrap();
+        let w = Tensor::randn(1f32, 0.2, 8, &dev).unwrap();
+        let (sum, normed) = add_rms_norm(&x, &h, &w, 1e-6).unwrap();
+        let want_sum = (&x + &h).unwrap();
+        let want = candle_nn::ops::rms_norm(&want_sum, &w, 1e-6).unwrap();
+        let d1 = (sum - want_sum)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let d2 = (normed - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d1 < 1e-6 && d2 < 1e-5, "{d1} {d2}");
     }
 
     #[test]

@@ -35,6 +35,11 @@ impl RmsNorm {
             self.eps,
         )?)
     }
+
+    /// `(x + h, norm(x + h))` in one kernel.
+    fn add_forward(&self, x: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        ops::add_rms_norm(x, h, &self.weight, self.eps)
+    }
 }
 
 /// Reads the weights of blocks that live on one device.
@@ -350,21 +355,27 @@ impl DecoderLayer {
         })
     }
 
+    /// The residual stream arrives as `x + pending` (the previous layer's MLP output is added
+    /// here, fused with this layer's first norm) and leaves the same way: the return value is
+    /// `(x, mlp_out)` with the hidden state `x + mlp_out`.
     fn forward(
         &self,
         x: &Tensor,
+        pending: Option<&Tensor>,
         cos: &Tensor,
         sin: &Tensor,
         pad: &Tensor,
         cache: &mut LayerCache,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let dev = x.device();
-        let h = profile::time(dev, "norm", || self.input_norm.forward(x))?;
-        let h = self.attn.forward(&h, cos, sin, pad, cache)?;
-        let x = profile::time(dev, "residual", || Ok((x + h)?))?;
-        let h = profile::time(dev, "norm", || self.post_attn_norm.forward(&x))?;
-        let h = self.mlp.forward(&h)?;
-        profile::time(dev, "residual", || Ok((x + h)?))
+        let (x, h) = profile::time(dev, "norm", || match pending {
+            Some(p) => self.input_norm.add_forward(x, p),
+            None => Ok((x.clone(), self.input_norm.forward(x)?)),
+        })?;
+        let attn = self.attn.forward(&h, cos, sin, pad, cache)?;
+        let (x, h) = profile::time(dev, "norm", || self.post_attn_norm.add_forward(&x, &attn))?;
+        let mlp = self.mlp.forward(&h)?;
+        Ok((x, mlp))
     }
 }
 
@@ -541,6 +552,8 @@ impl QwenModel {
         let flat: Vec<u32> = ids.iter().flatten().copied().collect();
         let input = Tensor::from_vec(flat, (b, q_len), self.input_device())?;
         let mut x = self.embed.forward(&input)?;
+        // The last layer's MLP output, not yet added to `x` (see `DecoderLayer::forward`).
+        let mut pending: Option<Tensor> = None;
 
         // Per-device RoPE slices and padding counts, made once per call.
         let mut per_device: Vec<(DeviceLocation, Tensor, Tensor, Tensor)> = Vec::new();
@@ -548,6 +561,7 @@ impl QwenModel {
             let dev = self.devices.get(layer.location);
             if !x.device().same_device(dev) {
                 x = x.to_device(dev)?;
+                pending = pending.map(|p| p.to_device(dev)).transpose()?;
             }
             if !per_device.iter().any(|(l, ..)| *l == layer.location) {
                 let tables = &self
@@ -564,19 +578,29 @@ impl QwenModel {
                 .iter()
                 .find(|(l, ..)| *l == layer.location)
                 .expect("just inserted");
-            x = layer.forward(&x, cos, sin, pad_t, cache.layer_mut(i))?;
+            let (nx, mlp) =
+                layer.forward(&x, pending.as_ref(), cos, sin, pad_t, cache.layer_mut(i))?;
+            x = nx;
+            pending = Some(mlp);
         }
         cache.advance(q_len);
 
         let head_dev = self.output_device();
         if !x.device().same_device(head_dev) {
             x = x.to_device(head_dev)?;
+            pending = pending.map(|p| p.to_device(head_dev)).transpose()?;
         }
         if last_only {
             x = x.i((.., q_len - 1..q_len, ..))?;
+            pending = pending
+                .map(|p| p.i((.., q_len - 1..q_len, ..)))
+                .transpose()?;
         }
         profile::time(head_dev, "head", || {
-            let x = self.norm.forward(&x)?;
+            let x = match &pending {
+                Some(p) => self.norm.add_forward(&x, p)?.1,
+                None => self.norm.forward(&x)?,
+            };
             Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
         })
     }
