@@ -101,6 +101,38 @@ __device__ void add_rms_norm(const T *x, const T *h, const T *w, T *out, int n_r
     }
 }
 
+// Splits the fused q/k/v projection [b, t, (h + 2 kvh) * d] into head-major q [b, h, t, d],
+// k and v [b, kvh, t, d] (consecutive regions of `out`), rotating q and k with RoPE
+// (rotate-half convention, math in f32, one rounding). cos/sin are [t, d/2], or [b, t, d/2]
+// when `per_row`. One block per (token, head), d/2 threads.
+template <typename T>
+__device__ void qkv_rope(const T *x, const T *cos, const T *sin, T *out, int b, int t, int h,
+                         int kvh, int d, int per_row) {
+    const int heads = h + 2 * kvh;
+    const int half = d / 2;
+    const int blk = blockIdx.x; // (bi * t + ti) * heads + hh
+    const int hh = blk % heads;
+    const int tok = blk / heads;
+    const int ti = tok % t, bi = tok / t;
+    const int i = threadIdx.x;
+    if (bi >= b || i >= half) return;
+    const T *src = x + (size_t)tok * heads * d + (size_t)hh * d;
+    const float x0 = to_f(src[i]), x1 = to_f(src[i + half]);
+    const size_t q_size = (size_t)b * h * t * d, kv_size = (size_t)b * kvh * t * d;
+    if (hh >= h + kvh) {
+        T *dst = out + q_size + kv_size + (((size_t)bi * kvh + (hh - h - kvh)) * t + ti) * d;
+        dst[i] = src[i];
+        dst[i + half] = src[i + half];
+        return;
+    }
+    const size_t cs = per_row ? ((size_t)bi * t + ti) * half + i : (size_t)ti * half + i;
+    const float c = to_f(cos[cs]), s = to_f(sin[cs]);
+    T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
+                    : out + q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d;
+    dst[i] = from_f<T>(x0 * c - x1 * s);
+    dst[i + half] = from_f<T>(x1 * c + x0 * s);
+}
+
 #define OPS(T, SUFFIX)                                                                        \
     extern "C" __global__ void masked_softmax_##SUFFIX(const T *x, T *y, const uint32_t *pad, \
                                                        int n_rows, int rows_per_batch,       \
@@ -113,6 +145,11 @@ __device__ void add_rms_norm(const T *x, const T *h, const T *w, T *out, int n_r
     extern "C" __global__ void add_rms_norm_##SUFFIX(const T *x, const T *h, const T *w,      \
                                                      T *out, int n_rows, int n, float eps) {  \
         add_rms_norm<T>(x, h, w, out, n_rows, n, eps);                                        \
+    }                                                                                         \
+    extern "C" __global__ void qkv_rope_##SUFFIX(const T *x, const T *cos, const T *sin,      \
+                                                 T *out, int b, int t, int h, int kvh, int d, \
+                                                 int per_row) {                               \
+        qkv_rope<T>(x, cos, sin, out, b, t, h, kvh, d, per_row);                              \
     }
 
 OPS(float, f32)

@@ -6,6 +6,8 @@
 //! - [`swiglu`]: `silu(gate) * up` on the fused gate/up projection (replaces two strided
 //!   element-wise kernels).
 //! - [`add_rms_norm`]: a residual add and the RMSNorm after it in one pass.
+//! - [`qkv_rope`]: the fused q/k/v projection split into head-major q, k, v with RoPE applied
+//!   to q and k (replaces a transpose copy, per-part copies and the RoPE kernels).
 //!
 //! The CUDA kernels are in `kernels/ops.cu`; the CPU versions here compute the same thing in the
 //! same order, so the CPU parity tests check the logic the GPU runs.
@@ -63,6 +65,40 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, weight: &Tensor, eps: f32) -> Result
     };
     let both = c(x)?.apply_op3_no_bwd(&c(h)?, weight, &AddRmsNorm { eps })?;
     Ok((both.get(0)?, both.get(1)?))
+}
+
+/// Splits `qkv` (`[b, t, (h + 2 kvh) * d]`) into `q` `[b, h, t, d]`, `k` and `v`
+/// `[b, kvh, t, d]`, all contiguous, with RoPE (`cos`/`sin` `[t, d/2]` or `[b, t, d/2]`)
+/// applied to q and k.
+pub fn qkv_rope(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    heads: (usize, usize),
+    head_dim: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, _) = qkv.dims3()?;
+    let (h, kvh) = heads;
+    let c = |t: &Tensor| -> Result<Tensor> {
+        Ok(if t.is_contiguous() {
+            t.clone()
+        } else {
+            t.contiguous()?
+        })
+    };
+    let op = QkvRope {
+        h,
+        kvh,
+        d: head_dim,
+    };
+    let flat = c(qkv)?.apply_op3_no_bwd(&c(cos)?, &c(sin)?, &op)?;
+    let (qn, kvn) = (b * h * t * head_dim, b * kvh * t * head_dim);
+    Ok((
+        flat.narrow(0, 0, qn)?.reshape((b, h, t, head_dim))?,
+        flat.narrow(0, qn, kvn)?.reshape((b, kvh, t, head_dim))?,
+        flat.narrow(0, qn + kvn, kvn)?
+            .reshape((b, kvh, t, head_dim))?,
+    ))
 }
 
 /// Conversions between the model dtypes and f32, for the CPU kernels.
@@ -318,6 +354,146 @@ impl CustomOp3 for AddRmsNorm {
     }
 }
 
+struct QkvRope {
+    h: usize,
+    kvh: usize,
+    d: usize,
+}
+
+impl QkvRope {
+    /// `(b, t, per_row)` from the layouts, after checking them.
+    fn dims(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, bool)> {
+        let (b, t, w) = l1.shape().dims3()?;
+        if w != (self.h + 2 * self.kvh) * self.d {
+            candle_core::bail!("qkv_rope: last dim {w} is not (h + 2 kvh) * d");
+        }
+        let per_row = l2.dims().len() == 3;
+        let want: Vec<usize> = if per_row {
+            vec![b, t, self.d / 2]
+        } else {
+            vec![t, self.d / 2]
+        };
+        if l2.dims() != want.as_slice() {
+            candle_core::bail!("qkv_rope: cos/sin {:?}, expected {want:?}", l2.dims());
+        }
+        Ok((b, t, per_row))
+    }
+
+    fn cpu<T: Float>(
+        &self,
+        x: &[T],
+        cos: &[T],
+        sin: &[T],
+        b: usize,
+        t: usize,
+        per_row: bool,
+    ) -> Vec<T> {
+        let (h, kvh, d) = (self.h, self.kvh, self.d);
+        let (heads, half) = (h + 2 * kvh, d / 2);
+        let (q_size, kv_size) = (b * h * t * d, b * kvh * t * d);
+        let mut out = vec![T::from_f32(0.0); q_size + 2 * kv_size];
+        for bi in 0..b {
+            for ti in 0..t {
+                let tok = bi * t + ti;
+                for hh in 0..heads {
+                    let src = &x[(tok * heads + hh) * d..(tok * heads + hh + 1) * d];
+                    let base = if hh < h {
+                        ((bi * h + hh) * t + ti) * d
+                    } else if hh < h + kvh {
+                        q_size + ((bi * kvh + hh - h) * t + ti) * d
+                    } else {
+                        q_size + kv_size + ((bi * kvh + hh - h - kvh) * t + ti) * d
+                    };
+                    let dst = &mut out[base..base + d];
+                    if hh >= h + kvh {
+                        dst.copy_from_slice(src);
+                        continue;
+                    }
+                    for i in 0..half {
+                        let cs = if per_row {
+                            tok * half + i
+                        } else {
+                            ti * half + i
+                        };
+                        let (c, s) = (cos[cs].to_f32(), sin[cs].to_f32());
+                        let (x0, x1) = (src[i].to_f32(), src[i + half].to_f32());
+                        dst[i] = T::from_f32(x0 * c - x1 * s);
+                        dst[i + half] = T::from_f32(x1 * c + x0 * s);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp3 for QkvRope {
+    fn name(&self) -> &'static str {
+        "fleet-qkv-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, t, per_row) = self.dims(l1, l2)?;
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => {
+                CpuStorage::F32(self.cpu(
+                    contiguous(x, l1)?,
+                    contiguous(c, l2)?,
+                    contiguous(s, l3)?,
+                    b,
+                    t,
+                    per_row,
+                ))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(c), CpuStorage::BF16(s)) => {
+                CpuStorage::BF16(self.cpu(
+                    contiguous(x, l1)?,
+                    contiguous(c, l2)?,
+                    contiguous(s, l3)?,
+                    b,
+                    t,
+                    per_row,
+                ))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(c), CpuStorage::F16(s)) => {
+                CpuStorage::F16(self.cpu(
+                    contiguous(x, l1)?,
+                    contiguous(c, l2)?,
+                    contiguous(s, l3)?,
+                    b,
+                    t,
+                    per_row,
+                ))
+            }
+            _ => candle_core::bail!("qkv_rope: inputs must share one of f32, f16, bf16"),
+        };
+        let n = b * t * (self.h + 2 * self.kvh) * self.d;
+        Ok((out, Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (b, t, per_row) = self.dims(l1, l2)?;
+        cuda::qkv_rope(self, (b, t, per_row), s1, l1, s2, l2, s3, l3)
+    }
+}
+
 /// The element type's kernel-name suffix.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn suffix(dtype: DType) -> candle_core::Result<&'static str> {
@@ -485,6 +661,78 @@ mod cuda {
         Ok((out, Shape::from(dims)))
     }
 
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn qkv_rope(
+        op: &super::QkvRope,
+        dims: (usize, usize, bool),
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &super::QkvRope,
+            (b, t, per_row): (usize, usize, bool),
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let (x, c, s) = (
+                input::<T>(s1, l1)?,
+                input::<T>(s2, l2)?,
+                input::<T>(s3, l3)?,
+            );
+            let heads = op.h + 2 * op.kvh;
+            let n = b * t * heads * op.d;
+            let func = dev.get_or_load_custom_func(
+                &format!("qkv_rope_{}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every (token, head) block writes its d outputs.
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+            let cfg = LaunchConfig {
+                grid_dim: ((b * t * heads) as u32, 1, 1),
+                block_dim: ((op.d / 2) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut bld = func.builder();
+            bld.arg(&x);
+            bld.arg(&c);
+            bld.arg(&s);
+            bld.arg(&out);
+            let args = [
+                b as i32,
+                t as i32,
+                op.h as i32,
+                op.kvh as i32,
+                op.d as i32,
+                i32::from(per_row),
+            ];
+            for a in &args {
+                bld.arg(a);
+            }
+            // SAFETY: grid covers b * t * heads blocks of d/2 threads.
+            unsafe { bld.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        let n = dims.0 * dims.1 * (op.h + 2 * op.kvh) * op.d;
+        let out = match s1.dtype() {
+            candle_core::DType::F32 => run::<f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            candle_core::DType::F16 => run::<f16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            candle_core::DType::BF16 => run::<bf16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            other => candle_core::bail!("qkv_rope: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from(n)))
+    }
+
     pub(super) fn swiglu(s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         fn run<T: CudaDType + DeviceRepr>(
             s: &CudaStorage,
@@ -608,6 +856,48 @@ mod tests {
             .to_scalar::<f32>()
             .unwrap();
         assert!(d1 < 1e-6 && d2 < 1e-5, "{d1} {d2}");
+    }
+
+    #[test]
+    fn qkv_rope_matches_transpose_and_candle_rope() {
+        let dev = Device::Cpu;
+        let (b, t, h, kvh, d) = (2, 5, 4, 2, 8);
+        let qkv = Tensor::randn(0f32, 1.0, (b, t, (h + 2 * kvh) * d), &dev).unwrap();
+        let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+        let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+        let heads = qkv
+            .reshape((b, t, h + 2 * kvh, d))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let part = |s, n| heads.narrow(1, s, n).unwrap().contiguous().unwrap();
+        let want_q = candle_nn::rotary_emb::rope(&part(0, h), &cos, &sin).unwrap();
+        let want_k = candle_nn::rotary_emb::rope(&part(h, kvh), &cos, &sin).unwrap();
+        let want_v = part(h + kvh, kvh);
+        for (cos, sin) in [
+            (cos.clone(), sin.clone()),
+            (cos.get(0).unwrap(), sin.get(0).unwrap()),
+        ] {
+            let (q, k, v) = qkv_rope(&qkv, &cos, &sin, (h, kvh), d).unwrap();
+            let shared = cos.rank() == 2;
+            let diff = |a: &Tensor, b: &Tensor| {
+                (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+            };
+            assert!(diff(&v, &want_v) == 0.0);
+            if !shared {
+                assert!(diff(&q, &want_q) < 1e-5 && diff(&k, &want_k) < 1e-5);
+            } else {
+                // Row 0 of the batch uses the same tables either way.
+                assert!(diff(&q.get(0).unwrap(), &want_q.get(0).unwrap()) < 1e-5);
+            }
+        }
     }
 
     #[test]

@@ -217,47 +217,24 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, q_len, _) = x.dims3()?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        // One copy puts every head first: [b, h + 2 kvh, q_len, d]. Narrowing the head axis of
-        // that is free, and contiguous when b == 1 (decode of one request needs no more copies).
         let dev = x.device();
-        let heads = profile::time(dev, "attn.qkv_proj", || {
-            Ok(self
-                .qkv
-                .forward(x)?
-                .reshape((b, q_len, h + 2 * kvh, d))?
-                .transpose(1, 2)?
-                .contiguous()?)
-        })?;
-        let part = |start: usize, n: usize| -> Result<Tensor> {
-            let t = heads.narrow(1, start, n)?;
-            Ok(if t.is_contiguous() {
-                t
-            } else {
-                t.contiguous()?
-            })
-        };
-        let contiguous = |t: Tensor| -> Result<Tensor> {
-            Ok(if t.is_contiguous() {
-                t
-            } else {
-                t.contiguous()?
-            })
-        };
-        let (q, k, v) = profile::time(dev, "attn.rope", || {
-            let (q, k) = match (&self.q_norm, &self.k_norm) {
-                // Qwen3 normalises each head before RoPE.
-                (Some(qn), Some(kn)) => {
-                    let q = candle_nn::rotary_emb::rope(&qn.forward(&part(0, h)?)?, cos, sin)?;
-                    let k = candle_nn::rotary_emb::rope(&kn.forward(&part(h, kvh)?)?, cos, sin)?;
-                    (q, k)
-                }
-                // q and k rotate together in one launch.
-                _ => {
-                    let qk = candle_nn::rotary_emb::rope(&part(0, h + kvh)?, cos, sin)?;
-                    (qk.narrow(1, 0, h)?, qk.narrow(1, h, kvh)?)
-                }
-            };
-            Ok((contiguous(q)?, contiguous(k)?, part(h + kvh, kvh)?))
+        let qkv = profile::time(dev, "attn.qkv_proj", || Ok(self.qkv.forward(x)?))?;
+        let (q, k, v) = profile::time(dev, "attn.rope", || match (&self.q_norm, &self.k_norm) {
+            // Qwen3 normalises each head before RoPE: a head-major copy, the norms, then RoPE.
+            (Some(qn), Some(kn)) => {
+                let heads = qkv
+                    .reshape((b, q_len, h + 2 * kvh, d))?
+                    .transpose(1, 2)?
+                    .contiguous()?;
+                let part = |start: usize, n: usize| -> Result<Tensor> {
+                    Ok(heads.narrow(1, start, n)?.contiguous()?)
+                };
+                let q = candle_nn::rotary_emb::rope(&qn.forward(&part(0, h)?)?, cos, sin)?;
+                let k = candle_nn::rotary_emb::rope(&kn.forward(&part(h, kvh)?)?, cos, sin)?;
+                Ok((q, k, part(h + kvh, kvh)?))
+            }
+            // Qwen2: split, transpose and rotate in one kernel.
+            _ => ops::qkv_rope(&qkv, cos, sin, (h, kvh), d),
         })?;
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
         let kv_len = k.dim(2)?;
