@@ -102,13 +102,12 @@ __device__ void add_rms_norm(const T *x, const T *h, const T *w, T *out, int n_r
 }
 
 // Splits the fused q/k/v projection [b, t, (h + 2 kvh) * d] into head-major q [b, h, t, d],
-// k and v [b, kvh, t, d] (consecutive regions of `out`), adding the projection bias when
-// `has_bias` and rotating q and k with RoPE (rotate-half convention, math in f32, one
-// rounding). cos/sin are [t, d/2], or [b, t, d/2] when `per_row`. One block per
-// (token, head), d/2 threads.
+// k and v [b, kvh, t, d] (consecutive regions of `out`), rotating q and k with RoPE
+// (rotate-half convention, math in f32, one rounding). cos/sin are [t, d/2], or [b, t, d/2]
+// when `per_row`. One block per (token, head), d/2 threads.
 template <typename T>
-__device__ void qkv_rope(const T *x, const T *bias, const T *cos, const T *sin, T *out, int b,
-                         int t, int h, int kvh, int d, int per_row, int has_bias) {
+__device__ void qkv_rope(const T *x, const T *cos, const T *sin, T *out, int b, int t, int h,
+                         int kvh, int d, int per_row) {
     const int heads = h + 2 * kvh;
     const int half = d / 2;
     const int blk = blockIdx.x; // (bi * t + ti) * heads + hh
@@ -118,16 +117,12 @@ __device__ void qkv_rope(const T *x, const T *bias, const T *cos, const T *sin, 
     const int i = threadIdx.x;
     if (bi >= b || i >= half) return;
     const T *src = x + (size_t)tok * heads * d + (size_t)hh * d;
-    float x0 = to_f(src[i]), x1 = to_f(src[i + half]);
-    if (has_bias) {
-        x0 += to_f(bias[hh * d + i]);
-        x1 += to_f(bias[hh * d + i + half]);
-    }
+    const float x0 = to_f(src[i]), x1 = to_f(src[i + half]);
     const size_t q_size = (size_t)b * h * t * d, kv_size = (size_t)b * kvh * t * d;
     if (hh >= h + kvh) {
         T *dst = out + q_size + kv_size + (((size_t)bi * kvh + (hh - h - kvh)) * t + ti) * d;
-        dst[i] = from_f<T>(x0);
-        dst[i + half] = from_f<T>(x1);
+        dst[i] = src[i];
+        dst[i + half] = src[i + half];
         return;
     }
     const size_t cs = per_row ? ((size_t)bi * t + ti) * half + i : (size_t)ti * half + i;
@@ -151,10 +146,10 @@ __device__ void qkv_rope(const T *x, const T *bias, const T *cos, const T *sin, 
                                                      T *out, int n_rows, int n, float eps) {  \
         add_rms_norm<T>(x, h, w, out, n_rows, n, eps);                                        \
     }                                                                                         \
-    extern "C" __global__ void qkv_rope_##SUFFIX(const T *x, const T *bias, const T *cos,     \
-                                                 const T *sin, T *out, int b, int t, int h,   \
-                                                 int kvh, int d, int per_row, int has_bias) { \
-        qkv_rope<T>(x, bias, cos, sin, out, b, t, h, kvh, d, per_row, has_bias);             \
+    extern "C" __global__ void qkv_rope_##SUFFIX(const T *x, const T *cos, const T *sin,      \
+                                                 T *out, int b, int t, int h, int kvh, int d, \
+                                                 int per_row) {                               \
+        qkv_rope<T>(x, cos, sin, out, b, t, h, kvh, d, per_row);                              \
     }
 
 OPS(float, f32)

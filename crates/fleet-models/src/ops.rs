@@ -67,12 +67,11 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, weight: &Tensor, eps: f32) -> Result
     Ok((both.get(0)?, both.get(1)?))
 }
 
-/// Splits `qkv` (`[b, t, (h + 2 kvh) * d]`, the projection before its `bias`) into `q`
-/// `[b, h, t, d]`, `k` and `v` `[b, kvh, t, d]`, all contiguous, adding the bias and applying
-/// RoPE (`cos`/`sin` `[t, d/2]` or `[b, t, d/2]`) to q and k.
+/// Splits `qkv` (`[b, t, (h + 2 kvh) * d]`) into `q` `[b, h, t, d]`, `k` and `v`
+/// `[b, kvh, t, d]`, all contiguous, with RoPE (`cos`/`sin` `[t, d/2]` or `[b, t, d/2]`)
+/// applied to q and k.
 pub fn qkv_rope(
     qkv: &Tensor,
-    bias: Option<&Tensor>,
     cos: &Tensor,
     sin: &Tensor,
     heads: (usize, usize),
@@ -91,7 +90,6 @@ pub fn qkv_rope(
         h,
         kvh,
         d: head_dim,
-        bias: bias.map(c).transpose()?,
     };
     let flat = c(qkv)?.apply_op3_no_bwd(&c(cos)?, &c(sin)?, &op)?;
     let (qn, kvn) = (b * h * t * head_dim, b * kvh * t * head_dim);
@@ -360,8 +358,6 @@ struct QkvRope {
     h: usize,
     kvh: usize,
     d: usize,
-    /// `[(h + 2 kvh) * d]`, contiguous, on the input's device.
-    bias: Option<Tensor>,
 }
 
 impl QkvRope {
@@ -383,11 +379,9 @@ impl QkvRope {
         Ok((b, t, per_row))
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn cpu<T: Float>(
         &self,
         x: &[T],
-        bias: Option<&[T]>,
         cos: &[T],
         sin: &[T],
         b: usize,
@@ -411,12 +405,8 @@ impl QkvRope {
                         q_size + kv_size + ((bi * kvh + hh - h - kvh) * t + ti) * d
                     };
                     let dst = &mut out[base..base + d];
-                    let at =
-                        |i: usize| src[i].to_f32() + bias.map_or(0.0, |b| b[hh * d + i].to_f32());
                     if hh >= h + kvh {
-                        for (i, y) in dst.iter_mut().enumerate() {
-                            *y = T::from_f32(at(i));
-                        }
+                        dst.copy_from_slice(src);
                         continue;
                     }
                     for i in 0..half {
@@ -426,7 +416,7 @@ impl QkvRope {
                             ti * half + i
                         };
                         let (c, s) = (cos[cs].to_f32(), sin[cs].to_f32());
-                        let (x0, x1) = (at(i), at(i + half));
+                        let (x0, x1) = (src[i].to_f32(), src[i + half].to_f32());
                         dst[i] = T::from_f32(x0 * c - x1 * s);
                         dst[i + half] = T::from_f32(x1 * c + x0 * s);
                     }
@@ -452,42 +442,38 @@ impl CustomOp3 for QkvRope {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (b, t, per_row) = self.dims(l1, l2)?;
-        let bias_guard = self.bias.as_ref().map(|t| t.storage_and_layout());
-        let bias = match &bias_guard {
-            Some((st, l)) => match &**st {
-                candle_core::Storage::Cpu(cs) => Some((cs, *l)),
-                _ => candle_core::bail!("qkv_rope: bias is not on the CPU"),
-            },
-            None => None,
-        };
-        macro_rules! run {
-            ($variant:ident) => {{
-                let b_slice = match bias {
-                    Some((CpuStorage::$variant(v), l)) => Some(contiguous(v, l)?),
-                    Some(_) => candle_core::bail!("qkv_rope: bias dtype differs from the input"),
-                    None => None,
-                };
-                match (s1, s2, s3) {
-                    (CpuStorage::$variant(x), CpuStorage::$variant(c), CpuStorage::$variant(s)) => {
-                        CpuStorage::$variant(self.cpu(
-                            contiguous(x, l1)?,
-                            b_slice,
-                            contiguous(c, l2)?,
-                            contiguous(s, l3)?,
-                            b,
-                            t,
-                            per_row,
-                        ))
-                    }
-                    _ => candle_core::bail!("qkv_rope: inputs must share one dtype"),
-                }
-            }};
-        }
-        let out = match s1 {
-            CpuStorage::F32(_) => run!(F32),
-            CpuStorage::BF16(_) => run!(BF16),
-            CpuStorage::F16(_) => run!(F16),
-            _ => candle_core::bail!("qkv_rope: inputs must be f32, f16 or bf16"),
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => {
+                CpuStorage::F32(self.cpu(
+                    contiguous(x, l1)?,
+                    contiguous(c, l2)?,
+                    contiguous(s, l3)?,
+                    b,
+                    t,
+                    per_row,
+                ))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(c), CpuStorage::BF16(s)) => {
+                CpuStorage::BF16(self.cpu(
+                    contiguous(x, l1)?,
+                    contiguous(c, l2)?,
+                    contiguous(s, l3)?,
+                    b,
+                    t,
+                    per_row,
+                ))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(c), CpuStorage::F16(s)) => {
+                CpuStorage::F16(self.cpu(
+                    contiguous(x, l1)?,
+                    contiguous(c, l2)?,
+                    contiguous(s, l3)?,
+                    b,
+                    t,
+                    per_row,
+                ))
+            }
+            _ => candle_core::bail!("qkv_rope: inputs must share one of f32, f16, bf16"),
         };
         let n = b * t * (self.h + 2 * self.kvh) * self.d;
         Ok((out, Shape::from(n)))
@@ -876,9 +862,7 @@ mod tests {
     fn qkv_rope_matches_transpose_and_candle_rope() {
         let dev = Device::Cpu;
         let (b, t, h, kvh, d) = (2, 5, 4, 2, 8);
-        let raw = Tensor::randn(0f32, 1.0, (b, t, (h + 2 * kvh) * d), &dev).unwrap();
-        let bias = Tensor::randn(0f32, 1.0, (h + 2 * kvh) * d, &dev).unwrap();
-        let qkv = raw.broadcast_add(&bias).unwrap();
+        let qkv = Tensor::randn(0f32, 1.0, (b, t, (h + 2 * kvh) * d), &dev).unwrap();
         let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
         let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
         let heads = qkv
@@ -894,7 +878,7 @@ mod tests {
             (cos.clone(), sin.clone()),
             (cos.get(0).unwrap(), sin.get(0).unwrap()),
         ] {
-            let (q, k, v) = qkv_rope(&raw, Some(&bias), &cos, &sin, (h, kvh), d).unwrap();
+            let (q, k, v) = qkv_rope(&qkv, &cos, &sin, (h, kvh), d).unwrap();
             let shared = cos.rank() == 2;
             let diff = |a: &Tensor, b: &Tensor| {
                 (a - b)
@@ -906,7 +890,7 @@ mod tests {
                     .to_scalar::<f32>()
                     .unwrap()
             };
-            assert!(diff(&v, &want_v) < 1e-6);
+            assert!(diff(&v, &want_v) == 0.0);
             if !shared {
                 assert!(diff(&q, &want_q) < 1e-5 && diff(&k, &want_k) < 1e-5);
             } else {

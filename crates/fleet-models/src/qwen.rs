@@ -117,9 +117,7 @@ fn fused(parts: Vec<(Tensor, Option<Tensor>)>) -> Result<Linear> {
 }
 
 struct Attention {
-    /// q, k and v projections in one matrix; their bias is added by the kernel that splits them.
     qkv: Linear,
-    qkv_bias: Option<Tensor>,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -224,10 +222,6 @@ impl Attention {
         let (q, k, v) = profile::time(dev, "attn.rope", || match (&self.q_norm, &self.k_norm) {
             // Qwen3 normalises each head before RoPE: a head-major copy, the norms, then RoPE.
             (Some(qn), Some(kn)) => {
-                let qkv = match &self.qkv_bias {
-                    Some(b) => qkv.broadcast_add(b)?,
-                    None => qkv,
-                };
                 let heads = qkv
                     .reshape((b, q_len, h + 2 * kvh, d))?
                     .transpose(1, 2)?
@@ -240,7 +234,7 @@ impl Attention {
                 Ok((q, k, part(h + kvh, kvh)?))
             }
             // Qwen2: split, transpose and rotate in one kernel.
-            _ => ops::qkv_rope(&qkv, self.qkv_bias.as_ref(), cos, sin, (h, kvh), d),
+            _ => ops::qkv_rope(&qkv, cos, sin, (h, kvh), d),
         })?;
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
         let kv_len = k.dim(2)?;
@@ -318,12 +312,10 @@ impl DecoderLayer {
         let gate = ld.linear(&format!("{p}.mlp.gate_proj"), hs, im, false)?;
         let up = ld.linear(&format!("{p}.mlp.up_proj"), hs, im, false)?;
         let (dw, _) = ld.linear(&format!("{p}.mlp.down_proj"), im, hs, false)?;
-        let qkv = fused(vec![q, k, v])?;
         Ok(DecoderLayer {
             input_norm: ld.norm(&format!("{p}.input_layernorm"), hs)?,
             attn: Attention {
-                qkv: Linear::new(qkv.weight().clone(), None),
-                qkv_bias: qkv.bias().cloned(),
+                qkv: fused(vec![q, k, v])?,
                 o_proj: Linear::new(ow, ob),
                 q_norm,
                 k_norm,
