@@ -102,11 +102,12 @@ __device__ void add_rms_norm(const T *x, const T *h, const T *w, T *out, int n_r
 }
 
 // Splits the fused q/k/v projection [b, t, (h + 2 kvh) * d] into head-major q [b, h, t, d],
-// k and v [b, kvh, t, d] (consecutive regions of `out`), rotating q and k with RoPE
-// (rotate-half convention, math in f32, one rounding). cos/sin are [t, d/2], or [b, t, d/2]
-// when `per_row`. One block per (token, head), d/2 threads.
+// k and v [b, kvh, t, d] (consecutive regions of `out`), adding the projection bias and
+// rotating q and k with RoPE (rotate-half convention, math in f32, one rounding). `cs` holds
+// cos then sin for each position: [t, d], or [b, t, d] when `per_row`. One block per
+// (token, head), d/2 threads.
 template <typename T>
-__device__ void qkv_rope(const T *x, const T *cos, const T *sin, T *out, int b, int t, int h,
+__device__ void qkv_rope(const T *x, const T *bias, const T *cs, T *out, int b, int t, int h,
                          int kvh, int d, int per_row) {
     const int heads = h + 2 * kvh;
     const int half = d / 2;
@@ -117,16 +118,17 @@ __device__ void qkv_rope(const T *x, const T *cos, const T *sin, T *out, int b, 
     const int i = threadIdx.x;
     if (bi >= b || i >= half) return;
     const T *src = x + (size_t)tok * heads * d + (size_t)hh * d;
-    const float x0 = to_f(src[i]), x1 = to_f(src[i + half]);
+    const float x0 = to_f(src[i]) + to_f(bias[hh * d + i]);
+    const float x1 = to_f(src[i + half]) + to_f(bias[hh * d + i + half]);
     const size_t q_size = (size_t)b * h * t * d, kv_size = (size_t)b * kvh * t * d;
     if (hh >= h + kvh) {
         T *dst = out + q_size + kv_size + (((size_t)bi * kvh + (hh - h - kvh)) * t + ti) * d;
-        dst[i] = src[i];
-        dst[i + half] = src[i + half];
+        dst[i] = from_f<T>(x0);
+        dst[i + half] = from_f<T>(x1);
         return;
     }
-    const size_t cs = per_row ? ((size_t)bi * t + ti) * half + i : (size_t)ti * half + i;
-    const float c = to_f(cos[cs]), s = to_f(sin[cs]);
+    const T *row = cs + (per_row ? (size_t)tok : (size_t)ti) * d;
+    const float c = to_f(row[i]), s = to_f(row[half + i]);
     T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
                     : out + q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d;
     dst[i] = from_f<T>(x0 * c - x1 * s);
@@ -146,10 +148,10 @@ __device__ void qkv_rope(const T *x, const T *cos, const T *sin, T *out, int b, 
                                                      T *out, int n_rows, int n, float eps) {  \
         add_rms_norm<T>(x, h, w, out, n_rows, n, eps);                                        \
     }                                                                                         \
-    extern "C" __global__ void qkv_rope_##SUFFIX(const T *x, const T *cos, const T *sin,      \
+    extern "C" __global__ void qkv_rope_##SUFFIX(const T *x, const T *bias, const T *cs,      \
                                                  T *out, int b, int t, int h, int kvh, int d, \
                                                  int per_row) {                               \
-        qkv_rope<T>(x, cos, sin, out, b, t, h, kvh, d, per_row);                              \
+        qkv_rope<T>(x, bias, cs, out, b, t, h, kvh, d, per_row);                              \
     }
 
 OPS(float, f32)

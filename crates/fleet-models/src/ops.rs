@@ -67,13 +67,13 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, weight: &Tensor, eps: f32) -> Result
     Ok((both.get(0)?, both.get(1)?))
 }
 
-/// Splits `qkv` (`[b, t, (h + 2 kvh) * d]`) into `q` `[b, h, t, d]`, `k` and `v`
-/// `[b, kvh, t, d]`, all contiguous, with RoPE (`cos`/`sin` `[t, d/2]` or `[b, t, d/2]`)
-/// applied to q and k.
+/// Splits `qkv` (`[b, t, (h + 2 kvh) * d]`, the projection before its `bias`) into `q`
+/// `[b, h, t, d]`, `k` and `v` `[b, kvh, t, d]`, all contiguous, adding the bias and applying
+/// RoPE to q and k. `cs` holds cos then sin per position: `[t, d]`, or `[b, t, d]` per row.
 pub fn qkv_rope(
     qkv: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
+    bias: &Tensor,
+    cs: &Tensor,
     heads: (usize, usize),
     head_dim: usize,
 ) -> Result<(Tensor, Tensor, Tensor)> {
@@ -91,7 +91,7 @@ pub fn qkv_rope(
         kvh,
         d: head_dim,
     };
-    let flat = c(qkv)?.apply_op3_no_bwd(&c(cos)?, &c(sin)?, &op)?;
+    let flat = c(qkv)?.apply_op3_no_bwd(&c(bias)?, &c(cs)?, &op)?;
     let (qn, kvn) = (b * h * t * head_dim, b * kvh * t * head_dim);
     Ok((
         flat.narrow(0, 0, qn)?.reshape((b, h, t, head_dim))?,
@@ -361,29 +361,39 @@ struct QkvRope {
 }
 
 impl QkvRope {
-    /// `(b, t, per_row)` from the layouts, after checking them.
-    fn dims(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, bool)> {
+    /// `(b, t, per_row)` from the layouts of qkv, bias and cs, after checking them.
+    fn dims(
+        &self,
+        l1: &Layout,
+        l2: &Layout,
+        l3: &Layout,
+    ) -> candle_core::Result<(usize, usize, bool)> {
         let (b, t, w) = l1.shape().dims3()?;
-        if w != (self.h + 2 * self.kvh) * self.d {
-            candle_core::bail!("qkv_rope: last dim {w} is not (h + 2 kvh) * d");
+        if w != (self.h + 2 * self.kvh) * self.d || l2.dims() != [w] {
+            candle_core::bail!(
+                "qkv_rope: qkv {:?} / bias {:?} do not match (h + 2 kvh) * d",
+                l1.dims(),
+                l2.dims()
+            );
         }
-        let per_row = l2.dims().len() == 3;
+        let per_row = l3.dims().len() == 3;
         let want: Vec<usize> = if per_row {
-            vec![b, t, self.d / 2]
+            vec![b, t, self.d]
         } else {
-            vec![t, self.d / 2]
+            vec![t, self.d]
         };
-        if l2.dims() != want.as_slice() {
-            candle_core::bail!("qkv_rope: cos/sin {:?}, expected {want:?}", l2.dims());
+        if l3.dims() != want.as_slice() {
+            candle_core::bail!("qkv_rope: cos|sin table {:?}, expected {want:?}", l3.dims());
         }
         Ok((b, t, per_row))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn cpu<T: Float>(
         &self,
         x: &[T],
-        cos: &[T],
-        sin: &[T],
+        bias: &[T],
+        cs: &[T],
         b: usize,
         t: usize,
         per_row: bool,
@@ -395,8 +405,10 @@ impl QkvRope {
         for bi in 0..b {
             for ti in 0..t {
                 let tok = bi * t + ti;
+                let row = &cs[(if per_row { tok } else { ti }) * d..][..d];
                 for hh in 0..heads {
                     let src = &x[(tok * heads + hh) * d..(tok * heads + hh + 1) * d];
+                    let at = |i: usize| src[i].to_f32() + bias[hh * d + i].to_f32();
                     let base = if hh < h {
                         ((bi * h + hh) * t + ti) * d
                     } else if hh < h + kvh {
@@ -406,17 +418,14 @@ impl QkvRope {
                     };
                     let dst = &mut out[base..base + d];
                     if hh >= h + kvh {
-                        dst.copy_from_slice(src);
+                        for (i, y) in dst.iter_mut().enumerate() {
+                            *y = T::from_f32(at(i));
+                        }
                         continue;
                     }
                     for i in 0..half {
-                        let cs = if per_row {
-                            tok * half + i
-                        } else {
-                            ti * half + i
-                        };
-                        let (c, s) = (cos[cs].to_f32(), sin[cs].to_f32());
-                        let (x0, x1) = (src[i].to_f32(), src[i + half].to_f32());
+                        let (c, s) = (row[i].to_f32(), row[half + i].to_f32());
+                        let (x0, x1) = (at(i), at(i + half));
                         dst[i] = T::from_f32(x0 * c - x1 * s);
                         dst[i + half] = T::from_f32(x1 * c + x0 * s);
                     }
@@ -441,33 +450,33 @@ impl CustomOp3 for QkvRope {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (b, t, per_row) = self.dims(l1, l2)?;
+        let (b, t, per_row) = self.dims(l1, l2, l3)?;
         let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(c)) => {
                 CpuStorage::F32(self.cpu(
                     contiguous(x, l1)?,
-                    contiguous(c, l2)?,
-                    contiguous(s, l3)?,
+                    contiguous(w, l2)?,
+                    contiguous(c, l3)?,
                     b,
                     t,
                     per_row,
                 ))
             }
-            (CpuStorage::BF16(x), CpuStorage::BF16(c), CpuStorage::BF16(s)) => {
+            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(c)) => {
                 CpuStorage::BF16(self.cpu(
                     contiguous(x, l1)?,
-                    contiguous(c, l2)?,
-                    contiguous(s, l3)?,
+                    contiguous(w, l2)?,
+                    contiguous(c, l3)?,
                     b,
                     t,
                     per_row,
                 ))
             }
-            (CpuStorage::F16(x), CpuStorage::F16(c), CpuStorage::F16(s)) => {
+            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(c)) => {
                 CpuStorage::F16(self.cpu(
                     contiguous(x, l1)?,
-                    contiguous(c, l2)?,
-                    contiguous(s, l3)?,
+                    contiguous(w, l2)?,
+                    contiguous(c, l3)?,
                     b,
                     t,
                     per_row,
@@ -489,8 +498,8 @@ impl CustomOp3 for QkvRope {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (b, t, per_row) = self.dims(l1, l2)?;
-        cuda::qkv_rope(self, (b, t, per_row), s1, l1, s2, l2, s3, l3)
+        let dims = self.dims(l1, l2, l3)?;
+        cuda::qkv_rope(self, dims, s1, l1, s2, l2, s3, l3)
     }
 }
 
@@ -684,7 +693,7 @@ mod cuda {
             l3: &Layout,
         ) -> candle_core::Result<CudaStorage> {
             let dev = s1.device().clone();
-            let (x, c, s) = (
+            let (x, bias, cs) = (
                 input::<T>(s1, l1)?,
                 input::<T>(s2, l2)?,
                 input::<T>(s3, l3)?,
@@ -705,8 +714,8 @@ mod cuda {
             };
             let mut bld = func.builder();
             bld.arg(&x);
-            bld.arg(&c);
-            bld.arg(&s);
+            bld.arg(&bias);
+            bld.arg(&cs);
             bld.arg(&out);
             let args = [
                 b as i32,
@@ -859,12 +868,15 @@ mod tests {
     }
 
     #[test]
-    fn qkv_rope_matches_transpose_and_candle_rope() {
+    fn qkv_rope_matches_bias_transpose_and_candle_rope() {
         let dev = Device::Cpu;
         let (b, t, h, kvh, d) = (2, 5, 4, 2, 8);
-        let qkv = Tensor::randn(0f32, 1.0, (b, t, (h + 2 * kvh) * d), &dev).unwrap();
+        let raw = Tensor::randn(0f32, 1.0, (b, t, (h + 2 * kvh) * d), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 1.0, (h + 2 * kvh) * d, &dev).unwrap();
         let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
         let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+        let cs = Tensor::cat(&[&cos, &sin], 2).unwrap();
+        let qkv = raw.broadcast_add(&bias).unwrap();
         let heads = qkv
             .reshape((b, t, h + 2 * kvh, d))
             .unwrap()
@@ -874,30 +886,21 @@ mod tests {
         let want_q = candle_nn::rotary_emb::rope(&part(0, h), &cos, &sin).unwrap();
         let want_k = candle_nn::rotary_emb::rope(&part(h, kvh), &cos, &sin).unwrap();
         let want_v = part(h + kvh, kvh);
-        for (cos, sin) in [
-            (cos.clone(), sin.clone()),
-            (cos.get(0).unwrap(), sin.get(0).unwrap()),
-        ] {
-            let (q, k, v) = qkv_rope(&qkv, &cos, &sin, (h, kvh), d).unwrap();
-            let shared = cos.rank() == 2;
-            let diff = |a: &Tensor, b: &Tensor| {
-                (a - b)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap()
-            };
-            assert!(diff(&v, &want_v) == 0.0);
-            if !shared {
-                assert!(diff(&q, &want_q) < 1e-5 && diff(&k, &want_k) < 1e-5);
-            } else {
-                // Row 0 of the batch uses the same tables either way.
-                assert!(diff(&q.get(0).unwrap(), &want_q.get(0).unwrap()) < 1e-5);
-            }
-        }
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        let (q, k, v) = qkv_rope(&raw, &bias, &cs, (h, kvh), d).unwrap();
+        assert!(diff(&q, &want_q) < 1e-5 && diff(&k, &want_k) < 1e-5 && diff(&v, &want_v) < 1e-6);
+        // Shared positions ([t, d] table): row 0 of the batch uses the same tables.
+        let (q, _, _) = qkv_rope(&raw, &bias, &cs.get(0).unwrap(), (h, kvh), d).unwrap();
+        assert!(diff(&q.get(0).unwrap(), &want_q.get(0).unwrap()) < 1e-5);
     }
 
     #[test]

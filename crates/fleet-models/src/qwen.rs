@@ -117,7 +117,10 @@ fn fused(parts: Vec<(Tensor, Option<Tensor>)>) -> Result<Linear> {
 }
 
 struct Attention {
+    /// The q, k and v projections as one matrix, without bias.
     qkv: Linear,
+    /// Their bias (zeros when the checkpoint has none), added by the kernel that splits them.
+    qkv_bias: Tensor,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -144,6 +147,16 @@ struct DecoderLayer {
 struct RopeTables {
     cos: Tensor,
     sin: Tensor,
+    /// `[cos | sin]` per position, `[n, d]`, for the fused q/k/v kernel.
+    cs: Tensor,
+}
+
+/// The RoPE rows of one forward call on one device: `[q_len, ..]` when all rows share
+/// positions, `[b, q_len, ..]` otherwise.
+struct RopeRows {
+    cos: Tensor,
+    sin: Tensor,
+    cs: Tensor,
 }
 
 impl RopeTables {
@@ -164,31 +177,31 @@ impl RopeTables {
                 sin.push(angle.sin());
             }
         }
-        Ok(RopeTables {
-            cos: Tensor::from_vec(cos, (n, half), dev)?.to_dtype(dtype)?,
-            sin: Tensor::from_vec(sin, (n, half), dev)?.to_dtype(dtype)?,
-        })
+        let cos = Tensor::from_vec(cos, (n, half), dev)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (n, half), dev)?.to_dtype(dtype)?;
+        let cs = Tensor::cat(&[&cos, &sin], 1)?;
+        Ok(RopeTables { cos, sin, cs })
     }
 
-    /// cos/sin for the positions of a batch: `[q_len, d/2]` when all rows share positions,
-    /// `[b, q_len, d/2]` otherwise.
-    fn select(&self, positions: &Positions, dev: &Device) -> Result<(Tensor, Tensor)> {
+    /// The rows for the positions of one forward call.
+    fn select(&self, positions: &Positions, dev: &Device) -> Result<RopeRows> {
         match positions {
-            Positions::Shared { start, len } => Ok((
-                self.cos.narrow(0, *start, *len)?,
-                self.sin.narrow(0, *start, *len)?,
-            )),
+            Positions::Shared { start, len } => Ok(RopeRows {
+                cos: self.cos.narrow(0, *start, *len)?,
+                sin: self.sin.narrow(0, *start, *len)?,
+                cs: self.cs.narrow(0, *start, *len)?,
+            }),
             Positions::PerRow { ids, batch, len } => {
                 let idx = Tensor::from_slice(ids, ids.len(), dev)?;
-                let half = self.cos.dim(1)?;
-                Ok((
-                    self.cos
-                        .index_select(&idx, 0)?
-                        .reshape((*batch, *len, half))?,
-                    self.sin
-                        .index_select(&idx, 0)?
-                        .reshape((*batch, *len, half))?,
-                ))
+                let pick = |t: &Tensor| -> Result<Tensor> {
+                    let w = t.dim(1)?;
+                    Ok(t.index_select(&idx, 0)?.reshape((*batch, *len, w))?)
+                };
+                Ok(RopeRows {
+                    cos: pick(&self.cos)?,
+                    sin: pick(&self.sin)?,
+                    cs: pick(&self.cs)?,
+                })
             }
         }
     }
@@ -210,8 +223,7 @@ impl Attention {
     fn forward(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: &RopeRows,
         pad: &Tensor,
         cache: &mut LayerCache,
     ) -> Result<Tensor> {
@@ -223,18 +235,20 @@ impl Attention {
             // Qwen3 normalises each head before RoPE: a head-major copy, the norms, then RoPE.
             (Some(qn), Some(kn)) => {
                 let heads = qkv
+                    .broadcast_add(&self.qkv_bias)?
                     .reshape((b, q_len, h + 2 * kvh, d))?
                     .transpose(1, 2)?
                     .contiguous()?;
                 let part = |start: usize, n: usize| -> Result<Tensor> {
                     Ok(heads.narrow(1, start, n)?.contiguous()?)
                 };
+                let (cos, sin) = (&rope.cos, &rope.sin);
                 let q = candle_nn::rotary_emb::rope(&qn.forward(&part(0, h)?)?, cos, sin)?;
                 let k = candle_nn::rotary_emb::rope(&kn.forward(&part(h, kvh)?)?, cos, sin)?;
                 Ok((q, k, part(h + kvh, kvh)?))
             }
-            // Qwen2: split, transpose and rotate in one kernel.
-            _ => ops::qkv_rope(&qkv, cos, sin, (h, kvh), d),
+            // Qwen2: bias, split, transpose and rotate in one kernel.
+            _ => ops::qkv_rope(&qkv, &self.qkv_bias, &rope.cs, (h, kvh), d),
         })?;
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
         let kv_len = k.dim(2)?;
@@ -312,10 +326,19 @@ impl DecoderLayer {
         let gate = ld.linear(&format!("{p}.mlp.gate_proj"), hs, im, false)?;
         let up = ld.linear(&format!("{p}.mlp.up_proj"), hs, im, false)?;
         let (dw, _) = ld.linear(&format!("{p}.mlp.down_proj"), im, hs, false)?;
+        let qkv = fused(vec![q, k, v])?;
         Ok(DecoderLayer {
             input_norm: ld.norm(&format!("{p}.input_layernorm"), hs)?,
             attn: Attention {
-                qkv: fused(vec![q, k, v])?,
+                qkv: Linear::new(qkv.weight().clone(), None),
+                qkv_bias: match qkv.bias() {
+                    Some(b) => b.clone(),
+                    None => Tensor::zeros(
+                        qkv.weight().dim(0)?,
+                        qkv.weight().dtype(),
+                        qkv.weight().device(),
+                    )?,
+                },
                 o_proj: Linear::new(ow, ob),
                 q_norm,
                 k_norm,
@@ -339,8 +362,7 @@ impl DecoderLayer {
         &self,
         x: &Tensor,
         pending: Option<&Tensor>,
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: &RopeRows,
         pad: &Tensor,
         cache: &mut LayerCache,
     ) -> Result<(Tensor, Tensor)> {
@@ -349,7 +371,7 @@ impl DecoderLayer {
             Some(p) => self.input_norm.add_forward(x, p),
             None => Ok((x.clone(), self.input_norm.forward(x)?)),
         })?;
-        let attn = self.attn.forward(&h, cos, sin, pad, cache)?;
+        let attn = self.attn.forward(&h, rope, pad, cache)?;
         let (x, h) = profile::time(dev, "norm", || self.post_attn_norm.add_forward(&x, &attn))?;
         let mlp = self.mlp.forward(&h)?;
         Ok((x, mlp))
@@ -533,7 +555,7 @@ impl QwenModel {
         let mut pending: Option<Tensor> = None;
 
         // Per-device RoPE slices and padding counts, made once per call.
-        let mut per_device: Vec<(DeviceLocation, Tensor, Tensor, Tensor)> = Vec::new();
+        let mut per_device: Vec<(DeviceLocation, RopeRows, Tensor)> = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let dev = self.devices.get(layer.location);
             if !x.device().same_device(dev) {
@@ -547,16 +569,15 @@ impl QwenModel {
                     .find(|(l, _)| *l == layer.location)
                     .expect("rope per layer device")
                     .1;
-                let (cos, sin) = tables.select(&positions, dev)?;
+                let rows = tables.select(&positions, dev)?;
                 let pad_t = Tensor::from_slice(&pad_u32, b, dev)?;
-                per_device.push((layer.location, cos, sin, pad_t));
+                per_device.push((layer.location, rows, pad_t));
             }
-            let (_, cos, sin, pad_t) = per_device
+            let (_, rows, pad_t) = per_device
                 .iter()
                 .find(|(l, ..)| *l == layer.location)
                 .expect("just inserted");
-            let (nx, mlp) =
-                layer.forward(&x, pending.as_ref(), cos, sin, pad_t, cache.layer_mut(i))?;
+            let (nx, mlp) = layer.forward(&x, pending.as_ref(), rows, pad_t, cache.layer_mut(i))?;
             x = nx;
             pending = Some(mlp);
         }
