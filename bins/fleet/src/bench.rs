@@ -298,7 +298,7 @@ fn sync(model: &QwenModel) -> Result<()> {
 /// Seconds for one prefill of `prompts` (logits of the last position), synchronized.
 fn prefill(model: &QwenModel, prompts: &[Vec<u32>]) -> Result<f64> {
     let t = Instant::now();
-    let mut cache = model.new_cache(prompts.len(), prompts[0].len())?;
+    let mut cache = model.new_cache(prompts[0].len())?;
     let logits = model.forward(prompts, &vec![0; prompts.len()], &mut cache, true)?;
     drop(logits);
     sync(model)?;

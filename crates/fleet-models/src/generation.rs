@@ -191,7 +191,7 @@ impl<'a> Generator<'a> {
             .max()
             .unwrap_or(0);
         let max_new = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(0);
-        let mut cache = self.model.new_cache(requests.len(), max_prompt + max_new)?;
+        let mut cache = self.model.new_cache(max_prompt + max_new)?;
 
         let mut rows: Vec<Row> = requests
             .iter()
@@ -431,7 +431,7 @@ pub fn continuation_logprobs(
         .iter()
         .flat_map(|row| row.iter().skip(1).copied().chain(std::iter::once(pad_id)))
         .collect();
-    let mut cache = model.new_cache(pairs.len(), len)?;
+    let mut cache = model.new_cache(len)?;
     let logits = model.forward(&ids, &pad, &mut cache, false)?; // [b, len, vocab] f32
     let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
     let targets = Tensor::from_vec(targets, (pairs.len(), len, 1), logp.device())?;

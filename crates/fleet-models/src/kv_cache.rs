@@ -50,8 +50,9 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Room for `capacity` tokens per row in each of `num_layers` layers.
-    pub fn new(num_layers: usize, _batch: usize, capacity: usize) -> Self {
+    /// Room for `capacity` tokens per row in each of `num_layers` layers (the batch size is
+    /// taken from the first keys appended).
+    pub fn new(num_layers: usize, capacity: usize) -> Self {
         KvCache {
             layers: (0..num_layers)
                 .map(|_| LayerCache {

@@ -477,8 +477,8 @@ impl QwenModel {
         &self.devices
     }
 
-    /// An empty KV cache for `batch` rows and up to `capacity` tokens per row.
-    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
+    /// An empty KV cache for up to `capacity` tokens per row.
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         if capacity > self.cfg.max_position_embeddings {
             return Err(ModelError::BadInput(format!(
                 "{capacity} tokens (prompt + new tokens) exceed max_position_embeddings = {} of this \
@@ -486,7 +486,7 @@ impl QwenModel {
                 self.cfg.max_position_embeddings
             )));
         }
-        Ok(KvCache::new(self.layers.len(), batch, capacity))
+        Ok(KvCache::new(self.layers.len(), capacity))
     }
 
     /// Runs `ids` (`[batch, q_len]`, row `r` left-padded by `pad[r]` tokens counted from the
@@ -606,7 +606,7 @@ impl QwenModel {
     /// Logits `[batch, len, vocab]` (f32) of equal-length sequences, with no cache kept.
     pub fn logits(&self, ids: &[Vec<u32>]) -> Result<Tensor> {
         let len = ids.first().map(|r| r.len()).unwrap_or(0);
-        let mut cache = self.new_cache(ids.len(), len)?;
+        let mut cache = self.new_cache(len)?;
         self.forward(ids, &vec![0; ids.len()], &mut cache, false)
     }
 }
