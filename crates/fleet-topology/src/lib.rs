@@ -4,11 +4,22 @@
 //! they have) and plans (which device holds which part of a model), and no model code. The model
 //! loader in `fleet-models` consumes a [`DeviceMap`] and builds every block on the device it names.
 
+mod budget;
 mod device_map;
 mod discover;
+mod memory;
+mod planner;
+mod topology;
 
+pub use budget::{default_reserve, parse_bytes, MaxMemory, MemoryLimit};
 pub use device_map::{DeviceLocation, DeviceMap};
 pub use discover::{discover, gpu_memory_info, DeviceInfo};
+pub use memory::{
+    format_bytes, DType, DeviceCost, DevicePart, ModelShape, MoeShape, VisionShape, Workload,
+    CONTEXT_OVERHEAD_BYTES, GIB, MIB,
+};
+pub use planner::{plan, DevicePlan, Plan, PlanMode, PlanRequest, ReplicaPlan};
+pub use topology::{Gpu, PeerAccess, Topology};
 
 /// Errors of this crate. Each message names the value at fault and what to change.
 #[derive(Debug, thiserror::Error)]
@@ -45,5 +56,109 @@ pub enum TopologyError {
         ordinal: usize,
         /// The driver's message.
         message: String,
+    },
+    /// A file could not be read.
+    #[error("cannot read `{file}`: {message}")]
+    Io {
+        /// The path.
+        file: String,
+        /// The OS error.
+        message: String,
+    },
+    /// A topology TOML file is malformed.
+    #[error("topology file `{file}`, field `{field}`: {message}")]
+    TopologyFile {
+        /// The path (or the name given to the text).
+        file: String,
+        /// The field at fault, e.g. `gpu[0].memory`.
+        field: String,
+        /// What is wrong and what to write instead.
+        message: String,
+    },
+    /// A model config.json lacks a field the planner needs, or has a bad value.
+    #[error("model config `{file}`, field `{field}`: {message}")]
+    ModelConfig {
+        /// The path (or the name given to the text).
+        file: String,
+        /// The field at fault.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A memory size or budget value did not parse.
+    #[error("memory value `{value}` does not parse: {reason}")]
+    BadMemorySize {
+        /// The value as given.
+        value: String,
+        /// What is wrong and what to write.
+        reason: String,
+    },
+    /// A max_memory key is not a device.
+    #[error("max_memory key `{key}` is not a device: write `0`, `cuda:0` or `cpu`, as in `0=10GiB,cpu=64GiB`")]
+    BadMaxMemoryKey {
+        /// The key (or the whole entry) as given.
+        key: String,
+    },
+    /// A dtype name did not parse.
+    #[error("dtype `{value}` is not one of bf16, f16, f32")]
+    BadDType {
+        /// The value as given.
+        value: String,
+    },
+    /// A plan mode did not parse.
+    #[error("plan mode `{value}` is not one of single, data-parallel, layer-sharded, hybrid, hybrid:N (N >= 1), auto")]
+    BadMode {
+        /// The value as given.
+        value: String,
+    },
+    /// A workload has a zero batch or sequence length.
+    #[error("workload {field} = {value}: it must be at least 1")]
+    BadWorkload {
+        /// `batch` or `seq_len`.
+        field: &'static str,
+        /// The value given.
+        value: usize,
+    },
+    /// A GPU id is not in the topology.
+    #[error("GPU {id} does not exist: the topology has {available} GPUs (ids 0..{available})")]
+    UnknownGpu {
+        /// The id asked for.
+        id: usize,
+        /// GPUs in the topology.
+        available: usize,
+    },
+    /// A GPU id was given twice.
+    #[error("GPU {id} is listed twice in the GPU ids: list each GPU once")]
+    DuplicateGpu {
+        /// The id.
+        id: usize,
+    },
+    /// A hybrid group is larger than the GPUs there are.
+    #[error("hybrid group size {group_size} is larger than the {gpus} GPUs available: use hybrid:{gpus} or fewer, or layer-sharded")]
+    GroupTooLarge {
+        /// GPUs per replica asked for.
+        group_size: usize,
+        /// GPUs available.
+        gpus: usize,
+    },
+    /// The topology has no GPU to plan on.
+    #[error("topology `{topology}` has no GPU: add a [[gpu]] entry, or allow cpu offload with a max_memory entry such as cpu = \"64GiB\"")]
+    NoGpus {
+        /// The topology's name.
+        topology: String,
+    },
+    /// The model fits nowhere in the budgets.
+    #[error("{model} does not fit ({mode} mode): {detail}")]
+    DoesNotFit {
+        /// The model, e.g. `qwen2 (32.8B parameters)`.
+        model: String,
+        /// The mode planned in.
+        mode: String,
+        /// Bytes one replica needs on a single device.
+        needed_bytes: u64,
+        /// Budget of each device considered.
+        available: Vec<(DeviceLocation, u64)>,
+        /// Needs, budgets and the ways out, in words.
+        detail: String,
     },
 }
