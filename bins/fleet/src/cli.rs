@@ -27,6 +27,9 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Print the logits of given token ids (JSON), for parity checks.
     Logits(LogitsArgs),
+    /// Say before loading whether and how a model fits: per device the layers it holds and the
+    /// bytes of weights, KV cache, workspace and headroom.
+    Plan(PlanArgs),
     /// Benchmarks, run on the GPU machine.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -287,4 +290,77 @@ fn read_ids_file(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
             )
         })?
         .input_ids)
+}
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// A checkpoint directory, a hub id (only config.json is fetched) or a config.json file
+    /// such as configs/models/qwen2.5-7b.json.
+    #[arg(long)]
+    pub model: String,
+    /// Hub revision.
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// A topology TOML (configs/topologies/) or `live` for the GPUs of this machine.
+    #[arg(long, default_value = "live")]
+    pub topology: String,
+    /// Only these GPUs (comma-separated indices).
+    #[arg(long, value_delimiter = ',')]
+    pub gpu_ids: Option<Vec<usize>>,
+    /// single, data-parallel, layer-sharded, hybrid, hybrid:N or auto.
+    #[arg(long, default_value = "auto")]
+    pub mode: String,
+    /// bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Per-device budgets in accelerate's style, e.g. `0=10GiB,1=0.9,cpu=64GiB`.
+    #[arg(long)]
+    pub max_memory: Option<String>,
+    /// Sequences per replica the plan must hold.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Tokens per sequence (prompt + generated).
+    #[arg(long, default_value_t = 2048)]
+    pub seq_len: usize,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn plan(args: &PlanArgs) -> Result<()> {
+    use fleet_topology::{ModelShape, PlanRequest, Topology, Workload};
+    let config = fleet_models::ModelSource::config_file(
+        &args.model,
+        args.revision.as_deref(),
+        &fleet_models::HubOptions::from_env(),
+    )?;
+    let shape = ModelShape::from_config_file(&config)?;
+    let mut topology = if args.topology == "live" {
+        Topology::from_devices(&fleet_topology::discover()?)
+    } else {
+        Topology::from_file(&args.topology)?
+    };
+    if let Some(ids) = &args.gpu_ids {
+        topology = topology.select(ids)?;
+    }
+    let request = PlanRequest {
+        mode: args.mode.parse()?,
+        dtype: args.dtype.parse()?,
+        workload: Workload {
+            batch: args.batch,
+            seq_len: args.seq_len,
+            ..Workload::default()
+        },
+        max_memory: match &args.max_memory {
+            Some(m) => m.parse()?,
+            None => fleet_topology::MaxMemory::new(),
+        },
+    };
+    let plan = fleet_topology::plan(&shape, &topology, &request)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+    } else {
+        print!("{plan}");
+    }
+    Ok(())
 }

@@ -18,6 +18,7 @@ fn main() -> Result<()> {
         cli::Command::Devices(a) => cli::devices(&a),
         cli::Command::Generate(a) => cli::generate(&a),
         cli::Command::Logits(a) => cli::logits(&a),
+        cli::Command::Plan(a) => cli::plan(&a),
         cli::Command::Bench(cli::BenchCommand::Generate(a)) => bench::generate(&a),
     }
 }

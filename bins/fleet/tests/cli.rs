@@ -194,3 +194,72 @@ fn generate_batch_from_ids_file_matches_goldens() {
         assert_eq!(got[..n.min(got.len())], want[..]);
     }
 }
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(path)
+}
+
+#[test]
+fn plan_prints_replicas_for_a_virtual_topology() {
+    let out = fleet()
+        .args(["plan", "--model"])
+        .arg(repo("configs/models/qwen2.5-7b.json"))
+        .arg("--topology")
+        .arg(repo("configs/topologies/rtx3060-8x.toml"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("4 replica(s) of 2 GPU(s)"), "{text}");
+    assert!(text.contains("headroom"), "{text}");
+
+    // A checkpoint directory works as well as a config file, and JSON comes out with --json.
+    let out = fleet()
+        .args(["plan", "--json", "--model"])
+        .arg(fixture("qwen3-tiny"))
+        .arg("--topology")
+        .arg(repo("configs/topologies/h200-2x.toml"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["replicas"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn plan_that_does_not_fit_says_what_to_change() {
+    let out = fleet()
+        .args(["plan", "--model"])
+        .arg(repo("configs/models/qwen2.5-72b.json"))
+        .arg("--topology")
+        .arg(repo("configs/topologies/h200-1x.toml"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("does not fit") && err.contains("more GPUs") && err.contains("cpu"),
+        "{err}"
+    );
+
+    let out = fleet()
+        .args(["plan", "--model"])
+        .arg(repo("configs/models/qwen2.5-7b.json"))
+        .arg("--topology")
+        .arg(repo("configs/topologies/h200-2x.toml"))
+        .args(["--max-memory", "0=10GB,1=zz"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`zz`"));
+}

@@ -56,6 +56,27 @@ impl ModelSource {
         }
     }
 
+    /// Only the checkpoint's config.json (no weights are fetched), for planning. A path to a
+    /// `.json` file is taken as the config itself.
+    pub fn config_file(spec: &str, revision: Option<&str>, hub: &HubOptions) -> Result<PathBuf> {
+        let path = Path::new(spec);
+        if path.is_file() {
+            return Ok(path.to_path_buf());
+        }
+        let missing = |origin: &str| ModelError::MissingFile {
+            path: PathBuf::from(origin).join("config.json"),
+            hint: "a checkpoint directory needs the config.json it was published with".into(),
+        };
+        match ModelSource::parse(spec, revision)? {
+            ModelSource::Local(dir) => LocalDir(dir.clone())
+                .get("config.json")?
+                .ok_or_else(|| missing(&dir.display().to_string())),
+            ModelSource::Hub { repo, revision } => HubRepo::new(&repo, &revision, hub)?
+                .get("config.json")?
+                .ok_or_else(|| missing(&format!("{repo}@{revision}"))),
+        }
+    }
+
     /// A short name for logs and result files.
     pub fn id(&self) -> String {
         match self {
