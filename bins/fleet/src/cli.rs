@@ -39,6 +39,8 @@ pub enum Command {
 pub enum BenchCommand {
     /// Prefill and decode throughput and peak memory of batched generation.
     Generate(crate::bench::BenchGenerateArgs),
+    /// Throughput of batched generation with one replica per device (fleet-dist's pool).
+    DataParallel(crate::bench_dp::BenchDataParallelArgs),
 }
 
 #[derive(Args)]

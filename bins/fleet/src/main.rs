@@ -1,6 +1,7 @@
 //! `fleet`: the toolbox. Each subcommand turns flags into library calls and prints.
 
 mod bench;
+mod bench_dp;
 mod cli;
 
 use anyhow::Result;
@@ -20,5 +21,6 @@ fn main() -> Result<()> {
         cli::Command::Logits(a) => cli::logits(&a),
         cli::Command::Plan(a) => cli::plan(&a),
         cli::Command::Bench(cli::BenchCommand::Generate(a)) => bench::generate(&a),
+        cli::Command::Bench(cli::BenchCommand::DataParallel(a)) => bench_dp::run(&a),
     }
 }

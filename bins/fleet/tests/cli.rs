@@ -263,3 +263,43 @@ fn plan_that_does_not_fit_says_what_to_change() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("`zz`"));
 }
+
+/// The data-parallel path end to end: two real model replicas (CPU) behind fleet-dist's pool.
+#[test]
+fn data_parallel_bench_runs_real_replicas() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("dp.json");
+    let out = fleet()
+        .args(["bench", "data-parallel", "--model"])
+        .arg(fixture("qwen2-tiny"))
+        .args(["--dtype", "f32", "--devices", "cpu,cpu", "--batch", "2"])
+        .args([
+            "--batches-per-replica",
+            "3",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "4",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["items"], 6);
+    assert_eq!(v["new_tokens_total"], 6 * 2 * 4);
+    let per: Vec<u64> = v["items_per_replica"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[1].as_u64().unwrap())
+        .collect();
+    assert_eq!(per.iter().sum::<u64>(), 6);
+    assert_eq!(per.len(), 2);
+}

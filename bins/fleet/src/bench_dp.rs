@@ -1,0 +1,199 @@
+//! `fleet bench data-parallel`: batched generation throughput with one model replica per
+//! device, driven by fleet-dist's replica pool (a shared queue of batches).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use fleet_dist::{ItemResult, PoolOptions, ReplicaPool, Worker};
+use fleet_models::{
+    parse_dtype, DeviceLocation, DeviceMap, GenerationRequest, Generator, QwenConfig, QwenModel,
+    Weights,
+};
+use serde::Serialize;
+
+#[derive(Args)]
+pub struct BenchDataParallelArgs {
+    /// A model shape (config.json); random weights are made on each replica's device.
+    #[arg(long, conflicts_with = "model")]
+    pub config: Option<PathBuf>,
+    /// A real checkpoint (local dir or hub id) instead of a shape.
+    #[arg(long)]
+    pub model: Option<String>,
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// One replica per listed device, e.g. `cuda:0,cuda:1,cuda:2,cuda:3` (`cpu,cpu` works too).
+    #[arg(long, value_delimiter = ',', default_value = "cuda:0")]
+    pub devices: Vec<String>,
+    /// Prompts per batch (one queue item).
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Queue items per replica.
+    #[arg(long, default_value_t = 4)]
+    pub batches_per_replica: usize,
+    #[arg(long, default_value_t = 512)]
+    pub prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub new_tokens: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Show per-replica progress bars.
+    #[arg(long)]
+    pub progress: bool,
+    /// Write the results here as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// One replica: a model on its device, generating whole batches of `new_tokens` each.
+struct Replica {
+    name: String,
+    model: QwenModel,
+    new_tokens: usize,
+}
+
+impl Worker<Vec<Vec<u32>>, usize> for Replica {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    /// Generates the batch (never stopping early) and returns the new tokens.
+    fn process(&mut self, prompts: &Vec<Vec<u32>>) -> Result<usize, fleet_dist::BoxError> {
+        // No EOS ids: every row generates exactly `new_tokens`.
+        let generator = Generator::new(&self.model, None, Vec::new(), 0);
+        let requests: Vec<GenerationRequest> = prompts
+            .iter()
+            .map(|p| GenerationRequest::greedy(p.clone(), self.new_tokens))
+            .collect();
+        let out = generator.generate(&requests, None)?;
+        Ok(out.iter().map(|o| o.token_ids.len()).sum())
+    }
+}
+
+#[derive(Serialize)]
+struct Report {
+    engine: &'static str,
+    commit: String,
+    config: String,
+    dtype: String,
+    devices: Vec<String>,
+    batch: usize,
+    prompt_len: usize,
+    new_tokens: usize,
+    items: usize,
+    new_tokens_total: usize,
+    wall_s: f64,
+    decode_tok_s: f64,
+    items_per_replica: Vec<(String, usize)>,
+}
+
+pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
+    let dtype = parse_dtype(&args.dtype)?;
+    let locations: Vec<DeviceLocation> = args
+        .devices
+        .iter()
+        .map(|d| d.parse())
+        .collect::<Result<_, _>>()?;
+    let mut replicas = Vec::new();
+    let mut label = String::new();
+    let mut vocab = 0;
+    for (i, &loc) in locations.iter().enumerate() {
+        let model = match (&args.config, &args.model) {
+            (Some(path), None) => {
+                let cfg = QwenConfig::from_file(path)?;
+                label = path.display().to_string();
+                let map = DeviceMap::single(loc, cfg.num_hidden_layers);
+                QwenModel::new(&cfg, &Weights::Random { seed: args.seed }, dtype, &map)?
+            }
+            (None, Some(spec)) => {
+                label = spec.clone();
+                let m = crate::cli::ModelArgs {
+                    model: spec.clone(),
+                    revision: None,
+                    dtype: args.dtype.clone(),
+                    device: loc.to_string(),
+                }
+                .load()?;
+                m.model
+            }
+            _ => bail!("give --config FILE (a model shape, random weights) or --model M"),
+        };
+        vocab = model.config().vocab_size;
+        replicas.push(Replica {
+            name: format!("replica {i} {loc}"),
+            model,
+            new_tokens: args.new_tokens,
+        });
+    }
+    let n_items = replicas.len() * args.batches_per_replica;
+    let items: Vec<Vec<Vec<u32>>> = (0..n_items)
+        .map(|it| {
+            (0..args.batch)
+                .map(|r| {
+                    (0..args.prompt_len)
+                        .map(|i| ((it * 31 + r * 7919 + i * 104_729) % vocab) as u32)
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    // Warm-up on every replica (kernel loading, allocator growth), not timed.
+    for r in replicas.iter_mut() {
+        r.new_tokens = 2.min(args.new_tokens);
+        r.process(&items[0])
+            .map_err(|e| anyhow::anyhow!("warm-up on {}: {e}", r.name))?;
+        r.new_tokens = args.new_tokens;
+    }
+    let opts = PoolOptions {
+        progress: args.progress,
+        label: "batches".into(),
+        ..PoolOptions::default()
+    };
+    let start = Instant::now();
+    let out = ReplicaPool::run(replicas, items, &opts)?;
+    let wall = start.elapsed().as_secs_f64();
+    let mut total = 0;
+    for (i, r) in out.results.iter().enumerate() {
+        match r {
+            ItemResult::Done { output, .. } => total += output,
+            ItemResult::Failed { errors } => bail!("batch {i} failed on every replica: {errors:?}"),
+        }
+    }
+    let report = Report {
+        engine: "fleet",
+        commit: crate::bench::commit(),
+        config: label,
+        dtype: args.dtype.clone(),
+        devices: args.devices.clone(),
+        batch: args.batch,
+        prompt_len: args.prompt_len,
+        new_tokens: args.new_tokens,
+        items: n_items,
+        new_tokens_total: total,
+        wall_s: wall,
+        decode_tok_s: total as f64 / wall,
+        items_per_replica: out
+            .report
+            .workers
+            .iter()
+            .map(|w| (w.name.clone(), w.items_done))
+            .collect(),
+    };
+    eprintln!(
+        "{} replica(s): {} batches of {} x ({} + {}) in {:.2}s: {:.1} new tok/s",
+        args.devices.len(),
+        n_items,
+        args.batch,
+        args.prompt_len,
+        args.new_tokens,
+        wall,
+        report.decode_tok_s
+    );
+    let json = serde_json::to_string_pretty(&report)?;
+    match &args.json {
+        Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
+        None => println!("{json}"),
+    }
+    Ok(())
+}
