@@ -147,7 +147,6 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
-    let dtype = parse_dtype(&args.dtype)?;
     let devices = crate::cli::parse_devices(&args.device)?;
     let gpus: Vec<usize> = devices
         .iter()
@@ -158,32 +157,14 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         .collect();
     let baseline = used_bytes(&gpus).unwrap_or(0);
 
-    let (cfg, label, model) = match (&args.config, &args.model) {
-        (Some(path), None) => {
-            let cfg = QwenConfig::from_file(path)?;
-            let map = device_map(&devices, cfg.num_hidden_layers)?;
-            let t = Instant::now();
-            let model = QwenModel::new(&cfg, &Weights::Random { seed: args.seed }, dtype, &map)?;
-            eprintln!(
-                "built random {} in {:.1}s on {}",
-                path.display(),
-                t.elapsed().as_secs_f64(),
-                map
-            );
-            (cfg, path.display().to_string(), model)
-        }
-        (None, Some(spec)) => {
-            let model_args = crate::cli::ModelArgs {
-                model: spec.clone(),
-                revision: None,
-                dtype: args.dtype.clone(),
-                device: args.device.clone(),
-            };
-            let m = model_args.load()?;
-            (m.model.config().clone(), spec.clone(), m.model)
-        }
-        _ => bail!("give --config FILE (a model shape, random weights) or --model M"),
-    };
+    let (label, model) = build_model(
+        args.config.as_deref(),
+        args.model.as_deref(),
+        &args.dtype,
+        &devices,
+        args.seed,
+    )?;
+    let cfg = model.config().clone();
     sync(&model)?;
     let weights_bytes = used_bytes(&gpus).map(|u| u.saturating_sub(baseline));
 
@@ -278,6 +259,49 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         None => println!("{json}"),
     }
     Ok(())
+}
+
+/// The model a benchmark runs: random weights of a shape (`config`) built directly on the
+/// devices, or a real checkpoint (`model`); layers split over `devices` when there are several.
+/// Returns a label for the report and the model.
+pub fn build_model(
+    config: Option<&std::path::Path>,
+    model: Option<&str>,
+    dtype: &str,
+    devices: &[DeviceLocation],
+    seed: u64,
+) -> Result<(String, QwenModel)> {
+    match (config, model) {
+        (Some(path), None) => {
+            let cfg = QwenConfig::from_file(path)?;
+            let map = device_map(devices, cfg.num_hidden_layers)?;
+            let t = Instant::now();
+            let model = QwenModel::new(&cfg, &Weights::Random { seed }, parse_dtype(dtype)?, &map)?;
+            eprintln!(
+                "built random {} in {:.1}s on {}",
+                path.display(),
+                t.elapsed().as_secs_f64(),
+                map
+            );
+            Ok((path.display().to_string(), model))
+        }
+        (None, Some(spec)) => {
+            let device = devices
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(",");
+            let m = crate::cli::ModelArgs {
+                model: spec.to_string(),
+                revision: None,
+                dtype: dtype.to_string(),
+                device,
+            }
+            .load()?;
+            Ok((spec.to_string(), m.model))
+        }
+        _ => bail!("give --config FILE (a model shape, random weights) or --model M"),
+    }
 }
 
 fn device_map(devices: &[DeviceLocation], layers: usize) -> Result<DeviceMap> {

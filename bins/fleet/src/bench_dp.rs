@@ -7,10 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use fleet_dist::{ItemResult, PoolOptions, ReplicaPool, Worker};
-use fleet_models::{
-    parse_dtype, DeviceLocation, DeviceMap, GenerationRequest, Generator, QwenConfig, QwenModel,
-    Weights,
-};
+use fleet_models::{DeviceLocation, GenerationRequest, Generator, QwenModel};
 use serde::Serialize;
 
 #[derive(Args)]
@@ -89,7 +86,6 @@ struct Report {
 }
 
 pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
-    let dtype = parse_dtype(&args.dtype)?;
     let locations: Vec<DeviceLocation> = args
         .devices
         .iter()
@@ -97,35 +93,25 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         .collect::<Result<_, _>>()?;
     let mut replicas = Vec::new();
     let mut label = String::new();
-    let mut vocab = 0;
     for (i, &loc) in locations.iter().enumerate() {
-        let model = match (&args.config, &args.model) {
-            (Some(path), None) => {
-                let cfg = QwenConfig::from_file(path)?;
-                label = path.display().to_string();
-                let map = DeviceMap::single(loc, cfg.num_hidden_layers);
-                QwenModel::new(&cfg, &Weights::Random { seed: args.seed }, dtype, &map)?
-            }
-            (None, Some(spec)) => {
-                label = spec.clone();
-                let m = crate::cli::ModelArgs {
-                    model: spec.clone(),
-                    revision: None,
-                    dtype: args.dtype.clone(),
-                    device: loc.to_string(),
-                }
-                .load()?;
-                m.model
-            }
-            _ => bail!("give --config FILE (a model shape, random weights) or --model M"),
-        };
-        vocab = model.config().vocab_size;
+        let (l, model) = crate::bench::build_model(
+            args.config.as_deref(),
+            args.model.as_deref(),
+            &args.dtype,
+            &[loc],
+            args.seed,
+        )?;
+        label = l;
         replicas.push(Replica {
             name: format!("replica {i} {loc}"),
             model,
             new_tokens: args.new_tokens,
         });
     }
+    let vocab = replicas
+        .first()
+        .map(|r| r.model.config().vocab_size)
+        .unwrap_or(1);
     let n_items = replicas.len() * args.batches_per_replica;
     let items: Vec<Vec<Vec<u32>>> = (0..n_items)
         .map(|it| {

@@ -72,16 +72,19 @@ impl ModelArgs {
     pub fn load(&self) -> Result<TextModel> {
         let dtype = parse_dtype(&self.dtype)?;
         let devices = parse_devices(&self.device)?;
-        // The map needs the layer count, which is in config.json: read it through a first
-        // resolve, then load with the map.
+        // The map needs the layer count, which is in config.json: read that file first (no
+        // weights fetched), then load with the map.
         let opts = LoadOptions {
             dtype,
             revision: self.revision.clone(),
             ..LoadOptions::default()
         };
-        let source = fleet_models::ModelSource::parse(&self.model, self.revision.as_deref())?;
-        let files = source.resolve(&opts.hub)?;
-        let cfg = fleet_models::QwenConfig::from_file(&files.config)?;
+        let config = fleet_models::ModelSource::config_file(
+            &self.model,
+            self.revision.as_deref(),
+            &opts.hub,
+        )?;
+        let cfg = fleet_models::QwenConfig::from_file(&config)?;
         let map = if devices.len() == 1 {
             DeviceMap::single(devices[0], cfg.num_hidden_layers)
         } else {
