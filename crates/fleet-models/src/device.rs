@@ -23,6 +23,18 @@ impl Devices {
             check_dtype(&dev, loc, dtype)?;
             by_location.insert(loc, dev);
         }
+        // Hidden states cross between the GPUs of a map: let them copy directly.
+        let gpus: Vec<usize> = by_location
+            .keys()
+            .filter_map(|l| match l {
+                DeviceLocation::Cuda(n) => Some(*n),
+                DeviceLocation::Cpu => None,
+            })
+            .collect();
+        if gpus.len() > 1 {
+            let pairs = fleet_topology::enable_peer_access(&gpus)?;
+            tracing::info!("peer access enabled between GPU pairs {pairs:?}");
+        }
         Ok(Devices { by_location })
     }
 

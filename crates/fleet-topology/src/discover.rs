@@ -127,6 +127,67 @@ pub fn gpu_memory_info(ordinal: usize) -> Result<Option<(u64, u64)>, TopologyErr
     }
 }
 
+/// Enables direct (peer-to-peer) access between every ordered pair of the given GPUs that
+/// supports it, and returns those pairs. Copies between GPUs of a pair then go over NVLink or
+/// PCIe directly instead of through host memory (candle never enables this itself). A build
+/// without CUDA, or fewer than two GPUs, enables nothing.
+pub fn enable_peer_access(ordinals: &[usize]) -> Result<Vec<(usize, usize)>, TopologyError> {
+    #[cfg(feature = "cuda")]
+    {
+        use cudarc::driver::{sys, CudaContext};
+        let mut ctxs = Vec::with_capacity(ordinals.len());
+        for &o in ordinals {
+            let ctx = CudaContext::new(o).map_err(|e| TopologyError::Driver {
+                ordinal: o,
+                message: e.to_string(),
+            })?;
+            ctxs.push((o, ctx));
+        }
+        let mut enabled = Vec::new();
+        for (a, ctx_a) in &ctxs {
+            for (b, ctx_b) in &ctxs {
+                if a == b {
+                    continue;
+                }
+                let driver = |what: &str, r: sys::CUresult| TopologyError::Driver {
+                    ordinal: *a,
+                    message: format!("{what} towards GPU {b}: {r:?}"),
+                };
+                let mut can = 0;
+                // SAFETY: plain driver queries on valid device handles.
+                let r = unsafe {
+                    sys::cuDeviceCanAccessPeer(&mut can, ctx_a.cu_device(), ctx_b.cu_device())
+                };
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    return Err(driver("cuDeviceCanAccessPeer", r));
+                }
+                if can == 0 {
+                    continue;
+                }
+                ctx_a.bind_to_thread().map_err(|e| TopologyError::Driver {
+                    ordinal: *a,
+                    message: e.to_string(),
+                })?;
+                // SAFETY: the current context is a's; b's context is alive for the call.
+                let r = unsafe { sys::cuCtxEnablePeerAccess(ctx_b.cu_ctx(), 0) };
+                match r {
+                    sys::CUresult::CUDA_SUCCESS
+                    | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                        enabled.push((*a, *b))
+                    }
+                    other => return Err(driver("cuCtxEnablePeerAccess", other)),
+                }
+            }
+        }
+        Ok(enabled)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinals;
+        Ok(Vec::new())
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn tracing_free_warn(msg: &str) {
     // This crate carries no logging dependency; stderr is where a CLI user looks.
@@ -136,6 +197,13 @@ fn tracing_free_warn(msg: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_access_is_a_no_op_without_gpus() {
+        if cfg!(not(feature = "cuda")) {
+            assert!(enable_peer_access(&[0, 1]).unwrap().is_empty());
+        }
+    }
 
     #[test]
     fn cpu_build_reports_the_cpu() {

@@ -13,7 +13,7 @@ mod topology;
 
 pub use budget::{default_reserve, parse_bytes, MaxMemory, MemoryLimit};
 pub use device_map::{DeviceLocation, DeviceMap};
-pub use discover::{discover, gpu_memory_info, DeviceInfo};
+pub use discover::{discover, enable_peer_access, gpu_memory_info, DeviceInfo};
 pub use memory::{
     format_bytes, DType, DeviceCost, DevicePart, ModelShape, MoeShape, VisionShape, Workload,
     CONTEXT_OVERHEAD_BYTES, GIB, MIB,
