@@ -164,6 +164,40 @@ impl MaskedSoftmax {
     }
 }
 
+/// Applies `$body` to the contiguous slices of three CPU storages that share a float dtype,
+/// wrapping the result in a storage of that dtype.
+macro_rules! float3 {
+    ($op:literal, ($s1:expr, $l1:expr), ($s2:expr, $l2:expr), ($s3:expr, $l3:expr), |$a:ident, $b:ident, $c:ident| $body:expr) => {
+        match ($s1, $s2, $s3) {
+            (CpuStorage::F32($a), CpuStorage::F32($b), CpuStorage::F32($c)) => {
+                let ($a, $b, $c) = (
+                    contiguous($a, $l1)?,
+                    contiguous($b, $l2)?,
+                    contiguous($c, $l3)?,
+                );
+                CpuStorage::F32($body)
+            }
+            (CpuStorage::BF16($a), CpuStorage::BF16($b), CpuStorage::BF16($c)) => {
+                let ($a, $b, $c) = (
+                    contiguous($a, $l1)?,
+                    contiguous($b, $l2)?,
+                    contiguous($c, $l3)?,
+                );
+                CpuStorage::BF16($body)
+            }
+            (CpuStorage::F16($a), CpuStorage::F16($b), CpuStorage::F16($c)) => {
+                let ($a, $b, $c) = (
+                    contiguous($a, $l1)?,
+                    contiguous($b, $l2)?,
+                    contiguous($c, $l3)?,
+                );
+                CpuStorage::F16($body)
+            }
+            _ => candle_core::bail!(concat!($op, ": inputs must share one of f32, f16, bf16")),
+        }
+    };
+}
+
 fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> candle_core::Result<&'a [T]> {
     match layout.contiguous_offsets() {
         Some((a, b)) => Ok(&data[a..b]),
@@ -308,33 +342,9 @@ impl CustomOp3 for AddRmsNorm {
                 l3.dims()
             );
         }
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(h), CpuStorage::F32(w)) => {
-                CpuStorage::F32(add_rms_norm_cpu(
-                    contiguous(x, l1)?,
-                    contiguous(h, l2)?,
-                    contiguous(w, l3)?,
-                    self.eps,
-                ))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(h), CpuStorage::BF16(w)) => {
-                CpuStorage::BF16(add_rms_norm_cpu(
-                    contiguous(x, l1)?,
-                    contiguous(h, l2)?,
-                    contiguous(w, l3)?,
-                    self.eps,
-                ))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(h), CpuStorage::F16(w)) => {
-                CpuStorage::F16(add_rms_norm_cpu(
-                    contiguous(x, l1)?,
-                    contiguous(h, l2)?,
-                    contiguous(w, l3)?,
-                    self.eps,
-                ))
-            }
-            _ => candle_core::bail!("add_rms_norm: inputs must share one of f32, f16, bf16"),
-        };
+        let out = float3!("add_rms_norm", (s1, l1), (s2, l2), (s3, l3), |x, h, w| {
+            add_rms_norm_cpu(x, h, w, self.eps)
+        });
         let mut dims = vec![2];
         dims.extend_from_slice(l1.dims());
         Ok((out, Shape::from(dims)))
@@ -451,39 +461,9 @@ impl CustomOp3 for QkvRope {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (b, t, per_row) = self.dims(l1, l2, l3)?;
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(c)) => {
-                CpuStorage::F32(self.cpu(
-                    contiguous(x, l1)?,
-                    contiguous(w, l2)?,
-                    contiguous(c, l3)?,
-                    b,
-                    t,
-                    per_row,
-                ))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(c)) => {
-                CpuStorage::BF16(self.cpu(
-                    contiguous(x, l1)?,
-                    contiguous(w, l2)?,
-                    contiguous(c, l3)?,
-                    b,
-                    t,
-                    per_row,
-                ))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(c)) => {
-                CpuStorage::F16(self.cpu(
-                    contiguous(x, l1)?,
-                    contiguous(w, l2)?,
-                    contiguous(c, l3)?,
-                    b,
-                    t,
-                    per_row,
-                ))
-            }
-            _ => candle_core::bail!("qkv_rope: inputs must share one of f32, f16, bf16"),
-        };
+        let out = float3!("qkv_rope", (s1, l1), (s2, l2), (s3, l3), |x, w, c| {
+            self.cpu(x, w, c, b, t, per_row)
+        });
         let n = b * t * (self.h + 2 * self.kvh) * self.d;
         Ok((out, Shape::from(n)))
     }
