@@ -17,15 +17,8 @@ use serde::Serialize;
 
 #[derive(Args)]
 pub struct BenchGenerateArgs {
-    /// A model shape (a config.json, e.g. configs/models/qwen2.5-7b.json): random weights are
-    /// made directly on the device.
-    #[arg(long, conflicts_with = "model")]
-    pub config: Option<PathBuf>,
-    /// A real checkpoint (local dir or hub id) instead of a shape.
-    #[arg(long)]
-    pub model: Option<String>,
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    #[command(flatten)]
+    pub model: BenchModelArgs,
     /// Device(s); a comma list splits the layers over several GPUs.
     #[arg(long, default_value = "cuda:0")]
     pub device: String,
@@ -39,8 +32,6 @@ pub struct BenchGenerateArgs {
     /// Timed repetitions of each measurement (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Write the results here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -148,22 +139,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
     let devices = crate::cli::parse_devices(&args.device)?;
-    let gpus: Vec<usize> = devices
-        .iter()
-        .filter_map(|d| match d {
-            DeviceLocation::Cuda(n) => Some(*n),
-            DeviceLocation::Cpu => None,
-        })
-        .collect();
+    let gpus: Vec<usize> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
     let baseline = used_bytes(&gpus).unwrap_or(0);
 
-    let (label, model) = build_model(
-        args.config.as_deref(),
-        args.model.as_deref(),
-        &args.dtype,
-        &devices,
-        args.seed,
-    )?;
+    let (label, model) = args.model.build(&devices)?;
     let cfg = model.config().clone();
     sync(&model)?;
     let weights_bytes = used_bytes(&gpus).map(|u| u.saturating_sub(baseline));
@@ -184,7 +163,8 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
             .map(|r| {
                 (0..args.prompt_len)
                     .map(|i| {
-                        ((r * 7919 + i * 104_729 + args.seed as usize) % cfg.vocab_size) as u32
+                        ((r * 7919 + i * 104_729 + args.model.seed as usize) % cfg.vocab_size)
+                            as u32
                     })
                     .collect()
             })
@@ -247,7 +227,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
             "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
             "parameters": cfg.num_parameters(),
         }),
-        dtype: args.dtype.clone(),
+        dtype: args.model.dtype.clone(),
         prompt_len: args.prompt_len,
         new_tokens: args.new_tokens,
         weights_bytes,
@@ -261,46 +241,59 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// The model a benchmark runs: random weights of a shape (`config`) built directly on the
-/// devices, or a real checkpoint (`model`); layers split over `devices` when there are several.
-/// Returns a label for the report and the model.
-pub fn build_model(
-    config: Option<&std::path::Path>,
-    model: Option<&str>,
-    dtype: &str,
-    devices: &[DeviceLocation],
-    seed: u64,
-) -> Result<(String, QwenModel)> {
-    match (config, model) {
-        (Some(path), None) => {
-            let cfg = QwenConfig::from_file(path)?;
-            let map = device_map(devices, cfg.num_hidden_layers)?;
-            let t = Instant::now();
-            let model = QwenModel::new(&cfg, &Weights::Random { seed }, parse_dtype(dtype)?, &map)?;
-            eprintln!(
-                "built random {} in {:.1}s on {}",
-                path.display(),
-                t.elapsed().as_secs_f64(),
-                map
-            );
-            Ok((path.display().to_string(), model))
-        }
-        (None, Some(spec)) => {
-            let device = devices
-                .iter()
-                .map(|d| d.to_string())
-                .collect::<Vec<_>>()
-                .join(",");
-            let m = crate::cli::ModelArgs {
-                model: spec.to_string(),
-                revision: None,
-                dtype: dtype.to_string(),
-                device,
+/// The model a benchmark runs, shared by the benchmark commands.
+#[derive(Args)]
+pub struct BenchModelArgs {
+    /// A model shape (a config.json, e.g. configs/models/qwen2.5-7b.json): random weights are
+    /// made directly on the device(s).
+    #[arg(long, conflicts_with = "model")]
+    pub config: Option<PathBuf>,
+    /// A real checkpoint (local dir or hub id) instead of a shape.
+    #[arg(long)]
+    pub model: Option<String>,
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Seed of the random weights and prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl BenchModelArgs {
+    /// Random weights of the shape built on `devices`, or the checkpoint loaded there; layers
+    /// split over `devices` when there are several. Returns a label for the report and the model.
+    pub fn build(&self, devices: &[DeviceLocation]) -> Result<(String, QwenModel)> {
+        match (&self.config, &self.model) {
+            (Some(path), None) => {
+                let cfg = QwenConfig::from_file(path)?;
+                let map = device_map(devices, cfg.num_hidden_layers)?;
+                let t = Instant::now();
+                let weights = Weights::Random { seed: self.seed };
+                let model = QwenModel::new(&cfg, &weights, parse_dtype(&self.dtype)?, &map)?;
+                eprintln!(
+                    "built random {} in {:.1}s on {}",
+                    path.display(),
+                    t.elapsed().as_secs_f64(),
+                    map
+                );
+                Ok((path.display().to_string(), model))
             }
-            .load()?;
-            Ok((spec.to_string(), m.model))
+            (None, Some(spec)) => {
+                let device = devices
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",");
+                let m = crate::cli::ModelArgs {
+                    model: spec.clone(),
+                    revision: None,
+                    dtype: self.dtype.clone(),
+                    device,
+                }
+                .load()?;
+                Ok((spec.clone(), m.model))
+            }
+            _ => bail!("give --config FILE (a model shape, random weights) or --model M"),
         }
-        _ => bail!("give --config FILE (a model shape, random weights) or --model M"),
     }
 }
 

@@ -12,14 +12,9 @@ use serde::Serialize;
 
 #[derive(Args)]
 pub struct BenchDataParallelArgs {
-    /// A model shape (config.json); random weights are made on each replica's device.
-    #[arg(long, conflicts_with = "model")]
-    pub config: Option<PathBuf>,
-    /// A real checkpoint (local dir or hub id) instead of a shape.
-    #[arg(long)]
-    pub model: Option<String>,
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    /// The model of every replica.
+    #[command(flatten)]
+    pub model: crate::bench::BenchModelArgs,
     /// One replica per listed device, e.g. `cuda:0,cuda:1,cuda:2,cuda:3` (`cpu,cpu` works too).
     #[arg(long, value_delimiter = ',', default_value = "cuda:0")]
     pub devices: Vec<String>,
@@ -33,8 +28,6 @@ pub struct BenchDataParallelArgs {
     pub prompt_len: usize,
     #[arg(long, default_value_t = 128)]
     pub new_tokens: usize,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Show per-replica progress bars.
     #[arg(long)]
     pub progress: bool,
@@ -94,13 +87,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
     let mut replicas = Vec::new();
     let mut label = String::new();
     for (i, &loc) in locations.iter().enumerate() {
-        let (l, model) = crate::bench::build_model(
-            args.config.as_deref(),
-            args.model.as_deref(),
-            &args.dtype,
-            &[loc],
-            args.seed,
-        )?;
+        let (l, model) = args.model.build(&[loc])?;
         label = l;
         replicas.push(Replica {
             name: format!("replica {i} {loc}"),
@@ -150,7 +137,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         engine: "fleet",
         commit: crate::bench::commit(),
         config: label,
-        dtype: args.dtype.clone(),
+        dtype: args.model.dtype.clone(),
         devices: args.devices.clone(),
         batch: args.batch,
         prompt_len: args.prompt_len,

@@ -26,10 +26,7 @@ impl Devices {
         // Hidden states cross between the GPUs of a map: let them copy directly.
         let gpus: Vec<usize> = by_location
             .keys()
-            .filter_map(|l| match l {
-                DeviceLocation::Cuda(n) => Some(*n),
-                DeviceLocation::Cpu => None,
-            })
+            .filter_map(|l| l.cuda_ordinal())
             .collect();
         if gpus.len() > 1 {
             let pairs = fleet_topology::enable_peer_access(&gpus)?;

@@ -164,38 +164,27 @@ impl MaskedSoftmax {
     }
 }
 
-/// Applies `$body` to the contiguous slices of three CPU storages that share a float dtype,
-/// wrapping the result in a storage of that dtype.
-macro_rules! float3 {
-    ($op:literal, ($s1:expr, $l1:expr), ($s2:expr, $l2:expr), ($s3:expr, $l3:expr), |$a:ident, $b:ident, $c:ident| $body:expr) => {
-        match ($s1, $s2, $s3) {
-            (CpuStorage::F32($a), CpuStorage::F32($b), CpuStorage::F32($c)) => {
-                let ($a, $b, $c) = (
-                    contiguous($a, $l1)?,
-                    contiguous($b, $l2)?,
-                    contiguous($c, $l3)?,
-                );
+/// Applies `$body` to the contiguous slices of CPU storages that share a float dtype (f32, bf16
+/// or f16), wrapping the result in a storage of that dtype.
+macro_rules! float_cpu {
+    ($op:literal, $( ($s:expr, $l:expr) => $x:ident ),+ ; $body:expr) => {
+        match ($($s,)+) {
+            float_cpu!(@pat F32; $($x),+) => {
+                $( let $x = contiguous($x, $l)?; )+
                 CpuStorage::F32($body)
             }
-            (CpuStorage::BF16($a), CpuStorage::BF16($b), CpuStorage::BF16($c)) => {
-                let ($a, $b, $c) = (
-                    contiguous($a, $l1)?,
-                    contiguous($b, $l2)?,
-                    contiguous($c, $l3)?,
-                );
+            float_cpu!(@pat BF16; $($x),+) => {
+                $( let $x = contiguous($x, $l)?; )+
                 CpuStorage::BF16($body)
             }
-            (CpuStorage::F16($a), CpuStorage::F16($b), CpuStorage::F16($c)) => {
-                let ($a, $b, $c) = (
-                    contiguous($a, $l1)?,
-                    contiguous($b, $l2)?,
-                    contiguous($c, $l3)?,
-                );
+            float_cpu!(@pat F16; $($x),+) => {
+                $( let $x = contiguous($x, $l)?; )+
                 CpuStorage::F16($body)
             }
             _ => candle_core::bail!(concat!($op, ": inputs must share one of f32, f16, bf16")),
         }
     };
+    (@pat $v:ident; $($x:ident),+) => { ($(CpuStorage::$v($x),)+) };
 }
 
 fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> candle_core::Result<&'a [T]> {
@@ -222,12 +211,7 @@ impl CustomOp2 for MaskedSoftmax {
             CpuStorage::U32(p) => contiguous(p, l2)?,
             _ => candle_core::bail!("masked_softmax: pad must be u32"),
         };
-        let out = match s1 {
-            CpuStorage::F32(x) => CpuStorage::F32(self.cpu(contiguous(x, l1)?, pad, kv_len)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(self.cpu(contiguous(x, l1)?, pad, kv_len)),
-            CpuStorage::F16(x) => CpuStorage::F16(self.cpu(contiguous(x, l1)?, pad, kv_len)),
-            _ => candle_core::bail!("masked_softmax: scores must be f32, f16 or bf16"),
-        };
+        let out = float_cpu!("masked_softmax", (s1, l1) => x; self.cpu(x, pad, kv_len));
         Ok((out, l1.shape().clone()))
     }
 
@@ -272,12 +256,7 @@ impl candle_core::CustomOp1 for SwiGlu {
         }
         let mut out_dims = dims.to_vec();
         *out_dims.last_mut().expect("non-empty") = n / 2;
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(swiglu_cpu(contiguous(x, l)?, n / 2)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(swiglu_cpu(contiguous(x, l)?, n / 2)),
-            CpuStorage::F16(x) => CpuStorage::F16(swiglu_cpu(contiguous(x, l)?, n / 2)),
-            _ => candle_core::bail!("swiglu: input must be f32, f16 or bf16"),
-        };
+        let out = float_cpu!("swiglu", (s, l) => x; swiglu_cpu(x, n / 2));
         Ok((out, Shape::from(out_dims)))
     }
 
@@ -342,9 +321,8 @@ impl CustomOp3 for AddRmsNorm {
                 l3.dims()
             );
         }
-        let out = float3!("add_rms_norm", (s1, l1), (s2, l2), (s3, l3), |x, h, w| {
-            add_rms_norm_cpu(x, h, w, self.eps)
-        });
+        let out = float_cpu!("add_rms_norm", (s1, l1) => x, (s2, l2) => h, (s3, l3) => w;
+            add_rms_norm_cpu(x, h, w, self.eps));
         let mut dims = vec![2];
         dims.extend_from_slice(l1.dims());
         Ok((out, Shape::from(dims)))
@@ -461,9 +439,8 @@ impl CustomOp3 for QkvRope {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (b, t, per_row) = self.dims(l1, l2, l3)?;
-        let out = float3!("qkv_rope", (s1, l1), (s2, l2), (s3, l3), |x, w, c| {
-            self.cpu(x, w, c, b, t, per_row)
-        });
+        let out = float_cpu!("qkv_rope", (s1, l1) => x, (s2, l2) => w, (s3, l3) => c;
+            self.cpu(x, w, c, b, t, per_row));
         let n = b * t * (self.h + 2 * self.kvh) * self.d;
         Ok((out, Shape::from(n)))
     }

@@ -17,6 +17,16 @@ pub enum DeviceLocation {
     Cuda(usize),
 }
 
+impl DeviceLocation {
+    /// The GPU index, or `None` for the CPU.
+    pub fn cuda_ordinal(self) -> Option<usize> {
+        match self {
+            DeviceLocation::Cuda(n) => Some(n),
+            DeviceLocation::Cpu => None,
+        }
+    }
+}
+
 impl fmt::Display for DeviceLocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
