@@ -1,0 +1,3 @@
+//! argo-exp: ARGO experiments (to be wired).
+
+fn main() {}
