@@ -75,7 +75,16 @@ struct Report {
     new_tokens_total: usize,
     wall_s: f64,
     decode_tok_s: f64,
-    items_per_replica: Vec<(String, usize)>,
+    /// Per replica: name, batches done, seconds busy generating.
+    replicas: Vec<ReplicaReport>,
+}
+
+#[derive(Serialize)]
+struct ReplicaReport {
+    name: String,
+    batches: usize,
+    busy_s: f64,
+    new_tok_s_while_busy: f64,
 }
 
 pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
@@ -146,11 +155,17 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         new_tokens_total: total,
         wall_s: wall,
         decode_tok_s: total as f64 / wall,
-        items_per_replica: out
+        replicas: out
             .report
             .workers
             .iter()
-            .map(|w| (w.name.clone(), w.items_done))
+            .map(|w| ReplicaReport {
+                name: w.name.clone(),
+                batches: w.items_done,
+                busy_s: w.busy.as_secs_f64(),
+                new_tok_s_while_busy: (w.items_done * args.batch * args.new_tokens) as f64
+                    / w.busy.as_secs_f64().max(1e-9),
+            })
             .collect(),
     };
     eprintln!(

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use fleet_models::placement::{PlacementRequest, Replicas};
 use fleet_models::{
     parse_dtype, ChatMessage, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions,
     SamplingParams, TextModel,
@@ -69,16 +70,20 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// dtype and revision as load options (no device map).
+    pub fn options(&self) -> Result<LoadOptions> {
+        Ok(LoadOptions {
+            dtype: parse_dtype(&self.dtype)?,
+            revision: self.revision.clone(),
+            ..LoadOptions::default()
+        })
+    }
+
     pub fn load(&self) -> Result<TextModel> {
-        let dtype = parse_dtype(&self.dtype)?;
         let devices = parse_devices(&self.device)?;
         // The map needs the layer count, which is in config.json: read that file first (no
         // weights fetched), then load with the map.
-        let opts = LoadOptions {
-            dtype,
-            revision: self.revision.clone(),
-            ..LoadOptions::default()
-        };
+        let opts = self.options()?;
         let config = fleet_models::ModelSource::config_file(
             &self.model,
             self.revision.as_deref(),
@@ -129,7 +134,8 @@ pub fn devices(args: &DevicesArgs) -> Result<()> {
         "{:<8} {:<28} {:<8} {:>12} {:>12}  pci",
         "device", "name", "cc", "total", "free"
     );
-    for d in devices {
+    let topology = fleet_topology::Topology::from_devices(&devices);
+    for d in &devices {
         let cc = d
             .compute_capability
             .map(|(a, b)| format!("{a}.{b}"))
@@ -141,8 +147,27 @@ pub fn devices(args: &DevicesArgs) -> Result<()> {
             cc,
             gib(d.total_bytes),
             gib(d.free_bytes),
-            d.pci_bus_id.unwrap_or_else(|| "-".into())
+            d.pci_bus_id.as_deref().unwrap_or("-")
         );
+    }
+    if topology.gpus.len() > 1 {
+        let peers = match &topology.peer_access {
+            fleet_topology::PeerAccess::All => "every pair".to_string(),
+            fleet_topology::PeerAccess::None => {
+                "none (copies between GPUs go through host memory)".to_string()
+            }
+            fleet_topology::PeerAccess::Groups(groups) => groups
+                .iter()
+                .map(|g| {
+                    g.iter()
+                        .map(|i| format!("cuda:{i}"))
+                        .collect::<Vec<_>>()
+                        .join("+")
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+        };
+        println!("peer access: {peers}");
     }
     Ok(())
 }
@@ -158,6 +183,20 @@ pub struct GenerateArgs {
     /// lengths) generated as one left-padded batch; prints one JSON line per prompt.
     #[arg(long, conflicts_with = "prompt")]
     pub ids_file: Option<PathBuf>,
+    /// With --ids-file: place replicas by plan on this machine's GPUs instead of --device
+    /// (single, data-parallel, layer-sharded, hybrid[:N] or auto); the prompts are spread over
+    /// the replicas in batches of --max-batch. One CPU replica on a machine without GPUs.
+    #[arg(long, requires = "ids_file", conflicts_with = "device")]
+    pub gpu_mode: Option<String>,
+    /// With --gpu-mode: only these GPUs (comma-separated indices).
+    #[arg(long, value_delimiter = ',', requires = "gpu_mode")]
+    pub gpu_ids: Option<Vec<usize>>,
+    /// With --gpu-mode: budgets in accelerate's style, e.g. `0=60GiB,1=0.9`.
+    #[arg(long, requires = "gpu_mode")]
+    pub max_memory: Option<String>,
+    /// With --ids-file: prompts per batch (one replica generates one batch at a time).
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
     /// A system message (else the template's default, if it has one).
     #[arg(long)]
     pub system: Option<String>,
@@ -181,7 +220,6 @@ pub struct GenerateArgs {
 }
 
 pub fn generate(args: &GenerateArgs) -> Result<()> {
-    let model = args.model.load()?;
     let request = |prompt_ids: Vec<u32>| GenerationRequest {
         prompt_ids,
         max_new_tokens: args.max_new_tokens,
@@ -196,11 +234,46 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     if let Some(path) = &args.ids_file {
         let requests: Vec<GenerationRequest> =
             read_ids_file(path)?.into_iter().map(request).collect();
-        for out in model.generate(&requests, None)? {
+        let outputs = match &args.gpu_mode {
+            Some(mode) => {
+                let longest = requests
+                    .iter()
+                    .map(|r| r.prompt_ids.len())
+                    .max()
+                    .unwrap_or(1);
+                let placement = PlacementRequest {
+                    mode: mode.parse()?,
+                    gpu_ids: args.gpu_ids.clone(),
+                    max_memory: match &args.max_memory {
+                        Some(m) => m.parse()?,
+                        None => fleet_topology::MaxMemory::new(),
+                    },
+                    workload: fleet_topology::Workload {
+                        batch: args.max_batch.min(requests.len()).max(1),
+                        seq_len: longest + args.max_new_tokens,
+                        full_logits: false,
+                    },
+                };
+                let replicas =
+                    Replicas::load_planned(&args.model.model, &args.model.options()?, &placement)?;
+                eprintln!("{} replica(s)", replicas.models.len());
+                replicas.generate(&requests, args.max_batch, true)?
+            }
+            None => {
+                let model = args.model.load()?;
+                let mut outputs = Vec::with_capacity(requests.len());
+                for batch in requests.chunks(args.max_batch.max(1)) {
+                    outputs.extend(model.generate(batch, None)?);
+                }
+                outputs
+            }
+        };
+        for out in outputs {
             println!("{}", serde_json::to_string(&out)?);
         }
         return Ok(());
     }
+    let model = args.model.load()?;
     let prompt = args.prompt.clone().unwrap_or_default();
     let prompt_ids = if args.raw {
         model.tokenizer()?.encode(&prompt)?
@@ -339,7 +412,17 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         args.revision.as_deref(),
         &fleet_models::HubOptions::from_env(),
     )?;
-    let shape = ModelShape::from_config_file(&config)?;
+    let mut shape = ModelShape::from_config_file(&config)?;
+    // A checkpoint directory (local, or a hub snapshot already in the cache) gives exact
+    // parameter counts from its safetensors headers; a lone config.json gives estimates.
+    if let Some(dir) = config.parent() {
+        let has_weights = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok())
+            .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
+        if has_weights {
+            shape = shape.with_checkpoint(fleet_topology::CheckpointParams::from_dir(dir)?)?;
+        }
+    }
     let mut topology = if args.topology == "live" {
         Topology::from_devices(&fleet_topology::discover()?)
     } else {

@@ -159,20 +159,33 @@ fn generate_batch_from_ids_file_matches_goldens() {
         serde_json::json!({ "input_ids": prompts }).to_string(),
     )
     .unwrap();
-    let out = fleet()
-        .args(["generate", "--model"])
-        .arg(fixture("qwen2-tiny"))
-        .arg("--ids-file")
-        .arg(&ids)
-        .args(["--max-new-tokens", "40"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+    // One left-padded batch on --device, and the planned path (one CPU replica here, batches
+    // of 2 through the replica pool).
+    for extra in [
+        &[][..],
+        &["--gpu-mode", "data-parallel", "--max-batch", "2"][..],
+    ] {
+        let out = fleet()
+            .args(["generate", "--model"])
+            .arg(fixture("qwen2-tiny"))
+            .arg("--ids-file")
+            .arg(&ids)
+            .args(["--max-new-tokens", "40"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        check_greedy_lines(&String::from_utf8_lossy(&out.stdout), cases);
+    }
+}
+
+/// Each JSON line's tokens equal the golden greedy continuation.
+fn check_greedy_lines(stdout: &str, cases: &[serde_json::Value]) {
+    let lines: Vec<serde_json::Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();

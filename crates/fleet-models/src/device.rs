@@ -28,7 +28,9 @@ impl Devices {
             .keys()
             .filter_map(|l| l.cuda_ordinal())
             .collect();
-        if gpus.len() > 1 {
+        // FLEET_PEER_ACCESS=0 leaves peer access off, to measure what it saves.
+        let peer_access_off = std::env::var("FLEET_PEER_ACCESS").is_ok_and(|v| v == "0");
+        if gpus.len() > 1 && !peer_access_off {
             let pairs = fleet_topology::enable_peer_access(&gpus)?;
             tracing::info!("peer access enabled between GPU pairs {pairs:?}");
         }

@@ -107,6 +107,9 @@ pub enum ModelError {
     /// A device map that does not match the model.
     #[error(transparent)]
     Topology(#[from] fleet_topology::TopologyError),
+    /// Work spread over replicas failed (every replica failed a batch, or the pool refused).
+    #[error("replicas: {0}")]
+    Replicas(String),
     /// An error inside candle while computing.
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),

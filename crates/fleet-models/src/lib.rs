@@ -21,6 +21,7 @@ mod error;
 pub mod generation;
 pub mod kv_cache;
 pub mod ops;
+pub mod placement;
 pub mod profile;
 pub mod qwen;
 pub mod source;

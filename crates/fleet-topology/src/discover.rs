@@ -19,6 +19,9 @@ pub struct DeviceInfo {
     pub free_bytes: Option<u64>,
     /// PCI bus id such as `0000:3b:00.0`; `None` for the CPU.
     pub pci_bus_id: Option<String>,
+    /// CUDA ordinals of the other GPUs this one can read and write directly
+    /// (`cuDeviceCanAccessPeer`, over NVLink or PCIe); empty for the CPU.
+    pub peers: Vec<usize>,
 }
 
 /// The GPUs the CUDA driver reports (honouring `CUDA_VISIBLE_DEVICES`), or, when none is
@@ -46,6 +49,7 @@ fn cpu_info() -> DeviceInfo {
         total_bytes: total,
         free_bytes: free,
         pci_bus_id: None,
+        peers: Vec::new(),
     }
 }
 
@@ -82,6 +86,7 @@ fn discover_gpus() -> Result<Vec<DeviceInfo>, TopologyError> {
         }
     };
     let mut out = Vec::with_capacity(count);
+    let mut devices = Vec::with_capacity(count);
     for ordinal in 0..count {
         let err = |e: cudarc::driver::DriverError| TopologyError::Driver {
             ordinal,
@@ -103,7 +108,29 @@ fn discover_gpus() -> Result<Vec<DeviceInfo>, TopologyError> {
             total_bytes: Some(total as u64),
             free_bytes: Some(free as u64),
             pci_bus_id: Some(pci),
+            peers: Vec::new(),
         });
+        devices.push(ctx.cu_device());
+    }
+    for (a, info) in out.iter_mut().enumerate() {
+        for (b, &dev_b) in devices.iter().enumerate() {
+            if a == b {
+                continue;
+            }
+            let mut can = 0;
+            // SAFETY: a plain driver query on two valid device handles.
+            let r =
+                unsafe { cudarc::driver::sys::cuDeviceCanAccessPeer(&mut can, devices[a], dev_b) };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                return Err(TopologyError::Driver {
+                    ordinal: a,
+                    message: format!("cuDeviceCanAccessPeer towards GPU {b}: {r:?}"),
+                });
+            }
+            if can != 0 {
+                info.peers.push(b);
+            }
+        }
     }
     Ok(out)
 }

@@ -5,6 +5,7 @@
 //! loader in `fleet-models` consumes a [`DeviceMap`] and builds every block on the device it names.
 
 mod budget;
+mod checkpoint;
 mod device_map;
 mod discover;
 mod memory;
@@ -12,6 +13,7 @@ mod planner;
 mod topology;
 
 pub use budget::{default_reserve, parse_bytes, MaxMemory, MemoryLimit};
+pub use checkpoint::CheckpointParams;
 pub use device_map::{DeviceLocation, DeviceMap};
 pub use discover::{discover, enable_peer_access, gpu_memory_info, DeviceInfo};
 pub use memory::{
@@ -73,6 +75,14 @@ pub enum TopologyError {
         /// The field at fault, e.g. `gpu[0].memory`.
         field: String,
         /// What is wrong and what to write instead.
+        message: String,
+    },
+    /// A safetensors file whose header cannot be read.
+    #[error("checkpoint `{file}`: {message}")]
+    Checkpoint {
+        /// The file or directory.
+        file: String,
+        /// What is wrong and what to do.
         message: String,
     },
     /// A model config.json lacks a field the planner needs, or has a bad value.

@@ -22,7 +22,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::TopologyError;
+use crate::{CheckpointParams, TopologyError};
 
 /// Bytes in one MiB.
 pub const MIB: u64 = 1024 * 1024;
@@ -170,6 +170,9 @@ pub struct ModelShape {
     pub moe: Option<MoeShape>,
     /// Vision tower, when the model has one.
     pub vision: Option<VisionShape>,
+    /// Exact parameter counts from the checkpoint's safetensors headers, when they were read
+    /// ([`ModelShape::with_checkpoint`]); the counts above are then replaced by them.
+    pub checkpoint: Option<CheckpointParams>,
 }
 
 /// The fields of config.json this crate reads. transformers 5.x nests the decoder fields of
@@ -331,21 +334,64 @@ impl ModelShape {
             qk_norm: !is_qwen2,
             moe,
             vision,
+            checkpoint: None,
         })
     }
 
-    /// Parameters of the token embedding.
+    /// Takes the parameter counts from the checkpoint's safetensors headers instead of the
+    /// formulas. Every decoder layer is charged the largest layer's count (Qwen layers are
+    /// uniform; the largest keeps plans safe where they are not). Errors when the files hold a
+    /// different number of decoder layers than config.json says.
+    pub fn with_checkpoint(mut self, params: CheckpointParams) -> Result<Self, TopologyError> {
+        if params.layers.len() != self.num_layers {
+            return Err(TopologyError::Checkpoint {
+                file: params
+                    .files
+                    .first()
+                    .map(|f| f.display().to_string())
+                    .unwrap_or_default(),
+                message: format!(
+                    "the safetensors files hold {} decoder layers but config.json says \
+                     num_hidden_layers = {}: the checkpoint and its config do not belong together",
+                    params.layers.len(),
+                    self.num_layers
+                ),
+            });
+        }
+        self.checkpoint = Some(params);
+        Ok(self)
+    }
+
+    /// Parameters of the token embedding (and, from a checkpoint, of tensors no other part
+    /// claims).
     pub fn embed_params(&self) -> u64 {
-        self.vocab_size as u64 * self.hidden_size as u64
+        match &self.checkpoint {
+            Some(c) => c.embed + c.other,
+            None => self.vocab_size as u64 * self.hidden_size as u64,
+        }
     }
 
     /// Parameters of the vision tower (0 for a text-only model).
     pub fn vision_params(&self) -> u64 {
-        self.vision.as_ref().map_or(0, VisionShape::params)
+        match &self.checkpoint {
+            Some(c) => c.vision,
+            None => self.vision.as_ref().map_or(0, VisionShape::params),
+        }
     }
 
-    /// Parameters of one decoder layer.
+    /// Parameters of the final norm.
+    pub fn final_norm_params(&self) -> u64 {
+        match &self.checkpoint {
+            Some(c) => c.final_norm,
+            None => self.hidden_size as u64,
+        }
+    }
+
+    /// Parameters of one decoder layer (the largest one, from a checkpoint).
     pub fn layer_params(&self) -> u64 {
+        if let Some(c) = &self.checkpoint {
+            return c.layers.iter().copied().max().unwrap_or(0);
+        }
         let h = self.hidden_size as u64;
         let q = (self.num_heads * self.head_dim) as u64;
         let kv = (self.num_kv_heads * self.head_dim) as u64;
@@ -368,7 +414,10 @@ impl ModelShape {
 
     /// Parameters of the lm_head matrix (counted even when tied; see [`ModelShape::total_params`]).
     pub fn lm_head_params(&self) -> u64 {
-        self.vocab_size as u64 * self.hidden_size as u64
+        match &self.checkpoint {
+            Some(c) if c.lm_head > 0 => c.lm_head,
+            _ => self.vocab_size as u64 * self.hidden_size as u64,
+        }
     }
 
     /// All parameters, tied weights counted once.
@@ -376,7 +425,7 @@ impl ModelShape {
         self.embed_params()
             + self.vision_params()
             + self.num_layers as u64 * self.layer_params()
-            + self.hidden_size as u64
+            + self.final_norm_params()
             + if self.tie_word_embeddings {
                 0
             } else {
@@ -406,7 +455,7 @@ impl ModelShape {
             params += self.embed_params() + self.vision_params();
         }
         if part.head {
-            params += self.hidden_size as u64;
+            params += self.final_norm_params();
             let shared = self.tie_word_embeddings && part.embed;
             if !shared {
                 params += self.lm_head_params();

@@ -163,6 +163,9 @@ pub struct Plan {
     pub replicas: Vec<ReplicaPlan>,
     /// GPUs that hold nothing.
     pub idle: Vec<DeviceLocation>,
+    /// Where the weight sizes come from: the checkpoint's safetensors headers (exact) or
+    /// config.json (the formulas of [`ModelShape`]).
+    pub weights_from: String,
 }
 
 impl Plan {
@@ -186,6 +189,7 @@ impl fmt::Display for Plan {
             self.workload.batch,
             self.workload.seq_len
         )?;
+        writeln!(f, "weights sized from {}", self.weights_from)?;
         for (i, r) in self.replicas.iter().enumerate() {
             writeln!(f, "replica {i}: {}", r.device_map)?;
             for d in &r.devices {
@@ -556,7 +560,29 @@ pub fn plan(
         workload: request.workload,
         replicas,
         idle,
+        weights_from: match &shape.checkpoint {
+            Some(c) => format!(
+                "the safetensors headers of {} file(s) ({} parameters, exact)",
+                c.files.len(),
+                format_params(c.total())
+            ),
+            None => format!(
+                "config.json ({} parameters, estimated)",
+                format_params(shape.total_params())
+            ),
+        },
     })
+}
+
+/// A parameter count people read at a glance: `7.616B`, `494.03M`, or the count itself.
+fn format_params(n: u64) -> String {
+    if n >= 100_000_000 {
+        format!("{:.3}B", n as f64 / 1e9)
+    } else if n >= 100_000 {
+        format!("{:.2}M", n as f64 / 1e6)
+    } else {
+        n.to_string()
+    }
 }
 
 /// The error for a model that fits nowhere: the need, the budgets of `chain`, the ways out.

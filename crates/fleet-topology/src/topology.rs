@@ -47,6 +47,51 @@ pub enum PeerAccess {
 }
 
 impl PeerAccess {
+    /// Peer access as [`crate::discover`] reported it: GPUs whose reachable sets (themselves
+    /// included) are equal form a group; one group of every GPU is [`PeerAccess::All`], groups
+    /// of one GPU each are [`PeerAccess::None`]. A pair reported in one direction only is not
+    /// counted as peers.
+    pub fn from_reported(devices: &[DeviceInfo]) -> Self {
+        let gpus: Vec<(usize, &DeviceInfo)> = devices
+            .iter()
+            .filter_map(|d| match d.location {
+                DeviceLocation::Cuda(i) => Some((i, d)),
+                DeviceLocation::Cpu => None,
+            })
+            .collect();
+        let reaches = |a: usize, b: usize| {
+            a == b || gpus.iter().any(|(i, d)| *i == a && d.peers.contains(&b))
+        };
+        let mutual = |a: usize, b: usize| reaches(a, b) && reaches(b, a);
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for &(a, _) in &gpus {
+            let reach_set: Vec<usize> = gpus
+                .iter()
+                .map(|(b, _)| *b)
+                .filter(|&b| mutual(a, b))
+                .collect();
+            match groups.iter_mut().find(|g| {
+                g.iter().all(|&m| mutual(m, a)) && {
+                    let m = g[0];
+                    gpus.iter()
+                        .map(|(b, _)| *b)
+                        .filter(|&b| mutual(m, b))
+                        .eq(reach_set.iter().copied())
+                }
+            }) {
+                Some(g) => g.push(a),
+                None => groups.push(vec![a]),
+            }
+        }
+        if groups.len() <= 1 {
+            PeerAccess::All
+        } else if groups.iter().all(|g| g.len() == 1) {
+            PeerAccess::None
+        } else {
+            PeerAccess::Groups(groups)
+        }
+    }
+
     /// Whether GPUs `a` and `b` have peer access (a GPU always reaches itself).
     pub fn between(&self, a: usize, b: usize) -> bool {
         a == b
@@ -211,8 +256,8 @@ impl Topology {
         }
     }
 
-    /// The GPUs [`crate::discover`] found (the CPU entry, if any, gives `cpu_bytes`). Peer access
-    /// is not probed here and is taken to be all-pairs.
+    /// The GPUs [`crate::discover`] found (the CPU entry, if any, gives `cpu_bytes`), with the
+    /// peer access the driver reported.
     pub fn from_devices(devices: &[DeviceInfo]) -> Self {
         let mut gpus = Vec::new();
         let mut cpu_bytes = None;
@@ -232,8 +277,8 @@ impl Topology {
             } else {
                 format!("{}x {}", gpus.len(), gpus[0].name)
             },
+            peer_access: PeerAccess::from_reported(devices),
             gpus,
-            peer_access: PeerAccess::All,
             cpu_bytes,
         }
     }

@@ -539,3 +539,55 @@ fn model_config_errors_name_the_field() {
         .to_string();
     assert!(err.contains("/nonexistent/config.json"), "{err}");
 }
+
+/// The formulas of the memory model count exactly the parameters transformers saved for the
+/// tiny Qwen2 (untied, biases), Qwen2 (tied, 3 shards) and Qwen3 (q/k norms) fixtures.
+#[test]
+fn config_formulas_match_the_safetensors_headers() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    for name in ["qwen2-tiny", "qwen2-tiny-tied-sharded", "qwen3-tiny"] {
+        let dir = root.join(name);
+        let estimated = ModelShape::from_config_file(dir.join("config.json")).unwrap();
+        let counted = fleet_topology::CheckpointParams::from_dir(&dir).unwrap();
+        assert_eq!(
+            estimated.total_params(),
+            counted.total(),
+            "{name}: {counted:?}"
+        );
+        let exact = estimated.clone().with_checkpoint(counted).unwrap();
+        assert_eq!(exact.layer_params(), estimated.layer_params(), "{name}");
+        assert_eq!(exact.embed_params(), estimated.embed_params(), "{name}");
+        assert_eq!(exact.total_params(), estimated.total_params(), "{name}");
+    }
+}
+
+#[test]
+fn checkpoint_with_other_layer_count_than_its_config_is_refused() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let mut shape = ModelShape::from_config_file(root.join("qwen2-tiny/config.json")).unwrap();
+    shape.num_layers += 1;
+    let counted = fleet_topology::CheckpointParams::from_dir(root.join("qwen2-tiny")).unwrap();
+    let err = shape.with_checkpoint(counted).unwrap_err().to_string();
+    assert!(
+        err.contains("decoder layers") && err.contains("num_hidden_layers"),
+        "{err}"
+    );
+}
+
+#[test]
+fn truncated_safetensors_header_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), 1000u64.to_le_bytes()).unwrap();
+    let err = fleet_topology::CheckpointParams::from_dir(dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("cut short"),
+        "{err}"
+    );
+    let empty = tempfile::tempdir().unwrap();
+    let err = fleet_topology::CheckpointParams::from_dir(empty.path())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no *.safetensors"), "{err}");
+}

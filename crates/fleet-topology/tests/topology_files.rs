@@ -106,3 +106,49 @@ fn malformed_files_name_file_and_field() {
         .to_string();
     assert!(err.contains("/nonexistent/topo.toml"), "{err}");
 }
+
+/// A GPU of a discovered machine that reaches `peers` directly.
+fn reported_gpu(ordinal: usize, peers: &[usize]) -> fleet_topology::DeviceInfo {
+    fleet_topology::DeviceInfo {
+        location: fleet_topology::DeviceLocation::Cuda(ordinal),
+        name: "NVIDIA H200".into(),
+        compute_capability: Some((9, 0)),
+        total_bytes: Some(141 << 30),
+        free_bytes: Some(140 << 30),
+        pci_bus_id: None,
+        peers: peers.to_vec(),
+    }
+}
+
+#[test]
+fn live_topology_takes_peer_access_from_the_driver() {
+    use fleet_topology::{PeerAccess, Topology};
+    let all: Vec<_> = (0..4)
+        .map(|i| reported_gpu(i, &(0..4).filter(|&j| j != i).collect::<Vec<_>>()))
+        .collect();
+    assert_eq!(Topology::from_devices(&all).peer_access, PeerAccess::All);
+
+    let none: Vec<_> = (0..3).map(|i| reported_gpu(i, &[])).collect();
+    assert_eq!(Topology::from_devices(&none).peer_access, PeerAccess::None);
+
+    // Two NVLink pairs (0-1, 2-3) with no path between the pairs.
+    let pairs = [
+        reported_gpu(0, &[1]),
+        reported_gpu(1, &[0]),
+        reported_gpu(2, &[3]),
+        reported_gpu(3, &[2]),
+    ];
+    let t = Topology::from_devices(&pairs);
+    assert_eq!(
+        t.peer_access,
+        PeerAccess::Groups(vec![vec![0, 1], vec![2, 3]])
+    );
+    assert!(t.peers(0, 1) && t.peers(3, 2) && !t.peers(1, 2));
+
+    // Access reported in one direction only is not peer access.
+    let one_way = [reported_gpu(0, &[1]), reported_gpu(1, &[])];
+    assert_eq!(
+        Topology::from_devices(&one_way).peer_access,
+        PeerAccess::None
+    );
+}

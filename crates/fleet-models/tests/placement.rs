@@ -1,0 +1,72 @@
+//! Replicas: batched generation spread over several loaded copies of a model returns what one
+//! copy returns, in input order. CPU replicas stand in for GPUs here; the GPU path is the same
+//! code with other device maps (measured by `fleet bench data-parallel` on the GPU machine).
+
+use std::path::{Path, PathBuf};
+
+use fleet_models::placement::{PlacementRequest, Replicas};
+use fleet_models::{DeviceLocation, DeviceMap, GenerationRequest, LoadOptions, TextModel};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn requests() -> Vec<GenerationRequest> {
+    (0..7u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..(3 + i as usize * 2))
+                .map(|j| (i * 37 + j as u32 * 11) % 990)
+                .collect();
+            GenerationRequest::greedy(prompt, 5 + i as usize)
+        })
+        .collect()
+}
+
+#[test]
+fn two_replicas_generate_what_one_model_generates_in_input_order() {
+    let dir = fixture("qwen2-tiny");
+    let spec = dir.to_str().unwrap();
+    let opts = LoadOptions::default();
+    let single = TextModel::load(spec, &opts).unwrap();
+    let requests = requests();
+    let expected = single.generate(&requests, None).unwrap();
+
+    let cpu = DeviceMap::single(DeviceLocation::Cpu, single.model.config().num_hidden_layers);
+    let replicas = Replicas::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
+    assert_eq!(replicas.models.len(), 2);
+    for max_batch in [1, 2, 3, 100] {
+        let got = replicas.generate(&requests, max_batch, false).unwrap();
+        assert_eq!(got.len(), requests.len());
+        for (g, e) in got.iter().zip(&expected) {
+            assert_eq!(g.token_ids, e.token_ids, "max_batch {max_batch}");
+        }
+    }
+}
+
+#[test]
+fn planned_placement_without_gpus_is_one_cpu_replica() {
+    if cfg!(feature = "cuda") {
+        return; // a CUDA build may see GPUs; this is the CPU machine's behaviour.
+    }
+    let dir = fixture("qwen3-tiny");
+    let spec = dir.to_str().unwrap();
+    let request = PlacementRequest::new("data-parallel".parse().unwrap());
+    let replicas = Replicas::load_planned(spec, &LoadOptions::default(), &request).unwrap();
+    assert_eq!(replicas.models.len(), 1);
+    assert_eq!(
+        replicas.models[0].model.device_map().devices(),
+        vec![DeviceLocation::Cpu]
+    );
+
+    let on_gpu_3 = PlacementRequest {
+        gpu_ids: Some(vec![3]),
+        ..request
+    };
+    let err = Replicas::load_planned(spec, &LoadOptions::default(), &on_gpu_3)
+        .err()
+        .expect("GPU 3 on a machine without GPUs")
+        .to_string();
+    assert!(err.contains("GPU 3 does not exist"), "{err}");
+}
