@@ -14,7 +14,8 @@
 #   gen_dp_*   fleet generate --ids-file --gpu-mode data-parallel on a random 0.5B checkpoint
 #              saved by transformers (the jobs' planned path: headers -> plan -> replicas)
 #
-# Everything lands in $OUT (default ./out_topology): log.txt and one JSON per step.
+# Everything lands in $OUT (default ./out_topology): log.txt and one JSON per step, packed at
+# the end into $OUT.tgz (the device machine returns only a few files).
 set -u
 export NCCL_NVLS_ENABLE=0
 ORIG_LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
@@ -110,3 +111,6 @@ done
 # Same outputs whatever the number of replicas.
 cmp "$SCRATCH/gen_dp_1.jsonl" "$SCRATCH/gen_dp_4.jsonl" && echo "gen_dp outputs identical" | tee -a "$LOG"
 echo "done" | tee -a "$LOG"
+# The device returns only a few files: pack them.
+cp "$SCRATCH"/*.txt "$OUT"/ 2>/dev/null
+tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
