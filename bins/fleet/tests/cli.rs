@@ -307,11 +307,14 @@ fn data_parallel_bench_runs_real_replicas() {
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(v["items"], 6);
     assert_eq!(v["new_tokens_total"], 6 * 2 * 4);
-    let per: Vec<u64> = v["items_per_replica"]
+    let per: Vec<u64> = v["replicas"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|p| p[1].as_u64().unwrap())
+        .map(|p| {
+            assert!(p["busy_s"].as_f64().unwrap() > 0.0, "{p}");
+            p["batches"].as_u64().unwrap()
+        })
         .collect();
     assert_eq!(per.iter().sum::<u64>(), 6);
     assert_eq!(per.len(), 2);

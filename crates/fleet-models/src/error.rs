@@ -110,6 +110,20 @@ pub enum ModelError {
     /// Work spread over replicas failed (every replica failed a batch, or the pool refused).
     #[error("replicas: {0}")]
     Replicas(String),
+    /// Vectors made by one embedder compared with another's (see `EmbedderId::check_compatible`).
+    #[error(
+        "embedder mismatch: the vectors were made with {expected}, this embedder is {found}; they \
+         differ in {differences}. Rebuild the index with this embedder, or load the one it was \
+         built with"
+    )]
+    EmbedderMismatch {
+        /// The embedder the index was built with (its model path or hub id).
+        expected: String,
+        /// The embedder at hand.
+        found: String,
+        /// Each differing field with both values.
+        differences: String,
+    },
     /// An error inside candle while computing.
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),

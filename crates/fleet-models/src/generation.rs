@@ -184,6 +184,10 @@ impl<'a> Generator<'a> {
                 ));
             }
             r.sampling.validate()?;
+            self.model.check_length(
+                r.prompt_ids.len() + r.max_new_tokens,
+                &format!("request {i}"),
+            )?;
         }
         let max_prompt = requests
             .iter()
@@ -431,6 +435,7 @@ pub fn continuation_logprobs(
         .iter()
         .flat_map(|row| row.iter().skip(1).copied().chain(std::iter::once(pad_id)))
         .collect();
+    model.check_length(len, "the longest prompt + continuation")?;
     let mut cache = model.new_cache(len)?;
     let logits = model.forward(&ids, &pad, &mut cache, false)?; // [b, len, vocab] f32
     let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;

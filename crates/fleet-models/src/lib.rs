@@ -17,6 +17,7 @@
 
 pub mod config;
 pub mod device;
+pub mod embedder;
 mod error;
 pub mod generation;
 pub mod kv_cache;
@@ -33,6 +34,7 @@ use std::path::Path;
 pub use candle_core::DType;
 pub use config::{GenerationConfig, QwenArch, QwenConfig};
 pub use device::{open_device, parse_dtype, Devices};
+pub use embedder::{EmbedderId, EmbedderOptions, Pooling, SentenceEmbedder};
 pub use error::{ModelError, Result};
 pub use fleet_topology::{DeviceLocation, DeviceMap};
 pub use generation::{

@@ -15,9 +15,8 @@
 //! ```
 
 use fleet_dist::{BoxError, ItemResult, PoolOptions, ReplicaPool, Worker};
-use fleet_topology::{
-    CheckpointParams, MaxMemory, ModelShape, Plan, PlanMode, PlanRequest, Topology, Workload,
-};
+use fleet_topology::{CheckpointParams, ModelShape, Plan, PlanRequest, Topology};
+pub use fleet_topology::{MaxMemory, PlanMode, Workload};
 
 use crate::{
     DType, DeviceLocation, DeviceMap, GenerationOutput, GenerationRequest, LoadOptions, ModelError,
@@ -28,7 +27,7 @@ use crate::{
 /// and the batch each replica must hold.
 #[derive(Debug, Clone)]
 pub struct PlacementRequest {
-    /// single, data-parallel, layer-sharded, hybrid[:N] or auto.
+    /// single, data-parallel, layer-sharded, `hybrid[:N]` or auto.
     pub mode: PlanMode,
     /// Only these GPUs (CUDA indices), in this order; `None` = every visible GPU.
     pub gpu_ids: Option<Vec<usize>>,
@@ -47,6 +46,16 @@ impl PlacementRequest {
             max_memory: MaxMemory::new(),
             workload: Workload::default(),
         }
+    }
+}
+
+/// The workload a job sizes its replicas for: `batch` sequences of 4096 tokens (prompt with
+/// retrieved context plus the reply), logits of the last position only.
+pub fn default_workload(batch: usize) -> Workload {
+    Workload {
+        batch: batch.max(1),
+        seq_len: 4096,
+        full_logits: false,
     }
 }
 

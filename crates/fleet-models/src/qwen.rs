@@ -477,16 +477,24 @@ impl QwenModel {
         &self.devices
     }
 
-    /// An empty KV cache for up to `capacity` tokens per row.
+    /// An empty KV cache for up to `capacity` slots per row. A left-padded batch may need more
+    /// slots than `max_position_embeddings` (the longest prompt plus the longest reply); what
+    /// must fit the model is each row's own prompt + reply ([`QwenModel::check_length`]).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
-        if capacity > self.cfg.max_position_embeddings {
+        Ok(KvCache::new(self.layers.len(), capacity))
+    }
+
+    /// Errors when one sequence of `tokens` (prompt + new tokens) would pass the last position
+    /// the model has (`max_position_embeddings`); `what` names the sequence in the message.
+    pub fn check_length(&self, tokens: usize, what: &str) -> Result<()> {
+        if tokens > self.cfg.max_position_embeddings {
             return Err(ModelError::BadInput(format!(
-                "{capacity} tokens (prompt + new tokens) exceed max_position_embeddings = {} of this \
-                 model; shorten the prompt or lower max_new_tokens",
+                "{what}: {tokens} tokens (prompt + new tokens) exceed max_position_embeddings = {} \
+                 of this model; shorten the prompt or lower max_new_tokens",
                 self.cfg.max_position_embeddings
             )));
         }
-        Ok(KvCache::new(self.layers.len(), capacity))
+        Ok(())
     }
 
     /// Runs `ids` (`[batch, q_len]`, row `r` left-padded by `pad[r]` tokens counted from the

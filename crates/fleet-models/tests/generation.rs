@@ -262,3 +262,24 @@ fn bad_requests_are_errors_not_panics() {
         assert!(e.contains("cuda:7"), "{e}");
     }
 }
+
+/// Each row must fit the model's positions, not the padded batch: a long prompt with a short
+/// reply and a short prompt with a long reply share a batch whose cache is longer than
+/// max_position_embeddings, and the short row equals its generation alone.
+#[test]
+fn rows_that_fit_run_together_even_when_the_padded_batch_does_not() {
+    let model = load(&fixture("qwen2-tiny")).unwrap();
+    let max = model.model.config().max_position_embeddings;
+    let long: Vec<u32> = (0..max - 4).map(|i| (i % 900) as u32 + 10).collect();
+    let short = GenerationRequest::greedy(vec![11, 12, 13], 40);
+    let batch = [GenerationRequest::greedy(long.clone(), 4), short.clone()];
+    let out = model.generate(&batch, None).unwrap();
+    let alone = model.generate(std::slice::from_ref(&short), None).unwrap();
+    assert_eq!(out[1].token_ids, alone[0].token_ids);
+    let too_long = GenerationRequest::greedy(long, 5);
+    let err = model.generate(&[too_long], None).unwrap_err().to_string();
+    assert!(
+        err.contains("request 0") && err.contains("max_position_embeddings"),
+        "{err}"
+    );
+}

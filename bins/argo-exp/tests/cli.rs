@@ -1,0 +1,193 @@
+//! Runs the argo-exp binary: the default simulation sweep, solve, and bad input.
+
+use std::process::{Command, Output};
+
+fn argo_exp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_argo-exp"))
+        .args(args)
+        .env("FLEET_COMMIT", "cli-test-commit")
+        .output()
+        .expect("argo-exp runs")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn default_run_prints_the_table_and_writes_plots_and_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("results");
+    let out = argo_exp(&["--out", out_dir.to_str().unwrap()]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.starts_with("[simulation]"), "{stdout}");
+    for needle in [
+        "ARGO",
+        "Always-Retrieve",
+        "Always-Reason",
+        "Random(p=0.5)",
+        "Fixed-K(k=3)",
+        "theta*",
+        "10 cost points x 5 strategies x 1000 questions",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle}:\n{stdout}");
+    }
+    for name in [
+        "simulation_summary.json",
+        "simulation_points.jsonl",
+        "simulation_table.txt",
+        "simulation_graph1a_accuracy_vs_c_r.png",
+        "simulation_graph1a_accuracy_vs_c_r.svg",
+        "simulation_graph1b_retrievals_vs_c_r.png",
+        "simulation_graph1b_retrievals_vs_c_r.svg",
+        "simulation_graph1c_accuracy_vs_cost.png",
+        "simulation_graph1c_accuracy_vs_cost.svg",
+    ] {
+        let path = out_dir.join(name);
+        assert!(path.is_file(), "missing {name}");
+    }
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out_dir.join("simulation_summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["world"], "simulation");
+    assert_eq!(summary["commit"], "cli-test-commit");
+    assert_eq!(summary["seed"], 42);
+    assert_eq!(summary["config"]["sweep"]["n_questions"], 1000);
+    assert_eq!(summary["points"].as_array().unwrap().len(), 10);
+}
+
+#[test]
+fn flags_override_the_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = argo_exp(&[
+        "sweep",
+        "--mode",
+        "small",
+        "--seed",
+        "7",
+        "--strategies",
+        "argo,fixed-k:1",
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("5 cost points x 2 strategies x 10 questions"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("Fixed-K(k=1)") && !stdout.contains("Always-Reason"));
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("simulation_summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["seed"], 7);
+
+    let out = argo_exp(&[
+        "simulate",
+        "--c-r",
+        "0.1",
+        "--n-questions",
+        "50",
+        "--no-write",
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("c_r = 0.1000"), "{stdout}");
+    assert!(
+        stdout.contains("1 cost points x 5 strategies x 50 questions"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn config_file_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("argo.toml");
+    std::fs::write(
+        &cfg,
+        "[mdp]\nc_r = 0.1\n[mdp.quality]\nkind = \"linear\"\n[sweep]\nn_questions = 20\n",
+    )
+    .unwrap();
+    let out = argo_exp(&["solve", "--config", cfg.to_str().unwrap(), "--every", "0"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("c_r 0.1") && stdout.contains("linear"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn solve_prints_policy_and_thresholds() {
+    let out = argo_exp(&["solve"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    for needle in [
+        "Q(Retrieve)",
+        "theta_cont = ",
+        "theta*     = ",
+        "one-step-lookahead",
+        "two-threshold form: yes",
+        "policy: Retrieve [0.00,",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle}:\n{stdout}");
+    }
+    let out = argo_exp(&["solve", "--c-r", "0.08", "--every", "0"]);
+    let (stdout, _) = text(&out);
+    assert!(stdout.contains("two-threshold form: NO"), "{stdout}");
+
+    let out = argo_exp(&["solve", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["actions"].as_array().unwrap().len(), 101);
+    assert!(v["summary"]["theta_star"].is_number());
+}
+
+#[test]
+fn bad_parameters_give_clear_errors() {
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["solve", "--p-s", "1.5"],
+            "mdp.p_s = 1.5 is out of range: allowed [0, 1]",
+        ),
+        (
+            &["solve", "--gamma", "0"],
+            "mdp.gamma = 0 is out of range: allowed (0, 1]",
+        ),
+        (
+            &["solve", "--c-p", "-0.1"],
+            "mdp.c_p = -0.1 is out of range",
+        ),
+        (
+            &["solve", "--grid-points", "4"],
+            "solver.grid_points = 4: grid too small",
+        ),
+        (
+            &["--n-questions", "0", "--no-write"],
+            "sweep.n_questions = 0",
+        ),
+        (
+            &["sweep", "--c-r-min", "-1", "--no-write"],
+            "sweep.c_r_min = -1",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = argo_exp(args);
+        let (_, stderr) = text(&out);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+    let out = argo_exp(&["--strategies", "greedy", "--no-write"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(stderr.contains("unknown strategy `greedy`"), "{stderr}");
+    let out = argo_exp(&["solve", "--quality", "cubic"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(stderr.contains("unknown quality `cubic`"), "{stderr}");
+}

@@ -1,0 +1,158 @@
+//! Real experiments: the jobs of `run`, `compare` and a real `sweep`, and their summary file.
+//!
+//! Strategies, c_r points, step cap and MDP come from the same [`ExperimentConfig`] as the
+//! simulation; ARGO's policy is solved once per c_r point. The summary says `"world": "real"`
+//! and carries the model, the dataset, the config, the seed and the commit.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::dataset::Question;
+use crate::llm::LlmStats;
+use crate::runner::{Job, RealSummary};
+use crate::simulate::{derive_seed, Stream};
+use crate::strategy::{Strategy, StrategyError};
+use crate::{ExperimentConfig, MdpError, MdpParams, StrategyKind};
+
+/// Errors of building an experiment.
+#[derive(Debug, thiserror::Error)]
+pub enum ExperimentError {
+    /// The MDP could not be solved for a c_r point.
+    #[error("solving the MDP at c_r = {c_r}: {source}")]
+    Solve {
+        /// The point.
+        c_r: f64,
+        /// The solver's error.
+        source: MdpError,
+    },
+    /// A strategy could not be built.
+    #[error(transparent)]
+    Strategy(#[from] StrategyError),
+}
+
+/// Retrieval settings of a real run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
+pub struct RetrievalConfig {
+    /// Chunks per query.
+    pub top_k: usize,
+    /// Cosine similarity a new chunk needs to count as progress.
+    pub threshold: f32,
+}
+
+impl Default for RetrievalConfig {
+    /// 3 chunks; 0.3 cosine (all-MiniLM-L6-v2 scores unrelated text near 0 and on-topic
+    /// passages above 0.4).
+    fn default() -> Self {
+        RetrievalConfig {
+            top_k: 3,
+            threshold: 0.3,
+        }
+    }
+}
+
+/// One job per (c_r, strategy, question), ARGO solved per c_r. The step cap, stop level and
+/// seeds follow `cfg`; each question's seed comes from the run seed and its position, so every
+/// strategy and c_r point sees the same random stream for a question.
+pub fn build_jobs(
+    questions: &[Arc<Question>],
+    cfg: &ExperimentConfig,
+    strategies: &[StrategyKind],
+    c_r_values: &[f64],
+) -> Result<Vec<Job>, ExperimentError> {
+    let mut jobs = Vec::with_capacity(questions.len() * strategies.len() * c_r_values.len());
+    for &c_r in c_r_values {
+        let params = MdpParams { c_r, ..cfg.mdp };
+        let solution = if strategies.contains(&StrategyKind::Argo) {
+            Some(Arc::new(
+                crate::mdp::solve(&params, &cfg.solver)
+                    .map_err(|source| ExperimentError::Solve { c_r, source })?,
+            ))
+        } else {
+            None
+        };
+        let stop_u = cfg.strategies.stop_progress * params.u_max;
+        for &kind in strategies {
+            let strategy = Strategy::new(kind, stop_u, solution.clone())?;
+            for (i, q) in questions.iter().enumerate() {
+                jobs.push(Job {
+                    question: q.clone(),
+                    strategy: strategy.clone(),
+                    params,
+                    step_cap: cfg.episode.step_cap,
+                    seed: derive_seed(cfg.sweep.seed, i as u64, Stream::Strategy),
+                });
+            }
+        }
+    }
+    Ok(jobs)
+}
+
+/// The summary file of a real run.
+#[derive(Debug, Clone, Serialize)]
+pub struct RealRunSummary {
+    /// Always `"real"`: these numbers come from a model answering questions.
+    pub world: &'static str,
+    /// The LLM (path or hub id, `@revision` when given) and its dtype.
+    pub model: String,
+    /// The embedder's identity.
+    pub embedder: serde_json::Value,
+    /// The index directory.
+    pub index: String,
+    /// The dataset and how it was sampled.
+    pub dataset: serde_json::Value,
+    /// Questions per (strategy, c_r).
+    pub n_questions: usize,
+    /// Per (strategy, c_r): accuracy with its 95% interval, cost, steps, retrievals,
+    /// unparsed answers, LLM calls and tokens.
+    pub results: Vec<RealSummary>,
+    /// The LLM's totals (calls, cache hits, tokens, batches).
+    pub llm: LlmStats,
+    /// Wall time of the run, loading excluded.
+    pub wall_s: f64,
+    /// Jobs taken from an earlier run's records.
+    pub resumed_jobs: usize,
+    /// The whole experiment config.
+    pub config: ExperimentConfig,
+    /// Retrieval settings.
+    pub retrieval: RetrievalConfig,
+    /// Where the GPU work ran (placement mode and replicas).
+    pub placement: String,
+    /// The commit measured.
+    pub commit: String,
+}
+
+/// A table of the results, one row per (c_r, strategy).
+pub fn render_real_table(results: &[RealSummary]) -> String {
+    let mut out = format!(
+        "[real] {:<8} {:<18} {:>6} {:>17} {:>8} {:>6} {:>6} {:>8} {:>9} {:>6}\n",
+        "c_r",
+        "strategy",
+        "acc",
+        "95% CI",
+        "cost",
+        "retr",
+        "steps",
+        "unparsed",
+        "llm calls",
+        "hits"
+    );
+    for r in results {
+        let s = &r.summary;
+        out.push_str(&format!(
+            "[real] {:<8.4} {:<18} {:>6.3} [{:>6.3}, {:>6.3}] {:>8.4} {:>6.2} {:>6.2} {:>8} {:>9} {:>6}\n",
+            r.c_r,
+            s.label,
+            s.accuracy,
+            s.accuracy_ci95[0],
+            s.accuracy_ci95[1],
+            s.mean_cost,
+            s.mean_retrievals,
+            s.mean_steps,
+            r.unparsed,
+            r.llm_calls,
+            r.cache_hits
+        ));
+    }
+    out
+}

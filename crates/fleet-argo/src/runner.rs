@@ -1,0 +1,604 @@
+//! Real runs: strategies answering questions with an LLM and a retriever.
+//!
+//! Every (question, strategy, c_r) triple is a *job* with its own [`Episode`]. Jobs advance in
+//! lock-step rounds: each round asks every unfinished episode for its next action, sends all
+//! the LLM calls of the round (Decomposer for Retrieve, Reasoner for Reason, Synthesizer for
+//! Terminate) to the [`Llm`] as one batch — many questions in flight per GPU — then embeds
+//! all the round's sub-queries in one batch and searches the index once. Outcomes come from
+//! evidence: a Retrieve makes progress when it returns chunks not seen before for that job
+//! with cosine similarity at or above the threshold.
+//!
+//! Finished jobs are appended to `records.jsonl` at once (one line each, flushed), and a run
+//! started again with the same records file skips the jobs already there: a killed run resumes
+//! where it stopped. The answer is parsed from the Synthesizer's text only; an answer that
+//! does not parse is recorded as unparsed and counted wrong.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::Device;
+use fleet_models::embedder::SentenceEmbedder;
+use fleet_models::ChatMessage;
+use serde::{Deserialize, Serialize};
+
+use crate::answer::{parse_answer_with_options, ParsedAnswer};
+use crate::dataset::Question;
+use crate::index::{Hit, IndexError, VectorIndex};
+use crate::llm::{Llm, LlmError, LlmRequest};
+use crate::prompts::{Component, EvidenceView, OptionView, PromptContext, PromptError, Prompts};
+use crate::strategy::{Episode, EpisodeError, EpisodeRecord, Outcome, Strategy};
+use crate::summary::Tally;
+use crate::{Action, MdpParams, StrategyKind};
+
+/// Errors of a real run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The LLM failed.
+    #[error(transparent)]
+    Llm(#[from] LlmError),
+    /// Retrieval failed.
+    #[error(transparent)]
+    Index(#[from] IndexError),
+    /// A prompt did not render.
+    #[error(transparent)]
+    Prompt(#[from] PromptError),
+    /// The episode bookkeeping was misused (a bug).
+    #[error(transparent)]
+    Episode(#[from] EpisodeError),
+    /// The embedder failed.
+    #[error(transparent)]
+    Model(#[from] fleet_models::ModelError),
+    /// The records file could not be read or written.
+    #[error("records {path}: {message}")]
+    Records {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong and what to do.
+        message: String,
+    },
+}
+
+/// The retrieval side: embedder, index, how many chunks and what counts as new evidence.
+pub struct Retriever<'a> {
+    /// Embeds the sub-queries.
+    pub embedder: &'a SentenceEmbedder,
+    /// The corpus.
+    pub index: &'a VectorIndex,
+    /// Where the similarity product runs.
+    pub device: Device,
+    /// Chunks returned per query.
+    pub top_k: usize,
+    /// Cosine similarity a chunk needs to count as evidence.
+    pub threshold: f32,
+}
+
+impl Retriever<'_> {
+    /// Hits for each query, best first.
+    pub fn search(&self, queries: &[String]) -> Result<Vec<Vec<Hit>>, RunError> {
+        if queries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let vectors = self.embedder.embed_vecs(queries)?;
+        Ok(self.index.search(&vectors, self.top_k, &self.device)?)
+    }
+}
+
+/// One unit of work: a question answered by a strategy under one world (its `c_r`).
+#[derive(Clone)]
+pub struct Job {
+    /// The question.
+    pub question: Arc<Question>,
+    /// The strategy (for ARGO, solved for `params`).
+    pub strategy: Strategy,
+    /// The world's parameters (progress steps, costs).
+    pub params: MdpParams,
+    /// Most Retrieve/Reason steps before the answer is forced.
+    pub step_cap: u32,
+    /// Seeds the strategy's own random stream (Random(p)).
+    pub seed: u64,
+}
+
+impl Job {
+    /// The job's key in the records file: strategy, c_r and question id.
+    pub fn key(&self) -> String {
+        record_key(&self.strategy.kind(), self.params.c_r, &self.question.id)
+    }
+}
+
+fn record_key(strategy: &StrategyKind, c_r: f64, question: &str) -> String {
+    format!("{}|c_r={c_r}|{question}", strategy.label())
+}
+
+/// One finished job: a line of `records.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuestionRecord {
+    /// [`Job::key`].
+    pub key: String,
+    /// The question's id.
+    pub question_id: String,
+    /// The strategy.
+    pub strategy: StrategyKind,
+    /// The retrieval cost of the world.
+    pub c_r: f64,
+    /// The parsed answer (or why it did not parse).
+    pub answer: ParsedAnswer,
+    /// The correct option (0-based).
+    pub correct_option: usize,
+    /// Whether the parsed answer is the correct option (false when unparsed).
+    pub correct: bool,
+    /// The episode: steps, retrievals, cost, trace.
+    pub episode: EpisodeRecord,
+    /// Sub-queries asked.
+    pub queries: Vec<String>,
+    /// Notes written.
+    pub notes: Vec<String>,
+    /// Chunks gathered as evidence (ids in the index).
+    pub evidence: Vec<u64>,
+    /// The Synthesizer's full reply.
+    pub final_text: String,
+    /// LLM calls made for this job (cache hits included).
+    pub llm_calls: u32,
+    /// Of those, answered from the cache.
+    pub cache_hits: u32,
+    /// Prompt tokens of its calls.
+    pub prompt_tokens: u64,
+    /// Tokens generated for its calls (cached replies count their tokens too).
+    pub new_tokens: u64,
+    /// Evidence chunks and notes left out of prompts to fit the model's context (summed over
+    /// the job's calls; 0 when everything fitted).
+    #[serde(default)]
+    pub context_trimmed: u32,
+}
+
+/// Appends finished jobs to a JSONL file and knows which are done.
+pub struct RecordsFile {
+    path: PathBuf,
+    file: File,
+    done: HashMap<String, QuestionRecord>,
+    /// Lines that did not parse (a run killed mid-write leaves at most one).
+    pub bad_lines: usize,
+}
+
+impl RecordsFile {
+    /// Opens (or creates) `path`, reading the records already in it.
+    pub fn open(path: &Path) -> Result<Self, RunError> {
+        let err = |message: String| RunError::Records {
+            path: path.to_path_buf(),
+            message,
+        };
+        let mut done = HashMap::new();
+        let mut bad_lines = 0;
+        if path.exists() {
+            let f = File::open(path).map_err(|e| err(e.to_string()))?;
+            for line in BufReader::new(f).lines() {
+                let line = line.map_err(|e| err(e.to_string()))?;
+                if line.trim().is_empty() {
+                    continue;
+                }
+                match serde_json::from_str::<QuestionRecord>(&line) {
+                    Ok(r) => {
+                        done.insert(r.key.clone(), r);
+                    }
+                    Err(_) => bad_lines += 1,
+                }
+            }
+        }
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+        }
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| err(format!("{e}; is the directory writable?")))?;
+        Ok(RecordsFile {
+            path: path.to_path_buf(),
+            file,
+            done,
+            bad_lines,
+        })
+    }
+
+    /// Whether the job with this key is recorded.
+    pub fn is_done(&self, key: &str) -> bool {
+        self.done.contains_key(key)
+    }
+
+    /// The record of a key.
+    pub fn get(&self, key: &str) -> Option<&QuestionRecord> {
+        self.done.get(key)
+    }
+
+    /// Records read or appended so far.
+    pub fn len(&self) -> usize {
+        self.done.len()
+    }
+
+    /// Whether nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.done.is_empty()
+    }
+
+    fn append(&mut self, record: QuestionRecord) -> Result<(), RunError> {
+        let line = serde_json::to_string(&record).map_err(|e| RunError::Records {
+            path: self.path.clone(),
+            message: e.to_string(),
+        })?;
+        // One write per line, then flush: a kill leaves at most one partial last line.
+        self.file
+            .write_all(format!("{line}\n").as_bytes())
+            .and_then(|_| self.file.flush())
+            .map_err(|e| RunError::Records {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })?;
+        self.done.insert(record.key.clone(), record);
+        Ok(())
+    }
+}
+
+/// A job in flight.
+struct Active {
+    job: Job,
+    episode: Episode,
+    queries: Vec<String>,
+    notes: Vec<String>,
+    evidence: Vec<Hit>,
+    seen: HashSet<u64>,
+    llm_calls: u32,
+    cache_hits: u32,
+    prompt_tokens: u64,
+    new_tokens: u64,
+    context_trimmed: u32,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RunProgress {
+    /// Jobs given.
+    pub jobs: usize,
+    /// Jobs skipped because the records file had them.
+    pub resumed: usize,
+    /// Jobs run now.
+    pub ran: usize,
+    /// Lock-step rounds.
+    pub rounds: usize,
+}
+
+/// Runs `jobs` in lock-step rounds and appends each finished one to `records`. Jobs already in
+/// `records` are skipped. `max_in_flight` bounds how many jobs advance together (memory of
+/// the LLM batch); `on_done` is called after each finished job (progress bars).
+pub fn run_jobs(
+    jobs: Vec<Job>,
+    llm: &dyn Llm,
+    retriever: &Retriever<'_>,
+    prompts: &Prompts,
+    records: &mut RecordsFile,
+    max_in_flight: usize,
+    on_done: &mut dyn FnMut(&QuestionRecord),
+) -> Result<RunProgress, RunError> {
+    let mut progress = RunProgress {
+        jobs: jobs.len(),
+        ..RunProgress::default()
+    };
+    let mut waiting: std::collections::VecDeque<Job> = jobs
+        .into_iter()
+        .filter(|j| {
+            let done = records.is_done(&j.key());
+            progress.resumed += usize::from(done);
+            !done
+        })
+        .collect();
+    let mut active: Vec<Active> = Vec::new();
+    let max_in_flight = max_in_flight.max(1);
+    while !active.is_empty() || !waiting.is_empty() {
+        while active.len() < max_in_flight {
+            let Some(job) = waiting.pop_front() else {
+                break;
+            };
+            let episode = Episode::new(job.strategy.clone(), &job.params, job.step_cap, job.seed);
+            active.push(Active {
+                job,
+                episode,
+                queries: Vec::new(),
+                notes: Vec::new(),
+                evidence: Vec::new(),
+                seen: HashSet::new(),
+                llm_calls: 0,
+                cache_hits: 0,
+                prompt_tokens: 0,
+                new_tokens: 0,
+                context_trimmed: 0,
+            });
+        }
+        progress.rounds += 1;
+        // 1. Every job's next action and its LLM call.
+        let mut actions = Vec::with_capacity(active.len());
+        let mut requests = Vec::with_capacity(active.len());
+        for a in active.iter_mut() {
+            let action = a.episode.next_action().unwrap_or(Action::Terminate);
+            let component = match action {
+                Action::Retrieve => Component::Decomposer,
+                Action::Reason => Component::Reasoner,
+                Action::Terminate => Component::Synthesizer,
+            };
+            let (request, trimmed) = fitted_request(a, component, retriever.index, prompts, llm)?;
+            a.context_trimmed += trimmed;
+            requests.push(request);
+            actions.push(action);
+        }
+        let replies = llm.complete(&requests)?;
+        for (a, r) in active.iter_mut().zip(&replies) {
+            a.llm_calls += 1;
+            a.cache_hits += u32::from(r.cached);
+            a.prompt_tokens += r.prompt_tokens as u64;
+            a.new_tokens += r.new_tokens as u64;
+        }
+        // 2. The round's retrievals in one batch.
+        let retrieving: Vec<usize> = (0..active.len())
+            .filter(|&i| actions[i] == Action::Retrieve)
+            .collect();
+        let queries: Vec<String> = retrieving
+            .iter()
+            .map(|&i| clean_query(&replies[i].text, &active[i].job.question.question))
+            .collect();
+        let hits = retriever.search(&queries)?;
+        for ((&i, query), hits) in retrieving.iter().zip(queries).zip(hits) {
+            let a = &mut active[i];
+            let fresh: Vec<Hit> = hits
+                .into_iter()
+                .filter(|h| h.score >= retriever.threshold && !a.seen.contains(&h.id))
+                .collect();
+            let made_progress = !fresh.is_empty();
+            for h in fresh {
+                a.seen.insert(h.id);
+                a.evidence.push(h);
+            }
+            a.queries.push(query);
+            a.episode.record(Outcome::Retrieved {
+                progress: made_progress,
+            })?;
+        }
+        // 3. Notes, answers, finished jobs.
+        let mut finished = Vec::new();
+        for (i, a) in active.iter_mut().enumerate() {
+            match actions[i] {
+                Action::Retrieve => {}
+                Action::Reason => {
+                    a.notes.push(replies[i].text.trim().to_string());
+                    a.episode.record(Outcome::Reasoned)?;
+                }
+                Action::Terminate => {
+                    a.episode.record(Outcome::Terminated)?;
+                    finished.push((i, replies[i].text.clone()));
+                }
+            }
+        }
+        for (i, text) in finished.into_iter().rev() {
+            let a = active.swap_remove(i);
+            let record = finish(a, text)?;
+            on_done(&record);
+            records.append(record)?;
+            progress.ran += 1;
+        }
+    }
+    Ok(progress)
+}
+
+/// The LLM request of `component` for job `a`, within the model's context: while the
+/// rendered prompt plus its token limit does not fit, the oldest evidence chunk is left out
+/// (then the oldest note). Returns the request and how many items were left out.
+fn fitted_request(
+    a: &Active,
+    component: Component,
+    index: &VectorIndex,
+    prompts: &Prompts,
+    llm: &dyn Llm,
+) -> Result<(LlmRequest, u32), RunError> {
+    let (mut skip_evidence, mut skip_notes) = (0, 0);
+    loop {
+        let request = request_for(a, component, index, prompts, skip_evidence, skip_notes)?;
+        if llm.fits(&request)? {
+            return Ok((request, (skip_evidence + skip_notes) as u32));
+        }
+        if skip_evidence < a.evidence.len() {
+            skip_evidence += 1;
+        } else if skip_notes < a.notes.len() {
+            skip_notes += 1;
+        } else {
+            // Nothing left to drop: the LLM reports the prompt that does not fit.
+            return Ok((request, (skip_evidence + skip_notes) as u32));
+        }
+    }
+}
+
+/// The LLM request of `component` for job `a`, leaving out the first `skip_evidence` chunks
+/// and `skip_notes` notes.
+fn request_for(
+    a: &Active,
+    component: Component,
+    index: &VectorIndex,
+    prompts: &Prompts,
+    skip_evidence: usize,
+    skip_notes: usize,
+) -> Result<LlmRequest, RunError> {
+    let q = &a.job.question;
+    let evidence: Vec<EvidenceView<'_>> = a.evidence[skip_evidence..]
+        .iter()
+        .filter_map(|h| {
+            index.chunk(h.id).map(|c| EvidenceView {
+                text: &c.text,
+                source: &c.source,
+                score: h.score,
+            })
+        })
+        .collect();
+    let ctx = PromptContext {
+        question: &q.question,
+        options: q
+            .options
+            .iter()
+            .enumerate()
+            .map(|(i, text)| OptionView {
+                label: (i + 1).to_string(),
+                text,
+            })
+            .collect(),
+        notes: &a.notes[skip_notes..],
+        evidence,
+        queries: &a.queries,
+    };
+    let user = prompts.render(component, &ctx)?;
+    let mut messages = Vec::with_capacity(2);
+    if !prompts.system.is_empty() {
+        messages.push(ChatMessage::new("system", prompts.system.clone()));
+    }
+    messages.push(ChatMessage::new("user", user));
+    Ok(LlmRequest {
+        messages,
+        max_new_tokens: prompts.template(component).max_new_tokens,
+    })
+}
+
+/// The sub-query from the Decomposer's reply: its first non-empty line without quotes or a
+/// `Query:` prefix; the question itself when the reply is empty (so retrieval still runs).
+fn clean_query(reply: &str, question: &str) -> String {
+    let line = reply
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
+    let line = line
+        .strip_prefix("Query:")
+        .or_else(|| line.strip_prefix("query:"))
+        .unwrap_or(line)
+        .trim()
+        .trim_matches(|c| c == '"' || c == '\'' || c == '`')
+        .trim();
+    if line.is_empty() {
+        question.to_string()
+    } else {
+        line.to_string()
+    }
+}
+
+fn finish(a: Active, final_text: String) -> Result<QuestionRecord, RunError> {
+    let q = &a.job.question;
+    let answer = parse_answer_with_options(&final_text, &q.options);
+    let correct = answer.index() == Some(q.correct);
+    Ok(QuestionRecord {
+        key: a.job.key(),
+        question_id: q.id.clone(),
+        strategy: a.job.strategy.kind(),
+        c_r: a.job.params.c_r,
+        answer,
+        correct_option: q.correct,
+        correct,
+        episode: a.episode.finish()?,
+        queries: a.queries,
+        notes: a.notes,
+        evidence: a.evidence.iter().map(|h| h.id).collect(),
+        final_text,
+        llm_calls: a.llm_calls,
+        cache_hits: a.cache_hits,
+        prompt_tokens: a.prompt_tokens,
+        new_tokens: a.new_tokens,
+        context_trimmed: a.context_trimmed,
+    })
+}
+
+/// One strategy at one `c_r` over the records of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RealSummary {
+    /// The world's retrieval cost.
+    pub c_r: f64,
+    /// Accuracy (with its 95% interval), cost, steps, retrievals.
+    #[serde(flatten)]
+    pub summary: crate::summary::StrategySummary,
+    /// Answers that did not parse (counted wrong).
+    pub unparsed: u64,
+    /// LLM calls (cache hits included).
+    pub llm_calls: u64,
+    /// Of those, answered from the cache.
+    pub cache_hits: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub new_tokens: u64,
+    /// Questions whose prompts had evidence or notes left out to fit the context.
+    pub context_trimmed_questions: u64,
+}
+
+/// Summaries per (strategy, c_r) of `records`, in the order strategies and c_r values first
+/// appear.
+pub fn summarize(records: &[&QuestionRecord]) -> Vec<RealSummary> {
+    struct Acc {
+        c_r: f64,
+        tally: Tally,
+        unparsed: u64,
+        llm_calls: u64,
+        cache_hits: u64,
+        prompt_tokens: u64,
+        new_tokens: u64,
+        trimmed: u64,
+    }
+    let mut order: Vec<String> = Vec::new();
+    let mut accs: HashMap<String, Acc> = HashMap::new();
+    for r in records {
+        let key = format!("{}|{}", r.strategy.label(), r.c_r);
+        let acc = accs.entry(key.clone()).or_insert_with(|| {
+            order.push(key.clone());
+            Acc {
+                c_r: r.c_r,
+                tally: Tally::new(r.strategy),
+                unparsed: 0,
+                llm_calls: 0,
+                cache_hits: 0,
+                prompt_tokens: 0,
+                new_tokens: 0,
+                trimmed: 0,
+            }
+        });
+        acc.tally.add(&r.episode, r.correct, None);
+        acc.unparsed += u64::from(r.answer.index().is_none());
+        acc.llm_calls += u64::from(r.llm_calls);
+        acc.cache_hits += u64::from(r.cache_hits);
+        acc.prompt_tokens += r.prompt_tokens;
+        acc.new_tokens += r.new_tokens;
+        acc.trimmed += u64::from(r.context_trimmed > 0);
+    }
+    order
+        .iter()
+        .filter_map(|k| {
+            let a = &accs[k];
+            Some(RealSummary {
+                c_r: a.c_r,
+                summary: a.tally.finish()?,
+                unparsed: a.unparsed,
+                llm_calls: a.llm_calls,
+                cache_hits: a.cache_hits,
+                prompt_tokens: a.prompt_tokens,
+                new_tokens: a.new_tokens,
+                context_trimmed_questions: a.trimmed,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_is_the_first_line_without_decoration() {
+        assert_eq!(
+            clean_query("\n  Query: \"E2 setup\"\nmore", "Q?"),
+            "E2 setup"
+        );
+        assert_eq!(clean_query("   \n", "Q?"), "Q?");
+        assert_eq!(clean_query("`A1 policy`", "Q?"), "A1 policy");
+    }
+}

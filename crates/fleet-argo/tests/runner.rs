@@ -1,0 +1,363 @@
+//! Real runs: the lock-step runner's bookkeeping with a scripted LLM (a test double for
+//! orchestration only), and the real path with the tiny Qwen fixture, the tiny BERT embedder
+//! and an index built from files.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use candle_core::Device;
+use fleet_argo::dataset::{Question, SourceLocation};
+use fleet_argo::index::{Chunking, VectorIndex};
+use fleet_argo::llm::{FleetLlm, Llm, LlmError, LlmReply, LlmRequest, LlmStats};
+use fleet_argo::prompts::Prompts;
+use fleet_argo::runner::{run_jobs, summarize, Job, RecordsFile, Retriever};
+use fleet_argo::{MdpParams, Strategy, StrategyKind};
+use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
+use fleet_models::placement::Replicas;
+use fleet_models::{DeviceLocation, DeviceMap, LoadOptions};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn embedder() -> SentenceEmbedder {
+    let dir = repo().join("tests/fixtures/bert-tiny-st");
+    SentenceEmbedder::load(dir.to_str().unwrap(), &EmbedderOptions::default()).unwrap()
+}
+
+/// A three-document corpus ingested into a fresh index under `dir`.
+fn corpus_index(dir: &Path, embedder: &SentenceEmbedder) -> VectorIndex {
+    let docs = dir.join("docs");
+    std::fs::create_dir_all(docs.join("sub")).unwrap();
+    std::fs::write(
+        docs.join("e2.txt"),
+        "The E2 interface connects the near-RT RIC to E2 nodes.\n\nE2 setup is started by the E2 node.",
+    )
+    .unwrap();
+    std::fs::write(
+        docs.join("a1.md"),
+        "# A1\n\nThe A1 interface carries policies from the non-RT RIC to the near-RT RIC.",
+    )
+    .unwrap();
+    std::fs::write(
+        docs.join("sub/o1.txt"),
+        "O1 is the management interface of O-RAN network functions.",
+    )
+    .unwrap();
+    std::fs::write(docs.join("notes.pdf"), b"%PDF-1.4").unwrap();
+    let mut index = VectorIndex::create(
+        &dir.join("index"),
+        embedder.id(),
+        embedder.dim(),
+        Chunking::default(),
+    );
+    let report = index.ingest_dir(&docs, embedder, &mut |_, _| {}).unwrap();
+    assert_eq!(report.added.len(), 3, "{report:?}");
+    assert_eq!(report.skipped.len(), 1, "{report:?}");
+    index.save().unwrap();
+    index
+}
+
+fn question(id: &str, correct: usize) -> Arc<Question> {
+    Arc::new(Question {
+        id: id.into(),
+        question: format!("Which interface connects the near-RT RIC to E2 nodes? ({id})"),
+        options: vec!["A1".into(), "E2".into(), "O1".into(), "F1".into()],
+        correct,
+        difficulty: None,
+        source: SourceLocation {
+            file: PathBuf::from("test.jsonl"),
+            line: 1,
+        },
+    })
+}
+
+fn params(c_r: f64) -> MdpParams {
+    MdpParams {
+        c_r,
+        ..MdpParams::default()
+    }
+}
+
+fn fixed_k(k: u32) -> Strategy {
+    Strategy::new(StrategyKind::FixedK { k }, 1.0, None).unwrap()
+}
+
+/// Replies by component, recognised from the shipped prompts' wording; counts calls.
+struct ScriptedLlm {
+    answer: String,
+    calls: Mutex<LlmStats>,
+}
+
+impl Llm for ScriptedLlm {
+    fn complete(&self, requests: &[LlmRequest]) -> Result<Vec<LlmReply>, LlmError> {
+        let mut stats = self.calls.lock().unwrap();
+        stats.calls += requests.len() as u64;
+        stats.batches += 1;
+        Ok(requests
+            .iter()
+            .map(|r| {
+                let user = &r.messages.last().unwrap().content;
+                let text = if user.contains("search query") {
+                    "Query: E2 interface near-RT RIC".to_string()
+                } else if user.contains("new note") {
+                    "E2 links the RIC and E2 nodes.".to_string()
+                } else {
+                    self.answer.clone()
+                };
+                LlmReply {
+                    text,
+                    prompt_tokens: 10,
+                    new_tokens: 5,
+                    cached: false,
+                }
+            })
+            .collect())
+    }
+
+    fn stats(&self) -> LlmStats {
+        *self.calls.lock().unwrap()
+    }
+
+    fn model_id(&self) -> String {
+        "scripted".into()
+    }
+}
+
+#[test]
+fn fixed_k_retrieves_k_times_then_answers_and_a_rerun_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let emb = embedder();
+    let index = corpus_index(tmp.path(), &emb);
+    let retriever = Retriever {
+        embedder: &emb,
+        index: &index,
+        device: Device::Cpu,
+        top_k: 2,
+        threshold: -1.0, // every new chunk counts: this test is about bookkeeping
+    };
+    let prompts = Prompts::default_prompts().unwrap();
+    let llm = ScriptedLlm {
+        answer: "Looking at the text... The answer is 2".into(),
+        calls: Mutex::new(LlmStats::default()),
+    };
+    let jobs: Vec<Job> = (0..5)
+        .map(|i| Job {
+            question: question(&format!("q{i}"), if i == 4 { 0 } else { 1 }),
+            strategy: fixed_k(2),
+            params: params(0.05),
+            step_cap: 10,
+            seed: i,
+        })
+        .collect();
+    let records_path = tmp.path().join("run/records.jsonl");
+    let mut records = RecordsFile::open(&records_path).unwrap();
+    let progress = run_jobs(
+        jobs.clone(),
+        &llm,
+        &retriever,
+        &prompts,
+        &mut records,
+        3,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!((progress.jobs, progress.ran, progress.resumed), (5, 5, 0));
+    // 3 calls per job (2 Decomposer + 1 Synthesizer), at most 3 jobs per batch.
+    assert_eq!(llm.stats().calls, 15);
+    let all: Vec<_> = jobs
+        .iter()
+        .map(|j| records.get(&j.key()).unwrap())
+        .collect();
+    for r in &all {
+        assert_eq!(r.episode.retrievals, 2);
+        assert_eq!(r.episode.reasons, 0);
+        assert!((r.episode.cost - 0.10).abs() < 1e-12, "{}", r.episode.cost);
+        assert_eq!(r.llm_calls, 3);
+        assert_eq!(r.queries, vec!["E2 interface near-RT RIC"; 2]);
+        // Two hits the first time, two other chunks the second (only 3 chunks exist: the
+        // second retrieval finds one new chunk), never the same chunk twice.
+        let mut ev = r.evidence.clone();
+        ev.sort();
+        ev.dedup();
+        assert_eq!(ev.len(), r.evidence.len());
+        assert_eq!(r.answer.index(), Some(1));
+    }
+    let summary = summarize(&all);
+    assert_eq!(summary.len(), 1);
+    assert_eq!(summary[0].summary.n_questions, 5);
+    assert_eq!(summary[0].summary.correct, 4);
+    assert_eq!(summary[0].unparsed, 0);
+    assert_eq!(summary[0].llm_calls, 15);
+
+    // Started again: nothing to do.
+    drop(records);
+    let mut records = RecordsFile::open(&records_path).unwrap();
+    let again = run_jobs(
+        jobs.clone(),
+        &llm,
+        &retriever,
+        &prompts,
+        &mut records,
+        3,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!((again.ran, again.resumed), (0, 5));
+    assert_eq!(llm.stats().calls, 15);
+
+    // A run killed mid-line: the broken line is counted, its job runs again.
+    let text = std::fs::read_to_string(&records_path).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    let last = lines.pop().unwrap();
+    let cut = &last[..last.len() / 2];
+    std::fs::write(&records_path, format!("{}\n{cut}", lines.join("\n"))).unwrap();
+    let mut records = RecordsFile::open(&records_path).unwrap();
+    assert_eq!(records.bad_lines, 1);
+    let again = run_jobs(
+        jobs,
+        &llm,
+        &retriever,
+        &prompts,
+        &mut records,
+        3,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!((again.ran, again.resumed), (1, 4));
+}
+
+#[test]
+fn an_answer_that_does_not_parse_is_unparsed_and_wrong() {
+    let tmp = tempfile::tempdir().unwrap();
+    let emb = embedder();
+    let index = corpus_index(tmp.path(), &emb);
+    let retriever = Retriever {
+        embedder: &emb,
+        index: &index,
+        device: Device::Cpu,
+        top_k: 1,
+        threshold: 0.0,
+    };
+    let llm = ScriptedLlm {
+        answer: "It could be 2 or 3.".into(),
+        calls: Mutex::new(LlmStats::default()),
+    };
+    let jobs = vec![Job {
+        question: question("q0", 1),
+        strategy: fixed_k(0),
+        params: params(0.05),
+        step_cap: 10,
+        seed: 0,
+    }];
+    let mut records = RecordsFile::open(&tmp.path().join("r.jsonl")).unwrap();
+    let prompts = Prompts::default_prompts().unwrap();
+    run_jobs(
+        jobs.clone(),
+        &llm,
+        &retriever,
+        &prompts,
+        &mut records,
+        8,
+        &mut |_| {},
+    )
+    .unwrap();
+    let r = records.get(&jobs[0].key()).unwrap();
+    assert_eq!(r.answer.index(), None);
+    assert!(!r.correct);
+    let s = summarize(&[r]);
+    assert_eq!((s[0].unparsed, s[0].summary.correct), (1, 0));
+}
+
+#[test]
+fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
+    let tmp = tempfile::tempdir().unwrap();
+    let emb = embedder();
+    let index = corpus_index(tmp.path(), &emb);
+    let retriever = Retriever {
+        embedder: &emb,
+        index: &index,
+        device: Device::Cpu,
+        top_k: 2,
+        threshold: 0.0,
+    };
+    let model_dir = repo().join("tests/fixtures/qwen2-tiny");
+    let spec = model_dir.to_str().unwrap();
+    let opts = LoadOptions::default();
+    let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
+    let replicas = Replicas::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
+    let cache = tmp.path().join("llm_cache.jsonl");
+    let llm = FleetLlm::new(replicas, spec, 4)
+        .with_cache_file(&cache)
+        .unwrap();
+    let mut prompts = Prompts::default_prompts().unwrap();
+    // Short replies keep the CPU test quick; the tiny model's text is noise anyway.
+    prompts.decomposer.max_new_tokens = 6;
+    prompts.reasoner.max_new_tokens = 6;
+    prompts.synthesizer.max_new_tokens = 8;
+    let always_reason = Strategy::new(StrategyKind::AlwaysReason, 0.16, None).unwrap();
+    let mut jobs = Vec::new();
+    for c_r in [0.05, 0.10] {
+        for q in 0..3 {
+            for strategy in [fixed_k(1), always_reason.clone()] {
+                jobs.push(Job {
+                    question: question(&format!("q{q}"), 1),
+                    strategy,
+                    params: params(c_r),
+                    step_cap: 4,
+                    seed: q,
+                });
+            }
+        }
+    }
+    let mut records = RecordsFile::open(&tmp.path().join("records.jsonl")).unwrap();
+    let progress = run_jobs(
+        jobs.clone(),
+        &llm,
+        &retriever,
+        &prompts,
+        &mut records,
+        16,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(progress.ran, 12);
+    let stats = llm.stats();
+    // Fixed-1: 2 calls, Always-Reason to U = 0.16: 2 Reason + 1 Synthesizer = 3 calls; the
+    // c_r = 0.10 point repeats every call of the 0.05 point, so at least half are cache hits.
+    assert_eq!(stats.calls, 3 * (2 + 3) * 2);
+    assert!(stats.cache_hits >= stats.calls / 2, "{stats:?}");
+    let all: Vec<_> = jobs
+        .iter()
+        .map(|j| records.get(&j.key()).unwrap())
+        .collect();
+    for pair in all.chunks(6).collect::<Vec<_>>().windows(2) {
+        for (a, b) in pair[0].iter().zip(pair[1]) {
+            assert_eq!(a.final_text, b.final_text, "same calls at both c_r points");
+        }
+    }
+    // Every answer is either a parsed option or counted unparsed; nothing is defaulted.
+    let s = summarize(&all);
+    assert_eq!(s.len(), 4);
+    for x in &s {
+        assert!(x.summary.correct + x.unparsed <= x.summary.n_questions);
+    }
+    // A second LLM on the same cache file answers everything from it.
+    let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
+    let llm2 = FleetLlm::new(Replicas::load(spec, &opts, &[cpu]).unwrap(), spec, 4)
+        .with_cache_file(&cache)
+        .unwrap();
+    let mut records2 = RecordsFile::open(&tmp.path().join("records2.jsonl")).unwrap();
+    run_jobs(
+        jobs,
+        &llm2,
+        &retriever,
+        &prompts,
+        &mut records2,
+        16,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(llm2.stats().cache_hits, llm2.stats().calls);
+    assert_eq!(llm2.stats().new_tokens, 0);
+}
