@@ -160,6 +160,10 @@ pub struct RealArgs {
     /// Prompts per replica batch.
     #[arg(long, default_value_t = 64)]
     pub max_batch: usize,
+    /// GiB the attention scores of one prefill batch may take (long prompts then go in
+    /// smaller batches).
+    #[arg(long, default_value_t = 16.0)]
+    pub attention_budget_gib: f64,
     /// Questions (jobs) advancing together.
     #[arg(long, default_value_t = 256)]
     pub max_in_flight: usize,
@@ -300,6 +304,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         None => args.model.clone(),
     };
     let llm = FleetLlm::new(replicas, model_id.clone(), args.max_batch)
+        .with_attention_budget((args.attention_budget_gib * (1u64 << 30) as f64) as u64)
         .with_cache_file(&args.out.join(cache_file_name(&model_id, &args.dtype)))?;
 
     // Jobs, resumable records.

@@ -95,6 +95,9 @@ pub trait Llm: Sync {
     fn model_id(&self) -> String;
 }
 
+/// Default attention budget of one prefill batch: 16 GiB.
+pub const DEFAULT_ATTENTION_BUDGET: u64 = 16 << 30;
+
 /// Cache key: the rendered prompt's token ids and the token limit.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 struct CacheKey {
@@ -115,6 +118,7 @@ pub struct FleetLlm {
     replicas: Replicas,
     model_id: String,
     max_batch: usize,
+    attention_budget_bytes: u64,
     cache: Mutex<HashMap<CacheKey, (String, usize)>>,
     cache_file: Option<Mutex<(PathBuf, File)>>,
     stats: Mutex<LlmStats>,
@@ -127,10 +131,45 @@ impl FleetLlm {
             replicas,
             model_id: model_id.into(),
             max_batch: max_batch.max(1),
+            attention_budget_bytes: DEFAULT_ATTENTION_BUDGET,
             cache: Mutex::new(HashMap::new()),
             cache_file: None,
             stats: Mutex::new(LlmStats::default()),
         }
+    }
+
+    /// Bytes the attention scores of one prefill may take (see [`FleetLlm::batches`]).
+    pub fn with_attention_budget(mut self, bytes: u64) -> Self {
+        self.attention_budget_bytes = bytes.max(1);
+        self
+    }
+
+    /// Groups requests (sorted by prompt length) into batches of at most `max_batch` whose
+    /// prefill attention scores, `batch x heads x longest_prompt^2 x 6 bytes` (f32 scores and
+    /// the probabilities), stay within the budget: long prompts go in small batches, short
+    /// ones in large. A prompt too long for the budget alone runs alone.
+    fn batches<'r>(&self, requests: &'r [GenerationRequest]) -> Vec<&'r [GenerationRequest]> {
+        let heads = self.replicas.models[0].model.config().num_attention_heads as u64;
+        let mut out = Vec::new();
+        let mut start = 0;
+        while start < requests.len() {
+            let mut end = start + 1;
+            while end < requests.len() && end - start < self.max_batch {
+                let longest = requests[start..=end]
+                    .iter()
+                    .map(|r| r.prompt_ids.len() as u64)
+                    .max()
+                    .unwrap_or(0);
+                let bytes = (end - start + 1) as u64 * heads * longest * longest * 6;
+                if bytes > self.attention_budget_bytes {
+                    break;
+                }
+                end += 1;
+            }
+            out.push(&requests[start..end]);
+            start = end;
+        }
+        out
     }
 
     /// Keeps the cache in `path` (JSONL): entries already there are loaded, new ones appended.
@@ -219,16 +258,18 @@ impl Llm for FleetLlm {
             .iter()
             .map(|&i| GenerationRequest::greedy(keys[i].ids.clone(), keys[i].max_new_tokens))
             .collect();
-        let outputs = if generation.is_empty() {
-            Vec::new()
-        } else {
-            self.replicas.generate(&generation, self.max_batch, false)?
-        };
+        let batches = self.batches(&generation);
+        let outputs: Vec<_> = self
+            .replicas
+            .generate_batches(&batches, false)?
+            .into_iter()
+            .flatten()
+            .collect();
         let mut fresh: HashSet<usize> = HashSet::new();
         {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-            stats.batches += generation.len().div_ceil(self.max_batch) as u64;
+            stats.batches += batches.len() as u64;
             for (&i, out) in to_run.iter().zip(&outputs) {
                 stats.prompt_tokens += keys[i].ids.len() as u64;
                 stats.new_tokens += out.token_ids.len() as u64;

@@ -164,8 +164,22 @@ impl Replicas {
         max_batch: usize,
         progress: bool,
     ) -> Result<Vec<GenerationOutput>> {
-        let max_batch = max_batch.max(1);
-        let batches: Vec<&[GenerationRequest]> = requests.chunks(max_batch).collect();
+        let batches: Vec<&[GenerationRequest]> = requests.chunks(max_batch.max(1)).collect();
+        Ok(self
+            .generate_batches(&batches, progress)?
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+
+    /// Generates batches formed by the caller (e.g. by a token budget), each batch on one
+    /// replica, taken from the shared queue; outputs per batch, in input order.
+    pub fn generate_batches(
+        &self,
+        batches: &[&[GenerationRequest]],
+        progress: bool,
+    ) -> Result<Vec<Vec<GenerationOutput>>> {
+        let batches = batches.to_vec();
         let workers: Vec<ReplicaWorker<'_>> = self
             .models
             .iter()
@@ -177,21 +191,22 @@ impl Replicas {
             label: "batches".into(),
             ..PoolOptions::default()
         };
+        let sizes: Vec<usize> = batches.iter().map(|b| b.len()).collect();
         let out = ReplicaPool::run(workers, batches, &opts)
             .map_err(|e| ModelError::Replicas(e.to_string()))?;
-        let mut outputs = Vec::with_capacity(requests.len());
+        let mut outputs = Vec::with_capacity(sizes.len());
         for (i, result) in out.results.into_iter().enumerate() {
             match result {
-                ItemResult::Done { output, .. } => outputs.extend(output),
+                ItemResult::Done { output, .. } => outputs.push(output),
                 ItemResult::Failed { errors } => {
                     let detail: Vec<String> = errors
                         .iter()
                         .map(|e| format!("{}: {}", e.worker_name, e.message))
                         .collect();
+                    let first: usize = sizes[..i].iter().sum();
                     return Err(ModelError::Replicas(format!(
-                        "batch {i} (requests {}..{}) failed on every replica: {}",
-                        i * max_batch,
-                        ((i + 1) * max_batch).min(requests.len()),
+                        "batch {i} (requests {first}..{}) failed on every replica: {}",
+                        first + sizes[i],
                         detail.join("; ")
                     )));
                 }
