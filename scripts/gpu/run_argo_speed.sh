@@ -17,8 +17,11 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 OUT="${OUT:-$PWD/out_argo}"
 N="${N_QUESTIONS:-100}"
 STRATEGIES="${STRATEGIES:-argo,always-retrieve,always-reason,fixed-k:3}"
+# Work under /tmp so that a second call on the same (warm) machine resumes the run: records
+# and the LLM cache stay there; each call's log and summary are copied to $OUT.
+WORK="${WORK:-/tmp/argo_speed}"
 RUN="$OUT/argo_speed"
-mkdir -p "$RUN"
+mkdir -p "$RUN" "$WORK"
 LOG="$RUN/log.txt"
 python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('dist/carry/argo-exp.xz'), open('dist/argo-exp','wb'))"
 tar xJf dist/carry/argo-data.tar.xz -C dist/carry
@@ -26,9 +29,11 @@ chmod +x dist/argo-exp
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$RUN/nvidia_smi.csv" 2>&1
 cat COMMIT > "$RUN/commit.txt" 2>/dev/null
 {
-  echo "### make checkpoint $(date -u +%T)"
-  env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" python3 scripts/gpu/make_random_checkpoint.py \
-      --config configs/models/qwen2.5-7b.json --out /tmp/q7b --tokenizer-from dist/carry/benchtok
+  if [ ! -f /tmp/q7b/config.json ]; then
+    echo "### make checkpoint $(date -u +%T)"
+    env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" python3 scripts/gpu/make_random_checkpoint.py \
+        --config configs/models/qwen2.5-7b.json --out /tmp/q7b --tokenizer-from dist/carry/benchtok
+  fi
   echo "### compare --sweep $(date -u +%T), $N hard questions, $STRATEGIES"
   FLEET_COMMIT="$(cat COMMIT 2>/dev/null)" timeout "${RUN_TIMEOUT:-420}" dist/argo-exp compare --sweep \
       --model /tmp/q7b --dtype bf16 --gpu-mode single \
@@ -36,9 +41,11 @@ cat COMMIT > "$RUN/commit.txt" 2>/dev/null
       --strategies "$STRATEGIES" \
       --index dist/carry/argo-index --embedder dist/carry/minilm16 --embed-device cuda:0 \
       --max-batch "${MAX_BATCH:-128}" --max-in-flight "${MAX_IN_FLIGHT:-1024}" \
-      --out "$RUN/real"
+      --out "$WORK/real"
   echo "### exit $? $(date -u +%T)"
 } > "$LOG" 2>&1
 tail -30 "$LOG"
-rm -f "$RUN"/real/llm_cache.*.jsonl
+mkdir -p "$RUN/real"
+cp "$WORK"/real/summary.json "$WORK"/real/records.jsonl "$RUN/real/" 2>/dev/null
+ls -la "$WORK/real" >> "$LOG"
 tar czf "$OUT/argo_speed.tgz" -C "$OUT" argo_speed && rm -rf "$RUN"
