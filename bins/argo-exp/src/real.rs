@@ -281,6 +281,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         "sharded" => "layer-sharded",
         m => m,
     };
+    let attention_budget = (args.attention_budget_gib * (1u64 << 30) as f64) as u64;
     let placement = PlacementRequest {
         mode: mode.parse()?,
         gpu_ids: args.gpu_ids.clone(),
@@ -288,7 +289,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
             Some(m) => m.parse()?,
             None => fleet_topology_max_memory(),
         },
-        workload: fleet_models::placement::default_workload(args.max_batch),
+        workload: fleet_models::placement::default_workload(args.max_batch, attention_budget),
     };
     let opts = LoadOptions {
         dtype: parse_dtype(&args.dtype)?,
@@ -304,7 +305,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         None => args.model.clone(),
     };
     let llm = FleetLlm::new(replicas, model_id.clone(), args.max_batch)
-        .with_attention_budget((args.attention_budget_gib * (1u64 << 30) as f64) as u64)
+        .with_attention_budget(attention_budget)
         .with_cache_file(&args.out.join(cache_file_name(&model_id, &args.dtype)))?;
 
     // Jobs, resumable records.

@@ -49,13 +49,16 @@ impl PlacementRequest {
     }
 }
 
-/// The workload a job sizes its replicas for: `batch` sequences of 4096 tokens (prompt with
-/// retrieved context plus the reply), logits of the last position only.
-pub fn default_workload(batch: usize) -> Workload {
+/// The workload a job sizes its replicas for: KV cache for `batch` sequences of 4096 tokens
+/// (prompt with retrieved context plus the reply), logits of the last position only, and
+/// prefills split by the caller so that their attention scores stay under
+/// `max_attention_bytes`.
+pub fn default_workload(batch: usize, max_attention_bytes: u64) -> Workload {
     Workload {
         batch: batch.max(1),
         seq_len: 4096,
         full_logits: false,
+        max_attention_bytes: Some(max_attention_bytes),
     }
 }
 

@@ -478,7 +478,8 @@ impl ModelShape {
     /// * hidden states: 4 tensors of `batch * seq * hidden` (residual, pending add, normed
     ///   input, block output);
     /// * attention (prefill, no flash attention): q/k/v `batch * seq * (heads + 2 kv) *
-    ///   head_dim`, scores `batch * heads * seq * seq` in f32 and the probabilities in `dtype`;
+    ///   head_dim`, scores `batch * heads * seq * seq` in f32 and the probabilities in `dtype`
+    ///   (at most [`Workload::max_attention_bytes`] when the caller caps it);
     /// * MLP: the fused gate/up output and the SwiGLU product, `3 * batch * seq * intermediate`
     ///   (for MoE: `num_experts_per_tok * moe_intermediate` per token, plus f32 router logits);
     /// * head device: logits `batch * positions * vocab` in f32 (`positions` = 1 or `seq`, see
@@ -495,6 +496,7 @@ impl ModelShape {
             let heads = self.num_heads as u64;
             let qkv = bs * ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim) as u64 * b;
             let scores = w.batch as u64 * heads * s * s * (4 + b);
+            let scores = w.max_attention_bytes.map_or(scores, |cap| scores.min(cap));
             let mlp = match &self.moe {
                 Some(m) => {
                     3 * bs * (m.num_experts_per_tok * m.moe_intermediate_size) as u64 * b
@@ -556,6 +558,11 @@ pub struct Workload {
     /// Logits for every position (log-probs, training) instead of the last one only
     /// (generation).
     pub full_logits: bool,
+    /// A cap on the attention scores of one prefill, in bytes, when the caller splits its
+    /// prefills into batches that stay under it (as fleet-argo's LLM does); `None`: the whole
+    /// batch is prefilled at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attention_bytes: Option<u64>,
 }
 
 impl Default for Workload {
@@ -565,6 +572,7 @@ impl Default for Workload {
             batch: 1,
             seq_len: 2048,
             full_logits: false,
+            max_attention_bytes: None,
         }
     }
 }

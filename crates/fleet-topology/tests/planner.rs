@@ -183,6 +183,7 @@ fn kv_cache_and_tied_weights() {
         batch: 2,
         seq_len: 512,
         full_logits: true,
+        max_attention_bytes: None,
     };
     let head = t.workspace_bytes(part(0, false, true), DType::Bf16, &full);
     assert!(head >= 2 * 512 * 151936 * 4);
@@ -269,6 +270,7 @@ fn qwen14b_on_rtx3060_is_two_replicas_of_four() {
             batch: 1,
             seq_len: 512,
             full_logits: false,
+            max_attention_bytes: None,
         },
         ..PlanRequest::default()
     };
@@ -463,6 +465,7 @@ fn selected_gpus_and_bad_requests() {
             batch: 0,
             seq_len: 10,
             full_logits: false,
+            max_attention_bytes: None,
         },
         ..PlanRequest::default()
     };
@@ -590,4 +593,48 @@ fn truncated_safetensors_header_is_named() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("no *.safetensors"), "{err}");
+}
+
+/// A caller that splits its prefills under an attention budget is planned with that budget:
+/// the 7B shape at batch 128 x 4096 needs ~350 GiB of attention scores at once, but fits one
+/// H200 when prefills are capped at 16 GiB.
+#[test]
+fn capped_attention_makes_a_large_batch_fit() {
+    let shape = qwen25("7b");
+    let layers = DevicePart {
+        layers: 28,
+        embed: true,
+        head: true,
+        gpu: true,
+    };
+    let uncapped = Workload {
+        batch: 128,
+        seq_len: 4096,
+        full_logits: false,
+        max_attention_bytes: None,
+    };
+    let capped = Workload {
+        max_attention_bytes: Some(16 << 30),
+        ..uncapped
+    };
+    let big = shape.workspace_bytes(layers, DType::Bf16, &uncapped);
+    let small = shape.workspace_bytes(layers, DType::Bf16, &capped);
+    assert!(big > 300 << 30, "{big}");
+    // What is left is the hidden states and the MLP of the full batch.
+    assert!(small < big / 4, "{small}");
+    let request = |workload| PlanRequest {
+        mode: PlanMode::Single,
+        dtype: DType::Bf16,
+        workload,
+        max_memory: MaxMemory::new(),
+    };
+    let h200 = topo("h200-1x");
+    assert!(plan(&shape, &h200, &request(uncapped)).is_err());
+    assert_eq!(
+        plan(&shape, &h200, &request(capped))
+            .unwrap()
+            .replicas
+            .len(),
+        1
+    );
 }
