@@ -9,7 +9,9 @@
 #
 #     N_QUESTIONS=100 bash scripts/gpu/run_argo_speed.sh
 #
-# Writes $OUT/argo_speed.tgz: log, summary.json, records.jsonl, nvidia-smi.
+# Writes $OUT/argo_speed.tgz (log, summary.json, records.jsonl, nvidia-smi) and
+# $OUT/argo_resume.tgz (records and LLM cache): put the latter in dist/carry/ to go on with the
+# same run in a later call (RUN_TIMEOUT bounds each call; the records make it resumable).
 set -u
 export NCCL_NVLS_ENABLE=0
 ORIG_LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
@@ -26,6 +28,10 @@ LOG="$RUN/log.txt"
 python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('dist/carry/argo-exp.xz'), open('dist/argo-exp','wb'))"
 tar xJf dist/carry/argo-data.tar.xz -C dist/carry
 chmod +x dist/argo-exp
+# A run split over several calls: the previous call's records and LLM cache come back in.
+if [ -f dist/carry/argo_resume.tgz ] && [ ! -d "$WORK/real" ]; then
+  tar xzf dist/carry/argo_resume.tgz -C "$WORK"
+fi
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$RUN/nvidia_smi.csv" 2>&1
 cat COMMIT > "$RUN/commit.txt" 2>/dev/null
 {
@@ -48,4 +54,5 @@ tail -30 "$LOG"
 mkdir -p "$RUN/real"
 cp "$WORK"/real/summary.json "$WORK"/real/records.jsonl "$RUN/real/" 2>/dev/null
 ls -la "$WORK/real" >> "$LOG"
+tar czf "$OUT/argo_resume.tgz" -C "$WORK" real
 tar czf "$OUT/argo_speed.tgz" -C "$OUT" argo_speed && rm -rf "$RUN"
