@@ -365,6 +365,18 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     };
     let path = args.out.join("summary.json");
     write_json_atomic(&path, &summary)?;
+    if c_r_values.len() > 1 {
+        let subtitle = format!(
+            "{} | {} {} questions, seed {}",
+            summary.model,
+            questions.len(),
+            args.difficulty,
+            summary.config.sweep.seed
+        );
+        for plot in fleet_argo::plot::plot_real_sweep(&args.out, &summary.results, &subtitle)? {
+            println!("[real] wrote {}", plot.display());
+        }
+    }
     let stats = llm.stats();
     println!(
         "[real] {} jobs ({} resumed) in {:.1} s, {} rounds; LLM: {} calls, {} cache hits, {} prompt + {} new tokens; wrote {}",

@@ -141,6 +141,83 @@ fn ingest_query_compare_and_resume_on_tiny_fixtures() {
     let out = ok(&argo_exp(&args));
     assert!(out.contains("9 jobs (9 resumed)"), "{out}");
 
+    // A real sweep over --mode small's 5 c_r points writes Graphs 1.A-1.C.
+    let sweep_dir = tmp.path().join("sweep");
+    let mut sweep_args: Vec<&str> = args.to_vec();
+    let out_pos = sweep_args.iter().position(|a| *a == "--out").unwrap();
+    sweep_args[out_pos + 1] = sweep_dir.to_str().unwrap();
+    let n_pos = sweep_args
+        .iter()
+        .position(|a| *a == "--n-questions")
+        .unwrap();
+    sweep_args[n_pos + 1] = "2";
+    sweep_args.extend(["--sweep", "--mode", "small"]);
+    let out = ok(&argo_exp(&sweep_args));
+    assert!(out.contains("real_graph1a_accuracy_vs_c_r.png"), "{out}");
+    for stem in [
+        "real_graph1a_accuracy_vs_c_r",
+        "real_graph1b_retrievals_vs_c_r",
+        "real_graph1c_accuracy_vs_cost",
+    ] {
+        for ext in ["png", "svg"] {
+            let f = sweep_dir.join(format!("{stem}.{ext}"));
+            assert!(
+                std::fs::metadata(&f).unwrap().len() > 1000,
+                "{}",
+                f.display()
+            );
+        }
+    }
+
+    // Bad input: an index searched with another embedder (same weights, other truncation).
+    let other = tmp.path().join("other-embedder");
+    std::fs::create_dir_all(other.join("1_Pooling")).unwrap();
+    for entry in std::fs::read_dir(&embedder).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, other.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    for entry in std::fs::read_dir(embedder.join("1_Pooling")).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, other.join("1_Pooling").join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg = other.join("sentence_bert_config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["max_seq_length"] = serde_json::json!(16);
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let mismatch = argo_exp(&[
+        "query",
+        "E2",
+        "--index",
+        index_s,
+        "--embedder",
+        other.to_str().unwrap(),
+    ]);
+    assert!(!mismatch.status.success());
+    let err = String::from_utf8_lossy(&mismatch.stderr);
+    assert!(
+        err.contains("another embedder") && err.contains("max_seq_length"),
+        "{err}"
+    );
+
+    // Bad input: an empty corpus.
+    let empty = tmp.path().join("empty-docs");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = argo_exp(&[
+        "ingest",
+        "--docs",
+        empty.to_str().unwrap(),
+        "--index",
+        tmp.path().join("i2").to_str().unwrap(),
+        "--embedder",
+        embedder_s,
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no files found"), "{err}");
+
     // Bad input: a dataset file that is not there.
     let missing = argo_exp(&[
         "compare",

@@ -339,3 +339,85 @@ pub fn plot_sweep(
     written.extend(write_chart(dir, stems::ACCURACY_VS_COST, &frontier, false)?);
     Ok(written)
 }
+
+/// Graphs 1.A (accuracy vs c_r), 1.B (retrieval calls vs c_r) and 1.C (accuracy vs cost) of a
+/// real run, PNG and SVG, into `dir` with stems `real_graph1*`; `subtitle` names the model,
+/// dataset and sample. Strategies keep the order in which they first appear in `results`.
+pub fn plot_real_sweep(
+    dir: &Path,
+    results: &[crate::runner::RealSummary],
+    subtitle: &str,
+) -> Result<Vec<PathBuf>, OutputError> {
+    let mut kinds: Vec<StrategyKind> = Vec::new();
+    for r in results {
+        if !kinds.contains(&r.summary.strategy) {
+            kinds.push(r.summary.strategy);
+        }
+    }
+    let series_of = |f: &dyn Fn(&crate::runner::RealSummary) -> (f64, f64), with_ci: bool| {
+        kinds
+            .iter()
+            .enumerate()
+            .map(|(i, &kind)| {
+                let mut rows: Vec<&crate::runner::RealSummary> = results
+                    .iter()
+                    .filter(|r| r.summary.strategy == kind)
+                    .collect();
+                rows.sort_by(|a, b| a.c_r.total_cmp(&b.c_r));
+                Series {
+                    label: kind.label(),
+                    color: color_for(kind, i),
+                    emphasis: kind == StrategyKind::Argo,
+                    points: rows.iter().map(|r| f(r)).collect(),
+                    intervals: with_ci.then(|| {
+                        rows.iter()
+                            .map(|r| (r.summary.accuracy_ci95[0], r.summary.accuracy_ci95[1]))
+                            .collect()
+                    }),
+                }
+            })
+            .collect::<Vec<_>>()
+    };
+    let subtitle = format!("real: a model answering questions | {subtitle}");
+    let mut written = Vec::new();
+    let accuracy = LineChart {
+        title: "Graph 1.A [real]: accuracy vs retrieval cost".into(),
+        subtitle: subtitle.clone(),
+        x_label: "retrieval cost c_r".into(),
+        y_label: "accuracy (Wilson 95% CI)".into(),
+        series: series_of(&|r| (r.c_r, r.summary.accuracy), true),
+    };
+    written.extend(write_chart(
+        dir,
+        "real_graph1a_accuracy_vs_c_r",
+        &accuracy,
+        false,
+    )?);
+    let retrievals = LineChart {
+        title: "Graph 1.B [real]: retrieval calls vs retrieval cost".into(),
+        subtitle: subtitle.clone(),
+        x_label: "retrieval cost c_r".into(),
+        y_label: "mean retrieval calls per question".into(),
+        series: series_of(&|r| (r.c_r, r.summary.mean_retrievals), false),
+    };
+    written.extend(write_chart(
+        dir,
+        "real_graph1b_retrievals_vs_c_r",
+        &retrievals,
+        true,
+    )?);
+    let frontier = LineChart {
+        title: "Graph 1.C [real]: accuracy vs cost per question".into(),
+        subtitle,
+        x_label: "mean cost per question (c_r * retrievals + c_p * reasons)".into(),
+        y_label: "accuracy (Wilson 95% CI)".into(),
+        series: series_of(&|r| (r.summary.mean_cost, r.summary.accuracy), true),
+    };
+    written.extend(write_chart(
+        dir,
+        "real_graph1c_accuracy_vs_cost",
+        &frontier,
+        false,
+    )?);
+    Ok(written)
+}
