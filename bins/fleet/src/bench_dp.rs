@@ -15,9 +15,14 @@ pub struct BenchDataParallelArgs {
     /// The model of every replica.
     #[command(flatten)]
     pub model: crate::bench::BenchModelArgs,
-    /// One replica per listed device, e.g. `cuda:0,cuda:1,cuda:2,cuda:3` (`cpu,cpu` works too).
+    /// The devices, e.g. `cuda:0,cuda:1,cuda:2,cuda:3` (`cpu,cpu` works too): one replica per
+    /// device, or per `--group-size` consecutive devices.
     #[arg(long, value_delimiter = ',', default_value = "cuda:0")]
     pub devices: Vec<String>,
+    /// Devices per replica: each replica's layers are split over this many consecutive devices
+    /// of `--devices` (hybrid mode: replicas of shard groups).
+    #[arg(long, default_value_t = 1)]
+    pub group_size: usize,
     /// Prompts per batch (one queue item).
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
@@ -68,6 +73,7 @@ struct Report {
     config: String,
     dtype: String,
     devices: Vec<String>,
+    group_size: usize,
     batch: usize,
     prompt_len: usize,
     new_tokens: usize,
@@ -93,13 +99,21 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         .iter()
         .map(|d| d.parse())
         .collect::<Result<_, _>>()?;
+    if args.group_size == 0 || locations.len() % args.group_size != 0 {
+        bail!(
+            "--group-size {} must divide the {} devices of --devices",
+            args.group_size,
+            locations.len()
+        );
+    }
     let mut replicas = Vec::new();
     let mut label = String::new();
-    for (i, &loc) in locations.iter().enumerate() {
-        let (l, model) = args.model.build(&[loc])?;
+    for (i, group) in locations.chunks(args.group_size).enumerate() {
+        let (l, model) = args.model.build(group)?;
         label = l;
+        let names: Vec<String> = group.iter().map(|d| d.to_string()).collect();
         replicas.push(Replica {
-            name: format!("replica {i} {loc}"),
+            name: format!("replica {i} {}", names.join("+")),
             model,
             new_tokens: args.new_tokens,
         });
@@ -108,7 +122,8 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         .first()
         .map(|r| r.model.config().vocab_size)
         .unwrap_or(1);
-    let n_items = replicas.len() * args.batches_per_replica;
+    let replicas_n = replicas.len();
+    let n_items = replicas_n * args.batches_per_replica;
     let items: Vec<Vec<Vec<u32>>> = (0..n_items)
         .map(|it| {
             (0..args.batch)
@@ -148,6 +163,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         config: label,
         dtype: args.model.dtype.clone(),
         devices: args.devices.clone(),
+        group_size: args.group_size,
         batch: args.batch,
         prompt_len: args.prompt_len,
         new_tokens: args.new_tokens,
@@ -169,8 +185,9 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
             .collect(),
     };
     eprintln!(
-        "{} replica(s): {} batches of {} x ({} + {}) in {:.2}s: {:.1} new tok/s",
-        args.devices.len(),
+        "{} replica(s) of {} device(s): {} batches of {} x ({} + {}) in {:.2}s: {:.1} new tok/s",
+        replicas_n,
+        args.group_size,
         n_items,
         args.batch,
         args.prompt_len,

@@ -319,3 +319,26 @@ fn data_parallel_bench_runs_real_replicas() {
     assert_eq!(per.iter().sum::<u64>(), 6);
     assert_eq!(per.len(), 2);
 }
+
+#[test]
+fn data_parallel_group_size_must_divide_the_devices() {
+    let out = fleet()
+        .args(["bench", "data-parallel", "--config"])
+        .arg(fixture("qwen2-tiny/config.json"))
+        .args([
+            "--dtype",
+            "f32",
+            "--devices",
+            "cpu,cpu",
+            "--group-size",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--group-size 3 must divide the 2 devices"),
+        "{err}"
+    );
+}
