@@ -41,14 +41,16 @@ pub struct BenchDataParallelArgs {
     pub json: Option<PathBuf>,
 }
 
-/// One replica: a model on its device, generating whole batches of `new_tokens` each.
-struct Replica {
+/// One replica: a model on its device(s), generating whole batches of `new_tokens` each. It
+/// borrows the model, so that freeing the weights (seconds for a 72B shape) happens after the
+/// timed pool run, not inside it.
+struct Replica<'m> {
     name: String,
-    model: QwenModel,
+    model: &'m QwenModel,
     new_tokens: usize,
 }
 
-impl Worker<Vec<Vec<u32>>, usize> for Replica {
+impl Worker<Vec<Vec<u32>>, usize> for Replica<'_> {
     fn name(&self) -> String {
         self.name.clone()
     }
@@ -56,7 +58,7 @@ impl Worker<Vec<Vec<u32>>, usize> for Replica {
     /// Generates the batch (never stopping early) and returns the new tokens.
     fn process(&mut self, prompts: &Vec<Vec<u32>>) -> Result<usize, fleet_dist::BoxError> {
         // No EOS ids: every row generates exactly `new_tokens`.
-        let generator = Generator::new(&self.model, None, Vec::new(), 0);
+        let generator = Generator::new(self.model, None, Vec::new(), 0);
         let requests: Vec<GenerationRequest> = prompts
             .iter()
             .map(|p| GenerationRequest::greedy(p.clone(), self.new_tokens))
@@ -106,18 +108,25 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
             locations.len()
         );
     }
-    let mut replicas = Vec::new();
+    let mut models = Vec::new();
     let mut label = String::new();
-    for (i, group) in locations.chunks(args.group_size).enumerate() {
+    for group in locations.chunks(args.group_size) {
         let (l, model) = args.model.build(group)?;
         label = l;
-        let names: Vec<String> = group.iter().map(|d| d.to_string()).collect();
-        replicas.push(Replica {
-            name: format!("replica {i} {}", names.join("+")),
-            model,
-            new_tokens: args.new_tokens,
-        });
+        models.push((group, model));
     }
+    let mut replicas: Vec<Replica<'_>> = models
+        .iter()
+        .enumerate()
+        .map(|(i, (group, model))| {
+            let names: Vec<String> = group.iter().map(|d| d.to_string()).collect();
+            Replica {
+                name: format!("replica {i} {}", names.join("+")),
+                model,
+                new_tokens: args.new_tokens,
+            }
+        })
+        .collect();
     let vocab = replicas
         .first()
         .map(|r| r.model.config().vocab_size)
