@@ -178,6 +178,10 @@ pub struct RealArgs {
     /// Cosine similarity a new chunk needs to count as progress.
     #[arg(long, default_value_t = RetrievalConfig::default().threshold)]
     pub threshold: f32,
+    /// What makes a Retrieve progress: similarity (new chunks above --threshold) or
+    /// llm-judge (the LLM is also asked whether the new chunks help).
+    #[arg(long, default_value = "similarity")]
+    pub progress: fleet_argo::runner::ProgressRule,
     /// ORAN-Bench-13K directory, or a generic multiple-choice .jsonl file.
     #[arg(long, default_value = "../shared/data/oran-bench-13k")]
     pub dataset: PathBuf,
@@ -267,6 +271,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     let retrieval = RetrievalConfig {
         top_k: args.top_k,
         threshold: args.threshold,
+        progress: args.progress,
     };
     let retriever = Retriever {
         embedder: &embedder,
@@ -274,6 +279,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         device,
         top_k: retrieval.top_k,
         threshold: retrieval.threshold,
+        progress: retrieval.progress,
     };
 
     // The LLM on its placement.

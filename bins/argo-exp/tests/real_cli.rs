@@ -151,7 +151,7 @@ fn ingest_query_compare_and_resume_on_tiny_fixtures() {
         .position(|a| *a == "--n-questions")
         .unwrap();
     sweep_args[n_pos + 1] = "2";
-    sweep_args.extend(["--sweep", "--mode", "small"]);
+    sweep_args.extend(["--sweep", "--mode", "small", "--progress", "llm-judge"]);
     let out = ok(&argo_exp(&sweep_args));
     assert!(out.contains("real_graph1a_accuracy_vs_c_r.png"), "{out}");
     for stem in [

@@ -38,6 +38,8 @@ pub struct RetrievalConfig {
     pub top_k: usize,
     /// Cosine similarity a new chunk needs to count as progress.
     pub threshold: f32,
+    /// Similarity alone, or an LLM judgement of the new chunks.
+    pub progress: crate::runner::ProgressRule,
 }
 
 impl Default for RetrievalConfig {
@@ -47,6 +49,7 @@ impl Default for RetrievalConfig {
         RetrievalConfig {
             top_k: 3,
             threshold: 0.3,
+            progress: crate::runner::ProgressRule::Similarity,
         }
     }
 }

@@ -73,6 +73,9 @@ pub struct Prompts {
     pub reasoner: PromptTemplate,
     /// Answers from the question, the options, all evidence and all notes.
     pub synthesizer: PromptTemplate,
+    /// Judges whether a retrieval's new chunks (its `evidence`) help answer the question
+    /// (`--progress llm-judge`); a reply starting with "yes" counts as progress.
+    pub judge: PromptTemplate,
     /// Where the prompts came from (set on load).
     #[serde(skip)]
     pub source: String,
@@ -122,6 +125,8 @@ pub enum Component {
     Reasoner,
     /// The final answer.
     Synthesizer,
+    /// Whether new evidence helps (progress by LLM judgement).
+    Judge,
 }
 
 impl Component {
@@ -131,6 +136,7 @@ impl Component {
             Component::Decomposer => "decomposer",
             Component::Reasoner => "reasoner",
             Component::Synthesizer => "synthesizer",
+            Component::Judge => "judge",
         }
     }
 }
@@ -186,6 +192,7 @@ impl Prompts {
             Component::Decomposer,
             Component::Reasoner,
             Component::Synthesizer,
+            Component::Judge,
         ] {
             if prompts.template(c).max_new_tokens == 0 {
                 return Err(PromptError::Template {
@@ -235,6 +242,7 @@ impl Prompts {
             Component::Decomposer => &self.decomposer,
             Component::Reasoner => &self.reasoner,
             Component::Synthesizer => &self.synthesizer,
+            Component::Judge => &self.judge,
         }
     }
 

@@ -73,6 +73,46 @@ pub struct Retriever<'a> {
     pub top_k: usize,
     /// Cosine similarity a chunk needs to count as evidence.
     pub threshold: f32,
+    /// What makes a Retrieve count as progress.
+    pub progress: ProgressRule,
+}
+
+/// What makes a Retrieve count as progress. Either way the retrieval must bring chunks not
+/// seen before for the question at or above the similarity threshold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProgressRule {
+    /// New chunks above the threshold are progress.
+    #[default]
+    Similarity,
+    /// The LLM is asked (the `judge` prompt) whether the new chunks help; "yes" is progress.
+    LlmJudge,
+}
+
+impl std::str::FromStr for ProgressRule {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "similarity" => Ok(ProgressRule::Similarity),
+            "llm-judge" => Ok(ProgressRule::LlmJudge),
+            _ => Err(format!(
+                "unknown progress rule `{s}`: use similarity or llm-judge"
+            )),
+        }
+    }
+}
+
+/// Whether a judge's reply says yes: its first word, after any `<think>` block.
+fn judged_yes(reply: &str) -> bool {
+    let text = match reply.rfind("</think>") {
+        Some(i) => &reply[i + "</think>".len()..],
+        None => reply,
+    };
+    text.trim_start()
+        .split(|c: char| !c.is_alphabetic())
+        .next()
+        .is_some_and(|w| w.eq_ignore_ascii_case("yes"))
 }
 
 impl Retriever<'_> {
@@ -346,18 +386,48 @@ pub fn run_jobs(
             .map(|&i| clean_query(&replies[i].text, &active[i].job.question.question))
             .collect();
         let hits = retriever.search(&queries)?;
+        let mut fresh_of: Vec<Vec<Hit>> = Vec::with_capacity(retrieving.len());
         for ((&i, query), hits) in retrieving.iter().zip(queries).zip(hits) {
             let a = &mut active[i];
             let fresh: Vec<Hit> = hits
                 .into_iter()
                 .filter(|h| h.score >= retriever.threshold && !a.seen.contains(&h.id))
                 .collect();
-            let made_progress = !fresh.is_empty();
+            a.queries.push(query);
+            fresh_of.push(fresh);
+        }
+        // With an LLM judge, every retrieval that found new chunks asks whether they help,
+        // all in one batch.
+        let mut progress_of: Vec<bool> = fresh_of.iter().map(|f| !f.is_empty()).collect();
+        if retriever.progress == ProgressRule::LlmJudge {
+            let asking: Vec<usize> = (0..retrieving.len()).filter(|&k| progress_of[k]).collect();
+            let judge_requests = asking
+                .iter()
+                .map(|&k| {
+                    judge_request(
+                        &active[retrieving[k]],
+                        &fresh_of[k],
+                        retriever.index,
+                        prompts,
+                    )
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let verdicts = llm.complete(&judge_requests)?;
+            for (&k, r) in asking.iter().zip(&verdicts) {
+                let a = &mut active[retrieving[k]];
+                a.llm_calls += 1;
+                a.cache_hits += u32::from(r.cached);
+                a.prompt_tokens += r.prompt_tokens as u64;
+                a.new_tokens += r.new_tokens as u64;
+                progress_of[k] = judged_yes(&r.text);
+            }
+        }
+        for ((&i, fresh), made_progress) in retrieving.iter().zip(fresh_of).zip(progress_of) {
+            let a = &mut active[i];
             for h in fresh {
                 a.seen.insert(h.id);
                 a.evidence.push(h);
             }
-            a.queries.push(query);
             a.episode.record(Outcome::Retrieved {
                 progress: made_progress,
             })?;
@@ -460,6 +530,52 @@ fn request_for(
     Ok(LlmRequest {
         messages,
         max_new_tokens: prompts.template(component).max_new_tokens,
+    })
+}
+
+/// The judge's request for job `a` about the chunks `fresh` a retrieval just found.
+fn judge_request(
+    a: &Active,
+    fresh: &[Hit],
+    index: &VectorIndex,
+    prompts: &Prompts,
+) -> Result<LlmRequest, RunError> {
+    let q = &a.job.question;
+    let ctx = PromptContext {
+        question: &q.question,
+        options: q
+            .options
+            .iter()
+            .enumerate()
+            .map(|(i, text)| OptionView {
+                label: (i + 1).to_string(),
+                text,
+            })
+            .collect(),
+        notes: &a.notes,
+        evidence: fresh
+            .iter()
+            .filter_map(|h| {
+                index.chunk(h.id).map(|c| EvidenceView {
+                    text: &c.text,
+                    source: &c.source,
+                    score: h.score,
+                })
+            })
+            .collect(),
+        queries: &a.queries,
+    };
+    let mut messages = Vec::with_capacity(2);
+    if !prompts.system.is_empty() {
+        messages.push(ChatMessage::new("system", prompts.system.clone()));
+    }
+    messages.push(ChatMessage::new(
+        "user",
+        prompts.render(Component::Judge, &ctx)?,
+    ));
+    Ok(LlmRequest {
+        messages,
+        max_new_tokens: prompts.judge.max_new_tokens,
     })
 }
 
@@ -591,6 +707,17 @@ pub fn summarize(records: &[&QuestionRecord]) -> Vec<RealSummary> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn judge_replies() {
+        assert!(judged_yes("Yes."));
+        assert!(judged_yes("  yes, it does"));
+        assert!(judged_yes("<think>hmm no</think>\nYES"));
+        assert!(!judged_yes("No"));
+        assert!(!judged_yes("yesterday"));
+        assert!(!judged_yes(""));
+        assert!(!judged_yes("It says yes"));
+    }
 
     #[test]
     fn query_is_the_first_line_without_decoration() {

@@ -10,7 +10,7 @@ use fleet_argo::dataset::{Question, SourceLocation};
 use fleet_argo::index::{Chunking, VectorIndex};
 use fleet_argo::llm::{FleetLlm, Llm, LlmError, LlmReply, LlmRequest, LlmStats};
 use fleet_argo::prompts::Prompts;
-use fleet_argo::runner::{run_jobs, summarize, Job, RecordsFile, Retriever};
+use fleet_argo::runner::{run_jobs, summarize, Job, ProgressRule, RecordsFile, Retriever};
 use fleet_argo::{MdpParams, Strategy, StrategyKind};
 use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
 use fleet_models::placement::Replicas;
@@ -86,6 +86,7 @@ fn fixed_k(k: u32) -> Strategy {
 /// Replies by component, recognised from the shipped prompts' wording; counts calls.
 struct ScriptedLlm {
     answer: String,
+    judge: String,
     calls: Mutex<LlmStats>,
 }
 
@@ -98,7 +99,9 @@ impl Llm for ScriptedLlm {
             .iter()
             .map(|r| {
                 let user = &r.messages.last().unwrap().content;
-                let text = if user.contains("search query") {
+                let text = if user.contains("Reply with yes or no") {
+                    self.judge.clone()
+                } else if user.contains("search query") {
                     "Query: E2 interface near-RT RIC".to_string()
                 } else if user.contains("new note") {
                     "E2 links the RIC and E2 nodes.".to_string()
@@ -135,10 +138,12 @@ fn fixed_k_retrieves_k_times_then_answers_and_a_rerun_resumes() {
         device: Device::Cpu,
         top_k: 2,
         threshold: -1.0, // every new chunk counts: this test is about bookkeeping
+        progress: ProgressRule::Similarity,
     };
     let prompts = Prompts::default_prompts().unwrap();
     let llm = ScriptedLlm {
         answer: "Looking at the text... The answer is 2".into(),
+        judge: "yes".into(),
         calls: Mutex::new(LlmStats::default()),
     };
     let jobs: Vec<Job> = (0..5)
@@ -238,9 +243,11 @@ fn an_answer_that_does_not_parse_is_unparsed_and_wrong() {
         device: Device::Cpu,
         top_k: 1,
         threshold: 0.0,
+        progress: ProgressRule::Similarity,
     };
     let llm = ScriptedLlm {
         answer: "It could be 2 or 3.".into(),
+        judge: "yes".into(),
         calls: Mutex::new(LlmStats::default()),
     };
     let jobs = vec![Job {
@@ -280,6 +287,7 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
         device: Device::Cpu,
         top_k: 2,
         threshold: 0.0,
+        progress: ProgressRule::Similarity,
     };
     let model_dir = repo().join("tests/fixtures/qwen2-tiny");
     let spec = model_dir.to_str().unwrap();
@@ -360,4 +368,56 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     .unwrap();
     assert_eq!(llm2.stats().cache_hits, llm2.stats().calls);
     assert_eq!(llm2.stats().new_tokens, 0);
+}
+
+#[test]
+fn an_llm_judge_decides_whether_a_retrieval_made_progress() {
+    let tmp = tempfile::tempdir().unwrap();
+    let emb = embedder();
+    let index = corpus_index(tmp.path(), &emb);
+    let prompts = Prompts::default_prompts().unwrap();
+    for (verdict, progress_expected) in [("Yes, it helps.", true), ("No.", false)] {
+        let retriever = Retriever {
+            embedder: &emb,
+            index: &index,
+            device: Device::Cpu,
+            top_k: 1,
+            threshold: -1.0,
+            progress: ProgressRule::LlmJudge,
+        };
+        let llm = ScriptedLlm {
+            answer: "The answer is 2".into(),
+            judge: verdict.into(),
+            calls: Mutex::new(LlmStats::default()),
+        };
+        let jobs = vec![Job {
+            question: question("q0", 1),
+            strategy: fixed_k(2),
+            params: params(0.05),
+            step_cap: 10,
+            seed: 0,
+        }];
+        let mut records =
+            RecordsFile::open(&tmp.path().join(format!("{progress_expected}.jsonl"))).unwrap();
+        run_jobs(
+            jobs.clone(),
+            &llm,
+            &retriever,
+            &prompts,
+            &mut records,
+            4,
+            &mut |_| {},
+        )
+        .unwrap();
+        let r = records.get(&jobs[0].key()).unwrap();
+        assert_eq!(r.episode.retrievals, 2);
+        // The scripted Decomposer asks the same query twice: the second retrieval finds no new
+        // chunk, so it is no progress and the judge is not asked.
+        let expected = u32::from(progress_expected);
+        assert_eq!(r.episode.successful_retrievals, expected, "{verdict}");
+        // 2 Decomposer + 1 judge + 1 Synthesizer calls.
+        assert_eq!(r.llm_calls, 4);
+        // The chunk is kept as evidence either way; only U's progress depends on the judge.
+        assert_eq!(r.evidence.len(), 1);
+    }
 }
