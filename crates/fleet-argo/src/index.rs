@@ -348,7 +348,7 @@ impl VectorIndex {
             })
     }
 
-    /// Ingests the `.txt` and `.md` files under `docs` (recursively, in sorted order): new
+    /// Ingests the `.txt`, `.md` and `.pdf` files under `docs` (recursively, in sorted order): new
     /// files are chunked and embedded, unchanged ones skipped, changed ones replaced.
     /// `on_file` is called after each file (for a progress bar).
     pub fn ingest_dir(
@@ -385,13 +385,10 @@ impl VectorIndex {
                 .and_then(|e| e.to_str())
                 .unwrap_or("")
                 .to_ascii_lowercase();
-            if ext != "txt" && ext != "md" {
-                let why = if ext == "pdf" {
-                    "PDF is not read yet: convert it to text first (e.g. `pdftotext file.pdf`)"
-                } else {
-                    "not a .txt or .md file"
-                };
-                report.skipped.push((rel, why.into()));
+            if ext != "txt" && ext != "md" && ext != "pdf" {
+                report
+                    .skipped
+                    .push((rel, "not a .txt, .md or .pdf file".into()));
                 continue;
             }
             let bytes = std::fs::read(&path).map_err(|e| IndexError::Io {
@@ -410,9 +407,30 @@ impl VectorIndex {
                 }
                 None => {}
             }
-            let Ok(text) = String::from_utf8(bytes.clone()) else {
-                report.skipped.push((rel, "not UTF-8 text".into()));
-                continue;
+            let text = if ext == "pdf" {
+                // pdf-extract can panic on malformed files; a bad PDF is skipped, not fatal.
+                let extracted = std::panic::catch_unwind(|| {
+                    pdf_extract::extract_text_from_mem(&bytes).map_err(|e| e.to_string())
+                })
+                .unwrap_or_else(|_| Err("the PDF parser gave up on this file".into()));
+                match extracted {
+                    Ok(text) => text,
+                    Err(e) => {
+                        report.skipped.push((
+                            rel,
+                            format!("no text could be read from this PDF ({e}); convert it with pdftotext"),
+                        ));
+                        continue;
+                    }
+                }
+            } else {
+                match String::from_utf8(bytes.clone()) {
+                    Ok(text) => text,
+                    Err(_) => {
+                        report.skipped.push((rel, "not UTF-8 text".into()));
+                        continue;
+                    }
+                }
             };
             let pieces = chunk_text(&text, self.meta.chunking);
             if pieces.is_empty() {

@@ -44,7 +44,13 @@ fn corpus_index(dir: &Path, embedder: &SentenceEmbedder) -> VectorIndex {
         "O1 is the management interface of O-RAN network functions.",
     )
     .unwrap();
+    // A broken PDF is skipped with a reason; a real one is read.
     std::fs::write(docs.join("notes.pdf"), b"%PDF-1.4").unwrap();
+    std::fs::copy(
+        repo().join("tests/fixtures/docs/e2.pdf"),
+        docs.join("sub/e2.pdf"),
+    )
+    .unwrap();
     let mut index = VectorIndex::create(
         &dir.join("index"),
         embedder.id(),
@@ -52,8 +58,21 @@ fn corpus_index(dir: &Path, embedder: &SentenceEmbedder) -> VectorIndex {
         Chunking::default(),
     );
     let report = index.ingest_dir(&docs, embedder, &mut |_, _| {}).unwrap();
-    assert_eq!(report.added.len(), 3, "{report:?}");
+    assert_eq!(report.added.len(), 4, "{report:?}");
     assert_eq!(report.skipped.len(), 1, "{report:?}");
+    assert_eq!(report.skipped[0].0, "notes.pdf");
+    let pdf_chunk = index
+        .chunks()
+        .iter()
+        .find(|c| c.source.ends_with("e2.pdf"))
+        .expect("the PDF's text is indexed");
+    assert!(
+        pdf_chunk
+            .text
+            .contains("E2 setup is started by the E2 node."),
+        "{}",
+        pdf_chunk.text
+    );
     index.save().unwrap();
     index
 }
@@ -180,12 +199,14 @@ fn fixed_k_retrieves_k_times_then_answers_and_a_rerun_resumes() {
         assert!((r.episode.cost - 0.10).abs() < 1e-12, "{}", r.episode.cost);
         assert_eq!(r.llm_calls, 3);
         assert_eq!(r.queries, vec!["E2 interface near-RT RIC"; 2]);
-        // Two hits the first time, two other chunks the second (only 3 chunks exist: the
-        // second retrieval finds one new chunk), never the same chunk twice.
+        // The same query twice returns the same two hits: the second retrieval finds nothing
+        // new, and no chunk is gathered twice.
         let mut ev = r.evidence.clone();
         ev.sort();
         ev.dedup();
         assert_eq!(ev.len(), r.evidence.len());
+        assert_eq!(r.evidence.len(), 2);
+        assert_eq!(r.episode.successful_retrievals, 1);
         assert_eq!(r.answer.index(), Some(1));
     }
     let summary = summarize(&all);
