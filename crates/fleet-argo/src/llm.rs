@@ -211,6 +211,42 @@ impl FleetLlm {
         Ok(model.chat_prompt(&request.messages, true)?)
     }
 
+    /// Cache keys of `requests`, rendered and tokenized on several threads: with most calls
+    /// answered from the cache, rendering is what a round costs.
+    fn keys(&self, requests: &[LlmRequest]) -> Result<Vec<CacheKey>, LlmError> {
+        let key = |r: &LlmRequest| -> Result<CacheKey, LlmError> {
+            let ids = self.render(r)?;
+            let max_new_tokens = self.fit(&ids, r.max_new_tokens)?;
+            Ok(CacheKey {
+                ids,
+                max_new_tokens,
+            })
+        };
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(16);
+        if threads <= 1 || requests.len() < 64 {
+            return requests.iter().map(key).collect();
+        }
+        let chunk = requests.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = requests
+                .chunks(chunk)
+                .map(|part| scope.spawn(move || part.iter().map(key).collect::<Vec<_>>()))
+                .collect();
+            let mut keys = Vec::with_capacity(requests.len());
+            for h in handles {
+                // A panic in rendering is a bug; re-raise it on this thread.
+                let part = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                for k in part {
+                    keys.push(k?);
+                }
+            }
+            Ok(keys)
+        })
+    }
+
     /// The request's token limit, shortened so that prompt + reply fit the context.
     fn fit(&self, ids: &[u32], max_new_tokens: usize) -> Result<usize, LlmError> {
         let max = self.replicas.models[0]
@@ -229,17 +265,7 @@ impl FleetLlm {
 
 impl Llm for FleetLlm {
     fn complete(&self, requests: &[LlmRequest]) -> Result<Vec<LlmReply>, LlmError> {
-        let keys: Vec<CacheKey> = requests
-            .iter()
-            .map(|r| {
-                let ids = self.render(r)?;
-                let max_new_tokens = self.fit(&ids, r.max_new_tokens)?;
-                Ok(CacheKey {
-                    ids,
-                    max_new_tokens,
-                })
-            })
-            .collect::<Result<_, LlmError>>()?;
+        let keys = self.keys(requests)?;
         // Which keys must run: not cached, and each distinct key once.
         let mut to_run: Vec<usize> = Vec::new();
         {

@@ -442,3 +442,38 @@ fn an_llm_judge_decides_whether_a_retrieval_made_progress() {
         assert_eq!(r.evidence.len(), 1);
     }
 }
+
+/// Many requests at once are rendered on several threads; replies stay in request order and
+/// equal the replies to the same requests one at a time.
+#[test]
+fn a_large_round_keeps_request_order() {
+    let model_dir = repo().join("tests/fixtures/qwen2-tiny");
+    let spec = model_dir.to_str().unwrap();
+    let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
+    let llm = FleetLlm::new(
+        Replicas::load(spec, &LoadOptions::default(), &[cpu]).unwrap(),
+        spec,
+        64,
+    );
+    // 66 requests (parallel rendering starts at 64), 11 distinct prompts of distinct lengths.
+    let requests: Vec<LlmRequest> = (0..66)
+        .map(|i| LlmRequest {
+            messages: vec![fleet_models::ChatMessage::new(
+                "user",
+                "word ".repeat(i % 11 + 1),
+            )],
+            max_new_tokens: 1,
+        })
+        .collect();
+    let together = llm.complete(&requests).unwrap();
+    assert_eq!(together.len(), 66);
+    for (i, t) in together.iter().enumerate() {
+        assert_eq!(t.prompt_tokens, together[i % 11].prompt_tokens);
+    }
+    assert!(together[0].prompt_tokens < together[10].prompt_tokens);
+    for (r, t) in requests.iter().zip(&together).step_by(7) {
+        let alone = llm.complete(std::slice::from_ref(r)).unwrap();
+        assert_eq!(alone[0].text, t.text);
+        assert_eq!(alone[0].prompt_tokens, t.prompt_tokens);
+    }
+}

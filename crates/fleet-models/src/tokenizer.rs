@@ -88,7 +88,9 @@ impl ChatMessage {
 
 /// A checkpoint's chat template with the special tokens it may reference.
 pub struct ChatTemplate {
-    source: String,
+    /// The template compiled once at load (compiling it per render dominated the cost of
+    /// rendering many prompts).
+    env: Environment<'static>,
     path: PathBuf,
     bos_token: Option<String>,
     eos_token: Option<String>,
@@ -153,18 +155,17 @@ impl ChatTemplate {
             };
             (s, path.to_path_buf())
         };
-        let t = ChatTemplate {
-            source,
+        // Compiled now, so a broken template fails at load, naming the file.
+        let env = Self::environment(source, &from)?;
+        Ok(Some(ChatTemplate {
+            env,
             path: from,
             bos_token: token_text(cfg.bos_token.as_ref()),
             eos_token: token_text(cfg.eos_token.as_ref()),
-        };
-        // Parse once now so a broken template fails at load, naming the file.
-        t.environment()?;
-        Ok(Some(t))
+        }))
     }
 
-    fn environment(&self) -> Result<Environment<'_>> {
+    fn environment(source: String, path: &Path) -> Result<Environment<'static>> {
         let mut env = Environment::new();
         // transformers renders with trim_blocks and lstrip_blocks on.
         env.set_trim_blocks(true);
@@ -180,9 +181,9 @@ impl ChatTemplate {
             strftime_now(&fmt)
         });
         env.add_filter("tojson", tojson);
-        env.add_template("chat", &self.source)
+        env.add_template_owned("chat", source)
             .map_err(|e| ModelError::ChatTemplate {
-                path: self.path.clone(),
+                path: path.to_path_buf(),
                 message: e.to_string(),
             })?;
         Ok(env)
@@ -196,8 +197,10 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        let env = self.environment()?;
-        let tmpl = env.get_template("chat").expect("added in environment()");
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .expect("added in environment()");
         let mut ctx = serde_json::Map::new();
         ctx.insert(
             "messages".into(),
