@@ -293,7 +293,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         gpu_ids: args.gpu_ids.clone(),
         max_memory: match &args.max_memory {
             Some(m) => m.parse()?,
-            None => fleet_topology_max_memory(),
+            None => fleet_models::placement::MaxMemory::new(),
         },
         workload: fleet_models::placement::default_workload(args.max_batch, attention_budget),
     };
@@ -397,11 +397,6 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         path.display()
     );
     Ok(())
-}
-
-/// The default per-GPU budgets (accelerate's default reserve).
-fn fleet_topology_max_memory() -> fleet_models::placement::MaxMemory {
-    fleet_models::placement::MaxMemory::new()
 }
 
 /// One cache file per model and dtype: token ids mean nothing for another model.

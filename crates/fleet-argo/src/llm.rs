@@ -83,11 +83,10 @@ pub struct LlmStats {
 pub trait Llm: Sync {
     /// Completes every request; replies in request order.
     fn complete(&self, requests: &[LlmRequest]) -> Result<Vec<LlmReply>, LlmError>;
-    /// Whether the request's prompt and its full token limit fit the model's context.
+    /// Whether each request's prompt and its full token limit fit the model's context.
     /// The runner drops the oldest evidence and notes of a request that does not.
-    fn fits(&self, request: &LlmRequest) -> Result<bool, LlmError> {
-        let _ = request;
-        Ok(true)
+    fn fits(&self, requests: &[LlmRequest]) -> Result<Vec<bool>, LlmError> {
+        Ok(vec![true; requests.len()])
     }
     /// The work done so far.
     fn stats(&self) -> LlmStats;
@@ -120,6 +119,9 @@ pub struct FleetLlm {
     max_batch: usize,
     attention_budget_bytes: u64,
     cache: Mutex<HashMap<CacheKey, (String, usize)>>,
+    /// Token ids rendered by [`Llm::fits`], keyed by the messages' JSON, taken by the
+    /// `complete` that follows so each prompt is rendered once per round.
+    rendered: Mutex<HashMap<String, Vec<u32>>>,
     cache_file: Option<Mutex<(PathBuf, File)>>,
     stats: Mutex<LlmStats>,
 }
@@ -133,6 +135,7 @@ impl FleetLlm {
             max_batch: max_batch.max(1),
             attention_budget_bytes: DEFAULT_ATTENTION_BUDGET,
             cache: Mutex::new(HashMap::new()),
+            rendered: Mutex::new(HashMap::new()),
             cache_file: None,
             stats: Mutex::new(LlmStats::default()),
         }
@@ -211,40 +214,68 @@ impl FleetLlm {
         Ok(model.chat_prompt(&request.messages, true)?)
     }
 
-    /// Cache keys of `requests`, rendered and tokenized on several threads: with most calls
-    /// answered from the cache, rendering is what a round costs.
-    fn keys(&self, requests: &[LlmRequest]) -> Result<Vec<CacheKey>, LlmError> {
-        let key = |r: &LlmRequest| -> Result<CacheKey, LlmError> {
-            let ids = self.render(r)?;
-            let max_new_tokens = self.fit(&ids, r.max_new_tokens)?;
-            Ok(CacheKey {
-                ids,
-                max_new_tokens,
-            })
+    /// Token ids of every request: those [`Llm::fits`] rendered are taken from its memo, the
+    /// rest rendered and tokenized on several threads (with most calls answered from the
+    /// cache, rendering is what a round costs).
+    fn render_all(&self, requests: &[LlmRequest]) -> Result<Vec<Vec<u32>>, LlmError> {
+        let memo_key = |r: &LlmRequest| serde_json::to_string(&r.messages).unwrap_or_default();
+        let mut ids: Vec<Option<Vec<u32>>> = {
+            let mut memo = self.rendered.lock().unwrap_or_else(|e| e.into_inner());
+            requests.iter().map(|r| memo.remove(&memo_key(r))).collect()
         };
+        let missing: Vec<usize> = (0..requests.len()).filter(|&i| ids[i].is_none()).collect();
         let threads = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1)
             .min(16);
-        if threads <= 1 || requests.len() < 64 {
-            return requests.iter().map(key).collect();
+        let rendered: Vec<Result<Vec<u32>, LlmError>> = if threads <= 1 || missing.len() < 64 {
+            missing.iter().map(|&i| self.render(&requests[i])).collect()
+        } else {
+            let chunk = missing.len().div_ceil(threads);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = missing
+                    .chunks(chunk)
+                    .map(|part| {
+                        scope.spawn(move || {
+                            part.iter()
+                                .map(|&i| self.render(&requests[i]))
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    // A panic in rendering is a bug; re-raise it on this thread.
+                    .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect()
+            })
+        };
+        for (&i, r) in missing.iter().zip(rendered) {
+            ids[i] = Some(r?);
         }
-        let chunk = requests.len().div_ceil(threads);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = requests
-                .chunks(chunk)
-                .map(|part| scope.spawn(move || part.iter().map(key).collect::<Vec<_>>()))
-                .collect();
-            let mut keys = Vec::with_capacity(requests.len());
-            for h in handles {
-                // A panic in rendering is a bug; re-raise it on this thread.
-                let part = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-                for k in part {
-                    keys.push(k?);
-                }
-            }
-            Ok(keys)
-        })
+        Ok(ids.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    /// Cache keys of `requests`.
+    fn keys(&self, requests: &[LlmRequest]) -> Result<Vec<CacheKey>, LlmError> {
+        let keys = self
+            .render_all(requests)?
+            .into_iter()
+            .zip(requests)
+            .map(|(ids, r)| {
+                let max_new_tokens = self.fit(&ids, r.max_new_tokens)?;
+                Ok(CacheKey {
+                    ids,
+                    max_new_tokens,
+                })
+            })
+            .collect();
+        // Renders that no request of this call used (prompts the runner trimmed) are dropped.
+        self.rendered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        keys
     }
 
     /// The request's token limit, shortened so that prompt + reply fit the context.
@@ -335,13 +366,22 @@ impl Llm for FleetLlm {
             .collect())
     }
 
-    fn fits(&self, request: &LlmRequest) -> Result<bool, LlmError> {
-        let ids = self.render(request)?;
+    fn fits(&self, requests: &[LlmRequest]) -> Result<Vec<bool>, LlmError> {
         let max = self.replicas.models[0]
             .model
             .config()
             .max_position_embeddings;
-        Ok(ids.len() + request.max_new_tokens <= max)
+        let rendered = self.render_all(requests)?;
+        let fits = rendered
+            .iter()
+            .zip(requests)
+            .map(|(ids, r)| ids.len() + r.max_new_tokens <= max)
+            .collect();
+        let mut memo = self.rendered.lock().unwrap_or_else(|e| e.into_inner());
+        for (ids, r) in rendered.into_iter().zip(requests) {
+            memo.insert(serde_json::to_string(&r.messages).unwrap_or_default(), ids);
+        }
+        Ok(fits)
     }
 
     fn stats(&self) -> LlmStats {

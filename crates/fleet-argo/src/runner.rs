@@ -360,15 +360,20 @@ pub fn run_jobs(
         let mut requests = Vec::with_capacity(active.len());
         for a in active.iter_mut() {
             let action = a.episode.next_action().unwrap_or(Action::Terminate);
-            let component = match action {
-                Action::Retrieve => Component::Decomposer,
-                Action::Reason => Component::Reasoner,
-                Action::Terminate => Component::Synthesizer,
-            };
-            let (request, trimmed) = fitted_request(a, component, retriever.index, prompts, llm)?;
-            a.context_trimmed += trimmed;
-            requests.push(request);
+            let component = component_of(action);
+            requests.push(request_for(a, component, retriever.index, prompts, 0, 0)?);
             actions.push(action);
+        }
+        // Prompts too long for the model's context leave out their oldest evidence and notes.
+        let fits = llm.fits(&requests)?;
+        for (i, a) in active.iter_mut().enumerate() {
+            if !fits[i] {
+                let component = component_of(actions[i]);
+                let (request, trimmed) =
+                    fitted_request(a, component, retriever.index, prompts, llm)?;
+                a.context_trimmed += trimmed;
+                requests[i] = request;
+            }
         }
         let replies = llm.complete(&requests)?;
         for (a, r) in active.iter_mut().zip(&replies) {
@@ -458,6 +463,15 @@ pub fn run_jobs(
     Ok(progress)
 }
 
+/// The LLM component that carries out `action`.
+fn component_of(action: Action) -> Component {
+    match action {
+        Action::Retrieve => Component::Decomposer,
+        Action::Reason => Component::Reasoner,
+        Action::Terminate => Component::Synthesizer,
+    }
+}
+
 /// The LLM request of `component` for job `a`, within the model's context: while the
 /// rendered prompt plus its token limit does not fit, the oldest evidence chunk is left out
 /// (then the oldest note). Returns the request and how many items were left out.
@@ -471,7 +485,7 @@ fn fitted_request(
     let (mut skip_evidence, mut skip_notes) = (0, 0);
     loop {
         let request = request_for(a, component, index, prompts, skip_evidence, skip_notes)?;
-        if llm.fits(&request)? {
+        if llm.fits(std::slice::from_ref(&request))?[0] {
             return Ok((request, (skip_evidence + skip_notes) as u32));
         }
         if skip_evidence < a.evidence.len() {
@@ -495,42 +509,13 @@ fn request_for(
     skip_evidence: usize,
     skip_notes: usize,
 ) -> Result<LlmRequest, RunError> {
-    let q = &a.job.question;
-    let evidence: Vec<EvidenceView<'_>> = a.evidence[skip_evidence..]
-        .iter()
-        .filter_map(|h| {
-            index.chunk(h.id).map(|c| EvidenceView {
-                text: &c.text,
-                source: &c.source,
-                score: h.score,
-            })
-        })
-        .collect();
-    let ctx = PromptContext {
-        question: &q.question,
-        options: q
-            .options
-            .iter()
-            .enumerate()
-            .map(|(i, text)| OptionView {
-                label: (i + 1).to_string(),
-                text,
-            })
-            .collect(),
-        notes: &a.notes[skip_notes..],
-        evidence,
-        queries: &a.queries,
-    };
-    let user = prompts.render(component, &ctx)?;
-    let mut messages = Vec::with_capacity(2);
-    if !prompts.system.is_empty() {
-        messages.push(ChatMessage::new("system", prompts.system.clone()));
-    }
-    messages.push(ChatMessage::new("user", user));
-    Ok(LlmRequest {
-        messages,
-        max_new_tokens: prompts.template(component).max_new_tokens,
-    })
+    let ctx = context(
+        a,
+        &a.evidence[skip_evidence..],
+        &a.notes[skip_notes..],
+        index,
+    );
+    chat_request(prompts, component, &ctx)
 }
 
 /// The judge's request for job `a` about the chunks `fresh` a retrieval just found.
@@ -540,8 +525,19 @@ fn judge_request(
     index: &VectorIndex,
     prompts: &Prompts,
 ) -> Result<LlmRequest, RunError> {
+    let ctx = context(a, fresh, &a.notes, index);
+    chat_request(prompts, Component::Judge, &ctx)
+}
+
+/// What the templates see for job `a`, with `evidence` and `notes` as given.
+fn context<'c>(
+    a: &'c Active,
+    evidence: &[Hit],
+    notes: &'c [String],
+    index: &'c VectorIndex,
+) -> PromptContext<'c> {
     let q = &a.job.question;
-    let ctx = PromptContext {
+    PromptContext {
         question: &q.question,
         options: q
             .options
@@ -552,8 +548,8 @@ fn judge_request(
                 text,
             })
             .collect(),
-        notes: &a.notes,
-        evidence: fresh
+        notes,
+        evidence: evidence
             .iter()
             .filter_map(|h| {
                 index.chunk(h.id).map(|c| EvidenceView {
@@ -564,18 +560,24 @@ fn judge_request(
             })
             .collect(),
         queries: &a.queries,
-    };
+    }
+}
+
+/// `component`'s prompt for `ctx` as a chat request: the system message, then the rendered user
+/// message, with the component's token limit.
+fn chat_request(
+    prompts: &Prompts,
+    component: Component,
+    ctx: &PromptContext<'_>,
+) -> Result<LlmRequest, RunError> {
     let mut messages = Vec::with_capacity(2);
     if !prompts.system.is_empty() {
         messages.push(ChatMessage::new("system", prompts.system.clone()));
     }
-    messages.push(ChatMessage::new(
-        "user",
-        prompts.render(Component::Judge, &ctx)?,
-    ));
+    messages.push(ChatMessage::new("user", prompts.render(component, ctx)?));
     Ok(LlmRequest {
         messages,
-        max_new_tokens: prompts.judge.max_new_tokens,
+        max_new_tokens: prompts.template(component).max_new_tokens,
     })
 }
 

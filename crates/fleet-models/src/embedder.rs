@@ -25,7 +25,7 @@
 //! dtype's most negative finite value where transformers puts `torch.finfo(dtype).min`, and
 //! 0 elsewhere, so f16 and bf16 work; in f32 the computation is the one `BertModel` does.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -40,7 +40,7 @@ use tokenizers::{
 };
 
 use crate::error::{ModelError, Result};
-use crate::source::{CheckpointFiles, HubOptions, ModelSource};
+use crate::source::{CheckpointFiles, HubOptions, HubRepo, ModelSource};
 use crate::weights::{Init, Weights};
 
 /// How to load a [`SentenceEmbedder`].
@@ -1104,7 +1104,7 @@ impl StFiles {
         let files = match source {
             ModelSource::Local(dir) => ExtraFiles::Local(dir.clone()),
             ModelSource::Hub { repo, revision } => {
-                ExtraFiles::Hub(Box::new(HubFiles::new(repo, revision, hub)?))
+                ExtraFiles::Hub(Box::new(HubRepo::new(repo, revision, hub)?))
             }
         };
         let extra = |name: &str| files.get(name);
@@ -1143,7 +1143,7 @@ impl StFiles {
 /// Where the module files (those [`ModelSource::resolve`] does not look for) come from.
 enum ExtraFiles {
     Local(PathBuf),
-    Hub(Box<HubFiles>),
+    Hub(Box<HubRepo>),
 }
 
 impl ExtraFiles {
@@ -1154,7 +1154,7 @@ impl ExtraFiles {
                 let p = dir.join(name);
                 Ok(p.is_file().then_some(p))
             }
-            ExtraFiles::Hub(h) => h.get(name),
+            ExtraFiles::Hub(h) => h.optional(name),
         }
     }
 }
@@ -1176,71 +1176,6 @@ fn weights_hint(source: &ModelSource, e: ModelError) -> ModelError {
             }
         }
         (_, e) => e,
-    }
-}
-
-/// The module files of a hub checkpoint that [`ModelSource::resolve`] does not fetch, through
-/// the same cache (and offline rule) as source.rs.
-struct HubFiles {
-    model: String,
-    cache: hf_hub::CacheRepo,
-    online: Option<(hf_hub::api::sync::ApiRepo, BTreeSet<String>)>,
-}
-
-impl HubFiles {
-    fn new(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<Self> {
-        let model = format!("{repo_id}@{revision}");
-        let cache = match &opts.cache_dir {
-            Some(dir) => hf_hub::Cache::new(dir.clone()),
-            None => hf_hub::Cache::from_env(),
-        };
-        let repo = hf_hub::Repo::with_revision(
-            repo_id.to_string(),
-            hf_hub::RepoType::Model,
-            revision.to_string(),
-        );
-        let online = if opts.offline {
-            None
-        } else {
-            let fail = |what: &str, e: &dyn std::fmt::Display| ModelError::Source {
-                model: model.clone(),
-                message: format!(
-                    "{what}: {e}; check the repo id and revision and your network, or set \
-                     HF_HUB_OFFLINE=1 to use the local cache"
-                ),
-            };
-            let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
-                .with_progress(false)
-                .build()
-                .map_err(|e| fail("cannot start the hub client", &e))?
-                .repo(repo.clone());
-            let info = api
-                .info()
-                .map_err(|e| fail("cannot list the repository", &e))?;
-            let files = info.siblings.into_iter().map(|s| s.rfilename).collect();
-            Some((api, files))
-        };
-        Ok(HubFiles {
-            model,
-            cache: cache.repo(repo),
-            online,
-        })
-    }
-
-    fn get(&self, name: &str) -> Result<Option<PathBuf>> {
-        if let Some(p) = self.cache.get(name) {
-            return Ok(Some(p));
-        }
-        let Some((api, files)) = &self.online else {
-            return Ok(None);
-        };
-        if !files.contains(name) {
-            return Ok(None);
-        }
-        api.get(name).map(Some).map_err(|e| ModelError::Source {
-            model: self.model.clone(),
-            message: format!("downloading {name} failed: {e}"),
-        })
     }
 }
 

@@ -221,7 +221,8 @@ fn shard_names(index: &Path) -> Result<Vec<String>> {
     Ok(names.into_iter().collect())
 }
 
-struct HubRepo {
+/// A hub repository's files through the hub cache (and, online, the hub API).
+pub(crate) struct HubRepo {
     model: String,
     repo: hf_hub::Repo,
     cache: hf_hub::Cache,
@@ -231,7 +232,8 @@ struct HubRepo {
 }
 
 impl HubRepo {
-    fn new(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<Self> {
+    /// Opens `repo_id@revision`; online this lists the repository once.
+    pub(crate) fn new(repo_id: &str, revision: &str, opts: &HubOptions) -> Result<Self> {
         let model = format!("{repo_id}@{revision}");
         let cache = match &opts.cache_dir {
             Some(dir) => hf_hub::Cache::new(dir.clone()),
@@ -270,26 +272,14 @@ impl HubRepo {
             online,
         })
     }
-}
 
-impl FileFetcher for HubRepo {
-    fn get(&self, name: &str) -> Result<Option<PathBuf>> {
+    /// The file from the cache, else (online, when the repository lists it) downloaded;
+    /// `Ok(None)` when the repository has no such file, or offline when it is not cached.
+    pub(crate) fn optional(&self, name: &str) -> Result<Option<PathBuf>> {
         if let Some(p) = self.cache.repo(self.repo.clone()).get(name) {
             return Ok(Some(p));
         }
         let Some((api, files)) = &self.online else {
-            // Offline, optional files may be absent; the checkpoint's core must be cached.
-            if name == "config.json" || name == SINGLE || name.ends_with(".safetensors") {
-                return Err(ModelError::Source {
-                    model: self.model.clone(),
-                    message: format!(
-                        "{name} is not in the hub cache at {} and HF_HUB_OFFLINE is set; \
-                         download the model once with network access (unset HF_HUB_OFFLINE), \
-                         or pass a local directory with --model",
-                        self.cache.path().display()
-                    ),
-                });
-            }
             return Ok(None);
         };
         if !files.contains(name) {
@@ -299,6 +289,26 @@ impl FileFetcher for HubRepo {
             model: self.model.clone(),
             message: format!("downloading {name} failed: {e}"),
         })
+    }
+}
+
+impl FileFetcher for HubRepo {
+    fn get(&self, name: &str) -> Result<Option<PathBuf>> {
+        let found = self.optional(name)?;
+        // Offline, optional files may be absent; the checkpoint's core must be cached.
+        let core = name == "config.json" || name == SINGLE || name.ends_with(".safetensors");
+        if found.is_none() && self.online.is_none() && core {
+            return Err(ModelError::Source {
+                model: self.model.clone(),
+                message: format!(
+                    "{name} is not in the hub cache at {} and HF_HUB_OFFLINE is set; \
+                     download the model once with network access (unset HF_HUB_OFFLINE), \
+                     or pass a local directory with --model",
+                    self.cache.path().display()
+                ),
+            });
+        }
+        Ok(found)
     }
 }
 
