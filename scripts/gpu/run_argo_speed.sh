@@ -9,10 +9,38 @@
 #
 #     N_QUESTIONS=100 bash scripts/gpu/run_argo_speed.sh
 #
-# Writes $OUT/argo_speed.tgz (log, summary.json, records.jsonl, nvidia-smi) and
+# Writes $OUT/argo_speed.tgz (log, summary.json, nvidia-smi), $OUT/records.jsonl.gz and
 # $OUT/argo_resume.tgz (records and LLM cache): put the latter in dist/carry/ to go on with the
 # same run in a later call (RUN_TIMEOUT bounds each call; the records make it resumable).
+#
+# A run longer than one call's 10 minutes, measured in one piece: DETACH=1 starts it in its own
+# process session (it outlives the call while the machine stays held) and waits up to WAIT
+# seconds; call again with DETACH=1 at once (the machine goes back when idle) to wait on, and
+# the call that sees it finish copies argo_speed.tgz to $OUT.
+#
+#     DETACH=1 N_QUESTIONS=1000 RUN_TIMEOUT=1500 bash scripts/gpu/run_argo_speed.sh
 set -u
+if [ "${DETACH:-0}" = 1 ]; then
+  WORK="${WORK:-/tmp/argo_speed}"
+  mkdir -p "$WORK"
+  if [ ! -f "$WORK/started" ]; then
+    date -u +%T > "$WORK/started"
+    DETACH=0 RESUME_TGZ=0 OUT="$WORK/out" WORK="$WORK" setsid nohup bash "$0" > "$WORK/detached.log" 2>&1 < /dev/null &
+  fi
+  deadline=$((SECONDS + ${WAIT:-540}))
+  while [ $SECONDS -lt $deadline ] && [ ! -f "$WORK/out/argo_speed.tgz" ]; do sleep 5; done
+  echo "started $(cat "$WORK/started"), now $(date -u +%T)"
+  tail -3 "$WORK/out/argo_speed/log.txt" 2>/dev/null
+  if [ -f "$WORK/out/argo_speed.tgz" ]; then
+    cp "$WORK/out/argo_speed.tgz" "${OUT:?}/"
+    # Per-job records come back when they fit what a call returns (16 MiB a file).
+    [ "$(stat -c %s "$WORK/out/records.jsonl.gz")" -lt 16000000 ] && cp "$WORK/out/records.jsonl.gz" "$OUT/"
+    tar xzf "$WORK/out/argo_speed.tgz" -O argo_speed/log.txt | tail -30
+  else
+    echo "still running: call again with DETACH=1"
+  fi
+  exit 0
+fi
 export NCCL_NVLS_ENABLE=0
 ORIG_LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -25,34 +53,43 @@ WORK="${WORK:-/tmp/argo_speed}"
 RUN="$OUT/argo_speed"
 mkdir -p "$RUN" "$WORK"
 LOG="$RUN/log.txt"
-python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('dist/carry/argo-exp.xz'), open('dist/argo-exp','wb'))"
-tar xJf dist/carry/argo-data.tar.xz -C dist/carry
-chmod +x dist/argo-exp
+# The binary and data are unpacked under $WORK: a later call's transfer cannot touch them.
+BIN="$WORK/argo-exp"
+DATA="$WORK/data"
+mkdir -p "$DATA"
+python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open('dist/carry/argo-exp.xz'), open(sys.argv[1],'wb'))" "$BIN"
+tar xJf dist/carry/argo-data.tar.xz -C "$DATA"
+chmod +x "$BIN"
 # A run split over several calls: the previous call's records and LLM cache come back in.
 if [ -f dist/carry/argo_resume.tgz ] && [ ! -d "$WORK/real" ]; then
   tar xzf dist/carry/argo_resume.tgz -C "$WORK"
 fi
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$RUN/nvidia_smi.csv" 2>&1
+# GPU utilisation every 5 s: shows where the run waits on the CPU.
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$RUN/gpu_util.csv" 2>&1 &
+SMI_PID=$!
 cat COMMIT > "$RUN/commit.txt" 2>/dev/null
 {
   if [ ! -f /tmp/q7b/config.json ]; then
     echo "### make checkpoint $(date -u +%T)"
     env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" python3 scripts/gpu/make_random_checkpoint.py \
-        --config configs/models/qwen2.5-7b.json --out /tmp/q7b --tokenizer-from dist/carry/benchtok
+        --config configs/models/qwen2.5-7b.json --out /tmp/q7b --tokenizer-from "$DATA/benchtok"
   fi
   echo "### compare --sweep $(date -u +%T), $N hard questions, $STRATEGIES"
-  FLEET_COMMIT="$(cat COMMIT 2>/dev/null)" timeout "${RUN_TIMEOUT:-420}" dist/argo-exp compare --sweep \
+  FLEET_COMMIT="$(cat COMMIT 2>/dev/null)" timeout "${RUN_TIMEOUT:-420}" "$BIN" compare --sweep \
       --model /tmp/q7b --dtype bf16 --gpu-mode single \
-      --dataset dist/carry/oran-bench-13k --difficulty hard --n-questions "$N" \
+      --dataset "$DATA/oran-bench-13k" --difficulty hard --n-questions "$N" \
       --strategies "$STRATEGIES" \
-      --index dist/carry/argo-index --embedder dist/carry/minilm16 --embed-device cuda:0 \
+      --index "$DATA/argo-index" --embedder "$DATA/minilm16" --embed-device cuda:0 \
       --max-batch "${MAX_BATCH:-128}" --max-in-flight "${MAX_IN_FLIGHT:-1024}" \
       --out "$WORK/real"
   echo "### exit $? $(date -u +%T)"
 } > "$LOG" 2>&1
+kill "$SMI_PID" 2>/dev/null
 tail -30 "$LOG"
 mkdir -p "$RUN/real"
-cp "$WORK"/real/summary.json "$WORK"/real/records.jsonl "$RUN/real/" 2>/dev/null
+cp "$WORK"/real/summary.json "$RUN/real/" 2>/dev/null
+gzip -c "$WORK"/real/records.jsonl > "$OUT/records.jsonl.gz"
 ls -la "$WORK/real" >> "$LOG"
-tar czf "$OUT/argo_resume.tgz" -C "$WORK" real
+[ "${RESUME_TGZ:-1}" = 1 ] && tar czf "$OUT/argo_resume.tgz" -C "$WORK" real
 tar czf "$OUT/argo_speed.tgz" -C "$OUT" argo_speed && rm -rf "$RUN"

@@ -273,14 +273,14 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         threshold: args.threshold,
         progress: args.progress,
     };
-    let retriever = Retriever {
-        embedder: &embedder,
-        index: &index,
+    let retriever = Retriever::new(
+        &embedder,
+        &index,
         device,
-        top_k: retrieval.top_k,
-        threshold: retrieval.threshold,
-        progress: retrieval.progress,
-    };
+        retrieval.top_k,
+        retrieval.threshold,
+        retrieval.progress,
+    );
 
     // The LLM on its placement.
     let mode = match args.gpu_mode.as_str() {
@@ -364,6 +364,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         llm: llm.stats(),
         wall_s,
         resumed_jobs: progress.resumed,
+        progress: progress.clone(),
         config: cfg,
         retrieval,
         placement: placement_text,
@@ -395,6 +396,13 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         stats.prompt_tokens,
         stats.new_tokens,
         path.display()
+    );
+    println!(
+        "[real] time: LLM {:.1} s (prompts and cache {:.1} s, generation {:.1} s), retrieval {:.1} s",
+        progress.llm_ms as f64 / 1e3,
+        stats.prepare_ms as f64 / 1e3,
+        stats.generate_ms as f64 / 1e3,
+        progress.retrieval_ms as f64 / 1e3,
     );
     Ok(())
 }

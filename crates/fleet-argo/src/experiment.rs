@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use crate::dataset::Question;
 use crate::llm::LlmStats;
+use crate::runner::RunProgress;
 use crate::runner::{Job, RealSummary};
 use crate::simulate::{derive_seed, Stream};
 use crate::strategy::{Strategy, StrategyError};
@@ -115,6 +116,8 @@ pub struct RealRunSummary {
     pub wall_s: f64,
     /// Jobs taken from an earlier run's records.
     pub resumed_jobs: usize,
+    /// Where the wall time went: rounds, milliseconds in LLM calls and in retrieval.
+    pub progress: RunProgress,
     /// The whole experiment config.
     pub config: ExperimentConfig,
     /// Retrieval settings.

@@ -12,10 +12,12 @@ use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use fleet_models::placement::Replicas;
 use fleet_models::{ChatMessage, GenerationRequest};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// Errors of the LLM layer.
@@ -77,6 +79,12 @@ pub struct LlmStats {
     pub new_tokens: u64,
     /// Batches sent to the model.
     pub batches: u64,
+    /// Milliseconds spent rendering, tokenizing and looking prompts up in the cache.
+    #[serde(default)]
+    pub prepare_ms: u64,
+    /// Milliseconds spent generating on the model.
+    #[serde(default)]
+    pub generate_ms: u64,
 }
 
 /// Something that completes chat requests, many at once.
@@ -97,31 +105,47 @@ pub trait Llm: Sync {
 /// Default attention budget of one prefill batch: 16 GiB.
 pub const DEFAULT_ATTENTION_BUDGET: u64 = 16 << 30;
 
-/// Cache key: the rendered prompt's token ids and the token limit.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// Cache key: the rendered prompt and its token limit (after fitting the context).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct CacheKey {
-    ids: Vec<u32>,
+    prompt: Arc<str>,
     max_new_tokens: usize,
 }
 
+/// One line of the cache file.
 #[derive(Serialize, Deserialize)]
 struct CacheLine {
-    key: CacheKey,
+    /// The rendered prompt.
+    prompt: String,
+    /// Its tokens (so a resumed run need not tokenize it to fit it).
+    prompt_tokens: usize,
+    max_new_tokens: usize,
     text: String,
     new_tokens: usize,
 }
 
+/// A request's prompt, rendered, and its length in tokens.
+struct Prepared {
+    prompt: Arc<str>,
+    tokens: usize,
+}
+
 /// A fleet-models checkpoint behind [`Llm`]: chat template, greedy decoding over replicas,
 /// exact cache.
+///
+/// Most calls of a sweep are answered from the cache, so what a cached call costs matters:
+/// the cache is keyed by the rendered prompt, and the token count of every prompt tokenized
+/// once is remembered, so a prompt seen before is rendered (cheap) but not tokenized again.
 pub struct FleetLlm {
     replicas: Replicas,
     model_id: String,
     max_batch: usize,
     attention_budget_bytes: u64,
     cache: Mutex<HashMap<CacheKey, (String, usize)>>,
-    /// Token ids rendered by [`Llm::fits`], keyed by the messages' JSON, taken by the
-    /// `complete` that follows so each prompt is rendered once per round.
-    rendered: Mutex<HashMap<String, Vec<u32>>>,
+    /// Tokens of every prompt tokenized so far.
+    prompt_tokens: Mutex<HashMap<Arc<str>, usize>>,
+    /// Token ids tokenized by [`Llm::fits`] and not yet generated, taken by `complete`.
+    pending_ids: Mutex<HashMap<Arc<str>, Vec<u32>>>,
     cache_file: Option<Mutex<(PathBuf, File)>>,
     stats: Mutex<LlmStats>,
 }
@@ -135,7 +159,8 @@ impl FleetLlm {
             max_batch: max_batch.max(1),
             attention_budget_bytes: DEFAULT_ATTENTION_BUDGET,
             cache: Mutex::new(HashMap::new()),
-            rendered: Mutex::new(HashMap::new()),
+            prompt_tokens: Mutex::new(HashMap::new()),
+            pending_ids: Mutex::new(HashMap::new()),
             cache_file: None,
             stats: Mutex::new(LlmStats::default()),
         }
@@ -176,8 +201,9 @@ impl FleetLlm {
     }
 
     /// Keeps the cache in `path` (JSONL): entries already there are loaded, new ones appended.
-    /// A line that does not parse (a run killed mid-write) is skipped. The caller keeps one
-    /// file per model: entries are keyed by token ids, which mean nothing for another model.
+    /// A line that does not parse (a run killed mid-write, or a cache written by an older
+    /// fleet) is skipped. The caller keeps one file per model: prompts are rendered with this
+    /// checkpoint's template, and replies are this model's.
     pub fn with_cache_file(mut self, path: &Path) -> Result<Self, LlmError> {
         let err = |message: String| LlmError::Cache {
             path: path.to_path_buf(),
@@ -186,10 +212,17 @@ impl FleetLlm {
         if path.exists() {
             let file = File::open(path).map_err(|e| err(e.to_string()))?;
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            let mut lengths = self.prompt_tokens.lock().unwrap_or_else(|e| e.into_inner());
             for line in BufReader::new(file).lines() {
                 let line = line.map_err(|e| err(e.to_string()))?;
                 if let Ok(entry) = serde_json::from_str::<CacheLine>(&line) {
-                    cache.insert(entry.key, (entry.text, entry.new_tokens));
+                    let prompt: Arc<str> = entry.prompt.into();
+                    lengths.insert(prompt.clone(), entry.prompt_tokens);
+                    let key = CacheKey {
+                        prompt,
+                        max_new_tokens: entry.max_new_tokens,
+                    };
+                    cache.insert(key, (entry.text, entry.new_tokens));
                 }
             }
         }
@@ -207,114 +240,131 @@ impl FleetLlm {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
-    /// The chat template renders with the first replica's tokenizer (all replicas are one
-    /// checkpoint).
-    fn render(&self, request: &LlmRequest) -> Result<Vec<u32>, LlmError> {
+    /// Every request's prompt rendered with the chat template (the first replica's: all
+    /// replicas are one checkpoint) and its token count. Prompts not seen before are
+    /// tokenized, and their ids kept for the `complete` that generates them. Rendering and
+    /// tokenizing run on all cores: with most calls answered from the cache, they are what
+    /// a round costs.
+    fn prepare(&self, requests: &[LlmRequest]) -> Result<Vec<Prepared>, LlmError> {
         let model = &self.replicas.models[0];
-        Ok(model.chat_prompt(&request.messages, true)?)
+        let prompts: Vec<Arc<str>> = requests
+            .par_iter()
+            .map(|r| model.chat_text(&r.messages, true).map(Arc::from))
+            .collect::<Result<_, _>>()?;
+        let known: Vec<Option<usize>> = {
+            let lengths = self.prompt_tokens.lock().unwrap_or_else(|e| e.into_inner());
+            prompts.iter().map(|p| lengths.get(p).copied()).collect()
+        };
+        let new: Vec<usize> = (0..prompts.len()).filter(|&i| known[i].is_none()).collect();
+        let tokenizer = model.tokenizer()?;
+        let new_ids: Vec<Vec<u32>> = new
+            .par_iter()
+            .map(|&i| tokenizer.encode(&prompts[i]))
+            .collect::<Result<_, _>>()?;
+        let mut tokens: Vec<usize> = known.into_iter().map(|t| t.unwrap_or(0)).collect();
+        {
+            let mut lengths = self.prompt_tokens.lock().unwrap_or_else(|e| e.into_inner());
+            let mut pending = self.pending_ids.lock().unwrap_or_else(|e| e.into_inner());
+            for (&i, ids) in new.iter().zip(new_ids) {
+                tokens[i] = ids.len();
+                lengths.insert(prompts[i].clone(), ids.len());
+                pending.insert(prompts[i].clone(), ids);
+            }
+        }
+        Ok(prompts
+            .into_iter()
+            .zip(tokens)
+            .map(|(prompt, tokens)| Prepared { prompt, tokens })
+            .collect())
     }
 
-    /// Token ids of every request: those [`Llm::fits`] rendered are taken from its memo, the
-    /// rest rendered and tokenized on several threads (with most calls answered from the
-    /// cache, rendering is what a round costs).
-    fn render_all(&self, requests: &[LlmRequest]) -> Result<Vec<Vec<u32>>, LlmError> {
-        let memo_key = |r: &LlmRequest| serde_json::to_string(&r.messages).unwrap_or_default();
+    /// Token ids of prompts about to be generated: those [`FleetLlm::prepare`] tokenized,
+    /// else tokenized now.
+    fn prompt_ids(&self, prompts: &[&Arc<str>]) -> Result<Vec<Vec<u32>>, LlmError> {
         let mut ids: Vec<Option<Vec<u32>>> = {
-            let mut memo = self.rendered.lock().unwrap_or_else(|e| e.into_inner());
-            requests.iter().map(|r| memo.remove(&memo_key(r))).collect()
+            let mut pending = self.pending_ids.lock().unwrap_or_else(|e| e.into_inner());
+            prompts.iter().map(|p| pending.remove(*p)).collect()
         };
-        let missing: Vec<usize> = (0..requests.len()).filter(|&i| ids[i].is_none()).collect();
-        let threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-            .min(16);
-        let rendered: Vec<Result<Vec<u32>, LlmError>> = if threads <= 1 || missing.len() < 64 {
-            missing.iter().map(|&i| self.render(&requests[i])).collect()
-        } else {
-            let chunk = missing.len().div_ceil(threads);
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = missing
-                    .chunks(chunk)
-                    .map(|part| {
-                        scope.spawn(move || {
-                            part.iter()
-                                .map(|&i| self.render(&requests[i]))
-                                .collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    // A panic in rendering is a bug; re-raise it on this thread.
-                    .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                    .collect()
-            })
-        };
-        for (&i, r) in missing.iter().zip(rendered) {
-            ids[i] = Some(r?);
-        }
+        let tokenizer = self.replicas.models[0].tokenizer()?;
+        ids.par_iter_mut()
+            .zip(prompts.par_iter())
+            .try_for_each(|(slot, prompt)| {
+                if slot.is_none() {
+                    *slot = Some(tokenizer.encode(prompt)?);
+                }
+                Ok::<_, LlmError>(())
+            })?;
         Ok(ids.into_iter().map(Option::unwrap_or_default).collect())
     }
 
-    /// Cache keys of `requests`.
-    fn keys(&self, requests: &[LlmRequest]) -> Result<Vec<CacheKey>, LlmError> {
-        let keys = self
-            .render_all(requests)?
-            .into_iter()
-            .zip(requests)
-            .map(|(ids, r)| {
-                let max_new_tokens = self.fit(&ids, r.max_new_tokens)?;
-                Ok(CacheKey {
-                    ids,
-                    max_new_tokens,
-                })
-            })
-            .collect();
-        // Renders that no request of this call used (prompts the runner trimmed) are dropped.
-        self.rendered
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
-        keys
-    }
-
     /// The request's token limit, shortened so that prompt + reply fit the context.
-    fn fit(&self, ids: &[u32], max_new_tokens: usize) -> Result<usize, LlmError> {
-        let max = self.replicas.models[0]
-            .model
-            .config()
-            .max_position_embeddings;
-        if ids.len() >= max {
+    fn fit(&self, prompt_tokens: usize, max_new_tokens: usize) -> Result<usize, LlmError> {
+        let max = self.context_len();
+        if prompt_tokens >= max {
             return Err(LlmError::PromptTooLong {
-                tokens: ids.len(),
+                tokens: prompt_tokens,
                 max,
             });
         }
-        Ok(max_new_tokens.min(max - ids.len()))
+        Ok(max_new_tokens.min(max - prompt_tokens))
+    }
+
+    /// The model's context: max_position_embeddings.
+    fn context_len(&self) -> usize {
+        self.replicas.models[0]
+            .model
+            .config()
+            .max_position_embeddings
+    }
+
+    fn add_time(&self, field: fn(&mut LlmStats) -> &mut u64, started: Instant) {
+        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        *field(&mut stats) += started.elapsed().as_millis() as u64;
     }
 }
 
 impl Llm for FleetLlm {
     fn complete(&self, requests: &[LlmRequest]) -> Result<Vec<LlmReply>, LlmError> {
-        let keys = self.keys(requests)?;
+        let started = Instant::now();
+        let prepared = self.prepare(requests)?;
+        let keys: Vec<CacheKey> = prepared
+            .iter()
+            .zip(requests)
+            .map(|(p, r)| {
+                Ok(CacheKey {
+                    prompt: p.prompt.clone(),
+                    max_new_tokens: self.fit(p.tokens, r.max_new_tokens)?,
+                })
+            })
+            .collect::<Result<_, LlmError>>()?;
         // Which keys must run: not cached, and each distinct key once.
         let mut to_run: Vec<usize> = Vec::new();
         {
             let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            let mut queued: HashMap<&CacheKey, usize> = HashMap::new();
+            let mut queued: HashSet<&CacheKey> = HashSet::new();
             for (i, key) in keys.iter().enumerate() {
-                if !cache.contains_key(key) && !queued.contains_key(key) {
-                    queued.insert(key, i);
+                if !cache.contains_key(key) && queued.insert(key) {
                     to_run.push(i);
                 }
             }
         }
         // Similar lengths batch together (less padding); outputs are matched back by index.
-        to_run.sort_by_key(|&i| keys[i].ids.len());
-        let generation: Vec<GenerationRequest> = to_run
-            .iter()
-            .map(|&i| GenerationRequest::greedy(keys[i].ids.clone(), keys[i].max_new_tokens))
+        to_run.sort_by_key(|&i| prepared[i].tokens);
+        let run_prompts: Vec<&Arc<str>> = to_run.iter().map(|&i| &keys[i].prompt).collect();
+        let generation: Vec<GenerationRequest> = self
+            .prompt_ids(&run_prompts)?
+            .into_iter()
+            .zip(&to_run)
+            .map(|(ids, &i)| GenerationRequest::greedy(ids, keys[i].max_new_tokens))
             .collect();
+        // Prompts tokenized for `fits` that this call did not run (trimmed) are dropped.
+        self.pending_ids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.add_time(|s| &mut s.prepare_ms, started);
+
+        let generating = Instant::now();
         let batches = self.batches(&generation);
         let outputs: Vec<_> = self
             .replicas
@@ -322,20 +372,24 @@ impl Llm for FleetLlm {
             .into_iter()
             .flatten()
             .collect();
+        self.add_time(|s| &mut s.generate_ms, generating);
+
         let mut fresh: HashSet<usize> = HashSet::new();
         {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
             stats.batches += batches.len() as u64;
             for (&i, out) in to_run.iter().zip(&outputs) {
-                stats.prompt_tokens += keys[i].ids.len() as u64;
+                stats.prompt_tokens += prepared[i].tokens as u64;
                 stats.new_tokens += out.token_ids.len() as u64;
                 cache.insert(keys[i].clone(), (out.text.clone(), out.token_ids.len()));
                 fresh.insert(i);
                 if let Some(file) = &self.cache_file {
                     let mut guard = file.lock().unwrap_or_else(|e| e.into_inner());
                     let line = serde_json::to_string(&CacheLine {
-                        key: keys[i].clone(),
+                        prompt: keys[i].prompt.to_string(),
+                        prompt_tokens: prepared[i].tokens,
+                        max_new_tokens: keys[i].max_new_tokens,
                         text: out.text.clone(),
                         new_tokens: out.token_ids.len(),
                     })
@@ -358,7 +412,7 @@ impl Llm for FleetLlm {
                 let (text, new_tokens) = cache.get(key).cloned().unwrap_or_default();
                 LlmReply {
                     text,
-                    prompt_tokens: key.ids.len(),
+                    prompt_tokens: prepared[i].tokens,
                     new_tokens,
                     cached: !fresh.contains(&i),
                 }
@@ -367,20 +421,15 @@ impl Llm for FleetLlm {
     }
 
     fn fits(&self, requests: &[LlmRequest]) -> Result<Vec<bool>, LlmError> {
-        let max = self.replicas.models[0]
-            .model
-            .config()
-            .max_position_embeddings;
-        let rendered = self.render_all(requests)?;
-        let fits = rendered
+        let started = Instant::now();
+        let max = self.context_len();
+        let fits = self
+            .prepare(requests)?
             .iter()
             .zip(requests)
-            .map(|(ids, r)| ids.len() + r.max_new_tokens <= max)
+            .map(|(p, r)| p.tokens + r.max_new_tokens <= max)
             .collect();
-        let mut memo = self.rendered.lock().unwrap_or_else(|e| e.into_inner());
-        for (ids, r) in rendered.into_iter().zip(requests) {
-            memo.insert(serde_json::to_string(&r.messages).unwrap_or_default(), ids);
-        }
+        self.add_time(|s| &mut s.prepare_ms, started);
         Ok(fits)
     }
 

@@ -17,7 +17,8 @@ use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use candle_core::Device;
 use fleet_models::embedder::SentenceEmbedder;
@@ -75,6 +76,9 @@ pub struct Retriever<'a> {
     pub threshold: f32,
     /// What makes a Retrieve count as progress.
     pub progress: ProgressRule,
+    /// Hits of queries searched before: a sub-query comes back whenever a cached Decomposer
+    /// reply is replayed (other strategies, other sweep points), and its search is exact.
+    memo: Mutex<HashMap<String, Vec<Hit>>>,
 }
 
 /// What makes a Retrieve count as progress. Either way the retrieval must bring chunks not
@@ -115,14 +119,45 @@ fn judged_yes(reply: &str) -> bool {
         .is_some_and(|w| w.eq_ignore_ascii_case("yes"))
 }
 
-impl Retriever<'_> {
-    /// Hits for each query, best first.
-    pub fn search(&self, queries: &[String]) -> Result<Vec<Vec<Hit>>, RunError> {
-        if queries.is_empty() {
-            return Ok(Vec::new());
+impl<'a> Retriever<'a> {
+    /// A retriever over `index` whose queries `embedder` embeds; the similarity product runs
+    /// on `device`.
+    pub fn new(
+        embedder: &'a SentenceEmbedder,
+        index: &'a VectorIndex,
+        device: Device,
+        top_k: usize,
+        threshold: f32,
+        progress: ProgressRule,
+    ) -> Self {
+        Retriever {
+            embedder,
+            index,
+            device,
+            top_k,
+            threshold,
+            progress,
+            memo: Mutex::new(HashMap::new()),
         }
-        let vectors = self.embedder.embed_vecs(queries)?;
-        Ok(self.index.search(&vectors, self.top_k, &self.device)?)
+    }
+
+    /// Hits for each query, best first. Queries searched before are answered from memory;
+    /// the rest are embedded and searched in one batch (each distinct query once).
+    pub fn search(&self, queries: &[String]) -> Result<Vec<Vec<Hit>>, RunError> {
+        let mut memo = self.memo.lock().unwrap_or_else(|e| e.into_inner());
+        let mut queued: HashSet<&str> = HashSet::new();
+        let mut missing: Vec<String> = Vec::new();
+        for q in queries {
+            if !memo.contains_key(q) && queued.insert(q) {
+                missing.push(q.clone());
+            }
+        }
+        if !missing.is_empty() {
+            let vectors = self.embedder.embed_vecs(&missing)?;
+            let hits = self.index.search(&vectors, self.top_k, &self.device)?;
+            memo.extend(missing.into_iter().zip(hits));
+        }
+        Ok(queries.iter().map(|q| memo[q].clone()).collect())
     }
 }
 
@@ -306,6 +341,10 @@ pub struct RunProgress {
     pub ran: usize,
     /// Lock-step rounds.
     pub rounds: usize,
+    /// Milliseconds in LLM calls (rendering, cache, generation).
+    pub llm_ms: u64,
+    /// Milliseconds in retrieval (embedding sub-queries, searching).
+    pub retrieval_ms: u64,
 }
 
 /// Runs `jobs` in lock-step rounds and appends each finished one to `records`. Jobs already in
@@ -365,6 +404,7 @@ pub fn run_jobs(
             actions.push(action);
         }
         // Prompts too long for the model's context leave out their oldest evidence and notes.
+        let llm_started = Instant::now();
         let fits = llm.fits(&requests)?;
         for (i, a) in active.iter_mut().enumerate() {
             if !fits[i] {
@@ -376,6 +416,7 @@ pub fn run_jobs(
             }
         }
         let replies = llm.complete(&requests)?;
+        progress.llm_ms += llm_started.elapsed().as_millis() as u64;
         for (a, r) in active.iter_mut().zip(&replies) {
             a.llm_calls += 1;
             a.cache_hits += u32::from(r.cached);
@@ -390,7 +431,9 @@ pub fn run_jobs(
             .iter()
             .map(|&i| clean_query(&replies[i].text, &active[i].job.question.question))
             .collect();
+        let retrieval_started = Instant::now();
         let hits = retriever.search(&queries)?;
+        progress.retrieval_ms += retrieval_started.elapsed().as_millis() as u64;
         let mut fresh_of: Vec<Vec<Hit>> = Vec::with_capacity(retrieving.len());
         for ((&i, query), hits) in retrieving.iter().zip(queries).zip(hits) {
             let a = &mut active[i];
@@ -417,7 +460,9 @@ pub fn run_jobs(
                     )
                 })
                 .collect::<Result<Vec<_>, _>>()?;
+            let judge_started = Instant::now();
             let verdicts = llm.complete(&judge_requests)?;
+            progress.llm_ms += judge_started.elapsed().as_millis() as u64;
             for (&k, r) in asking.iter().zip(&verdicts) {
                 let a = &mut active[retrieving[k]];
                 a.llm_calls += 1;

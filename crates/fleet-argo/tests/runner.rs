@@ -151,14 +151,14 @@ fn fixed_k_retrieves_k_times_then_answers_and_a_rerun_resumes() {
     let tmp = tempfile::tempdir().unwrap();
     let emb = embedder();
     let index = corpus_index(tmp.path(), &emb);
-    let retriever = Retriever {
-        embedder: &emb,
-        index: &index,
-        device: Device::Cpu,
-        top_k: 2,
-        threshold: -1.0, // every new chunk counts: this test is about bookkeeping
-        progress: ProgressRule::Similarity,
-    };
+    let retriever = Retriever::new(
+        &emb,
+        &index,
+        Device::Cpu,
+        2,
+        -1.0, // every new chunk counts: this test is about bookkeeping
+        ProgressRule::Similarity,
+    );
     let prompts = Prompts::default_prompts().unwrap();
     let llm = ScriptedLlm {
         answer: "Looking at the text... The answer is 2".into(),
@@ -258,14 +258,7 @@ fn an_answer_that_does_not_parse_is_unparsed_and_wrong() {
     let tmp = tempfile::tempdir().unwrap();
     let emb = embedder();
     let index = corpus_index(tmp.path(), &emb);
-    let retriever = Retriever {
-        embedder: &emb,
-        index: &index,
-        device: Device::Cpu,
-        top_k: 1,
-        threshold: 0.0,
-        progress: ProgressRule::Similarity,
-    };
+    let retriever = Retriever::new(&emb, &index, Device::Cpu, 1, 0.0, ProgressRule::Similarity);
     let llm = ScriptedLlm {
         answer: "It could be 2 or 3.".into(),
         judge: "yes".into(),
@@ -302,14 +295,7 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     let tmp = tempfile::tempdir().unwrap();
     let emb = embedder();
     let index = corpus_index(tmp.path(), &emb);
-    let retriever = Retriever {
-        embedder: &emb,
-        index: &index,
-        device: Device::Cpu,
-        top_k: 2,
-        threshold: 0.0,
-        progress: ProgressRule::Similarity,
-    };
+    let retriever = Retriever::new(&emb, &index, Device::Cpu, 2, 0.0, ProgressRule::Similarity);
     let model_dir = repo().join("tests/fixtures/qwen2-tiny");
     let spec = model_dir.to_str().unwrap();
     let opts = LoadOptions::default();
@@ -398,14 +384,7 @@ fn an_llm_judge_decides_whether_a_retrieval_made_progress() {
     let index = corpus_index(tmp.path(), &emb);
     let prompts = Prompts::default_prompts().unwrap();
     for (verdict, progress_expected) in [("Yes, it helps.", true), ("No.", false)] {
-        let retriever = Retriever {
-            embedder: &emb,
-            index: &index,
-            device: Device::Cpu,
-            top_k: 1,
-            threshold: -1.0,
-            progress: ProgressRule::LlmJudge,
-        };
+        let retriever = Retriever::new(&emb, &index, Device::Cpu, 1, -1.0, ProgressRule::LlmJudge);
         let llm = ScriptedLlm {
             answer: "The answer is 2".into(),
             judge: verdict.into(),

@@ -150,6 +150,17 @@ impl TextModel {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
+        let text = self.chat_text(messages, add_generation_prompt)?;
+        self.tokenizer()?.encode(&text)
+    }
+
+    /// A chat rendered with the checkpoint's template, as text (what [`TextModel::chat_prompt`]
+    /// tokenizes). Callers that cache by prompt use it to skip tokenizing prompts seen before.
+    pub fn chat_text(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_ref()
@@ -157,8 +168,7 @@ impl TextModel {
                 path: Path::new(&self.files.origin).join("tokenizer_config.json"),
                 hint: "this checkpoint has no chat_template; use a plain prompt".into(),
             })?;
-        let text = template.render(messages, add_generation_prompt, &Default::default())?;
-        self.tokenizer()?.encode(&text)
+        template.render(messages, add_generation_prompt, &Default::default())
     }
 
     /// EOS ids: generation_config.json's, else config.json's, else `<|im_end|>` / `<|endoftext|>`.
