@@ -34,7 +34,7 @@ if [ "${DETACH:-0}" = 1 ]; then
   if [ -f "$WORK/out/argo_speed.tgz" ]; then
     cp "$WORK/out/argo_speed.tgz" "${OUT:?}/"
     # Per-job records come back when they fit what a call returns (16 MiB a file).
-    [ "$(stat -c %s "$WORK/out/records.jsonl.gz")" -lt 16000000 ] && cp "$WORK/out/records.jsonl.gz" "$OUT/"
+    if [ "$(stat -c %s "$WORK/out/records.jsonl.gz")" -lt 16000000 ]; then cp "$WORK/out/records.jsonl.gz" "$OUT/"; fi
     tar xzf "$WORK/out/argo_speed.tgz" -O argo_speed/log.txt | tail -30
   else
     echo "still running: call again with DETACH=1"
