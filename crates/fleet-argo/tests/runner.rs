@@ -357,12 +357,27 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     for x in &s {
         assert!(x.summary.correct + x.unparsed <= x.summary.n_questions);
     }
-    // A second LLM on the same cache file answers everything from it.
+    // A second LLM on the same cache file answers everything from it; a line of another
+    // format (an older fleet's cache) or a torn write is skipped.
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&cache)
+            .unwrap();
+        writeln!(
+            f,
+            r#"{{"key":{{"ids":[1,2,3],"max_new_tokens":6}},"text":"x","new_tokens":1}}"#
+        )
+        .unwrap();
+        write!(f, r#"{{"prompt":"torn"#).unwrap();
+    }
     let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
     let llm2 = FleetLlm::new(Replicas::load(spec, &opts, &[cpu]).unwrap(), spec, 4)
         .with_cache_file(&cache)
         .unwrap();
     let mut records2 = RecordsFile::open(&tmp.path().join("records2.jsonl")).unwrap();
+    let jobs_again = jobs.clone();
     run_jobs(
         jobs,
         &llm2,
@@ -375,6 +390,16 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     .unwrap();
     assert_eq!(llm2.stats().cache_hits, llm2.stats().calls);
     assert_eq!(llm2.stats().new_tokens, 0);
+    // The cache gives back the same replies, and the prompts' token counts kept in it.
+    for j in &jobs_again {
+        let (a, b) = (
+            records.get(&j.key()).unwrap(),
+            records2.get(&j.key()).unwrap(),
+        );
+        assert_eq!(a.final_text, b.final_text);
+        assert_eq!(a.notes, b.notes);
+        assert_eq!(a.prompt_tokens, b.prompt_tokens);
+    }
 }
 
 #[test]
@@ -455,4 +480,44 @@ fn a_large_round_keeps_request_order() {
         assert_eq!(alone[0].text, t.text);
         assert_eq!(alone[0].prompt_tokens, t.prompt_tokens);
     }
+}
+
+#[test]
+fn a_repeated_sub_query_gets_the_hits_of_a_fresh_search() {
+    let tmp = tempfile::tempdir().unwrap();
+    let emb = embedder();
+    let index = corpus_index(tmp.path(), &emb);
+    let retriever = Retriever::new(&emb, &index, Device::Cpu, 2, 0.0, ProgressRule::Similarity);
+    let queries: Vec<String> = ["E2 setup", "A1 policies", "E2 setup"]
+        .iter()
+        .map(|q| q.to_string())
+        .collect();
+    let direct = index
+        .search(&emb.embed_vecs(&queries).unwrap(), 2, &Device::Cpu)
+        .unwrap();
+    let first = retriever.search(&queries).unwrap();
+    // The second time every query is answered from memory.
+    let again = retriever.search(&queries[1..]).unwrap();
+    // Batches of other sizes pad differently: scores agree to float rounding.
+    let same = |a: &[Vec<fleet_argo::index::Hit>], b: &[Vec<fleet_argo::index::Hit>]| {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert_eq!(
+                x.iter().map(|h| h.id).collect::<Vec<_>>(),
+                y.iter().map(|h| h.id).collect::<Vec<_>>()
+            );
+            for (h, g) in x.iter().zip(y) {
+                assert!(
+                    (h.score - g.score).abs() < 1e-5,
+                    "{} vs {}",
+                    h.score,
+                    g.score
+                );
+            }
+        }
+    };
+    same(&first, &direct);
+    same(&again, &first[1..]);
+    assert_eq!(first[0], first[2]);
+    assert_eq!(again[1], first[0], "from memory: the very same hits");
 }
