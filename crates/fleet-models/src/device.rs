@@ -59,12 +59,38 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
                     hint: "this build has no GPU support: rebuild with `--features cuda` (docs/gpu.md), or use --device cpu".into(),
                 });
             }
-            Device::new_cuda(n).map_err(|e| ModelError::DeviceUnavailable {
+            let dev = Device::new_cuda(n).map_err(|e| ModelError::DeviceUnavailable {
                 device: loc.to_string(),
                 hint: format!("{e}; `fleet devices` lists the GPUs this process can see (CUDA_VISIBLE_DEVICES applies)"),
-            })
+            })?;
+            skip_event_tracking(&dev);
+            Ok(dev)
         }
     }
+}
+
+/// Turns off cudarc's per-allocation CUDA events on `dev`.
+///
+/// cudarc creates two CUDA events for every buffer it allocates (and destroys them when the
+/// buffer is freed) so that it can order buffers shared between streams. candle runs each
+/// device's work on one stream (the calling thread's default stream), and cudarc only uses
+/// those events once a context has streams of its own (`new_stream`), which fleet never
+/// creates, so the events are never waited on: four driver calls per tensor for nothing. With
+/// several GPUs driven from one process those calls contend inside the driver.
+/// `FLEET_CUDA_EVENTS=1` keeps them, to measure what this saves.
+fn skip_event_tracking(dev: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = dev {
+        let keep = std::env::var("FLEET_CUDA_EVENTS").is_ok_and(|v| v == "1");
+        if !keep {
+            // SAFETY: the events only order work between streams of one context (cudarc's
+            // multi-stream mode). fleet creates no stream beyond candle's per-thread default
+            // streams, which cudarc does not count, so no event was ever going to be used.
+            unsafe { cuda.disable_event_tracking() };
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = dev;
 }
 
 /// Parses `f32`, `f16`, `bf16` (and the transformers spellings `float32`, `bfloat16`, …).
