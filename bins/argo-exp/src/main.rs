@@ -400,6 +400,8 @@ fn solve(args: &SolveArgs) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    // A replica worker started by this program's own data-parallel path serves and exits here.
+    fleet_models::replica_process::serve_if_replica_worker();
     let cli = Cli::parse();
     match &cli.command {
         None => run_sweep(&cli.sweep, false),

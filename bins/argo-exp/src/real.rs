@@ -303,7 +303,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         ..LoadOptions::default()
     };
     let replicas = Replicas::load_planned(&args.model, &opts, &placement)?;
-    let placement_text = format!("{} mode, {} replica(s)", mode, replicas.models.len());
+    let placement_text = format!("{} mode, {} replica(s)", mode, replicas.len());
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let model_id = match &args.revision {

@@ -255,10 +255,24 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
                         max_attention_bytes: None,
                     },
                 };
+                let loading = std::time::Instant::now();
                 let replicas =
                     Replicas::load_planned(&args.model.model, &args.model.options()?, &placement)?;
-                eprintln!("{} replica(s)", replicas.models.len());
-                replicas.generate(&requests, args.max_batch, true)?
+                eprintln!(
+                    "{} replica(s) ({} in processes of their own), loaded in {:.1} s",
+                    replicas.len(),
+                    replicas.in_processes(),
+                    loading.elapsed().as_secs_f64()
+                );
+                let generating = std::time::Instant::now();
+                let outputs = replicas.generate(&requests, args.max_batch, true)?;
+                let secs = generating.elapsed().as_secs_f64();
+                let tokens: usize = outputs.iter().map(|o| o.token_ids.len()).sum();
+                eprintln!(
+                    "generated {tokens} tokens in {secs:.2} s: {:.1} new tok/s",
+                    tokens as f64 / secs.max(1e-9)
+                );
+                outputs
             }
             None => {
                 let model = args.model.load()?;

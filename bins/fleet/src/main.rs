@@ -8,6 +8,8 @@ use anyhow::Result;
 use clap::Parser;
 
 fn main() -> Result<()> {
+    // A replica worker started by this program's own data-parallel path serves and exits here.
+    fleet_models::replica_process::serve_if_replica_worker();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),

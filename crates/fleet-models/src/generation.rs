@@ -68,7 +68,7 @@ impl SamplingParams {
 }
 
 /// One prompt to continue.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GenerationRequest {
     /// The prompt's token ids (already chat-formatted if wanted).
     pub prompt_ids: Vec<u32>,

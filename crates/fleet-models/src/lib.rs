@@ -25,6 +25,7 @@ pub mod ops;
 pub mod placement;
 pub mod profile;
 pub mod qwen;
+pub mod replica_process;
 pub mod source;
 pub mod tokenizer;
 pub mod weights;

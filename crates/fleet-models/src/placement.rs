@@ -14,10 +14,13 @@
 //! # Ok(()) }
 //! ```
 
+use std::sync::Mutex;
+
 use fleet_dist::{BoxError, ItemResult, PoolOptions, ReplicaPool, Worker};
 use fleet_topology::{CheckpointParams, ModelShape, Plan, PlanRequest, Topology};
 pub use fleet_topology::{MaxMemory, PlanMode, Workload};
 
+use crate::replica_process::ReplicaProcess;
 use crate::{
     DType, DeviceLocation, DeviceMap, GenerationOutput, GenerationRequest, LoadOptions, ModelError,
     ModelSource, Result, TextModel,
@@ -114,16 +117,40 @@ pub fn plan_on_this_machine(
 }
 
 /// Loaded replicas of one checkpoint, each on its own device(s).
+///
+/// The first replica is always loaded in this process (its tokenizer, chat template and config
+/// serve the caller). With several GPU replicas, and a program that called
+/// [`crate::replica_process::serve_if_replica_worker`], every other replica runs in a child
+/// process of its own: GPUs driven from threads of one process contend in the CUDA driver.
 pub struct Replicas {
-    /// One model per replica.
+    /// The replicas loaded in this process: the first replica, and all of them when the others
+    /// do not run in processes of their own.
     pub models: Vec<TextModel>,
+    processes: Vec<Mutex<ReplicaProcess>>,
 }
 
 impl Replicas {
-    /// Loads one replica of `spec` per device map (`opts.device_map` is ignored).
+    /// Loads one replica of `spec` per device map (`opts.device_map` is ignored). Replicas
+    /// after the first start in processes of their own when the program opted in (see
+    /// [`crate::replica_process`]) and they use GPUs (`FLEET_REPLICA_PROCESSES=1` forces
+    /// processes for CPU replicas too, `0` keeps every replica here); those load in parallel.
     pub fn load(spec: &str, opts: &LoadOptions, maps: &[DeviceMap]) -> Result<Self> {
-        let mut models = Vec::with_capacity(maps.len());
-        for (i, map) in maps.iter().enumerate() {
+        let on_gpu = maps
+            .iter()
+            .any(|m| m.devices().iter().any(|d| d.cuda_ordinal().is_some()));
+        let forced = std::env::var(crate::replica_process::PROCESSES_ENV).is_ok_and(|v| v == "1");
+        let in_processes =
+            maps.len() > 1 && crate::replica_process::processes_enabled() && (on_gpu || forced);
+        let mut processes = Vec::new();
+        if in_processes {
+            for (i, map) in maps.iter().enumerate().skip(1) {
+                tracing::info!("starting replica {i} on {map} in a process of its own");
+                processes.push(ReplicaProcess::spawn(spec, opts, map)?);
+            }
+        }
+        let local_maps = if in_processes { &maps[..1] } else { maps };
+        let mut models = Vec::with_capacity(local_maps.len());
+        for (i, map) in local_maps.iter().enumerate() {
             tracing::info!("loading replica {i} on {map}");
             let opts = LoadOptions {
                 device_map: Some(map.clone()),
@@ -131,7 +158,28 @@ impl Replicas {
             };
             models.push(TextModel::load(spec, &opts)?);
         }
-        Ok(Replicas { models })
+        for p in processes.iter_mut() {
+            p.ready()?;
+        }
+        Ok(Replicas {
+            models,
+            processes: processes.into_iter().map(Mutex::new).collect(),
+        })
+    }
+
+    /// Replicas in all, in this process and in their own.
+    pub fn len(&self) -> usize {
+        self.models.len() + self.processes.len()
+    }
+
+    /// Whether there is no replica (never, once loaded).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Replicas running in processes of their own.
+    pub fn in_processes(&self) -> usize {
+        self.processes.len()
     }
 
     /// Plans on this machine ([`plan_on_this_machine`]) and loads every replica of the plan;
@@ -183,11 +231,14 @@ impl Replicas {
         progress: bool,
     ) -> Result<Vec<Vec<GenerationOutput>>> {
         let batches = batches.to_vec();
-        let workers: Vec<ReplicaWorker<'_>> = self
+        let local = self
             .models
             .iter()
+            .map(Replica::Local)
+            .chain(self.processes.iter().map(Replica::Process));
+        let workers: Vec<ReplicaWorker<'_>> = local
             .enumerate()
-            .map(|(i, model)| ReplicaWorker { index: i, model })
+            .map(|(index, replica)| ReplicaWorker { index, replica })
             .collect();
         let opts = PoolOptions {
             progress,
@@ -219,23 +270,43 @@ impl Replicas {
     }
 }
 
+/// A replica in this process or in its own.
+enum Replica<'a> {
+    Local(&'a TextModel),
+    Process(&'a Mutex<ReplicaProcess>),
+}
+
 /// One replica as a pool worker.
 struct ReplicaWorker<'a> {
     index: usize,
-    model: &'a TextModel,
+    replica: Replica<'a>,
 }
 
 impl Worker<&[GenerationRequest], Vec<GenerationOutput>> for ReplicaWorker<'_> {
     fn name(&self) -> String {
-        let devices = self.model.model.device_map().devices();
-        let names: Vec<String> = devices.iter().map(|d| d.to_string()).collect();
-        format!("replica {} [{}]", self.index, names.join(","))
+        match &self.replica {
+            Replica::Local(model) => {
+                let devices = model.model.device_map().devices();
+                let names: Vec<String> = devices.iter().map(|d| d.to_string()).collect();
+                format!("replica {} [{}]", self.index, names.join(","))
+            }
+            Replica::Process(p) => {
+                let p = p.lock().unwrap_or_else(|e| e.into_inner());
+                format!("replica {} [{}]", self.index, p.name())
+            }
+        }
     }
 
     fn process(
         &mut self,
         batch: &&[GenerationRequest],
     ) -> std::result::Result<Vec<GenerationOutput>, BoxError> {
-        Ok(self.model.generate(batch, None)?)
+        Ok(match &self.replica {
+            Replica::Local(model) => model.generate(batch, None)?,
+            Replica::Process(p) => p
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .generate(batch)?,
+        })
     }
 }

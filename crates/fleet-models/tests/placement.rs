@@ -35,7 +35,7 @@ fn two_replicas_generate_what_one_model_generates_in_input_order() {
 
     let cpu = DeviceMap::single(DeviceLocation::Cpu, single.model.config().num_hidden_layers);
     let replicas = Replicas::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
-    assert_eq!(replicas.models.len(), 2);
+    assert_eq!(replicas.len(), 2);
     for max_batch in [1, 2, 3, 100] {
         let got = replicas.generate(&requests, max_batch, false).unwrap();
         assert_eq!(got.len(), requests.len());
@@ -54,7 +54,7 @@ fn planned_placement_without_gpus_is_one_cpu_replica() {
     let spec = dir.to_str().unwrap();
     let request = PlacementRequest::new("data-parallel".parse().unwrap());
     let replicas = Replicas::load_planned(spec, &LoadOptions::default(), &request).unwrap();
-    assert_eq!(replicas.models.len(), 1);
+    assert_eq!(replicas.len(), 1);
     assert_eq!(
         replicas.models[0].model.device_map().devices(),
         vec![DeviceLocation::Cpu]

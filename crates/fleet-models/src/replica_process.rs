@@ -1,0 +1,268 @@
+//! Replicas in processes of their own.
+//!
+//! Several GPUs driven by threads of one process contend in the CUDA driver: measured on four
+//! H200s, replicas of a small model (where kernel launches and allocations dominate) each ran
+//! ~30% slower in one process than alone, and eight 7B replicas ~20% slower, while one process
+//! per GPU lost 0–5% (docs/benchmarks.md). So [`crate::placement::Replicas`] keeps its first
+//! replica in the calling process and runs every other replica in a child process: the same
+//! program started again with [`WORKER_ENV`] set, which loads the replica and answers batches
+//! as JSON lines on its stdin and stdout.
+//!
+//! A program opts in by calling [`serve_if_replica_worker`] first thing in `main`: in a child
+//! it serves and exits; in the parent it records that the program can be started as a replica
+//! worker. A program that never calls it keeps every replica in-process.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    DeviceMap, GenerationOutput, GenerationRequest, HubOptions, LoadOptions, ModelError, Result,
+    TextModel,
+};
+
+/// The environment variable that makes a program a replica worker; it holds the worker's
+/// [`WorkerSpec`] as JSON.
+pub const WORKER_ENV: &str = "FLEET_REPLICA_WORKER";
+
+/// Whether replicas run in processes: `FLEET_REPLICA_PROCESSES=0` keeps them all in-process
+/// (to compare), `1` (the default) uses processes when the program opted in.
+pub const PROCESSES_ENV: &str = "FLEET_REPLICA_PROCESSES";
+
+static CAN_SPAWN: AtomicBool = AtomicBool::new(false);
+
+/// What a worker loads.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct WorkerSpec {
+    model: String,
+    revision: Option<String>,
+    dtype: String,
+    device_map: DeviceMap,
+    hub_cache_dir: Option<std::path::PathBuf>,
+    hub_offline: bool,
+}
+
+/// One line from a worker.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum WorkerReply {
+    /// Loaded; the replica's name.
+    Ready(String),
+    /// A batch's outputs, in order.
+    Done(Vec<GenerationOutput>),
+    /// Loading or a batch failed.
+    Failed(String),
+}
+
+/// In a replica worker (started by [`crate::placement::Replicas`]): loads the replica, serves
+/// batches until stdin closes, and exits the process. Anywhere else: records that this program
+/// can be started as a worker, and returns. Call it first thing in `main`, before anything
+/// writes to stdout.
+pub fn serve_if_replica_worker() {
+    let Ok(spec) = std::env::var(WORKER_ENV) else {
+        CAN_SPAWN.store(true, Ordering::Relaxed);
+        return;
+    };
+    let code = match serve(&spec) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("fleet replica worker: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+/// Whether [`crate::placement::Replicas`] may start replicas as child processes.
+pub(crate) fn processes_enabled() -> bool {
+    CAN_SPAWN.load(Ordering::Relaxed) && std::env::var(PROCESSES_ENV).map_or(true, |v| v != "0")
+}
+
+fn serve(spec_json: &str) -> Result<()> {
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut send = |reply: &WorkerReply| -> Result<()> {
+        let line = serde_json::to_string(reply).map_err(|e| ModelError::Replicas(e.to_string()))?;
+        writeln!(out, "{line}")
+            .and_then(|_| out.flush())
+            .map_err(|e| ModelError::Replicas(format!("writing to the parent: {e}")))
+    };
+    let model = match load(spec_json) {
+        Ok(model) => model,
+        Err(e) => {
+            send(&WorkerReply::Failed(e.to_string()))?;
+            return Err(e);
+        }
+    };
+    let name = model.model.device_map().to_string();
+    send(&WorkerReply::Ready(name))?;
+    for line in std::io::stdin().lock().lines() {
+        let line =
+            line.map_err(|e| ModelError::Replicas(format!("reading from the parent: {e}")))?;
+        let reply = match serde_json::from_str::<Vec<GenerationRequest>>(&line) {
+            Ok(batch) => match model.generate(&batch, None) {
+                Ok(outputs) => WorkerReply::Done(outputs),
+                Err(e) => WorkerReply::Failed(e.to_string()),
+            },
+            Err(e) => WorkerReply::Failed(format!("a batch that does not parse: {e}")),
+        };
+        send(&reply)?;
+    }
+    Ok(())
+}
+
+fn load(spec_json: &str) -> Result<TextModel> {
+    let spec: WorkerSpec = serde_json::from_str(spec_json)
+        .map_err(|e| ModelError::BadInput(format!("{WORKER_ENV} does not parse: {e}")))?;
+    let opts = LoadOptions {
+        dtype: crate::parse_dtype(&spec.dtype)?,
+        device_map: Some(spec.device_map),
+        revision: spec.revision,
+        hub: HubOptions {
+            cache_dir: spec.hub_cache_dir,
+            offline: spec.hub_offline,
+        },
+    };
+    TextModel::load(&spec.model, &opts)
+}
+
+/// A replica in a child process.
+pub(crate) struct ReplicaProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: Option<BufReader<ChildStdout>>,
+    name: String,
+}
+
+impl ReplicaProcess {
+    /// Starts this program as a worker loading `spec` on `map`; [`ReplicaProcess::ready`]
+    /// waits for it. Several can load at once.
+    pub(crate) fn spawn(spec: &str, opts: &LoadOptions, map: &DeviceMap) -> Result<Self> {
+        let worker = WorkerSpec {
+            model: spec.to_string(),
+            revision: opts.revision.clone(),
+            dtype: opts.dtype.as_str().to_string(),
+            device_map: map.clone(),
+            hub_cache_dir: opts.hub.cache_dir.clone(),
+            hub_offline: opts.hub.offline,
+        };
+        let exe = std::env::current_exe()
+            .map_err(|e| ModelError::Replicas(format!("cannot find this program: {e}")))?;
+        let spawn_err = |e: std::io::Error| {
+            ModelError::Replicas(format!(
+                "starting a replica process ({}) on {map}: {e}; {PROCESSES_ENV}=0 keeps replicas in this process",
+                exe.display()
+            ))
+        };
+        let mut child = Command::new(&exe)
+            .env(
+                WORKER_ENV,
+                serde_json::to_string(&worker).expect("the spec serializes"),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(spawn_err)?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().map(BufReader::new);
+        Ok(ReplicaProcess {
+            child,
+            stdin,
+            stdout,
+            name: map.to_string(),
+        })
+    }
+
+    /// Waits until the worker has loaded its replica.
+    pub(crate) fn ready(&mut self) -> Result<()> {
+        match self.receive()? {
+            WorkerReply::Ready(name) => {
+                self.name = format!("{name} (pid {})", self.child.id());
+                Ok(())
+            }
+            WorkerReply::Failed(e) => Err(ModelError::Replicas(format!(
+                "the replica process for {} could not load: {e}",
+                self.name
+            ))),
+            WorkerReply::Done(_) => Err(self.protocol_error("an output before loading")),
+        }
+    }
+
+    /// The replica's devices and the worker's pid.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Generates one batch in the worker.
+    pub(crate) fn generate(
+        &mut self,
+        batch: &[GenerationRequest],
+    ) -> Result<Vec<GenerationOutput>> {
+        let line = serde_json::to_string(batch).map_err(|e| ModelError::Replicas(e.to_string()))?;
+        let stdin = self.stdin.as_mut().ok_or_else(|| {
+            ModelError::Replicas(format!("replica process {} is closed", self.name))
+        })?;
+        writeln!(stdin, "{line}")
+            .and_then(|_| stdin.flush())
+            .map_err(|e| self.died(&e.to_string()))?;
+        match self.receive()? {
+            WorkerReply::Done(outputs) if outputs.len() == batch.len() => Ok(outputs),
+            WorkerReply::Done(outputs) => Err(self.protocol_error(&format!(
+                "{} outputs for a batch of {}",
+                outputs.len(),
+                batch.len()
+            ))),
+            WorkerReply::Failed(e) => Err(ModelError::Replicas(e)),
+            WorkerReply::Ready(_) => Err(self.protocol_error("a second ready")),
+        }
+    }
+
+    fn receive(&mut self) -> Result<WorkerReply> {
+        let mut line = String::new();
+        let read = match self.stdout.as_mut() {
+            Some(stdout) => stdout.read_line(&mut line),
+            None => Ok(0),
+        };
+        let n = read.map_err(|e| self.died(&e.to_string()))?;
+        if n == 0 {
+            return Err(self.died("it closed its output"));
+        }
+        serde_json::from_str(&line).map_err(|e| {
+            self.protocol_error(&format!(
+                "a line that does not parse ({e}): {}",
+                line.trim()
+            ))
+        })
+    }
+
+    fn died(&mut self, what: &str) -> ModelError {
+        let status = match self.child.try_wait() {
+            Ok(Some(status)) => format!(", {status}"),
+            _ => String::new(),
+        };
+        ModelError::Replicas(format!(
+            "replica process {} stopped ({what}{status}); its error is above, on stderr",
+            self.name
+        ))
+    }
+
+    fn protocol_error(&self, what: &str) -> ModelError {
+        ModelError::Replicas(format!(
+            "replica process {} sent {what}: is something else writing to its stdout?",
+            self.name
+        ))
+    }
+}
+
+impl Drop for ReplicaProcess {
+    /// Closing its stdin ends the worker's loop (and closing its stdout ends a batch it is
+    /// still writing); it exits and frees its GPU memory.
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        drop(self.stdout.take());
+        let _ = self.child.wait();
+    }
+}
