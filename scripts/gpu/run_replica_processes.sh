@@ -9,7 +9,8 @@
 #
 # Workloads: 0.5B shape, 384 prompts of 128 tokens + 128 new, batches of 8 (host-bound);
 # 7B shape, 384 prompts of 512 + 128 new, batches of 32 (issue 5's workload). Each on GPU 0
-# alone, on 4 GPUs in threads, on 4 GPUs in processes; the outputs must be identical.
+# alone (after a warm-up run), on 2 GPUs in processes, on 4 GPUs in threads and in processes;
+# the outputs must be identical.
 # Results: $OUT/replica_processes.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0
@@ -53,7 +54,10 @@ gen() {  # gen NAME SIZE PROMPTS BATCH GPU_IDS PROCESSES
 
 for size in 0.5b 7b; do
     if [ "$size" = 0.5b ]; then p=prompts_128 b=8; else p=prompts_512 b=32; fi
+    # Warm-up: the first process on a fresh machine JIT-compiles the kernels (cached after).
+    gen "${size}_warmup" "$size" "$p" "$b" 0 1
     gen "${size}_1" "$size" "$p" "$b" 0 1
+    gen "${size}_2_processes" "$size" "$p" "$b" 0,1 1
     gen "${size}_4_threads" "$size" "$p" "$b" 0,1,2,3 0
     gen "${size}_4_processes" "$size" "$p" "$b" 0,1,2,3 1
     for v in 4_threads 4_processes; do
