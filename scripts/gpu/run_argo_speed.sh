@@ -19,6 +19,9 @@
 # the call that sees it finish copies argo_speed.tgz to $OUT.
 #
 #     DETACH=1 N_QUESTIONS=1000 RUN_TIMEOUT=1500 bash scripts/gpu/run_argo_speed.sh
+#
+# GPU_MODE=data-parallel spreads the LLM over every GPU (replicas after the first in processes
+# of their own); WORK=/tmp/other keeps a second run's records and cache apart.
 set -u
 if [ "${DETACH:-0}" = 1 ]; then
   WORK="${WORK:-/tmp/argo_speed}"
@@ -77,7 +80,7 @@ cat COMMIT > "$RUN/commit.txt" 2>/dev/null
   fi
   echo "### compare --sweep $(date -u +%T), $N hard questions, $STRATEGIES"
   FLEET_COMMIT="$(cat COMMIT 2>/dev/null)" timeout "${RUN_TIMEOUT:-420}" "$BIN" compare --sweep \
-      --model /tmp/q7b --dtype bf16 --gpu-mode single \
+      --model /tmp/q7b --dtype bf16 --gpu-mode "${GPU_MODE:-single}" \
       --dataset "$DATA/oran-bench-13k" --difficulty hard --n-questions "$N" \
       --strategies "$STRATEGIES" \
       --index "$DATA/argo-index" --embedder "$DATA/minilm16" --embed-device cuda:0 \
