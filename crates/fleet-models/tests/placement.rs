@@ -2,27 +2,11 @@
 //! copy returns, in input order. CPU replicas stand in for GPUs here; the GPU path is the same
 //! code with other device maps (measured by `fleet bench data-parallel` on the GPU machine).
 
-use std::path::{Path, PathBuf};
-
 use fleet_models::placement::{PlacementRequest, Replicas};
-use fleet_models::{DeviceLocation, DeviceMap, GenerationRequest, LoadOptions, TextModel};
+use fleet_models::{DeviceLocation, DeviceMap, LoadOptions, TextModel};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn requests() -> Vec<GenerationRequest> {
-    (0..7u32)
-        .map(|i| {
-            let prompt: Vec<u32> = (0..(3 + i as usize * 2))
-                .map(|j| (i * 37 + j as u32 * 11) % 990)
-                .collect();
-            GenerationRequest::greedy(prompt, 5 + i as usize)
-        })
-        .collect()
-}
+mod common;
+use common::{fixture, requests};
 
 #[test]
 fn two_replicas_generate_what_one_model_generates_in_input_order() {
@@ -30,7 +14,7 @@ fn two_replicas_generate_what_one_model_generates_in_input_order() {
     let spec = dir.to_str().unwrap();
     let opts = LoadOptions::default();
     let single = TextModel::load(spec, &opts).unwrap();
-    let requests = requests();
+    let requests = requests(7);
     let expected = single.generate(&requests, None).unwrap();
 
     let cpu = DeviceMap::single(DeviceLocation::Cpu, single.model.config().num_hidden_layers);

@@ -2,28 +2,12 @@
 //! (`harness = false`, so `main` can call `serve_if_replica_worker` first, as fleet's binaries
 //! do). CPU replicas stand in for GPUs; `FLEET_REPLICA_PROCESSES=1` puts them in processes.
 
-use std::path::{Path, PathBuf};
-
 use fleet_models::placement::Replicas;
 use fleet_models::replica_process::{serve_if_replica_worker, PROCESSES_ENV};
-use fleet_models::{DeviceLocation, DeviceMap, GenerationRequest, LoadOptions, TextModel};
+use fleet_models::{DeviceLocation, DeviceMap, LoadOptions, TextModel};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn requests() -> Vec<GenerationRequest> {
-    (0..9u32)
-        .map(|i| {
-            let prompt: Vec<u32> = (0..(2 + i as usize * 3))
-                .map(|j| (i * 41 + j as u32 * 13) % 990)
-                .collect();
-            GenerationRequest::greedy(prompt, 4 + i as usize)
-        })
-        .collect()
-}
+mod common;
+use common::{fixture, requests};
 
 fn main() {
     serve_if_replica_worker();
@@ -39,7 +23,7 @@ fn replicas_in_processes_generate_what_one_model_generates() {
     let spec = dir.to_str().unwrap();
     let opts = LoadOptions::default();
     let single = TextModel::load(spec, &opts).unwrap();
-    let requests = requests();
+    let requests = requests(9);
     let expected = single.generate(&requests, None).unwrap();
 
     let cpu = DeviceMap::single(DeviceLocation::Cpu, single.model.config().num_hidden_layers);
@@ -68,7 +52,7 @@ fn a_batch_that_fails_in_every_process_is_reported() {
     let opts = LoadOptions::default();
     let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
     let replicas = Replicas::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
-    let mut requests = requests();
+    let mut requests = requests(9);
     requests[5].prompt_ids.clear();
     let err = replicas
         .generate(&requests, 3, false)
