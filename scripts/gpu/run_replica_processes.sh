@@ -2,15 +2,17 @@
 # Data-parallel generation through fleet's planned path (`fleet generate --gpu-mode
 # data-parallel`), replicas in threads of one process (FLEET_REPLICA_PROCESSES=0) against
 # replicas in processes of their own (the default), on random checkpoints saved by
-# transformers. Run from the repo root on a machine with 4 GPUs, with dist/carry/fleet.xz
-# (CUDA build) and dist/carry/benchtok/ (scripts/gpu/make_bench_tokenizer.py's tokenizer):
+# transformers. Run from the repo root on a machine with several GPUs (4 or 8), with
+# dist/carry/fleet.xz (CUDA build) and dist/carry/benchtok/ (scripts/gpu/make_bench_tokenizer.py's tokenizer):
 #
 #     bash scripts/gpu/run_replica_processes.sh
 #
-# Workloads: 0.5B shape, 384 prompts of 128 tokens + 128 new, batches of 8 (host-bound);
-# 7B shape, 384 prompts of 512 + 128 new, batches of 32 (issue 5's workload). Each on GPU 0
-# alone (after a warm-up run), on 2 GPUs in processes, on 4 GPUs in threads and in processes;
-# the outputs must be identical.
+# Workloads (96 prompts per GPU of the machine): 0.5B shape, prompts of 128 tokens + 128 new,
+# batches of 8 (host-bound);
+# 7B shape, prompts of 512 + 128 new, batches of 32 (issue 5's workload). Each on 1, 2, 4
+# (and 8) GPUs with replicas in processes (after a warm-up run), and on all GPUs in threads;
+# the outputs must be identical. On 8 GPUs this is issue 5's data-parallel run through the
+# jobs' own path.
 # Results: $OUT/replica_processes.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0
@@ -33,12 +35,15 @@ for size in 0.5b 7b; do
         --config "configs/models/qwen2.5-$size.json" --out "$SCRATCH/q$size" \
         --tokenizer-from dist/carry/benchtok >> "$LOG" 2>&1
 done
-"${PYRUN[@]}" - "$SCRATCH" <<'EOF'
+# 96 prompts per GPU of the machine (384 on four GPUs, 768 on eight).
+NGPU=$(nvidia-smi -L | grep -c '^GPU')
+"${PYRUN[@]}" - "$SCRATCH" "$((96 * NGPU))" <<'EOF'
 import json, random, sys
 rng = random.Random(0)
 for name, length in [("prompts_128", 128), ("prompts_512", 512)]:
-    prompts = [[rng.randrange(32000) for _ in range(length)] for _ in range(384)]
+    prompts = [[rng.randrange(32000) for _ in range(length)] for _ in range(int(sys.argv[2]))]
     json.dump({"input_ids": prompts}, open(f"{sys.argv[1]}/{name}.json", "w"))
+    json.dump({"input_ids": prompts[:16]}, open(f"{sys.argv[1]}/{name}_warm.json", "w"))
 EOF
 
 gen() {  # gen NAME SIZE PROMPTS BATCH GPU_IDS PROCESSES
@@ -52,19 +57,24 @@ gen() {  # gen NAME SIZE PROMPTS BATCH GPU_IDS PROCESSES
     echo "$name $(grep -o 'generated.*' "$SCRATCH/$name.err")" >> "$RUN/table.txt"
 }
 
+# 1, 2, 4, 8 GPUs, as many as there are; threads against processes on all of them.
+COUNTS=""
+for n in 1 2 4 8; do [ "$n" -le "$NGPU" ] && COUNTS="$COUNTS $n"; done
+ids_of() { seq -s, 0 $(($1 - 1)); }
 for size in 0.5b 7b; do
     if [ "$size" = 0.5b ]; then p=prompts_128 b=8; else p=prompts_512 b=32; fi
     # Warm-up: the first process on a fresh machine JIT-compiles the kernels (cached after).
-    gen "${size}_warmup" "$size" "$p" "$b" 0 1
-    gen "${size}_1" "$size" "$p" "$b" 0 1
-    gen "${size}_2_processes" "$size" "$p" "$b" 0,1 1
-    gen "${size}_4_threads" "$size" "$p" "$b" 0,1,2,3 0
-    gen "${size}_4_processes" "$size" "$p" "$b" 0,1,2,3 1
-    for v in 4_threads 4_processes; do
-        if cmp -s "$SCRATCH/${size}_1.jsonl" "$SCRATCH/${size}_$v.jsonl"; then
-            echo "$size: ${v} outputs identical to one GPU's" >> "$RUN/table.txt"
+    gen "${size}_warmup" "$size" "${p}_warm" "$b" 0 1
+    for n in $COUNTS; do
+        gen "${size}_${n}_processes" "$size" "$p" "$b" "$(ids_of "$n")" 1
+    done
+    gen "${size}_${NGPU}_threads" "$size" "$p" "$b" "$(ids_of "$NGPU")" 0
+    for f in "$SCRATCH/${size}"_*_processes.jsonl "$SCRATCH/${size}_${NGPU}_threads.jsonl"; do
+        v=$(basename "$f" .jsonl)
+        if cmp -s "$SCRATCH/${size}_1_processes.jsonl" "$f"; then
+            echo "$v: outputs identical to one GPU's" >> "$RUN/table.txt"
         else
-            echo "$size: ${v} outputs DIFFER from one GPU's" >> "$RUN/table.txt"
+            echo "$v: outputs DIFFER from one GPU's" >> "$RUN/table.txt"
         fi
     done
 done
