@@ -40,7 +40,9 @@ pub enum Command {
 pub enum BenchCommand {
     /// Prefill and decode throughput and peak memory of batched generation.
     Generate(crate::bench::BenchGenerateArgs),
-    /// Throughput of batched generation with one replica per device (fleet-dist's pool).
+    /// Throughput of batched generation with one replica per device (fleet-dist's pool), the
+    /// replicas as threads of this process (`generate --gpu-mode data-parallel` runs replicas
+    /// after the first in processes of their own).
     DataParallel(crate::bench_dp::BenchDataParallelArgs),
 }
 
