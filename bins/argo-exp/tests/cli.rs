@@ -1,14 +1,9 @@
 //! Runs the argo-exp binary: the default simulation sweep, solve, and bad input.
 
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn argo_exp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_argo-exp"))
-        .args(args)
-        .env("FLEET_COMMIT", "cli-test-commit")
-        .output()
-        .expect("argo-exp runs")
-}
+mod common;
+use common::argo_exp;
 
 fn text(out: &Output) -> (String, String) {
     (

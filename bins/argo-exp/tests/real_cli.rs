@@ -2,18 +2,13 @@
 //! strategies on a generic JSONL dataset with the tiny Qwen checkpoint, resume, and bad input.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
+
+mod common;
+use common::argo_exp;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn argo_exp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_argo-exp"))
-        .args(args)
-        .env("FLEET_COMMIT", "cli-test-commit")
-        .output()
-        .expect("argo-exp runs")
 }
 
 fn ok(out: &Output) -> String {

@@ -135,12 +135,7 @@ impl Replicas {
     /// [`crate::replica_process`]) and they use GPUs (`FLEET_REPLICA_PROCESSES=1` forces
     /// processes for CPU replicas too, `0` keeps every replica here); those load in parallel.
     pub fn load(spec: &str, opts: &LoadOptions, maps: &[DeviceMap]) -> Result<Self> {
-        let on_gpu = maps
-            .iter()
-            .any(|m| m.devices().iter().any(|d| d.cuda_ordinal().is_some()));
-        let forced = std::env::var(crate::replica_process::PROCESSES_ENV).is_ok_and(|v| v == "1");
-        let in_processes =
-            maps.len() > 1 && crate::replica_process::processes_enabled() && (on_gpu || forced);
+        let in_processes = crate::replica_process::use_processes(maps);
         let mut processes = Vec::new();
         if in_processes {
             for (i, map) in maps.iter().enumerate().skip(1) {

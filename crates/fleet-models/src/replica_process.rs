@@ -75,9 +75,22 @@ pub fn serve_if_replica_worker() {
     std::process::exit(code);
 }
 
-/// Whether [`crate::placement::Replicas`] may start replicas as child processes.
-pub(crate) fn processes_enabled() -> bool {
-    CAN_SPAWN.load(Ordering::Relaxed) && std::env::var(PROCESSES_ENV).map_or(true, |v| v != "0")
+/// Whether [`crate::placement::Replicas`] starts the replicas of `maps` after the first as
+/// child processes: only when there are several, the program opted in, and they use GPUs
+/// (CPU replicas share the same cores either way) — unless [`PROCESSES_ENV`] says `0` (never)
+/// or `1` (for CPU replicas too).
+pub(crate) fn use_processes(maps: &[DeviceMap]) -> bool {
+    let setting = std::env::var(PROCESSES_ENV).ok();
+    let on_gpu = maps
+        .iter()
+        .any(|m| m.devices().iter().any(|d| d.cuda_ordinal().is_some()));
+    maps.len() > 1
+        && CAN_SPAWN.load(Ordering::Relaxed)
+        && match setting.as_deref() {
+            Some("0") => false,
+            Some("1") => true,
+            _ => on_gpu,
+        }
 }
 
 fn serve(spec_json: &str) -> Result<()> {
