@@ -9,21 +9,38 @@
 //! - [`ShardSpec`] — which part of a job this process runs: from `--num-shards/--shard-index`,
 //!   SLURM (`SLURM_PROCID`/`SLURM_NTASKS`) or torchrun (`RANK`/`WORLD_SIZE`).
 //! - [`merge_jsonl`] — merges the per-shard JSONL record files into one file sorted by `index`.
+//! - [`RunDir`] — a long run's output directory: one writer at a time (an OS file lock) and a
+//!   [`Manifest`] of what determines its records, so a resume with another model or other
+//!   settings is refused with the fields that differ.
+//! - [`JsonlLog`] — append-only per-item records (and caches) whose torn last line, left by a
+//!   kill, is repaired before the next append.
+//! - [`write_atomic`] / [`write_json_atomic`] — summaries, reports and checkpoints written whole
+//!   or not at all; [`files_digest`] — content digests of weights and data for manifests.
 
 #![warn(missing_docs)]
 
+mod atomic;
+mod digest;
+mod jsonl;
 mod merge;
 mod pool;
+mod run_dir;
 mod shard;
 
 use std::path::PathBuf;
 
+pub use atomic::{write_atomic, write_json_atomic};
+pub use digest::{bytes_digest, files_digest, Fnv64};
+pub use jsonl::{BadLine, JsonlContents, JsonlLog, TailRepair};
 pub use merge::{
     merge_jsonl, Duplicate, InputStats, MalformedLine, MergeReport, MAX_LISTED_MISSING,
 };
 pub use pool::{
     BoxError, FailureRecord, ItemError, ItemResult, PoolOptions, PoolOutput, PoolReport,
     ReplicaPool, Worker, WorkerReport,
+};
+pub use run_dir::{
+    commit_id, FieldDiff, Manifest, RunDir, RunDirOptions, RunDirState, LOCK_FILE, MANIFEST_FILE,
 };
 pub use shard::{ShardSource, ShardSpec};
 
@@ -81,13 +98,67 @@ pub enum DistError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// The merged output could not be written.
-    #[error("cannot write merged records `{path}`: {source}; check that its directory exists and is writable")]
+    /// An output file (merged records, a summary, a manifest) could not be written.
+    #[error("cannot write `{path}`: {source}; check that its directory exists and is writable")]
     WriteOutput {
         /// The file (or its temporary sibling).
         path: PathBuf,
         /// The I/O error.
         source: std::io::Error,
+    },
+    /// A file or directory could not be read or written.
+    #[error("cannot {action} `{path}`: {source}")]
+    Io {
+        /// What was being done (`read`, `append to`, `lock`, ...).
+        action: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A value could not be serialized.
+    #[error("cannot serialize {what}: {source}")]
+    Json {
+        /// What was being written.
+        what: String,
+        /// The cause.
+        source: serde_json::Error,
+    },
+    /// Another process holds the output directory.
+    #[error("another run is writing to `{dir}` ({holder}): wait for it to finish, or give this run another output directory")]
+    Locked {
+        /// The directory.
+        dir: PathBuf,
+        /// Who holds it, as the holder wrote it in the lock file.
+        holder: String,
+    },
+    /// The directory's records were made by another model or other settings.
+    #[error("`{manifest}` says the records there were made differently: {}; {ways_out}", diffs.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("; "))]
+    ManifestMismatch {
+        /// The manifest file.
+        manifest: PathBuf,
+        /// The fields that differ.
+        diffs: Vec<FieldDiff>,
+        /// What the user can do (the job's flags).
+        ways_out: String,
+    },
+    /// Records without a manifest: nothing says what made them.
+    #[error("`{dir}` holds {} but no manifest.json (written by an older fleet, or by hand), so nothing says which model and settings made them; {ways_out}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "))]
+    NoManifest {
+        /// The directory.
+        dir: PathBuf,
+        /// The job's files found there.
+        files: Vec<PathBuf>,
+        /// What the user can do (the job's flags).
+        ways_out: String,
+    },
+    /// A manifest that does not parse.
+    #[error("manifest `{path}` does not parse ({message}): restore it, or start over with the job's overwrite flag")]
+    BadManifest {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
     },
     /// The output path has no file name (e.g. `/` or `..`).
     #[error("output path `{path}` names no file: give a file path such as `results/merged.jsonl`")]
@@ -95,6 +166,17 @@ pub enum DistError {
         /// The path as given.
         path: PathBuf,
     },
+}
+
+impl DistError {
+    /// An I/O error while doing `action` on `path`.
+    pub fn io(action: &'static str, path: &std::path::Path, source: std::io::Error) -> Self {
+        DistError::Io {
+            action,
+            path: path.to_path_buf(),
+            source,
+        }
+    }
 }
 
 /// Result type of this crate.

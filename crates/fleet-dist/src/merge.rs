@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use crate::{DistError, Result};
@@ -99,13 +99,11 @@ fn record_index(line: &str) -> std::result::Result<u64, String> {
 /// [`DistError::WriteOutput`] when the output cannot be written, [`DistError::OutputNotAFile`]
 /// when `output` names no file.
 pub fn merge_jsonl(inputs: &[PathBuf], output: &Path) -> Result<MergeReport> {
-    let file_name = output
-        .file_name()
-        .ok_or_else(|| DistError::OutputNotAFile {
+    if output.file_name().is_none() {
+        return Err(DistError::OutputNotAFile {
             path: output.to_path_buf(),
-        })?
-        .to_string_lossy()
-        .into_owned();
+        });
+    }
 
     let mut records: BTreeMap<u64, (String, usize, usize)> = BTreeMap::new();
     let mut stats = Vec::with_capacity(inputs.len());
@@ -181,32 +179,12 @@ pub fn merge_jsonl(inputs: &[PathBuf], output: &Path) -> Result<MergeReport> {
         expected = index.saturating_add(1);
     }
 
-    let dir = match output.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
-    let write = || -> std::io::Result<()> {
-        let mut w = BufWriter::new(File::create(&tmp)?);
-        for (line, _, _) in records.values() {
-            w.write_all(line.as_bytes())?;
-            w.write_all(b"\n")?;
-        }
-        let f = w.into_inner().map_err(|e| e.into_error())?;
-        f.sync_all()?;
-        Ok(())
-    };
-    if let Err(source) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(DistError::WriteOutput { path: tmp, source });
+    let mut bytes = Vec::new();
+    for (line, _, _) in records.values() {
+        bytes.extend_from_slice(line.as_bytes());
+        bytes.push(b'\n');
     }
-    if let Err(source) = std::fs::rename(&tmp, output) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(DistError::WriteOutput {
-            path: output.to_path_buf(),
-            source,
-        });
-    }
+    crate::atomic::write_atomic(output, &bytes)?;
 
     let report = MergeReport {
         inputs: stats,

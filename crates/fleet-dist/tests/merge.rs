@@ -110,8 +110,18 @@ fn io_errors_name_the_path() {
     assert!(matches!(e, DistError::ReadInput { .. }));
     assert!(e.to_string().contains("nope.jsonl"));
     let a = write(&dir, "a.jsonl", "{\"index\":0}\n");
-    let e = merge_jsonl(std::slice::from_ref(&a), &dir.path().join("no_dir/m.jsonl")).unwrap_err();
-    assert!(matches!(e, DistError::WriteOutput { .. }), "{e}");
+    // A missing directory is created; a directory that is a file cannot be.
+    merge_jsonl(
+        std::slice::from_ref(&a),
+        &dir.path().join("new_dir/m.jsonl"),
+    )
+    .unwrap();
+    let e = merge_jsonl(std::slice::from_ref(&a), &a.join("m.jsonl")).unwrap_err();
+    assert!(
+        matches!(e, DistError::WriteOutput { .. } | DistError::Io { .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("a.jsonl"), "{e}");
     let e = merge_jsonl(&[a], std::path::Path::new("/")).unwrap_err();
     assert!(matches!(e, DistError::OutputNotAFile { .. }));
 }

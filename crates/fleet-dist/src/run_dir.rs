@@ -1,0 +1,518 @@
+//! Output directories of long runs: one writer at a time, and a manifest of what made the
+//! records, so a resume never mixes records of another model or other settings.
+//!
+//! A job opens its output directory with [`RunDir::open`] before writing anything:
+//!
+//! 1. it takes the directory's lock (an OS file lock on `.fleet-lock`, which holds the
+//!    holder's pid): a second run on the same directory stops at once with
+//!    [`DistError::Locked`] instead of appending every record twice. The kernel drops the
+//!    lock when the process ends, however it ends, so a killed run never leaves it stale;
+//! 2. it compares its [`Manifest`] — every value that determines the records — with the
+//!    `manifest.json` already there. Equal: the run resumes. Different: the run is refused
+//!    with the fields that differ ([`DistError::ManifestMismatch`]), unless the caller asked
+//!    to overwrite, in which case the job's own files are removed and the run starts over.
+//!    Records without a manifest (an older fleet) are refused the same way.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::atomic::write_json_atomic;
+use crate::{DistError, Result};
+
+/// The name of the manifest inside an output directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The name of the lock file inside an output directory.
+pub const LOCK_FILE: &str = ".fleet-lock";
+
+/// What determines the records of an output directory.
+///
+/// `determines` holds every value that changes a record (model weights digest, dtype, data
+/// selection, each setting that changes an answer); a resume with any of them different is
+/// refused. `about` holds what people want to read but that must not block a resume (paths as
+/// typed, the commit, when the directory was started).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// The job writing the directory (`argo-exp real`, `gspo-train`, ...).
+    pub job: String,
+    /// Values that determine the records, compared on resume.
+    pub determines: BTreeMap<String, Value>,
+    /// Values kept for reference, never compared.
+    #[serde(default)]
+    pub about: BTreeMap<String, Value>,
+}
+
+/// One field that differs between the manifest on disk and this run's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FieldDiff {
+    /// Dotted path of the field (`model.weights_digest`).
+    pub field: String,
+    /// The value in the directory's manifest (`None`: not there).
+    pub recorded: Option<Value>,
+    /// This run's value (`None`: this run has no such field).
+    pub now: Option<Value>,
+}
+
+impl std::fmt::Display for FieldDiff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let show = |v: &Option<Value>| match v {
+            Some(v) => v.to_string(),
+            None => "(absent)".to_string(),
+        };
+        write!(
+            f,
+            "{}: {} recorded, {} now",
+            self.field,
+            show(&self.recorded),
+            show(&self.now)
+        )
+    }
+}
+
+impl Manifest {
+    /// An empty manifest for `job`.
+    pub fn new(job: impl Into<String>) -> Self {
+        Manifest {
+            job: job.into(),
+            determines: BTreeMap::new(),
+            about: BTreeMap::new(),
+        }
+    }
+
+    /// Adds a value that determines the records. Values are stored as JSON (nested objects
+    /// compare field by field).
+    pub fn with(mut self, key: &str, value: impl Serialize) -> Self {
+        self.determines.insert(key.to_string(), to_json(value));
+        self
+    }
+
+    /// Adds a value kept for reference only (never compared).
+    pub fn note(mut self, key: &str, value: impl Serialize) -> Self {
+        self.about.insert(key.to_string(), to_json(value));
+        self
+    }
+
+    /// The fields of `job` and `determines` that differ between `self` (recorded) and `now`,
+    /// nested objects flattened to dotted paths.
+    pub fn diff(&self, now: &Manifest) -> Vec<FieldDiff> {
+        let mut out = Vec::new();
+        if self.job != now.job {
+            out.push(FieldDiff {
+                field: "job".into(),
+                recorded: Some(Value::String(self.job.clone())),
+                now: Some(Value::String(now.job.clone())),
+            });
+        }
+        let recorded = flatten(&self.determines);
+        let current = flatten(&now.determines);
+        let keys: std::collections::BTreeSet<&String> =
+            recorded.keys().chain(current.keys()).collect();
+        for key in keys {
+            let (a, b) = (recorded.get(key), current.get(key));
+            if a != b {
+                out.push(FieldDiff {
+                    field: key.clone(),
+                    recorded: a.cloned(),
+                    now: b.cloned(),
+                });
+            }
+        }
+        out
+    }
+
+    /// A short digest of `determines` (16 hex digits), e.g. to name a cache by what made it.
+    pub fn digest(&self) -> String {
+        let text = serde_json::to_string(&(&self.job, &self.determines)).unwrap_or_default();
+        let mut d = crate::digest::Fnv64::new();
+        d.update(text.as_bytes());
+        d.hex()
+    }
+
+    /// Reads a manifest file; `Ok(None)` when there is none.
+    pub fn read(path: &Path) -> Result<Option<Manifest>> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => serde_json::from_str(&text)
+                .map(Some)
+                .map_err(|e| DistError::BadManifest {
+                    path: path.to_path_buf(),
+                    message: e.to_string(),
+                }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(DistError::io("read", path, e)),
+        }
+    }
+
+    /// Writes the manifest atomically.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        write_json_atomic(path, self)
+    }
+
+    /// The manifest as it reads back from disk (numbers normalised by a JSON round trip), so
+    /// that a freshly built manifest compares equal to its own file.
+    fn normalised(&self) -> Manifest {
+        serde_json::to_string(self)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_else(|| self.clone())
+    }
+}
+
+fn to_json(value: impl Serialize) -> Value {
+    serde_json::to_value(value).unwrap_or_else(|e| Value::String(format!("<unserializable: {e}>")))
+}
+
+fn flatten(map: &BTreeMap<String, Value>) -> BTreeMap<String, Value> {
+    fn walk(prefix: &str, value: &Value, out: &mut BTreeMap<String, Value>) {
+        match value {
+            Value::Object(obj) if !obj.is_empty() => {
+                for (k, v) in obj {
+                    walk(&format!("{prefix}.{k}"), v, out);
+                }
+            }
+            _ => {
+                out.insert(prefix.to_string(), value.clone());
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (k, v) in map {
+        walk(k, v, &mut out);
+    }
+    out
+}
+
+/// How a job opens its output directory.
+#[derive(Debug, Clone)]
+pub struct RunDirOptions {
+    /// Start over when the manifest differs (or is missing): the job's files are removed.
+    pub overwrite: bool,
+    /// The job's files in the directory, removed on overwrite; any of them present without a
+    /// manifest means records of unknown origin.
+    pub owned_files: Vec<String>,
+    /// The job's flag naming the output directory (`--out`, `--output-dir`), for messages.
+    pub dir_flag: String,
+    /// The job's flag that starts over (`--overwrite`), for messages.
+    pub overwrite_flag: String,
+}
+
+impl RunDirOptions {
+    /// Options for a job whose files are `owned_files`, with the usual flag names (`--out`,
+    /// `--overwrite`).
+    pub fn new(owned_files: &[&str], overwrite: bool) -> Self {
+        RunDirOptions {
+            overwrite,
+            owned_files: owned_files.iter().map(|s| s.to_string()).collect(),
+            dir_flag: "--out".into(),
+            overwrite_flag: "--overwrite".into(),
+        }
+    }
+
+    fn ways_out(&self) -> String {
+        format!(
+            "write to another directory ({} DIR), or pass {} to remove this directory's records and start over",
+            self.dir_flag, self.overwrite_flag
+        )
+    }
+}
+
+/// How [`RunDir::open`] found the directory.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunDirState {
+    /// No manifest and no records: a new run.
+    New,
+    /// The manifest matched: records there are this run's and are resumed.
+    Resumed,
+    /// The caller asked to overwrite and the directory held other records: these files were
+    /// removed (`diffs` says why; empty when there was no manifest).
+    Overwritten {
+        /// Files removed.
+        removed: Vec<PathBuf>,
+        /// How the old manifest differed.
+        diffs: Vec<FieldDiff>,
+    },
+}
+
+/// An output directory held by this process: its lock lives as long as the value.
+#[derive(Debug)]
+pub struct RunDir {
+    dir: PathBuf,
+    /// Holds the OS lock; dropping it releases the directory.
+    _lock: File,
+    /// What was found when opening.
+    pub state: RunDirState,
+}
+
+impl RunDir {
+    /// Opens `dir` for one run described by `manifest` (see the module docs): takes the lock,
+    /// then resumes, starts, or — with `options.overwrite` — starts over.
+    pub fn open(dir: &Path, manifest: &Manifest, options: &RunDirOptions) -> Result<RunDir> {
+        std::fs::create_dir_all(dir).map_err(|e| DistError::io("create directory", dir, e))?;
+        let lock = lock_dir(dir)?;
+        let manifest = manifest.normalised();
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let present: Vec<PathBuf> = options
+            .owned_files
+            .iter()
+            .map(|f| dir.join(f))
+            .filter(|p| p.exists())
+            .collect();
+        let recorded = match Manifest::read(&manifest_path) {
+            Ok(m) => m,
+            Err(e @ DistError::BadManifest { .. }) if !options.overwrite => return Err(e),
+            Err(DistError::BadManifest { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        let state = match recorded {
+            Some(old) => {
+                let diffs = old.diff(&manifest);
+                if diffs.is_empty() {
+                    RunDirState::Resumed
+                } else if options.overwrite {
+                    remove_files(&present)?;
+                    manifest.write(&manifest_path)?;
+                    RunDirState::Overwritten {
+                        removed: present,
+                        diffs,
+                    }
+                } else {
+                    return Err(DistError::ManifestMismatch {
+                        manifest: manifest_path,
+                        diffs,
+                        ways_out: options.ways_out(),
+                    });
+                }
+            }
+            None if present.iter().any(|p| !is_empty_file(p)) && !options.overwrite => {
+                return Err(DistError::NoManifest {
+                    dir: dir.to_path_buf(),
+                    files: present,
+                    ways_out: options.ways_out(),
+                });
+            }
+            None if !present.is_empty() => {
+                remove_files(&present)?;
+                manifest.write(&manifest_path)?;
+                RunDirState::Overwritten {
+                    removed: present,
+                    diffs: Vec::new(),
+                }
+            }
+            None => {
+                manifest.write(&manifest_path)?;
+                RunDirState::New
+            }
+        };
+        Ok(RunDir {
+            dir: dir.to_path_buf(),
+            _lock: lock,
+            state,
+        })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A file inside the directory.
+    pub fn join(&self, name: impl AsRef<Path>) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+fn is_empty_file(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == 0)
+}
+
+fn remove_files(paths: &[PathBuf]) -> Result<()> {
+    for p in paths {
+        let removed = if p.is_dir() {
+            std::fs::remove_dir_all(p)
+        } else {
+            std::fs::remove_file(p)
+        };
+        removed.map_err(|e| DistError::io("remove", p, e))?;
+    }
+    Ok(())
+}
+
+/// Takes the directory's exclusive lock without waiting, and writes who holds it.
+fn lock_dir(dir: &Path) -> Result<File> {
+    let path = dir.join(LOCK_FILE);
+    let mut file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| DistError::io("open the lock file", &path, e))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            return Err(DistError::Locked {
+                dir: dir.to_path_buf(),
+                holder: holder.trim().to_string(),
+            });
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(DistError::io("lock", &path, e));
+        }
+    }
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let command: Vec<String> = std::env::args().collect();
+    let text = format!(
+        "pid {} (started at unix time {started}): {}\n",
+        std::process::id(),
+        command.join(" ")
+    );
+    // The holder note is informational: a failure to write it must not stop the run.
+    let _ = file
+        .set_len(0)
+        .and_then(|_| file.rewind())
+        .and_then(|_| file.write_all(text.as_bytes()));
+    Ok(file)
+}
+
+/// The commit being run: `$FLEET_COMMIT`, else `git rev-parse HEAD`, else a `COMMIT` file in
+/// the working directory (the device machine gets no .git), else `"unknown"`.
+pub fn commit_id() -> String {
+    if let Ok(c) = std::env::var("FLEET_COMMIT") {
+        if !c.trim().is_empty() {
+            return c.trim().to_string();
+        }
+    }
+    let from_git = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .filter(|s| !s.is_empty());
+    if let Some(c) = from_git {
+        return c;
+    }
+    std::fs::read_to_string("COMMIT")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(model: &str, step_cap: u32) -> Manifest {
+        Manifest::new("test job")
+            .with(
+                "model",
+                serde_json::json!({"weights_digest": model, "dtype": "f32"}),
+            )
+            .with("step_cap", step_cap)
+            .with("threshold", 0.3f32)
+            .note("out", "some/path")
+    }
+
+    fn options(overwrite: bool) -> RunDirOptions {
+        RunDirOptions::new(&["records.jsonl", "summary.json"], overwrite)
+    }
+
+    #[test]
+    fn same_manifest_resumes_and_another_is_refused_with_the_fields() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap();
+        assert_eq!(run.state, RunDirState::New);
+        std::fs::write(run.join("records.jsonl"), "{}\n").unwrap();
+        drop(run);
+        // A different `about` does not matter.
+        let same = manifest("aaa", 3).note("out", "elsewhere");
+        let run = RunDir::open(dir.path(), &same, &options(false)).unwrap();
+        assert_eq!(run.state, RunDirState::Resumed);
+        drop(run);
+
+        let err = RunDir::open(dir.path(), &manifest("bbb", 5), &options(false)).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("model.weights_digest: \"aaa\" recorded, \"bbb\" now"),
+            "{msg}"
+        );
+        assert!(msg.contains("step_cap: 3 recorded, 5 now"), "{msg}");
+        assert!(!msg.contains("dtype"), "{msg}");
+        assert!(
+            msg.contains("--out") && msg.contains("--overwrite"),
+            "{msg}"
+        );
+        // Refused: the records are untouched.
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("records.jsonl")).unwrap(),
+            "{}\n"
+        );
+    }
+
+    #[test]
+    fn overwrite_removes_the_jobs_files_only() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap());
+        std::fs::write(dir.path().join("records.jsonl"), "{}\n").unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "mine").unwrap();
+        let run = RunDir::open(dir.path(), &manifest("bbb", 3), &options(true)).unwrap();
+        match &run.state {
+            RunDirState::Overwritten { removed, diffs } => {
+                assert_eq!(removed, &vec![dir.path().join("records.jsonl")]);
+                assert_eq!(diffs.len(), 1);
+            }
+            s => panic!("{s:?}"),
+        }
+        assert!(!dir.path().join("records.jsonl").exists());
+        assert!(dir.path().join("notes.txt").exists());
+        let now = Manifest::read(&dir.path().join(MANIFEST_FILE))
+            .unwrap()
+            .unwrap();
+        assert!(now.diff(&manifest("bbb", 3)).is_empty());
+    }
+
+    #[test]
+    fn records_without_manifest_are_refused_unless_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("records.jsonl"), "{}\n").unwrap();
+        let err = RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap_err();
+        assert!(matches!(err, DistError::NoManifest { .. }), "{err}");
+        assert!(err.to_string().contains("records.jsonl"), "{err}");
+        let run = RunDir::open(dir.path(), &manifest("aaa", 3), &options(true)).unwrap();
+        assert!(matches!(run.state, RunDirState::Overwritten { .. }));
+    }
+
+    #[test]
+    fn a_second_writer_is_refused_while_the_first_holds_the_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap();
+        let err = RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, DistError::Locked { .. }), "{msg}");
+        assert!(
+            msg.contains(&format!("pid {}", std::process::id())),
+            "{msg}"
+        );
+        drop(first);
+        RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap();
+    }
+
+    #[test]
+    fn float_fields_compare_equal_after_a_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manifest::new("j").with("x", 0.1f32).with("y", 1e-4f64);
+        drop(RunDir::open(dir.path(), &m, &options(false)).unwrap());
+        let run = RunDir::open(dir.path(), &m, &options(false)).unwrap();
+        assert_eq!(run.state, RunDirState::Resumed);
+    }
+}
