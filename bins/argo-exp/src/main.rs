@@ -21,6 +21,7 @@ use fleet_argo::{ExperimentConfig, Mode, StrategyKind, SIMULATION};
 #[derive(Parser, Debug)]
 #[command(
     name = "argo-exp",
+    version,
     about = "ARGO experiments: solve the MDP, simulate strategies, sweep the retrieval cost",
     long_about = "ARGO experiments. With no subcommand: the simulated cost sweep with the \
                   default parameters (the MDP's own model; no weights, no GPU).",
@@ -402,6 +403,14 @@ fn solve(args: &SolveArgs) -> Result<()> {
 fn main() -> Result<()> {
     // A replica worker started by this program's own data-parallel path serves and exits here.
     fleet_models::replica_process::serve_if_replica_worker();
+    // Warnings of the libraries (a checkpoint tensor the model does not use, a cache of
+    // another model emptied) reach the user; RUST_LOG overrides.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     match &cli.command {
         None => run_sweep(&cli.sweep, false),

@@ -9,16 +9,20 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use fleet_argo::dataset::{DatasetSource, Difficulty};
-use fleet_argo::experiment::{build_jobs, render_real_table, RealRunSummary, RetrievalConfig};
+use fleet_argo::experiment::{
+    build_jobs, real_run_manifest, render_real_table, RealRunInputs, RealRunSummary,
+    RetrievalConfig,
+};
 use fleet_argo::index::{Chunking, VectorIndex};
-use fleet_argo::llm::{FleetLlm, Llm};
+use fleet_argo::llm::{cache_manifest, FleetLlm, Llm};
 use fleet_argo::prompts::Prompts;
-use fleet_argo::runner::{run_jobs, summarize, RecordsFile, Retriever};
+use fleet_argo::runner::{run_jobs, summarize, RecordsFile, Retriever, RunEvent};
 use fleet_argo::summary::{commit_id, write_json_atomic};
 use fleet_argo::StrategyKind;
+use fleet_dist::{RunDir, RunDirOptions, RunDirState};
 use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
 use fleet_models::placement::{PlacementRequest, Replicas};
-use fleet_models::{parse_dtype, LoadOptions};
+use fleet_models::{parse_dtype, LoadOptions, ModelSource};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// The sentence embedder and where it runs.
@@ -58,29 +62,44 @@ pub struct IngestArgs {
     /// Start a new index instead of adding to the existing one.
     #[arg(long)]
     pub rebuild: bool,
-    /// Words per chunk.
-    #[arg(long, default_value_t = Chunking::default().words)]
-    pub chunk_words: usize,
-    /// Words shared by consecutive chunks.
-    #[arg(long, default_value_t = Chunking::default().overlap)]
-    pub chunk_overlap: usize,
+    /// Words per chunk (default: the index's, or 160 for a new index). An existing index
+    /// keeps its chunking: another value needs --rebuild.
+    #[arg(long)]
+    pub chunk_words: Option<usize>,
+    /// Words shared by consecutive chunks (default: the index's, or 32 for a new index).
+    #[arg(long)]
+    pub chunk_overlap: Option<usize>,
     #[command(flatten)]
     pub embedder: EmbedderArgs,
 }
 
 pub fn ingest(args: &IngestArgs) -> Result<()> {
     let (embedder, _) = args.embedder.load()?;
+    let existing = if args.index.join("index.json").exists() && !args.rebuild {
+        Some(VectorIndex::open(&args.index)?)
+    } else {
+        None
+    };
+    let base = existing
+        .as_ref()
+        .map_or_else(Chunking::default, |i| i.meta().chunking);
     let chunking = Chunking {
-        words: args.chunk_words,
-        overlap: args.chunk_overlap,
+        words: args.chunk_words.unwrap_or(base.words),
+        overlap: args.chunk_overlap.unwrap_or(base.overlap),
     };
     if chunking.words == 0 || chunking.overlap >= chunking.words {
-        bail!("--chunk-words must be > 0 and --chunk-overlap smaller than it");
+        bail!(
+            "--chunk-words {} --chunk-overlap {}: chunks need at least one word and an overlap smaller than the chunk",
+            chunking.words,
+            chunking.overlap
+        );
     }
-    let mut index = if args.index.join("index.json").exists() && !args.rebuild {
-        VectorIndex::open(&args.index)?
-    } else {
-        VectorIndex::create(&args.index, embedder.id(), embedder.dim(), chunking)
+    let mut index = match existing {
+        Some(index) => {
+            index.check_chunking(chunking)?;
+            index
+        }
+        None => VectorIndex::create(&args.index, embedder.id(), embedder.dim(), chunking),
     };
     let bar = ProgressBar::new_spinner().with_style(
         ProgressStyle::with_template("{spinner} {pos} files, {msg}")
@@ -95,14 +114,18 @@ pub fn ingest(args: &IngestArgs) -> Result<()> {
     bar.finish_and_clear();
     index.save()?;
     println!(
-        "index {}: {} added, {} replaced, {} unchanged, {} chunks added, {} chunks in all",
+        "index {}: {} added, {} replaced, {} unchanged, {} removed, {} chunks added, {} chunks in all",
         args.index.display(),
         report.added.len(),
         report.replaced.len(),
         report.unchanged.len(),
+        report.removed.len(),
         report.chunks_added,
         index.chunks().len()
     );
+    for file in &report.removed {
+        println!("removed {file}: no longer under {}", args.docs.display());
+    }
     for (file, why) in &report.skipped {
         println!("skipped {file}: {why}");
     }
@@ -116,9 +139,9 @@ pub struct QueryArgs {
     pub text: String,
     #[arg(long, default_value = "results/argo/index")]
     pub index: PathBuf,
-    /// Hits to show.
-    #[arg(long, default_value_t = 5)]
-    pub top_k: usize,
+    /// Hits to show (at least 1).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub top_k: u64,
     #[command(flatten)]
     pub embedder: EmbedderArgs,
 }
@@ -128,7 +151,7 @@ pub fn query(args: &QueryArgs) -> Result<()> {
     let index = VectorIndex::open(&args.index)?;
     index.check_embedder(embedder.id())?;
     let v = embedder.embed_vecs(&[args.text.as_str()])?;
-    for hit in &index.search(&v, args.top_k, &device)?[0] {
+    for hit in &index.search(&v, args.top_k as usize, &device)?[0] {
         let chunk = index.chunk(hit.id).context("hit outside the index")?;
         let text: String = chunk.text.chars().take(160).collect();
         println!("{:.4}  {}#{}  {}", hit.score, chunk.source, hit.id, text);
@@ -157,24 +180,24 @@ pub struct RealArgs {
     /// Budgets in accelerate's style, e.g. `0=60GiB,1=0.9`.
     #[arg(long)]
     pub max_memory: Option<String>,
-    /// Prompts per replica batch.
-    #[arg(long, default_value_t = 64)]
-    pub max_batch: usize,
+    /// Prompts per replica batch (at least 1).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_batch: u64,
     /// GiB the attention scores of one prefill batch may take (long prompts then go in
     /// smaller batches).
     #[arg(long, default_value_t = 16.0)]
     pub attention_budget_gib: f64,
-    /// Questions (jobs) advancing together.
-    #[arg(long, default_value_t = 256)]
-    pub max_in_flight: usize,
+    /// Questions (jobs) advancing together (at least 1).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_in_flight: u64,
     /// The retrieval index (`argo-exp ingest`).
     #[arg(long, default_value = "results/argo/index")]
     pub index: PathBuf,
     #[command(flatten)]
     pub embedder: EmbedderArgs,
-    /// Chunks per retrieval.
-    #[arg(long, default_value_t = RetrievalConfig::default().top_k)]
-    pub top_k: usize,
+    /// Chunks per retrieval (at least 1).
+    #[arg(long, default_value_t = RetrievalConfig::default().top_k as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub top_k: u64,
     /// Cosine similarity a new chunk needs to count as progress.
     #[arg(long, default_value_t = RetrievalConfig::default().threshold)]
     pub threshold: f32,
@@ -185,10 +208,12 @@ pub struct RealArgs {
     /// ORAN-Bench-13K directory, or a generic multiple-choice .jsonl file.
     #[arg(long, default_value = "../shared/data/oran-bench-13k")]
     pub dataset: PathBuf,
-    /// easy, medium, hard or mixed (ORAN-Bench only).
-    #[arg(long, default_value = "hard")]
-    pub difficulty: String,
-    /// Questions to sample (default: --mode's size).
+    /// easy, medium, hard or mixed (ORAN-Bench only; default hard). A .jsonl dataset has no
+    /// difficulty levels: giving one is an error.
+    #[arg(long)]
+    pub difficulty: Option<String>,
+    /// Questions to sample (default: --mode's size, or all the dataset has when it has fewer).
+    /// More than the dataset has is an error.
     #[arg(long)]
     pub n_questions: Option<usize>,
     /// small (10 questions, 5 c_r points), medium (100, 10), full (1000, 10).
@@ -206,9 +231,15 @@ pub struct RealArgs {
     /// Prompt TOML (default: configs/argo_prompts.toml, built in).
     #[arg(long)]
     pub prompts: Option<PathBuf>,
-    /// Results directory: records.jsonl (resumable), summary.json, llm_cache.jsonl.
+    /// Results directory: manifest.json (what made the records), records.jsonl (resumable),
+    /// summary.json, llm_cache.jsonl (exact cache of the greedy LLM calls, with
+    /// llm_cache.jsonl.manifest.json) and, with --sweep, the plots. One run at a time.
     #[arg(long, default_value = "results/argo/real")]
     pub out: PathBuf,
+    /// Remove the records of another model or other settings in --out and start over (a
+    /// resume with a different manifest is refused without it).
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 /// What to run: strategies and c_r points.
@@ -218,6 +249,22 @@ pub struct Plan {
     /// None: the config's single c_r (`mdp.c_r`); Some: the sweep's points.
     pub sweep: bool,
 }
+
+/// The files a real run owns in its output directory (removed by --overwrite). The LLM cache
+/// is not among them: it carries its own manifest and is kept when the model is the same.
+const REAL_RUN_FILES: &[&str] = &[
+    "records.jsonl",
+    "summary.json",
+    "real_graph1a_accuracy_vs_c_r.png",
+    "real_graph1a_accuracy_vs_c_r.svg",
+    "real_graph1b_retrievals_vs_c_r.png",
+    "real_graph1b_retrievals_vs_c_r.svg",
+    "real_graph1c_accuracy_vs_cost.png",
+    "real_graph1c_accuracy_vs_cost.svg",
+];
+
+/// The LLM cache's file in the output directory.
+const LLM_CACHE_FILE: &str = "llm_cache.jsonl";
 
 pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     let mut cfg = match &args.config {
@@ -233,8 +280,12 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     if let Some(cap) = args.step_cap {
         cfg.episode.step_cap = cap;
     }
-    let n_questions = args.n_questions.unwrap_or(cfg.sweep.n_questions as usize);
-    cfg.sweep.n_questions = n_questions as u64;
+    if let Some(list) = &plan.strategies {
+        cfg.strategies.list = list.clone();
+    }
+    if let Some(n) = args.n_questions {
+        cfg.sweep.n_questions = n as u64;
+    }
     cfg.validate()?;
     let c_r_values = if plan.sweep {
         cfg.sweep.c_r_values()
@@ -247,20 +298,38 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     };
 
     // Data.
-    let source = if args.dataset.extension().is_some_and(|e| e == "jsonl") {
-        DatasetSource::Jsonl {
-            path: args.dataset.clone(),
+    let (source, difficulty) = if args.dataset.extension().is_some_and(|e| e == "jsonl") {
+        if let Some(d) = &args.difficulty {
+            bail!(
+                "--difficulty {d}: {} is a .jsonl dataset, which has no difficulty levels \
+                 (they are ORAN-Bench-13K's files); leave out --difficulty, or give the \
+                 ORAN-Bench directory",
+                args.dataset.display()
+            );
         }
+        let path = args.dataset.clone();
+        (DatasetSource::Jsonl { path }, None)
     } else {
-        let difficulty: Difficulty = args.difficulty.parse()?;
-        DatasetSource::OranBench {
-            dir: args.dataset.clone(),
-            difficulty,
-        }
+        let difficulty: Difficulty = args.difficulty.as_deref().unwrap_or("hard").parse()?;
+        let dir = args.dataset.clone();
+        (
+            DatasetSource::OranBench { dir, difficulty },
+            Some(difficulty),
+        )
     };
     let dataset = source.load()?;
     eprintln!("{}", dataset.report);
+    let available = dataset.questions.len();
+    let n_questions = cfg.sweep.n_questions as usize;
+    if args.n_questions.is_some() && n_questions > available {
+        bail!(
+            "--n-questions {n_questions}: {} has only {available} questions{}; ask for at most {available}",
+            args.dataset.display(),
+            difficulty.map(|d| format!(" at difficulty {d}")).unwrap_or_default()
+        );
+    }
     let sample = dataset.sample(Some(n_questions), cfg.sweep.seed)?;
+    eprintln!("{sample}");
     let questions: Vec<Arc<fleet_argo::dataset::Question>> =
         sample.questions.iter().cloned().map(Arc::new).collect();
 
@@ -269,7 +338,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     let index = VectorIndex::open(&args.index)?;
     index.check_embedder(embedder.id())?;
     let retrieval = RetrievalConfig {
-        top_k: args.top_k,
+        top_k: args.top_k as usize,
         threshold: args.threshold,
         progress: args.progress,
     };
@@ -282,11 +351,68 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         retrieval.progress,
     );
 
+    // The output directory: taken (one writer) and checked against what made its records
+    // before the model is loaded, so a refused resume costs no loading time.
+    let opts = LoadOptions {
+        dtype: parse_dtype(&args.dtype)?,
+        revision: args.revision.clone(),
+        ..LoadOptions::default()
+    };
+    let dtype = dtype_name(opts.dtype);
+    let checkpoint = ModelSource::parse(&args.model, args.revision.as_deref())?
+        .resolve(&opts.hub)
+        .with_context(|| format!("finding the checkpoint {}", args.model))?
+        .identity()?;
+    let model_id = match &args.revision {
+        Some(r) => format!("{}@{r}", args.model),
+        None => args.model.clone(),
+    };
+    let manifest = real_run_manifest(&RealRunInputs {
+        model: &checkpoint,
+        dtype,
+        embedder: embedder.id(),
+        index_digest: &index.content_digest()?,
+        dataset: &dataset,
+        difficulty,
+        config: &cfg,
+        retrieval: &retrieval,
+        prompts: &prompts,
+    })
+    .note("model", &model_id)
+    .note("index", args.index.display().to_string())
+    .note("dataset", args.dataset.display().to_string())
+    .note("commit", commit_id());
+    let run_dir = RunDir::open(
+        &args.out,
+        &manifest,
+        &RunDirOptions::new(REAL_RUN_FILES, args.overwrite),
+    )?;
+    if let RunDirState::Overwritten { removed, diffs } = &run_dir.state {
+        eprintln!(
+            "--overwrite: removed {} file(s) of an earlier run in {}{}",
+            removed.len(),
+            args.out.display(),
+            if diffs.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " ({})",
+                    diffs
+                        .iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                )
+            }
+        );
+    }
+
     // The LLM on its placement.
     let mode = match args.gpu_mode.as_str() {
         "sharded" => "layer-sharded",
         m => m,
     };
+    let max_batch = args.max_batch as usize;
     let attention_budget = (args.attention_budget_gib * (1u64 << 30) as f64) as u64;
     let placement = PlacementRequest {
         mode: mode.parse()?,
@@ -295,40 +421,28 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
             Some(m) => m.parse()?,
             None => fleet_models::placement::MaxMemory::new(),
         },
-        workload: fleet_models::placement::default_workload(args.max_batch, attention_budget),
-    };
-    let opts = LoadOptions {
-        dtype: parse_dtype(&args.dtype)?,
-        revision: args.revision.clone(),
-        ..LoadOptions::default()
+        workload: fleet_models::placement::default_workload(max_batch, attention_budget),
     };
     let replicas = Replicas::load_planned(&args.model, &opts, &placement)?;
     let placement_text = format!("{} mode, {} replica(s)", mode, replicas.len());
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
-    let model_id = match &args.revision {
-        Some(r) => format!("{}@{r}", args.model),
-        None => args.model.clone(),
-    };
-    let llm = FleetLlm::new(replicas, model_id.clone(), args.max_batch)
+    let llm = FleetLlm::new(replicas, model_id.clone(), max_batch)
         .with_attention_budget(attention_budget)
-        .with_cache_file(&args.out.join(cache_file_name(&model_id, &args.dtype)))?;
+        .with_cache_file(
+            &run_dir.join(LLM_CACHE_FILE),
+            &cache_manifest(&checkpoint, dtype),
+            args.overwrite,
+        )?;
 
     // Jobs, resumable records.
-    let strategies = plan
-        .strategies
-        .unwrap_or_else(|| cfg.strategies.list.clone());
+    let strategies = cfg.strategies.list.clone();
     let jobs = build_jobs(&questions, &cfg, &strategies, &c_r_values)?;
     let keys: Vec<String> = jobs.iter().map(|j| j.key()).collect();
-    let mut records = RecordsFile::open(&args.out.join("records.jsonl"))?;
-    if records.bad_lines > 0 {
-        eprintln!(
-            "records.jsonl: {} unreadable line(s) (a run killed mid-write); those jobs run again",
-            records.bad_lines
-        );
+    let mut records = RecordsFile::open(&run_dir.join("records.jsonl"))?;
+    if let Some(problems) = &records.problems {
+        eprintln!("{problems}");
     }
     let bar = ProgressBar::new(jobs.len() as u64).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} jobs  {elapsed} (ETA {eta})")
+        ProgressStyle::with_template("{bar:40} {pos}/{len} jobs  {elapsed} (ETA {eta})  {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let started = Instant::now();
@@ -338,8 +452,21 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         &retriever,
         &prompts,
         &mut records,
-        args.max_in_flight,
-        &mut |_| bar.inc(1),
+        args.max_in_flight as usize,
+        &mut |event| match event {
+            RunEvent::Resumed(n) => bar.inc(n as u64),
+            RunEvent::Finished(_) => bar.inc(1),
+            RunEvent::Round {
+                round,
+                in_flight,
+                waiting,
+            } => {
+                bar.set_message(format!(
+                    "round {round}: {in_flight} in flight, {waiting} waiting"
+                ));
+                bar.tick();
+            }
+        },
     )?;
     bar.finish_and_clear();
     let wall_s = started.elapsed().as_secs_f64();
@@ -349,12 +476,12 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     print!("{}", render_real_table(&results));
     let summary = RealRunSummary {
         world: "real",
-        model: format!("{model_id} ({})", args.dtype),
+        model: format!("{model_id} ({dtype})"),
         embedder: serde_json::to_value(embedder.id())?,
         index: args.index.display().to_string(),
         dataset: serde_json::json!({
             "source": args.dataset.display().to_string(),
-            "difficulty": args.difficulty,
+            "difficulty": difficulty,
             "n_questions": questions.len(),
             "seed": cfg.sweep.seed,
             "loaded": dataset.questions.len(),
@@ -370,14 +497,14 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         placement: placement_text,
         commit: commit_id(),
     };
-    let path = args.out.join("summary.json");
+    let path = run_dir.join("summary.json");
     write_json_atomic(&path, &summary)?;
     if c_r_values.len() > 1 {
         let subtitle = format!(
             "{} | {} {} questions, seed {}",
             summary.model,
             questions.len(),
-            args.difficulty,
+            difficulty.map_or_else(|| "jsonl".to_string(), |d| d.to_string()),
             summary.config.sweep.seed
         );
         for plot in fleet_argo::plot::plot_real_sweep(&args.out, &summary.results, &subtitle)? {
@@ -407,11 +534,12 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     Ok(())
 }
 
-/// One cache file per model and dtype: token ids mean nothing for another model.
-fn cache_file_name(model_id: &str, dtype: &str) -> String {
-    let safe: String = model_id
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-        .collect();
-    format!("llm_cache.{safe}.{dtype}.jsonl")
+/// The dtype's name as the flags spell it.
+fn dtype_name(dtype: candle_core::DType) -> &'static str {
+    match dtype {
+        candle_core::DType::BF16 => "bf16",
+        candle_core::DType::F16 => "f16",
+        candle_core::DType::F32 => "f32",
+        _ => dtype.as_str(),
+    }
 }

@@ -1,68 +1,18 @@
 //! The real-model commands end to end on the tiny fixtures: ingest a corpus, query it, compare
 //! strategies on a generic JSONL dataset with the tiny Qwen checkpoint, resume, and bad input.
 
-use std::path::{Path, PathBuf};
-use std::process::Output;
-
 mod common;
-use common::argo_exp;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn ok(out: &Output) -> String {
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "stdout:\n{stdout}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
+use common::{argo_exp, fails, ok, TinyRun};
 
 #[test]
 fn ingest_query_compare_and_resume_on_tiny_fixtures() {
-    let tmp = tempfile::tempdir().unwrap();
-    let docs = tmp.path().join("docs");
-    std::fs::create_dir_all(&docs).unwrap();
-    std::fs::write(
-        docs.join("e2.txt"),
-        "The E2 interface connects the near-RT RIC to E2 nodes.",
-    )
-    .unwrap();
-    std::fs::write(
-        docs.join("a1.md"),
-        "The A1 interface carries policies to the near-RT RIC.",
-    )
-    .unwrap();
-    let index = tmp.path().join("index");
-    let embedder = repo().join("tests/fixtures/bert-tiny-st");
+    let run = TinyRun::new();
+    let tmp = &run.tmp;
+    let index = run.index.clone();
+    let embedder = run.embedder.clone();
     let (index_s, embedder_s) = (index.to_str().unwrap(), embedder.to_str().unwrap());
-
-    let out = ok(&argo_exp(&[
-        "ingest",
-        "--docs",
-        docs.to_str().unwrap(),
-        "--index",
-        index_s,
-        "--embedder",
-        embedder_s,
-    ]));
-    assert!(
-        out.contains("2 added") && out.contains("2 chunks in all"),
-        "{out}"
-    );
     // Again: nothing new.
-    let out = ok(&argo_exp(&[
-        "ingest",
-        "--docs",
-        docs.to_str().unwrap(),
-        "--index",
-        index_s,
-        "--embedder",
-        embedder_s,
-    ]));
+    let out = ok(&run.ingest(&[]));
     assert!(
         out.contains("2 unchanged") && out.contains("0 chunks added"),
         "{out}"
@@ -79,47 +29,10 @@ fn ingest_query_compare_and_resume_on_tiny_fixtures() {
     ]));
     assert_eq!(out.lines().count(), 2, "{out}");
 
-    let data = tmp.path().join("questions.jsonl");
-    let mut lines = String::new();
-    for i in 0..3 {
-        lines.push_str(&format!(
-            "{{\"id\": \"t{i}\", \"question\": \"Which interface links the RIC to E2 nodes ({i})?\", \"options\": [\"A1\", \"E2\", \"O1\"], \"answer\": 2}}\n"
-        ));
-    }
-    std::fs::write(&data, lines).unwrap();
     let out_dir = tmp.path().join("real");
-    // Short replies keep the CPU test quick: the tiny model writes noise anyway.
-    let prompts = tmp.path().join("prompts.toml");
-    let shipped = std::fs::read_to_string(repo().join("configs/argo_prompts.toml")).unwrap();
-    let short = shipped
-        .replace("max_new_tokens = 48", "max_new_tokens = 4")
-        .replace("max_new_tokens = 128", "max_new_tokens = 4")
-        .replace("max_new_tokens = 64", "max_new_tokens = 6");
-    std::fs::write(&prompts, short).unwrap();
-    let model = repo().join("tests/fixtures/qwen2-tiny");
-    let args = [
-        "compare",
-        "--model",
-        model.to_str().unwrap(),
-        "--dtype",
-        "f32",
-        "--dataset",
-        data.to_str().unwrap(),
-        "--n-questions",
-        "3",
-        "--strategies",
-        "argo,fixed-k:1,always-reason",
-        "--step-cap",
-        "3",
-        "--prompts",
-        prompts.to_str().unwrap(),
-        "--index",
-        index_s,
-        "--embedder",
-        embedder_s,
-        "--out",
-        out_dir.to_str().unwrap(),
-    ];
+    let model = run.model.clone();
+    let args_owned = run.compare_args(&out_dir);
+    let args: Vec<&str> = args_owned.iter().map(String::as_str).collect();
     let out = ok(&argo_exp(&args));
     assert!(out.contains("[real]") && out.contains("ARGO"), "{out}");
     let summary: serde_json::Value =
@@ -230,4 +143,219 @@ fn ingest_query_compare_and_resume_on_tiny_fixtures() {
     assert!(!missing.status.success());
     let err = String::from_utf8_lossy(&missing.stderr);
     assert!(err.contains("/nonexistent/q.jsonl"), "{err}");
+}
+
+/// Issue 14, item 1: a resume is keyed by what made the records.
+#[test]
+fn a_resume_with_another_model_or_settings_is_refused_and_overwrite_starts_over() {
+    let run = TinyRun::new();
+    let out_dir = run.tmp.path().join("real");
+    let args = run.compare_args(&out_dir);
+    let two = [("--n-questions", "2"), ("--strategies", "fixed-k:1")];
+    ok(&run.run_with(&args, &two));
+    let records = std::fs::read_to_string(out_dir.join("records.jsonl")).unwrap();
+    assert_eq!(records.lines().count(), 2);
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(manifest["determines"]["step_cap"], 3);
+    assert_eq!(manifest["determines"]["dtype"], "f32");
+    assert!(manifest["determines"]["model"]["weights_digest"]
+        .as_str()
+        .unwrap()
+        .starts_with("fnv1a64w:"));
+
+    // Another step cap, threshold, dtype or model: refused, naming the field, records untouched.
+    let changes: [(&[(&str, &str)], &str); 4] = [
+        (&[("--step-cap", "4")], "step_cap: 3 recorded, 4 now"),
+        (&[("--threshold", "0.5")], "retrieval.threshold"),
+        (
+            &[("--dtype", "bf16")],
+            "dtype: \"f32\" recorded, \"bf16\" now",
+        ),
+        (
+            &[(
+                "--model",
+                run.model
+                    .with_file_name("qwen3-tiny")
+                    .to_str()
+                    .unwrap()
+                    .to_owned()
+                    .leak(),
+            )],
+            "model.weights_digest",
+        ),
+    ];
+    for (change, field) in changes {
+        let mut set = two.to_vec();
+        set.extend_from_slice(change);
+        let err = fails(&run.run_with(&args, &set));
+        assert!(err.contains(field), "{change:?}: {err}");
+        assert!(
+            err.contains("--out") && err.contains("--overwrite"),
+            "{change:?}: {err}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(out_dir.join("records.jsonl")).unwrap(),
+            records
+        );
+    }
+    // More questions or other strategies with the same settings extend the run.
+    let out = ok(&run.run_with(&args, &[("--strategies", "fixed-k:1")]));
+    assert!(out.contains("3 jobs (2 resumed)"), "{out}");
+
+    // --overwrite: the old records go, the cache of the same model stays.
+    let mut set = two.to_vec();
+    set.push(("--step-cap", "4"));
+    let cache_before = std::fs::read_to_string(out_dir.join("llm_cache.jsonl")).unwrap();
+    assert!(!cache_before.is_empty());
+    let overwrite = {
+        let mut a = args.clone();
+        a.push("--overwrite".into());
+        a
+    };
+    let out = run.run_with(&overwrite, &set);
+    let stdout = ok(&out);
+    assert!(stdout.contains("2 jobs (0 resumed)"), "{stdout}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("step_cap: 3 recorded, 4 now"), "{stderr}");
+    let cache_after = std::fs::read_to_string(out_dir.join("llm_cache.jsonl")).unwrap();
+    assert!(cache_after.starts_with(&cache_before));
+    // And the new settings resume.
+    let out = ok(&run.run_with(&args, &set));
+    assert!(out.contains("2 jobs (2 resumed)"), "{out}");
+
+    // Records of an older fleet (no manifest) are not resumed blindly.
+    std::fs::remove_file(out_dir.join("manifest.json")).unwrap();
+    let err = fails(&run.run_with(&args, &set));
+    assert!(err.contains("no manifest.json"), "{err}");
+}
+
+/// Issue 14, item 2: one writer per output directory.
+#[test]
+fn a_second_run_on_the_same_output_directory_stops_at_once() {
+    let run = TinyRun::new();
+    let out_dir = run.tmp.path().join("real");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    // Another process holds the directory (this test process, through the same OS lock).
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(out_dir.join(".fleet-lock"))
+        .unwrap();
+    lock.try_lock().unwrap();
+    std::fs::write(out_dir.join(".fleet-lock"), "pid 4242 (a test)\n").unwrap();
+    let err = fails(&run.run_with(&run.compare_args(&out_dir), &[]));
+    assert!(
+        err.contains("another run is writing") && err.contains("pid 4242"),
+        "{err}"
+    );
+    assert!(!out_dir.join("records.jsonl").exists());
+    drop(lock);
+    ok(&run.run_with(&run.compare_args(&out_dir), &[("--n-questions", "1")]));
+}
+
+/// Issue 14, item 3: a record line torn by a kill is repaired before the resume appends.
+#[test]
+fn a_torn_record_line_is_cut_off_and_its_job_runs_again() {
+    let run = TinyRun::new();
+    let out_dir = run.tmp.path().join("real");
+    let args = run.compare_args(&out_dir);
+    let set = [("--n-questions", "2"), ("--strategies", "fixed-k:1")];
+    ok(&run.run_with(&args, &set));
+    for file in ["records.jsonl", "llm_cache.jsonl"] {
+        let path = out_dir.join(file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let (body, last) = text.trim_end().rsplit_once('\n').unwrap();
+        std::fs::write(&path, format!("{body}\n{}", &last[..last.len() / 2])).unwrap();
+    }
+    let out = run.run_with(&args, &set);
+    let stdout = ok(&out);
+    assert!(stdout.contains("2 jobs (1 resumed)"), "{stdout}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cut off mid-write"), "{stderr}");
+    for file in ["records.jsonl", "llm_cache.jsonl"] {
+        let text = std::fs::read_to_string(out_dir.join(file)).unwrap();
+        assert!(text.ends_with('\n'), "{file}");
+        for line in text.lines() {
+            serde_json::from_str::<serde_json::Value>(line)
+                .unwrap_or_else(|e| panic!("{file}: {e}: {line}"));
+        }
+    }
+    let out = ok(&run.run_with(&args, &set));
+    assert!(out.contains("2 jobs (2 resumed)"), "{out}");
+}
+
+/// Issue 14, item 6: flags that were accepted silently.
+#[test]
+fn flags_that_cannot_be_honoured_are_errors() {
+    let run = TinyRun::new();
+    let out_dir = run.tmp.path().join("real");
+    let args = run.compare_args(&out_dir);
+    let cases: [(&[(&str, &str)], &str); 6] = [
+        (&[("--difficulty", "easy")], "no difficulty levels"),
+        (&[("--n-questions", "50")], "has only 3 questions"),
+        (&[("--strategies", "argo,fixed-k:1,argo")], "listed twice"),
+        (&[("--max-in-flight", "0")], "--max-in-flight"),
+        (&[("--max-batch", "0")], "--max-batch"),
+        (&[("--top-k", "0")], "--top-k"),
+    ];
+    for (set, expected) in cases {
+        let err = fails(&run.run_with(&args, set));
+        assert!(err.contains(expected), "{set:?}: {err}");
+    }
+    assert!(!out_dir.join("records.jsonl").exists());
+    let err = fails(&argo_exp(&[
+        "query",
+        "E2",
+        "--index",
+        run.index.to_str().unwrap(),
+        "--embedder",
+        run.embedder.to_str().unwrap(),
+        "--top-k",
+        "0",
+    ]));
+    assert!(err.contains("--top-k"), "{err}");
+    // Without --n-questions, a preset larger than the dataset takes all of it and says so.
+    let out = run.run_with(
+        &args,
+        &[("--n-questions", ""), ("--strategies", "fixed-k:1")],
+    );
+    ok(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("asked for 1000 questions but only 3 are available"),
+        "{stderr}"
+    );
+    let version = ok(&argo_exp(&["--version"]));
+    assert!(version.starts_with("argo-exp "), "{version}");
+    let help = ok(&argo_exp(&["compare", "--help"]));
+    assert!(
+        help.contains("llm_cache.jsonl") && help.contains("--overwrite"),
+        "{help}"
+    );
+}
+
+/// Issue 14, item 6: the index mirrors its documents directory and keeps its chunking.
+#[test]
+fn ingest_removes_deleted_documents_and_refuses_other_chunking() {
+    let run = TinyRun::new();
+    std::fs::remove_file(run.docs.join("a1.md")).unwrap();
+    let out = ok(&run.ingest(&[]));
+    assert!(
+        out.contains("1 removed") && out.contains("1 chunks in all"),
+        "{out}"
+    );
+    assert!(out.contains("removed a1.md"), "{out}");
+    let err = fails(&run.ingest(&["--chunk-words", "40"]));
+    assert!(
+        err.contains("--rebuild") && err.contains("160 words"),
+        "{err}"
+    );
+    let out = ok(&run.ingest(&["--chunk-words", "40", "--rebuild"]));
+    assert!(out.contains("1 added"), "{out}");
+    // The rebuilt index keeps its own chunking on the next ingest.
+    let out = ok(&run.ingest(&[]));
+    assert!(out.contains("1 unchanged"), "{out}");
 }

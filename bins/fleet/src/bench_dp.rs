@@ -104,7 +104,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         .iter()
         .map(|d| d.parse())
         .collect::<Result<_, _>>()?;
-    if args.group_size == 0 || locations.len() % args.group_size != 0 {
+    if args.group_size == 0 || !locations.len().is_multiple_of(args.group_size) {
         bail!(
             "--group-size {} must divide the {} devices of --devices",
             args.group_size,

@@ -8,13 +8,17 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::dataset::Question;
+use crate::dataset::{Dataset, Question};
 use crate::llm::LlmStats;
+use crate::prompts::Prompts;
 use crate::runner::RunProgress;
 use crate::runner::{Job, RealSummary};
 use crate::simulate::{derive_seed, Stream};
 use crate::strategy::{Strategy, StrategyError};
 use crate::{ExperimentConfig, MdpError, MdpParams, StrategyKind};
+use fleet_dist::Manifest;
+use fleet_models::embedder::EmbedderId;
+use fleet_models::CheckpointIdentity;
 
 /// Errors of building an experiment.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +94,73 @@ pub fn build_jobs(
         }
     }
     Ok(jobs)
+}
+
+/// Everything that determines a real run's records, for its output directory's manifest
+/// ([`fleet_dist::RunDir`]).
+pub struct RealRunInputs<'a> {
+    /// The LLM's weights, config and tokenizer, by content.
+    pub model: &'a CheckpointIdentity,
+    /// The LLM's dtype (`bf16`, `f16`, `f32`).
+    pub dtype: &'a str,
+    /// The embedder that searches the index.
+    pub embedder: &'a EmbedderId,
+    /// Digest of the index's files ([`crate::index::VectorIndex::content_digest`]).
+    pub index_digest: &'a str,
+    /// The dataset as loaded (the pool questions are sampled from).
+    pub dataset: &'a Dataset,
+    /// ORAN-Bench difficulty (`None` for a JSONL dataset).
+    pub difficulty: Option<crate::dataset::Difficulty>,
+    /// The experiment config.
+    pub config: &'a ExperimentConfig,
+    /// Retrieval settings.
+    pub retrieval: &'a RetrievalConfig,
+    /// The components' prompts.
+    pub prompts: &'a Prompts,
+}
+
+/// The job name in a real run's manifest.
+pub const REAL_RUN_JOB: &str = "argo-exp real run";
+
+/// The manifest of a real run's output directory: model (weights, config and tokenizer by
+/// content, dtype), embedder, index, dataset (content and difficulty), the MDP and solver, the
+/// step cap, the baselines' stop level, the seed, retrieval and prompts.
+///
+/// Left out, because a record's key already carries them or they do not change an answer:
+/// strategies and c_r points (in each record's key), how many questions are sampled (a
+/// smaller sample is a prefix of a larger one, so a run can be extended), batch sizes and
+/// placement.
+pub fn real_run_manifest(inputs: &RealRunInputs<'_>) -> Manifest {
+    let mut mdp = serde_json::to_value(inputs.config.mdp).unwrap_or_default();
+    if let Some(obj) = mdp.as_object_mut() {
+        // Each record's key carries its c_r.
+        obj.remove("c_r");
+    }
+    Manifest::new(REAL_RUN_JOB)
+        .with("model", inputs.model)
+        .with("dtype", inputs.dtype)
+        .with("embedder", inputs.embedder)
+        .with("index_digest", inputs.index_digest)
+        .with(
+            "dataset",
+            serde_json::json!({
+                "questions_digest": json_digest(&inputs.dataset.questions),
+                "questions": inputs.dataset.questions.len(),
+                "difficulty": inputs.difficulty,
+            }),
+        )
+        .with("mdp", mdp)
+        .with("solver", inputs.config.solver)
+        .with("step_cap", inputs.config.episode.step_cap)
+        .with("stop_progress", inputs.config.strategies.stop_progress)
+        .with("seed", inputs.config.sweep.seed)
+        .with("retrieval", inputs.retrieval)
+        .with("prompts_digest", json_digest(inputs.prompts))
+}
+
+/// Digest of a value's JSON form.
+fn json_digest<T: serde::Serialize + ?Sized>(value: &T) -> String {
+    fleet_dist::bytes_digest(&serde_json::to_vec(value).unwrap_or_default())
 }
 
 /// The summary file of a real run.

@@ -41,6 +41,20 @@ pub enum IndexError {
         /// What is wrong and what to do.
         message: String,
     },
+    /// Ingest asked for other chunking than the index was built with.
+    #[error("index {path} was built with chunks of {built_words} words ({built_overlap} overlap), not {asked_words} ({asked_overlap}): run `argo-exp ingest --rebuild` to re-chunk every document, or leave out --chunk-words/--chunk-overlap")]
+    ChunkingMismatch {
+        /// The index directory.
+        path: PathBuf,
+        /// Words per chunk in the index.
+        built_words: usize,
+        /// Overlap in the index.
+        built_overlap: usize,
+        /// Words per chunk asked for.
+        asked_words: usize,
+        /// Overlap asked for.
+        asked_overlap: usize,
+    },
     /// The index was built with another embedder.
     #[error("index {path} was built with another embedder ({message}): use the embedder that built it, or rebuild the index with `argo-exp ingest --rebuild`")]
     EmbedderMismatch {
@@ -138,6 +152,9 @@ pub struct IngestReport {
     pub replaced: Vec<String>,
     /// Files skipped, with the reason (not UTF-8, unsupported type, empty).
     pub skipped: Vec<(String, String)>,
+    /// Files in the index that are no longer under the documents directory: their chunks
+    /// were removed (the index mirrors the directory it is fed).
+    pub removed: Vec<String>,
     /// Chunks added.
     pub chunks_added: usize,
 }
@@ -348,8 +365,37 @@ impl VectorIndex {
             })
     }
 
+    /// Errors unless the index was built with `chunking` (chunks of different sizes would mix).
+    pub fn check_chunking(&self, chunking: Chunking) -> Result<(), IndexError> {
+        let built = self.meta.chunking;
+        if built == chunking {
+            return Ok(());
+        }
+        Err(IndexError::ChunkingMismatch {
+            path: self.dir.clone(),
+            built_words: built.words,
+            built_overlap: built.overlap,
+            asked_words: chunking.words,
+            asked_overlap: chunking.overlap,
+        })
+    }
+
+    /// A digest of the index's files as saved (chunks, embeddings, metadata): what a run's
+    /// manifest records, so that records made with another corpus are not resumed.
+    pub fn content_digest(&self) -> Result<String, IndexError> {
+        let files: Vec<PathBuf> = ["index.json", "chunks.jsonl", "embeddings.f32"]
+            .iter()
+            .map(|f| self.dir.join(f))
+            .collect();
+        fleet_dist::files_digest(&files).map_err(|(path, e)| IndexError::Io {
+            path,
+            message: format!("{e}; save the index (argo-exp ingest) before using it"),
+        })
+    }
+
     /// Ingests the `.txt`, `.md` and `.pdf` files under `docs` (recursively, in sorted order): new
-    /// files are chunked and embedded, unchanged ones skipped, changed ones replaced.
+    /// files are chunked and embedded, unchanged ones skipped, changed ones replaced, and files
+    /// of the index no longer under `docs` removed — the index mirrors one directory.
     /// `on_file` is called after each file (for a progress bar).
     pub fn ingest_dir(
         &mut self,
@@ -368,6 +414,21 @@ impl VectorIndex {
             )));
         }
         let mut report = IngestReport::default();
+        let present: std::collections::HashSet<String> = files
+            .iter()
+            .map(|p| p.strip_prefix(docs).unwrap_or(p).display().to_string())
+            .collect();
+        let gone: Vec<String> = self
+            .meta
+            .files
+            .iter()
+            .filter(|f| !present.contains(&f.path))
+            .map(|f| f.path.clone())
+            .collect();
+        for path in gone {
+            self.remove_source(&path);
+            report.removed.push(path);
+        }
         let known: HashMap<String, String> = self
             .meta
             .files

@@ -9,13 +9,13 @@
 //! (appended as calls finish) so that a resumed or repeated run reuses it.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use fleet_dist::{JsonlLog, Manifest};
 use fleet_models::placement::Replicas;
+use fleet_models::CheckpointIdentity;
 use fleet_models::{ChatMessage, GenerationRequest};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -146,7 +146,7 @@ pub struct FleetLlm {
     prompt_tokens: Mutex<HashMap<Arc<str>, usize>>,
     /// Token ids tokenized by [`Llm::fits`] and not yet generated, taken by `complete`.
     pending_ids: Mutex<HashMap<Arc<str>, Vec<u32>>>,
-    cache_file: Option<Mutex<(PathBuf, File)>>,
+    cache_file: Option<Mutex<JsonlLog>>,
     stats: Mutex<LlmStats>,
 }
 
@@ -200,38 +200,82 @@ impl FleetLlm {
         out
     }
 
-    /// Keeps the cache in `path` (JSONL): entries already there are loaded, new ones appended.
-    /// A line that does not parse (a run killed mid-write, or a cache written by an older
-    /// fleet) is skipped. The caller keeps one file per model: prompts are rendered with this
-    /// checkpoint's template, and replies are this model's.
-    pub fn with_cache_file(mut self, path: &Path) -> Result<Self, LlmError> {
+    /// Keeps the cache in `path` (JSONL): entries already there are loaded, new ones appended
+    /// (a line torn by a kill is cut off first; other unreadable lines are skipped and
+    /// reported in the log).
+    ///
+    /// Replies are only valid for the model that made them, so the cache carries a manifest
+    /// (`<path>.manifest.json`, see [`cache_manifest`]): a cache made by other weights, another
+    /// config, tokenizer or dtype is refused — or, with `start_over`, emptied — and so is a
+    /// cache with no manifest.
+    pub fn with_cache_file(
+        mut self,
+        path: &Path,
+        manifest: &Manifest,
+        start_over: bool,
+    ) -> Result<Self, LlmError> {
         let err = |message: String| LlmError::Cache {
             path: path.to_path_buf(),
             message,
         };
-        if path.exists() {
-            let file = File::open(path).map_err(|e| err(e.to_string()))?;
+        let manifest_path = cache_manifest_path(path);
+        let recorded = Manifest::read(&manifest_path).map_err(|e| err(e.to_string()))?;
+        let has_entries = std::fs::metadata(path).is_ok_and(|m| m.len() > 0);
+        let foreign = match &recorded {
+            Some(old) => {
+                let diffs = old.diff(manifest);
+                (!diffs.is_empty()).then(|| {
+                    diffs
+                        .iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                })
+            }
+            None if has_entries => Some(format!(
+                "no {} says which model made its replies",
+                manifest_path.display()
+            )),
+            None => None,
+        };
+        if let Some(why) = foreign {
+            if !start_over {
+                return Err(err(format!(
+                    "the cached replies were made by another model ({why}): remove the cache, \
+                     or start over"
+                )));
+            }
+            tracing::warn!(cache = %path.display(), "cache of another model emptied: {why}");
+            std::fs::remove_file(path)
+                .or_else(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => Ok(()),
+                    _ => Err(e),
+                })
+                .map_err(|e| err(e.to_string()))?;
+        }
+        if recorded.is_none() || !has_entries || start_over {
+            manifest
+                .write(&manifest_path)
+                .map_err(|e| err(e.to_string()))?;
+        }
+        let (log, contents) = JsonlLog::open::<CacheLine>(path).map_err(|e| err(e.to_string()))?;
+        if let Some(problems) = contents.problems(path) {
+            tracing::warn!("{problems}");
+        }
+        {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             let mut lengths = self.prompt_tokens.lock().unwrap_or_else(|e| e.into_inner());
-            for line in BufReader::new(file).lines() {
-                let line = line.map_err(|e| err(e.to_string()))?;
-                if let Ok(entry) = serde_json::from_str::<CacheLine>(&line) {
-                    let prompt: Arc<str> = entry.prompt.into();
-                    lengths.insert(prompt.clone(), entry.prompt_tokens);
-                    let key = CacheKey {
-                        prompt,
-                        max_new_tokens: entry.max_new_tokens,
-                    };
-                    cache.insert(key, (entry.text, entry.new_tokens));
-                }
+            for entry in contents.records {
+                let prompt: Arc<str> = entry.prompt.into();
+                lengths.insert(prompt.clone(), entry.prompt_tokens);
+                let key = CacheKey {
+                    prompt,
+                    max_new_tokens: entry.max_new_tokens,
+                };
+                cache.insert(key, (entry.text, entry.new_tokens));
             }
         }
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|e| err(format!("{e}; is the directory writable?")))?;
-        self.cache_file = Some(Mutex::new((path.to_path_buf(), file)));
+        self.cache_file = Some(Mutex::new(log));
         Ok(self)
     }
 
@@ -384,19 +428,17 @@ impl Llm for FleetLlm {
                 stats.new_tokens += out.token_ids.len() as u64;
                 cache.insert(keys[i].clone(), (out.text.clone(), out.token_ids.len()));
                 fresh.insert(i);
-                if let Some(file) = &self.cache_file {
-                    let mut guard = file.lock().unwrap_or_else(|e| e.into_inner());
-                    let line = serde_json::to_string(&CacheLine {
+                if let Some(log) = &self.cache_file {
+                    let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+                    log.append(&CacheLine {
                         prompt: keys[i].prompt.to_string(),
                         prompt_tokens: prepared[i].tokens,
                         max_new_tokens: keys[i].max_new_tokens,
                         text: out.text.clone(),
                         new_tokens: out.token_ids.len(),
                     })
-                    .unwrap_or_default();
-                    let (path, f) = &mut *guard;
-                    writeln!(f, "{line}").map_err(|e| LlmError::Cache {
-                        path: path.clone(),
+                    .map_err(|e| LlmError::Cache {
+                        path: log.path().to_path_buf(),
                         message: e.to_string(),
                     })?;
                 }
@@ -440,4 +482,19 @@ impl Llm for FleetLlm {
     fn model_id(&self) -> String {
         self.model_id.clone()
     }
+}
+
+/// The manifest of an LLM cache: the replies are those of this checkpoint (weights, config,
+/// tokenizer and chat template by content) in this dtype.
+pub fn cache_manifest(model: &CheckpointIdentity, dtype: &str) -> Manifest {
+    Manifest::new("fleet llm cache")
+        .with("model", model)
+        .with("dtype", dtype)
+}
+
+/// Where the manifest of the cache at `path` lives: `<path>.manifest.json`.
+pub fn cache_manifest_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".manifest.json");
+    path.with_file_name(name)
 }

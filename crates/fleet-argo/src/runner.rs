@@ -14,13 +14,12 @@
 //! does not parse is recorded as unparsed and counted wrong.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::Device;
+use fleet_dist::{JsonlLog, TailRepair};
 use fleet_models::embedder::SentenceEmbedder;
 use fleet_models::ChatMessage;
 use serde::{Deserialize, Serialize};
@@ -53,13 +52,8 @@ pub enum RunError {
     #[error(transparent)]
     Model(#[from] fleet_models::ModelError),
     /// The records file could not be read or written.
-    #[error("records {path}: {message}")]
-    Records {
-        /// The file.
-        path: PathBuf,
-        /// What went wrong and what to do.
-        message: String,
-    },
+    #[error(transparent)]
+    Records(#[from] fleet_dist::DistError),
 }
 
 /// The retrieval side: embedder, index, how many chunks and what counts as new evidence.
@@ -229,51 +223,39 @@ pub struct QuestionRecord {
 }
 
 /// Appends finished jobs to a JSONL file and knows which are done.
+///
+/// The file is a [`fleet_dist::JsonlLog`]: a line torn by a kill is cut off before the next
+/// append, so the job it belonged to runs again and its new record reads back. The caller
+/// holds the output directory ([`fleet_dist::RunDir`]), which makes it the only writer and
+/// guarantees the records were made by this model and these settings.
 pub struct RecordsFile {
-    path: PathBuf,
-    file: File,
+    log: JsonlLog,
     done: HashMap<String, QuestionRecord>,
-    /// Lines that did not parse (a run killed mid-write leaves at most one).
+    /// What was wrong with the file when it was opened (a torn last line repaired, unreadable
+    /// lines), for the user; `None` when nothing was.
+    pub problems: Option<String>,
+    /// How the torn last line left by a kill was repaired, if there was one.
+    pub repair: Option<TailRepair>,
+    /// Complete lines that did not parse (left in place; their jobs run again).
     pub bad_lines: usize,
 }
 
 impl RecordsFile {
     /// Opens (or creates) `path`, reading the records already in it.
     pub fn open(path: &Path) -> Result<Self, RunError> {
-        let err = |message: String| RunError::Records {
-            path: path.to_path_buf(),
-            message,
-        };
-        let mut done = HashMap::new();
-        let mut bad_lines = 0;
-        if path.exists() {
-            let f = File::open(path).map_err(|e| err(e.to_string()))?;
-            for line in BufReader::new(f).lines() {
-                let line = line.map_err(|e| err(e.to_string()))?;
-                if line.trim().is_empty() {
-                    continue;
-                }
-                match serde_json::from_str::<QuestionRecord>(&line) {
-                    Ok(r) => {
-                        done.insert(r.key.clone(), r);
-                    }
-                    Err(_) => bad_lines += 1,
-                }
-            }
-        }
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
-        }
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|e| err(format!("{e}; is the directory writable?")))?;
+        let (log, contents) = JsonlLog::open::<QuestionRecord>(path)?;
+        let problems = contents.problems(path);
+        let done = contents
+            .records
+            .into_iter()
+            .map(|r| (r.key.clone(), r))
+            .collect();
         Ok(RecordsFile {
-            path: path.to_path_buf(),
-            file,
+            log,
             done,
-            bad_lines,
+            problems,
+            repair: contents.repair,
+            bad_lines: contents.bad_lines.len(),
         })
     }
 
@@ -298,18 +280,7 @@ impl RecordsFile {
     }
 
     fn append(&mut self, record: QuestionRecord) -> Result<(), RunError> {
-        let line = serde_json::to_string(&record).map_err(|e| RunError::Records {
-            path: self.path.clone(),
-            message: e.to_string(),
-        })?;
-        // One write per line, then flush: a kill leaves at most one partial last line.
-        self.file
-            .write_all(format!("{line}\n").as_bytes())
-            .and_then(|_| self.file.flush())
-            .map_err(|e| RunError::Records {
-                path: self.path.clone(),
-                message: e.to_string(),
-            })?;
+        self.log.append(&record)?;
         self.done.insert(record.key.clone(), record);
         Ok(())
     }
@@ -347,9 +318,28 @@ pub struct RunProgress {
     pub retrieval_ms: u64,
 }
 
+/// What [`run_jobs`] reports as it goes (for progress bars).
+#[derive(Debug)]
+pub enum RunEvent<'a> {
+    /// The jobs already in the records file, skipped (once, before the first round).
+    Resumed(usize),
+    /// A job finished and was recorded.
+    Finished(&'a QuestionRecord),
+    /// A round ended: every job in flight took one step.
+    Round {
+        /// Rounds so far.
+        round: usize,
+        /// Jobs in flight during the round.
+        in_flight: usize,
+        /// Jobs not started yet.
+        waiting: usize,
+    },
+}
+
 /// Runs `jobs` in lock-step rounds and appends each finished one to `records`. Jobs already in
 /// `records` are skipped. `max_in_flight` bounds how many jobs advance together (memory of
-/// the LLM batch); `on_done` is called after each finished job (progress bars).
+/// the LLM batch; at least 1); `on_event` hears of skipped jobs, each finished job and each
+/// round (progress bars: a long run finishes its first jobs only after many rounds).
 pub fn run_jobs(
     jobs: Vec<Job>,
     llm: &dyn Llm,
@@ -357,7 +347,7 @@ pub fn run_jobs(
     prompts: &Prompts,
     records: &mut RecordsFile,
     max_in_flight: usize,
-    on_done: &mut dyn FnMut(&QuestionRecord),
+    on_event: &mut dyn FnMut(RunEvent<'_>),
 ) -> Result<RunProgress, RunError> {
     let mut progress = RunProgress {
         jobs: jobs.len(),
@@ -371,6 +361,7 @@ pub fn run_jobs(
             !done
         })
         .collect();
+    on_event(RunEvent::Resumed(progress.resumed));
     let mut active: Vec<Active> = Vec::new();
     let max_in_flight = max_in_flight.max(1);
     while !active.is_empty() || !waiting.is_empty() {
@@ -497,13 +488,19 @@ pub fn run_jobs(
                 }
             }
         }
+        let in_flight = active.len();
         for (i, text) in finished.into_iter().rev() {
             let a = active.swap_remove(i);
             let record = finish(a, text)?;
-            on_done(&record);
+            on_event(RunEvent::Finished(&record));
             records.append(record)?;
             progress.ran += 1;
         }
+        on_event(RunEvent::Round {
+            round: progress.rounds,
+            in_flight,
+            waiting: waiting.len(),
+        });
     }
     Ok(progress)
 }

@@ -1,7 +1,6 @@
 //! Per-strategy summaries (accuracy with its Wilson 95% interval, cost, steps, retrievals),
 //! and the result files: JSON written atomically, JSONL records, the commit being measured.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -28,6 +27,9 @@ pub enum OutputError {
         /// The cause.
         source: serde_json::Error,
     },
+    /// A result file could not be written (fleet-dist's atomic writes).
+    #[error(transparent)]
+    Dist(#[from] fleet_dist::DistError),
     /// A plot could not be drawn.
     #[error("cannot draw {path}: {message}")]
     Plot {
@@ -195,66 +197,16 @@ impl Tally {
     }
 }
 
-/// The commit being measured: `$FLEET_COMMIT`, else `git rev-parse HEAD`, else a `COMMIT`
-/// file in the working directory (the device machine gets no .git), else `"unknown"`.
-pub fn commit_id() -> String {
-    if let Ok(c) = std::env::var("FLEET_COMMIT") {
-        if !c.trim().is_empty() {
-            return c.trim().to_string();
-        }
-    }
-    let from_git = std::process::Command::new("git")
-        .args(["rev-parse", "HEAD"])
-        .stderr(std::process::Stdio::null())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .filter(|s| !s.is_empty());
-    if let Some(c) = from_git {
-        return c;
-    }
-    std::fs::read_to_string("COMMIT")
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "unknown".into())
-}
+pub use fleet_dist::commit_id;
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed and
-/// synced, then renamed over `path`, so a reader never sees half a file.
+/// Writes `bytes` to `path` atomically ([`fleet_dist::write_atomic`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), OutputError> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&dir).map_err(|e| OutputError::io(&dir, e))?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "out".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(OutputError::io(path, e));
-    }
-    Ok(())
+    Ok(fleet_dist::write_atomic(path, bytes)?)
 }
 
 /// Serializes `value` as pretty JSON and writes it atomically.
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<(), OutputError> {
-    let mut text = serde_json::to_string_pretty(value).map_err(|source| OutputError::Json {
-        what: path.display().to_string(),
-        source,
-    })?;
-    text.push('\n');
-    write_atomic(path, text.as_bytes())
+    Ok(fleet_dist::write_json_atomic(path, value)?)
 }
 
 /// Writes `records` as JSON Lines, one record a line (atomically: the file is complete or

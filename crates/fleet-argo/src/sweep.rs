@@ -250,8 +250,19 @@ impl ExperimentConfig {
                 "at least one strategy",
             ));
         }
-        for s in &self.strategies.list {
+        for (i, s) in self.strategies.list.iter().enumerate() {
             s.validate()?;
+            // The same strategy twice would be run and printed twice under one label.
+            if self.strategies.list[..i]
+                .iter()
+                .any(|t| t.label() == s.label())
+            {
+                return Err(ParamError::out_of_range(
+                    "strategies.list",
+                    s.label(),
+                    "each strategy once (this one is listed twice)",
+                ));
+            }
         }
         check_closed(
             "strategies.stop_progress",

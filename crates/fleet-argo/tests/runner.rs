@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::Device;
 use fleet_argo::dataset::{Question, SourceLocation};
 use fleet_argo::index::{Chunking, VectorIndex};
-use fleet_argo::llm::{FleetLlm, Llm, LlmError, LlmReply, LlmRequest, LlmStats};
+use fleet_argo::llm::{cache_manifest, FleetLlm, Llm, LlmError, LlmReply, LlmRequest, LlmStats};
 use fleet_argo::prompts::Prompts;
 use fleet_argo::runner::{run_jobs, summarize, Job, ProgressRule, RecordsFile, Retriever};
 use fleet_argo::{MdpParams, Strategy, StrategyKind};
@@ -18,6 +18,20 @@ use fleet_models::{DeviceLocation, DeviceMap, LoadOptions};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn cpu_map() -> DeviceMap {
+    DeviceMap::single(DeviceLocation::Cpu, 4)
+}
+
+/// The identity of the checkpoint at `spec` (weights, config, tokenizer by content).
+fn jobs_model_identity(spec: &str) -> fleet_models::CheckpointIdentity {
+    fleet_models::ModelSource::parse(spec, None)
+        .unwrap()
+        .resolve(&fleet_models::HubOptions::from_env())
+        .unwrap()
+        .identity()
+        .unwrap()
 }
 
 fn embedder() -> SentenceEmbedder {
@@ -232,16 +246,26 @@ fn fixed_k_retrieves_k_times_then_answers_and_a_rerun_resumes() {
     assert_eq!((again.ran, again.resumed), (0, 5));
     assert_eq!(llm.stats().calls, 15);
 
-    // A run killed mid-line: the broken line is counted, its job runs again.
+    // A run killed mid-line: the torn line is cut off, its job runs again, and the new record
+    // reads back (it is not glued to the fragment).
     let text = std::fs::read_to_string(&records_path).unwrap();
     let mut lines: Vec<&str> = text.lines().collect();
     let last = lines.pop().unwrap();
     let cut = &last[..last.len() / 2];
     std::fs::write(&records_path, format!("{}\n{cut}", lines.join("\n"))).unwrap();
     let mut records = RecordsFile::open(&records_path).unwrap();
-    assert_eq!(records.bad_lines, 1);
+    assert!(
+        matches!(
+            records.repair,
+            Some(fleet_dist::TailRepair::Truncated { line: 5, .. })
+        ),
+        "{:?}",
+        records.repair
+    );
+    assert!(records.problems.as_deref().unwrap().contains("cut off"));
+    assert_eq!(records.len(), 4);
     let again = run_jobs(
-        jobs,
+        jobs.clone(),
         &llm,
         &retriever,
         &prompts,
@@ -251,6 +275,21 @@ fn fixed_k_retrieves_k_times_then_answers_and_a_rerun_resumes() {
     )
     .unwrap();
     assert_eq!((again.ran, again.resumed), (1, 4));
+    drop(records);
+    let records = RecordsFile::open(&records_path).unwrap();
+    assert_eq!((records.len(), records.bad_lines), (5, 0));
+    assert!(records.problems.is_none());
+    let again = run_jobs(
+        jobs,
+        &llm,
+        &retriever,
+        &prompts,
+        &mut RecordsFile::open(&records_path).unwrap(),
+        3,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!((again.ran, again.resumed), (0, 5));
 }
 
 #[test]
@@ -302,8 +341,9 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
     let replicas = Replicas::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
     let cache = tmp.path().join("llm_cache.jsonl");
+    let model_manifest = cache_manifest(&replicas.models[0].files.identity().unwrap(), "f32");
     let llm = FleetLlm::new(replicas, spec, 4)
-        .with_cache_file(&cache)
+        .with_cache_file(&cache, &model_manifest, false)
         .unwrap();
     let mut prompts = Prompts::default_prompts().unwrap();
     // Short replies keep the CPU test quick; the tiny model's text is noise anyway.
@@ -374,7 +414,7 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     }
     let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
     let llm2 = FleetLlm::new(Replicas::load(spec, &opts, &[cpu]).unwrap(), spec, 4)
-        .with_cache_file(&cache)
+        .with_cache_file(&cache, &model_manifest, false)
         .unwrap();
     let mut records2 = RecordsFile::open(&tmp.path().join("records2.jsonl")).unwrap();
     let jobs_again = jobs.clone();
@@ -390,6 +430,43 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     .unwrap();
     assert_eq!(llm2.stats().cache_hits, llm2.stats().calls);
     assert_eq!(llm2.stats().new_tokens, 0);
+    // The torn line was cut off before llm2 appended: every line of the cache reads back,
+    // except the foreign-format one, which stays as it was.
+    let text = std::fs::read_to_string(&cache).unwrap();
+    assert!(
+        text.ends_with('\n') && !text.contains(r#"{"prompt":"torn"#),
+        "torn line kept"
+    );
+    let unreadable = text
+        .lines()
+        .filter(|l| serde_json::from_str::<serde_json::Value>(l).is_err())
+        .count();
+    assert_eq!(unreadable, 0);
+    drop(llm2);
+
+    // Replies of another checkpoint (or dtype) are refused, or emptied on request.
+    let other_model = repo().join("tests/fixtures/qwen3-tiny");
+    let other_spec = other_model.to_str().unwrap();
+    let other = Replicas::load(other_spec, &opts, &[cpu_map()]).unwrap();
+    let other_manifest = cache_manifest(&other.models[0].files.identity().unwrap(), "f32");
+    let err = FleetLlm::new(other, other_spec, 4)
+        .with_cache_file(&cache, &other_manifest, false)
+        .err()
+        .expect("a cache of another model is refused");
+    let msg = err.to_string();
+    assert!(msg.contains("model.weights_digest"), "{msg}");
+    let bf16 = cache_manifest(&jobs_model_identity(spec), "bf16");
+    let err = FleetLlm::new(Replicas::load(spec, &opts, &[cpu_map()]).unwrap(), spec, 4)
+        .with_cache_file(&cache, &bf16, false)
+        .err()
+        .expect("a cache of another dtype is refused");
+    assert!(err.to_string().contains("dtype"), "{err}");
+    let other = Replicas::load(other_spec, &opts, &[cpu_map()]).unwrap();
+    let fresh = FleetLlm::new(other, other_spec, 4)
+        .with_cache_file(&cache, &other_manifest, true)
+        .unwrap();
+    assert_eq!(fresh.cache_len(), 0);
+    assert_eq!(std::fs::metadata(&cache).unwrap().len(), 0);
     // The cache gives back the same replies, and the prompts' token counts kept in it.
     for j in &jobs_again {
         let (a, b) = (

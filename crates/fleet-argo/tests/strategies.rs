@@ -218,7 +218,7 @@ fn random_extremes_and_reproducibility() {
 fn lock_step_batches_give_the_same_records_as_one_by_one() {
     let p = params();
     let strategy = baseline(StrategyKind::Random { p_retrieve: 0.4 });
-    let coin = |q: u64, step: usize| (q * 31 + step as u64 * 7) % 3 != 0;
+    let coin = |q: u64, step: usize| !(q * 31 + step as u64 * 7).is_multiple_of(3);
     // One by one.
     let mut sequential = Vec::new();
     for q in 0..16u64 {

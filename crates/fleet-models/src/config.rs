@@ -143,7 +143,7 @@ impl QwenConfig {
                 return Err(bad(field, "0".into(), "must be positive"));
             }
         }
-        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(bad(
                 "hidden_size",
                 self.hidden_size.to_string(),
@@ -151,14 +151,14 @@ impl QwenConfig {
             ));
         }
         let kv = self.num_kv_heads();
-        if kv == 0 || self.num_attention_heads % kv != 0 {
+        if kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
             return Err(bad(
                 "num_key_value_heads",
                 kv.to_string(),
                 "must divide num_attention_heads",
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(bad(
                 "head_dim",
                 self.head_dim().to_string(),

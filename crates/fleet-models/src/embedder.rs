@@ -703,7 +703,7 @@ fn read_bert_config(path: &Path) -> Result<BertConfig> {
             ));
         }
     }
-    if c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0 {
+    if c.num_attention_heads == 0 || !c.hidden_size.is_multiple_of(c.num_attention_heads) {
         return Err(bad(
             "num_attention_heads",
             c.num_attention_heads.to_string(),

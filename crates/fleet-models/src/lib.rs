@@ -44,7 +44,7 @@ pub use generation::{
 };
 pub use kv_cache::KvCache;
 pub use qwen::QwenModel;
-pub use source::{CheckpointFiles, HubOptions, ModelSource};
+pub use source::{CheckpointFiles, CheckpointIdentity, HubOptions, ModelSource};
 pub use tokenizer::{ChatMessage, ChatTemplate, TextTokenizer};
 pub use weights::Weights;
 

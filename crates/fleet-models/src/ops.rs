@@ -251,7 +251,7 @@ impl candle_core::CustomOp1 for SwiGlu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let dims = l.dims();
         let n = dims[dims.len() - 1];
-        if n % 2 != 0 {
+        if !n.is_multiple_of(2) {
             candle_core::bail!("swiglu: last dimension {n} is odd");
         }
         let mut out_dims = dims.to_vec();
@@ -736,7 +736,7 @@ mod cuda {
         }
         let dims = l.dims();
         let n = dims[dims.len() - 1];
-        if n % 2 != 0 {
+        if !n.is_multiple_of(2) {
             candle_core::bail!("swiglu: last dimension {n} is odd");
         }
         let mut out_dims = dims.to_vec();

@@ -131,6 +131,44 @@ pub struct CheckpointFiles {
     pub generation_config: Option<PathBuf>,
 }
 
+/// What makes a checkpoint behave as it does, by content: stored in the manifests of runs that
+/// use it, so a resume with other weights, config or tokenizer is refused even when the path
+/// is the same (and accepted when the same files sit elsewhere).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CheckpointIdentity {
+    /// Digest of the safetensors shards' bytes ([`fleet_dist::files_digest`]).
+    pub weights_digest: String,
+    /// Digest of config.json.
+    pub config_digest: String,
+    /// Digest of tokenizer.json, tokenizer_config.json (the chat template) and
+    /// generation_config.json, those the checkpoint has.
+    pub tokenizer_digest: String,
+}
+
+impl CheckpointFiles {
+    /// The checkpoint's [`CheckpointIdentity`]. Reads every weight byte (the shards on parallel
+    /// threads): seconds for a 7B checkpoint.
+    pub fn identity(&self) -> Result<CheckpointIdentity> {
+        let digest = |files: &[PathBuf]| {
+            fleet_dist::files_digest(files).map_err(|(path, e)| ModelError::io(path, e))
+        };
+        let tokenizer_files: Vec<PathBuf> = [
+            &self.tokenizer,
+            &self.tokenizer_config,
+            &self.generation_config,
+        ]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect();
+        Ok(CheckpointIdentity {
+            weights_digest: digest(&self.weights)?,
+            config_digest: digest(std::slice::from_ref(&self.config))?,
+            tokenizer_digest: digest(&tokenizer_files)?,
+        })
+    }
+}
+
 /// Something that can hand out a checkpoint's files by name.
 trait FileFetcher {
     /// `Ok(None)` when the file does not exist in the checkpoint.
