@@ -15,6 +15,8 @@ use fleet_models::{
 };
 use serde::Serialize;
 
+use crate::cli::at_least;
+
 #[derive(Args)]
 pub struct BenchGenerateArgs {
     #[command(flatten)]
@@ -22,19 +24,29 @@ pub struct BenchGenerateArgs {
     /// Device(s); a comma list splits the layers over several GPUs.
     #[arg(long, default_value = "cuda:0")]
     pub device: String,
-    #[arg(long, default_value_t = 512)]
+    /// Prompt tokens per row (at least 1).
+    #[arg(long, default_value_t = 512, value_parser = at_least(1))]
     pub prompt_len: usize,
-    #[arg(long, default_value_t = 128)]
+    /// New tokens per row (at least 2: the first comes from the prefill, decode is timed on
+    /// the rest).
+    #[arg(long, default_value_t = 128, value_parser = decode_tokens)]
     pub new_tokens: usize,
-    /// Batch sizes, comma-separated.
-    #[arg(long, default_value = "1,32", value_delimiter = ',')]
+    /// Batch sizes, comma-separated (each at least 1).
+    #[arg(long, default_value = "1,32", value_delimiter = ',', value_parser = at_least(1))]
     pub batch: Vec<usize>,
-    /// Timed repetitions of each measurement (the median is reported).
-    #[arg(long, default_value_t = 3)]
+    /// Timed repetitions of each measurement (the median is reported; at least 1).
+    #[arg(long, default_value_t = 3, value_parser = at_least(1))]
     pub repeats: usize,
     /// Write the results here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// `--new-tokens`: at least 2, since decode throughput counts the tokens after the first.
+fn decode_tokens(s: &str) -> Result<usize, String> {
+    at_least(2)(s).map_err(|e| {
+        format!("{e} (the first new token comes from the prefill; decode is timed on the rest)")
+    })
 }
 
 #[derive(Serialize)]
@@ -183,7 +195,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         let watch = MemoryWatch::start(gpus.clone(), baseline);
         let mut t_prefill = Vec::new();
         let mut t_generate = Vec::new();
-        for _ in 0..args.repeats.max(1) {
+        for _ in 0..args.repeats {
             t_prefill.push(prefill(&model, &prompts)?);
             let t = Instant::now();
             let out = generator.generate(&requests, None)?;
@@ -236,7 +248,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
     let json = serde_json::to_string_pretty(&report)?;
     match &args.json {
         Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
-        None => println!("{json}"),
+        None => crate::stdout::outln!("{json}")?,
     }
     Ok(())
 }

@@ -13,6 +13,8 @@ use fleet_dist::{ItemResult, PoolOptions, ReplicaPool, Worker};
 use fleet_models::{DeviceLocation, GenerationRequest, Generator, QwenModel};
 use serde::Serialize;
 
+use crate::cli::at_least;
+
 #[derive(Args)]
 pub struct BenchDataParallelArgs {
     /// The model of every replica.
@@ -23,18 +25,20 @@ pub struct BenchDataParallelArgs {
     #[arg(long, value_delimiter = ',', default_value = "cuda:0")]
     pub devices: Vec<String>,
     /// Devices per replica: each replica's layers are split over this many consecutive devices
-    /// of `--devices` (hybrid mode: replicas of shard groups).
-    #[arg(long, default_value_t = 1)]
+    /// of `--devices` (hybrid mode: replicas of shard groups; at least 1).
+    #[arg(long, default_value_t = 1, value_parser = at_least(1))]
     pub group_size: usize,
-    /// Prompts per batch (one queue item).
-    #[arg(long, default_value_t = 32)]
+    /// Prompts per batch (one queue item; at least 1).
+    #[arg(long, default_value_t = 32, value_parser = at_least(1))]
     pub batch: usize,
-    /// Queue items per replica.
-    #[arg(long, default_value_t = 4)]
+    /// Queue items per replica (at least 1).
+    #[arg(long, default_value_t = 4, value_parser = at_least(1))]
     pub batches_per_replica: usize,
-    #[arg(long, default_value_t = 512)]
+    /// Prompt tokens per row (at least 1).
+    #[arg(long, default_value_t = 512, value_parser = at_least(1))]
     pub prompt_len: usize,
-    #[arg(long, default_value_t = 128)]
+    /// New tokens per row (at least 1).
+    #[arg(long, default_value_t = 128, value_parser = at_least(1))]
     pub new_tokens: usize,
     /// Show per-replica progress bars.
     #[arg(long)]
@@ -104,7 +108,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         .iter()
         .map(|d| d.parse())
         .collect::<Result<_, _>>()?;
-    if args.group_size == 0 || !locations.len().is_multiple_of(args.group_size) {
+    if !locations.len().is_multiple_of(args.group_size) {
         bail!(
             "--group-size {} must divide the {} devices of --devices",
             args.group_size,
@@ -210,7 +214,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
     let json = serde_json::to_string_pretty(&report)?;
     match &args.json {
         Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
-        None => println!("{json}"),
+        None => crate::stdout::outln!("{json}")?,
     }
     Ok(())
 }

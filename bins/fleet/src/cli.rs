@@ -1,7 +1,6 @@
 //! Flags of each subcommand and the small commands (`devices`, `generate`, `logits`).
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -11,6 +10,8 @@ use fleet_models::{
     parse_dtype, ChatMessage, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions,
     SamplingParams, TextModel,
 };
+
+use crate::stdout::{out, outln};
 
 /// fleet: Qwen models on one GPU, on all GPUs of a machine, or across machines.
 #[derive(Parser)]
@@ -81,17 +82,22 @@ impl ModelArgs {
         })
     }
 
+    /// The checkpoint's config.json (no weights fetched).
+    pub fn config(&self) -> Result<fleet_models::QwenConfig> {
+        let config = fleet_models::ModelSource::config_file(
+            &self.model,
+            self.revision.as_deref(),
+            &self.options()?.hub,
+        )?;
+        Ok(fleet_models::QwenConfig::from_file(&config)?)
+    }
+
     pub fn load(&self) -> Result<TextModel> {
         let devices = parse_devices(&self.device)?;
         // The map needs the layer count, which is in config.json: read that file first (no
         // weights fetched), then load with the map.
         let opts = self.options()?;
-        let config = fleet_models::ModelSource::config_file(
-            &self.model,
-            self.revision.as_deref(),
-            &opts.hub,
-        )?;
-        let cfg = fleet_models::QwenConfig::from_file(&config)?;
+        let cfg = self.config()?;
         let map = if devices.len() == 1 {
             DeviceMap::single(devices[0], cfg.num_hidden_layers)
         } else {
@@ -103,6 +109,22 @@ impl ModelArgs {
             ..opts
         };
         Ok(TextModel::load(&self.model, &opts)?)
+    }
+}
+
+/// A clap value parser for a count that must be at least `min` (a batch, a length, a number of
+/// repeats): a smaller value is refused before any work starts, in clap's words
+/// ("invalid value '0' for '--batch <BATCH>': must be at least 1").
+pub fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync {
+    move |s: &str| {
+        let n: usize = s
+            .trim()
+            .parse()
+            .map_err(|_| format!("`{s}` is not a whole number; give {min} or more"))?;
+        if n < min {
+            return Err(format!("must be at least {min}"));
+        }
+        Ok(n)
     }
 }
 
@@ -125,24 +147,28 @@ pub fn parse_devices(s: &str) -> Result<Vec<DeviceLocation>> {
 pub fn devices(args: &DevicesArgs) -> Result<()> {
     let devices = fleet_topology::discover()?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&devices)?);
+        outln!("{}", serde_json::to_string_pretty(&devices)?)?;
         return Ok(());
     }
     let gib = |b: Option<u64>| {
         b.map(|b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64))
             .unwrap_or_else(|| "?".into())
     };
-    println!(
+    outln!(
         "{:<8} {:<28} {:<8} {:>12} {:>12}  pci",
-        "device", "name", "cc", "total", "free"
-    );
+        "device",
+        "name",
+        "cc",
+        "total",
+        "free"
+    )?;
     let topology = fleet_topology::Topology::from_devices(&devices);
     for d in &devices {
         let cc = d
             .compute_capability
             .map(|(a, b)| format!("{a}.{b}"))
             .unwrap_or_else(|| "-".into());
-        println!(
+        outln!(
             "{:<8} {:<28} {:<8} {:>12} {:>12}  {}",
             d.location.to_string(),
             d.name,
@@ -150,7 +176,7 @@ pub fn devices(args: &DevicesArgs) -> Result<()> {
             gib(d.total_bytes),
             gib(d.free_bytes),
             d.pci_bus_id.as_deref().unwrap_or("-")
-        );
+        )?;
     }
     if topology.gpus.len() > 1 {
         let peers = match &topology.peer_access {
@@ -169,7 +195,7 @@ pub fn devices(args: &DevicesArgs) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join(", "),
         };
-        println!("peer access: {peers}");
+        outln!("peer access: {peers}")?;
     }
     Ok(())
 }
@@ -196,8 +222,9 @@ pub struct GenerateArgs {
     /// With --gpu-mode: budgets in accelerate's style, e.g. `0=60GiB,1=0.9`.
     #[arg(long, requires = "gpu_mode")]
     pub max_memory: Option<String>,
-    /// With --ids-file: prompts per batch (one replica generates one batch at a time).
-    #[arg(long, default_value_t = 32)]
+    /// With --ids-file: prompts per batch (one replica generates one batch at a time; at
+    /// least 1).
+    #[arg(long, default_value_t = 32, value_parser = at_least(1))]
     pub max_batch: usize,
     /// A system message (else the template's default, if it has one).
     #[arg(long)]
@@ -279,14 +306,14 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             None => {
                 let model = args.model.load()?;
                 let mut outputs = Vec::with_capacity(requests.len());
-                for batch in requests.chunks(args.max_batch.max(1)) {
+                for batch in requests.chunks(args.max_batch) {
                     outputs.extend(model.generate(batch, None)?);
                 }
                 outputs
             }
         };
         for out in outputs {
-            println!("{}", serde_json::to_string(&out)?);
+            outln!("{}", serde_json::to_string(&out)?)?;
         }
         return Ok(());
     }
@@ -304,14 +331,26 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     };
     let request = request(prompt_ids);
     let start = std::time::Instant::now();
-    let mut stdout = std::io::stdout();
+    let mut write_error = None;
     let mut on_token = |e: fleet_models::StreamEvent<'_>| {
-        let _ = stdout.write_all(e.text_delta.as_bytes());
-        let _ = stdout.flush();
+        if write_error.is_some() {
+            return;
+        }
+        if let Err(err) = out!("{}", e.text_delta) {
+            if crate::stdout::is_closed(&err) {
+                // Nobody reads the rest of the reply: stop now, as SIGPIPE's default would,
+                // rather than generate it for nobody.
+                std::process::exit(0);
+            }
+            write_error = Some(err);
+        }
     };
     let out = model.generate(std::slice::from_ref(&request), Some(&mut on_token))?;
+    if let Some(err) = write_error {
+        return Err(err);
+    }
     let secs = start.elapsed().as_secs_f64();
-    println!();
+    outln!()?;
     eprintln!(
         "[{} tokens, {:?}, {:.1} tok/s]",
         out[0].token_ids.len(),
@@ -350,6 +389,22 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
         (None, Some(p)) => read_ids_file(p)?,
         (None, None) => bail!("give --ids 1,2,3 or --ids-file FILE"),
     };
+    // Checked before loading (a large checkpoint takes a while to load): a position past the
+    // model's last has no rotary embedding.
+    let flag = if args.ids.is_some() {
+        "--ids"
+    } else {
+        "--ids-file"
+    };
+    let max_positions = args.model.config()?.max_position_embeddings;
+    if let Some(row) = ids.iter().find(|r| r.len() > max_positions) {
+        bail!(
+            "{flag}: a sequence of {} positions is longer than this model's \
+             max_position_embeddings = {max_positions}; give at most {max_positions} ids per \
+             sequence",
+            row.len()
+        );
+    }
     let model = args.model.load()?;
     let logits = model
         .model
@@ -363,7 +418,7 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
         }
         None => {
             let v: Vec<Vec<Vec<f32>>> = logits.to_vec3()?;
-            println!("{}", serde_json::json!({ "input_ids": ids, "logits": v }));
+            outln!("{}", serde_json::json!({ "input_ids": ids, "logits": v }))?;
         }
     }
     Ok(())
@@ -402,8 +457,9 @@ pub struct PlanArgs {
     /// Only these GPUs (comma-separated indices).
     #[arg(long, value_delimiter = ',')]
     pub gpu_ids: Option<Vec<usize>>,
-    /// single, data-parallel, layer-sharded, hybrid, hybrid:N or auto.
-    #[arg(long, default_value = "auto")]
+    /// single, data-parallel, layer-sharded, hybrid, hybrid:N or auto. `--gpu-mode` is the same
+    /// flag, under the name that `fleet generate`, argo-exp and the planner's messages use.
+    #[arg(long, visible_alias = "gpu-mode", default_value = "auto")]
     pub mode: String,
     /// bf16, f16 or f32.
     #[arg(long, default_value = "bf16")]
@@ -411,11 +467,11 @@ pub struct PlanArgs {
     /// Per-device budgets in accelerate's style, e.g. `0=10GiB,1=0.9,cpu=64GiB`.
     #[arg(long)]
     pub max_memory: Option<String>,
-    /// Sequences per replica the plan must hold.
-    #[arg(long, default_value_t = 1)]
+    /// Sequences per replica the plan must hold (at least 1).
+    #[arg(long, default_value_t = 1, value_parser = at_least(1))]
     pub batch: usize,
-    /// Tokens per sequence (prompt + generated).
-    #[arg(long, default_value_t = 2048)]
+    /// Tokens per sequence (prompt + generated; at least 1).
+    #[arg(long, default_value_t = 2048, value_parser = at_least(1))]
     pub seq_len: usize,
     /// Print the plan as JSON.
     #[arg(long)]
@@ -463,9 +519,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     };
     let plan = fleet_topology::plan(&shape, &topology, &request)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&plan)?);
+        outln!("{}", serde_json::to_string_pretty(&plan)?)?;
     } else {
-        print!("{plan}");
+        out!("{plan}")?;
     }
     Ok(())
 }

@@ -342,3 +342,295 @@ fn data_parallel_group_size_must_divide_the_devices() {
         "{err}"
     );
 }
+
+/// Exit status and stderr of a run that must fail with a message, never a panic.
+fn fails_with(args: &[&str]) -> String {
+    let out = fleet().args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} succeeded: {err}");
+    assert_ne!(out.status.code(), Some(101), "{args:?} panicked: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    err
+}
+
+/// Counts of zero (and a decode length of one) are refused before any work, naming the flag
+/// and the allowed range; before, `--batch 0` and `--batches-per-replica 0` panicked on an
+/// empty index, `--new-tokens 0` reported a negative throughput, `--repeats 0` ran once.
+#[test]
+fn bench_and_other_count_flags_refuse_zero() {
+    let model = fixture("qwen2-tiny");
+    let model = model.to_str().unwrap();
+    // Small sizes, so that a run the flag fails to stop ends quickly; the flag under test
+    // replaces the entry of the same name.
+    let bench_args = |sub: &str, device_flag: &str, flag: &str, value: &str| -> Vec<String> {
+        let mut args: Vec<String> = ["bench", sub, "--model", model, "--dtype", "f32"]
+            .map(String::from)
+            .to_vec();
+        args.extend([device_flag.to_string(), "cpu".into()]);
+        for (f, v) in [
+            ("--batch", "1"),
+            ("--prompt-len", "4"),
+            ("--new-tokens", "2"),
+            ("--repeats", "1"),
+            ("--batches-per-replica", "1"),
+            ("--group-size", "1"),
+        ] {
+            let applies = match f {
+                "--repeats" => sub == "generate",
+                "--batches-per-replica" | "--group-size" => sub == "data-parallel",
+                _ => true,
+            };
+            if applies {
+                args.extend([f.to_string(), if f == flag { value } else { v }.to_string()]);
+            }
+        }
+        args
+    };
+    let cases = [
+        ("generate", "--device", "--batch", "0", "at least 1"),
+        ("generate", "--device", "--batch", "1,0", "at least 1"),
+        ("generate", "--device", "--new-tokens", "0", "at least 2"),
+        ("generate", "--device", "--new-tokens", "1", "at least 2"),
+        ("generate", "--device", "--repeats", "0", "at least 1"),
+        ("generate", "--device", "--prompt-len", "0", "at least 1"),
+        (
+            "data-parallel",
+            "--devices",
+            "--batches-per-replica",
+            "0",
+            "at least 1",
+        ),
+        ("data-parallel", "--devices", "--batch", "0", "at least 1"),
+        (
+            "data-parallel",
+            "--devices",
+            "--new-tokens",
+            "0",
+            "at least 1",
+        ),
+        (
+            "data-parallel",
+            "--devices",
+            "--prompt-len",
+            "0",
+            "at least 1",
+        ),
+        (
+            "data-parallel",
+            "--devices",
+            "--group-size",
+            "0",
+            "at least 1",
+        ),
+    ];
+    for (sub, device_flag, flag, value, range) in cases {
+        let args = bench_args(sub, device_flag, flag, value);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let err = fails_with(&args);
+        assert!(
+            // clap names the offending item of a list: the last one here.
+            err.contains(&format!(
+                "'{}' for '{flag}",
+                value.rsplit(',').next().unwrap()
+            )) && err.contains(range),
+            "bench {sub} {flag} {value}: {err}"
+        );
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let ids = dir.path().join("ids.json");
+    std::fs::write(&ids, r#"{"input_ids": [[1, 2, 3]]}"#).unwrap();
+    let err = fails_with(&[
+        "generate",
+        "--model",
+        model,
+        "--ids-file",
+        ids.to_str().unwrap(),
+        "--max-batch",
+        "0",
+    ]);
+    assert!(
+        err.contains("'--max-batch") && err.contains("at least 1"),
+        "{err}"
+    );
+    let config = repo("configs/models/qwen2.5-7b.json");
+    for flag in ["--batch", "--seq-len"] {
+        let err = fails_with(&["plan", "--model", config.to_str().unwrap(), flag, "0"]);
+        assert!(
+            err.contains(&format!("'{flag}")) && err.contains("at least 1"),
+            "{err}"
+        );
+    }
+}
+
+/// A reader that stops reading (`fleet plan ... | head -n 1`) ends the command quietly: no
+/// "failed printing to stdout" panic (exit 101). Stdout here is a pipe whose read end is
+/// closed before the command starts, so every write to it fails.
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    let plan_model = repo("configs/models/qwen2.5-7b.json");
+    let topology = repo("configs/topologies/rtx3060-8x.toml");
+    let tiny = fixture("qwen2-tiny");
+    let (plan_model, topology, tiny) = (
+        plan_model.to_str().unwrap(),
+        topology.to_str().unwrap(),
+        tiny.to_str().unwrap(),
+    );
+    let runs: [&[&str]; 5] = [
+        &["plan", "--model", plan_model, "--topology", topology],
+        &["devices"],
+        &["devices", "--json"],
+        // Streams the reply token by token.
+        &[
+            "generate",
+            "--model",
+            tiny,
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "8",
+        ],
+        &["logits", "--model", tiny, "--ids", "1,2,3"],
+    ];
+    for args in runs {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = fleet()
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(out.status.code(), Some(101), "{args:?}: {err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("Broken pipe"),
+            "{args:?}: {err}"
+        );
+        assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
+    }
+}
+
+/// More positions than the model has: a message naming max_position_embeddings and the count,
+/// not a tensor error from inside the rotary embedding.
+#[test]
+fn logits_past_max_position_embeddings_is_a_clear_error() {
+    let model = fixture("qwen3-tiny");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let max = config["max_position_embeddings"].as_u64().unwrap() as usize;
+    let ids = vec!["1"; max + 1].join(",");
+    let err = fails_with(&["logits", "--model", model.to_str().unwrap(), "--ids", &ids]);
+    assert!(
+        err.contains("max_position_embeddings")
+            && err.contains(&(max + 1).to_string())
+            && err.contains(&max.to_string()),
+        "{err}"
+    );
+    // Exactly max positions still run.
+    let ids = vec!["1"; max].join(",");
+    let out = fleet()
+        .args(["logits", "--model", model.to_str().unwrap(), "--ids", &ids])
+        .arg("--output")
+        .arg(
+            tempfile::tempdir()
+                .unwrap()
+                .path()
+                .join("logits.safetensors"),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Budgets and GPU ids that the topology cannot honour are errors naming the entry and what
+/// exists, where before a GPU id in --max-memory that was not in the topology did nothing and
+/// `0=0` planned a GPU with no memory.
+#[test]
+fn plan_refuses_budgets_and_gpu_ids_it_cannot_honour() {
+    let config = repo("configs/models/qwen2.5-7b.json");
+    let topology = repo("configs/topologies/rtx3060-8x.toml");
+    let plan = |extra: &[&str]| -> String {
+        let mut args = vec![
+            "plan",
+            "--model",
+            config.to_str().unwrap(),
+            "--topology",
+            topology.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        fails_with(&args)
+    };
+    let err = plan(&["--gpu-ids", "9"]);
+    assert!(err.contains("GPU 9") && err.contains("ids 0-7"), "{err}");
+    let err = plan(&["--max-memory", "9=10GiB"]);
+    assert!(err.contains("cuda:9") && err.contains("ids 0-7"), "{err}");
+    let err = plan(&["--gpu-ids", "2,3", "--max-memory", "0=10GiB"]);
+    assert!(err.contains("GPU 0") && err.contains("ids 2, 3"), "{err}");
+    let err = plan(&["--max-memory", "0=0"]);
+    assert!(
+        err.contains("`0=0`") && err.contains("no memory") && err.contains("--gpu-ids"),
+        "{err}"
+    );
+    let err = plan(&["--max-memory", "0=10GiB,1=0.9,0=20GiB"]);
+    assert!(
+        err.contains("two entries for cuda:0") && err.contains("`0`"),
+        "{err}"
+    );
+}
+
+/// The ways out of a plan that does not fit name flags that `fleet plan` accepts (the planner
+/// names `--gpu-mode`, which is `fleet plan --mode` under the name the other binaries use).
+#[test]
+fn plan_ways_out_name_flags_that_plan_accepts() {
+    let help = fleet().args(["plan", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    let flags_in = |text: &str| -> Vec<String> {
+        text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+            .filter(|w| w.starts_with("--") && w.len() > 2)
+            .map(String::from)
+            .collect()
+    };
+    let accepted = flags_in(&help);
+    let topology = |name: &str| repo(&format!("configs/topologies/{name}.toml"));
+    let model = |size: &str| repo(&format!("configs/models/qwen2.5-{size}.json"));
+    // 7B in single mode on one 12 GiB GPU: shard it; 72B on one H200: offload, more GPUs.
+    for (size, topo, mode) in [("7b", "rtx3060-8x", "single"), ("72b", "h200-1x", "auto")] {
+        let err = fails_with(&[
+            "plan",
+            "--model",
+            model(size).to_str().unwrap(),
+            "--topology",
+            topology(topo).to_str().unwrap(),
+            "--mode",
+            mode,
+        ]);
+        let named = flags_in(&err);
+        assert!(!named.is_empty(), "{err}");
+        for flag in &named {
+            assert!(
+                accepted.contains(flag),
+                "`{flag}` is named in the ways out but fleet plan does not accept it:\n{err}\n{help}"
+            );
+        }
+    }
+    // The way out taken: the same model and topology with the flag the message names.
+    let out = fleet()
+        .args(["plan", "--model"])
+        .arg(model("7b"))
+        .arg("--topology")
+        .arg(topology("rtx3060-8x"))
+        .args(["--gpu-mode", "layer-sharded"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("1 replica(s) of 2 GPU(s)"));
+}

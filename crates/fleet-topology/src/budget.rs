@@ -14,6 +14,11 @@
 //! A device without an entry gets its total memory less [`default_reserve`]: 10% of the total
 //! or 1 GiB, whichever is larger, left for other processes, fragmentation and the allocator's
 //! rounding. An explicit entry is taken as given (as accelerate does), capped at the total.
+//!
+//! Each device has at most one entry (`0` and `cuda:0` are one device), and no entry is zero:
+//! a GPU that should hold nothing is left out of the GPUs planned on (`--gpu-ids`), and no
+//! `cpu` entry means no offload. [`crate::plan`] also refuses entries for GPUs it is not
+//! planning on.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
@@ -40,12 +45,18 @@ impl MemoryLimit {
             MemoryLimit::Fraction(f) => (total as f64 * f) as u64,
         }
     }
-}
 
-impl FromStr for MemoryLimit {
-    type Err = TopologyError;
+    /// Whether it allows no memory at all (`0`, `0GiB`, `0%`).
+    pub fn is_zero(&self) -> bool {
+        match *self {
+            MemoryLimit::Bytes(b) => b == 0,
+            MemoryLimit::Fraction(f) => f <= 0.0,
+        }
+    }
 
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
+    /// Parses like [`FromStr`] but lets a zero through, so that [`MaxMemory`] can name the
+    /// entry that has it.
+    fn parse_allowing_zero(s: &str) -> Result<Self, TopologyError> {
         let t = s.trim();
         let bad = |reason: &str| TopologyError::BadMemorySize {
             value: s.to_string(),
@@ -56,7 +67,7 @@ impl FromStr for MemoryLimit {
                 .trim()
                 .parse()
                 .map_err(|_| bad("a percentage is a number followed by %, e.g. 90%"))?;
-            if !(p > 0.0 && p <= 100.0) {
+            if !(0.0..=100.0).contains(&p) {
                 return Err(bad("a percentage must be in (0, 100]"));
             }
             return Ok(MemoryLimit::Fraction(p / 100.0));
@@ -76,7 +87,7 @@ impl FromStr for MemoryLimit {
             .map_err(|_| bad("the number part does not parse"))?;
         if unit.is_empty() {
             if num.contains('.') {
-                if !(value > 0.0 && value <= 1.0) {
+                if !(0.0..=1.0).contains(&value) {
                     return Err(bad(
                         "a bare decimal is a fraction of the device's memory and must be in (0, 1]; add a unit (GiB, GB, MiB) for a size",
                     ));
@@ -101,11 +112,24 @@ impl FromStr for MemoryLimit {
                 ))
             }
         };
-        let bytes = value * mult;
-        if bytes <= 0.0 {
-            return Err(bad("a budget must be larger than zero"));
+        Ok(MemoryLimit::Bytes((value * mult).round() as u64))
+    }
+}
+
+impl FromStr for MemoryLimit {
+    type Err = TopologyError;
+
+    /// Parses a size (`10GiB`, `10GB`, `500MiB`, bytes), or a fraction (`0.9`, `90%`); zero is
+    /// refused (a budget of no memory holds nothing).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let limit = Self::parse_allowing_zero(s)?;
+        if limit.is_zero() {
+            return Err(TopologyError::BadMemorySize {
+                value: s.to_string(),
+                reason: "a budget must be larger than zero".into(),
+            });
         }
-        Ok(MemoryLimit::Bytes(bytes.round() as u64))
+        Ok(limit)
     }
 }
 
@@ -140,23 +164,41 @@ impl MaxMemory {
     }
 
     /// Parses `(device, value)` pairs: keys `0`, `cuda:0` or `cpu`; values as [`MemoryLimit`].
+    /// Errors name the entry at fault: a key that is not a device, a device given twice (`0`
+    /// and `cuda:0` are one device), a value that does not parse or is zero.
     pub fn from_pairs<K: AsRef<str>, V: AsRef<str>>(
         pairs: impl IntoIterator<Item = (K, V)>,
     ) -> Result<Self, TopologyError> {
         let mut out = MaxMemory::new();
+        let mut keys: BTreeMap<DeviceLocation, String> = BTreeMap::new();
         for (k, v) in pairs {
-            let key = k.as_ref();
+            let (key, value) = (k.as_ref(), v.as_ref());
             let device: DeviceLocation =
                 key.parse().map_err(|_| TopologyError::BadMaxMemoryKey {
                     key: key.to_string(),
                 })?;
-            let limit: MemoryLimit = v.as_ref().parse()?;
+            if let Some(first) = keys.get(&device) {
+                return Err(TopologyError::DuplicateMaxMemoryKey {
+                    device,
+                    first: first.clone(),
+                    second: key.to_string(),
+                });
+            }
+            let limit = MemoryLimit::parse_allowing_zero(value)?;
+            if limit.is_zero() {
+                return Err(TopologyError::ZeroBudget {
+                    device,
+                    key: key.to_string(),
+                    value: value.to_string(),
+                });
+            }
+            keys.insert(device, key.to_string());
             out.limits.insert(device, limit);
         }
         Ok(out)
     }
 
-    /// Sets the limit of one device.
+    /// Sets the limit of one device (replacing any it had).
     pub fn set(&mut self, device: DeviceLocation, limit: MemoryLimit) {
         self.limits.insert(device, limit);
     }

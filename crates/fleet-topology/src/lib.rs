@@ -129,13 +129,59 @@ pub enum TopologyError {
         /// The value given.
         value: usize,
     },
-    /// A GPU id is not in the topology.
-    #[error("GPU {id} does not exist: the topology has {available} GPUs (ids 0..{available})")]
+    /// A GPU id asked for where the GPUs are numbered `0..available` (a machine's discovered
+    /// GPUs; none at all on a machine without GPUs).
+    #[error("GPU {id} does not exist: {}", match available {
+        0 => "there is no GPU".to_string(),
+        1 => "there is 1 GPU (id 0)".to_string(),
+        n => format!("there are {}", gpus_text(&(0..*n).collect::<Vec<_>>())),
+    })]
     UnknownGpu {
         /// The id asked for.
         id: usize,
         /// GPUs in the topology.
         available: usize,
+    },
+    /// A GPU id selected (`--gpu-ids`) that the topology does not have.
+    #[error(
+        "GPU {id} is not in topology `{topology}`, which has {}: list only those in --gpu-ids",
+        gpus_text(ids)
+    )]
+    GpuNotInTopology {
+        /// The id asked for.
+        id: usize,
+        /// The topology's name.
+        topology: String,
+        /// The GPU ids it has.
+        ids: Vec<usize>,
+    },
+    /// A max_memory entry for a GPU that is not among the GPUs planned on.
+    #[error("max_memory entry for cuda:{id}: GPU {id} is not among the GPUs planned on, which are {}; give budgets only to those (--max-memory keys are GPU ids as --gpu-ids lists them, not renumbered)", gpus_text(ids))]
+    MaxMemoryGpuNotPlanned {
+        /// The GPU id of the entry.
+        id: usize,
+        /// The GPU ids planned on.
+        ids: Vec<usize>,
+    },
+    /// Two max_memory entries for one device.
+    #[error("max_memory has two entries for {device} (keys `{first}` and `{second}`): give each device one budget")]
+    DuplicateMaxMemoryKey {
+        /// The device both keys name.
+        device: DeviceLocation,
+        /// The first key as given.
+        first: String,
+        /// The second key as given.
+        second: String,
+    },
+    /// A max_memory entry of no memory at all.
+    #[error("max_memory entry `{key}={value}` gives {device} no memory: {}", zero_budget_hint(*device))]
+    ZeroBudget {
+        /// The device.
+        device: DeviceLocation,
+        /// The key as given (`0`, `cuda:0`, `cpu`).
+        key: String,
+        /// The value as given.
+        value: String,
     },
     /// A GPU id was given twice.
     #[error("GPU {id} is listed twice in the GPU ids: list each GPU once")]
@@ -152,7 +198,7 @@ pub enum TopologyError {
         gpus: usize,
     },
     /// The topology has no GPU to plan on.
-    #[error("topology `{topology}` has no GPU: add a [[gpu]] entry, or allow cpu offload with a max_memory entry such as cpu = \"64GiB\"")]
+    #[error("topology `{topology}` has no GPU: add a [[gpu]] entry, or allow cpu offload with an entry such as cpu=64GiB in --max-memory")]
     NoGpus {
         /// The topology's name.
         topology: String,
@@ -171,4 +217,40 @@ pub enum TopologyError {
         /// Needs, budgets and the ways out, in words.
         detail: String,
     },
+}
+
+/// `no GPU`, `1 GPU (id 0)`, `8 GPUs (ids 0-7)`, `2 GPUs (ids 3, 5)`: GPU ids for messages,
+/// runs of consecutive ids written as ranges.
+fn gpus_text(ids: &[usize]) -> String {
+    let mut runs: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ids.len() {
+        let mut j = i;
+        while j + 1 < ids.len() && ids[j + 1] == ids[j] + 1 {
+            j += 1;
+        }
+        runs.push(match j - i {
+            0 => ids[i].to_string(),
+            1 => format!("{}, {}", ids[i], ids[j]),
+            _ => format!("{}-{}", ids[i], ids[j]),
+        });
+        i = j + 1;
+    }
+    match ids.len() {
+        0 => "no GPU".into(),
+        1 => format!("1 GPU (id {})", runs[0]),
+        n => format!("{n} GPUs (ids {})", runs.join(", ")),
+    }
+}
+
+/// What to do instead of a zero budget on `device`.
+fn zero_budget_hint(device: DeviceLocation) -> &'static str {
+    match device {
+        DeviceLocation::Cpu => {
+            "to offload nothing, leave the cpu entry out; to offload, give a size such as cpu=64GiB"
+        }
+        DeviceLocation::Cuda(_) => {
+            "a GPU with no memory cannot hold anything; to leave the GPU out, list the GPUs to use with --gpu-ids instead, or give it a size such as 10GiB or a fraction such as 0.9"
+        }
+    }
 }

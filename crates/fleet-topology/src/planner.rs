@@ -18,6 +18,11 @@
 //! * `hybrid`: replicas of shard groups of a given size, or of the smallest size that fits;
 //! * `auto`: the most throughput: as many replicas as fit, each on as few GPUs as possible,
 //!   grouping GPUs that have peer access with one another.
+//!
+//! Errors name the placement flags that every fleet binary shares for these settings:
+//! `--gpu-mode` ([`PlanRequest::mode`]), `--gpu-ids` ([`Topology::select`]) and `--max-memory`
+//! ([`PlanRequest::max_memory`]). The workload is named by its values, not by flags, since each
+//! binary derives it from flags of its own.
 
 use std::fmt;
 use std::ops::Range;
@@ -409,13 +414,15 @@ fn groups_of(topo: &Topology, g: usize) -> Vec<Vec<usize>> {
 ///
 /// Errors when nothing fits ([`TopologyError::DoesNotFit`], with the bytes needed and
 /// available per device and the ways out), when the topology has no GPU and no offload is
-/// allowed, or when the mode's group size is impossible.
+/// allowed, when the mode's group size is impossible, or when the budgets give a device no
+/// memory or name a GPU that is not in `topology`.
 pub fn plan(
     shape: &ModelShape,
     topology: &Topology,
     request: &PlanRequest,
 ) -> Result<Plan, TopologyError> {
     request.workload.validate()?;
+    check_budgets(&request.max_memory, topology)?;
     let ctx = Ctx {
         shape,
         req: request,
@@ -574,6 +581,28 @@ pub fn plan(
     })
 }
 
+/// Budgets the plan can honour: none of no memory (a device the caller meant to leave out,
+/// which `--gpu-ids` does), none for a GPU that is not in `topology` (a typo, or ids taken as
+/// renumbered after `--gpu-ids`; an entry that would silently do nothing).
+fn check_budgets(max_memory: &MaxMemory, topology: &Topology) -> Result<(), TopologyError> {
+    let ids = topology.gpu_ids();
+    for (device, limit) in max_memory.entries() {
+        if limit.is_zero() {
+            return Err(TopologyError::ZeroBudget {
+                device,
+                key: device.to_string(),
+                value: "0".into(),
+            });
+        }
+        if let DeviceLocation::Cuda(id) = device {
+            if !ids.contains(&id) {
+                return Err(TopologyError::MaxMemoryGpuNotPlanned { id, ids });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A parameter count people read at a glance: `7.616B`, `494.03M`, or the count itself.
 fn format_params(n: u64) -> String {
     if n >= 100_000_000 {
@@ -646,9 +675,9 @@ fn not_fit(ctx: &Ctx<'_>, topology: &Topology, chain: &[Slot]) -> TopologyError 
         )),
     }
     if !req.max_memory.allows_cpu_offload() {
-        ways.push("cpu offload (add a max_memory entry such as cpu = \"64GiB\")".into());
+        ways.push("cpu offload (add an entry such as cpu=64GiB to --max-memory)".into());
     } else {
-        ways.push("a larger cpu entry in max_memory".into());
+        ways.push("a larger cpu entry in --max-memory".into());
     }
     ways.push(format!(
         "a smaller workload (batch {} x {} tokens: KV cache {}, workspace {})",
@@ -657,7 +686,7 @@ fn not_fit(ctx: &Ctx<'_>, topology: &Topology, chain: &[Slot]) -> TopologyError 
         format_bytes(whole.kv_cache),
         format_bytes(whole.workspace)
     ));
-    ways.push("larger max_memory entries (the default keeps 10% or 1 GiB free per GPU)".into());
+    ways.push("larger --max-memory entries (the default keeps 10% or 1 GiB free per GPU)".into());
     let detail = format!(
         "one replica needs {} in {} (weights {}, KV cache {}, workspace {}, plus {} context per GPU); budgets: {}. Ways out: {}",
         format_bytes(needed),

@@ -283,7 +283,9 @@ impl Topology {
         }
     }
 
-    /// Keeps only the GPUs of `ids` (in the given order), as `--gpu-ids` does.
+    /// Keeps only the GPUs of `ids` (in the given order), as `--gpu-ids` does. An id the
+    /// topology does not have is an error naming it and the ids there are; so is an id given
+    /// twice.
     pub fn select(&self, ids: &[usize]) -> Result<Self, TopologyError> {
         let mut gpus = Vec::new();
         for &id in ids {
@@ -291,9 +293,10 @@ impl Topology {
                 .gpus
                 .iter()
                 .find(|g| g.location == DeviceLocation::Cuda(id))
-                .ok_or(TopologyError::UnknownGpu {
+                .ok_or_else(|| TopologyError::GpuNotInTopology {
                     id,
-                    available: self.gpus.len(),
+                    topology: self.name.clone(),
+                    ids: self.gpu_ids(),
                 })?;
             if gpus.contains(gpu) {
                 return Err(TopologyError::DuplicateGpu { id });
@@ -306,6 +309,14 @@ impl Topology {
             peer_access: self.peer_access.clone(),
             cpu_bytes: self.cpu_bytes,
         })
+    }
+
+    /// The CUDA indices of the GPUs, in order.
+    pub fn gpu_ids(&self) -> Vec<usize> {
+        self.gpus
+            .iter()
+            .filter_map(|g| g.location.cuda_ordinal())
+            .collect()
     }
 
     /// Whether GPUs `a` and `b` (CUDA indices) have peer access.

@@ -25,7 +25,7 @@ fn sizes_and_fractions() {
 #[test]
 fn bad_values_are_named() {
     for bad in [
-        "", "GiB", "10XB", "1.5", "-3GiB", "0GiB", "150%", "1.2.3GB", "ten",
+        "", "GiB", "10XB", "1.5", "-3GiB", "0GiB", "0", "0%", "0.0", "150%", "1.2.3GB", "ten",
     ] {
         let err = bad.parse::<MemoryLimit>().unwrap_err();
         assert!(
@@ -76,4 +76,52 @@ fn max_memory_maps() {
     assert!(err.contains("lots"), "{err}");
     let err = "10GiB".parse::<MaxMemory>().unwrap_err().to_string();
     assert!(err.contains("10GiB"), "{err}");
+}
+
+#[test]
+fn a_device_given_twice_is_an_error_naming_the_key() {
+    for (text, first, second) in [
+        ("0=10GiB,0=20GiB", "0", "0"),
+        ("0=10GiB,1=0.5,cuda:0=20GiB", "0", "cuda:0"),
+        ("cpu=64GiB cpu=32GiB", "cpu", "cpu"),
+    ] {
+        let err = text.parse::<MaxMemory>().unwrap_err();
+        assert!(
+            matches!(&err, TopologyError::DuplicateMaxMemoryKey { first: f, second: s, .. }
+                if f == first && s == second),
+            "{text}: {err}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&format!("`{second}`")) && msg.contains("two entries"),
+            "{msg}"
+        );
+    }
+    let err = MaxMemory::from_pairs([("1", "1GiB"), ("cuda:1", "2GiB")])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cuda:1") && err.contains("`1`"), "{err}");
+}
+
+#[test]
+fn a_zero_budget_is_an_error_that_says_what_to_do() {
+    for (text, key, value) in [
+        ("0=0", "0", "0"),
+        ("0=10GiB,cuda:1=0GiB", "cuda:1", "0GiB"),
+        ("2=0%", "2", "0%"),
+        ("3=0.0", "3", "0.0"),
+    ] {
+        let err = text.parse::<MaxMemory>().unwrap_err();
+        assert!(
+            matches!(&err, TopologyError::ZeroBudget { key: k, value: v, .. } if k == key && v == value),
+            "{text}: {err}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&format!("`{key}={value}`")) && msg.contains("--gpu-ids"),
+            "{msg}"
+        );
+    }
+    let msg = "cpu=0".parse::<MaxMemory>().unwrap_err().to_string();
+    assert!(msg.contains("leave the cpu entry out"), "{msg}");
 }

@@ -333,7 +333,7 @@ fn qwen72b_on_rtx3060_offloads_only_when_asked() {
     let s = qwen25("72b");
     let err = plan(&s, &t, &auto()).unwrap_err().to_string();
     assert!(
-        err.contains("about 14 GPUs") && err.contains("cpu = \"64GiB\""),
+        err.contains("about 14 GPUs") && err.contains("cpu=64GiB to --max-memory"),
         "{err}"
     );
     let offload = PlanRequest {
@@ -454,6 +454,19 @@ fn selected_gpus_and_bad_requests() {
     );
     let err = t.select(&[8]).unwrap_err().to_string();
     assert!(err.contains("GPU 8") && err.contains("8 GPUs"), "{err}");
+    // The ids that exist are named: those of the topology, whichever they are.
+    let err = t.select(&[0, 9]).unwrap_err();
+    assert!(
+        matches!(&err, TopologyError::GpuNotInTopology { id: 9, ids, .. } if ids.len() == 8),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("GPU 9") && msg.contains("ids 0-7") && msg.contains("--gpu-ids"),
+        "{msg}"
+    );
+    let msg = sel.select(&[4]).unwrap_err().to_string();
+    assert!(msg.contains("GPU 4") && msg.contains("(ids 3, 5)"), "{msg}");
     assert!(t.select(&[1, 1]).unwrap_err().to_string().contains("twice"));
     let none = t.select(&[]).unwrap();
     assert!(matches!(
@@ -637,4 +650,57 @@ fn capped_attention_makes_a_large_batch_fit() {
             .len(),
         1
     );
+}
+
+/// Budgets the planner cannot honour are errors naming the entry, for every caller of `plan`:
+/// a GPU the topology does not have (or that `--gpu-ids` left out), a budget of no memory.
+#[test]
+fn budgets_for_gpus_not_planned_on_are_errors() {
+    let t = topo("rtx3060-8x");
+    let s = qwen25("7b");
+    let with_budget = |m: &str| PlanRequest {
+        max_memory: m.parse().unwrap(),
+        ..PlanRequest::default()
+    };
+    let err = plan(&s, &t, &with_budget("0=10GiB,9=10GiB")).unwrap_err();
+    assert!(
+        matches!(&err, TopologyError::MaxMemoryGpuNotPlanned { id: 9, .. }),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("cuda:9") && msg.contains("ids 0-7") && msg.contains("--max-memory"),
+        "{msg}"
+    );
+    // After `--gpu-ids 3,5` the keys are still the GPUs' own ids, not 0 and 1.
+    let sel = t.select(&[3, 5]).unwrap();
+    let msg = plan(&s, &sel, &with_budget("0=10GiB"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("GPU 0") && msg.contains("(ids 3, 5)") && msg.contains("not renumbered"),
+        "{msg}"
+    );
+    let p = plan(&s, &sel, &with_budget("3=11GiB,5=11GiB,cpu=8GiB")).unwrap();
+    assert_eq!(p.replicas[0].devices[0].budget, 11 * GIB);
+
+    // A zero budget built in code (the parser refuses it already) is refused by plan too.
+    let mut zero = MaxMemory::new();
+    zero.set(DeviceLocation::Cuda(1), MemoryLimit::Bytes(0));
+    let request = PlanRequest {
+        max_memory: zero,
+        ..PlanRequest::default()
+    };
+    let err = plan(&s, &t, &request).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            TopologyError::ZeroBudget {
+                device: DeviceLocation::Cuda(1),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("--gpu-ids"), "{err}");
 }
