@@ -17,6 +17,7 @@ use fleet_argo::params::Quality;
 use fleet_argo::summary::commit_id;
 use fleet_argo::sweep::{self, render_table, write_outputs, SweepSummary};
 use fleet_argo::{ExperimentConfig, Mode, StrategyKind, SIMULATION};
+use fleet_cli::{out, outln};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -295,20 +296,20 @@ fn run_sweep(args: &SweepArgs, single_point: bool) -> Result<()> {
     let started = Instant::now();
     let result = sweep::run_sweep(&cfg)?;
     let elapsed = started.elapsed().as_secs_f64();
-    print!("{}", render_table(&result));
-    println!(
+    out!("{}", render_table(&result))?;
+    outln!(
         "\n[{SIMULATION}] {} cost points x {} strategies x {} questions in {elapsed:.3} s (seed {})",
         result.points.len(),
         cfg.strategies.list.len(),
         cfg.sweep.n_questions,
         cfg.sweep.seed
-    );
+    )?;
     for p in &result.points {
         if let Some(v) = &p.policy.violation {
-            println!(
+            outln!(
                 "[{SIMULATION}] note: at c_r = {:.4} the optimal policy is not two-threshold: {v}",
                 p.c_r
-            );
+            )?;
         }
     }
     if args.no_write {
@@ -317,9 +318,9 @@ fn run_sweep(args: &SweepArgs, single_point: bool) -> Result<()> {
     let summary = SweepSummary::new(&result, &cfg, commit_id(), elapsed);
     let written = write_outputs(&args.out, &result, &summary)
         .with_context(|| format!("writing results under {}", args.out.display()))?;
-    println!("[{SIMULATION}] wrote:");
+    outln!("[{SIMULATION}] wrote:")?;
     for path in written {
-        println!("  {}", path.display());
+        outln!("  {}", path.display())?;
     }
     Ok(())
 }
@@ -337,11 +338,11 @@ fn solve(args: &SolveArgs) -> Result<()> {
             "q": solution.q,
             "actions": solution.actions,
         });
-        println!("{}", serde_json::to_string_pretty(&value)?);
+        outln!("{}", serde_json::to_string_pretty(&value)?)?;
         return Ok(());
     }
     let m = &cfg.mdp;
-    println!(
+    outln!(
         "MDP: u_max {} delta_r {} delta_p {} p_s {} c_r {} c_p {} mu {} gamma {} | {}",
         m.u_max,
         m.delta_r,
@@ -352,21 +353,28 @@ fn solve(args: &SolveArgs) -> Result<()> {
         m.mu,
         m.gamma,
         m.quality.describe()
-    );
-    println!(
+    )?;
+    outln!(
         "value iteration: {} grid points, {} iterations, residual {:.2e} (tolerance {:.0e})",
-        solution.grid.points, solution.iterations, solution.residual, cfg.solver.tolerance
-    );
-    println!();
+        solution.grid.points,
+        solution.iterations,
+        solution.residual,
+        cfg.solver.tolerance
+    )?;
+    outln!()?;
     if args.every > 0 {
-        println!(
+        outln!(
             "{:>7}  {:>9}  {:>11}  {:>11}  {:>13}  action",
-            "U", "V", "Q(Retrieve)", "Q(Reason)", "Q(Terminate)"
-        );
+            "U",
+            "V",
+            "Q(Retrieve)",
+            "Q(Reason)",
+            "Q(Terminate)"
+        )?;
         let last = solution.grid.points - 1;
         for i in (0..=last).filter(|&i| i % args.every == 0 || i == last) {
             let q = solution.q[i];
-            println!(
+            outln!(
                 "{:>7.4}  {:>9.5}  {:>11.5}  {:>11.5}  {:>13.5}  {}",
                 solution.grid.u(i),
                 solution.values[i],
@@ -374,44 +382,42 @@ fn solve(args: &SolveArgs) -> Result<()> {
                 q.reason,
                 q.terminate,
                 solution.actions[i]
-            );
+            )?;
         }
-        println!();
+        outln!()?;
     }
-    println!("policy: {}", solution.structure.describe());
-    println!("theta_cont = {:.4}", solution.theta_cont);
-    println!("theta*     = {:.4}", solution.theta_star);
+    outln!("policy: {}", solution.structure.describe())?;
+    outln!("theta_cont = {:.4}", solution.theta_cont)?;
+    outln!("theta*     = {:.4}", solution.theta_star)?;
     if m.quality.is_concave() {
-        println!(
+        outln!(
             "one-step-lookahead stopping threshold = {:.4} (optimal for concave sigma)",
             one_step_lookahead_threshold(m, solution.grid.points)
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "one-step-lookahead stopping threshold = {:.4} (sigma is not concave: this rule \
              need not be optimal)",
             one_step_lookahead_threshold(m, solution.grid.points)
-        );
+        )?;
     }
     match &solution.structure.violation {
-        None => println!("two-threshold form: yes"),
-        Some(v) => println!("two-threshold form: NO: {v}"),
+        None => outln!("two-threshold form: yes")?,
+        Some(v) => outln!("two-threshold form: NO: {v}")?,
     }
     Ok(())
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     // A replica worker started by this program's own data-parallel path serves and exits here.
     fleet_models::replica_process::serve_if_replica_worker();
-    // Warnings of the libraries (a checkpoint tensor the model does not use, a cache of
-    // another model emptied) reach the user; RUST_LOG overrides.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    fleet_cli::init_logging();
     let cli = Cli::parse();
+    // Results go to stdout through fleet_cli's `out!`/`outln!`: `argo-exp | head` ends quietly.
+    fleet_cli::exit(run(&cli))
+}
+
+fn run(cli: &Cli) -> Result<()> {
     match &cli.command {
         None => run_sweep(&cli.sweep, false),
         Some(Command::Sweep(args)) => run_sweep(args, false),

@@ -19,6 +19,7 @@ use fleet_argo::prompts::Prompts;
 use fleet_argo::runner::{run_jobs, summarize, RecordsFile, Retriever, RunEvent};
 use fleet_argo::summary::{commit_id, write_json_atomic};
 use fleet_argo::StrategyKind;
+use fleet_cli::{out, outln};
 use fleet_dist::{RunDir, RunDirOptions, RunDirState};
 use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
 use fleet_models::placement::{PlacementRequest, Replicas};
@@ -113,7 +114,7 @@ pub fn ingest(args: &IngestArgs) -> Result<()> {
     })?;
     bar.finish_and_clear();
     index.save()?;
-    println!(
+    outln!(
         "index {}: {} added, {} replaced, {} unchanged, {} removed, {} chunks added, {} chunks in all",
         args.index.display(),
         report.added.len(),
@@ -122,12 +123,12 @@ pub fn ingest(args: &IngestArgs) -> Result<()> {
         report.removed.len(),
         report.chunks_added,
         index.chunks().len()
-    );
+    )?;
     for file in &report.removed {
-        println!("removed {file}: no longer under {}", args.docs.display());
+        outln!("removed {file}: no longer under {}", args.docs.display())?;
     }
     for (file, why) in &report.skipped {
-        println!("skipped {file}: {why}");
+        outln!("skipped {file}: {why}")?;
     }
     Ok(())
 }
@@ -154,7 +155,7 @@ pub fn query(args: &QueryArgs) -> Result<()> {
     for hit in &index.search(&v, args.top_k as usize, &device)?[0] {
         let chunk = index.chunk(hit.id).context("hit outside the index")?;
         let text: String = chunk.text.chars().take(160).collect();
-        println!("{:.4}  {}#{}  {}", hit.score, chunk.source, hit.id, text);
+        outln!("{:.4}  {}#{}  {}", hit.score, chunk.source, hit.id, text)?;
     }
     Ok(())
 }
@@ -473,7 +474,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
 
     let done: Vec<_> = keys.iter().filter_map(|k| records.get(k)).collect();
     let results = summarize(&done);
-    print!("{}", render_real_table(&results));
+    out!("{}", render_real_table(&results))?;
     let summary = RealRunSummary {
         world: "real",
         model: format!("{model_id} ({dtype})"),
@@ -508,11 +509,11 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
             summary.config.sweep.seed
         );
         for plot in fleet_argo::plot::plot_real_sweep(&args.out, &summary.results, &subtitle)? {
-            println!("[real] wrote {}", plot.display());
+            outln!("[real] wrote {}", plot.display())?;
         }
     }
     let stats = llm.stats();
-    println!(
+    outln!(
         "[real] {} jobs ({} resumed) in {:.1} s, {} rounds; LLM: {} calls, {} cache hits, {} prompt + {} new tokens; wrote {}",
         progress.jobs,
         progress.resumed,
@@ -523,14 +524,14 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         stats.prompt_tokens,
         stats.new_tokens,
         path.display()
-    );
-    println!(
+    )?;
+    outln!(
         "[real] time: LLM {:.1} s (prompts and cache {:.1} s, generation {:.1} s), retrieval {:.1} s",
         progress.llm_ms as f64 / 1e3,
         stats.prepare_ms as f64 / 1e3,
         stats.generate_ms as f64 / 1e3,
         progress.retrieval_ms as f64 / 1e3,
-    );
+    )?;
     Ok(())
 }
 

@@ -186,3 +186,26 @@ fn bad_parameters_give_clear_errors() {
     assert!(!out.status.success());
     assert!(stderr.contains("unknown quality `cubic`"), "{stderr}");
 }
+
+/// Issue 14, item 4: `argo-exp | head` ends quietly: no "Broken pipe" panic, no exit 101.
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    let runs: [&[&str]; 3] = [&["--no-write"], &["solve"], &["solve", "--json"]];
+    for args in runs {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_argo-exp"))
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(out.status.code(), Some(101), "{args:?}: {err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("Broken pipe"),
+            "{args:?}: {err}"
+        );
+        assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
+    }
+}

@@ -248,7 +248,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
     let json = serde_json::to_string_pretty(&report)?;
     match &args.json {
         Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
-        None => crate::stdout::outln!("{json}")?,
+        None => fleet_cli::outln!("{json}")?,
     }
     Ok(())
 }

@@ -214,7 +214,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
     let json = serde_json::to_string_pretty(&report)?;
     match &args.json {
         Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
-        None => crate::stdout::outln!("{json}")?,
+        None => fleet_cli::outln!("{json}")?,
     }
     Ok(())
 }

@@ -11,7 +11,7 @@ use fleet_models::{
     SamplingParams, TextModel,
 };
 
-use crate::stdout::{out, outln};
+use fleet_cli::{out, outln};
 
 /// fleet: Qwen models on one GPU, on all GPUs of a machine, or across machines.
 #[derive(Parser)]
@@ -337,7 +337,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             return;
         }
         if let Err(err) = out!("{}", e.text_delta) {
-            if crate::stdout::is_closed(&err) {
+            if fleet_cli::stdout::is_closed(&err) {
                 // Nobody reads the rest of the reply: stop now, as SIGPIPE's default would,
                 // rather than generate it for nobody.
                 std::process::exit(0);

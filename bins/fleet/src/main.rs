@@ -3,7 +3,6 @@
 mod bench;
 mod bench_dp;
 mod cli;
-mod stdout;
 
 use std::process::ExitCode;
 
@@ -12,12 +11,7 @@ use clap::Parser;
 fn main() -> ExitCode {
     // A replica worker started by this program's own data-parallel path serves and exits here.
     fleet_models::replica_process::serve_if_replica_worker();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    fleet_cli::init_logging();
     let args = cli::Cli::parse();
     let result = match args.command {
         cli::Command::Devices(a) => cli::devices(&a),
@@ -27,14 +21,5 @@ fn main() -> ExitCode {
         cli::Command::Bench(cli::BenchCommand::Generate(a)) => bench::generate(&a),
         cli::Command::Bench(cli::BenchCommand::DataParallel(a)) => bench_dp::run(&a),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        // The reader of stdout stopped reading (`| head`): it has what it wanted.
-        Err(e) if stdout::is_closed(&e) => ExitCode::SUCCESS,
-        Err(e) => {
-            // As `fn main() -> anyhow::Result<()>` prints it: the message and its causes.
-            eprintln!("Error: {e:?}");
-            ExitCode::FAILURE
-        }
-    }
+    fleet_cli::exit(result)
 }

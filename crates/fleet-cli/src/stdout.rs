@@ -41,6 +41,7 @@ pub fn is_closed(error: &anyhow::Error) -> bool {
 }
 
 /// `print!` that returns `anyhow::Result<()>` through [`write`].
+#[macro_export]
 macro_rules! out {
     ($($arg:tt)*) => {
         $crate::stdout::write(format_args!($($arg)*))
@@ -48,6 +49,7 @@ macro_rules! out {
 }
 
 /// `println!` that returns `anyhow::Result<()>` through [`write`].
+#[macro_export]
 macro_rules! outln {
     () => {
         $crate::stdout::write(format_args!("\n"))
@@ -56,5 +58,3 @@ macro_rules! outln {
         $crate::stdout::write(format_args!("{}\n", format_args!($($arg)*)))
     };
 }
-
-pub(crate) use {out, outln};
