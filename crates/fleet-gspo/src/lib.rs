@@ -3,3 +3,8 @@
 //! policy loss as the reference behaviour.
 
 #![warn(missing_docs)]
+
+pub mod advantage;
+pub mod config;
+pub mod dataset;
+pub mod rewards;
