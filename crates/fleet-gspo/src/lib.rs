@@ -7,4 +7,5 @@
 pub mod advantage;
 pub mod config;
 pub mod dataset;
+pub mod loss;
 pub mod rewards;
