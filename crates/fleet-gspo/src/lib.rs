@@ -8,4 +8,5 @@ pub mod advantage;
 pub mod config;
 pub mod dataset;
 pub mod loss;
+pub mod optim;
 pub mod rewards;

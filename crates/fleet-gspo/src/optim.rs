@@ -1,0 +1,994 @@
+//! AdamW as `torch.optim.AdamW` computes it, gradient clipping as
+//! `torch.nn.utils.clip_grad_norm_`, HF transformers' learning-rate schedules, and the
+//! optimizer state as named tensors for checkpoints.
+//!
+//! Written here rather than taken from candle-nn because a checkpoint must save and restore the
+//! moments exactly, and candle-nn's are private.
+//!
+//! # AdamW (torch, single-tensor path, `amsgrad=False`, `maximize=False`)
+//!
+//! For each parameter with a gradient `g`, at its step `t` (counted per parameter, as torch
+//! does; a parameter without a gradient is skipped and its step does not advance):
+//!
+//! ```text
+//! p  ← p · (1 − lr·weight_decay)                  (decoupled decay, only if weight_decay ≠ 0)
+//! m  ← m + (1 − β1)·(g − m)                         (torch's lerp)
+//! v  ← v·β2 + (1 − β2)·g·g
+//! p  ← p − (lr / (1 − β1^t)) · m / (sqrt(v) / sqrt(1 − β2^t) + eps)
+//! ```
+//!
+//! The scalars are computed in f64 and applied as f32, as torch applies Python floats, and the
+//! operations are done in torch's order (the tests check a step bit for bit against a scalar f32
+//! emulation of torch's CPU kernels). Moments are f32 whatever the parameter's dtype; a
+//! parameter of another dtype is updated in f32 and rounded back (there is no f32 master copy:
+//! keep trained parameters in f32 when updates are smaller than the dtype's resolution).
+//!
+//! # Schedules (HF `get_*_schedule_with_warmup`)
+//!
+//! [`LrSchedule::lr`] at `step` (the number of optimizer steps already taken) is the learning
+//! rate of the next step: `base_lr · λ(step)`, with linear warm-up `step / max(1, warmup)` for
+//! `step < warmup`, then `1` (constant), `max(0, (total − step) / max(1, total − warmup))`
+//! (linear) or `max(0, ½(1 + cos(π · progress)))` with
+//! `progress = (step − warmup) / max(1, total − warmup)` (cosine). As in HF, the first step
+//! after a warm-up of `w > 0` steps runs at lr 0. (HF logs `learning_rate` after the scheduler
+//! has stepped, i.e. the rate of the *next* step; the trainer should log the rate it used.)
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::config::{GspoConfig, LrSchedulerType};
+
+/// Errors of the optimizer, clipping, schedules and optimizer state. Each names the parameter,
+/// tensor or value at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimError {
+    /// Two parameters with one name.
+    #[error("parameter name `{name}` is used twice: names key the optimizer state, give each parameter its own")]
+    DuplicateName {
+        /// The name.
+        name: String,
+    },
+    /// A parameter that is not floating point.
+    #[error("parameter `{name}` is {dtype:?}: only floating-point parameters can be trained")]
+    NotFloat {
+        /// The parameter.
+        name: String,
+        /// Its dtype.
+        dtype: DType,
+    },
+    /// A hyper-parameter out of range.
+    #[error("{field} = {value} is out of range: expected {expected}")]
+    OutOfRange {
+        /// The field.
+        field: &'static str,
+        /// The value.
+        value: f64,
+        /// The range.
+        expected: &'static str,
+    },
+    /// Gradients for another number of parameters.
+    #[error("got {got} gradients for {expected} parameters: build them with AdamW::gradients")]
+    GradCount {
+        /// Parameters.
+        expected: usize,
+        /// Gradients.
+        got: usize,
+    },
+    /// A gradient whose shape is not its parameter's.
+    #[error("gradient of `{name}` has shape {got:?}, the parameter {expected:?}")]
+    GradShape {
+        /// The parameter.
+        name: String,
+        /// The parameter's shape.
+        expected: Vec<usize>,
+        /// The gradient's shape.
+        got: Vec<usize>,
+    },
+    /// The global gradient norm is NaN or infinite (the gradients are left untouched).
+    #[error("the global gradient norm is {norm}: a NaN or infinite gradient; skip this optimizer step (and look for a NaN loss)")]
+    NonFiniteGradNorm {
+        /// The norm.
+        norm: f64,
+    },
+    /// A saved state without an entry this optimizer needs.
+    #[error("optimizer state has no `{key}`: the checkpoint was made for other parameters; resume with the same model, or start the optimizer afresh")]
+    MissingState {
+        /// The missing key.
+        key: String,
+    },
+    /// A saved state entry of the wrong shape or dtype.
+    #[error("optimizer state `{key}` has shape {got:?} ({dtype:?}), expected {expected:?}: the checkpoint was made for another model")]
+    StateShape {
+        /// The key.
+        key: String,
+        /// The shape expected.
+        expected: Vec<usize>,
+        /// The shape found.
+        got: Vec<usize>,
+        /// The dtype found.
+        dtype: DType,
+    },
+    /// Saved state entries that no parameter of this optimizer has.
+    #[error("optimizer state has entries for parameters this model does not have ({keys}): the checkpoint was made for another model")]
+    UnexpectedState {
+        /// The first few keys.
+        keys: String,
+    },
+    /// Reading or writing the state file failed.
+    #[error("cannot {action} optimizer state {}: {message}", path.display())]
+    File {
+        /// `read` or `write`.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        message: String,
+    },
+    /// A tensor operation failed.
+    #[error("tensor operation failed in the optimizer: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// AdamW hyper-parameters other than the learning rate (which comes from the schedule at each
+/// step).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// β1 (0.9).
+    pub beta1: f64,
+    /// β2 (0.999).
+    pub beta2: f64,
+    /// eps (1e-8).
+    pub eps: f64,
+    /// Decoupled weight decay (0).
+    pub weight_decay: f64,
+}
+
+impl From<&GspoConfig> for AdamWConfig {
+    fn from(c: &GspoConfig) -> Self {
+        AdamWConfig {
+            beta1: c.adam_beta1,
+            beta2: c.adam_beta2,
+            eps: c.adam_epsilon,
+            weight_decay: c.weight_decay,
+        }
+    }
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+fn range(
+    ok: bool,
+    field: &'static str,
+    value: f64,
+    expected: &'static str,
+) -> Result<(), OptimError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(OptimError::OutOfRange {
+            field,
+            value,
+            expected,
+        })
+    }
+}
+
+impl AdamWConfig {
+    fn validate(&self) -> Result<(), OptimError> {
+        for (field, v) in [("adam_beta1", self.beta1), ("adam_beta2", self.beta2)] {
+            range(
+                v.is_finite() && (0.0..1.0).contains(&v),
+                field,
+                v,
+                "0 <= beta < 1",
+            )?;
+        }
+        range(
+            self.eps.is_finite() && self.eps >= 0.0,
+            "adam_epsilon",
+            self.eps,
+            "0 or more",
+        )?;
+        let wd = self.weight_decay;
+        range(wd.is_finite() && wd >= 0.0, "weight_decay", wd, "0 or more")
+    }
+}
+
+/// Gradients of an optimizer's parameters, by parameter index (`None`: no gradient).
+#[derive(Debug, Clone, Default)]
+pub struct Gradients {
+    grads: Vec<Option<Tensor>>,
+}
+
+impl Gradients {
+    /// Gradients from a list aligned with the optimizer's parameters.
+    pub fn new(grads: Vec<Option<Tensor>>) -> Self {
+        Gradients { grads }
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.grads.len()
+    }
+
+    /// True when there are no entries.
+    pub fn is_empty(&self) -> bool {
+        self.grads.is_empty()
+    }
+
+    /// The gradient of parameter `i`.
+    pub fn get(&self, i: usize) -> Option<&Tensor> {
+        self.grads.get(i).and_then(Option::as_ref)
+    }
+
+    /// The entries.
+    pub fn iter(&self) -> impl Iterator<Item = Option<&Tensor>> {
+        self.grads.iter().map(Option::as_ref)
+    }
+
+    /// Adds `other` entry by entry (gradient accumulation over micro-batches).
+    pub fn accumulate(&mut self, other: &Gradients) -> Result<(), OptimError> {
+        if self.grads.is_empty() {
+            self.grads = other.grads.clone();
+            return Ok(());
+        }
+        if other.len() != self.len() {
+            return Err(OptimError::GradCount {
+                expected: self.len(),
+                got: other.len(),
+            });
+        }
+        for (mine, theirs) in self.grads.iter_mut().zip(&other.grads) {
+            *mine = match (mine.take(), theirs) {
+                (Some(a), Some(b)) => Some((a + b)?),
+                (a, b) => a.or_else(|| b.clone()),
+            };
+        }
+        Ok(())
+    }
+
+    /// Multiplies every gradient by `factor`.
+    pub fn scale(&mut self, factor: f64) -> Result<(), OptimError> {
+        for g in self.grads.iter_mut().flatten() {
+            *g = g.affine(factor, 0.0)?;
+        }
+        Ok(())
+    }
+}
+
+/// The global L2 norm of `grads`: each tensor's sum of squares in f32 (as torch's per-tensor
+/// norm), accumulated in f64.
+pub fn grad_norm(grads: &Gradients) -> Result<f64, OptimError> {
+    let mut total = 0f64;
+    for g in grads.iter().flatten() {
+        let ss = g
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f32>()?;
+        total += f64::from(ss);
+    }
+    Ok(total.sqrt())
+}
+
+/// `torch.nn.utils.clip_grad_norm_`: computes the global L2 norm and, when
+/// `max_norm / (norm + 1e-6) < 1`, multiplies every gradient by that factor. Returns the norm
+/// before clipping. A NaN or infinite norm is an error and the gradients are left as they are
+/// (torch would scale them to NaN or 0): the trainer should skip the step.
+pub fn clip_grad_norm(grads: &mut Gradients, max_norm: f64) -> Result<f64, OptimError> {
+    range(
+        max_norm.is_finite() && max_norm > 0.0,
+        "max_grad_norm",
+        max_norm,
+        "a positive number (0 means no clipping: do not call clip_grad_norm then)",
+    )?;
+    let norm = grad_norm(grads)?;
+    if !norm.is_finite() {
+        return Err(OptimError::NonFiniteGradNorm { norm });
+    }
+    // torch computes the coefficient on the f32 norm tensor.
+    let coef = max_norm as f32 / (norm as f32 + 1e-6);
+    if coef < 1.0 {
+        for g in grads.grads.iter_mut().flatten() {
+            let dtype = g.dtype();
+            *g = g.broadcast_mul(&Tensor::new(coef, g.device())?.to_dtype(dtype)?)?;
+        }
+    }
+    Ok(norm)
+}
+
+/// One parameter's moments and step.
+#[derive(Debug, Clone)]
+struct ParamState {
+    step: u64,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+/// AdamW over named parameters (see the module docs).
+#[derive(Debug)]
+pub struct AdamW {
+    params: Vec<(String, Var)>,
+    config: AdamWConfig,
+    state: Vec<ParamState>,
+}
+
+/// Key prefixes of the exported state.
+const EXP_AVG: &str = "exp_avg";
+const EXP_AVG_SQ: &str = "exp_avg_sq";
+const STEP: &str = "step";
+
+impl AdamW {
+    /// An optimizer over `params` (unique names, floating point) with zero moments.
+    pub fn new(params: Vec<(String, Var)>, config: AdamWConfig) -> Result<Self, OptimError> {
+        config.validate()?;
+        let mut state = Vec::with_capacity(params.len());
+        for (i, (name, var)) in params.iter().enumerate() {
+            if params[..i].iter().any(|(n, _)| n == name) {
+                return Err(OptimError::DuplicateName { name: name.clone() });
+            }
+            let dtype = var.dtype();
+            if !dtype.is_float() {
+                return Err(OptimError::NotFloat {
+                    name: name.clone(),
+                    dtype,
+                });
+            }
+            let zeros = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+            state.push(ParamState {
+                step: 0,
+                exp_avg: zeros.clone(),
+                exp_avg_sq: zeros,
+            });
+        }
+        Ok(AdamW {
+            params,
+            config,
+            state,
+        })
+    }
+
+    /// The parameters, in order.
+    pub fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// The step count of parameter `i` (torch's `state['step']`).
+    pub fn param_step(&self, i: usize) -> Option<u64> {
+        self.state.get(i).map(|s| s.step)
+    }
+
+    /// The gradients of this optimizer's parameters in a backward pass's store.
+    pub fn gradients(&self, store: &GradStore) -> Gradients {
+        Gradients::new(
+            self.params
+                .iter()
+                .map(|(_, v)| store.get(v.as_tensor()).cloned())
+                .collect(),
+        )
+    }
+
+    /// One AdamW step at learning rate `lr` (from the schedule). Parameters without a gradient
+    /// are skipped.
+    pub fn step(&mut self, grads: &Gradients, lr: f64) -> Result<(), OptimError> {
+        range(
+            lr.is_finite() && lr >= 0.0,
+            "learning_rate",
+            lr,
+            "0 or more",
+        )?;
+        if grads.len() != self.params.len() {
+            return Err(OptimError::GradCount {
+                expected: self.params.len(),
+                got: grads.len(),
+            });
+        }
+        let AdamWConfig {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } = self.config;
+        for (i, ((name, var), st)) in self.params.iter().zip(self.state.iter_mut()).enumerate() {
+            let Some(grad) = grads.get(i) else { continue };
+            if grad.dims() != var.dims() {
+                return Err(OptimError::GradShape {
+                    name: name.clone(),
+                    expected: var.dims().to_vec(),
+                    got: grad.dims().to_vec(),
+                });
+            }
+            let g = grad.to_dtype(DType::F32)?;
+            st.step += 1;
+            let t = st.step as f64;
+            let dtype = var.dtype();
+            let mut p = var.as_tensor().detach().to_dtype(DType::F32)?;
+            if weight_decay != 0.0 {
+                p = p.affine(1.0 - lr * weight_decay, 0.0)?;
+            }
+            // exp_avg.lerp_(grad, 1 - beta1): self + weight * (end - self).
+            let m = ((&g - &st.exp_avg)?.affine(1.0 - beta1, 0.0)? + &st.exp_avg)?;
+            // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
+            let v = (st.exp_avg_sq.affine(beta2, 0.0)? + (g.affine(1.0 - beta2, 0.0)? * &g)?)?;
+            let bias_correction1 = 1.0 - beta1.powf(t);
+            let bias_correction2 = 1.0 - beta2.powf(t);
+            let step_size = lr / bias_correction1;
+            let bc2_sqrt = Tensor::new(bias_correction2.sqrt() as f32, var.device())?;
+            // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            let denom = (v.sqrt()?.broadcast_div(&bc2_sqrt)? + eps)?;
+            // param.addcdiv_(exp_avg, denom, value=-step_size)
+            let update = (&m / &denom)?.affine(-step_size, 0.0)?;
+            let new_p = (p + update)?;
+            var.set(&new_p.to_dtype(dtype)?)?;
+            st.exp_avg = m;
+            st.exp_avg_sq = v;
+        }
+        Ok(())
+    }
+
+    /// The state as named tensors: `exp_avg/<name>`, `exp_avg_sq/<name>` (f32, the
+    /// parameter's shape) and `step/<name>` (i64, shape `[1]`). Saving and restoring them gives
+    /// bit-identical further steps.
+    pub fn state(&self) -> Result<OptimizerState, OptimError> {
+        let mut tensors = BTreeMap::new();
+        for ((name, var), st) in self.params.iter().zip(&self.state) {
+            tensors.insert(format!("{EXP_AVG}/{name}"), st.exp_avg.clone());
+            tensors.insert(format!("{EXP_AVG_SQ}/{name}"), st.exp_avg_sq.clone());
+            tensors.insert(
+                format!("{STEP}/{name}"),
+                Tensor::new(&[st.step as i64], var.device())?,
+            );
+        }
+        Ok(OptimizerState { tensors })
+    }
+
+    /// Restores a state exported by [`AdamW::state`] for the same parameters. Every entry must
+    /// be present with the right shape, and no other entry may be (a checkpoint of another
+    /// model is refused rather than half loaded).
+    pub fn load_state(&mut self, state: &OptimizerState) -> Result<(), OptimError> {
+        let mut restored = Vec::with_capacity(self.params.len());
+        for (name, var) in &self.params {
+            let get = |prefix: &str, dims: &[usize], dtype: DType| -> Result<Tensor, OptimError> {
+                let key = format!("{prefix}/{name}");
+                let t = state
+                    .tensors
+                    .get(&key)
+                    .ok_or_else(|| OptimError::MissingState { key: key.clone() })?;
+                if t.dims() != dims || t.dtype() != dtype {
+                    return Err(OptimError::StateShape {
+                        key,
+                        expected: dims.to_vec(),
+                        got: t.dims().to_vec(),
+                        dtype: t.dtype(),
+                    });
+                }
+                Ok(t.to_device(var.device())?)
+            };
+            let exp_avg = get(EXP_AVG, var.dims(), DType::F32)?;
+            let exp_avg_sq = get(EXP_AVG_SQ, var.dims(), DType::F32)?;
+            let step = get(STEP, &[1], DType::I64)?.to_vec1::<i64>()?[0];
+            let step = u64::try_from(step).map_err(|_| OptimError::StateShape {
+                key: format!("{STEP}/{name}"),
+                expected: vec![1],
+                got: vec![1],
+                dtype: DType::I64,
+            })?;
+            restored.push(ParamState {
+                step,
+                exp_avg,
+                exp_avg_sq,
+            });
+        }
+        let expected = 3 * self.params.len();
+        if state.tensors.len() != expected {
+            let known: std::collections::HashSet<String> = self
+                .params
+                .iter()
+                .flat_map(|(n, _)| [EXP_AVG, EXP_AVG_SQ, STEP].map(|p| format!("{p}/{n}")))
+                .collect();
+            let extra: Vec<&str> = state
+                .tensors
+                .keys()
+                .filter(|k| !known.contains(*k))
+                .take(5)
+                .map(String::as_str)
+                .collect();
+            return Err(OptimError::UnexpectedState {
+                keys: extra.join(", "),
+            });
+        }
+        self.state = restored;
+        Ok(())
+    }
+}
+
+/// An optimizer state as named tensors (see [`AdamW::state`]).
+#[derive(Debug, Clone)]
+pub struct OptimizerState {
+    /// The tensors by key.
+    pub tensors: BTreeMap<String, Tensor>,
+}
+
+impl OptimizerState {
+    /// Writes the state as safetensors, atomically (temporary file, then rename).
+    pub fn save(&self, path: &Path) -> Result<(), OptimError> {
+        let err = |message: String| OptimError::File {
+            action: "write",
+            path: path.to_path_buf(),
+            message,
+        };
+        let name = path
+            .file_name()
+            .ok_or_else(|| err("the path names no file".into()))?
+            .to_string_lossy()
+            .into_owned();
+        let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+        let map: HashMap<&str, Tensor> = self
+            .tensors
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        candle_core::safetensors::save(&map, &tmp).map_err(|e| err(e.to_string()))?;
+        std::fs::rename(&tmp, path).map_err(|e| err(e.to_string()))
+    }
+
+    /// Reads a state written by [`OptimizerState::save`] onto `device`.
+    pub fn load(path: &Path, device: &Device) -> Result<Self, OptimError> {
+        let tensors =
+            candle_core::safetensors::load(path, device).map_err(|e| OptimError::File {
+                action: "read",
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
+        Ok(OptimizerState {
+            tensors: tensors.into_iter().collect(),
+        })
+    }
+}
+
+/// A learning-rate schedule with warm-up (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LrSchedule {
+    /// The shape after warm-up.
+    pub kind: LrSchedulerType,
+    /// The peak learning rate.
+    pub base_lr: f64,
+    /// Warm-up steps.
+    pub warmup_steps: u64,
+    /// Total optimizer steps.
+    pub total_steps: u64,
+}
+
+impl LrSchedule {
+    /// A schedule; `base_lr` must be positive and `total_steps` at least 1.
+    pub fn new(
+        kind: LrSchedulerType,
+        base_lr: f64,
+        warmup_steps: u64,
+        total_steps: u64,
+    ) -> Result<Self, OptimError> {
+        range(
+            base_lr.is_finite() && base_lr > 0.0,
+            "learning_rate",
+            base_lr,
+            "a positive number",
+        )?;
+        range(
+            total_steps >= 1,
+            "total_steps",
+            total_steps as f64,
+            "at least 1",
+        )?;
+        Ok(LrSchedule {
+            kind,
+            base_lr,
+            warmup_steps,
+            total_steps,
+        })
+    }
+
+    /// The config's schedule for a run of `total_steps` optimizer steps
+    /// ([`GspoConfig::total_optimizer_steps`]).
+    pub fn from_config(config: &GspoConfig, total_steps: u64) -> Result<Self, OptimError> {
+        Self::new(
+            config.lr_scheduler_type,
+            config.learning_rate,
+            config.warmup_steps_for(total_steps),
+            total_steps,
+        )
+    }
+
+    /// HF's `lr_lambda(step)`.
+    pub fn multiplier(&self, step: u64) -> f64 {
+        let w = self.warmup_steps;
+        if step < w {
+            return step as f64 / w.max(1) as f64;
+        }
+        let total = self.total_steps as f64;
+        let after = (self.total_steps.saturating_sub(w)).max(1) as f64;
+        match self.kind {
+            LrSchedulerType::Constant => 1.0,
+            LrSchedulerType::Linear => ((total - step as f64) / after).max(0.0),
+            LrSchedulerType::Cosine => {
+                let progress = (step - w) as f64 / after;
+                (0.5 * (1.0 + (std::f64::consts::PI * 0.5 * 2.0 * progress).cos())).max(0.0)
+            }
+        }
+    }
+
+    /// The learning rate of the optimizer step that follows `step` completed steps.
+    pub fn lr(&self, step: u64) -> f64 {
+        self.base_lr * self.multiplier(step)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn var(v: &[f32]) -> Var {
+        Var::from_tensor(&Tensor::new(v, &Device::Cpu).unwrap()).unwrap()
+    }
+
+    fn grads(v: &[&[f32]]) -> Gradients {
+        Gradients::new(
+            v.iter()
+                .map(|g| Some(Tensor::new(*g, &Device::Cpu).unwrap()))
+                .collect(),
+        )
+    }
+
+    fn values(v: &Var) -> Vec<f32> {
+        v.as_tensor().to_vec1::<f32>().unwrap()
+    }
+
+    #[test]
+    fn first_step_by_hand() {
+        // p0 = 1, g = 0.5, lr = 0.1, wd = 0.01: m̂ = g, v̂ = g², so
+        // p1 = 1·(1 − 0.001) − 0.1 · 0.5 / (0.5 + 1e-8) = 0.899000002.
+        let p = var(&[1.0]);
+        let mut opt = AdamW::new(
+            vec![("w".into(), p.clone())],
+            AdamWConfig {
+                weight_decay: 0.01,
+                ..AdamWConfig::default()
+            },
+        )
+        .unwrap();
+        opt.step(&grads(&[&[0.5]]), 0.1).unwrap();
+        assert!(
+            (f64::from(values(&p)[0]) - 0.899_000_002).abs() < 1e-7,
+            "{:?}",
+            values(&p)
+        );
+        assert_eq!(opt.param_step(0), Some(1));
+    }
+
+    /// torch's single-tensor AdamW on f32 scalars, in its operation order.
+    fn torch_f32(
+        p: &mut f32,
+        m: &mut f32,
+        v: &mut f32,
+        g: f32,
+        step: u64,
+        lr: f64,
+        c: &AdamWConfig,
+    ) {
+        if c.weight_decay != 0.0 {
+            *p *= (1.0 - lr * c.weight_decay) as f32;
+        }
+        *m += ((1.0 - c.beta1) as f32) * (g - *m);
+        *v = *v * c.beta2 as f32 + (1.0 - c.beta2) as f32 * g * g;
+        let bc1 = 1.0 - c.beta1.powf(step as f64);
+        let bc2 = 1.0 - c.beta2.powf(step as f64);
+        let step_size = lr / bc1;
+        let denom = v.sqrt() / (bc2.sqrt() as f32) + c.eps as f32;
+        *p += (-step_size) as f32 * (*m / denom);
+    }
+
+    /// The same in f64, straight from the formula.
+    fn formula_f64(
+        p: &mut f64,
+        m: &mut f64,
+        v: &mut f64,
+        g: f64,
+        step: u64,
+        lr: f64,
+        c: &AdamWConfig,
+    ) {
+        *p *= 1.0 - lr * c.weight_decay;
+        *m = c.beta1 * *m + (1.0 - c.beta1) * g;
+        *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
+        let m_hat = *m / (1.0 - c.beta1.powf(step as f64));
+        let v_hat = *v / (1.0 - c.beta2.powf(step as f64));
+        *p -= lr * m_hat / (v_hat.sqrt() + c.eps);
+    }
+
+    #[test]
+    fn steps_match_torch_adamw() {
+        let c = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let init = [0.5f32, -1.25, 3.0, 1e-3];
+        let gs: [[f32; 4]; 4] = [
+            [0.1, -0.2, 0.3, 1e-6],
+            [-0.05, -0.1, 0.4, 2e-6],
+            [0.2, 0.0, -0.3, -1e-6],
+            [0.0, 0.3, 0.1, 0.0],
+        ];
+        let lrs = [1e-3, 2e-3, 1.5e-3, 5e-4];
+        let p = var(&init);
+        let mut opt = AdamW::new(vec![("w".into(), p.clone())], c).unwrap();
+        let mut t32: Vec<(f32, f32, f32)> = init.iter().map(|&x| (x, 0.0, 0.0)).collect();
+        let mut t64: Vec<(f64, f64, f64)> =
+            init.iter().map(|&x| (f64::from(x), 0.0, 0.0)).collect();
+        for (k, (g, lr)) in gs.iter().zip(lrs).enumerate() {
+            opt.step(&grads(&[g]), lr).unwrap();
+            for (j, &gj) in g.iter().enumerate() {
+                let (p, m, v) = &mut t32[j];
+                torch_f32(p, m, v, gj, k as u64 + 1, lr, &c);
+                let (p, m, v) = &mut t64[j];
+                formula_f64(p, m, v, f64::from(gj), k as u64 + 1, lr, &c);
+            }
+            let got = values(&p);
+            for j in 0..4 {
+                assert_eq!(
+                    got[j].to_bits(),
+                    t32[j].0.to_bits(),
+                    "step {k} elem {j}: {} vs {}",
+                    got[j],
+                    t32[j].0
+                );
+                assert!((f64::from(got[j]) - t64[j].0).abs() < 1e-6 * (1.0 + t64[j].0.abs()));
+            }
+        }
+    }
+
+    #[test]
+    fn parameters_without_gradients_are_skipped() {
+        let a = var(&[1.0]);
+        let b = var(&[2.0]);
+        let mut opt = AdamW::new(
+            vec![("a".into(), a.clone()), ("b".into(), b.clone())],
+            AdamWConfig::default(),
+        )
+        .unwrap();
+        let g = Gradients::new(vec![
+            Some(Tensor::new(&[1.0f32], &Device::Cpu).unwrap()),
+            None,
+        ]);
+        opt.step(&g, 0.1).unwrap();
+        assert_eq!(values(&b), vec![2.0]);
+        assert_eq!((opt.param_step(0), opt.param_step(1)), (Some(1), Some(0)));
+        assert!(matches!(
+            opt.step(&grads(&[&[1.0]]), 0.1).unwrap_err(),
+            OptimError::GradCount { .. }
+        ));
+        let wrong = grads(&[&[1.0, 2.0], &[1.0]]);
+        assert!(matches!(
+            opt.step(&wrong, 0.1).unwrap_err(),
+            OptimError::GradShape { .. }
+        ));
+        assert!(matches!(
+            AdamW::new(
+                vec![("a".into(), a.clone()), ("a".into(), b)],
+                AdamWConfig::default()
+            )
+            .unwrap_err(),
+            OptimError::DuplicateName { .. }
+        ));
+    }
+
+    #[test]
+    fn gradients_from_a_backward_pass() {
+        let w = var(&[1.0, 2.0]);
+        let opt = AdamW::new(vec![("w".into(), w.clone())], AdamWConfig::default()).unwrap();
+        let loss = w.as_tensor().sqr().unwrap().sum_all().unwrap();
+        let store = loss.backward().unwrap();
+        let mut g = opt.gradients(&store);
+        assert_eq!(g.get(0).unwrap().to_vec1::<f32>().unwrap(), vec![2.0, 4.0]);
+        let again = g.clone();
+        g.accumulate(&again).unwrap();
+        g.scale(0.5).unwrap();
+        assert_eq!(g.get(0).unwrap().to_vec1::<f32>().unwrap(), vec![2.0, 4.0]);
+    }
+
+    #[test]
+    fn resuming_from_saved_state_is_bit_identical() {
+        let c = AdamWConfig {
+            weight_decay: 0.1,
+            ..AdamWConfig::default()
+        };
+        let gs: Vec<Gradients> = (0..5)
+            .map(|k| {
+                let k = k as f32;
+                grads(&[&[0.1 * k - 0.2, 0.3, -0.7 + k], &[1e-3 * k]])
+            })
+            .collect();
+        let init_a = [0.3f32, -0.1, 2.0];
+        let straight = (var(&init_a), var(&[0.5]));
+        let mut opt = AdamW::new(
+            vec![
+                ("a".into(), straight.0.clone()),
+                ("b".into(), straight.1.clone()),
+            ],
+            c,
+        )
+        .unwrap();
+        for g in &gs {
+            opt.step(g, 1e-2).unwrap();
+        }
+
+        let first = (var(&init_a), var(&[0.5]));
+        let mut opt1 = AdamW::new(
+            vec![("a".into(), first.0.clone()), ("b".into(), first.1.clone())],
+            c,
+        )
+        .unwrap();
+        for g in &gs[..2] {
+            opt1.step(g, 1e-2).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("optimizer.safetensors");
+        opt1.state().unwrap().save(&path).unwrap();
+        // A fresh process: parameters from the model checkpoint, moments from the file.
+        let resumed = (var(&values(&first.0)), var(&values(&first.1)));
+        let mut opt2 = AdamW::new(
+            vec![
+                ("a".into(), resumed.0.clone()),
+                ("b".into(), resumed.1.clone()),
+            ],
+            c,
+        )
+        .unwrap();
+        opt2.load_state(&OptimizerState::load(&path, &Device::Cpu).unwrap())
+            .unwrap();
+        assert_eq!(opt2.param_step(0), Some(2));
+        for g in &gs[2..] {
+            opt2.step(g, 1e-2).unwrap();
+        }
+        let bits = |v: &Var| values(v).iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&resumed.0), bits(&straight.0));
+        assert_eq!(bits(&resumed.1), bits(&straight.1));
+        let s1 = opt.state().unwrap();
+        let s2 = opt2.state().unwrap();
+        for (k, t) in &s1.tensors {
+            let a = t
+                .flatten_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap();
+            let b = s2.tensors[k]
+                .flatten_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap();
+            assert_eq!(a, b, "{k}");
+        }
+    }
+
+    #[test]
+    fn state_of_another_model_is_refused() {
+        let a = var(&[1.0, 2.0]);
+        let opt = AdamW::new(vec![("a".into(), a)], AdamWConfig::default()).unwrap();
+        let state = opt.state().unwrap();
+        let mut other =
+            AdamW::new(vec![("b".into(), var(&[1.0, 2.0]))], AdamWConfig::default()).unwrap();
+        assert!(matches!(
+            other.load_state(&state).unwrap_err(),
+            OptimError::MissingState { .. }
+        ));
+        let mut wider = AdamW::new(
+            vec![("a".into(), var(&[1.0, 2.0, 3.0]))],
+            AdamWConfig::default(),
+        )
+        .unwrap();
+        assert!(matches!(
+            wider.load_state(&state).unwrap_err(),
+            OptimError::StateShape { .. }
+        ));
+        let mut extra = state.clone();
+        extra.tensors.insert(
+            "exp_avg/zzz".into(),
+            Tensor::new(&[0f32], &Device::Cpu).unwrap(),
+        );
+        let mut same =
+            AdamW::new(vec![("a".into(), var(&[1.0, 2.0]))], AdamWConfig::default()).unwrap();
+        let err = same.load_state(&extra).unwrap_err();
+        assert!(err.to_string().contains("exp_avg/zzz"), "{err}");
+        same.load_state(&state).unwrap();
+    }
+
+    #[test]
+    fn clipping_follows_torch() {
+        // Norm of (3, 4) and (12) is 13.
+        let mut g = grads(&[&[3.0, 4.0], &[12.0]]);
+        let norm = clip_grad_norm(&mut g, 1.0).unwrap();
+        assert!((norm - 13.0).abs() < 1e-6);
+        let coef = 1.0f32 / (13.0f32 + 1e-6);
+        assert_eq!(
+            g.get(0).unwrap().to_vec1::<f32>().unwrap(),
+            vec![3.0 * coef, 4.0 * coef]
+        );
+        assert_eq!(
+            g.get(1).unwrap().to_vec1::<f32>().unwrap(),
+            vec![12.0 * coef]
+        );
+        let clipped = grad_norm(&g).unwrap();
+        assert!((clipped - 1.0).abs() < 1e-6);
+        // Below the limit: untouched.
+        let mut small = grads(&[&[0.3, 0.4]]);
+        assert!((clip_grad_norm(&mut small, 1.0).unwrap() - 0.5).abs() < 1e-7);
+        assert_eq!(
+            small.get(0).unwrap().to_vec1::<f32>().unwrap(),
+            vec![0.3, 0.4]
+        );
+        // Non-finite: an error, gradients untouched.
+        let mut bad = grads(&[&[f32::NAN, 1.0]]);
+        assert!(matches!(
+            clip_grad_norm(&mut bad, 1.0).unwrap_err(),
+            OptimError::NonFiniteGradNorm { .. }
+        ));
+        assert_eq!(bad.get(0).unwrap().to_vec1::<f32>().unwrap()[1], 1.0);
+        assert!(matches!(
+            clip_grad_norm(&mut small, 0.0).unwrap_err(),
+            OptimError::OutOfRange { .. }
+        ));
+    }
+
+    #[test]
+    fn schedules_follow_hf_formulas() {
+        let lin = LrSchedule::new(LrSchedulerType::Linear, 1.0, 2, 10).unwrap();
+        let got: Vec<f64> = [0, 1, 2, 3, 6, 10, 11].iter().map(|&s| lin.lr(s)).collect();
+        assert_eq!(got, vec![0.0, 0.5, 1.0, 7.0 / 8.0, 0.5, 0.0, 0.0]);
+        let cos = LrSchedule::new(LrSchedulerType::Cosine, 2.0, 2, 10).unwrap();
+        assert_eq!(cos.lr(1), 1.0);
+        assert_eq!(cos.lr(2), 2.0);
+        assert!((cos.lr(6) - 1.0).abs() < 1e-12);
+        assert!((cos.lr(4) - (1.0 + (std::f64::consts::PI * 0.25).cos())).abs() < 1e-12);
+        assert!(cos.lr(10).abs() < 1e-12);
+        let cst = LrSchedule::new(LrSchedulerType::Constant, 1e-6, 4, 100).unwrap();
+        assert_eq!(cst.lr(1), 0.25e-6);
+        assert_eq!(cst.lr(4), 1e-6);
+        assert_eq!(cst.lr(99), 1e-6);
+        let plain = LrSchedule::new(LrSchedulerType::Constant, 1e-6, 0, 100).unwrap();
+        assert_eq!(plain.lr(0), 1e-6);
+        let lin0 = LrSchedule::new(LrSchedulerType::Linear, 1.0, 0, 4).unwrap();
+        assert_eq!(lin0.lr(0), 1.0);
+        assert_eq!(lin0.lr(1), 0.75);
+        assert!(LrSchedule::new(LrSchedulerType::Linear, 1.0, 0, 0).is_err());
+        let c = GspoConfig {
+            warmup_ratio: 0.05,
+            ..GspoConfig::default()
+        };
+        let s = LrSchedule::from_config(&c, 500).unwrap();
+        assert_eq!(
+            (s.warmup_steps, s.total_steps, s.kind),
+            (25, 500, LrSchedulerType::Linear)
+        );
+    }
+}
