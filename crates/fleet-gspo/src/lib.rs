@@ -1,6 +1,39 @@
 //! GSPO reinforcement-learning fine-tuning of Qwen LLMs (arXiv 2507.18071), with TRL's
 //! GRPOTrainer (`importance_sampling_level="sequence"`, `loss_type="grpo"`) and verl's `gspo`
 //! policy loss as the reference behaviour.
+//!
+//! This crate holds the pieces a training loop calls; the differentiable model path lives in
+//! fleet-models.
+//!
+//! # Module map
+//!
+//! - [`config`]: [`GspoConfig`] (TOML with TRL's names and the GSPO defaults, `--set`
+//!   overrides with the seed's aliases, range and batch checks, TRL's on-policy condition).
+//! - [`dataset`]: prompt datasets from JSONL (text or chat prompts, GSM8K and multiple-choice
+//!   rows; skipped lines counted by reason), the per-epoch order and the [`DataCursor`] a
+//!   checkpoint saves.
+//! - [`rewards`]: the [`RewardFunction`] trait, `gsm8k_exact`, `multiple_choice`, `format`,
+//!   `length`, and [`WeightedSum`] (failed rewards are `None`, never a default).
+//! - [`advantage`]: group advantages with `scale_rewards` group / batch / none, failed rewards
+//!   left out of the statistics.
+//! - [`loss`]: the GSPO (and GSPO-token, GRPO token-level) policy loss with the k3 KL term and
+//!   TRL's clip metrics.
+//! - [`optim`]: AdamW as torch computes it, gradient clipping, HF learning-rate schedules,
+//!   optimizer state for checkpoints.
+//! - [`metrics`]: one JSONL line per optimizer step with TRL's metric names; reward and loss
+//!   plots.
+//!
+//! # One step, as the loop strings it together
+//!
+//! 1. [`PromptSampler::next_batch`] gives `prompts_per_generation` prompts; each is sampled G
+//!    times.
+//! 2. [`WeightedSum::score_batch`] scores the completions; [`group_advantages`] turns the
+//!    totals into advantages.
+//! 3. Off-policy ([`GspoConfig::is_on_policy`] false), old log-probs are computed once, without
+//!    gradients; on-policy the loss gets `None`.
+//! 4. Per micro-batch: [`policy_loss`] → `backward` → [`AdamW::gradients`], accumulated; after
+//!    `gradient_accumulation_steps` micro-batches: [`clip_grad_norm`], [`AdamW::step`] at
+//!    [`LrSchedule::lr`], and one [`StepMetrics`] line.
 
 #![warn(missing_docs)]
 
@@ -8,5 +41,24 @@ pub mod advantage;
 pub mod config;
 pub mod dataset;
 pub mod loss;
+pub mod metrics;
 pub mod optim;
 pub mod rewards;
+
+pub use advantage::{group_advantages, AdvantageError, GroupAdvantages};
+pub use config::{
+    ConfigError, GspoConfig, ImportanceSamplingLevel, LossType, LrSchedulerType, ScaleRewards,
+};
+pub use dataset::{
+    load_prompts, DataCursor, DatasetError, Prompt, PromptBatch, PromptDataset, PromptSampler,
+    Sample,
+};
+pub use loss::{policy_loss, LossConfig, LossError, LossInputs, LossMetrics, PolicyLoss};
+pub use metrics::{
+    plot_training, CompletionStats, MetricsError, MetricsLog, StepMetrics, StepParts, StepTimings,
+};
+pub use optim::{
+    clip_grad_norm, grad_norm, AdamW, AdamWConfig, Gradients, LrSchedule, OptimError,
+    OptimizerState,
+};
+pub use rewards::{BatchRewards, RewardError, RewardFunction, RewardSpec, WeightedSum};
