@@ -1059,6 +1059,17 @@ weight = 1.0
         let mut c = valid();
         c.max_steps = Some(10);
         c.scale_rewards = ScaleRewards::None;
+        c.reward_funcs.push(RewardSpec::Format {
+            weight: 0.5,
+            tags: vec![["<think>".into(), "</think>".into()]],
+            final_line_prefix: None,
+        });
+        c.reward_funcs.push(RewardSpec::Length {
+            weight: 1.0,
+            max_length: 256,
+            cache_length: 64,
+            unit: crate::rewards::LengthUnit::Tokens,
+        });
         let text = c.to_toml_string().unwrap();
         assert_eq!(GspoConfig::from_toml_str(&text).unwrap(), c);
     }

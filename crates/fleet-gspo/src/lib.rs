@@ -53,7 +53,10 @@ pub use dataset::{
     load_prompts, DataCursor, DatasetError, Prompt, PromptBatch, PromptDataset, PromptSampler,
     Sample,
 };
-pub use loss::{policy_loss, LossConfig, LossError, LossInputs, LossMetrics, PolicyLoss};
+pub use loss::{
+    completion_mask, policy_loss, CompletionMask, LossConfig, LossError, LossInputs, LossMetrics,
+    PolicyLoss,
+};
 pub use metrics::{
     plot_training, CompletionStats, MetricsError, MetricsLog, StepMetrics, StepParts, StepTimings,
 };

@@ -56,7 +56,7 @@
 //! count sequences (low: `s < 1 − epsilon` and `A < 0`; high: `s > 1 + epsilon_high` and
 //! `A > 0`); at the token level they count masked tokens. `kl` is the token-masked mean of k3.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{GspoConfig, ImportanceSamplingLevel};
@@ -112,6 +112,19 @@ pub enum LossError {
         value: f64,
         /// The range.
         expected: &'static str,
+    },
+    /// No EOS token id to build a completion mask with.
+    #[error("completion_mask got no EOS token ids: pass the tokenizer's EOS id(s) (generation_config.json's eos_token_id)")]
+    NoEosIds,
+    /// A completion longer than the mask width.
+    #[error("completion {row} has {len} tokens up to its first EOS but the mask is {width} wide: use the batch's longest completion as the width")]
+    CompletionTooLong {
+        /// The row.
+        row: usize,
+        /// Its length.
+        len: usize,
+        /// The width asked for.
+        width: usize,
     },
     /// A tensor operation failed.
     #[error("tensor operation failed in the policy loss: {0}")]
@@ -296,6 +309,56 @@ fn check_float(name: &'static str, t: &Tensor) -> Result<(), LossError> {
         DType::F32 | DType::F64 => Ok(()),
         dtype => Err(LossError::DType { name, dtype }),
     }
+}
+
+/// The completion mask of a batch of generated token ids, as TRL builds it (fact sheet B1).
+#[derive(Debug, Clone)]
+pub struct CompletionMask {
+    /// `[B, width]` f32: 1 for the tokens up to and including the first EOS, 0 after it and
+    /// for padding; a whole row of 0 for a truncated completion when masking them.
+    pub mask: Tensor,
+    /// Tokens per completion, up to and including the first EOS (TRL's completion length).
+    pub lengths: Vec<usize>,
+    /// Completions without an EOS (they hit the length limit; TRL's "truncated", counted in
+    /// `completions/clipped_ratio` whether or not they are masked).
+    pub truncated: Vec<bool>,
+}
+
+/// Builds the completion mask of `completions` (generated ids, any padding after them) over
+/// `width` columns: tokens after the first id in `eos_token_ids` are dropped, and with
+/// `mask_truncated_completions` a completion without EOS gets an all-zero row (it leaves the
+/// loss; its reward still counts in its group's statistics, as in TRL).
+pub fn completion_mask(
+    completions: &[Vec<u32>],
+    eos_token_ids: &[u32],
+    width: usize,
+    mask_truncated_completions: bool,
+    device: &Device,
+) -> Result<CompletionMask, LossError> {
+    if eos_token_ids.is_empty() {
+        return Err(LossError::NoEosIds);
+    }
+    let b = completions.len();
+    let mut mask = vec![0f32; b * width];
+    let mut lengths = Vec::with_capacity(b);
+    let mut truncated = Vec::with_capacity(b);
+    for (row, ids) in completions.iter().enumerate() {
+        let eos = ids.iter().position(|id| eos_token_ids.contains(id));
+        let len = eos.map_or(ids.len(), |p| p + 1);
+        if len > width {
+            return Err(LossError::CompletionTooLong { row, len, width });
+        }
+        lengths.push(len);
+        truncated.push(eos.is_none());
+        if !(mask_truncated_completions && eos.is_none()) {
+            mask[row * width..row * width + len].fill(1.0);
+        }
+    }
+    Ok(CompletionMask {
+        mask: Tensor::from_vec(mask, (b, width), device)?,
+        lengths,
+        truncated,
+    })
 }
 
 /// Computes the policy loss of one micro-batch (see the module docs).
@@ -892,6 +955,42 @@ mod tests {
                 field: "epsilon",
                 ..
             }
+        ));
+    }
+
+    #[test]
+    fn completion_mask_keeps_the_first_eos_and_masks_truncated_rows() {
+        let ids = vec![vec![5, 6, 2, 7, 2], vec![5, 6, 7, 8], vec![2, 9]];
+        let m = completion_mask(&ids, &[2], 5, false, &Device::Cpu).unwrap();
+        assert_eq!(m.lengths, vec![3, 4, 1]);
+        assert_eq!(m.truncated, vec![false, true, false]);
+        assert_eq!(
+            m.mask.to_vec2::<f32>().unwrap(),
+            vec![
+                vec![1.0, 1.0, 1.0, 0.0, 0.0],
+                vec![1.0, 1.0, 1.0, 1.0, 0.0],
+                vec![1.0, 0.0, 0.0, 0.0, 0.0]
+            ]
+        );
+        let masked = completion_mask(&ids, &[2, 8], 5, true, &Device::Cpu).unwrap();
+        assert_eq!(
+            masked.truncated,
+            vec![false, false, false],
+            "8 is an EOS id too"
+        );
+        let masked = completion_mask(&ids, &[2], 5, true, &Device::Cpu).unwrap();
+        assert_eq!(masked.mask.to_vec2::<f32>().unwrap()[1], vec![0.0; 5]);
+        assert!(matches!(
+            completion_mask(&ids, &[2], 3, false, &Device::Cpu).unwrap_err(),
+            LossError::CompletionTooLong {
+                row: 1,
+                len: 4,
+                width: 3
+            }
+        ));
+        assert!(matches!(
+            completion_mask(&ids, &[], 5, false, &Device::Cpu).unwrap_err(),
+            LossError::NoEosIds
         ));
     }
 

@@ -69,6 +69,12 @@ pub enum OptimError {
         /// The range.
         expected: &'static str,
     },
+    /// A gradient for a parameter name the optimizer does not have.
+    #[error("gradient for `{name}`, which is not a parameter of this optimizer: check the parameter names")]
+    UnknownParam {
+        /// The name.
+        name: String,
+    },
     /// Gradients for another number of parameters.
     #[error("got {got} gradients for {expected} parameters: build them with AdamW::gradients")]
     GradCount {
@@ -383,6 +389,28 @@ impl AdamW {
                 .map(|(_, v)| store.get(v.as_tensor()).cloned())
                 .collect(),
         )
+    }
+
+    /// Gradients keyed by parameter name (parameters not in `grads` have none). A name this
+    /// optimizer does not know is an error.
+    pub fn gradients_by_name(
+        &self,
+        grads: &HashMap<String, Tensor>,
+    ) -> Result<Gradients, OptimError> {
+        if let Some(unknown) = grads
+            .keys()
+            .find(|k| !self.params.iter().any(|(n, _)| n == *k))
+        {
+            return Err(OptimError::UnknownParam {
+                name: unknown.clone(),
+            });
+        }
+        Ok(Gradients::new(
+            self.params
+                .iter()
+                .map(|(n, _)| grads.get(n).cloned())
+                .collect(),
+        ))
     }
 
     /// One AdamW step at learning rate `lr` (from the schedule). Parameters without a gradient
@@ -805,6 +833,16 @@ mod tests {
         let opt = AdamW::new(vec![("w".into(), w.clone())], AdamWConfig::default()).unwrap();
         let loss = w.as_tensor().sqr().unwrap().sum_all().unwrap();
         let store = loss.backward().unwrap();
+        let by_name = HashMap::from([(
+            "w".to_string(),
+            Tensor::new(&[1f32, 1.0], &Device::Cpu).unwrap(),
+        )]);
+        assert!(opt.gradients_by_name(&by_name).unwrap().get(0).is_some());
+        let wrong = HashMap::from([("v".to_string(), Tensor::new(&[1f32], &Device::Cpu).unwrap())]);
+        assert!(matches!(
+            opt.gradients_by_name(&wrong).unwrap_err(),
+            OptimError::UnknownParam { .. }
+        ));
         let mut g = opt.gradients(&store);
         assert_eq!(g.get(0).unwrap().to_vec1::<f32>().unwrap(), vec![2.0, 4.0]);
         let again = g.clone();
