@@ -29,6 +29,9 @@ pub struct CheckpointParams {
     pub final_norm: u64,
     /// `lm_head.*`; 0 when the head is tied to the embedding.
     pub lm_head: u64,
+    /// `score.*`: the classification head of a `*ForSequenceClassification` checkpoint (a
+    /// reward model); 0 for a language model.
+    pub score: u64,
     /// Tensors none of the above names match, placed with the embedding.
     pub other: u64,
     /// The files read.
@@ -85,6 +88,8 @@ impl CheckpointParams {
             self.vision += elements;
         } else if name.starts_with("lm_head") {
             self.lm_head += elements;
+        } else if name.starts_with("score.") {
+            self.score += elements;
         } else if name.ends_with("norm.weight") || name.ends_with("norm.bias") {
             self.final_norm += elements;
         } else {
@@ -99,6 +104,7 @@ impl CheckpointParams {
             + self.layers.iter().sum::<u64>()
             + self.final_norm
             + self.lm_head
+            + self.score
             + self.other
     }
 }
@@ -168,6 +174,7 @@ mod tests {
             ("model.norm.weight", 4),
             ("lm_head.weight", 100),
             ("model.rotary_emb.inv_freq", 3),
+            ("score.weight", 2),
         ] {
             p.add(name, n);
         }
@@ -177,6 +184,7 @@ mod tests {
         assert_eq!(p.final_norm, 4);
         assert_eq!(p.lm_head, 100);
         assert_eq!(p.other, 3);
-        assert_eq!(p.total(), 237);
+        assert_eq!(p.score, 2);
+        assert_eq!(p.total(), 239);
     }
 }

@@ -3,6 +3,30 @@
 //! This is the lowest crate of the workspace: it holds facts (which devices exist, how much memory
 //! they have) and plans (which device holds which part of a model), and no model code. The model
 //! loader in `fleet-models` consumes a [`DeviceMap`] and builds every block on the device it names.
+//!
+//! # Module map
+//!
+//! * `device_map` — [`DeviceLocation`] (`cpu`, `cuda:N`) and [`DeviceMap`] (embedding, each
+//!   decoder layer, final norm + head).
+//! * `discover` — the GPUs of this machine through the CUDA driver (feature `cuda`), with peer
+//!   access; [`enable_peer_access`].
+//! * `topology` — [`Topology`]: GPUs to plan on, from TOML (`configs/topologies/`) or from
+//!   discovery; `--gpu-ids` selection.
+//! * `checkpoint` — [`CheckpointParams`]: exact parameter counts per part from safetensors
+//!   headers.
+//! * `memory` — [`ModelShape`] from config.json (dense, MoE, vision towers, classification
+//!   heads of reward models) and the inference memory model: weights, KV cache, workspace per
+//!   device ([`DeviceCost`]).
+//! * `training` — the training memory model: [`TrainingWorkload`] and what each role of a GSPO
+//!   step needs on a device ([`RoleCost`]: f32 master weights, gradients, AdamW moments, the
+//!   rollout copy and KV cache, activations with or without gradient checkpointing); the
+//!   activation constants in one place ([`C_FORWARD`], [`C_PEAK`]).
+//! * `budget` — [`MaxMemory`]: accelerate-style `max_memory` budgets and the default reserve.
+//! * `planner` — [`plan`]: inference replicas (modes single, data-parallel, layer-sharded,
+//!   hybrid, auto).
+//! * `training_plan` — [`plan_training`]: the policy, reference and reward model of a GSPO run
+//!   placed by preset (`1gpu`, `2gpu`, `3gpu`, `auto`), each device's sum over roles checked
+//!   against its budget ([`TrainingPlan`]).
 
 mod budget;
 mod checkpoint;
@@ -11,6 +35,8 @@ mod discover;
 mod memory;
 mod planner;
 mod topology;
+mod training;
+mod training_plan;
 
 pub use budget::{default_reserve, parse_bytes, MaxMemory, MemoryLimit};
 pub use checkpoint::CheckpointParams;
@@ -22,6 +48,16 @@ pub use memory::{
 };
 pub use planner::{plan, DevicePlan, Plan, PlanMode, PlanRequest, ReplicaPlan};
 pub use topology::{Gpu, PeerAccess, Topology};
+pub use training::{
+    ActivationBytes, ActivationCoefficients, BlockCoefficients, RoleCost, TrainingWorkload,
+    ADAM_MOMENT_BYTES, BLOCK_WEIGHT_COPIES, CHECKPOINT_STORED_TENSORS, C_FORWARD, C_PEAK,
+    FROZEN_LOGIT_CHUNK_TENSORS, GRADIENT_BYTES, LOGIT_CHUNK_TENSORS, LOGPROB_TENSORS,
+    MASTER_WEIGHT_BYTES,
+};
+pub use training_plan::{
+    plan_training, RolePlacement, TrainingDevicePlan, TrainingPlan, TrainingPreset,
+    TrainingRequest, TrainingRole,
+};
 
 /// Errors of this crate. Each message names the value at fault and what to change.
 #[derive(Debug, thiserror::Error)]
@@ -121,10 +157,10 @@ pub enum TopologyError {
         /// The value as given.
         value: String,
     },
-    /// A workload has a zero batch or sequence length.
+    /// A workload has a zero batch or sequence length (or, for training, a zero count).
     #[error("workload {field} = {value}: it must be at least 1")]
     BadWorkload {
-        /// `batch` or `seq_len`.
+        /// `batch`, `seq_len`, or the [`TrainingWorkload`] field.
         field: &'static str,
         /// The value given.
         value: usize,
@@ -203,14 +239,35 @@ pub enum TopologyError {
         /// The topology's name.
         topology: String,
     },
+    /// A training preset did not parse.
+    #[error("training preset `{value}` is not one of 1gpu, 2gpu, 3gpu, auto")]
+    BadTrainingPreset {
+        /// The value as given.
+        value: String,
+    },
+    /// A training preset needs more GPUs than the topology has.
+    #[error("training preset {preset} places models on {needed} GPUs but there {}: use --gpu-mode {} or auto, or list more GPUs in --gpu-ids", match available {
+        0 => "is no GPU".to_string(),
+        1 => "is 1".to_string(),
+        n => format!("are {n}"),
+    }, if *available >= 2 { "2gpu" } else { "1gpu" })]
+    PresetNeedsGpus {
+        /// The preset.
+        preset: String,
+        /// GPUs it places models on.
+        needed: usize,
+        /// GPUs planned on.
+        available: usize,
+    },
     /// The model fits nowhere in the budgets.
     #[error("{model} does not fit ({mode} mode): {detail}")]
     DoesNotFit {
         /// The model, e.g. `qwen2 (32.8B parameters)`.
         model: String,
-        /// The mode planned in.
+        /// The mode planned in (for a training plan, its preset).
         mode: String,
-        /// Bytes one replica needs on a single device.
+        /// Bytes one replica needs on a single device (for a training plan: every role on
+        /// one device).
         needed_bytes: u64,
         /// Budget of each device considered.
         available: Vec<(DeviceLocation, u64)>,

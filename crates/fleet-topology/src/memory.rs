@@ -13,7 +13,9 @@
 //!   `num_experts_per_tok` of them run per token, which matters for the workspace only);
 //! * **head**: the final RMSNorm and `lm_head` (`vocab_size * hidden_size`). Tied weights are
 //!   counted once when the head shares the embedding's device; a tied head on another device
-//!   needs a copy of the matrix there.
+//!   needs a copy of the matrix there. A sequence-classification model (a reward model,
+//!   `*ForSequenceClassification`) has a `score` head of `hidden_size * num_labels` instead,
+//!   never tied ([`ModelShape::classification_head`]).
 //!
 //! Every parameter is stored in the plan's [`DType`]; the small norms are counted in it too.
 
@@ -173,6 +175,13 @@ pub struct ModelShape {
     /// Exact parameter counts from the checkpoint's safetensors headers, when they were read
     /// ([`ModelShape::with_checkpoint`]); the counts above are then replaced by them.
     pub checkpoint: Option<CheckpointParams>,
+    /// `Some(num_labels)` for a sequence-classification model (a reward model): the head is a
+    /// `score` matrix of `hidden_size * num_labels` (no bias, never tied to the embedding)
+    /// instead of the lm_head, and its outputs are `num_labels` per position instead of the
+    /// vocabulary. Read from config.json (`architectures` naming `*ForSequenceClassification`,
+    /// `num_labels` from `id2label`) or set with [`ModelShape::with_classification_head`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub classification_head: Option<usize>,
 }
 
 /// The fields of config.json this crate reads. transformers 5.x nests the decoder fields of
@@ -193,6 +202,9 @@ struct RawConfig {
     moe_intermediate_size: Option<usize>,
     text_config: Option<Box<RawConfig>>,
     vision_config: Option<RawVision>,
+    architectures: Option<Vec<String>>,
+    num_labels: Option<usize>,
+    id2label: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -229,7 +241,10 @@ impl ModelShape {
     /// positions and 3 deepstack mergers for `qwen3_vl*` model types, none otherwise) for any
     /// field it lacks. A config with `num_experts` is taken to have a mixture of experts in
     /// every layer (true of Qwen3-MoE and Qwen3-VL-MoE checkpoints; `decoder_sparse_step` and
-    /// `mlp_only_layers` are not read).
+    /// `mlp_only_layers` are not read). A config whose `architectures` name a
+    /// `*ForSequenceClassification` class is a classifier ([`ModelShape::classification_head`])
+    /// with as many labels as `id2label` has entries (else `num_labels`, else transformers'
+    /// default of 2).
     pub fn from_config_str(text: &str, source: &str) -> Result<Self, TopologyError> {
         let raw: RawConfig =
             serde_json::from_str(text).map_err(|e| TopologyError::ModelConfig {
@@ -320,6 +335,29 @@ impl ModelShape {
                 .as_ref()
                 .map_or(if qwen3_vl { 3 } else { 0 }, |d| d.len()),
         });
+        let classifier = raw
+            .architectures
+            .iter()
+            .flatten()
+            .any(|a| a.ends_with("ForSequenceClassification"));
+        let classification_head = if classifier {
+            let labels = raw
+                .id2label
+                .as_ref()
+                .map(|m| m.len())
+                .or(raw.num_labels)
+                .unwrap_or(2);
+            if labels == 0 {
+                return Err(TopologyError::ModelConfig {
+                    file: source.to_string(),
+                    field: "id2label".into(),
+                    message: "a sequence-classification model needs at least one label".into(),
+                });
+            }
+            Some(labels)
+        } else {
+            None
+        };
         Ok(ModelShape {
             model_type,
             num_layers,
@@ -335,7 +373,34 @@ impl ModelShape {
             moe,
             vision,
             checkpoint: None,
+            classification_head,
         })
+    }
+
+    /// The same decoder with a sequence-classification head of `num_labels` outputs (a reward
+    /// model built on this shape) instead of the lm_head. `num_labels = 0` is refused.
+    pub fn with_classification_head(mut self, num_labels: usize) -> Result<Self, TopologyError> {
+        if num_labels == 0 {
+            return Err(TopologyError::ModelConfig {
+                file: "(classification head)".into(),
+                field: "num_labels".into(),
+                message: "a classification head needs at least one label (a reward model has 1)"
+                    .into(),
+            });
+        }
+        self.classification_head = Some(num_labels);
+        Ok(self)
+    }
+
+    /// Whether the head shares the embedding's matrix: a tied lm_head (a classification head
+    /// is never tied).
+    pub fn head_shares_embedding(&self) -> bool {
+        self.tie_word_embeddings && self.classification_head.is_none()
+    }
+
+    /// Outputs of the head per position: the vocabulary, or the labels of a classifier.
+    pub fn head_outputs(&self) -> usize {
+        self.classification_head.unwrap_or(self.vocab_size)
     }
 
     /// Takes the parameter counts from the checkpoint's safetensors headers instead of the
@@ -412,8 +477,15 @@ impl ModelShape {
         attn + mlp + 2 * h
     }
 
-    /// Parameters of the lm_head matrix (counted even when tied; see [`ModelShape::total_params`]).
+    /// Parameters of the lm_head matrix (counted even when tied; see [`ModelShape::total_params`]),
+    /// or of the `score` matrix of a classifier.
     pub fn lm_head_params(&self) -> u64 {
+        if let Some(labels) = self.classification_head {
+            return match &self.checkpoint {
+                Some(c) if c.score > 0 => c.score,
+                _ => labels as u64 * self.hidden_size as u64,
+            };
+        }
         match &self.checkpoint {
             Some(c) if c.lm_head > 0 => c.lm_head,
             _ => self.vocab_size as u64 * self.hidden_size as u64,
@@ -426,7 +498,7 @@ impl ModelShape {
             + self.vision_params()
             + self.num_layers as u64 * self.layer_params()
             + self.final_norm_params()
-            + if self.tie_word_embeddings {
+            + if self.head_shares_embedding() {
                 0
             } else {
                 self.lm_head_params()
@@ -450,17 +522,7 @@ impl ModelShape {
     /// embedding's matrix when both are on this device, and needs its own copy otherwise.
     pub fn device_cost(&self, part: DevicePart, dtype: DType, workload: &Workload) -> DeviceCost {
         let b = dtype.size_in_bytes();
-        let mut params = part.layers as u64 * self.layer_params();
-        if part.embed {
-            params += self.embed_params() + self.vision_params();
-        }
-        if part.head {
-            params += self.final_norm_params();
-            let shared = self.tie_word_embeddings && part.embed;
-            if !shared {
-                params += self.lm_head_params();
-            }
-        }
+        let params = self.part_params(part);
         let kv_cache =
             part.layers as u64 * self.kv_bytes_per_token_per_layer(dtype) * workload.tokens();
         let workspace = self.workspace_bytes(part, dtype, workload);
@@ -470,6 +532,25 @@ impl ModelShape {
             workspace,
             overhead: if part.gpu { CONTEXT_OVERHEAD_BYTES } else { 0 },
         }
+    }
+
+    /// Parameters of the parts one device holds: `part.layers` decoder layers, the embedding
+    /// (and vision tower) when `part.embed` is set, the final norm and the head when
+    /// `part.head` is set; a tied lm_head is counted once when it shares the embedding's
+    /// device and in full (a copy) on another device.
+    pub fn part_params(&self, part: DevicePart) -> u64 {
+        let mut params = part.layers as u64 * self.layer_params();
+        if part.embed {
+            params += self.embed_params() + self.vision_params();
+        }
+        if part.head {
+            params += self.final_norm_params();
+            let shared = self.head_shares_embedding() && part.embed;
+            if !shared {
+                params += self.lm_head_params();
+            }
+        }
+        params
     }
 
     /// Transient buffers of one forward pass over `workload` on a device holding `part`: the
@@ -483,7 +564,7 @@ impl ModelShape {
     /// * MLP: the fused gate/up output and the SwiGLU product, `3 * batch * seq * intermediate`
     ///   (for MoE: `num_experts_per_tok * moe_intermediate` per token, plus f32 router logits);
     /// * head device: logits `batch * positions * vocab` in f32 (`positions` = 1 or `seq`, see
-    ///   [`Workload::full_logits`]).
+    ///   [`Workload::full_logits`]; `num_labels` instead of `vocab` for a classifier).
     ///
     /// The largest of attention, MLP and logits is taken, plus the hidden states.
     pub fn workspace_bytes(&self, part: DevicePart, dtype: DType, w: &Workload) -> u64 {
@@ -508,7 +589,7 @@ impl ModelShape {
         }
         if part.head {
             let positions = if w.full_logits { w.seq_len } else { 1 } as u64;
-            peak = peak.max(w.batch as u64 * positions * self.vocab_size as u64 * 4);
+            peak = peak.max(w.batch as u64 * positions * self.head_outputs() as u64 * 4);
         }
         hidden + peak
     }

@@ -379,7 +379,7 @@ impl Ctx<'_> {
 
 /// Disjoint groups of `g` GPU positions (indices into `topo.gpus`), each built from GPUs with
 /// peer access to one another where the topology has such GPUs left, else in order.
-fn groups_of(topo: &Topology, g: usize) -> Vec<Vec<usize>> {
+pub(crate) fn groups_of(topo: &Topology, g: usize) -> Vec<Vec<usize>> {
     let idx = |p: usize| match topo.gpus[p].location {
         DeviceLocation::Cuda(n) => n,
         DeviceLocation::Cpu => usize::MAX,
@@ -567,24 +567,32 @@ pub fn plan(
         workload: request.workload,
         replicas,
         idle,
-        weights_from: match &shape.checkpoint {
-            Some(c) => format!(
-                "the safetensors headers of {} file(s) ({} parameters, exact)",
-                c.files.len(),
-                format_params(c.total())
-            ),
-            None => format!(
-                "config.json ({} parameters, estimated)",
-                format_params(shape.total_params())
-            ),
-        },
+        weights_from: weights_from(shape),
     })
+}
+
+/// Where the weight sizes of `shape` come from, for reports.
+pub(crate) fn weights_from(shape: &ModelShape) -> String {
+    match &shape.checkpoint {
+        Some(c) => format!(
+            "the safetensors headers of {} file(s) ({} parameters, exact)",
+            c.files.len(),
+            format_params(c.total())
+        ),
+        None => format!(
+            "config.json ({} parameters, estimated)",
+            format_params(shape.total_params())
+        ),
+    }
 }
 
 /// Budgets the plan can honour: none of no memory (a device the caller meant to leave out,
 /// which `--gpu-ids` does), none for a GPU that is not in `topology` (a typo, or ids taken as
 /// renumbered after `--gpu-ids`; an entry that would silently do nothing).
-fn check_budgets(max_memory: &MaxMemory, topology: &Topology) -> Result<(), TopologyError> {
+pub(crate) fn check_budgets(
+    max_memory: &MaxMemory,
+    topology: &Topology,
+) -> Result<(), TopologyError> {
     let ids = topology.gpu_ids();
     for (device, limit) in max_memory.entries() {
         if limit.is_zero() {
@@ -604,7 +612,7 @@ fn check_budgets(max_memory: &MaxMemory, topology: &Topology) -> Result<(), Topo
 }
 
 /// A parameter count people read at a glance: `7.616B`, `494.03M`, or the count itself.
-fn format_params(n: u64) -> String {
+pub(crate) fn format_params(n: u64) -> String {
     if n >= 100_000_000 {
         format!("{:.3}B", n as f64 / 1e9)
     } else if n >= 100_000 {

@@ -1,0 +1,654 @@
+//! The training memory model: what one GSPO step holds on each device, per model role. The
+//! reasoning behind every term is on [`TrainingWorkload`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::memory::{DType, DevicePart, ModelShape, Workload};
+use crate::TopologyError;
+
+/// Bytes per parameter of the f32 master weights (the trainable parameters).
+pub const MASTER_WEIGHT_BYTES: u64 = 4;
+/// Bytes per parameter of the f32 gradients.
+pub const GRADIENT_BYTES: u64 = 4;
+/// Bytes per parameter of AdamW's two f32 moments.
+pub const ADAM_MOMENT_BYTES: u64 = 8;
+/// Compute-dtype copies of one block's parameters a forward builds (the cast, and the
+/// concatenated q/k/v and gate/up).
+pub const BLOCK_WEIGHT_COPIES: u64 = 2;
+/// `[B, L, hidden]` tensors stored per layer with gradient checkpointing (block input and
+/// pending residual).
+pub const CHECKPOINT_STORED_TENSORS: u64 = 2;
+/// f32 tensors of one log-softmax chunk with a gradient: logits, shifted, exp, gradient.
+pub const LOGIT_CHUNK_TENSORS: u64 = 4;
+/// f32 tensors of one log-softmax chunk without a gradient: logits, shifted, exp.
+pub const FROZEN_LOGIT_CHUNK_TENSORS: u64 = 3;
+/// f32 `[B, completion]` tensors on the policy's head device: new, old and reference
+/// log-probs, and the completion mask.
+pub const LOGPROB_TENSORS: u64 = 4;
+
+/// Coefficients of one decoder block's activation estimate (see the module docs):
+/// `B·L·d·(hidden·h + intermediate·i + qkv·(H + 2K)·D) + B·H·L²·d·scores`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BlockCoefficients {
+    /// Tensors of width `hidden_size` per token.
+    pub hidden: f64,
+    /// Tensors of the MLP's width per token.
+    pub intermediate: f64,
+    /// Tensors of width `(heads + 2 kv_heads) * head_dim` per token.
+    pub qkv: f64,
+    /// Tensors of `heads x L x L` per sequence (attention scores, probabilities, gradient).
+    pub scores: f64,
+}
+
+/// What one block's forward keeps for the backward: 8 hidden-wide, 4 MLP-wide, 2 q/k/v-wide
+/// tensors, scores and probabilities.
+pub const C_FORWARD: BlockCoefficients = BlockCoefficients {
+    hidden: 8.0,
+    intermediate: 4.0,
+    qkv: 2.0,
+    scores: 2.0,
+};
+
+/// The peak of one block's forward with its graph plus its backward (c_h = 12, c_i = 6,
+/// c_q = 4, c_s = 3: scores, probabilities and their gradient).
+pub const C_PEAK: BlockCoefficients = BlockCoefficients {
+    hidden: 12.0,
+    intermediate: 6.0,
+    qkv: 4.0,
+    scores: 3.0,
+};
+
+/// The two coefficient sets of the activation model, in one place so that measured peaks can
+/// replace them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ActivationCoefficients {
+    /// One block's forward as the graph keeps it ([`C_FORWARD`]).
+    pub forward: BlockCoefficients,
+    /// One block's forward and backward at their peak ([`C_PEAK`]).
+    pub peak: BlockCoefficients,
+}
+
+impl Default for ActivationCoefficients {
+    fn default() -> Self {
+        ActivationCoefficients {
+            forward: C_FORWARD,
+            peak: C_PEAK,
+        }
+    }
+}
+
+/// What a training step processes: the micro-batch of the forward/backward, the rollout batch
+/// and the settings that change memory. Names follow TRL's `GRPOConfig`.
+///
+/// [`TrainingWorkload::policy_cost`] and [`TrainingWorkload::frozen_cost`] give the bytes of
+/// one role on one device ([`RoleCost`]); the terms and the reasoning behind them follow.
+///
+/// Three models take part in a GSPO step (see [`crate::plan_training`] for where they go):
+///
+/// * the **policy**, trained: its parameters, gradients and optimizer state live for the whole
+///   run, and each step first generates rollouts with it, then runs forward and backward over
+///   micro-batches of those rollouts;
+/// * the **reference** (only when the KL coefficient `beta > 0`), frozen: the policy's
+///   checkpoint at the start, giving reference log-probs for the KL term;
+/// * the **reward model** (only when one is configured), frozen: a sequence classifier
+///   ([`ModelShape::classification_head`]) scoring each completion.
+///
+/// # The policy (trainer as it is being written)
+///
+/// Parameter-proportional terms, per parameter the device holds ([`ModelShape::part_params`]):
+///
+/// | term | bytes/param | why |
+/// |---|---|---|
+/// | weights | 4 ([`MASTER_WEIGHT_BYTES`]) | f32 master weights, the trainable `Var`s |
+/// | gradients | 4 ([`GRADIENT_BYTES`]) | f32, accumulated over micro-batches |
+/// | optimizer | 8 ([`ADAM_MOMENT_BYTES`]) | AdamW's first and second moments in f32 |
+/// | inference copy | 2 (compute dtype) | the whole policy built in bf16 for rollouts |
+///
+/// 16 B/param of training state plus 2 B/param for the inference copy: 18 B/param in bf16.
+///
+/// Transient terms come in two phases that do not overlap, because the rollout buffers are
+/// dropped before the first micro-batch's forward (fleet-models' KV cache lives per generate
+/// call):
+///
+/// * **rollout**: the KV cache of the generation batch (`num_generations x prompts_per_step`
+///   sequences of `max_prompt_length + max_completion_length` tokens, the formula of
+///   [`ModelShape::kv_bytes_per_token_per_layer`]), plus the workspace of prefilling the
+///   prompts ([`ModelShape::workspace_bytes`]);
+/// * **training**: the activations of one micro-batch of `B` sequences of `L = prompt +
+///   completion` tokens ([`ActivationBytes`]), described below.
+///
+/// A device's peak is the persistent terms plus the larger phase ([`RoleCost::peak`]).
+///
+/// # Activations of a micro-batch
+///
+/// With `d` the compute dtype's bytes, `h` hidden, `i` the MLP width of the active path (the
+/// dense `intermediate_size`, or `num_experts_per_tok * moe_intermediate_size`), `H` heads,
+/// `K` kv heads, `D` head_dim, the activation model of one decoder block is
+///
+/// ```text
+/// block(c) = B·L·d·(c.hidden·h + c.intermediate·i + c.qkv·(H + 2K)·D) + B·H·L²·d·c.scores
+/// ```
+///
+/// with two sets of coefficients ([`ActivationCoefficients`]): `forward` (what the autograd
+/// graph keeps of one block's forward: candle keeps every intermediate tensor that an op of
+/// the graph references until the graph is dropped) and `peak` (the forward plus the gradients
+/// alive at once in the block's backward). Counting a Qwen block's forward: the block input,
+/// the first RMSNorm's output, the attention output, its transposed copy, o_proj's output, the
+/// residual sum, the second RMSNorm's output and down_proj's output make 8 tensors of width `h`;
+/// fused gate/up (2i), SiLU and the product (2i) make 4 of width `i`; fused q/k/v and the
+/// rotated copies make 2 of width `(H + 2K)·D`; scores and probabilities make 2 of `H·L` per
+/// token. Hence `forward = (8, 4, 2, 2)`; the backward adds about half again (the gradient of
+/// each live tensor, freed as the backward moves up the block), hence `peak = (12, 6, 4, 3)`.
+/// These are the constants [`C_FORWARD`] and [`C_PEAK`], to be checked against peaks measured
+/// on the GPU (a caller may pass others in [`TrainingWorkload::coefficients`]).
+///
+/// * **With gradient checkpointing** (per layer): each layer on the device stores
+///   [`CHECKPOINT_STORED_TENSORS`] = 2 tensors `[B, L, h]` in the compute dtype (the block input
+///   and the pending residual); the backward recomputes one block at a time with its graph:
+///   `block(peak)` on top.
+/// * **Without**: every layer's forward is kept, `layers x block(forward)`, plus the gradients
+///   of the one block being differentiated, `block(peak) - block(forward)`.
+/// * **Block weights in the compute dtype**: each forward builds a block's weights from the f32
+///   masters, cast and with q/k/v and gate/up concatenated: [`BLOCK_WEIGHT_COPIES`] = 2 copies of
+///   one block's parameters. With checkpointing one block's copies are alive at a time; without,
+///   the graph references every block's copies until the backward ends, so every layer's are
+///   counted.
+/// * **Head** (head device): the log-softmax over the vocabulary in chunks of `head_chunk_rows`
+///   rows (at most `B x completion` rows exist): `rows x vocab x 4 B x` [`LOGIT_CHUNK_TENSORS`]
+///   (f32 logits, shifted logits, their exp, the gradient), plus the final hidden states of the
+///   micro-batch in f32 and their gradient, `2 x B x L x h x 4 B` (the head multiplies the f32
+///   master lm_head, which has no compute-dtype copy).
+/// * **Log-probs** (head device): [`LOGPROB_TENSORS`] = 4 tensors `[B, completion]` in f32 (the
+///   policy's, the old policy's, the reference's, and the completion mask).
+///
+/// The embedding and the lm_head are used as f32 masters (no compute-dtype copy), as the
+/// trainer being written does.
+///
+/// # Frozen models
+///
+/// Weights in the compute dtype (no gradients, no optimizer, no inference copy), plus one
+/// forward over a micro-batch without a graph: the inference workspace of
+/// [`ModelShape::workspace_bytes`] for `B` sequences of `L` tokens (hidden states and the
+/// largest of attention and MLP), and on the head device the reference's log-softmax chunk
+/// without a gradient (`rows x vocab x 4 B x` [`FROZEN_LOGIT_CHUNK_TENSORS`]) and its
+/// log-probs `[B, completion]` in f32, or the reward model's scores `B x L x num_labels` in f32.
+/// They are counted in the training phase (the reference runs per micro-batch next to the
+/// policy's step; the reward model runs between rollout and training, counted there too, on the
+/// safe side).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TrainingWorkload {
+    /// Dtype of the forward/backward, of the inference copy, KV cache and frozen models.
+    pub compute_dtype: DType,
+    /// `B`: sequences per micro-batch (`per_device_train_batch_size`).
+    pub per_device_train_batch_size: usize,
+    /// Longest prompt in tokens (`max_prompt_length`; the caller's bound when unset).
+    pub max_prompt_length: usize,
+    /// Longest completion in tokens (`max_completion_length`).
+    pub max_completion_length: usize,
+    /// Completions per prompt (`num_generations`).
+    pub num_generations: usize,
+    /// Prompts generated for at once; the generation batch is `num_generations` times this.
+    pub prompts_per_step: usize,
+    /// Per-layer gradient checkpointing (recompute each block in the backward).
+    pub gradient_checkpointing: bool,
+    /// Rows (tokens) per chunk of the log-softmax over the vocabulary.
+    pub head_chunk_rows: usize,
+    /// A cap on the attention scores of one rollout prefill (as [`Workload::max_attention_bytes`]);
+    /// `None`: the generation batch is prefilled at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attention_bytes: Option<u64>,
+    /// The activation model's coefficients.
+    #[serde(default)]
+    pub coefficients: ActivationCoefficients,
+}
+
+impl Default for TrainingWorkload {
+    /// bf16; 8 sequences per micro-batch (TRL's default); prompts of 512 tokens, completions
+    /// of 256 (fleet-gspo's default); 8 generations for each of 4 prompts (a generation batch
+    /// of 32 = 8 x 4 micro-batches, the GSPO setting); gradient checkpointing on; log-softmax
+    /// in chunks of 512 rows.
+    fn default() -> Self {
+        TrainingWorkload {
+            compute_dtype: DType::Bf16,
+            per_device_train_batch_size: 8,
+            max_prompt_length: 512,
+            max_completion_length: 256,
+            num_generations: 8,
+            prompts_per_step: 4,
+            gradient_checkpointing: true,
+            head_chunk_rows: 512,
+            max_attention_bytes: None,
+            coefficients: ActivationCoefficients::default(),
+        }
+    }
+}
+
+/// Activation bytes of one micro-batch on one device (see the module docs for each term).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ActivationBytes {
+    /// Kept across the whole forward: the per-layer checkpoints (2 `[B, L, h]` per layer), or
+    /// every layer's forward without checkpointing. 0 for frozen models.
+    pub stored: u64,
+    /// The one block alive in the backward: its recomputed forward and backward
+    /// (checkpointing), or the backward's gradients (without). For a frozen model, the forward
+    /// workspace.
+    pub block_peak: u64,
+    /// Compute-dtype copies of the block weights (one block's, or every layer's without
+    /// checkpointing). 0 for frozen models (their weights are in the compute dtype already).
+    pub block_weights: u64,
+    /// The head: the log-softmax chunk and the final hidden states in f32 (policy), the chunk
+    /// without gradient (reference) or the scores (reward model).
+    pub head: u64,
+    /// Per-token log-prob tensors `[B, completion]` in f32.
+    pub logprobs: u64,
+}
+
+impl ActivationBytes {
+    /// All terms together.
+    pub fn total(&self) -> u64 {
+        self.stored + self.block_peak + self.block_weights + self.head + self.logprobs
+    }
+}
+
+/// Bytes one role (policy, reference or reward model) needs on one device during training.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct RoleCost {
+    /// Parameters: f32 masters for the policy, the compute dtype for a frozen model.
+    pub weights: u64,
+    /// f32 gradients (policy only).
+    pub gradients: u64,
+    /// AdamW moments (policy only).
+    pub optimizer: u64,
+    /// The compute-dtype copy of the policy used for rollouts.
+    pub inference_copy: u64,
+    /// KV cache of the generation batch (policy, rollout phase).
+    pub kv_cache: u64,
+    /// Prefill workspace of the generation batch (policy, rollout phase).
+    pub generation_workspace: u64,
+    /// Activations of one micro-batch (training phase).
+    pub activations: ActivationBytes,
+}
+
+impl RoleCost {
+    /// What lives for the whole run: weights, gradients, optimizer state, inference copy.
+    pub fn persistent(&self) -> u64 {
+        self.weights + self.gradients + self.optimizer + self.inference_copy
+    }
+
+    /// The rollout phase's transient bytes: KV cache and prefill workspace.
+    pub fn rollout(&self) -> u64 {
+        self.kv_cache + self.generation_workspace
+    }
+
+    /// The training phase's transient bytes: activations.
+    pub fn training(&self) -> u64 {
+        self.activations.total()
+    }
+
+    /// The role's peak alone: persistent plus the larger phase.
+    pub fn peak(&self) -> u64 {
+        self.persistent() + self.rollout().max(self.training())
+    }
+}
+
+impl TrainingWorkload {
+    /// Tokens per sequence: prompt plus completion.
+    pub fn seq_len(&self) -> usize {
+        self.max_prompt_length + self.max_completion_length
+    }
+
+    /// Sequences generated together: `num_generations x prompts_per_step`.
+    pub fn generation_batch(&self) -> usize {
+        self.num_generations * self.prompts_per_step
+    }
+
+    /// Checks that every count is positive; the error names the field.
+    pub fn validate(&self) -> Result<(), TopologyError> {
+        for (field, value) in [
+            (
+                "per_device_train_batch_size",
+                self.per_device_train_batch_size,
+            ),
+            ("max_prompt_length", self.max_prompt_length),
+            ("max_completion_length", self.max_completion_length),
+            ("num_generations", self.num_generations),
+            ("prompts_per_step", self.prompts_per_step),
+            ("head_chunk_rows", self.head_chunk_rows),
+        ] {
+            if value == 0 {
+                return Err(TopologyError::BadWorkload { field, value });
+            }
+        }
+        Ok(())
+    }
+
+    /// One block's activation estimate for a micro-batch with coefficients `c`:
+    /// `B·L·d·(c.hidden·h + c.intermediate·i + c.qkv·(H + 2K)·D) + B·H·L²·d·c.scores`.
+    pub fn block_bytes(&self, shape: &ModelShape, c: &BlockCoefficients) -> u64 {
+        let d = self.compute_dtype.size_in_bytes() as f64;
+        let bl = (self.per_device_train_batch_size * self.seq_len()) as f64;
+        let l = self.seq_len() as f64;
+        let width = c.hidden * shape.hidden_size as f64
+            + c.intermediate * mlp_width(shape) as f64
+            + c.qkv * ((shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim) as f64;
+        let scores =
+            self.per_device_train_batch_size as f64 * shape.num_heads as f64 * l * l * d * c.scores;
+        (bl * d * width + scores).ceil() as u64
+    }
+
+    /// The policy's bytes on a device holding `part` (see the module docs for every term).
+    pub fn policy_cost(&self, shape: &ModelShape, part: DevicePart) -> RoleCost {
+        let d = self.compute_dtype.size_in_bytes();
+        let params = shape.part_params(part);
+        let n = part.layers as u64;
+        let rollout = self.rollout_workload();
+        let kv_cache =
+            n * shape.kv_bytes_per_token_per_layer(self.compute_dtype) * rollout.tokens();
+        let generation_workspace =
+            shape.workspace_bytes(part, self.compute_dtype, &rollout.prefill);
+
+        let b = self.per_device_train_batch_size as u64;
+        let l = self.seq_len() as u64;
+        let h = shape.hidden_size as u64;
+        let forward = self.block_bytes(shape, &self.coefficients.forward);
+        let peak = self.block_bytes(shape, &self.coefficients.peak);
+        let one_block_weights = BLOCK_WEIGHT_COPIES * shape.layer_params() * d;
+        let mut act = ActivationBytes::default();
+        if n > 0 {
+            if self.gradient_checkpointing {
+                act.stored = n * CHECKPOINT_STORED_TENSORS * b * l * h * d;
+                act.block_peak = peak;
+                act.block_weights = one_block_weights;
+            } else {
+                act.stored = n * forward;
+                act.block_peak = peak.saturating_sub(forward);
+                act.block_weights = n * one_block_weights;
+            }
+        }
+        if part.head {
+            act.head =
+                self.logit_chunk_rows() * shape.head_outputs() as u64 * 4 * LOGIT_CHUNK_TENSORS
+                    + 2 * b * l * h * 4;
+            act.logprobs = LOGPROB_TENSORS * self.logprob_elements() * 4;
+        }
+        RoleCost {
+            weights: params * MASTER_WEIGHT_BYTES,
+            gradients: params * GRADIENT_BYTES,
+            optimizer: params * ADAM_MOMENT_BYTES,
+            inference_copy: params * d,
+            kv_cache,
+            generation_workspace,
+            activations: act,
+        }
+    }
+
+    /// A frozen model's bytes (reference or reward model) on a device holding `part`: weights
+    /// in the compute dtype and one forward over a micro-batch without a graph. The head term
+    /// is the log-softmax chunk and log-probs for a language model (the reference), the scores
+    /// for a classifier (the reward model).
+    pub fn frozen_cost(&self, shape: &ModelShape, part: DevicePart) -> RoleCost {
+        let d = self.compute_dtype.size_in_bytes();
+        let b = self.per_device_train_batch_size as u64;
+        let l = self.seq_len() as u64;
+        let forward = Workload {
+            batch: self.per_device_train_batch_size,
+            seq_len: self.seq_len(),
+            full_logits: false,
+            max_attention_bytes: None,
+        };
+        let body = DevicePart {
+            head: false,
+            ..part
+        };
+        let mut act = ActivationBytes {
+            block_peak: shape.workspace_bytes(body, self.compute_dtype, &forward),
+            ..ActivationBytes::default()
+        };
+        if part.head {
+            match shape.classification_head {
+                Some(labels) => act.head = b * l * labels as u64 * 4,
+                None => {
+                    act.head = self.logit_chunk_rows()
+                        * shape.vocab_size as u64
+                        * 4
+                        * FROZEN_LOGIT_CHUNK_TENSORS;
+                    act.logprobs = self.logprob_elements() * 4;
+                }
+            }
+        }
+        RoleCost {
+            weights: shape.part_params(part) * d,
+            activations: act,
+            ..RoleCost::default()
+        }
+    }
+
+    /// The generation batch as an inference workload: KV cache for `prompt + completion`
+    /// tokens per sequence, prefill workspace for the prompts.
+    fn rollout_workload(&self) -> RolloutWorkload {
+        RolloutWorkload {
+            sequences: self.generation_batch(),
+            seq_len: self.seq_len(),
+            prefill: Workload {
+                batch: self.generation_batch(),
+                seq_len: self.max_prompt_length,
+                full_logits: false,
+                max_attention_bytes: self.max_attention_bytes,
+            },
+        }
+    }
+
+    /// Rows of one log-softmax chunk: `head_chunk_rows`, or fewer when the micro-batch has
+    /// fewer completion tokens.
+    fn logit_chunk_rows(&self) -> u64 {
+        (self.head_chunk_rows as u64).min(self.logprob_elements())
+    }
+
+    /// Elements of one `[B, completion]` tensor.
+    fn logprob_elements(&self) -> u64 {
+        (self.per_device_train_batch_size * self.max_completion_length) as u64
+    }
+}
+
+/// The rollout's KV cache size and its prefill workload.
+struct RolloutWorkload {
+    sequences: usize,
+    seq_len: usize,
+    prefill: Workload,
+}
+
+impl RolloutWorkload {
+    fn tokens(&self) -> u64 {
+        (self.sequences * self.seq_len) as u64
+    }
+}
+
+/// Width of the MLP path one token takes: the dense intermediate size, or the routed experts'.
+fn mlp_width(shape: &ModelShape) -> usize {
+    match &shape.moe {
+        Some(m) => m.num_experts_per_tok * m.moe_intermediate_size,
+        None => shape.intermediate_size,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads, 2 kv heads, intermediate 4864, tied.
+    fn qwen05() -> ModelShape {
+        ModelShape::from_config_str(
+            r#"{"model_type":"qwen2","num_hidden_layers":24,"hidden_size":896,
+            "num_attention_heads":14,"num_key_value_heads":2,"intermediate_size":4864,
+            "vocab_size":151936,"tie_word_embeddings":true}"#,
+            "qwen2.5-0.5b",
+        )
+        .unwrap()
+    }
+
+    /// Qwen2.5-7B: 28 layers, hidden 3584, 28 heads, 4 kv heads, intermediate 18944, untied.
+    fn qwen7b() -> ModelShape {
+        ModelShape::from_config_str(
+            r#"{"model_type":"qwen2","num_hidden_layers":28,"hidden_size":3584,
+            "num_attention_heads":28,"num_key_value_heads":4,"intermediate_size":18944,
+            "vocab_size":152064,"tie_word_embeddings":false}"#,
+            "qwen2.5-7b",
+        )
+        .unwrap()
+    }
+
+    fn whole(shape: &ModelShape) -> DevicePart {
+        DevicePart {
+            layers: shape.num_layers,
+            embed: true,
+            head: true,
+            gpu: true,
+        }
+    }
+
+    #[test]
+    fn parameter_terms_are_16_bytes_plus_the_inference_copy() {
+        let s = qwen05();
+        let p = s.total_params();
+        assert!((494_000_000..494_100_000).contains(&p), "{p}");
+        let c = TrainingWorkload::default().policy_cost(&s, whole(&s));
+        assert_eq!(c.weights + c.gradients + c.optimizer, 16 * p);
+        assert_eq!(c.weights, 4 * p);
+        assert_eq!(c.optimizer, 8 * p);
+        assert_eq!(c.inference_copy, 2 * p);
+        assert_eq!(c.persistent(), 18 * p);
+        // A layer range carries its own layers' share only.
+        let part = DevicePart {
+            layers: 10,
+            embed: false,
+            head: false,
+            gpu: true,
+        };
+        let c = TrainingWorkload::default().policy_cost(&s, part);
+        assert_eq!(c.persistent(), 18 * 10 * s.layer_params());
+        assert_eq!((c.activations.head, c.activations.logprobs), (0, 0));
+    }
+
+    #[test]
+    fn checkpointing_reduces_activations() {
+        let s = qwen7b();
+        let on = TrainingWorkload::default();
+        let off = TrainingWorkload {
+            gradient_checkpointing: false,
+            ..on
+        };
+        let a = on.policy_cost(&s, whole(&s)).activations;
+        let b = off.policy_cost(&s, whole(&s)).activations;
+        assert!(a.stored < b.stored / 4, "{a:?} {b:?}");
+        assert!(a.block_weights < b.block_weights);
+        assert!(a.total() < b.total() / 3, "{a:?} {b:?}");
+        // Without checkpointing, stored + block peak = layers x forward + (peak - forward).
+        let fwd = on.block_bytes(&s, &C_FORWARD);
+        let peak = on.block_bytes(&s, &C_PEAK);
+        assert_eq!(b.stored + b.block_peak, 28 * fwd + peak - fwd);
+        // With it: 2 tensors [B, L, h] per layer, then one block's recompute and backward.
+        assert_eq!(a.stored, 28 * 2 * 8 * 768 * 3584 * 2);
+        assert_eq!(a.block_peak, peak);
+    }
+
+    #[test]
+    fn block_estimate_has_the_documented_form() {
+        let s = qwen7b();
+        let w = TrainingWorkload::default();
+        let (b, l, d) = (8u64, 768u64, 2u64);
+        let want =
+            b * l * d * (12 * 3584 + 6 * 18944 + 4 * (28 + 8) * 128) + b * 28 * l * l * d * 3;
+        assert_eq!(w.block_bytes(&s, &C_PEAK), want);
+    }
+
+    #[test]
+    fn doubling_the_micro_batch_doubles_the_activations() {
+        let s = qwen05();
+        for ckpt in [true, false] {
+            let one = TrainingWorkload {
+                gradient_checkpointing: ckpt,
+                head_chunk_rows: 1 << 20,
+                ..TrainingWorkload::default()
+            };
+            let two = TrainingWorkload {
+                per_device_train_batch_size: 16,
+                ..one
+            };
+            let a = one.policy_cost(&s, whole(&s)).activations;
+            let b = two.policy_cost(&s, whole(&s)).activations;
+            assert_eq!(b.stored, 2 * a.stored);
+            assert_eq!(b.block_peak, 2 * a.block_peak);
+            assert_eq!(b.head, 2 * a.head);
+            assert_eq!(b.logprobs, 2 * a.logprobs);
+            // The weights built per forward do not depend on the batch.
+            assert_eq!(b.block_weights, a.block_weights);
+        }
+        // A chunk of fewer rows than the micro-batch's completions caps the head term.
+        let w = TrainingWorkload::default();
+        let head = w.policy_cost(&s, whole(&s)).activations.head;
+        assert_eq!(
+            head,
+            512 * 151936 * 16 + 2 * 8 * 768 * 896 * 4,
+            "512 rows x vocab x 4 B x 4 tensors + final hidden states"
+        );
+    }
+
+    /// A 7B policy (Qwen2.5-7B, 7.62B parameters), bf16, micro-batch 8 x (512 + 256) tokens,
+    /// checkpointing on, generation batch 32: 121.9 GB of training state, 15.2 GB inference
+    /// copy, 1.4 GB of KV cache, 7.0-8.0 GB of activations; 140-146 GB in all on one device.
+    #[test]
+    fn a_7b_step_is_in_a_sane_range() {
+        let s = qwen7b();
+        let c = TrainingWorkload::default().policy_cost(&s, whole(&s));
+        let gb = |x: u64| x as f64 / 1e9;
+        assert!((121.0..123.0).contains(&gb(c.weights + c.gradients + c.optimizer)));
+        assert!((15.0..15.5).contains(&gb(c.inference_copy)));
+        // 28 layers x 2 x 4 kv heads x 128 x 2 B x 32 x 768 tokens = 1.41 GB.
+        assert_eq!(c.kv_cache, 28 * 2048 * 32 * 768);
+        let act = gb(c.activations.total());
+        assert!((7.0..8.0).contains(&act), "{act} GB: {:?}", c.activations);
+        let peak = gb(c.peak());
+        assert!((140.0..146.0).contains(&peak), "{peak} GB");
+        // The rollout phase is the smaller one here.
+        assert!(c.rollout() < c.training());
+    }
+
+    #[test]
+    fn frozen_models_cost_weights_and_a_forward() {
+        let s = qwen05();
+        let w = TrainingWorkload::default();
+        let r = w.frozen_cost(&s, whole(&s));
+        assert_eq!(r.weights, 2 * s.total_params());
+        assert_eq!(r.gradients + r.optimizer + r.inference_copy + r.kv_cache, 0);
+        assert_eq!(r.activations.stored, 0);
+        assert_eq!(r.activations.head, 512 * 151936 * 4 * 3);
+        assert_eq!(r.activations.logprobs, 8 * 256 * 4);
+        // Far below the policy's training activations: no graph, no backward.
+        let p = w.policy_cost(&s, whole(&s));
+        assert!(r.activations.total() < p.activations.total());
+
+        // A reward model: the score head replaces the lm_head (hidden x 1), untied.
+        let rm = qwen05().with_classification_head(1).unwrap();
+        assert_eq!(rm.lm_head_params(), 896);
+        assert_eq!(
+            rm.total_params(),
+            s.total_params() + 896,
+            "the tied lm_head is gone, a 896 x 1 score head comes"
+        );
+        let c = w.frozen_cost(&rm, whole(&rm));
+        assert_eq!(c.activations.head, 8 * 768 * 4);
+        assert_eq!(c.activations.logprobs, 0);
+        assert!(qwen05().with_classification_head(0).is_err());
+    }
+
+    #[test]
+    fn zero_counts_are_named() {
+        let w = TrainingWorkload {
+            max_completion_length: 0,
+            ..TrainingWorkload::default()
+        };
+        let err = w.validate().unwrap_err().to_string();
+        assert!(err.contains("max_completion_length = 0"), "{err}");
+        assert!(TrainingWorkload::default().validate().is_ok());
+    }
+}
