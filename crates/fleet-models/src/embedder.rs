@@ -41,7 +41,7 @@ use tokenizers::{
 
 use crate::error::{ModelError, Result};
 use crate::source::{CheckpointFiles, HubOptions, HubRepo, ModelSource};
-use crate::weights::{Init, Weights};
+use crate::weights::{Init, Unread, Weights};
 
 /// How to load a [`SentenceEmbedder`].
 #[derive(Debug, Clone)]
@@ -300,6 +300,36 @@ impl SentenceEmbedder {
                 path: files.checkpoint.weights[0].clone(),
                 message: format!("cannot build the BERT encoder: {e}"),
             })?;
+        // Every tensor the embedder uses was read above; what is left must be a part that
+        // sentence-transformers does not use either, or config.json does not fit the weights.
+        weights.check_unread(
+            |name| names.classify_unread(name),
+            |unread| {
+                let layers = unread
+                    .iter()
+                    .filter_map(|n| {
+                        n.strip_prefix(names.prefix)?
+                            .strip_prefix("encoder.layer.")?
+                            .split('.')
+                            .next()?
+                            .parse::<usize>()
+                            .ok()
+                    })
+                    .max();
+                match layers {
+                    Some(last) if last >= cfg.num_hidden_layers => format!(
+                        "the checkpoint holds {} encoder layers but config.json has \
+                         num_hidden_layers = {}: config.json does not match the weights; use \
+                         the config.json saved with them",
+                        last + 1,
+                        cfg.num_hidden_layers
+                    ),
+                    _ => "config.json does not match the weights, or the checkpoint is not a \
+                          BERT encoder: use the config.json saved with these weights"
+                        .into(),
+                }
+            },
+        )?;
 
         // Padded positions are masked out of attention and pooling, so any valid id will do;
         // BERT's own is config.json's pad_token_id.
@@ -583,6 +613,24 @@ impl TensorNames {
                       loads BERT checkpoints only"
                 .into(),
         })
+    }
+
+    /// Tensors of a BERT checkpoint the embedder may leave unread: BERT's pooler (the
+    /// sentence embedding is pooled from the token states, as sentence-transformers does),
+    /// the `position_ids` / `token_type_ids` buffers old transformers versions saved (it drops
+    /// them silently), and, in a checkpoint saved with a task head (`bert.` prefix), the head
+    /// (`cls.*`, ...), which transformers reports with a warning when it loads a BertModel.
+    fn classify_unread(&self, name: &str) -> Unread {
+        match name.strip_prefix(self.prefix) {
+            Some("pooler.dense.weight" | "pooler.dense.bias") => Unread::Ignore,
+            Some("embeddings.position_ids" | "embeddings.token_type_ids") => Unread::Ignore,
+            Some(_) => Unread::Refuse,
+            // Outside the `bert.` prefix (an empty prefix matches every name): the task head.
+            None => Unread::Warn(
+                "the checkpoint was saved with a task head (its BERT tensors are under `bert.`); \
+                 the embedder uses the encoder only, as transformers' BertModel does",
+            ),
+        }
     }
 
     fn resolve(&self, weights: &Weights, canonical: &str) -> String {

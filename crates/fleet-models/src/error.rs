@@ -124,6 +124,17 @@ pub enum ModelError {
         /// Each differing field with both values.
         differences: String,
     },
+    /// The model computed NaN or infinite values (from weights that hold them, or activations
+    /// that overflow the compute dtype).
+    #[error("{what} are not finite ({value}): {hint}")]
+    NonFinite {
+        /// What is not finite (which logits: row and position).
+        what: String,
+        /// The first bad value and how many there are.
+        value: String,
+        /// The likely cause and what to do.
+        hint: String,
+    },
     /// An error inside candle while computing.
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),

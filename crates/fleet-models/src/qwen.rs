@@ -17,7 +17,7 @@ use crate::config::{QwenArch, QwenConfig};
 use crate::device::Devices;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{KvCache, LayerCache};
-use crate::weights::{Init, Weights};
+use crate::weights::{non_finite, Init, Unread, Weights};
 use crate::{ops, profile};
 
 /// RMSNorm with transformers' arithmetic (f32 statistics, scale in the model dtype).
@@ -434,6 +434,12 @@ impl QwenModel {
                 rope.push((*loc, RopeTables::new(cfg, dtype, devices.get(*loc))?));
             }
         }
+        // Every block, whichever device it went to, was read above: a tensor still unread is
+        // one the config does not account for (fewer layers, no bias, tied head...).
+        weights.check_unread(
+            |name| classify_unread(cfg, name),
+            |names| unread_hint(cfg, names),
+        )?;
         Ok(QwenModel {
             cfg: cfg.clone(),
             dtype,
@@ -535,6 +541,21 @@ impl QwenModel {
                 "token id {bad} is outside the vocabulary (vocab_size = {vocab}); the ids come from another tokenizer"
             )));
         }
+        // The RoPE tables hold positions 0..max_position_embeddings; a row's last position is
+        // its last cache slot less its left padding (padded batches may hold more slots).
+        let max_pos = self.cfg.max_position_embeddings;
+        for (r, &p) in pad.iter().enumerate() {
+            let last = (offset + q_len - 1).saturating_sub(p);
+            if last >= max_pos {
+                return Err(ModelError::BadInput(format!(
+                    "row {r} needs {} positions ({offset} already in the cache + {q_len} in this \
+                     call, less {p} of left padding), more than max_position_embeddings = \
+                     {max_pos} of this model (config.json); a sequence holds at most {max_pos} \
+                     tokens: shorten the input",
+                    last + 1
+                )));
+            }
+        }
 
         let positions = if pad.iter().all(|&p| p == 0) {
             Positions::Shared {
@@ -602,13 +623,45 @@ impl QwenModel {
                 .map(|p| p.i((.., q_len - 1..q_len, ..)))
                 .transpose()?;
         }
-        profile::time(head_dev, "head", || {
+        let logits = profile::time(head_dev, "head", || {
             let x = match &pending {
                 Some(p) => self.norm.add_forward(&x, p)?.1,
                 None => self.norm.forward(&x)?,
             };
             Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
-        })
+        })?;
+        // NaN logits would print as null and sample garbage: refuse them, naming where.
+        if let Some(bad) = non_finite(&logits)? {
+            let (_, len, vocab) = logits.dims3()?;
+            let row = bad.first / (len * vocab);
+            let i = if last_only {
+                q_len - 1
+            } else {
+                (bad.first / vocab) % len
+            };
+            let position = (offset + i).saturating_sub(pad[row]);
+            let hint = if self.dtype == DType::F16 {
+                "the activations overflow f16 (Qwen models exceed its range of 65504 where bf16 \
+                 and f32 do not): load the model in bf16 or f32"
+            } else {
+                "the weights hold NaN/infinite values or values so large that the activations \
+                 overflow: check the checkpoint (a corrupt download or a diverged training run)"
+            };
+            return Err(ModelError::NonFinite {
+                what: format!(
+                    "the logits of row {row} at position {position} (token {} of this call)",
+                    i + 1
+                ),
+                value: format!(
+                    "{} of {} values, the first {}",
+                    bad.count,
+                    logits.elem_count(),
+                    bad.value
+                ),
+                hint: hint.into(),
+            });
+        }
+        Ok(logits)
     }
 
     /// Logits `[batch, len, vocab]` (f32) of equal-length sequences, with no cache kept.
@@ -617,4 +670,57 @@ impl QwenModel {
         let mut cache = self.new_cache(len)?;
         self.forward(ids, &vec![0; ids.len()], &mut cache, false)
     }
+}
+
+/// What to make of a checkpoint tensor the model did not read, as transformers' loading does.
+fn classify_unread(cfg: &QwenConfig, name: &str) -> Unread {
+    if name.contains("rotary_emb.inv_freq") {
+        // Saved by old transformers versions; transformers drops them (its RoPE buffers are
+        // recomputed from config.json), and so does fleet.
+        Unread::Warn("RoPE frequencies are computed from config.json's rope_theta, not read")
+    } else if name == "lm_head.weight" && cfg.tie_word_embeddings {
+        Unread::Warn(
+            "config.json has tie_word_embeddings = true, so the lm_head is the embedding matrix \
+             and a saved lm_head is ignored, as transformers ignores it; if the checkpoint's \
+             head differs from its embedding, set tie_word_embeddings to false",
+        )
+    } else {
+        Unread::Refuse
+    }
+}
+
+/// The likely cause of unread tensors, from the names (which config.json field to fix).
+fn unread_hint(cfg: &QwenConfig, names: &[String]) -> String {
+    let layer_of = |n: &str| -> Option<usize> {
+        n.strip_prefix("model.layers.")?
+            .split('.')
+            .next()?
+            .parse()
+            .ok()
+    };
+    if let Some(last) = names.iter().filter_map(|n| layer_of(n)).max() {
+        if last >= cfg.num_hidden_layers {
+            return format!(
+                "the checkpoint holds {} layers (up to model.layers.{last}) but config.json has \
+                 num_hidden_layers = {}: config.json does not match the weights; use the \
+                 config.json saved with them",
+                last + 1,
+                cfg.num_hidden_layers
+            );
+        }
+    }
+    if names.iter().any(|n| n.contains("_norm.")) && cfg.arch() == QwenArch::Qwen2 {
+        return "the checkpoint has per-head q_norm/k_norm (a Qwen3 model) but config.json's \
+                model_type is qwen2: config.json does not match the weights"
+            .into();
+    }
+    if names.iter().any(|n| n.ends_with(".bias")) {
+        return "the checkpoint has biases that config.json does not declare (attention_bias, or \
+                model_type qwen2 vs qwen3): config.json does not match the weights"
+            .into();
+    }
+    "config.json does not match the weights (num_hidden_layers, tie_word_embeddings, \
+     attention_bias, model_type), or the checkpoint is not a Qwen2/Qwen3 causal LM: use the \
+     config.json saved with these weights"
+        .into()
 }
