@@ -3,9 +3,7 @@
 //! (benches/README.md has the definitions).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -94,54 +92,10 @@ pub fn commit() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-/// Polls the memory in use on the given GPUs from a background thread and keeps the maximum
-/// (the allocator returns freed memory to the driver, so sampling only between steps misses
-/// the peak).
-struct MemoryWatch {
-    stop: Arc<AtomicBool>,
-    peak: Arc<AtomicU64>,
-    handle: Option<std::thread::JoinHandle<()>>,
-}
-
-impl MemoryWatch {
-    fn start(gpus: Vec<usize>, baseline: u64) -> Option<Self> {
-        if gpus.is_empty() {
-            return None;
-        }
-        let stop = Arc::new(AtomicBool::new(false));
-        let peak = Arc::new(AtomicU64::new(0));
-        let (s, p) = (stop.clone(), peak.clone());
-        let handle = std::thread::spawn(move || {
-            while !s.load(Ordering::Relaxed) {
-                if let Some(used) = used_bytes(&gpus) {
-                    p.fetch_max(used.saturating_sub(baseline), Ordering::Relaxed);
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        });
-        Some(MemoryWatch {
-            stop,
-            peak,
-            handle: Some(handle),
-        })
-    }
-
-    fn finish(mut self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
-        self.peak.load(Ordering::Relaxed)
-    }
-}
-
 fn used_bytes(gpus: &[usize]) -> Option<u64> {
-    let mut used = 0;
-    for &g in gpus {
-        let (free, total) = fleet_topology::gpu_memory_info(g).ok().flatten()?;
-        used += total - free;
-    }
-    Some(used)
+    gpus.iter()
+        .map(|&g| fleet_topology::gpu_used_bytes(g))
+        .sum::<Option<u64>>()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -192,7 +146,10 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         sync(&model)?;
 
         fleet_models::profile::take_report(); // drop the warm-up's stages
-        let watch = MemoryWatch::start(gpus.clone(), baseline);
+        let watch = (!gpus.is_empty()).then(|| {
+            let locations: Vec<_> = gpus.iter().map(|&g| DeviceLocation::Cuda(g)).collect();
+            fleet_topology::MemoryWatch::start(&locations)
+        });
         let mut t_prefill = Vec::new();
         let mut t_generate = Vec::new();
         for _ in 0..args.repeats {
@@ -205,7 +162,15 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
                 bail!("a row stopped before {} tokens", args.new_tokens);
             }
         }
-        let peak = watch.map(|w| w.finish());
+        // Every GPU's peak above what the GPUs held before the model was loaded.
+        let peak = watch.map(|w| {
+            w.finish()
+                .iter()
+                .filter(|(k, _)| k.starts_with("cuda"))
+                .map(|(_, v)| v)
+                .sum::<u64>()
+                .saturating_sub(baseline)
+        });
         let (tp, tg) = (median(t_prefill), median(t_generate));
         let run = Run {
             batch: b,

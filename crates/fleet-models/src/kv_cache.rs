@@ -11,12 +11,26 @@ pub struct LayerCache {
     buffers: Option<(Tensor, Tensor)>,
     len: usize,
     capacity: usize,
+    /// Keeps nothing: `append` hands back the keys and values it is given (a training pass,
+    /// which attends within one call and must keep the graph, not write into a buffer).
+    passthrough: bool,
 }
 
 impl LayerCache {
+    /// A cache that keeps nothing (see the `passthrough` field).
+    pub fn passthrough() -> Self {
+        LayerCache {
+            passthrough: true,
+            ..LayerCache::default()
+        }
+    }
+
     /// Writes `k`, `v` (`[batch, kv_heads, new, head_dim]`) after the cached tokens and returns
     /// views of everything cached so far.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        if self.passthrough {
+            return Ok((k.clone(), v.clone()));
+        }
         let (b, h, n, d) = k.dims4()?;
         if self.buffers.is_none() {
             let shape = (b, h, self.capacity, d);
@@ -59,6 +73,7 @@ impl KvCache {
                     buffers: None,
                     len: 0,
                     capacity,
+                    passthrough: false,
                 })
                 .collect(),
             len: 0,

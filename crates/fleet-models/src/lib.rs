@@ -100,6 +100,17 @@ impl TextModel {
             .unwrap_or_else(|| DeviceMap::single(DeviceLocation::Cpu, cfg.num_hidden_layers));
         let weights = Weights::from_safetensors(&files.weights)?;
         let model = QwenModel::new(&cfg, &weights, opts.dtype, &map)?;
+        Self::with_model(source, files, model)
+    }
+
+    /// The checkpoint's tokenizer, chat template and generation config around a model built
+    /// elsewhere from its weights (a trainer's inference copy of the weights it trains).
+    pub fn with_model(
+        source: ModelSource,
+        files: CheckpointFiles,
+        model: QwenModel,
+    ) -> Result<Self> {
+        let cfg = model.config().clone();
         let tokenizer = files
             .tokenizer
             .as_deref()

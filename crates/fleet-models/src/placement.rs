@@ -84,12 +84,20 @@ pub fn plan_on_this_machine(
 ) -> Result<Option<Plan>> {
     let mut topology = Topology::from_devices(&fleet_topology::discover()?);
     if topology.gpus.is_empty() {
-        if let Some(ids) = &request.gpu_ids {
+        // GPU ids in --gpu-ids or --max-memory name GPUs this machine does not have.
+        let named = request
+            .gpu_ids
+            .as_ref()
+            .and_then(|ids| ids.first().copied())
+            .or_else(|| {
+                request
+                    .max_memory
+                    .entries()
+                    .find_map(|(d, _)| d.cuda_ordinal())
+            });
+        if let Some(id) = named {
             return Err(ModelError::Topology(
-                fleet_topology::TopologyError::UnknownGpu {
-                    id: ids.first().copied().unwrap_or(0),
-                    available: 0,
-                },
+                fleet_topology::TopologyError::UnknownGpu { id, available: 0 },
             ));
         }
         return Ok(None);

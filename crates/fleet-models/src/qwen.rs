@@ -20,6 +20,8 @@ use crate::kv_cache::{KvCache, LayerCache};
 use crate::weights::{non_finite, Init, Unread, Weights};
 use crate::{ops, profile};
 
+pub mod train;
+
 /// RMSNorm with transformers' arithmetic (f32 statistics, scale in the model dtype).
 #[derive(Debug, Clone)]
 struct RmsNorm {

@@ -39,6 +39,9 @@ pub enum Weights {
         /// per-tensor generators: the same seed gives the same CPU weights.
         seed: u64,
     },
+    /// Tensors held in memory by name: a trained model's master weights, from which the blocks
+    /// are built as from a checkpoint (tracked tensors keep the graph to their `Var`s).
+    Tensors(HashMap<String, Tensor>),
 }
 
 impl Weights {
@@ -57,7 +60,32 @@ impl Weights {
         device: &Device,
     ) -> Result<Tensor> {
         match self {
-            Weights::Safetensors(st) => st.get(name, shape, dtype, device),
+            Weights::Safetensors(st) => st.get(name, Some(shape), dtype, device),
+            Weights::Tensors(map) => {
+                let t = map.get(name).ok_or_else(|| ModelError::BadWeights {
+                    path: PathBuf::new(),
+                    message: format!(
+                        "tensor `{name}` is not among the {} trained tensors; they come from a \
+                         checkpoint of another architecture",
+                        map.len()
+                    ),
+                })?;
+                if t.dims() != shape {
+                    return Err(ModelError::BadWeights {
+                        path: PathBuf::new(),
+                        message: format!(
+                            "trained tensor `{name}` has shape {:?} but the config implies {shape:?}",
+                            t.dims()
+                        ),
+                    });
+                }
+                let t = t.to_dtype(dtype)?;
+                Ok(if t.device().same_device(device) {
+                    t
+                } else {
+                    t.to_device(device)?
+                })
+            }
             Weights::Random { seed } => {
                 let t = match init {
                     // candle's CPU generator cannot be seeded: draw from one of fleet's own.
@@ -79,7 +107,35 @@ impl Weights {
     pub fn contains(&self, name: &str) -> bool {
         match self {
             Weights::Safetensors(st) => st.index.contains_key(name),
+            Weights::Tensors(map) => map.contains_key(name),
             Weights::Random { .. } => true,
+        }
+    }
+
+    /// The names of the tensors held, sorted (`None` for random weights, which have none).
+    pub fn names(&self) -> Option<Vec<String>> {
+        let mut names: Vec<String> = match self {
+            Weights::Safetensors(st) => st.index.keys().cloned().collect(),
+            Weights::Tensors(map) => map.keys().cloned().collect(),
+            Weights::Random { .. } => return None,
+        };
+        names.sort();
+        Some(names)
+    }
+
+    /// The tensor `name` whatever its shape, as `dtype`, on `device` (what a trainer loads as
+    /// its master weights; the model's own loading checks shapes against the config). Random
+    /// weights have no tensors by name.
+    pub fn load_any(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        match self {
+            Weights::Safetensors(st) => st.get(name, None, dtype, device),
+            Weights::Tensors(map) => match map.get(name) {
+                Some(t) => Ok(t.to_dtype(dtype)?.to_device(device)?),
+                None => Err(ModelError::BadInput(format!("no tensor `{name}`"))),
+            },
+            Weights::Random { .. } => Err(ModelError::BadInput(format!(
+                "random weights have no tensor `{name}` to load by name"
+            ))),
         }
     }
 
@@ -393,7 +449,14 @@ impl SafetensorsWeights {
         })
     }
 
-    fn get(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    /// `name` as `dtype` on `device`, checked against `shape` when given.
+    fn get(
+        &self,
+        name: &str,
+        shape: Option<&[usize]>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
         let Some(file) = self.index.get(name) else {
             let shards: Vec<_> = self
                 .index
@@ -421,7 +484,7 @@ impl SafetensorsWeights {
                 path: file.clone(),
                 message: format!("cannot load tensor `{name}`: {e}"),
             })?;
-        if t.dims() != shape {
+        if let Some(shape) = shape.filter(|s| t.dims() != *s) {
             return Err(ModelError::BadWeights {
                 path: file.clone(),
                 message: format!(

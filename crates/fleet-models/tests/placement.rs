@@ -53,4 +53,15 @@ fn planned_placement_without_gpus_is_one_cpu_replica() {
         .expect("GPU 3 on a machine without GPUs")
         .to_string();
     assert!(err.contains("GPU 3 does not exist"), "{err}");
+
+    // A budget for a GPU the machine does not have is not silently ignored either.
+    let budget_for_gpu_9 = PlacementRequest {
+        max_memory: "9=10GiB".parse().unwrap(),
+        ..PlacementRequest::new("data-parallel".parse().unwrap())
+    };
+    let err = Replicas::load_planned(spec, &LoadOptions::default(), &budget_for_gpu_9)
+        .err()
+        .expect("a budget for GPU 9 on a machine without GPUs")
+        .to_string();
+    assert!(err.contains("GPU 9"), "{err}");
 }

@@ -33,6 +33,7 @@ mod checkpoint;
 mod device_map;
 mod discover;
 mod memory;
+mod memory_watch;
 mod planner;
 mod topology;
 mod training;
@@ -46,6 +47,7 @@ pub use memory::{
     format_bytes, DType, DeviceCost, DevicePart, ModelShape, MoeShape, VisionShape, Workload,
     CONTEXT_OVERHEAD_BYTES, GIB, MIB,
 };
+pub use memory_watch::{cpu_peak_bytes, gpu_used_bytes, MemoryWatch};
 pub use planner::{plan, DevicePlan, Plan, PlanMode, PlanRequest, ReplicaPlan};
 pub use topology::{Gpu, PeerAccess, Topology};
 pub use training::{

@@ -1,0 +1,726 @@
+//! The differentiable path: the decoder of [`super`] trained, not copied.
+//!
+//! Trainable weights are f32 [`Var`]s under their checkpoint names (the layout transformers
+//! saves). Every pass builds the blocks from them exactly as the inference model is built
+//! ([`super::DecoderLayer::load`]: q/k/v and gate/up concatenated, the attention scale folded
+//! into the queries, cast to the compute dtype), so training, the log-prob passes of GSPO and
+//! the rollouts ([`TrainableQwen::inference_model`]) share one definition and the same fused
+//! kernels, whose backward lives with them in [`crate::ops`].
+//!
+//! Memory, for long completions and large vocabularies:
+//! - gradient checkpointing (on by default): the forward keeps only each block's input; the
+//!   backward recomputes one block at a time with its graph, pushes the gradient of the
+//!   block's output through it, and frees it;
+//! - the log-softmax over the vocabulary runs over chunks of `head_chunk_rows` token rows, so
+//!   the `[tokens, vocab]` logits never exist at once: the loss sees only per-token log-probs,
+//!   its gradient with respect to them is pushed back chunk by chunk.
+//!
+//! A batch ([`TokenBatch`]) is laid out as TRL lays it out: prompts left-padded to a common
+//! length, completions right-padded. Log-probs come back as `[rows, completion_len]`; the
+//! caller masks what lies after a completion's end.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor, Var, D};
+use candle_nn::{Embedding, Linear, Module};
+use fleet_topology::{DeviceLocation, DeviceMap};
+
+use super::{BlockLoader, DecoderLayer, Positions, QwenModel, RmsNorm, RopeRows, RopeTables};
+use crate::config::QwenConfig;
+use crate::device::Devices;
+use crate::error::{ModelError, Result};
+use crate::kv_cache::LayerCache;
+use crate::weights::Weights;
+
+/// Sequences to score: prompts left-padded to `prompt_len`, completions right-padded after
+/// them, every row `prompt_len + completion_len` ids long.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenBatch {
+    /// The rows.
+    pub ids: Vec<Vec<u32>>,
+    /// Left padding of each row (its prompt starts there).
+    pub pad: Vec<usize>,
+    /// Columns before the completions.
+    pub prompt_len: usize,
+}
+
+impl TokenBatch {
+    /// Lays out `prompts[i] + completions[i]` per row; padding uses `pad_id` (any valid id:
+    /// left padding is masked, right padding comes after what is scored).
+    pub fn new(prompts: &[Vec<u32>], completions: &[Vec<u32>], pad_id: u32) -> Result<Self> {
+        if prompts.is_empty() || prompts.len() != completions.len() {
+            return Err(ModelError::BadInput(format!(
+                "a token batch needs as many prompts as completions, at least one ({} and {})",
+                prompts.len(),
+                completions.len()
+            )));
+        }
+        if let Some(i) = prompts.iter().position(|p| p.is_empty()) {
+            return Err(ModelError::BadInput(format!(
+                "prompt {i} of the batch is empty: every completion needs a prompt token before it"
+            )));
+        }
+        let prompt_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let completion_len = completions.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut ids = Vec::with_capacity(prompts.len());
+        let mut pad = Vec::with_capacity(prompts.len());
+        for (p, c) in prompts.iter().zip(completions) {
+            let left = prompt_len - p.len();
+            let mut row = vec![pad_id; left];
+            row.extend_from_slice(p);
+            row.extend_from_slice(c);
+            row.resize(prompt_len + completion_len, pad_id);
+            ids.push(row);
+            pad.push(left);
+        }
+        Ok(TokenBatch {
+            ids,
+            pad,
+            prompt_len,
+        })
+    }
+
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Columns of the completion part.
+    pub fn completion_len(&self) -> usize {
+        self.ids[0].len() - self.prompt_len
+    }
+
+    fn validate(&self, cfg: &QwenConfig) -> Result<()> {
+        let len = self.ids.first().map(Vec::len).unwrap_or(0);
+        if self.ids.is_empty()
+            || self.pad.len() != self.ids.len()
+            || self.prompt_len == 0
+            || len <= self.prompt_len
+            || self.ids.iter().any(|r| r.len() != len)
+            || self.pad.iter().any(|&p| p >= self.prompt_len)
+        {
+            return Err(ModelError::BadInput(
+                "a token batch needs rows of one length, a prompt of at least one token per row \
+                 and at least one completion column (build it with TokenBatch::new)"
+                    .into(),
+            ));
+        }
+        let longest = self.pad.iter().map(|&p| len - p).max().unwrap_or(len);
+        if longest > cfg.max_position_embeddings {
+            return Err(ModelError::BadInput(format!(
+                "a row of {longest} tokens (prompt + completion) exceeds max_position_embeddings = {}; \
+                 lower max_prompt_length or max_completion_length",
+                cfg.max_position_embeddings
+            )));
+        }
+        let vocab = cfg.vocab_size as u32;
+        if let Some(&bad) = self.ids.iter().flatten().find(|&&t| t >= vocab) {
+            return Err(ModelError::BadInput(format!(
+                "token id {bad} is outside the vocabulary (vocab_size = {vocab}); the ids come from another tokenizer"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Per-token results of a pass, `[rows, completion_len]` f32 on the head's device.
+#[derive(Debug, Clone)]
+pub struct TokenLogprobs {
+    /// log pi(token | prefix) of each completion token, from logits divided by the temperature.
+    pub logp: Tensor,
+    /// Entropy of the (temperature-scaled) next-token distribution at each completion position.
+    pub entropy: Tensor,
+}
+
+/// Which part of the model a parameter belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Embed,
+    Layer(usize),
+    Head,
+}
+
+/// One trainable tensor.
+struct Param {
+    name: String,
+    var: Var,
+    part: Part,
+}
+
+/// Gradients of the parameters, in [`TrainableQwen::params`] order, f32 on each parameter's
+/// device (`None`: no gradient reached it).
+pub type ParamGrads = Vec<Option<Tensor>>;
+
+/// A Qwen2/2.5/3 decoder with f32 master weights that can be trained.
+pub struct TrainableQwen {
+    cfg: QwenConfig,
+    map: DeviceMap,
+    devices: Devices,
+    dtype: DType,
+    params: Vec<Param>,
+    by_name: HashMap<String, usize>,
+    rope: Vec<(DeviceLocation, RopeTables)>,
+    /// Recompute each block in the backward instead of keeping its activations (transformers'
+    /// `gradient_checkpointing`). On by default.
+    pub gradient_checkpointing: bool,
+    /// Token rows whose vocabulary projection is computed at once.
+    pub head_chunk_rows: usize,
+}
+
+impl TrainableQwen {
+    /// Loads every tensor of the checkpoint as an f32 master weight on the device `map` gives
+    /// its block; passes compute in `dtype` (bf16 on GPUs, f32 on the CPU).
+    pub fn new(cfg: &QwenConfig, weights: &Weights, dtype: DType, map: &DeviceMap) -> Result<Self> {
+        map.validate(cfg.num_hidden_layers)?;
+        let devices = Devices::open(map, dtype)?;
+        let names = weights.names().ok_or_else(|| {
+            ModelError::BadInput(
+                "training needs a checkpoint's weights (random weights have no names to train); \
+                 save the random model first (scripts/gpu/make_random_checkpoint.py)"
+                    .into(),
+            )
+        })?;
+        let mut params = Vec::with_capacity(names.len());
+        for name in names {
+            // With tied embeddings the lm_head is the embedding matrix: a saved copy is not
+            // trained (transformers ignores it too).
+            if cfg.tie_word_embeddings && name.starts_with("lm_head.") {
+                tracing::warn!(
+                    "`{name}` is not trained: tie_word_embeddings makes the lm_head the embedding"
+                );
+                continue;
+            }
+            let part = part_of(&name, cfg.num_hidden_layers).ok_or_else(|| {
+                ModelError::BadInput(format!(
+                    "checkpoint tensor `{name}` belongs to no part of a Qwen decoder; the checkpoint \
+                     is not a Qwen2/Qwen3 causal LM"
+                ))
+            })?;
+            let loc = match part {
+                Part::Embed => map.embed,
+                Part::Layer(i) => map.layers[i],
+                Part::Head => map.head,
+            };
+            let t = weights.load_any(&name, DType::F32, devices.get(loc))?;
+            params.push(Param {
+                name,
+                var: Var::from_tensor(&t)?,
+                part,
+            });
+        }
+        params.sort_by(|a, b| a.name.cmp(&b.name));
+        let by_name = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.clone(), i))
+            .collect();
+        let mut rope = Vec::new();
+        for loc in map.layers.iter() {
+            if !rope.iter().any(|(l, _)| l == loc) {
+                rope.push((*loc, RopeTables::new(cfg, dtype, devices.get(*loc))?));
+            }
+        }
+        let model = TrainableQwen {
+            cfg: cfg.clone(),
+            map: map.clone(),
+            devices,
+            dtype,
+            params,
+            by_name,
+            rope,
+            gradient_checkpointing: true,
+            head_chunk_rows: default_head_chunk_rows(cfg.vocab_size),
+        };
+        // Building every block once checks names and shapes against config.json now, not at
+        // the first step.
+        let w = model.weights(false);
+        model.embedding(&w)?;
+        for i in 0..cfg.num_hidden_layers {
+            model.block(&w, i)?;
+        }
+        model.head(&w)?;
+        Ok(model)
+    }
+
+    /// The config.
+    pub fn config(&self) -> &QwenConfig {
+        &self.cfg
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Where each block lives.
+    pub fn device_map(&self) -> &DeviceMap {
+        &self.map
+    }
+
+    /// The trainable parameters, by checkpoint name (sorted), each on its block's device.
+    pub fn params(&self) -> Vec<(String, Var)> {
+        self.params
+            .iter()
+            .map(|p| (p.name.clone(), p.var.clone()))
+            .collect()
+    }
+
+    /// The parameter called `name`.
+    pub fn param(&self, name: &str) -> Option<&Var> {
+        self.by_name.get(name).map(|&i| &self.params[i].var)
+    }
+
+    /// The master weights as tensors (f32, detached), for saving a checkpoint.
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        self.params
+            .iter()
+            .map(|p| (p.name.clone(), p.var.as_detached_tensor()))
+            .collect()
+    }
+
+    /// An inference model (KV cache, fused kernels, sampling) of the current weights in the
+    /// compute dtype: what GSPO's rollouts run on. A copy in the compute dtype, made in one
+    /// pass over the weights.
+    pub fn inference_model(&self) -> Result<QwenModel> {
+        QwenModel::new(&self.cfg, &self.weights(false), self.dtype, &self.map)
+    }
+
+    /// The weights as the blocks read them: the master tensors, tracked (gradients reach the
+    /// `Var`s) or detached (no graph is recorded).
+    fn weights(&self, tracked: bool) -> Weights {
+        Weights::Tensors(
+            self.params
+                .iter()
+                .map(|p| {
+                    let t = if tracked {
+                        p.var.as_tensor().clone()
+                    } else {
+                        p.var.as_detached_tensor()
+                    };
+                    (p.name.clone(), t)
+                })
+                .collect(),
+        )
+    }
+
+    fn loader<'a>(&'a self, w: &'a Weights, loc: DeviceLocation) -> BlockLoader<'a> {
+        BlockLoader {
+            weights: w,
+            dtype: self.dtype,
+            device: self.devices.get(loc),
+            eps: self.cfg.rms_norm_eps,
+        }
+    }
+
+    fn embedding(&self, w: &Weights) -> Result<Embedding> {
+        let (hs, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let (e, _) =
+            self.loader(w, self.map.embed)
+                .linear("model.embed_tokens", hs, vocab, false)?;
+        Ok(Embedding::new(e, hs))
+    }
+
+    fn block(&self, w: &Weights, i: usize) -> Result<DecoderLayer> {
+        let loc = self.map.layers[i];
+        DecoderLayer::load(&self.cfg, &self.loader(w, loc), i, loc)
+    }
+
+    fn head(&self, w: &Weights) -> Result<(RmsNorm, Linear)> {
+        let (hs, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let head = self.loader(w, self.map.head);
+        let norm = head.norm("model.norm", hs)?;
+        let lm = if self.cfg.tie_word_embeddings {
+            let (e, _) =
+                self.loader(w, self.map.embed)
+                    .linear("model.embed_tokens", hs, vocab, false)?;
+            e.to_device(head.device)?
+        } else {
+            head.linear("lm_head", hs, vocab, false)?.0
+        };
+        Ok((norm, Linear::new(lm, None)))
+    }
+
+    /// RoPE rows and padding counts of `batch`, per device that holds layers.
+    fn inputs(&self, batch: &TokenBatch) -> Result<Vec<(DeviceLocation, RopeRows, Tensor)>> {
+        let (b, len) = (batch.rows(), batch.ids[0].len());
+        let mut ids = Vec::with_capacity(b * len);
+        for &p in &batch.pad {
+            ids.extend((0..len).map(|i| i.saturating_sub(p) as u32));
+        }
+        let positions = Positions::PerRow { ids, batch: b, len };
+        let pad: Vec<u32> = batch.pad.iter().map(|&p| p as u32).collect();
+        let mut out = Vec::new();
+        for (loc, tables) in &self.rope {
+            let dev = self.devices.get(*loc);
+            out.push((
+                *loc,
+                tables.select(&positions, dev)?,
+                Tensor::from_slice(&pad, b, dev)?,
+            ));
+        }
+        Ok(out)
+    }
+
+    fn ids_tensor(&self, batch: &TokenBatch) -> Result<Tensor> {
+        let flat: Vec<u32> = batch.ids.iter().flatten().copied().collect();
+        Ok(Tensor::from_vec(
+            flat,
+            (batch.rows(), batch.ids[0].len()),
+            self.devices.get(self.map.embed),
+        )?)
+    }
+
+    /// The completion tokens each scored position predicts, `[rows * completion_len]` u32 on
+    /// the head's device.
+    fn targets(&self, batch: &TokenBatch) -> Result<Tensor> {
+        let t: Vec<u32> = batch
+            .ids
+            .iter()
+            .flat_map(|r| r[batch.prompt_len..].iter().copied())
+            .collect();
+        Ok(Tensor::from_vec(
+            t,
+            batch.rows() * batch.completion_len(),
+            self.devices.get(self.map.head),
+        )?)
+    }
+
+    /// Runs block `i` on `(x, pending)` (the residual stream as the decoder carries it).
+    fn run_block(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        pending: Option<&Tensor>,
+        inputs: &[(DeviceLocation, RopeRows, Tensor)],
+    ) -> Result<(Tensor, Tensor)> {
+        let (_, rows, pad) = inputs
+            .iter()
+            .find(|(l, ..)| *l == layer.location)
+            .expect("inputs are made for every layer device");
+        let mut cache = LayerCache::passthrough();
+        layer.forward(x, pending, rows, pad, &mut cache)
+    }
+
+    /// The hidden states (as `(x, pending)`) at the positions that predict the completion
+    /// tokens, `[rows * completion_len, hidden]` each.
+    fn scored_rows(
+        &self,
+        batch: &TokenBatch,
+        x: &Tensor,
+        pending: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, c, h) = (batch.rows(), batch.completion_len(), self.cfg.hidden_size);
+        let dev = self.devices.get(self.map.head);
+        let pick = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.to_device(dev)?
+                .narrow(1, batch.prompt_len - 1, c)?
+                .contiguous()?
+                .reshape((b * c, h))?)
+        };
+        Ok((pick(x)?, pick(pending)?))
+    }
+
+    /// Log-probs (and, without gradients, entropies) of `targets` from hidden rows `x + p`.
+    fn head_logprobs(
+        &self,
+        head: &(RmsNorm, Linear),
+        x: &Tensor,
+        p: &Tensor,
+        targets: &Tensor,
+        temperature: f64,
+        entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (norm, lm_head) = head;
+        let h = norm.add_forward(x, p)?.1;
+        let mut logits = lm_head.forward(&h)?.to_dtype(DType::F32)?;
+        if temperature != 1.0 {
+            logits = (logits / temperature)?;
+        }
+        // log_softmax as logits - max - log(sum(exp(logits - max))): the max is a constant
+        // shift (no gradient needed through it).
+        let max = logits.max_keepdim(D::Minus1)?.detach();
+        let z = logits.broadcast_sub(&max)?;
+        let exp = z.exp()?;
+        let sum = exp.sum_keepdim(D::Minus1)?;
+        let lse = sum.log()?;
+        let picked = z.gather(&targets.unsqueeze(1)?, 1)?;
+        let logp = (picked - &lse)?.squeeze(1)?;
+        let entropy = if entropy {
+            // H = log Z - sum(p z), with p = exp(z) / Z.
+            let pz = (exp * &z)?.sum_keepdim(D::Minus1)?.broadcast_div(&sum)?;
+            Some((lse - pz)?.squeeze(1)?)
+        } else {
+            None
+        };
+        Ok((logp, entropy))
+    }
+
+    /// Log-probs and entropies of `batch`'s completion tokens under the current weights, with
+    /// no gradient (GSPO's old and reference log-probs).
+    pub fn logprobs(&self, batch: &TokenBatch, temperature: f64) -> Result<TokenLogprobs> {
+        batch.validate(&self.cfg)?;
+        let w = self.weights(false);
+        let inputs = self.inputs(batch)?;
+        let mut x = self.embedding(&w)?.forward(&self.ids_tensor(batch)?)?;
+        let mut pending: Option<Tensor> = None;
+        for i in 0..self.cfg.num_hidden_layers {
+            let layer = self.block(&w, i)?;
+            let dev = self.devices.get(layer.location);
+            x = x.to_device(dev)?;
+            pending = pending.map(|p| p.to_device(dev)).transpose()?;
+            let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
+            x = nx;
+            pending = Some(mlp);
+        }
+        let pending = pending.expect("a decoder has at least one layer");
+        let (xs, ps) = self.scored_rows(batch, &x, &pending)?;
+        let head = self.head(&w)?;
+        let targets = self.targets(batch)?;
+        let flat = self.chunked(&xs, &ps, &targets, temperature, &head)?;
+        let shape = (batch.rows(), batch.completion_len());
+        Ok(TokenLogprobs {
+            logp: flat.logp.reshape(shape)?,
+            entropy: flat.entropy.reshape(shape)?,
+        })
+    }
+
+    /// Runs the vocabulary projection over row chunks without gradients (flat results).
+    fn chunked(
+        &self,
+        xs: &Tensor,
+        ps: &Tensor,
+        targets: &Tensor,
+        temperature: f64,
+        head: &(RmsNorm, Linear),
+    ) -> Result<TokenLogprobs> {
+        let n = xs.dim(0)?;
+        let (mut logps, mut ents) = (Vec::new(), Vec::new());
+        for (start, len) in chunks(n, self.head_chunk_rows) {
+            let (l, e) = self.head_logprobs(
+                head,
+                &xs.narrow(0, start, len)?,
+                &ps.narrow(0, start, len)?,
+                &targets.narrow(0, start, len)?,
+                temperature,
+                true,
+            )?;
+            logps.push(l);
+            ents.push(e.expect("asked for"));
+        }
+        Ok(TokenLogprobs {
+            logp: Tensor::cat(&logps, 0)?,
+            entropy: Tensor::cat(&ents, 0)?,
+        })
+    }
+
+    /// One forward and backward pass over `batch`: the per-token log-probs go to `loss_of`,
+    /// which returns a scalar loss (built from them with differentiable ops) and anything else
+    /// the caller wants back; the gradient of that loss with respect to every parameter is
+    /// added into `grads` (in [`TrainableQwen::params`] order; allocated on first use).
+    ///
+    /// The log-probs passed to `loss_of` are `[rows, completion_len]` f32, reshaped from the
+    /// chunked head; they are the values [`TrainableQwen::logprobs`] gives for the same batch.
+    pub fn forward_backward<T>(
+        &self,
+        batch: &TokenBatch,
+        temperature: f64,
+        loss_of: &mut dyn FnMut(&Tensor) -> Result<(Tensor, T)>,
+        grads: &mut ParamGrads,
+    ) -> Result<(TokenLogprobs, T)> {
+        batch.validate(&self.cfg)?;
+        if grads.is_empty() {
+            grads.resize(self.params.len(), None);
+        }
+        let (b, c) = (batch.rows(), batch.completion_len());
+        let detached = self.weights(false);
+        let tracked = self.weights(true);
+        let inputs = self.inputs(batch)?;
+        let ids = self.ids_tensor(batch)?;
+
+        // 1. Forward without a graph, keeping what each segment of blocks starts from.
+        let segment = if self.gradient_checkpointing {
+            1
+        } else {
+            self.cfg.num_hidden_layers
+        };
+        let mut starts: Vec<(Tensor, Option<Tensor>)> = Vec::new();
+        let mut x = self.embedding(&detached)?.forward(&ids)?;
+        let mut pending: Option<Tensor> = None;
+        for i in 0..self.cfg.num_hidden_layers {
+            let layer = self.block(&detached, i)?;
+            let dev = self.devices.get(layer.location);
+            x = x.to_device(dev)?;
+            pending = pending.map(|p| p.to_device(dev)).transpose()?;
+            if i % segment == 0 {
+                starts.push((x.clone(), pending.clone()));
+            }
+            let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
+            x = nx;
+            pending = Some(mlp);
+        }
+        let pending = pending.expect("a decoder has at least one layer");
+        let (xs, ps) = self.scored_rows(batch, &x, &pending)?;
+        drop((x, pending));
+
+        // 2. Log-probs without a graph, then the loss and its gradient with respect to them.
+        let targets = self.targets(batch)?;
+        let head_detached = self.head(&detached)?;
+        let values = self.chunked(&xs, &ps, &targets, temperature, &head_detached)?;
+        let logp_var = Var::from_tensor(&values.logp.reshape((b, c))?)?;
+        let (loss, out) = loss_of(logp_var.as_tensor())?;
+        let loss_grads = loss.backward()?;
+        let g_logp = match loss_grads.get(logp_var.as_tensor()) {
+            Some(g) => g.reshape(b * c)?,
+            // The loss does not depend on the model (every advantage 0): no gradient.
+            None => {
+                return Ok((
+                    TokenLogprobs {
+                        logp: values.logp.reshape((b, c))?,
+                        entropy: values.entropy.reshape((b, c))?,
+                    },
+                    out,
+                ));
+            }
+        };
+        drop(loss_grads);
+
+        // 3. The head, chunk by chunk: gradient of the loss with respect to the hidden rows.
+        let head = self.head(&tracked)?;
+        let (mut gx_rows, n) = (Vec::new(), xs.dim(0)?);
+        for (start, len) in chunks(n, self.head_chunk_rows) {
+            let xv = Var::from_tensor(&xs.narrow(0, start, len)?)?;
+            let pv = Var::from_tensor(&ps.narrow(0, start, len)?)?;
+            let (logp, _) = self.head_logprobs(
+                &head,
+                xv.as_tensor(),
+                pv.as_tensor(),
+                &targets.narrow(0, start, len)?,
+                temperature,
+                false,
+            )?;
+            let surrogate = (logp * g_logp.narrow(0, start, len)?)?.sum_all()?;
+            let g = surrogate.backward()?;
+            self.collect(&g, |p| p == Part::Head || p == Part::Embed, grads)?;
+            // x and pending enter the head only through their sum: one gradient for both.
+            gx_rows.push(
+                g.get(xv.as_tensor())
+                    .cloned()
+                    .unwrap_or(xs.narrow(0, start, len)?.zeros_like()?),
+            );
+        }
+        drop(head);
+        // Back to `[rows, len, hidden]`, zero at the positions that score nothing.
+        let hs = self.cfg.hidden_size;
+        let scored = Tensor::cat(&gx_rows, 0)?.reshape((b, c, hs))?;
+        let len = batch.ids[0].len();
+        let before = batch.prompt_len - 1;
+        let after = len - before - c;
+        let mut parts = Vec::with_capacity(3);
+        if before > 0 {
+            parts.push(Tensor::zeros(
+                (b, before, hs),
+                scored.dtype(),
+                scored.device(),
+            )?);
+        }
+        parts.push(scored);
+        if after > 0 {
+            parts.push(Tensor::zeros(
+                (b, after, hs),
+                parts[0].dtype(),
+                parts[0].device(),
+            )?);
+        }
+        let mut g = Tensor::cat(&parts, 1)?;
+
+        // 4. The blocks, last segment first: recompute with the graph, push `g` through.
+        let n_layers = self.cfg.num_hidden_layers;
+        for (s, (x0, p0)) in starts.iter().enumerate().rev() {
+            let first = s * segment;
+            let last = (first + segment).min(n_layers);
+            let xv = Var::from_tensor(x0)?;
+            let pv = p0.as_ref().map(Var::from_tensor).transpose()?;
+            let mut x = xv.as_tensor().clone();
+            let mut pending = pv.as_ref().map(|v| v.as_tensor().clone());
+            for i in first..last {
+                let layer = self.block(&tracked, i)?;
+                let dev = self.devices.get(layer.location);
+                x = x.to_device(dev)?;
+                pending = pending.map(|p| p.to_device(dev)).transpose()?;
+                let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
+                x = nx;
+                pending = Some(mlp);
+            }
+            let pending = pending.expect("a segment has at least one block");
+            let g_here = g.to_device(x.device())?.to_dtype(x.dtype())?;
+            let surrogate = ((x * &g_here)?.sum_all()? + (pending * &g_here)?.sum_all()?)?;
+            let gs = surrogate.backward()?;
+            self.collect(
+                &gs,
+                |p| matches!(p, Part::Layer(i) if (first..last).contains(&i)),
+                grads,
+            )?;
+            g = gs.get(xv.as_tensor()).cloned().unwrap_or(x0.zeros_like()?);
+        }
+
+        // 5. The embedding.
+        let embedded = self.embedding(&tracked)?.forward(&ids)?;
+        let g = g.to_device(embedded.device())?.to_dtype(embedded.dtype())?;
+        let gs = (embedded * g)?.sum_all()?.backward()?;
+        self.collect(&gs, |p| p == Part::Embed, grads)?;
+
+        Ok((
+            TokenLogprobs {
+                logp: values.logp.reshape((b, c))?,
+                entropy: values.entropy.reshape((b, c))?,
+            },
+            out,
+        ))
+    }
+
+    /// Adds the gradients in `store` of the parameters of the parts `which` selects.
+    fn collect(
+        &self,
+        store: &candle_core::backprop::GradStore,
+        which: impl Fn(Part) -> bool,
+        grads: &mut ParamGrads,
+    ) -> Result<()> {
+        for (i, p) in self.params.iter().enumerate() {
+            if !which(p.part) {
+                continue;
+            }
+            if let Some(g) = store.get(p.var.as_tensor()) {
+                let g = g.to_dtype(DType::F32)?;
+                grads[i] = Some(match grads[i].take() {
+                    Some(acc) => (acc + g)?,
+                    None => g,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rows per chunk of the vocabulary projection: about 256 MiB of f32 logits.
+fn default_head_chunk_rows(vocab: usize) -> usize {
+    ((256usize << 20) / (vocab.max(1) * 4)).max(1)
+}
+
+/// `(start, len)` pieces of `0..n` of at most `size`.
+fn chunks(n: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
+    let size = size.max(1);
+    (0..n).step_by(size).map(move |s| (s, size.min(n - s)))
+}
+
+/// The part of the decoder a checkpoint tensor belongs to.
+fn part_of(name: &str, layers: usize) -> Option<Part> {
+    if name.starts_with("model.embed_tokens.") {
+        return Some(Part::Embed);
+    }
+    if name.starts_with("model.norm.") || name.starts_with("lm_head.") {
+        return Some(Part::Head);
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let i: usize = rest.split('.').next()?.parse().ok()?;
+    (i < layers).then_some(Part::Layer(i))
+}

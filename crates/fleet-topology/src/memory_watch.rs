@@ -1,0 +1,119 @@
+//! Peak memory in use, per GPU, seen by a background thread.
+//!
+//! The CUDA allocator returns freed memory to the driver, so sampling only between steps
+//! misses the peak: a thread polls every GPU every 2 ms and keeps each one's maximum. On a
+//! GPU the figure is what the driver reports in use (`total - free`, so other processes'
+//! memory too: subtract a baseline taken before loading to isolate one's own); the CPU's is
+//! the process's resident high-water mark (`VmHWM`).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{gpu_memory_info, DeviceLocation};
+
+/// Bytes in use on GPU `ordinal` now (`None` without a CUDA build or driver).
+pub fn gpu_used_bytes(ordinal: usize) -> Option<u64> {
+    let (free, total) = gpu_memory_info(ordinal).ok().flatten()?;
+    Some(total.saturating_sub(free))
+}
+
+/// The process's resident-memory high-water mark (Linux `VmHWM`), `None` elsewhere.
+pub fn cpu_peak_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Polls the memory in use on some GPUs and keeps each one's maximum above its baseline.
+pub struct MemoryWatch {
+    gpus: Vec<usize>,
+    stop: Arc<AtomicBool>,
+    peaks: Arc<Vec<AtomicU64>>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl MemoryWatch {
+    /// Starts polling the GPUs among `devices` (the CPU is read at [`MemoryWatch::peaks`]).
+    pub fn start(devices: &[DeviceLocation]) -> MemoryWatch {
+        let mut gpus: Vec<usize> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
+        gpus.sort_unstable();
+        gpus.dedup();
+        let stop = Arc::new(AtomicBool::new(false));
+        let peaks: Arc<Vec<AtomicU64>> = Arc::new(gpus.iter().map(|_| AtomicU64::new(0)).collect());
+        let handle = (!gpus.is_empty()).then(|| {
+            let (s, p, g) = (stop.clone(), peaks.clone(), gpus.clone());
+            std::thread::spawn(move || {
+                while !s.load(Ordering::Relaxed) {
+                    for (i, &gpu) in g.iter().enumerate() {
+                        if let Some(used) = gpu_used_bytes(gpu) {
+                            p[i].fetch_max(used, Ordering::Relaxed);
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        });
+        MemoryWatch {
+            gpus,
+            stop,
+            peaks,
+            handle,
+        }
+    }
+
+    /// The peaks so far, by device name (`cuda:0`, ...; `cpu` when known).
+    pub fn peaks(&self) -> BTreeMap<String, u64> {
+        let mut out: BTreeMap<String, u64> = self
+            .gpus
+            .iter()
+            .zip(self.peaks.iter())
+            .map(|(g, p)| {
+                (
+                    DeviceLocation::Cuda(*g).to_string(),
+                    p.load(Ordering::Relaxed),
+                )
+            })
+            .collect();
+        if let Some(cpu) = cpu_peak_bytes() {
+            out.insert(DeviceLocation::Cpu.to_string(), cpu);
+        }
+        out
+    }
+
+    /// Stops polling and returns the peaks.
+    pub fn finish(mut self) -> BTreeMap<String, u64> {
+        self.stop_thread();
+        self.peaks()
+    }
+
+    fn stop_thread(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for MemoryWatch {
+    fn drop(&mut self) {
+        self.stop_thread();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_peak_is_read_and_gpus_need_a_driver() {
+        let watch = MemoryWatch::start(&[DeviceLocation::Cpu]);
+        let peaks = watch.finish();
+        if cfg!(target_os = "linux") {
+            assert!(peaks["cpu"] > 0);
+        }
+        assert!(!peaks.keys().any(|k| k.starts_with("cuda")));
+    }
+}
