@@ -38,12 +38,15 @@
 #![warn(missing_docs)]
 
 pub mod advantage;
+pub mod checkpoint;
 pub mod config;
 pub mod dataset;
 pub mod loss;
 pub mod metrics;
 pub mod optim;
 pub mod rewards;
+pub mod run;
+pub mod trainer;
 
 pub use advantage::{group_advantages, AdvantageError, GroupAdvantages};
 pub use config::{
@@ -65,3 +68,52 @@ pub use optim::{
     OptimizerState,
 };
 pub use rewards::{BatchRewards, RewardError, RewardFunction, RewardSpec, WeightedSum};
+pub use run::{prepare, Prepared, RunOptions};
+pub use trainer::Trainer;
+
+/// Errors of a training run: each names the file, field or value at fault and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The dataset.
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    /// A reward function.
+    #[error(transparent)]
+    Reward(#[from] RewardError),
+    /// Group advantages.
+    #[error(transparent)]
+    Advantage(#[from] AdvantageError),
+    /// The loss.
+    #[error(transparent)]
+    Loss(#[from] LossError),
+    /// The optimizer.
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+    /// The metrics file or plots.
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
+    /// A checkpoint.
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    /// The model (loading, generation, the differentiable path).
+    #[error(transparent)]
+    Model(#[from] fleet_models::ModelError),
+    /// Placement and memory planning.
+    #[error(transparent)]
+    Topology(#[from] fleet_topology::TopologyError),
+    /// The output directory.
+    #[error(transparent)]
+    Output(#[from] fleet_dist::DistError),
+    /// A tensor operation.
+    #[error("tensor error: {0}")]
+    Tensor(#[from] candle_core::Error),
+    /// beta > 0 without a reference model (a bug of the set-up).
+    #[error("beta > 0 needs the reference model, which was not loaded")]
+    NoReference,
+    /// Anything else about setting the run up, with what to do.
+    #[error("{0}")]
+    Setup(String),
+}

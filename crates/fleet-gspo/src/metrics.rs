@@ -337,6 +337,32 @@ pub fn latest_per_step(records: &[StepMetrics]) -> Vec<StepMetrics> {
     by_step.into_values().cloned().collect()
 }
 
+/// Drops the records of steps after `step` from the metrics file at `path` (a resumed run
+/// redoes those steps and appends them again). The file is rewritten atomically, only when
+/// there is something to drop; a missing file is fine.
+pub fn truncate_after(path: &Path, step: u64) -> Result<(), MetricsError> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let (log, contents) = JsonlLog::open::<StepMetrics>(path)?;
+    drop(log);
+    if contents.records.iter().all(|r| r.step <= step) {
+        return Ok(());
+    }
+    let mut text = Vec::new();
+    for r in contents.records.iter().filter(|r| r.step <= step) {
+        text.extend(serde_json::to_vec(r).map_err(|e| {
+            MetricsError::from(fleet_dist::DistError::Json {
+                what: path.display().to_string(),
+                source: e,
+            })
+        })?);
+        text.push(b'\n');
+    }
+    fleet_dist::write_atomic(path, &text)?;
+    Ok(())
+}
+
 /// Plot file stems.
 pub mod stems {
     /// Reward (mean ± std) against step.

@@ -1,0 +1,319 @@
+//! gspo-train: GSPO reinforcement-learning fine-tuning of a Qwen model.
+//!
+//! With no flags it trains the bundled tiny model on the bundled synthetic task (single-digit
+//! addition, rewarded by exact match) on the CPU: the embedded default. `--config` takes a TOML
+//! of TRL's GRPOConfig names (configs/gspo/); flags and `--set key=value` override it.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use fleet_cli::outln;
+use fleet_gspo::{prepare, GspoConfig, RunOptions, StepMetrics};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// The embedded default's config (configs/gspo/default.toml).
+const DEFAULT_CONFIG: &str = include_str!("../../../configs/gspo/default.toml");
+
+/// The bundled model and task (assets/gspo-default/, made by
+/// scripts/fixtures/make_gspo_default.py).
+const DEFAULT_FILES: &[(&str, &[u8])] = &[
+    (
+        "config.json",
+        include_bytes!("../../../assets/gspo-default/config.json"),
+    ),
+    (
+        "generation_config.json",
+        include_bytes!("../../../assets/gspo-default/generation_config.json"),
+    ),
+    (
+        "model.safetensors",
+        include_bytes!("../../../assets/gspo-default/model.safetensors"),
+    ),
+    (
+        "tokenizer.json",
+        include_bytes!("../../../assets/gspo-default/tokenizer.json"),
+    ),
+    (
+        "tokenizer_config.json",
+        include_bytes!("../../../assets/gspo-default/tokenizer_config.json"),
+    ),
+    (
+        "train.jsonl",
+        include_bytes!("../../../assets/gspo-default/train.jsonl"),
+    ),
+];
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gspo-train",
+    version,
+    about = "GSPO RL fine-tuning of Qwen LLMs (TRL's GRPOConfig names)",
+    long_about = "GSPO reinforcement-learning fine-tuning of Qwen LLMs. With no flags: the \
+                  embedded default (a tiny bundled model learns single-digit addition from \
+                  rewards on the CPU). Settings use TRL's GRPOConfig names; the seed's \
+                  BATCH_SIZE, GROUP_SIZE and GSPO_EPOCHS are accepted by --set."
+)]
+struct Cli {
+    /// Training config TOML (configs/gspo/*.toml; TRL's names). Default: the embedded default.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The policy to train: a checkpoint directory or a hub id (default: the config's
+    /// model_name_or_path, else the bundled tiny model).
+    #[arg(long)]
+    model: Option<String>,
+    /// Hub revision of --model.
+    #[arg(long)]
+    revision: Option<String>,
+    /// Prompt dataset, JSONL: `prompt` (text or chat messages) and `answer` (GSM8K's
+    /// `question`/`answer` accepted). Default: the config's dataset_name, else the bundled task.
+    #[arg(long)]
+    dataset: Option<PathBuf>,
+    /// Where checkpoints, metrics.jsonl and the plots go (config: output_dir).
+    #[arg(long)]
+    output_dir: Option<PathBuf>,
+    /// Completions per prompt, G (GROUP_SIZE).
+    #[arg(long)]
+    num_generations: Option<String>,
+    /// Completions per micro-batch (BATCH_SIZE).
+    #[arg(long)]
+    per_device_train_batch_size: Option<String>,
+    /// Passes over each generation batch (GSPO_EPOCHS).
+    #[arg(long)]
+    num_iterations: Option<String>,
+    /// Micro-batches a generation batch is cut into (the paper: 4).
+    #[arg(long)]
+    steps_per_generation: Option<String>,
+    /// Lower clip range of the sequence ratio (GSPO: 3e-4).
+    #[arg(long)]
+    epsilon: Option<String>,
+    /// Upper clip range (GSPO: 4e-4).
+    #[arg(long)]
+    epsilon_high: Option<String>,
+    /// KL coefficient to the reference model (0: no reference model is loaded).
+    #[arg(long)]
+    beta: Option<String>,
+    /// AdamW learning rate.
+    #[arg(long)]
+    learning_rate: Option<String>,
+    /// Most tokens per completion.
+    #[arg(long)]
+    max_completion_length: Option<String>,
+    /// Optimizer steps to train.
+    #[arg(long)]
+    max_steps: Option<String>,
+    /// Run seed (sampling, shuffling).
+    #[arg(long)]
+    seed: Option<String>,
+    /// Any config field, or BATCH_SIZE / GROUP_SIZE / GSPO_EPOCHS: `--set GROUP_SIZE=8`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Placement of policy, reference and reward: 1gpu, 2gpu (policy over GPUs 0,1; reference
+    /// and reward on 1), 3gpu (policy over 0,1; reference and reward on 2) or auto.
+    #[arg(long, default_value = "auto")]
+    gpu_mode: String,
+    /// Only these GPUs.
+    #[arg(long, value_delimiter = ',')]
+    gpu_ids: Option<Vec<usize>>,
+    /// Per-device budgets in accelerate's style, e.g. `0=60GiB,1=0.9`.
+    #[arg(long)]
+    max_memory: Option<String>,
+    /// Compute dtype: bf16, f16 or f32 (default: bf16 with GPUs, f32 on the CPU).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Keep every block's activations instead of recomputing them in the backward (faster,
+    /// more memory).
+    #[arg(long)]
+    no_gradient_checkpointing: bool,
+    /// Print where everything goes and what it costs per device, then stop (loads nothing).
+    #[arg(long)]
+    plan: bool,
+    /// Continue from the newest checkpoint in the output directory.
+    #[arg(long)]
+    resume: bool,
+    /// Remove an earlier run's checkpoints and metrics from the output directory and start over.
+    #[arg(long)]
+    overwrite: bool,
+}
+
+/// The bundled model and task, written once to a directory named by their content.
+fn bundled_files() -> Result<PathBuf> {
+    let mut digest = fleet_dist::Fnv64::new();
+    for (name, bytes) in DEFAULT_FILES {
+        digest.update(name.as_bytes());
+        digest.update(bytes);
+    }
+    let dir = std::env::temp_dir().join(format!("fleet-gspo-default-{}", digest.hex()));
+    for (name, bytes) in DEFAULT_FILES {
+        let path = dir.join(name);
+        if std::fs::read(&path).ok().as_deref() != Some(*bytes) {
+            fleet_dist::write_atomic(&path, bytes)?;
+        }
+    }
+    Ok(dir)
+}
+
+fn config(cli: &Cli) -> Result<GspoConfig> {
+    let mut config = match &cli.config {
+        Some(path) => GspoConfig::parse_toml_unvalidated(
+            &std::fs::read_to_string(path)
+                .with_context(|| format!("reading the config {}", path.display()))?,
+            &path.display().to_string(),
+        )?,
+        None => GspoConfig::parse_toml_unvalidated(DEFAULT_CONFIG, "configs/gspo/default.toml")?,
+    };
+    let flags = [
+        ("num_generations", &cli.num_generations),
+        (
+            "per_device_train_batch_size",
+            &cli.per_device_train_batch_size,
+        ),
+        ("num_iterations", &cli.num_iterations),
+        ("steps_per_generation", &cli.steps_per_generation),
+        ("epsilon", &cli.epsilon),
+        ("epsilon_high", &cli.epsilon_high),
+        ("beta", &cli.beta),
+        ("learning_rate", &cli.learning_rate),
+        ("max_completion_length", &cli.max_completion_length),
+        ("max_steps", &cli.max_steps),
+        ("seed", &cli.seed),
+    ];
+    for (key, value) in flags {
+        if let Some(v) = value {
+            config.apply_override(key, v)?;
+        }
+    }
+    for assignment in &cli.set {
+        config.apply_assignment(assignment)?;
+    }
+    if let Some(dir) = &cli.output_dir {
+        config.output_dir = dir.clone();
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+fn run(cli: &Cli) -> Result<()> {
+    let config = config(cli)?;
+    let (model, dataset) = match (
+        cli.model.clone().or(config.model_name_or_path.clone()),
+        cli.dataset.clone().or(config.dataset_name.clone()),
+    ) {
+        (Some(m), Some(d)) => (m, d),
+        (None, None) => {
+            let dir = bundled_files()?;
+            (dir.display().to_string(), dir.join("train.jsonl"))
+        }
+        (Some(_), None) => bail!(
+            "--model is given but no --dataset (nor dataset_name in the config): give the prompts \
+             to train on"
+        ),
+        (None, Some(_)) => bail!(
+            "--dataset is given but no --model (nor model_name_or_path in the config): give the \
+             checkpoint to train"
+        ),
+    };
+    let gpus = !fleet_topology::discover()?.is_empty();
+    let dtype = match &cli.dtype {
+        Some(d) => fleet_models::parse_dtype(d)?,
+        None if gpus => candle_core::DType::BF16,
+        None => candle_core::DType::F32,
+    };
+    let opts = RunOptions {
+        model: model.clone(),
+        revision: cli.revision.clone(),
+        dataset: dataset.clone(),
+        dtype,
+        preset: cli.gpu_mode.parse()?,
+        gpu_ids: cli.gpu_ids.clone(),
+        max_memory: match &cli.max_memory {
+            Some(m) => m.parse()?,
+            None => Default::default(),
+        },
+        gradient_checkpointing: !cli.no_gradient_checkpointing,
+        resume: cli.resume,
+        overwrite: cli.overwrite,
+        plan_only: cli.plan,
+    };
+    let prepared = prepare(&config, &opts)?;
+    eprintln!("{}", prepared.dataset_report.trim_end());
+    if cli.plan {
+        outln!("{}", prepared.plan)?;
+        return Ok(());
+    }
+    eprintln!("{}", config.policy_explanation());
+    if let Some(from) = &prepared.resumed_from {
+        eprintln!("resuming from {}", from.display());
+    }
+    let mut trainer = prepared.trainer.context("the trainer was not prepared")?;
+    let bar = ProgressBar::new(trainer.total_steps).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {elapsed} (ETA {eta})  {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_position(trainer.state.step);
+    let started = Instant::now();
+    let mut records: Vec<StepMetrics> = Vec::new();
+    trainer.train(&mut |m: &StepMetrics| {
+        bar.set_position(m.step);
+        bar.set_message(format!(
+            "reward {} loss {:.4}",
+            m.reward.map_or("-".into(), |r| format!("{r:.3}")),
+            m.loss
+        ));
+        records.push(m.clone());
+    })?;
+    bar.finish_and_clear();
+    let out = trainer.config.output_dir.clone();
+    summarize(&records, started.elapsed().as_secs_f64(), &out)?;
+    let subtitle = format!(
+        "{} | {} | G={} lr={} seed={}",
+        model,
+        dataset.file_name().unwrap_or_default().to_string_lossy(),
+        config.num_generations,
+        config.learning_rate,
+        config.seed
+    );
+    let (_, all) = fleet_gspo::MetricsLog::open(&out.join("metrics.jsonl"))?;
+    for path in fleet_gspo::plot_training(&out, &all.records, &subtitle)? {
+        outln!("wrote {}", path.display())?;
+    }
+    drop(prepared.run_dir);
+    Ok(())
+}
+
+/// Reward at the start and at the end of this run, and where things are.
+fn summarize(records: &[StepMetrics], seconds: f64, out: &Path) -> Result<()> {
+    let mean = |rs: &[StepMetrics]| -> Option<f64> {
+        let v: Vec<f64> = rs.iter().filter_map(|r| r.reward).collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    };
+    let k = (records.len() / 10).max(1);
+    if let (Some(first), Some(last)) = (
+        mean(&records[..k.min(records.len())]),
+        mean(&records[records.len().saturating_sub(k)..]),
+    ) {
+        outln!(
+            "{} steps in {:.1} s: mean reward {:.3} over the first {k} steps -> {:.3} over the last {k}",
+            records.len(),
+            seconds,
+            first,
+            last
+        )?;
+    }
+    if let Ok(latest) = fleet_gspo::checkpoint::latest(out) {
+        outln!(
+            "checkpoint {} (transformers: AutoModelForCausalLM.from_pretrained)",
+            latest.display()
+        )?;
+    }
+    outln!("metrics {}", out.join("metrics.jsonl").display())?;
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    fleet_models::replica_process::serve_if_replica_worker();
+    fleet_cli::init_logging();
+    let cli = Cli::parse();
+    fleet_cli::exit(run(&cli))
+}

@@ -1,0 +1,276 @@
+//! Checkpoints: the policy in Hugging Face layout (loadable by transformers and by fleet), the
+//! optimizer's moments and the trainer's state, written whole or not at all.
+//!
+//! Layout of `output_dir`:
+//!
+//! ```text
+//! checkpoint-<step>/          one per save, the last `save_total_limit` kept
+//!   config.json               the base checkpoint's, torch_dtype float32
+//!   model.safetensors         the f32 master weights, checkpoint names
+//!   tokenizer.json, tokenizer_config.json, generation_config.json   copied from the base
+//!   optimizer.safetensors     AdamW moments and per-parameter steps
+//!   trainer_state.json        step, data cursor, generation batch, tokens, base model
+//! latest                      the name of the newest complete checkpoint
+//! ```
+//!
+//! A checkpoint is assembled in a hidden temporary directory and renamed into place, then
+//! `latest` is replaced atomically: a kill at any moment leaves the previous checkpoint and
+//! pointer intact. Weights are saved in f32 so that a resume continues bit for bit.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Tensor;
+use fleet_models::{CheckpointFiles, CheckpointIdentity};
+use serde::{Deserialize, Serialize};
+
+use crate::dataset::DataCursor;
+use crate::optim::OptimizerState;
+
+/// Errors of saving and loading checkpoints.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file could not be read or written.
+    #[error("checkpoint {path}: {message}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// `latest` names no checkpoint, or there is none to resume.
+    #[error("nothing to resume in {dir}: {message}")]
+    NothingToResume {
+        /// The output directory.
+        dir: PathBuf,
+        /// Why.
+        message: String,
+    },
+    /// The checkpoint was trained from another base model.
+    #[error("checkpoint {path} was trained from another model ({message}); resume with the model it was trained from, or train into another output_dir")]
+    OtherModel {
+        /// The checkpoint.
+        path: PathBuf,
+        /// Which digests differ.
+        message: String,
+    },
+    /// The optimizer state could not be saved or loaded.
+    #[error(transparent)]
+    Optim(#[from] crate::optim::OptimError),
+    /// A file of the output directory could not be written.
+    #[error(transparent)]
+    Dist(#[from] fleet_dist::DistError),
+}
+
+/// Where a run stands: what a resume needs besides weights and optimizer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps done.
+    pub step: u64,
+    /// Generation batches drawn.
+    pub generation_batch: u64,
+    /// Where the prompt sampler continues.
+    pub cursor: DataCursor,
+    /// Prompt + completion tokens seen so far (TRL's `num_tokens`).
+    pub num_tokens: u64,
+    /// The model training started from (weights, config and tokenizer by content).
+    pub base_model: CheckpointIdentity,
+    /// The base model as given (path or hub id), for messages.
+    pub base_model_id: String,
+    /// The commit that wrote the checkpoint.
+    pub commit: String,
+}
+
+/// The file `latest` in an output directory.
+pub const LATEST: &str = "latest";
+/// Prefix of checkpoint directories.
+pub const PREFIX: &str = "checkpoint-";
+
+fn io(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
+    CheckpointError::Io {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
+}
+
+/// What to write into a checkpoint.
+pub struct CheckpointContents<'a> {
+    /// The master weights by checkpoint name.
+    pub weights: Vec<(String, Tensor)>,
+    /// The optimizer's state.
+    pub optimizer: &'a OptimizerState,
+    /// The trainer's state.
+    pub state: &'a TrainerState,
+    /// The base checkpoint's files (config and tokenizer are copied from it).
+    pub base: &'a CheckpointFiles,
+}
+
+/// Writes `checkpoint-<step>` into `output_dir`, points `latest` at it, and removes the oldest
+/// checkpoints beyond `keep` (None: keep all). Returns the checkpoint's path.
+pub fn save(
+    output_dir: &Path,
+    contents: &CheckpointContents<'_>,
+    keep: Option<usize>,
+) -> Result<PathBuf, CheckpointError> {
+    let name = format!("{PREFIX}{}", contents.state.step);
+    let target = output_dir.join(&name);
+    let tmp = output_dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    let written = write_into(&tmp, contents);
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if target.exists() {
+        // A checkpoint of this step from a run that was killed after writing it: replace it.
+        std::fs::remove_dir_all(&target).map_err(|e| io(&target, e))?;
+    }
+    std::fs::rename(&tmp, &target).map_err(|e| io(&target, e))?;
+    sync_dir(output_dir);
+    fleet_dist::write_atomic(&output_dir.join(LATEST), format!("{name}\n").as_bytes())?;
+    if let Some(keep) = keep {
+        prune(output_dir, keep.max(1))?;
+    }
+    Ok(target)
+}
+
+fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointError> {
+    // The config says what the weights are: f32 masters.
+    let config_text = std::fs::read_to_string(&c.base.config).map_err(|e| io(&c.base.config, e))?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&config_text).map_err(|e| io(&c.base.config, e))?;
+    if let Some(obj) = config.as_object_mut() {
+        for key in ["torch_dtype", "dtype"] {
+            if obj.contains_key(key) {
+                obj.insert(key.into(), "float32".into());
+            }
+        }
+        if !obj.contains_key("torch_dtype") && !obj.contains_key("dtype") {
+            obj.insert("torch_dtype".into(), "float32".into());
+        }
+    }
+    fleet_dist::write_json_atomic(&dir.join("config.json"), &config)?;
+    for file in [
+        &c.base.tokenizer,
+        &c.base.tokenizer_config,
+        &c.base.generation_config,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let name = file.file_name().unwrap_or_default();
+        std::fs::copy(file, dir.join(name)).map_err(|e| io(file, e))?;
+    }
+    let weights_path = dir.join("model.safetensors");
+    let tensors: std::collections::HashMap<String, Tensor> = c
+        .weights
+        .iter()
+        .map(|(n, t)| {
+            Ok((
+                n.clone(),
+                t.to_device(&candle_core::Device::Cpu)
+                    .map_err(|e| io(&weights_path, e))?,
+            ))
+        })
+        .collect::<Result<_, CheckpointError>>()?;
+    candle_core::safetensors::save(&tensors, &weights_path).map_err(|e| io(&weights_path, e))?;
+    sync_file(&weights_path)?;
+    c.optimizer.save(&dir.join("optimizer.safetensors"))?;
+    fleet_dist::write_json_atomic(&dir.join("trainer_state.json"), c.state)?;
+    Ok(())
+}
+
+fn sync_file(path: &Path) -> Result<(), CheckpointError> {
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io(path, e))
+}
+
+/// Makes a rename durable (best effort: not every filesystem allows syncing a directory).
+fn sync_dir(dir: &Path) {
+    if let Ok(f) = std::fs::File::open(dir) {
+        let _ = f.sync_all();
+    }
+}
+
+/// Checkpoint steps in `output_dir`, ascending (complete checkpoints only: the temporary
+/// directories start with a dot).
+pub fn list(output_dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(output_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix(PREFIX)?.parse().ok()?;
+            e.path().is_dir().then(|| (step, e.path()))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn prune(output_dir: &Path, keep: usize) -> Result<(), CheckpointError> {
+    let all = list(output_dir);
+    let n = all.len();
+    for (_, path) in all.into_iter().take(n.saturating_sub(keep)) {
+        std::fs::remove_dir_all(&path).map_err(|e| io(&path, e))?;
+    }
+    Ok(())
+}
+
+/// The checkpoint `latest` points at.
+pub fn latest(output_dir: &Path) -> Result<PathBuf, CheckpointError> {
+    let pointer = output_dir.join(LATEST);
+    let name = std::fs::read_to_string(&pointer).map_err(|e| CheckpointError::NothingToResume {
+        dir: output_dir.to_path_buf(),
+        message: format!("no `{LATEST}` file ({e}): no checkpoint was completed there"),
+    })?;
+    let path = output_dir.join(name.trim());
+    if !path.join("trainer_state.json").exists() {
+        return Err(CheckpointError::NothingToResume {
+            dir: output_dir.to_path_buf(),
+            message: format!(
+                "`{LATEST}` names {}, which is not a complete checkpoint",
+                path.display()
+            ),
+        });
+    }
+    Ok(path)
+}
+
+/// Reads a checkpoint's trainer state and checks that it was trained from `base`.
+pub fn load_state(
+    checkpoint: &Path,
+    base: &CheckpointIdentity,
+) -> Result<TrainerState, CheckpointError> {
+    let path = checkpoint.join("trainer_state.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
+    let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(&path, e))?;
+    let mut diffs = Vec::new();
+    if state.base_model.weights_digest != base.weights_digest {
+        diffs.push(format!(
+            "weights {} vs {}",
+            state.base_model.weights_digest, base.weights_digest
+        ));
+    }
+    if state.base_model.config_digest != base.config_digest {
+        diffs.push("config.json differs".to_string());
+    }
+    if state.base_model.tokenizer_digest != base.tokenizer_digest {
+        diffs.push("tokenizer differs".to_string());
+    }
+    if !diffs.is_empty() {
+        return Err(CheckpointError::OtherModel {
+            path: checkpoint.to_path_buf(),
+            message: format!(
+                "it started from {}: {}",
+                state.base_model_id,
+                diffs.join(", ")
+            ),
+        });
+    }
+    Ok(state)
+}

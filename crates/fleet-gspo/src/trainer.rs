@@ -1,0 +1,467 @@
+//! The training loop, top to bottom.
+//!
+//! One generation batch at a time:
+//!
+//! 1. draw `prompts_per_generation` prompts and sample `num_generations` completions of each
+//!    with the current weights (fleet-models' inference path: KV cache, fused kernels);
+//! 2. score them ([`WeightedSum`]) and turn the totals into group advantages;
+//! 3. off-policy (see [`GspoConfig::is_on_policy`]), compute the old log-probs once, without
+//!    gradients; with `beta > 0`, the reference model's log-probs;
+//! 4. shuffle the completions once and cut them into `steps_per_generation` micro-batches;
+//!    `num_iterations` passes over them; every `gradient_accumulation_steps` micro-batches the
+//!    gradients are clipped and AdamW takes a step; one metrics line per optimizer step.
+//!
+//! Checkpoints are written only at the end of a generation batch (when `save_steps` says so),
+//! so a resume never needs a half-used batch: it continues with the next one, bit for bit.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+use fleet_models::qwen::train::{ParamGrads, TokenBatch, TrainableQwen};
+use fleet_models::{CheckpointFiles, GenerationRequest, SamplingParams, TextModel};
+
+use crate::advantage::{group_advantages, GroupAdvantages};
+use crate::checkpoint::{self, CheckpointContents, TrainerState};
+use crate::config::GspoConfig;
+use crate::dataset::{Prompt, PromptDataset, PromptSampler, Sample};
+use crate::loss::{completion_mask, policy_loss, LossConfig, LossInputs, LossMetrics};
+use crate::metrics::{CompletionStats, MetricsLog, StepMetrics, StepParts, StepTimings};
+use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule};
+use crate::rewards::{BatchRewards, WeightedSum};
+use crate::TrainError;
+
+/// Everything a run trains with, loaded and placed.
+pub struct Trainer {
+    /// The configuration.
+    pub config: GspoConfig,
+    /// The policy being trained.
+    pub policy: TrainableQwen,
+    /// The policy's tokenizer, chat template and stop ids; its model is replaced by an
+    /// inference copy of the current weights before each rollout.
+    pub text: TextModel,
+    /// The base checkpoint's files (copied into checkpoints).
+    pub base: CheckpointFiles,
+    /// The frozen reference model (only with `beta > 0`).
+    pub reference: Option<TrainableQwen>,
+    /// The reward functions.
+    pub rewards: WeightedSum,
+    /// The prompts.
+    pub data: PromptDataset,
+    /// Where the next generation batch's prompts come from.
+    pub sampler: PromptSampler,
+    /// AdamW over the policy's parameters.
+    pub optimizer: AdamW,
+    /// The learning rate per step.
+    pub schedule: LrSchedule,
+    /// Optimizer steps of the whole run.
+    pub total_steps: u64,
+    /// Where the run stands.
+    pub state: TrainerState,
+    /// One line per optimizer step.
+    pub metrics: MetricsLog,
+    /// Peak memory per device, for the metrics.
+    pub memory: fleet_topology::MemoryWatch,
+}
+
+/// One generation batch, scored, ready for the updates.
+struct Rollouts {
+    /// Prompt ids per completion (a prompt repeated G times).
+    prompts: Vec<Vec<u32>>,
+    /// Completion ids (EOS included when generated).
+    completions: Vec<Vec<u32>>,
+    rewards: BatchRewards,
+    advantages: GroupAdvantages,
+    /// `[rows, completion_width]` f32.
+    mask: Tensor,
+    /// Old log-probs (off-policy), `[rows, width]`.
+    old_logp: Option<Tensor>,
+    /// Reference log-probs (beta > 0), `[rows, width]`.
+    ref_logp: Option<Tensor>,
+    stats: CompletionStats,
+    tokens: u64,
+    generation_seconds: f64,
+    scoring_seconds: f64,
+}
+
+/// What the loop reports after each optimizer step.
+pub type OnStep<'a> = dyn FnMut(&StepMetrics) + 'a;
+
+impl Trainer {
+    /// Trains until `total_steps` optimizer steps are done, checkpointing as configured.
+    pub fn train(&mut self, on_step: &mut OnStep<'_>) -> Result<(), TrainError> {
+        while self.state.step < self.total_steps {
+            self.generation_batch(on_step)?;
+        }
+        Ok(())
+    }
+
+    /// Draws, scores and trains on one generation batch.
+    pub fn generation_batch(&mut self, on_step: &mut OnStep<'_>) -> Result<(), TrainError> {
+        let rollouts = self.rollouts()?;
+        self.state.generation_batch += 1;
+        self.state.cursor = self.sampler.cursor();
+        self.state.num_tokens += rollouts.tokens;
+
+        // The micro-batches: a seeded shuffle of the rows, cut into steps_per_generation parts.
+        let cfg = &self.config;
+        let rows = rollouts.completions.len();
+        let order = crate::dataset::epoch_order(rows, cfg.seed, self.state.generation_batch);
+        let per_micro = cfg.per_device_train_batch_size;
+        let micro_batches: Vec<Vec<usize>> =
+            order.chunks(per_micro).map(<[usize]>::to_vec).collect();
+        let loss_config = LossConfig::from(cfg);
+        let gas = cfg.gradient_accumulation_steps;
+
+        let mut grads: ParamGrads = Vec::new();
+        let mut step_loss = 0.0;
+        let mut step_metrics = LossMetrics::default();
+        let mut entropy = (0.0f64, 0.0f64);
+        let mut step_tokens = 0u64;
+        let mut micro_in_step = 0;
+        let mut step_started = Instant::now();
+        let mut first_step = true;
+        for _ in 0..cfg.num_iterations {
+            for rows in &micro_batches {
+                if self.state.step >= self.total_steps {
+                    return Ok(());
+                }
+                let (loss, metrics, ent, tokens) =
+                    self.micro_step(&rollouts, rows, &loss_config, &mut grads)?;
+                step_loss += loss / gas as f64;
+                step_metrics.merge(&metrics);
+                entropy.0 += ent.0;
+                entropy.1 += ent.1;
+                step_tokens += tokens;
+                micro_in_step += 1;
+                if micro_in_step < gas {
+                    continue;
+                }
+                // The optimizer step.
+                let mut g = Gradients::new(std::mem::take(&mut grads));
+                let grad_norm = if cfg.max_grad_norm > 0.0 {
+                    clip_grad_norm(&mut g, cfg.max_grad_norm)?
+                } else {
+                    crate::optim::grad_norm(&g)?
+                };
+                let lr = self.schedule.lr(self.state.step);
+                self.optimizer.step(&g, lr)?;
+                self.state.step += 1;
+                let update_seconds = step_started.elapsed().as_secs_f64();
+                let timings = StepTimings {
+                    generation_seconds: if first_step {
+                        rollouts.generation_seconds
+                    } else {
+                        0.0
+                    },
+                    scoring_seconds: if first_step {
+                        rollouts.scoring_seconds
+                    } else {
+                        0.0
+                    },
+                    update_seconds,
+                };
+                let peak = self.peak_memory();
+                let record = StepMetrics::from_parts(&StepParts {
+                    step: self.state.step,
+                    epoch: self.epoch(),
+                    loss: step_loss,
+                    advantages: &rollouts.advantages,
+                    rewards: &rollouts.rewards,
+                    loss_metrics: &step_metrics,
+                    completions: rollouts.stats,
+                    entropy: (entropy.1 > 0.0).then(|| entropy.0 / entropy.1),
+                    grad_norm,
+                    learning_rate: lr,
+                    num_tokens: self.state.num_tokens,
+                    step_tokens,
+                    step_time: timings.generation_seconds
+                        + timings.scoring_seconds
+                        + timings.update_seconds,
+                    generation_batch: self.state.generation_batch,
+                    timings,
+                    peak_memory_bytes: &peak,
+                });
+                self.metrics.append(&record)?;
+                on_step(&record);
+                step_loss = 0.0;
+                step_metrics = LossMetrics::default();
+                entropy = (0.0, 0.0);
+                step_tokens = 0;
+                micro_in_step = 0;
+                first_step = false;
+                step_started = Instant::now();
+            }
+        }
+        // Checkpoints only between generation batches: a resume starts a fresh one.
+        let save_every = self.config.save_steps;
+        let last = self.state.step >= self.total_steps;
+        if save_every > 0 && (last || self.steps_since_save() >= save_every) {
+            self.save()?;
+        }
+        Ok(())
+    }
+
+    /// Steps since the newest checkpoint in the output directory.
+    fn steps_since_save(&self) -> u64 {
+        let newest = checkpoint::list(&self.config.output_dir)
+            .last()
+            .map_or(0, |(s, _)| *s);
+        self.state.step.saturating_sub(newest)
+    }
+
+    /// Writes a checkpoint of the current step.
+    pub fn save(&mut self) -> Result<std::path::PathBuf, TrainError> {
+        self.state.commit = fleet_dist::commit_id();
+        let optimizer = self.optimizer.state()?;
+        let path = checkpoint::save(
+            &self.config.output_dir,
+            &CheckpointContents {
+                weights: self.policy.named_tensors(),
+                optimizer: &optimizer,
+                state: &self.state,
+                base: &self.base,
+            },
+            self.config.save_total_limit,
+        )?;
+        Ok(path)
+    }
+
+    fn epoch(&self) -> f64 {
+        self.sampler.epoch_progress()
+    }
+
+    /// Peak memory seen so far per device (each GPU's most in use; the CPU's resident
+    /// high-water mark).
+    fn peak_memory(&self) -> BTreeMap<String, u64> {
+        self.memory.peaks()
+    }
+
+    /// Step 1-3: sample, score, old and reference log-probs.
+    fn rollouts(&mut self) -> Result<Rollouts, TrainError> {
+        let cfg = self.config.clone();
+        let g = cfg.num_generations;
+        let started = Instant::now();
+        let batch = self.sampler.next_batch(cfg.prompts_per_generation())?;
+        let samples: Vec<&Sample> = batch
+            .indices
+            .iter()
+            .map(|&i| &self.data.samples[i])
+            .collect();
+        let mut prompt_texts = Vec::with_capacity(samples.len());
+        let mut prompt_ids = Vec::with_capacity(samples.len());
+        for s in &samples {
+            let text = match &s.prompt {
+                Prompt::Text(t) => t.clone(),
+                Prompt::Chat(_) => self.text.chat_text(&s.prompt.messages(), true)?,
+            };
+            let mut ids = self.text.tokenizer()?.encode(&text)?;
+            if let Some(max) = cfg.max_prompt_length {
+                // Keep the end of a long prompt, where the question is (TRL truncates left).
+                if ids.len() > max {
+                    ids.drain(..ids.len() - max);
+                }
+            }
+            prompt_texts.push(text);
+            prompt_ids.push(ids);
+        }
+        // G samples of every prompt, each with its own seed: the same run gives the same
+        // completions, also after a resume.
+        let mut requests = Vec::with_capacity(samples.len() * g);
+        for (p, ids) in prompt_ids.iter().enumerate() {
+            for k in 0..g {
+                let row = (p * g + k) as u64;
+                requests.push(GenerationRequest {
+                    prompt_ids: ids.clone(),
+                    max_new_tokens: cfg.max_completion_length,
+                    sampling: SamplingParams {
+                        temperature: cfg.temperature,
+                        top_k: (cfg.top_k > 0).then_some(cfg.top_k),
+                        top_p: (cfg.top_p < 1.0).then_some(cfg.top_p),
+                        seed: sampling_seed(cfg.seed, self.state.generation_batch, row),
+                    },
+                    stop_strings: Vec::new(),
+                });
+            }
+        }
+        self.text.model = self.policy.inference_model()?;
+        let outputs = self.text.generate(&requests, None)?;
+        let generation_seconds = started.elapsed().as_secs_f64();
+
+        let scoring = Instant::now();
+        let completions: Vec<Vec<u32>> = outputs.iter().map(|o| o.token_ids.clone()).collect();
+        let texts: Vec<&str> = outputs.iter().map(|o| o.text.as_str()).collect();
+        let prompts_rep: Vec<&str> = prompt_texts
+            .iter()
+            .flat_map(|t| std::iter::repeat_n(t.as_str(), g))
+            .collect();
+        let samples_rep: Vec<&Sample> = samples
+            .iter()
+            .flat_map(|s| std::iter::repeat_n(*s, g))
+            .collect();
+        let rewards = self
+            .rewards
+            .score_batch(&prompts_rep, &texts, &samples_rep)?;
+        let advantages = group_advantages(&rewards.totals, g, cfg.scale_rewards)?;
+        let width = cfg.max_completion_length.max(1);
+        let eos = self.text.eos_ids();
+        let head = self.policy_head_device();
+        let cm = completion_mask(
+            &completions,
+            &eos,
+            width,
+            cfg.mask_truncated_completions,
+            &head,
+        )?;
+        let stats = CompletionStats::from_lengths(&cm.lengths, &cm.truncated);
+        let prompts: Vec<Vec<u32>> = prompt_ids
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.clone(), g))
+            .collect();
+        let tokens = prompts.iter().map(Vec::len).sum::<usize>() as u64
+            + cm.lengths.iter().sum::<usize>() as u64;
+        let mut rollouts = Rollouts {
+            prompts,
+            completions,
+            rewards,
+            advantages,
+            mask: cm.mask,
+            old_logp: None,
+            ref_logp: None,
+            stats: stats.ok_or_else(|| {
+                TrainError::Setup("a generation batch without completions".into())
+            })?,
+            tokens,
+            generation_seconds,
+            scoring_seconds: 0.0,
+        };
+        if !cfg.is_on_policy() {
+            rollouts.old_logp = Some(self.all_logprobs(&self.policy, &rollouts, width)?);
+        }
+        if cfg.beta > 0.0 {
+            let reference = self.reference.as_ref().ok_or(TrainError::NoReference)?;
+            rollouts.ref_logp = Some(self.all_logprobs(reference, &rollouts, width)?);
+        }
+        rollouts.scoring_seconds = scoring.elapsed().as_secs_f64();
+        Ok(rollouts)
+    }
+
+    fn policy_head_device(&self) -> candle_core::Device {
+        self.policy
+            .param("model.norm.weight")
+            .map(|v| v.device().clone())
+            .unwrap_or(candle_core::Device::Cpu)
+    }
+
+    /// Log-probs of every rollout row under `model`, in micro-batches, `[rows, width]`.
+    fn all_logprobs(
+        &self,
+        model: &TrainableQwen,
+        r: &Rollouts,
+        width: usize,
+    ) -> Result<Tensor, TrainError> {
+        let rows: Vec<usize> = (0..r.completions.len()).collect();
+        let mut parts = Vec::new();
+        for chunk in rows.chunks(self.config.per_device_train_batch_size) {
+            let batch = self.token_batch(r, chunk, width)?;
+            let lp = model.logprobs(&batch, self.config.temperature)?;
+            parts.push(lp.logp.to_device(&self.policy_head_device())?);
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// The rows of a micro-batch as the model reads them; completions padded to `width`.
+    fn token_batch(
+        &self,
+        r: &Rollouts,
+        rows: &[usize],
+        width: usize,
+    ) -> Result<TokenBatch, TrainError> {
+        let prompts: Vec<Vec<u32>> = rows.iter().map(|&i| r.prompts[i].clone()).collect();
+        let completions: Vec<Vec<u32>> = rows
+            .iter()
+            .map(|&i| {
+                let mut c = r.completions[i].clone();
+                c.resize(width, self.text.pad_id());
+                c
+            })
+            .collect();
+        Ok(TokenBatch::new(&prompts, &completions, self.text.pad_id())?)
+    }
+
+    /// One micro-batch: forward, GSPO loss, backward into `grads`. Returns the loss, the clip
+    /// statistics, (entropy sum, token count) and the tokens trained on.
+    fn micro_step(
+        &self,
+        r: &Rollouts,
+        rows: &[usize],
+        loss_config: &LossConfig,
+        grads: &mut ParamGrads,
+    ) -> Result<(f64, LossMetrics, (f64, f64), u64), TrainError> {
+        let cfg = &self.config;
+        let width = cfg.max_completion_length.max(1);
+        let batch = self.token_batch(r, rows, width)?;
+        let dev = self.policy_head_device();
+        let idx = Tensor::from_vec(
+            rows.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+            rows.len(),
+            &dev,
+        )?;
+        let mask = r.mask.index_select(&idx, 0)?;
+        let old = r
+            .old_logp
+            .as_ref()
+            .map(|t| t.index_select(&idx, 0))
+            .transpose()?;
+        let reference = r
+            .ref_logp
+            .as_ref()
+            .map(|t| t.index_select(&idx, 0))
+            .transpose()?;
+        let adv: Vec<f32> = rows.iter().map(|&i| r.advantages.advantages[i]).collect();
+        let advantages = Tensor::from_vec(adv, rows.len(), &dev)?;
+        let gas = cfg.gradient_accumulation_steps as f64;
+        let mut metrics = None;
+        let (lp, loss) = self.policy.forward_backward(
+            &batch,
+            cfg.temperature,
+            &mut |logp| {
+                let out = policy_loss(
+                    &LossInputs {
+                        logp,
+                        old_logp: old.as_ref(),
+                        ref_logp: reference.as_ref(),
+                        mask: &mask,
+                        advantages: &advantages,
+                    },
+                    loss_config,
+                )
+                .map_err(|e| fleet_models::ModelError::BadInput(e.to_string()))?;
+                let value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                metrics = Some(out.metrics);
+                // Gradient accumulation averages the micro-batches of a step.
+                Ok(((out.loss / gas)?, value))
+            },
+            grads,
+        )?;
+        let ent_sum = (lp.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
+        let tokens = mask.sum_all()?.to_scalar::<f32>()? as f64;
+        Ok((
+            loss,
+            metrics.unwrap_or_default(),
+            (ent_sum, tokens),
+            tokens as u64,
+        ))
+    }
+}
+
+/// The sampling seed of row `row` of generation batch `batch`: SplitMix64 of the run seed
+/// mixed with both, so that rows and batches get unrelated streams.
+pub fn sampling_seed(seed: u64, batch: u64, row: u64) -> u64 {
+    let mut z =
+        seed ^ batch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ row.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
