@@ -214,7 +214,9 @@ fn run(cli: &Cli) -> Result<()> {
              checkpoint to train"
         ),
     };
-    let gpus = !fleet_topology::discover()?.is_empty();
+    let gpus = fleet_topology::discover()?
+        .iter()
+        .any(|d| d.location.cuda_ordinal().is_some());
     let dtype = match &cli.dtype {
         Some(d) => fleet_models::parse_dtype(d)?,
         None if gpus => candle_core::DType::BF16,

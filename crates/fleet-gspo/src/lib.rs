@@ -44,6 +44,7 @@ pub mod dataset;
 pub mod loss;
 pub mod metrics;
 pub mod optim;
+pub mod prompt;
 pub mod rewards;
 pub mod run;
 pub mod trainer;

@@ -161,8 +161,42 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         )));
     }
 
+    // Every prompt rendered once: the longest sizes the plan, and a prompt that leaves no room
+    // for the completion is refused now, not at its batch.
+    let renderer = crate::prompt::PromptRenderer::new(&files, config.max_prompt_length)?;
+    let prompts = data
+        .samples
+        .iter()
+        .map(|s| renderer.render(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    let room = qwen.max_position_embeddings;
+    let too_long: Vec<&str> = data
+        .samples
+        .iter()
+        .zip(&prompts)
+        .filter(|(_, p)| p.ids.len() + config.max_completion_length > room)
+        .map(|(s, _)| s.id.as_str())
+        .collect();
+    if let Some(first) = too_long.first() {
+        return Err(TrainError::Setup(format!(
+            "{} prompt(s) (first: {first}) plus max_completion_length = {} exceed the model's \
+             max_position_embeddings = {room}: set max_prompt_length (prompts are cut from the \
+             left), lower max_completion_length, or drop those prompts",
+            too_long.len(),
+            config.max_completion_length
+        )));
+    }
+    let cut = prompts.iter().filter(|p| p.cut > 0).count();
+    if cut > 0 {
+        tracing::warn!(
+            "{cut} prompt(s) are longer than max_prompt_length = {:?}: their beginning is cut",
+            config.max_prompt_length
+        );
+    }
+    let longest_prompt = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(1);
+
     // Placement, before loading: what fits where.
-    let plan = plan(config, opts, &files)?;
+    let plan = plan(config, opts, &files, longest_prompt)?;
     if opts.plan_only {
         return Ok(Prepared {
             trainer: None,
@@ -281,6 +315,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         reference,
         rewards,
         data,
+        prompts,
         sampler,
         optimizer,
         schedule,
@@ -304,6 +339,7 @@ fn plan(
     config: &GspoConfig,
     opts: &RunOptions,
     files: &CheckpointFiles,
+    longest_prompt: usize,
 ) -> Result<TrainingPlan, TrainError> {
     let mut topology = Topology::from_devices(&fleet_topology::discover()?);
     if let Some(ids) = &opts.gpu_ids {
@@ -316,7 +352,7 @@ fn plan(
     let workload = TrainingWorkload {
         compute_dtype: plan_dtype(opts.dtype),
         per_device_train_batch_size: config.per_device_train_batch_size,
-        max_prompt_length: config.max_prompt_length.unwrap_or(512),
+        max_prompt_length: longest_prompt,
         max_completion_length: config.max_completion_length,
         num_generations: config.num_generations,
         prompts_per_step: config.prompts_per_generation(),

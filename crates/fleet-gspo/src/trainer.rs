@@ -24,10 +24,11 @@ use fleet_models::{CheckpointFiles, GenerationRequest, SamplingParams, TextModel
 use crate::advantage::{group_advantages, GroupAdvantages};
 use crate::checkpoint::{self, CheckpointContents, TrainerState};
 use crate::config::GspoConfig;
-use crate::dataset::{Prompt, PromptDataset, PromptSampler, Sample};
+use crate::dataset::{PromptDataset, PromptSampler, Sample};
 use crate::loss::{completion_mask, policy_loss, LossConfig, LossInputs, LossMetrics};
 use crate::metrics::{CompletionStats, MetricsLog, StepMetrics, StepParts, StepTimings};
 use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule};
+use crate::prompt::RenderedPrompt;
 use crate::rewards::{BatchRewards, WeightedSum};
 use crate::TrainError;
 
@@ -48,6 +49,8 @@ pub struct Trainer {
     pub rewards: WeightedSum,
     /// The prompts.
     pub data: PromptDataset,
+    /// Every sample's prompt, rendered and tokenized once.
+    pub prompts: Vec<RenderedPrompt>,
     /// Where the next generation batch's prompts come from.
     pub sampler: PromptSampler,
     /// AdamW over the policy's parameters.
@@ -248,23 +251,16 @@ impl Trainer {
             .iter()
             .map(|&i| &self.data.samples[i])
             .collect();
-        let mut prompt_texts = Vec::with_capacity(samples.len());
-        let mut prompt_ids = Vec::with_capacity(samples.len());
-        for s in &samples {
-            let text = match &s.prompt {
-                Prompt::Text(t) => t.clone(),
-                Prompt::Chat(_) => self.text.chat_text(&s.prompt.messages(), true)?,
-            };
-            let mut ids = self.text.tokenizer()?.encode(&text)?;
-            if let Some(max) = cfg.max_prompt_length {
-                // Keep the end of a long prompt, where the question is (TRL truncates left).
-                if ids.len() > max {
-                    ids.drain(..ids.len() - max);
-                }
-            }
-            prompt_texts.push(text);
-            prompt_ids.push(ids);
-        }
+        let prompt_texts: Vec<&str> = batch
+            .indices
+            .iter()
+            .map(|&i| self.prompts[i].text.as_str())
+            .collect();
+        let prompt_ids: Vec<Vec<u32>> = batch
+            .indices
+            .iter()
+            .map(|&i| self.prompts[i].ids.clone())
+            .collect();
         // G samples of every prompt, each with its own seed: the same run gives the same
         // completions, also after a resume.
         let mut requests = Vec::with_capacity(samples.len() * g);
@@ -293,7 +289,7 @@ impl Trainer {
         let texts: Vec<&str> = outputs.iter().map(|o| o.text.as_str()).collect();
         let prompts_rep: Vec<&str> = prompt_texts
             .iter()
-            .flat_map(|t| std::iter::repeat_n(t.as_str(), g))
+            .flat_map(|t| std::iter::repeat_n(*t, g))
             .collect();
         let samples_rep: Vec<&Sample> = samples
             .iter()

@@ -1,0 +1,317 @@
+//! gspo-train end to end on the CPU: the embedded default, checkpoints loadable by fleet, an
+//! exact resume after a kill, refused resumes, bad datasets, the plan.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn gspo_train() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gspo-train"));
+    c.env("FLEET_COMMIT", "cli-test-commit");
+    c
+}
+
+fn run(args: &[&str]) -> Output {
+    gspo_train().args(args).output().expect("gspo-train runs")
+}
+
+fn ok(out: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+fn fails(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "expected a failure; stdout:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn the_embedded_default_trains_and_writes_checkpoints_metrics_and_plots() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let stdout = ok(&run(&[
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--max-steps",
+        "8",
+        "--set",
+        "save_steps=4",
+    ]));
+    assert!(stdout.contains("8 steps in"), "{stdout}");
+    let m = metrics(&out);
+    assert_eq!(m.len(), 8);
+    for key in [
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "entropy",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "grad_norm",
+        "learning_rate",
+        "num_tokens",
+        "rewards/gsm8k_exact/mean",
+        "generation_seconds",
+        "peak_memory_bytes",
+    ] {
+        assert!(m[7].get(key).is_some(), "{key} missing: {}", m[7]);
+    }
+    for name in [
+        "reward.png",
+        "reward.svg",
+        "loss.png",
+        "loss.svg",
+        "manifest.json",
+    ] {
+        assert!(out.join(name).exists(), "{name}");
+    }
+    // Checkpoints in HF layout, the newest two kept, `latest` pointing at the last.
+    let latest = std::fs::read_to_string(out.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "checkpoint-8");
+    let ckpt = out.join("checkpoint-8");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(ckpt.join(f).exists(), "{f}");
+    }
+    // fleet loads the trained checkpoint and generates from it.
+    let model = fleet_models::TextModel::load(ckpt.to_str().unwrap(), &Default::default()).unwrap();
+    let ids = model.tokenizer().unwrap().encode("3+4=").unwrap();
+    let out_text = model
+        .generate(&[fleet_models::GenerationRequest::greedy(ids, 3)], None)
+        .unwrap();
+    assert!(out_text[0].token_ids.len() <= 3);
+}
+
+/// Issue 10, item 6: a run killed after a checkpoint and resumed ends with the same weights,
+/// optimizer state and metrics as a run that was never interrupted.
+#[test]
+fn a_killed_run_resumes_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let whole = tmp.path().join("whole");
+    let common = [
+        "--max-steps",
+        "12",
+        "--set",
+        "save_steps=4",
+        "--set",
+        "save_total_limit=5",
+    ];
+    let mut args = vec!["--output-dir", whole.to_str().unwrap()];
+    args.extend(common);
+    ok(&run(&args));
+
+    let killed = tmp.path().join("killed");
+    let mut args = vec!["--output-dir", killed.to_str().unwrap()];
+    args.extend(common);
+    let mut child = gspo_train()
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it as soon as its first checkpoint is complete.
+    let started = Instant::now();
+    while !killed.join("latest").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "no checkpoint appeared"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let finished_before_kill = killed.join("checkpoint-12").exists();
+    // Started again without --resume: refused, nothing touched.
+    let err = fails(&run(&args));
+    assert!(
+        err.contains("--resume") && err.contains("--overwrite"),
+        "{err}"
+    );
+    args.push("--resume");
+    ok(&run(&args));
+    assert!(
+        !finished_before_kill,
+        "the run finished before it could be killed"
+    );
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let a = std::fs::read(whole.join("checkpoint-12").join(file)).unwrap();
+        let b = std::fs::read(killed.join("checkpoint-12").join(file)).unwrap();
+        assert!(a == b, "{file} differs after the resume");
+    }
+    let strip = |v: Vec<serde_json::Value>| -> Vec<serde_json::Value> {
+        v.into_iter()
+            .map(|mut r| {
+                // Timings and memory differ between runs; the training does not.
+                let o = r.as_object_mut().unwrap();
+                for k in [
+                    "step_time",
+                    "tokens_per_second",
+                    "generation_seconds",
+                    "scoring_seconds",
+                    "update_seconds",
+                    "peak_memory_bytes",
+                ] {
+                    o.remove(k);
+                }
+                r
+            })
+            .collect()
+    };
+    assert_eq!(strip(metrics(&whole)), strip(metrics(&killed)));
+}
+
+/// Issue 10, bad input: a checkpoint of another model, a resume with a changed config.
+#[test]
+fn a_resume_of_another_model_or_config_is_refused_and_the_checkpoint_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let base = ["--output-dir", out.to_str().unwrap(), "--max-steps", "4"];
+    ok(&run(&base));
+    let ckpt = std::fs::read(out.join("checkpoint-4/model.safetensors")).unwrap();
+
+    let mut other_lr = base.to_vec();
+    other_lr.extend(["--resume", "--learning-rate", "0.1"]);
+    let err = fails(&run(&other_lr));
+    assert!(err.contains("config.learning_rate"), "{err}");
+
+    let model = repo().join("tests/fixtures/qwen2-tiny");
+    let data = tmp.path().join("data.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"1+1=\", \"answer\": \"#### 2\"}\n".repeat(8),
+    )
+    .unwrap();
+    let mut other_model = base.to_vec();
+    other_model.extend([
+        "--resume",
+        "--model",
+        model.to_str().unwrap(),
+        "--dataset",
+        data.to_str().unwrap(),
+    ]);
+    let err = fails(&run(&other_model));
+    assert!(err.contains("base_model.weights_digest"), "{err}");
+    assert_eq!(
+        std::fs::read(out.join("checkpoint-4/model.safetensors")).unwrap(),
+        ckpt
+    );
+
+    // Training longer is allowed.
+    let mut longer = base.to_vec();
+    longer[3] = "8";
+    longer.push("--resume");
+    ok(&run(&longer));
+    assert!(out.join("checkpoint-8").exists());
+}
+
+#[test]
+fn bad_dataset_lines_are_skipped_and_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data.jsonl");
+    let mut text = String::new();
+    for a in 0..10 {
+        text.push_str(&format!(
+            "{{\"prompt\": \"{a}+1=\", \"answer\": \"#### {}\"}}\n",
+            a + 1
+        ));
+    }
+    text.push_str("{\"prompt\": \"no answer\"}\nnot json\n");
+    std::fs::write(&data, text).unwrap();
+    let out = tmp.path().join("run");
+    // The bundled model, with another dataset: the model must be named too.
+    let err = fails(&run(&["--dataset", data.to_str().unwrap()]));
+    assert!(err.contains("--model"), "{err}");
+    let bundled = gspo_default_model();
+    let res = run(&[
+        "--model",
+        bundled.to_str().unwrap(),
+        "--dataset",
+        data.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--max-steps",
+        "4",
+    ]);
+    ok(&res);
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        stderr.contains("10 prompts loaded") && stderr.contains("2 skipped"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn flags_with_trl_names_and_the_seeds_aliases_override_the_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let err = fails(&run(&[
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--set",
+        "GROUP_SIZE=3",
+    ]));
+    // 16 completions per micro-batch x 4 micro-batches is no multiple of 3.
+    assert!(err.contains("num_generations"), "{err}");
+    let err = fails(&run(&["--set", "no_such_field=1"]));
+    assert!(err.contains("no_such_field"), "{err}");
+    let err = fails(&run(&["--num-generations", "many"]));
+    assert!(err.contains("num_generations"), "{err}");
+    ok(&run(&[
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--set",
+        "BATCH_SIZE=8",
+        "--set",
+        "GSPO_EPOCHS=2",
+        "--max-steps",
+        "2",
+    ]));
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    let cfg = &manifest["determines"]["config"];
+    assert_eq!(cfg["per_device_train_batch_size"], 8);
+    assert_eq!(cfg["num_iterations"], 2);
+}
+
+#[test]
+fn plan_says_what_fits_where_without_loading() {
+    let out = ok(&run(&["--plan"]));
+    assert!(out.contains("cpu"), "{out}");
+    assert!(out.to_lowercase().contains("weights"), "{out}");
+}
+
+/// The bundled model's directory (as the embedded default writes it).
+fn gspo_default_model() -> PathBuf {
+    repo().join("assets/gspo-default")
+}
