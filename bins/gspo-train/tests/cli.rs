@@ -315,3 +315,50 @@ fn plan_says_what_fits_where_without_loading() {
 fn gspo_default_model() -> PathBuf {
     repo().join("assets/gspo-default")
 }
+
+/// Issue 10, item 4: a reward model (sequence-classification head) as a reward function next
+/// to a rule-based one, weighted.
+#[test]
+fn a_reward_model_scores_completions_beside_a_rule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("rm.toml");
+    let reward_model = repo().join("tests/fixtures/qwen2-tiny-reward");
+    let shipped = std::fs::read_to_string(repo().join("configs/gspo/default.toml")).unwrap();
+    let head = shipped.split("[[reward_funcs]]").next().unwrap();
+    std::fs::write(
+        &config,
+        format!(
+            "{head}[[reward_funcs]]\nname = \"gsm8k_exact\"\nweight = 1.0\n\n[[reward_funcs]]\nname = \"reward_model\"\nweight = 0.5\nmodel = \"{}\"\n",
+            reward_model.display()
+        ),
+    )
+    .unwrap();
+    let out = tmp.path().join("run");
+    ok(&run(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--max-steps",
+        "2",
+    ]));
+    let m = metrics(&out);
+    let rm = m[0]["rewards/reward_model/mean"].as_f64().unwrap();
+    assert!(rm.is_finite() && rm != 0.0, "{}", m[0]);
+    assert!(m[0]["rewards/gsm8k_exact/mean"].is_number());
+    // A causal LM named as a reward model is refused before training.
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(&config)
+            .unwrap()
+            .replace("qwen2-tiny-reward", "qwen2-tiny"),
+    )
+    .unwrap();
+    let err = fails(&run(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--output-dir",
+        tmp.path().join("run2").to_str().unwrap(),
+    ]));
+    assert!(err.contains("not a reward model"), "{err}");
+}

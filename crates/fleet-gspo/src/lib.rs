@@ -45,6 +45,7 @@ pub mod loss;
 pub mod metrics;
 pub mod optim;
 pub mod prompt;
+pub mod reward_model;
 pub mod rewards;
 pub mod run;
 pub mod trainer;

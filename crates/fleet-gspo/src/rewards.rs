@@ -144,6 +144,14 @@ pub enum RewardError {
         /// What is wrong and what to do.
         message: String,
     },
+    /// A reward model failed (loading, scoring).
+    #[error("reward model {model}: {message}")]
+    Model {
+        /// The reward model as given.
+        model: String,
+        /// What went wrong and what to do.
+        message: String,
+    },
     /// Batch inputs of different lengths.
     #[error("score_batch got {prompts} prompts, {completions} completions and {samples} samples: pass one of each per completion")]
     LengthMismatch {
@@ -169,6 +177,12 @@ pub trait RewardFunction: Send + Sync {
         completion: &str,
         sample: &Sample,
     ) -> Result<Option<f64>, RewardError>;
+
+    /// Scores several completions at once (one result per item, in order). The default scores
+    /// them one by one; a reward model overrides it to run them as one batch.
+    fn score_many(&self, items: &[(&str, &str, &Sample)]) -> Vec<Result<Option<f64>, RewardError>> {
+        items.iter().map(|(p, c, s)| self.score(p, c, s)).collect()
+    }
 
     /// Completions scored 0 because their answer could not be read, since the last call (the
     /// counter is reset). Functions that parse nothing return 0.
@@ -833,6 +847,18 @@ pub enum RewardSpec {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         final_line_prefix: Option<String>,
     },
+    /// A reward model (`*ForSequenceClassification` with one label, e.g. a Qwen2 reward model):
+    /// the score of prompt + completion ([`crate::reward_model::RewardModel`]).
+    RewardModel {
+        /// Weight in the sum (default 1.0).
+        #[serde(default = "one")]
+        weight: f64,
+        /// Its checkpoint: a local directory or a hub id.
+        model: String,
+        /// Hub revision.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        revision: Option<String>,
+    },
     /// [`LengthPenalty`].
     Length {
         /// Weight in the sum (default 1.0).
@@ -854,6 +880,7 @@ impl RewardSpec {
         MultipleChoice::NAME,
         FormatReward::NAME,
         LengthPenalty::NAME,
+        crate::reward_model::RewardModel::NAME,
     ];
 
     /// The function's name.
@@ -863,6 +890,7 @@ impl RewardSpec {
             RewardSpec::MultipleChoice { .. } => MultipleChoice::NAME,
             RewardSpec::Format { .. } => FormatReward::NAME,
             RewardSpec::Length { .. } => LengthPenalty::NAME,
+            RewardSpec::RewardModel { .. } => crate::reward_model::RewardModel::NAME,
         }
     }
 
@@ -872,7 +900,8 @@ impl RewardSpec {
             RewardSpec::Gsm8kExact { weight }
             | RewardSpec::MultipleChoice { weight }
             | RewardSpec::Format { weight, .. }
-            | RewardSpec::Length { weight, .. } => *weight,
+            | RewardSpec::Length { weight, .. }
+            | RewardSpec::RewardModel { weight, .. } => *weight,
         }
     }
 
@@ -904,12 +933,29 @@ impl RewardSpec {
         }
     }
 
-    /// Builds the function. `counter` is needed by `length` with `unit = "tokens"`.
+    /// Builds the function. `counter` is needed by `length` with `unit = "tokens"`; a reward
+    /// model is loaded on `placement` (its device map and dtype; the CPU in f32 when `None`).
     pub fn build(
         &self,
         counter: Option<TokenCounter>,
     ) -> Result<Box<dyn RewardFunction>, RewardError> {
+        self.build_on(counter, None)
+    }
+
+    /// [`RewardSpec::build`] with the reward model's placement.
+    pub fn build_on(
+        &self,
+        counter: Option<TokenCounter>,
+        placement: Option<(&fleet_models::DeviceMap, candle_core::DType)>,
+    ) -> Result<Box<dyn RewardFunction>, RewardError> {
         Ok(match self {
+            RewardSpec::RewardModel {
+                model, revision, ..
+            } => Box::new(crate::reward_model::RewardModel::load(
+                model,
+                revision.as_deref(),
+                placement,
+            )?),
             RewardSpec::Gsm8kExact { .. } => Box::new(Gsm8kExact::new()),
             RewardSpec::MultipleChoice { .. } => Box::new(MultipleChoice::new()),
             RewardSpec::Format {
@@ -1064,14 +1110,24 @@ impl WeightedSum {
     }
 
     /// Builds the functions declared in the config. `counter` is needed by `length` with
-    /// `unit = "tokens"`.
+    /// `unit = "tokens"`; a reward model goes to the CPU (see [`WeightedSum::from_specs_on`]).
     pub fn from_specs(
         specs: &[RewardSpec],
         counter: Option<TokenCounter>,
     ) -> Result<Self, RewardError> {
+        Self::from_specs_on(specs, counter, None)
+    }
+
+    /// [`WeightedSum::from_specs`] with the reward model placed on `placement` (its device
+    /// map and dtype).
+    pub fn from_specs_on(
+        specs: &[RewardSpec],
+        counter: Option<TokenCounter>,
+        placement: Option<(&fleet_models::DeviceMap, candle_core::DType)>,
+    ) -> Result<Self, RewardError> {
         let funcs = specs
             .iter()
-            .map(|s| Ok((s.build(counter.clone())?, s.weight())))
+            .map(|s| Ok((s.build_on(counter.clone(), placement)?, s.weight())))
             .collect::<Result<Vec<_>, RewardError>>()?;
         Self::new(funcs)
     }
@@ -1108,14 +1164,11 @@ impl WeightedSum {
                 errors: Vec::new(),
                 unparsed: 0,
             };
-            for i in 0..n {
-                let outcome = checked(
-                    func.as_ref(),
-                    prompts[i].as_ref(),
-                    completions[i].as_ref(),
-                    samples[i],
-                );
-                match outcome {
+            let items: Vec<(&str, &str, &Sample)> = (0..n)
+                .map(|i| (prompts[i].as_ref(), completions[i].as_ref(), samples[i]))
+                .collect();
+            for (i, outcome) in func.score_many(&items).into_iter().enumerate() {
+                match finite(func.as_ref(), samples[i], outcome) {
                     Ok(v) => scores.values.push(v),
                     Err(e) => {
                         scores.values.push(None);
@@ -1165,7 +1218,16 @@ fn checked(
     completion: &str,
     sample: &Sample,
 ) -> Result<Option<f64>, RewardError> {
-    match func.score(prompt, completion, sample)? {
+    finite(func, sample, func.score(prompt, completion, sample))
+}
+
+/// A score that is NaN or infinite is the function's failure, not a reward.
+fn finite(
+    func: &dyn RewardFunction,
+    sample: &Sample,
+    outcome: Result<Option<f64>, RewardError>,
+) -> Result<Option<f64>, RewardError> {
+    match outcome? {
         Some(v) if !v.is_finite() => Err(RewardError::NonFinite {
             function: func.name().to_string(),
             id: sample.id.clone(),

@@ -148,19 +148,6 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         }
         None => None,
     };
-    let rewards = WeightedSum::from_specs(&config.reward_funcs, counter)?;
-    let problems = rewards.check_samples(&data.samples);
-    if let Some(p) = problems.first() {
-        return Err(TrainError::Setup(format!(
-            "{} of {} samples cannot be scored by the reward functions (first: {}: {}); fix \
-             the dataset or choose other reward_funcs",
-            problems.len(),
-            data.samples.len(),
-            p.id,
-            p.error
-        )));
-    }
-
     // Every prompt rendered once: the longest sizes the plan, and a prompt that leaves no room
     // for the completion is refused now, not at its batch.
     let renderer = crate::prompt::PromptRenderer::new(&files, config.max_prompt_length)?;
@@ -198,6 +185,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     // Placement, before loading: what fits where.
     let plan = plan(config, opts, &files, longest_prompt)?;
     if opts.plan_only {
+        // Loads nothing: a reward model is only sized.
         return Ok(Prepared {
             trainer: None,
             plan,
@@ -206,6 +194,24 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
             resumed_from: None,
             run_dir: None,
         });
+    }
+    // The reward functions, a reward model on the device the plan gave it; rows they cannot
+    // score at all are reported before anything else is loaded.
+    let rewards = WeightedSum::from_specs_on(
+        &config.reward_funcs,
+        counter,
+        plan.reward.as_ref().map(|m| (m, opts.dtype)),
+    )?;
+    let problems = rewards.check_samples(&data.samples);
+    if let Some(p) = problems.first() {
+        return Err(TrainError::Setup(format!(
+            "{} of {} samples cannot be scored by the reward functions (first: {}: {}); fix \
+             the dataset or choose other reward_funcs",
+            problems.len(),
+            data.samples.len(),
+            p.id,
+            p.error
+        )));
     }
 
     // The output directory: one writer, and the same run or none.
@@ -359,9 +365,29 @@ fn plan(
         gradient_checkpointing: opts.gradient_checkpointing,
         ..TrainingWorkload::default()
     };
+    // A reward model is sized from its config.json and headers.
+    let reward_shape = config
+        .reward_funcs
+        .iter()
+        .find_map(|f| match f {
+            crate::rewards::RewardSpec::RewardModel {
+                model, revision, ..
+            } => Some((model, revision)),
+            _ => None,
+        })
+        .map(|(model, revision)| -> Result<ModelShape, TrainError> {
+            let files =
+                ModelSource::parse(model, revision.as_deref())?.resolve(&HubOptions::from_env())?;
+            let mut shape = ModelShape::from_config_file(&files.config)?;
+            if let Some(dir) = files.weights.first().and_then(|w| w.parent()) {
+                shape = shape.with_checkpoint(fleet_topology::CheckpointParams::from_dir(dir)?)?;
+            }
+            Ok(shape)
+        })
+        .transpose()?;
     Ok(plan_training(
         &shape,
-        None,
+        reward_shape.as_ref(),
         &topology,
         &TrainingRequest {
             preset: opts.preset,

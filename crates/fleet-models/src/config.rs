@@ -31,9 +31,15 @@ pub struct RopeParameters {
 /// The fields of `config.json` that the decoder needs, as named by transformers.
 #[derive(Debug, Clone, Deserialize)]
 pub struct QwenConfig {
-    /// e.g. `["Qwen2ForCausalLM"]`.
+    /// e.g. `["Qwen2ForCausalLM"]`; `Qwen2ForSequenceClassification` for a reward model.
     #[serde(default)]
     pub architectures: Vec<String>,
+    /// Labels of a sequence classifier (transformers' `id2label`; its size is `num_labels`).
+    #[serde(default)]
+    pub id2label: Option<std::collections::BTreeMap<String, String>>,
+    /// Labels of a sequence classifier when `id2label` is absent.
+    #[serde(default)]
+    pub num_labels: Option<usize>,
     /// `qwen2` or `qwen3`.
     pub model_type: String,
     /// Rows of the embedding and lm_head.
@@ -212,6 +218,23 @@ impl QwenConfig {
     }
 
     /// Qwen2 or Qwen3.
+    /// Outputs of the sequence-classification head when the checkpoint is a
+    /// `*ForSequenceClassification` (a reward model: `score` `[num_labels, hidden]` read at the
+    /// last token): `id2label`'s size, else `num_labels`, else transformers' default of 2.
+    /// `None` for a causal LM.
+    pub fn classifier_labels(&self) -> Option<usize> {
+        self.architectures
+            .iter()
+            .any(|a| a.ends_with("ForSequenceClassification"))
+            .then(|| {
+                self.id2label
+                    .as_ref()
+                    .map(|m| m.len())
+                    .or(self.num_labels)
+                    .unwrap_or(2)
+            })
+    }
+
     pub fn arch(&self) -> QwenArch {
         if self.model_type == "qwen3" {
             QwenArch::Qwen3

@@ -422,8 +422,11 @@ impl QwenModel {
         let head = loader(map.head);
         let norm = head.norm("model.norm", hs)?;
         // Tied: the lm_head is the embedding matrix (transformers ignores a saved lm_head.weight
-        // then), copied to the head's device when that differs from the embedding's.
-        let lm_head_w = if cfg.tie_word_embeddings {
+        // then), copied to the head's device when that differs from the embedding's. A reward
+        // model (sequence classifier) has a `score` head instead, without bias.
+        let lm_head_w = if let Some(labels) = cfg.classifier_labels() {
+            head.linear("score", hs, labels, false)?.0
+        } else if cfg.tie_word_embeddings {
             embed_w.to_device(head.device)?
         } else {
             head.linear("lm_head", hs, vocab, false)?.0
@@ -458,6 +461,37 @@ impl QwenModel {
     /// The config the model was built from.
     pub fn config(&self) -> &QwenConfig {
         &self.cfg
+    }
+
+    /// The scores of a sequence classifier (a reward model, `Qwen2ForSequenceClassification`)
+    /// for each sequence: the `score` head read at its last token, `[batch, num_labels]` f32.
+    /// Sequences are left-padded into one batch, so each row's last column is its last token
+    /// (transformers reads the last non-pad token; with right padding that is the same token).
+    pub fn classify(&self, ids: &[Vec<u32>], pad_id: u32) -> Result<Tensor> {
+        if self.cfg.classifier_labels().is_none() {
+            return Err(ModelError::BadInput(
+                "this checkpoint is a causal LM, not a sequence classifier: a reward model's \
+                 config.json names a *ForSequenceClassification architecture"
+                    .into(),
+            ));
+        }
+        let len = ids.iter().map(Vec::len).max().unwrap_or(0);
+        if len == 0 || ids.iter().any(Vec::is_empty) {
+            return Err(ModelError::BadInput(
+                "every sequence to classify needs at least one token".into(),
+            ));
+        }
+        let pad: Vec<usize> = ids.iter().map(|r| len - r.len()).collect();
+        let rows: Vec<Vec<u32>> = ids
+            .iter()
+            .map(|r| {
+                let mut row = vec![pad_id; len - r.len()];
+                row.extend_from_slice(r);
+                row
+            })
+            .collect();
+        let mut cache = self.new_cache(len)?;
+        Ok(self.forward(&rows, &pad, &mut cache, true)?.squeeze(1)?)
     }
 
     /// The compute dtype.
