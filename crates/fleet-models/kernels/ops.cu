@@ -64,6 +64,46 @@ __device__ void swiglu(const T *x, T *y, int n_rows, int n_cols) {
     }
 }
 
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), returned to every
+// thread. Call it once per kernel, with every thread of the block.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (blockDim.x + 31) / 32 ? partial[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+        if (lane == 0) partial[0] = v;
+    }
+    __syncthreads();
+    return partial[0];
+}
+
+// The value `x` holds once rounded to T.
+template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
+
+// RMSNorm as transformers' Qwen2RMSNorm computes it: y = w * T(x * rsqrt(mean(x^2) + eps)),
+// statistics in f32, the normalised value rounded to T before the product with the weight.
+// One block per row.
+template <typename T>
+__device__ void rms_norm(const T *x, const T *w, T *y, int n_rows, int n, float eps) {
+    const int row = blockIdx.x;
+    if (row >= n_rows) return;
+    const T *xr = x + (size_t)row * n;
+    T *yr = y + (size_t)row * n;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const float f = to_f(xr[c]);
+        ss += f * f;
+    }
+    const float inv = rsqrtf(block_sum(ss) / n + eps);
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        yr[c] = from_f<T>(rnd<T>(to_f(xr[c]) * inv) * to_f(w[c]));
+    }
+}
+
 // Residual add fused with the RMSNorm that follows it: out[0] = x + h (rounded to T), and
 // out[1] = w * T(s * rsqrt(mean(s^2) + eps)) with s = out[0], rounded as transformers rounds
 // (the normalised value to T first, then the product with the weight). One block per row.
@@ -83,18 +123,7 @@ __device__ void add_rms_norm(const T *x, const T *h, const T *w, T *out, int n_r
         const float f = to_f(s);
         ss += f * f;
     }
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        ss = lane < (blockDim.x + 31) / 32 ? partial[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-        if (lane == 0) partial[0] = ss;
-    }
-    __syncthreads();
-    const float inv = rsqrtf(partial[0] / n + eps);
+    const float inv = rsqrtf(block_sum(ss) / n + eps);
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
         const float normed = to_f(from_f<T>(to_f(sr[c]) * inv));
         yr[c] = from_f<T>(normed * to_f(w[c]));
@@ -135,6 +164,58 @@ __device__ void qkv_rope(const T *x, const T *bias, const T *cs, T *out, int b, 
     dst[i + half] = from_f<T>(x1 * c + x0 * s);
 }
 
+// Qwen3's attention input: the fused q/k/v projection [b, t, (h + 2 kvh) * d] split into
+// head-major q [b, h, t, d], k and v [b, kvh, t, d] (consecutive regions of `out`). Per head,
+// s = T(x + bias) (when has_bias); v heads are s; q and k heads are normalised as
+// transformers' Qwen3RMSNorm (y = T(T(s * rsqrt(mean(s^2) + eps)) * w), with qw for q heads,
+// kw for k heads), then rotated as apply_rotary_pos_emb does in the model dtype:
+// T(T(y0 c) - T(y1 s)) and T(T(y1 c) + T(y0 s)). cos and sin are [t, d/2], or [b, t, d/2]
+// when `per_row`. One warp (block of 32) per (token, head).
+template <typename T>
+__device__ void qk_norm_rope(const T *x, const T *bias, const T *cos, const T *sin,
+                             const T *qw, const T *kw, T *out, int b, int t, int h, int kvh,
+                             int d, int per_row, int has_bias, float eps) {
+    const int heads = h + 2 * kvh;
+    const int half = d / 2;
+    const int blk = blockIdx.x; // (bi * t + ti) * heads + hh
+    const int hh = blk % heads;
+    const int tok = blk / heads;
+    const int ti = tok % t, bi = tok / t;
+    if (bi >= b) return; // uniform over the block
+    const int lane = threadIdx.x;
+    const T *src = x + ((size_t)tok * heads + hh) * d;
+    const T *bs = bias + (size_t)hh * d;
+    auto at = [&](int i) -> float {
+        return has_bias ? rnd<T>(to_f(src[i]) + to_f(bs[i])) : to_f(src[i]);
+    };
+    const size_t q_size = (size_t)b * h * t * d, kv_size = (size_t)b * kvh * t * d;
+    if (hh >= h + kvh) {
+        T *dst = out + q_size + kv_size + (((size_t)bi * kvh + (hh - h - kvh)) * t + ti) * d;
+        for (int i = lane; i < d; i += 32) dst[i] = from_f<T>(at(i));
+        return;
+    }
+    float ss = 0.f;
+    for (int i = lane; i < d; i += 32) {
+        const float f = at(i);
+        ss += f * f;
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    const float inv = rsqrtf(ss / d + eps);
+    const T *w = hh < h ? qw : kw;
+    const size_t cs_row = (per_row ? (size_t)tok : (size_t)ti) * half;
+    T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
+                    : out + q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d;
+    for (int i = lane; i < half; i += 32) {
+        const float y0 = rnd<T>(rnd<T>(at(i) * inv) * to_f(w[i]));
+        const float y1 = rnd<T>(rnd<T>(at(i + half) * inv) * to_f(w[i + half]));
+        const float c = to_f(cos[cs_row + i]), s = to_f(sin[cs_row + i]);
+        // __fmul_rn keeps each product rounded on its own (no fused multiply-add), as the CPU
+        // twin and transformers compute them.
+        dst[i] = from_f<T>(rnd<T>(__fmul_rn(y0, c)) - rnd<T>(__fmul_rn(y1, s)));
+        dst[i + half] = from_f<T>(rnd<T>(__fmul_rn(y1, c)) + rnd<T>(__fmul_rn(y0, s)));
+    }
+}
+
 #define OPS(T, SUFFIX)                                                                        \
     extern "C" __global__ void masked_softmax_##SUFFIX(const T *x, T *y, const uint32_t *pad, \
                                                        int n_rows, int rows_per_batch,       \
@@ -152,6 +233,16 @@ __device__ void qkv_rope(const T *x, const T *bias, const T *cs, T *out, int b, 
                                                  T *out, int b, int t, int h, int kvh, int d, \
                                                  int per_row) {                               \
         qkv_rope<T>(x, bias, cs, out, b, t, h, kvh, d, per_row);                              \
+    }                                                                                         \
+    extern "C" __global__ void rms_norm_##SUFFIX(const T *x, const T *w, T *y, int n_rows,    \
+                                                 int n, float eps) {                          \
+        rms_norm<T>(x, w, y, n_rows, n, eps);                                                 \
+    }                                                                                         \
+    extern "C" __global__ void qk_norm_rope_##SUFFIX(                                         \
+        const T *x, const T *bias, const T *cos, const T *sin, const T *qw, const T *kw,      \
+        T *out, int b, int t, int h, int kvh, int d, int per_row, int has_bias, float eps) {  \
+        qk_norm_rope<T>(x, bias, cos, sin, qw, kw, out, b, t, h, kvh, d, per_row, has_bias,   \
+                        eps);                                                                 \
     }
 
 OPS(float, f32)

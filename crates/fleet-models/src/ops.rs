@@ -5,21 +5,45 @@
 //!   cast, and the mask tensor itself).
 //! - [`swiglu`]: `silu(gate) * up` on the fused gate/up projection (replaces two strided
 //!   element-wise kernels).
+//! - [`rms_norm`]: RMSNorm with transformers' roundings.
 //! - [`add_rms_norm`]: a residual add and the RMSNorm after it in one pass.
 //! - [`qkv_rope`]: the fused q/k/v projection split into head-major q, k, v with RoPE applied
 //!   to q and k (replaces a transpose copy, per-part copies and the RoPE kernels).
+//! - [`qk_norm_rope`]: the same for Qwen3, with the per-head RMSNorm of q and k before RoPE.
 //!
 //! The CUDA kernels are in `kernels/ops.cu`; the CPU versions here compute the same thing in the
 //! same order, so the CPU parity tests check the logic the GPU runs.
+//!
+//! Every op has a backward (candle's `bwd`), so the decoder that serves inference is also the
+//! one that trains. A result is tracked only when an input is (a `Var` or computed from one):
+//! at inference nothing is recorded and nothing is kept. The backward is computed in f32 with
+//! candle tensor ops and cast to the input's dtype; it differentiates the exact math (the
+//! forward's intermediate roundings to the model dtype are not differentiated, as in torch's
+//! autograd of transformers, except where a rounded value is itself a factor of the gradient:
+//! the normalised value in the weight gradient of an RMSNorm). tests/ops_grad.rs checks each
+//! backward against finite differences and against candle's autograd of the composed math.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, WithDType, D};
 use half::{bf16, f16};
 
 use crate::error::Result;
 
+/// `t` itself when contiguous, else a contiguous copy (the kernels read rows in place).
+fn contig(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.is_contiguous() {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
 /// Softmax of `scores` (`[..., kv_len]`, contiguous) over keys a query may see. Row `r` of the
 /// flattened scores is query `offset + r % q_len` of batch row `r / rows_per_batch`; `pad`
 /// (u32, one entry per batch row, on the scores' device) counts the row's left-padding keys.
+/// Masked keys get probability 0 (and gradient 0).
 pub fn masked_softmax(
     scores: &Tensor,
     pad: &Tensor,
@@ -27,49 +51,41 @@ pub fn masked_softmax(
     q_len: usize,
     offset: usize,
 ) -> Result<Tensor> {
-    let scores = if scores.is_contiguous() {
-        scores.clone()
-    } else {
-        scores.contiguous()?
-    };
-    Ok(scores.apply_op2_no_bwd(
-        pad,
-        &MaskedSoftmax {
-            rows_per_batch,
-            q_len,
-            offset,
-        },
-    )?)
+    let op: Arc<Box<dyn CustomOp2 + Send + Sync>> = Arc::new(Box::new(MaskedSoftmax {
+        rows_per_batch,
+        q_len,
+        offset,
+    }));
+    Ok(contig(scores)?.apply_op2_arc(pad, op)?)
 }
 
 /// `silu(x[.., :n]) * x[.., n:]` for `x` of last dimension `2n`.
 pub fn swiglu(x: &Tensor) -> Result<Tensor> {
-    let x = if x.is_contiguous() {
-        x.clone()
-    } else {
-        x.contiguous()?
-    };
-    Ok(x.apply_op1_no_bwd(&SwiGlu)?)
+    let op: Arc<Box<dyn candle_core::CustomOp1 + Send + Sync>> = Arc::new(Box::new(SwiGlu));
+    Ok(contig(x)?.apply_op1_arc(op)?)
+}
+
+/// `rms_norm(x) * weight` over the last dimension with transformers' roundings (`Qwen2RMSNorm`):
+/// statistics in f32, the normalised value rounded to `x`'s dtype, then multiplied by `weight`
+/// in that dtype.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+    let op: Arc<Box<dyn CustomOp2 + Send + Sync>> = Arc::new(Box::new(RmsNorm { eps }));
+    Ok(contig(x)?.apply_op2_arc(&contig(weight)?, op)?)
 }
 
 /// `(x + h, rms_norm(x + h) * weight)`: the residual stream after an add, and its normalised
 /// form, with transformers' roundings. `x` and `h` have the same shape, `weight` is the last
 /// dimension.
 pub fn add_rms_norm(x: &Tensor, h: &Tensor, weight: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
-    let c = |t: &Tensor| -> Result<Tensor> {
-        Ok(if t.is_contiguous() {
-            t.clone()
-        } else {
-            t.contiguous()?
-        })
-    };
-    let both = c(x)?.apply_op3_no_bwd(&c(h)?, weight, &AddRmsNorm { eps })?;
+    let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(AddRmsNorm { eps }));
+    let both = contig(x)?.apply_op3_arc(&contig(h)?, &contig(weight)?, op)?;
     Ok((both.get(0)?, both.get(1)?))
 }
 
 /// Splits `qkv` (`[b, t, (h + 2 kvh) * d]`, the projection before its `bias`) into `q`
 /// `[b, h, t, d]`, `k` and `v` `[b, kvh, t, d]`, all contiguous, adding the bias and applying
 /// RoPE to q and k. `cs` holds cos then sin per position: `[t, d]`, or `[b, t, d]` per row.
+/// Gradients flow to `qkv` and `bias`, not to the tables.
 pub fn qkv_rope(
     qkv: &Tensor,
     bias: &Tensor,
@@ -79,32 +95,81 @@ pub fn qkv_rope(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t, _) = qkv.dims3()?;
     let (h, kvh) = heads;
-    let c = |t: &Tensor| -> Result<Tensor> {
-        Ok(if t.is_contiguous() {
-            t.clone()
-        } else {
-            t.contiguous()?
-        })
-    };
-    let op = QkvRope {
+    let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(QkvRope {
         h,
         kvh,
         d: head_dim,
+    }));
+    let flat = contig(qkv)?.apply_op3_arc(&contig(bias)?, &contig(cs)?, op)?;
+    split_heads(&flat, (b, t), heads, head_dim)
+}
+
+/// Qwen3's attention input: splits `qkv` (`[b, t, (h + 2 kvh) * d]`, before its `bias`) into
+/// head-major `q` `[b, h, t, d]`, `k` and `v` `[b, kvh, t, d]`, normalising each q head with
+/// `q_weight` and each k head with `k_weight` (RMSNorm over `d`, transformers' roundings), then
+/// applying RoPE to q and k in the model dtype as transformers' `apply_rotary_pos_emb` does
+/// (`q * cos + rotate_half(q) * sin`, each product and the sum rounded). `cos` and `sin` are
+/// `[t, d / 2]`, or `[b, t, d / 2]` per row, in the model dtype.
+///
+/// Gradients flow to `qkv`, `bias`, `q_weight` and `k_weight`, not to the tables. (A tracked
+/// bias is added before the kernel, with the same rounding; otherwise the kernel adds it.)
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope(
+    qkv: &Tensor,
+    bias: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    q_weight: &Tensor,
+    k_weight: &Tensor,
+    eps: f32,
+    heads: (usize, usize),
+    head_dim: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, _) = qkv.dims3()?;
+    let (h, kvh) = heads;
+    // The custom op's three inputs are the differentiable ones; the tables (and an untracked
+    // bias) ride in the op itself.
+    let (qkv, bias) = if bias.track_op() {
+        (contig(&qkv.broadcast_add(bias)?)?, None)
+    } else {
+        (contig(qkv)?, Some(contig(bias)?))
     };
-    let flat = c(qkv)?.apply_op3_no_bwd(&c(bias)?, &c(cs)?, &op)?;
-    let (qn, kvn) = (b * h * t * head_dim, b * kvh * t * head_dim);
+    let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(QkNormRope {
+        h,
+        kvh,
+        d: head_dim,
+        eps,
+        cos: contig(cos)?,
+        sin: contig(sin)?,
+        bias,
+    }));
+    let flat = qkv.apply_op3_arc(&contig(q_weight)?, &contig(k_weight)?, op)?;
+    split_heads(&flat, (b, t), heads, head_dim)
+}
+
+/// The flat output of the q/k/v kernels as head-major `q`, `k`, `v` (views, no copies).
+fn split_heads(
+    flat: &Tensor,
+    (b, t): (usize, usize),
+    (h, kvh): (usize, usize),
+    d: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (qn, kvn) = (b * h * t * d, b * kvh * t * d);
     Ok((
-        flat.narrow(0, 0, qn)?.reshape((b, h, t, head_dim))?,
-        flat.narrow(0, qn, kvn)?.reshape((b, kvh, t, head_dim))?,
-        flat.narrow(0, qn + kvn, kvn)?
-            .reshape((b, kvh, t, head_dim))?,
+        flat.narrow(0, 0, qn)?.reshape((b, h, t, d))?,
+        flat.narrow(0, qn, kvn)?.reshape((b, kvh, t, d))?,
+        flat.narrow(0, qn + kvn, kvn)?.reshape((b, kvh, t, d))?,
     ))
 }
 
 /// Conversions between the model dtypes and f32, for the CPU kernels.
-trait Float: Copy + Send + Sync {
+trait Float: Copy + Send + Sync + WithDType {
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
+    /// `x` rounded to this type and back: the value the model dtype holds.
+    fn round(x: f32) -> f32 {
+        Self::from_f32(x).to_f32()
+    }
 }
 
 impl Float for f32 {
@@ -225,6 +290,21 @@ impl CustomOp2 for MaskedSoftmax {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         cuda::masked_softmax(self, s1, l1, s2, l2)
     }
+
+    /// `dx = y * (g - sum(g * y))` per row; masked keys have `y = 0`, so `dx = 0` there.
+    fn bwd(
+        &self,
+        scores: &Tensor,
+        _pad: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let y = res.to_dtype(DType::F32)?;
+        let g = grad.to_dtype(DType::F32)?;
+        let dot = (&g * &y)?.sum_keepdim(D::Minus1)?;
+        let dx = (y * g.broadcast_sub(&dot)?)?;
+        Ok((Some(dx.to_dtype(scores.dtype())?), None))
+    }
 }
 
 struct SwiGlu;
@@ -267,6 +347,146 @@ impl candle_core::CustomOp1 for SwiGlu {
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         cuda::swiglu(s, l)
+    }
+
+    /// With `x = [gate | up]`: `d gate = g * up * silu'(gate)`, `d up = g * silu(gate)`, where
+    /// `silu'(z) = sigmoid(z) * (1 + z * (1 - sigmoid(z)))`.
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let xf = x.to_dtype(DType::F32)?;
+        let n = xf.dim(D::Minus1)? / 2;
+        let gate = xf.narrow(D::Minus1, 0, n)?;
+        let up = xf.narrow(D::Minus1, n, n)?;
+        let g = grad.to_dtype(DType::F32)?;
+        let sig = candle_nn::ops::sigmoid(&gate.contiguous()?)?;
+        let silu = (&gate * &sig)?;
+        // silu'(z) = sig + silu * (1 - sig)
+        let dsilu = (&sig + (&silu * sig.affine(-1.0, 1.0)?)?)?;
+        let d_gate = ((&g * up)? * dsilu)?;
+        let d_up = (g * silu)?;
+        Ok(Some(
+            Tensor::cat(&[d_gate, d_up], D::Minus1)?.to_dtype(x.dtype())?,
+        ))
+    }
+}
+
+/// The gradient for `arg` when it is tracked (a `Var` or computed from one); none otherwise,
+/// as a constant input (a zero bias, a frozen weight) needs none.
+fn wanted(
+    arg: &Tensor,
+    grad: impl FnOnce() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Option<Tensor>> {
+    if arg.track_op() {
+        grad().map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// The gradient of `y = rms_norm(s) * w` (transformers' arithmetic) for rows over the last
+/// dimension: `(ds, dw)` in f32, from `s` and the output gradient `g` in f32. With
+/// `r = rsqrt(mean(s²) + eps)` and `n = s * r`: `dn = g * w`,
+/// `ds = r * (dn - n * mean(dn * n))`, and `dw = sum over rows of g * n`, with `n` rounded to
+/// `dtype` as the forward multiplies it.
+fn rms_norm_bwd(
+    s: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    eps: f32,
+    dtype: DType,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let n = s.dim(D::Minus1)?;
+    let r = (s.sqr()?.mean_keepdim(D::Minus1)? + f64::from(eps))?
+        .sqrt()?
+        .recip()?;
+    let normed = s.broadcast_mul(&r)?;
+    let rounded = normed.to_dtype(dtype)?.to_dtype(DType::F32)?;
+    let dw = (g * &rounded)?.reshape(((), n))?.sum(0)?;
+    let dn = g.broadcast_mul(&w.to_dtype(DType::F32)?)?;
+    let proj = (&dn * &normed)?.mean_keepdim(D::Minus1)?;
+    let ds = (dn - normed.broadcast_mul(&proj)?)?.broadcast_mul(&r)?;
+    Ok((ds, dw))
+}
+
+struct RmsNorm {
+    eps: f32,
+}
+
+fn rms_norm_cpu<T: Float>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
+    let n = w.len();
+    let mut out = vec![T::from_f32(0.0); x.len()];
+    for (xr, yr) in x.chunks(n).zip(out.chunks_mut(n)) {
+        let mut ss = 0f32;
+        for v in xr {
+            ss += v.to_f32() * v.to_f32();
+        }
+        let inv = 1.0 / (ss / n as f32 + eps).sqrt();
+        for ((y, v), wc) in yr.iter_mut().zip(xr).zip(w) {
+            let normed = T::round(v.to_f32() * inv);
+            *y = T::from_f32(normed * wc.to_f32());
+        }
+    }
+    out
+}
+
+fn check_norm_shapes(op: &str, x: &Layout, w: &Layout) -> candle_core::Result<()> {
+    if x.dims().is_empty() || w.dims() != [x.dims()[x.dims().len() - 1]] {
+        candle_core::bail!(
+            "{op}: weight {:?} must be the last dimension of {:?}",
+            w.dims(),
+            x.dims()
+        );
+    }
+    Ok(())
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "fleet-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        check_norm_shapes("rms_norm", l1, l2)?;
+        let out = float_cpu!("rms_norm", (s1, l1) => x, (s2, l2) => w;
+            rms_norm_cpu(x, w, self.eps));
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        check_norm_shapes("rms_norm", l1, l2)?;
+        cuda::rms_norm(self.eps, s1, l1, s2, l2)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw) = rms_norm_bwd(
+            &x.to_dtype(DType::F32)?,
+            w,
+            &grad.to_dtype(DType::F32)?,
+            self.eps,
+            x.dtype(),
+        )?;
+        Ok((
+            wanted(x, || dx.to_dtype(x.dtype()))?,
+            wanted(w, || dw.to_dtype(w.dtype()))?,
+        ))
     }
 }
 
@@ -340,6 +560,55 @@ impl CustomOp3 for AddRmsNorm {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         cuda::add_rms_norm(self.eps, s1, l1, s2, l2, s3, l3)
     }
+
+    /// The output is `[2, ...]` = `(s = x + h, y = rms_norm(s) * w)`: `ds = g_s` plus the
+    /// RMSNorm backward of `g_y`; `dx = dh = ds`; `dw` as in [`rms_norm_bwd`].
+    fn bwd(
+        &self,
+        x: &Tensor,
+        h: &Tensor,
+        w: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let s = res.get(0)?.to_dtype(DType::F32)?;
+        let grad = grad.to_dtype(DType::F32)?;
+        let (g_s, g_y) = (grad.get(0)?, grad.get(1)?);
+        let (ds, dw) = rms_norm_bwd(&s, w, &g_y, self.eps, x.dtype())?;
+        let ds = (ds + g_s)?.to_dtype(x.dtype())?;
+        Ok((
+            wanted(x, || Ok(ds.clone()))?,
+            wanted(h, || Ok(ds.clone()))?,
+            wanted(w, || dw.to_dtype(w.dtype()))?,
+        ))
+    }
+}
+
+/// RoPE's inverse on head-major `g` (`[b, heads, t, d]`, f32): rotation by the negative angle,
+/// which is the transpose of the rotation, so the gradient of RoPE'd values with respect to
+/// the values before it. `cos` and `sin` are f32 `[t, d / 2]` or `[b, t, d / 2]`.
+fn unrotate(g: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::rotary_emb::rope(
+        &g.to_dtype(DType::F32)?.contiguous()?,
+        &cos.to_dtype(DType::F32)?.contiguous()?,
+        &sin.to_dtype(DType::F32)?.neg()?.contiguous()?,
+    )
+}
+
+/// The flat gradient of a q/k/v kernel's output as head-major f32 `(gq, gk, gv)`.
+fn split_grad(
+    grad: &Tensor,
+    (b, t): (usize, usize),
+    (h, kvh): (usize, usize),
+    d: usize,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let grad = grad.to_dtype(DType::F32)?;
+    let (qn, kvn) = (b * h * t * d, b * kvh * t * d);
+    Ok((
+        grad.narrow(0, 0, qn)?.reshape((b, h, t, d))?,
+        grad.narrow(0, qn, kvn)?.reshape((b, kvh, t, d))?,
+        grad.narrow(0, qn + kvn, kvn)?.reshape((b, kvh, t, d))?,
+    ))
 }
 
 struct QkvRope {
@@ -458,6 +727,278 @@ impl CustomOp3 for QkvRope {
         let dims = self.dims(l1, l2, l3)?;
         cuda::qkv_rope(self, dims, s1, l1, s2, l2, s3, l3)
     }
+
+    /// The output gradient split into q, k, v parts; q and k un-rotated (RoPE by the negative
+    /// angle); the three put back token-major as `[b, t, (h + 2 kvh) d]`: the gradient of qkv.
+    /// The bias gradient is its sum over `b` and `t`; the tables get none.
+    fn bwd(
+        &self,
+        qkv: &Tensor,
+        bias: &Tensor,
+        cs: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (b, t, w) = qkv.dims3()?;
+        let half = self.d / 2;
+        let (gq, gk, gv) = split_grad(grad, (b, t), (self.h, self.kvh), self.d)?;
+        let cos = cs.narrow(D::Minus1, 0, half)?;
+        let sin = cs.narrow(D::Minus1, half, half)?;
+        let all = Tensor::cat(
+            &[unrotate(&gq, &cos, &sin)?, unrotate(&gk, &cos, &sin)?, gv],
+            1,
+        )?
+        .transpose(1, 2)?
+        .reshape((b, t, w))?;
+        Ok((
+            wanted(qkv, || all.to_dtype(qkv.dtype()))?,
+            wanted(bias, || all.sum((0, 1))?.to_dtype(bias.dtype()))?,
+            None,
+        ))
+    }
+}
+
+/// Qwen3's q/k/v split with per-head RMSNorm and RoPE; the op's inputs are qkv, the q_norm and
+/// the k_norm weights. The RoPE tables and an untracked bias are held here.
+struct QkNormRope {
+    h: usize,
+    kvh: usize,
+    d: usize,
+    eps: f32,
+    cos: Tensor,
+    sin: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl QkNormRope {
+    /// `(b, t, per_row)` after checking the shapes of qkv, the weights, the tables and the bias.
+    fn dims(
+        &self,
+        l1: &Layout,
+        l2: &Layout,
+        l3: &Layout,
+    ) -> candle_core::Result<(usize, usize, bool)> {
+        let (b, t, w) = l1.shape().dims3()?;
+        let d = self.d;
+        if d == 0 || !d.is_multiple_of(2) || w != (self.h + 2 * self.kvh) * d {
+            candle_core::bail!(
+                "qk_norm_rope: qkv {:?} does not match (h + 2 kvh) * d with h = {}, kvh = {}, \
+                 even d = {d}",
+                l1.dims(),
+                self.h,
+                self.kvh
+            );
+        }
+        if l2.dims() != [d] || l3.dims() != [d] {
+            candle_core::bail!(
+                "qk_norm_rope: q_norm {:?} / k_norm {:?} weights must be [{d}]",
+                l2.dims(),
+                l3.dims()
+            );
+        }
+        if let Some(bias) = &self.bias {
+            if bias.dims() != [w] {
+                candle_core::bail!("qk_norm_rope: bias {:?}, expected [{w}]", bias.dims());
+            }
+        }
+        let per_row = self.cos.rank() == 3;
+        let want: Vec<usize> = if per_row {
+            vec![b, t, d / 2]
+        } else {
+            vec![t, d / 2]
+        };
+        if self.cos.dims() != want.as_slice() || self.sin.dims() != want.as_slice() {
+            candle_core::bail!(
+                "qk_norm_rope: cos {:?} / sin {:?}, expected {want:?}",
+                self.cos.dims(),
+                self.sin.dims()
+            );
+        }
+        Ok((b, t, per_row))
+    }
+
+    /// The CPU twin of the kernel, per (token, head): `s = T(x + bias)`; v heads are `s`; q/k
+    /// heads are `n = T(s * rsqrt(mean(s²) + eps))`, `y = T(n * w)`, then
+    /// `T(T(y0 c) - T(y1 s))`, `T(T(y1 c) + T(y0 s))` on the two halves.
+    #[allow(clippy::too_many_arguments)]
+    fn cpu<T: Float>(
+        &self,
+        x: &[T],
+        bias: Option<&[T]>,
+        cos: &[T],
+        sin: &[T],
+        qw: &[T],
+        kw: &[T],
+        (b, t, per_row): (usize, usize, bool),
+    ) -> Vec<T> {
+        let (h, kvh, d) = (self.h, self.kvh, self.d);
+        let (heads, half) = (h + 2 * kvh, d / 2);
+        let (q_size, kv_size) = (b * h * t * d, b * kvh * t * d);
+        let mut out = vec![T::from_f32(0.0); q_size + 2 * kv_size];
+        let mut s = vec![0f32; d];
+        for bi in 0..b {
+            for ti in 0..t {
+                let tok = bi * t + ti;
+                let cs_row = (if per_row { tok } else { ti }) * half;
+                let (cr, sr) = (&cos[cs_row..cs_row + half], &sin[cs_row..cs_row + half]);
+                for hh in 0..heads {
+                    let src = &x[(tok * heads + hh) * d..(tok * heads + hh + 1) * d];
+                    for (i, si) in s.iter_mut().enumerate() {
+                        *si = match bias {
+                            Some(bias) => T::round(src[i].to_f32() + bias[hh * d + i].to_f32()),
+                            None => src[i].to_f32(),
+                        };
+                    }
+                    let base = if hh < h {
+                        ((bi * h + hh) * t + ti) * d
+                    } else if hh < h + kvh {
+                        q_size + ((bi * kvh + hh - h) * t + ti) * d
+                    } else {
+                        q_size + kv_size + ((bi * kvh + hh - h - kvh) * t + ti) * d
+                    };
+                    let dst = &mut out[base..base + d];
+                    if hh >= h + kvh {
+                        for (y, si) in dst.iter_mut().zip(&s) {
+                            *y = T::from_f32(*si);
+                        }
+                        continue;
+                    }
+                    let mut ss = 0f32;
+                    for si in &s {
+                        ss += si * si;
+                    }
+                    let inv = 1.0 / (ss / d as f32 + self.eps).sqrt();
+                    let w = if hh < h { qw } else { kw };
+                    let y = |i: usize| T::round(T::round(s[i] * inv) * w[i].to_f32());
+                    for i in 0..half {
+                        let (c, sn) = (cr[i].to_f32(), sr[i].to_f32());
+                        let (y0, y1) = (y(i), y(i + half));
+                        dst[i] = T::from_f32(T::round(y0 * c) - T::round(y1 * sn));
+                        dst[i + half] = T::from_f32(T::round(y1 * c) + T::round(y0 * sn));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn cpu_run<T: Float>(
+        &self,
+        (s1, l1): (&CpuStorage, &Layout),
+        (s2, l2): (&CpuStorage, &Layout),
+        (s3, l3): (&CpuStorage, &Layout),
+        dims: (usize, usize, bool),
+    ) -> candle_core::Result<CpuStorage> {
+        let slice = |s: &CpuStorage, l: &Layout| -> candle_core::Result<Vec<T>> {
+            Ok(contiguous(T::cpu_storage_as_slice(s)?, l)?.to_vec())
+        };
+        let table = |t: &Tensor| -> candle_core::Result<Vec<T>> {
+            let (st, l) = t.storage_and_layout();
+            match &*st {
+                candle_core::Storage::Cpu(s) => slice(s, l),
+                _ => candle_core::bail!("qk_norm_rope: the tables and bias must be on the CPU too"),
+            }
+        };
+        let bias = self.bias.as_ref().map(table).transpose()?;
+        let out = self.cpu(
+            contiguous(T::cpu_storage_as_slice(s1)?, l1)?,
+            bias.as_deref(),
+            &table(&self.cos)?,
+            &table(&self.sin)?,
+            contiguous(T::cpu_storage_as_slice(s2)?, l2)?,
+            contiguous(T::cpu_storage_as_slice(s3)?, l3)?,
+            dims,
+        );
+        Ok(T::to_cpu_storage_owned(out))
+    }
+}
+
+impl CustomOp3 for QkNormRope {
+    fn name(&self) -> &'static str {
+        "fleet-qk-norm-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = self.dims(l1, l2, l3)?;
+        let dtype = s1.dtype();
+        let tables = [Some(&self.cos), Some(&self.sin), self.bias.as_ref()];
+        if s2.dtype() != dtype
+            || s3.dtype() != dtype
+            || tables.iter().flatten().any(|t| t.dtype() != dtype)
+        {
+            candle_core::bail!("qk_norm_rope: inputs must share one of f32, f16, bf16");
+        }
+        let args = ((s1, l1), (s2, l2), (s3, l3));
+        let out = match dtype {
+            DType::F32 => self.cpu_run::<f32>(args.0, args.1, args.2, dims)?,
+            DType::BF16 => self.cpu_run::<bf16>(args.0, args.1, args.2, dims)?,
+            DType::F16 => self.cpu_run::<f16>(args.0, args.1, args.2, dims)?,
+            other => candle_core::bail!("qk_norm_rope: unsupported dtype {other:?}"),
+        };
+        let n = dims.0 * dims.1 * (self.h + 2 * self.kvh) * self.d;
+        Ok((out, Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.dims(l1, l2, l3)?;
+        cuda::qk_norm_rope(self, dims, s1, l1, s2, l2, s3, l3)
+    }
+
+    /// Un-rotates the q and k gradients (RoPE by the negative angle), pushes them through the
+    /// per-head RMSNorm ([`rms_norm_bwd`], recomputing `s = x + bias` with the forward's
+    /// rounding), and puts q, k and v back token-major: the gradient of qkv; the weight
+    /// gradients sum over every head of their kind.
+    fn bwd(
+        &self,
+        qkv: &Tensor,
+        q_weight: &Tensor,
+        k_weight: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (h, kvh, d) = (self.h, self.kvh, self.d);
+        let (b, t, w) = qkv.dims3()?;
+        let dtype = qkv.dtype();
+        let s = match &self.bias {
+            Some(bias) => qkv
+                .to_dtype(DType::F32)?
+                .broadcast_add(&bias.to_dtype(DType::F32)?)?
+                .to_dtype(dtype)?
+                .to_dtype(DType::F32)?,
+            None => qkv.to_dtype(DType::F32)?,
+        }
+        .reshape((b, t, h + 2 * kvh, d))?;
+        let (gq, gk, gv) = split_grad(grad, (b, t), (h, kvh), d)?;
+        let norm_bwd = |g: &Tensor, start: usize, n: usize, weight: &Tensor| {
+            let g = unrotate(g, &self.cos, &self.sin)?.transpose(1, 2)?;
+            rms_norm_bwd(&s.narrow(2, start, n)?, weight, &g, self.eps, dtype)
+        };
+        let (dq, dqw) = norm_bwd(&gq, 0, h, q_weight)?;
+        let (dk, dkw) = norm_bwd(&gk, h, kvh, k_weight)?;
+        let dx = Tensor::cat(&[dq, dk, gv.transpose(1, 2)?], 2)?.reshape((b, t, w))?;
+        Ok((
+            wanted(qkv, || dx.to_dtype(dtype))?,
+            wanted(q_weight, || dqw.to_dtype(q_weight.dtype()))?,
+            wanted(k_weight, || dkw.to_dtype(k_weight.dtype()))?,
+        ))
+    }
 }
 
 /// The element type's kernel-name suffix.
@@ -478,10 +1019,10 @@ mod cuda {
         CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, Layout, Shape};
+    use candle_core::{CudaStorage, DType, Layout, Shape};
     use half::{bf16, f16};
 
-    use super::{suffix, MaskedSoftmax};
+    use super::{suffix, MaskedSoftmax, QkNormRope};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
     const MODULE: &str = "fleet_ops";
@@ -748,6 +1289,169 @@ mod cuda {
             other => candle_core::bail!("swiglu: unsupported dtype {other:?}"),
         };
         Ok((out, Shape::from(out_dims)))
+    }
+
+    pub(super) fn rms_norm(
+        eps: f32,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            eps: f32,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
+            let n = l2.dims()[0];
+            let el = l1.shape().elem_count();
+            let n_rows = el / n;
+            let func = dev.get_or_load_custom_func(
+                &format!("rms_norm_{}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every row is written by its block.
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(el)? };
+            let cfg = LaunchConfig {
+                grid_dim: (n_rows as u32, 1, 1),
+                block_dim: (1024.min(n.next_multiple_of(32)) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&w);
+            b.arg(&out);
+            let (rows, cols) = (n_rows as i32, n as i32);
+            b.arg(&rows);
+            b.arg(&cols);
+            b.arg(&eps);
+            // SAFETY: one block per row of n elements.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        let out = match (s1.dtype(), s2.dtype()) {
+            (DType::F32, DType::F32) => run::<f32>(eps, s1, l1, s2, l2)?,
+            (DType::F16, DType::F16) => run::<f16>(eps, s1, l1, s2, l2)?,
+            (DType::BF16, DType::BF16) => run::<bf16>(eps, s1, l1, s2, l2)?,
+            other => candle_core::bail!("rms_norm: unsupported dtypes {other:?}"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    /// The CUDA storage and layout of a tensor the op holds (tables, bias), on `dev`.
+    fn held<'a>(
+        what: &str,
+        guard: &'a candle_core::Storage,
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<&'a CudaStorage> {
+        use candle_core::backend::BackendDevice;
+        match guard {
+            candle_core::Storage::Cuda(s) if s.device().same_device(dev) => Ok(s),
+            _ => candle_core::bail!("qk_norm_rope: {what} must be on the device of qkv"),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn qk_norm_rope(
+        op: &QkNormRope,
+        dims: (usize, usize, bool),
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &QkNormRope,
+            (b, t, per_row): (usize, usize, bool),
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let (x, qw, kw) = (
+                input::<T>(s1, l1)?,
+                input::<T>(s2, l2)?,
+                input::<T>(s3, l3)?,
+            );
+            let (cos_g, cos_l) = op.cos.storage_and_layout();
+            let (sin_g, sin_l) = op.sin.storage_and_layout();
+            let cos = input::<T>(held("cos", &cos_g, &dev)?, cos_l)?;
+            let sin = input::<T>(held("sin", &sin_g, &dev)?, sin_l)?;
+            let bias_g = op.bias.as_ref().map(|b| b.storage_and_layout());
+            let bias = match &bias_g {
+                Some((g, l)) => Some(input::<T>(held("bias", g, &dev)?, l)?),
+                None => None,
+            };
+            let heads = op.h + 2 * op.kvh;
+            let n = b * t * heads * op.d;
+            let func = dev.get_or_load_custom_func(
+                &format!("qk_norm_rope_{}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every (token, head) block writes its d outputs.
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+            let cfg = LaunchConfig {
+                grid_dim: ((b * t * heads) as u32, 1, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut bld = func.builder();
+            bld.arg(&x);
+            // Without a bias the kernel reads none; any device pointer fills the slot.
+            match &bias {
+                Some(bias) => bld.arg(bias),
+                None => bld.arg(&qw),
+            };
+            bld.arg(&cos);
+            bld.arg(&sin);
+            bld.arg(&qw);
+            bld.arg(&kw);
+            bld.arg(&out);
+            let args = [
+                b as i32,
+                t as i32,
+                op.h as i32,
+                op.kvh as i32,
+                op.d as i32,
+                i32::from(per_row),
+                i32::from(bias.is_some()),
+            ];
+            for a in &args {
+                bld.arg(a);
+            }
+            bld.arg(&op.eps);
+            // SAFETY: grid covers b * t * heads blocks of one warp each.
+            unsafe { bld.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        let dtype = s1.dtype();
+        let tables = [Some(&op.cos), Some(&op.sin), op.bias.as_ref()];
+        if s2.dtype() != dtype
+            || s3.dtype() != dtype
+            || tables.iter().flatten().any(|t| t.dtype() != dtype)
+        {
+            candle_core::bail!("qk_norm_rope: inputs must share one of f32, f16, bf16");
+        }
+        let n = dims.0 * dims.1 * (op.h + 2 * op.kvh) * op.d;
+        let out = match dtype {
+            DType::F32 => run::<f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            DType::F16 => run::<f16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            DType::BF16 => run::<bf16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            other => candle_core::bail!("qk_norm_rope: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from(n)))
     }
 }
 

@@ -31,11 +31,7 @@ struct RmsNorm {
 
 impl RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::rms_norm(
-            &x.contiguous()?,
-            &self.weight,
-            self.eps,
-        )?)
+        ops::rms_norm(x, &self.weight, self.eps)
     }
 
     /// `(x + h, norm(x + h))` in one kernel.
@@ -234,21 +230,19 @@ impl Attention {
         let dev = x.device();
         let qkv = profile::time(dev, "attn.qkv_proj", || Ok(self.qkv.forward(x)?))?;
         let (q, k, v) = profile::time(dev, "attn.rope", || match (&self.q_norm, &self.k_norm) {
-            // Qwen3 normalises each head before RoPE: a head-major copy, the norms, then RoPE.
-            (Some(qn), Some(kn)) => {
-                let heads = qkv
-                    .broadcast_add(&self.qkv_bias)?
-                    .reshape((b, q_len, h + 2 * kvh, d))?
-                    .transpose(1, 2)?
-                    .contiguous()?;
-                let part = |start: usize, n: usize| -> Result<Tensor> {
-                    Ok(heads.narrow(1, start, n)?.contiguous()?)
-                };
-                let (cos, sin) = (&rope.cos, &rope.sin);
-                let q = candle_nn::rotary_emb::rope(&qn.forward(&part(0, h)?)?, cos, sin)?;
-                let k = candle_nn::rotary_emb::rope(&kn.forward(&part(h, kvh)?)?, cos, sin)?;
-                Ok((q, k, part(h + kvh, kvh)?))
-            }
+            // Qwen3 normalises each head before RoPE: bias, split, transpose, norms and rotate
+            // in one kernel.
+            (Some(qn), Some(kn)) => ops::qk_norm_rope(
+                &qkv,
+                &self.qkv_bias,
+                &rope.cos,
+                &rope.sin,
+                &qn.weight,
+                &kn.weight,
+                qn.eps,
+                (h, kvh),
+                d,
+            ),
             // Qwen2: bias, split, transpose and rotate in one kernel.
             _ => ops::qkv_rope(&qkv, &self.qkv_bias, &rope.cs, (h, kvh), d),
         })?;

@@ -1,0 +1,863 @@
+//! The fused ops of `fleet_models::ops`: their backward against central finite differences and
+//! against candle's autograd of the same math composed from plain tensor ops (f32, CPU), and
+//! their forward in bf16/f16 against the composed math rounded the way transformers rounds.
+//!
+//! Shapes are tiny and cover what the decoder uses: left padding (masked_softmax), per-row and
+//! shared RoPE tables, a projection bias, grouped-query attention (h != kvh).
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use fleet_models::ops;
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic random tensors.
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn normal(&mut self) -> f32 {
+        let (u1, u2) = (self.uniform().max(1e-300), self.uniform());
+        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+
+    fn tensor(&mut self, shape: &[usize], mean: f32, std: f32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| mean + std * self.normal()).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gradient checks.
+
+/// A function of some input tensors returning output tensors.
+type Forward<'a> = &'a dyn Fn(&[Tensor]) -> Vec<Tensor>;
+
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    max_abs(&(a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap())
+}
+
+/// Random cotangents: the loss is `sum_i <out_i, r_i>`, so its gradient with respect to the
+/// outputs is `r` (every output element gets its own weight).
+fn cotangents(outs: &[Tensor], rng: &mut Rng) -> Vec<Tensor> {
+    outs.iter()
+        .map(|o| rng.tensor(o.dims(), 0.0, 1.0))
+        .collect()
+}
+
+/// The loss in f64 (the finite differences need more than f32's 7 digits for the sum).
+fn loss64(f: Forward, inputs: &[Tensor], rs: &[Tensor]) -> f64 {
+    f(inputs)
+        .iter()
+        .zip(rs)
+        .map(|(o, r)| {
+            (o.to_dtype(DType::F64).unwrap() * r.to_dtype(DType::F64).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+        })
+        .sum()
+}
+
+/// The gradients of the loss with respect to `inputs[i]` for `i` in `diff`, by candle's
+/// backward (the inputs become `Var`s).
+fn autograd(f: Forward, inputs: &[Tensor], diff: &[usize], rs: &[Tensor]) -> Vec<Tensor> {
+    let xs: Vec<Tensor> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if diff.contains(&i) {
+                Var::from_tensor(t).unwrap().as_tensor().clone()
+            } else {
+                t.clone()
+            }
+        })
+        .collect();
+    let outs = f(&xs);
+    for o in &outs {
+        assert!(o.track_op(), "an output of a tracked input must be tracked");
+    }
+    let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap();
+    for (o, r) in outs.iter().zip(rs) {
+        let term = (o.to_dtype(DType::F32).unwrap() * r)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        loss = (loss + term).unwrap();
+    }
+    let grads = loss.backward().unwrap();
+    diff.iter()
+        .map(|&i| {
+            grads
+                .get(&xs[i])
+                .unwrap_or_else(|| panic!("no gradient for input {i}"))
+                .clone()
+        })
+        .collect()
+}
+
+/// `inputs` with `inputs[i]` replaced by `x`.
+fn with(inputs: &[Tensor], i: usize, x: Tensor) -> Vec<Tensor> {
+    let mut v = inputs.to_vec();
+    v[i] = x;
+    v
+}
+
+const FD_EPS: f32 = 1e-3;
+const FD_REL: f32 = 1e-2;
+
+/// Central differences for every element of `inputs[i]`, against `grad`: the largest error must
+/// be within `FD_REL` of the gradient's largest element.
+fn check_fd_elementwise(
+    name: &str,
+    f: Forward,
+    inputs: &[Tensor],
+    i: usize,
+    rs: &[Tensor],
+    grad: &Tensor,
+) {
+    let x: Vec<f32> = inputs[i].flatten_all().unwrap().to_vec1().unwrap();
+    let an: Vec<f32> = grad.flatten_all().unwrap().to_vec1().unwrap();
+    let shape = inputs[i].dims().to_vec();
+    let scale = an.iter().fold(0f32, |m, g| m.max(g.abs()));
+    assert!(scale > 1e-3, "{name}: input {i}: gradient is (nearly) zero");
+    let mut worst = 0f32;
+    for j in 0..x.len() {
+        let (mut p, mut m) = (x.clone(), x.clone());
+        p[j] += FD_EPS;
+        m[j] -= FD_EPS;
+        let step = f64::from(p[j]) - f64::from(m[j]);
+        let lp = loss64(
+            f,
+            &with(
+                inputs,
+                i,
+                Tensor::from_vec(p, &*shape, &Device::Cpu).unwrap(),
+            ),
+            rs,
+        );
+        let lm = loss64(
+            f,
+            &with(
+                inputs,
+                i,
+                Tensor::from_vec(m, &*shape, &Device::Cpu).unwrap(),
+            ),
+            rs,
+        );
+        let fd = ((lp - lm) / step) as f32;
+        let err = (fd - an[j]).abs();
+        worst = worst.max(err);
+        assert!(
+            err <= FD_REL * scale,
+            "{name}: input {i} element {j}: finite difference {fd} vs backward {} (scale {scale})",
+            an[j]
+        );
+    }
+    eprintln!(
+        "{name}: input {i}: {} elements, worst |fd - bwd| = {worst:.2e} (scale {scale:.2e})",
+        x.len()
+    );
+}
+
+/// Central differences along random directions `v`: `(L(x + eps v) - L(x - eps v)) / 2 eps`
+/// against `<grad, v>`, within `FD_REL` relative.
+fn check_fd_directions(
+    name: &str,
+    f: Forward,
+    inputs: &[Tensor],
+    i: usize,
+    rs: &[Tensor],
+    grad: &Tensor,
+    rng: &mut Rng,
+) {
+    for k in 0..4 {
+        let v = rng.tensor(inputs[i].dims(), 0.0, 1.0);
+        let dx = (&v * f64::from(FD_EPS)).unwrap();
+        let lp = loss64(f, &with(inputs, i, (&inputs[i] + &dx).unwrap()), rs);
+        let lm = loss64(f, &with(inputs, i, (&inputs[i] - &dx).unwrap()), rs);
+        let fd = ((lp - lm) / (2.0 * f64::from(FD_EPS))) as f32;
+        let an = (grad * &v)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(
+            (fd - an).abs() <= FD_REL * an.abs().max(1e-2),
+            "{name}: input {i} direction {k}: finite difference {fd} vs backward {an}"
+        );
+    }
+}
+
+/// The whole check for one op: the fused op's gradients (candle backward through the custom
+/// op's `bwd`) against central differences (every element when `elementwise`, random
+/// directions otherwise) and against candle's autograd of `reference` (within `tight` of the
+/// gradient's scale). Every output and every gradient is checked.
+fn check_op(
+    name: &str,
+    fused: Forward,
+    reference: Forward,
+    inputs: &[Tensor],
+    diff: &[usize],
+    rng: &mut Rng,
+) {
+    let outs = fused(inputs);
+    let refs = reference(inputs);
+    assert_eq!(outs.len(), refs.len());
+    for (k, (o, r)) in outs.iter().zip(&refs).enumerate() {
+        assert!(
+            !o.track_op(),
+            "{name}: output {k} of untracked inputs is tracked"
+        );
+        let d = max_diff(o, r);
+        assert!(
+            d <= 1e-5 * max_abs(r).max(1.0),
+            "{name}: forward output {k}: {d}"
+        );
+    }
+    let rs = cotangents(&outs, rng);
+    let grads = autograd(fused, inputs, diff, &rs);
+    let want = autograd(reference, inputs, diff, &rs);
+    for ((&i, g), w) in diff.iter().zip(&grads).zip(&want) {
+        assert_eq!(
+            g.dims(),
+            inputs[i].dims(),
+            "{name}: gradient shape of input {i}"
+        );
+        let d = max_diff(g, w);
+        let scale = max_abs(w);
+        assert!(
+            d <= 1e-5 * scale.max(1.0),
+            "{name}: input {i}: backward vs autograd of the composed math: {d} (scale {scale})"
+        );
+        eprintln!("{name}: input {i}: |bwd - autograd(reference)| = {d:.2e} (scale {scale:.2e})");
+        if inputs[i].elem_count() <= 512 {
+            check_fd_elementwise(name, fused, inputs, i, &rs, g);
+        }
+        check_fd_directions(name, fused, inputs, i, &rs, g, rng);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The composed references: plain candle ops (all differentiable), rounding as transformers
+// does when the inputs are bf16/f16 (f32 statistics, model-dtype products).
+
+fn rms_norm_ref(x: &Tensor, w: &Tensor, eps: f32) -> Tensor {
+    let xf = x.to_dtype(DType::F32).unwrap();
+    let r = (xf.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + f64::from(eps))
+        .unwrap()
+        .sqrt()
+        .unwrap()
+        .recip()
+        .unwrap();
+    let normed = xf.broadcast_mul(&r).unwrap().to_dtype(x.dtype()).unwrap();
+    normed.broadcast_mul(w).unwrap()
+}
+
+fn softmax_ref(x: &Tensor) -> Tensor {
+    let m = x.max_keepdim(D::Minus1).unwrap();
+    let e = x.broadcast_sub(&m).unwrap().exp().unwrap();
+    e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap()
+}
+
+/// The additive mask of `masked_softmax`'s contract, for scores of `shape`.
+fn mask(
+    shape: &[usize],
+    pads: &[u32],
+    rows_per_batch: usize,
+    q_len: usize,
+    offset: usize,
+) -> Tensor {
+    let kv_len = shape[shape.len() - 1];
+    let rows: usize = shape.iter().product::<usize>() / kv_len;
+    let mut m = Vec::with_capacity(rows * kv_len);
+    for r in 0..rows {
+        let qi = offset + r % q_len;
+        let p = pads[r / rows_per_batch] as usize;
+        for j in 0..kv_len {
+            let visible = j <= qi && (j >= p || j == qi);
+            m.push(if visible { 0f32 } else { -1e30 });
+        }
+    }
+    Tensor::from_vec(m, shape, &Device::Cpu).unwrap()
+}
+
+fn silu_ref(x: &Tensor) -> Tensor {
+    let sig = (x.neg().unwrap().exp().unwrap() + 1.0)
+        .unwrap()
+        .recip()
+        .unwrap();
+    (x * sig).unwrap()
+}
+
+/// `x * cos + rotate_half(x) * sin` on head-major `x` `[b, n, t, d]` (transformers'
+/// apply_rotary_pos_emb), with `cos`/`sin` `[t, d/2]` or `[b, t, d/2]`.
+fn rope_ref(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let (b, _, t, d) = x.dims4().unwrap();
+    let full = |c: &Tensor| {
+        let c = Tensor::cat(&[c, c], D::Minus1).unwrap();
+        if c.rank() == 2 {
+            c.reshape((1, 1, t, d)).unwrap()
+        } else {
+            c.reshape((b, 1, t, d)).unwrap()
+        }
+    };
+    let half = d / 2;
+    let x1 = x.narrow(3, 0, half).unwrap();
+    let x2 = x.narrow(3, half, half).unwrap();
+    let rot = Tensor::cat(&[&x2.neg().unwrap(), &x1], 3).unwrap();
+    (x.broadcast_mul(&full(cos)).unwrap() + rot.broadcast_mul(&full(sin)).unwrap()).unwrap()
+}
+
+/// `qkv + bias` as head-major `[b, h + 2 kvh, t, d]`.
+fn heads_ref(qkv: &Tensor, bias: &Tensor, heads: usize, d: usize) -> Tensor {
+    let (b, t, _) = qkv.dims3().unwrap();
+    qkv.broadcast_add(bias)
+        .unwrap()
+        .reshape((b, t, heads, d))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+}
+
+/// RoPE tables for `positions` (`[rows][t]`): `(cos, sin)` `[rows, t, d/2]` in f32, as
+/// transformers computes them (theta 10000).
+fn tables(positions: &[Vec<usize>], d: usize) -> (Tensor, Tensor) {
+    let (rows, t) = (positions.len(), positions[0].len());
+    let inv: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / 10000f64.powf((2 * i) as f64 / d as f64) as f32)
+        .collect();
+    let (mut c, mut s) = (Vec::new(), Vec::new());
+    for row in positions {
+        for &p in row {
+            for &f in &inv {
+                c.push((p as f32 * f).cos());
+                s.push((p as f32 * f).sin());
+            }
+        }
+    }
+    let shape = (rows, t, d / 2);
+    (
+        Tensor::from_vec(c, shape, &Device::Cpu).unwrap(),
+        Tensor::from_vec(s, shape, &Device::Cpu).unwrap(),
+    )
+}
+
+/// Per-row tables for a left-padded batch (`pads` padding tokens, positions counting from the
+/// first real token) and the shared table of an unpadded one.
+fn per_row_and_shared(pads: &[usize], t: usize, d: usize) -> ((Tensor, Tensor), (Tensor, Tensor)) {
+    let rows: Vec<Vec<usize>> = pads
+        .iter()
+        .map(|&p| (0..t).map(|i| i.saturating_sub(p) + 3).collect())
+        .collect();
+    let per_row = tables(&rows, d);
+    let (c, s) = tables(&[(0..t).map(|i| i + 5).collect()], d);
+    (per_row, (c.get(0).unwrap(), s.get(0).unwrap()))
+}
+
+const EPS: f32 = 1e-6;
+
+// ---------------------------------------------------------------------------------------------
+// Backward of each op, f32 on the CPU.
+
+#[test]
+fn masked_softmax_backward() {
+    let mut rng = Rng(1);
+    // Two batch rows of 2 heads x 3 queries over 5 keys (2 cached); row 1 has 3 padding
+    // keys, so its first query (position 2) sees only itself.
+    let (b, heads, q_len, offset) = (2, 2, 3, 2);
+    let kv_len = offset + q_len;
+    let pads = [0u32, 3];
+    let shape = [b, heads, q_len, kv_len];
+    let pad = Tensor::new(&pads, &Device::Cpu).unwrap();
+    let m = mask(&shape, &pads, heads * q_len, q_len, offset);
+    let fused = |x: &[Tensor]| {
+        vec![ops::masked_softmax(&x[0], &pad, heads * q_len, q_len, offset).unwrap()]
+    };
+    let reference = |x: &[Tensor]| vec![softmax_ref(&x[0].broadcast_add(&m).unwrap())];
+    let scores = rng.tensor(&shape, 0.0, 2.0);
+    check_op(
+        "masked_softmax",
+        &fused,
+        &reference,
+        std::slice::from_ref(&scores),
+        &[0],
+        &mut rng,
+    );
+
+    // Masked keys get no gradient.
+    let rs = cotangents(&fused(std::slice::from_ref(&scores)), &mut rng);
+    let g = &autograd(&fused, &[scores], &[0], &rs)[0];
+    let masked = m.lt(-1.0).unwrap().to_dtype(DType::F32).unwrap();
+    assert_eq!(max_abs(&(g * masked).unwrap()), 0.0);
+}
+
+#[test]
+fn swiglu_backward() {
+    let mut rng = Rng(2);
+    let x = rng.tensor(&[2, 3, 10], 0.0, 1.5);
+    let fused = |x: &[Tensor]| vec![ops::swiglu(&x[0]).unwrap()];
+    let reference = |x: &[Tensor]| {
+        let gate = x[0].narrow(2, 0, 5).unwrap();
+        let up = x[0].narrow(2, 5, 5).unwrap();
+        vec![(silu_ref(&gate) * up).unwrap()]
+    };
+    check_op("swiglu", &fused, &reference, &[x], &[0], &mut rng);
+}
+
+#[test]
+fn rms_norm_backward() {
+    let mut rng = Rng(3);
+    let x = rng.tensor(&[2, 3, 8], 0.5, 1.0);
+    let w = rng.tensor(&[8], 1.0, 0.3);
+    let fused = |x: &[Tensor]| vec![ops::rms_norm(&x[0], &x[1], EPS).unwrap()];
+    let reference = |x: &[Tensor]| vec![rms_norm_ref(&x[0], &x[1], EPS)];
+    check_op("rms_norm", &fused, &reference, &[x, w], &[0, 1], &mut rng);
+}
+
+#[test]
+fn add_rms_norm_backward() {
+    let mut rng = Rng(4);
+    let x = rng.tensor(&[2, 3, 8], 0.0, 1.0);
+    let h = rng.tensor(&[2, 3, 8], 0.3, 1.0);
+    let w = rng.tensor(&[8], 1.0, 0.3);
+    // Both outputs carry gradient: the residual stream and the normalised input of the block.
+    let fused = |x: &[Tensor]| {
+        let (s, y) = ops::add_rms_norm(&x[0], &x[1], &x[2], EPS).unwrap();
+        vec![s, y]
+    };
+    let reference = |x: &[Tensor]| {
+        let s = (&x[0] + &x[1]).unwrap();
+        let y = rms_norm_ref(&s, &x[2], EPS);
+        vec![s, y]
+    };
+    check_op(
+        "add_rms_norm",
+        &fused,
+        &reference,
+        &[x, h, w],
+        &[0, 1, 2],
+        &mut rng,
+    );
+
+    // Only the normalised output used (the other half of the stacked output gets no gradient).
+    let only_y = |x: &[Tensor]| vec![ops::add_rms_norm(&x[0], &x[1], &x[2], EPS).unwrap().1];
+    let only_y_ref = |x: &[Tensor]| vec![rms_norm_ref(&(&x[0] + &x[1]).unwrap(), &x[2], EPS)];
+    let inputs = [
+        rng.tensor(&[3, 8], 0.0, 1.0),
+        rng.tensor(&[3, 8], 0.0, 1.0),
+        rng.tensor(&[8], 1.0, 0.3),
+    ];
+    check_op(
+        "add_rms_norm (y only)",
+        &only_y,
+        &only_y_ref,
+        &inputs,
+        &[0, 1, 2],
+        &mut rng,
+    );
+}
+
+#[test]
+fn qkv_rope_backward() {
+    let mut rng = Rng(5);
+    let (b, t, h, kvh, d) = (2, 3, 4, 2, 8);
+    let w = (h + 2 * kvh) * d;
+    let ((cos_r, sin_r), (cos_s, sin_s)) = per_row_and_shared(&[0, 2], t, d);
+    for (what, cos, sin) in [("per-row", cos_r, sin_r), ("shared", cos_s, sin_s)] {
+        let cs = Tensor::cat(&[&cos, &sin], D::Minus1).unwrap();
+        let fused = |x: &[Tensor]| {
+            let (q, k, v) = ops::qkv_rope(&x[0], &x[1], &x[2], (h, kvh), d).unwrap();
+            vec![q, k, v]
+        };
+        let reference = |x: &[Tensor]| {
+            let heads = heads_ref(&x[0], &x[1], h + 2 * kvh, d);
+            let part = |s, n| heads.narrow(1, s, n).unwrap();
+            vec![
+                rope_ref(&part(0, h), &cos, &sin),
+                rope_ref(&part(h, kvh), &cos, &sin),
+                part(h + kvh, kvh),
+            ]
+        };
+        let inputs = [
+            rng.tensor(&[b, t, w], 0.0, 1.0),
+            rng.tensor(&[w], 0.0, 0.5),
+            cs,
+        ];
+        check_op(
+            &format!("qkv_rope ({what} tables)"),
+            &fused,
+            &reference,
+            &inputs,
+            &[0, 1],
+            &mut rng,
+        );
+    }
+}
+
+/// Qwen3's per-head norms + RoPE, composed: `(q, k, v)` head-major.
+#[allow(clippy::too_many_arguments)]
+fn qk_norm_rope_ref(
+    qkv: &Tensor,
+    bias: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    qw: &Tensor,
+    kw: &Tensor,
+    (h, kvh): (usize, usize),
+    d: usize,
+) -> Vec<Tensor> {
+    let heads = heads_ref(qkv, bias, h + 2 * kvh, d);
+    let part = |s, n| heads.narrow(1, s, n).unwrap();
+    vec![
+        rope_ref(&rms_norm_ref(&part(0, h), qw, EPS), cos, sin),
+        rope_ref(&rms_norm_ref(&part(h, kvh), kw, EPS), cos, sin),
+        part(h + kvh, kvh),
+    ]
+}
+
+#[test]
+fn qk_norm_rope_backward() {
+    let mut rng = Rng(6);
+    let (b, t, h, kvh, d) = (2, 3, 4, 2, 8);
+    let w = (h + 2 * kvh) * d;
+    let ((cos_r, sin_r), (cos_s, sin_s)) = per_row_and_shared(&[0, 2], t, d);
+    for (what, cos, sin) in [("per-row", cos_r, sin_r), ("shared", cos_s, sin_s)] {
+        // The bias as a trained parameter (added before the kernel) ...
+        let fused = |x: &[Tensor]| {
+            let (q, k, v) =
+                ops::qk_norm_rope(&x[0], &x[1], &cos, &sin, &x[2], &x[3], EPS, (h, kvh), d)
+                    .unwrap();
+            vec![q, k, v]
+        };
+        let reference =
+            |x: &[Tensor]| qk_norm_rope_ref(&x[0], &x[1], &cos, &sin, &x[2], &x[3], (h, kvh), d);
+        let inputs = [
+            rng.tensor(&[b, t, w], 0.0, 1.0),
+            rng.tensor(&[w], 0.0, 0.5),
+            rng.tensor(&[d], 1.0, 0.3),
+            rng.tensor(&[d], 1.0, 0.3),
+        ];
+        check_op(
+            &format!("qk_norm_rope ({what} tables, trained bias)"),
+            &fused,
+            &reference,
+            &inputs,
+            &[0, 1, 2, 3],
+            &mut rng,
+        );
+        // ... and as a constant (added in the kernel).
+        check_op(
+            &format!("qk_norm_rope ({what} tables, constant bias)"),
+            &fused,
+            &reference,
+            &inputs,
+            &[0, 2, 3],
+            &mut rng,
+        );
+    }
+}
+
+/// Gradients reach a `Var` through the ops only when it is tracked; untracked inputs record
+/// nothing (inference pays nothing for the backward).
+#[test]
+fn results_are_tracked_only_when_an_input_is() {
+    let mut rng = Rng(7);
+    let x = rng.tensor(&[2, 8], 0.0, 1.0);
+    let w = rng.tensor(&[8], 1.0, 0.1);
+    assert!(!ops::rms_norm(&x, &w, EPS).unwrap().track_op());
+    let wv = Var::from_tensor(&w).unwrap();
+    let y = ops::rms_norm(&x, wv.as_tensor(), EPS).unwrap();
+    assert!(y.track_op());
+    let g = y.sum_all().unwrap().backward().unwrap();
+    assert!(g.get(wv.as_tensor()).is_some());
+    assert!(g.get(&x).is_none());
+}
+
+/// A small chain of every op (a Qwen3-like attention input, scores, softmax, norms, SwiGLU):
+/// `x` = qkv, bias, q_norm and k_norm weights.
+fn chain(
+    x: &[Tensor],
+    cos: &Tensor,
+    sin: &Tensor,
+    (h, kvh): (usize, usize),
+    d: usize,
+) -> Vec<Tensor> {
+    let (b, t, _) = x[0].dims3().unwrap();
+    let (q, k, v) =
+        ops::qk_norm_rope(&x[0], &x[1], cos, sin, &x[2], &x[3], EPS, (h, kvh), d).unwrap();
+    let scores = q
+        .reshape((b, kvh, h / kvh * t, d))
+        .unwrap()
+        .matmul(&k.t().unwrap())
+        .unwrap();
+    let pad = Tensor::new(&vec![0u32; b][..], &Device::Cpu).unwrap();
+    let p = ops::masked_softmax(&scores, &pad, h * t, t, 0).unwrap();
+    let (s, y) = ops::add_rms_norm(&v, &v, &x[3], EPS).unwrap();
+    let z = ops::rms_norm(&y, &x[2], EPS).unwrap();
+    vec![q, k, ops::swiglu(&p).unwrap(), s, z]
+}
+
+/// The backward on bf16/f16 inputs returns gradients of the inputs' dtype, close to the f32
+/// gradients at the same (rounded) inputs.
+#[test]
+fn half_precision_backward_returns_input_dtype() {
+    let mut rng = Rng(8);
+    let (b, t, h, kvh, d) = (1, 2, 2, 1, 8);
+    let w = (h + 2 * kvh) * d;
+    let ((cos, sin), _) = per_row_and_shared(&[0], t, d);
+    let inputs = [
+        rng.tensor(&[b, t, w], 0.0, 1.0),
+        rng.tensor(&[w], 0.0, 0.5),
+        rng.tensor(&[d], 1.0, 0.3),
+        rng.tensor(&[d], 1.0, 0.3),
+    ];
+    for dtype in [DType::BF16, DType::F16] {
+        let (c, s) = (cos.to_dtype(dtype).unwrap(), sin.to_dtype(dtype).unwrap());
+        let low: Vec<Tensor> = inputs.iter().map(|x| x.to_dtype(dtype).unwrap()).collect();
+        let fused = |x: &[Tensor]| chain(x, &c, &s, (h, kvh), d);
+        let rs = cotangents(&fused(&low), &mut rng);
+        let grads = autograd(&fused, &low, &[0, 1, 2, 3], &rs);
+        let exact: Vec<Tensor> = low
+            .iter()
+            .map(|x| x.to_dtype(DType::F32).unwrap())
+            .collect();
+        let (c32, s32) = (
+            c.to_dtype(DType::F32).unwrap(),
+            s.to_dtype(DType::F32).unwrap(),
+        );
+        let fused32 = |x: &[Tensor]| chain(x, &c32, &s32, (h, kvh), d);
+        let want = autograd(&fused32, &exact, &[0, 1, 2, 3], &rs);
+        for (i, (g, w)) in grads.iter().zip(&want).enumerate() {
+            assert_eq!(g.dtype(), dtype, "gradient {i}");
+            let (diff, scale) = (max_diff(g, w), max_abs(w));
+            eprintln!("{dtype:?}: gradient {i}: |g - g_f32| = {diff:.2e} (scale {scale:.2e})");
+            assert!(
+                diff <= 0.05 * scale,
+                "{dtype:?}: gradient {i}: {diff} (scale {scale})"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward in bf16/f16 against the composed math rounded as transformers rounds.
+
+/// One unit in the last place of `dtype` relative to the value: 2^-7 (bf16), 2^-10 (f16).
+fn ulp(dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => 1.0 / 128.0,
+        DType::F16 => 1.0 / 1024.0,
+        _ => f32::EPSILON,
+    }
+}
+
+/// The fused output equals the reference but for rare one-ulp flips (a sum of squares added in
+/// another order can move a rounding): at least 97% of the elements are bit-identical, none is
+/// more than two ulps (relative to the output's scale) away.
+fn assert_rounding_matches(name: &str, got: &Tensor, want: &Tensor) {
+    let dtype = want.dtype();
+    assert_eq!(got.dtype(), dtype, "{name}: dtype");
+    let g: Vec<f32> = got
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let w: Vec<f32> = want
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let exact = g.iter().zip(&w).filter(|(a, b)| a == b).count();
+    let worst = g
+        .iter()
+        .zip(&w)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!(
+        "{name} {dtype:?}: {exact}/{} bit-identical, worst {worst:.2e} (scale {scale:.2e})",
+        g.len()
+    );
+    assert!(
+        worst <= 2.0 * ulp(dtype) * scale,
+        "{name} {dtype:?}: worst diff {worst}"
+    );
+    assert!(
+        exact as f32 >= 0.97 * g.len() as f32,
+        "{name} {dtype:?}: {exact}/{} exact",
+        g.len()
+    );
+}
+
+#[test]
+fn half_precision_forward_rounds_as_transformers() {
+    let mut rng = Rng(9);
+    let (b, t, h, kvh, d) = (2, 5, 4, 2, 64);
+    let w = (h + 2 * kvh) * d;
+    let ((cos_r, sin_r), (cos_s, sin_s)) = per_row_and_shared(&[0, 3], t, d);
+    for dtype in [DType::BF16, DType::F16] {
+        let lo = |x: &Tensor| x.to_dtype(dtype).unwrap();
+        let f32_ = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+
+        // masked_softmax: softmax in f32 of the masked scores, rounded once.
+        let (heads, q_len, offset) = (2, 4, 3);
+        let shape = [b, heads, q_len, offset + q_len];
+        let pads = [0u32, 5];
+        let scores = lo(&rng.tensor(&shape, 0.0, 3.0));
+        let pad = Tensor::new(&pads, &Device::Cpu).unwrap();
+        let got = ops::masked_softmax(&scores, &pad, heads * q_len, q_len, offset).unwrap();
+        let m = mask(&shape, &pads, heads * q_len, q_len, offset);
+        let want = lo(&softmax_ref(&f32_(&scores).broadcast_add(&m).unwrap()));
+        assert_rounding_matches("masked_softmax", &got, &want);
+
+        // swiglu: act_fn(gate) rounded, times up in the model dtype.
+        let x = lo(&rng.tensor(&[3, 7, 2 * 96], 0.0, 2.0));
+        let gate = x.narrow(2, 0, 96).unwrap();
+        let up = x.narrow(2, 96, 96).unwrap();
+        let want = (lo(&silu_ref(&f32_(&gate))) * up).unwrap();
+        assert_rounding_matches("swiglu", &ops::swiglu(&x).unwrap(), &want);
+
+        // rms_norm and add_rms_norm.
+        let x = lo(&rng.tensor(&[3, 4, 256], 0.2, 3.0));
+        let r = lo(&rng.tensor(&[3, 4, 256], 0.0, 1.0));
+        let nw = lo(&rng.tensor(&[256], 1.0, 0.5));
+        assert_rounding_matches(
+            "rms_norm",
+            &ops::rms_norm(&x, &nw, EPS).unwrap(),
+            &rms_norm_ref(&x, &nw, EPS),
+        );
+        let (s, y) = ops::add_rms_norm(&x, &r, &nw, EPS).unwrap();
+        let want_s = (&x + &r).unwrap();
+        assert_rounding_matches("add_rms_norm (sum)", &s, &want_s);
+        assert_rounding_matches("add_rms_norm (norm)", &y, &rms_norm_ref(&want_s, &nw, EPS));
+
+        for (what, cos, sin) in [("per-row", &cos_r, &sin_r), ("shared", &cos_s, &sin_s)] {
+            let qkv = lo(&rng.tensor(&[b, t, w], 0.0, 2.0));
+            let bias = lo(&rng.tensor(&[w], 0.0, 0.5));
+            let (c, s) = (lo(cos), lo(sin));
+
+            // qkv_rope (Qwen2): its contract is the math in f32 from the dtype's inputs (bias
+            // add and rotation unrounded), one rounding at the end.
+            let cs = Tensor::cat(&[&c, &s], D::Minus1).unwrap();
+            let (q, k, v) = ops::qkv_rope(&qkv, &bias, &cs, (h, kvh), d).unwrap();
+            let heads = heads_ref(&f32_(&qkv), &f32_(&bias), h + 2 * kvh, d);
+            let part = |st, n| heads.narrow(1, st, n).unwrap();
+            let (c32, s32) = (f32_(&c), f32_(&s));
+            let name = format!("qkv_rope ({what})");
+            assert_rounding_matches(&name, &q, &lo(&rope_ref(&part(0, h), &c32, &s32)));
+            assert_rounding_matches(&name, &k, &lo(&rope_ref(&part(h, kvh), &c32, &s32)));
+            assert_rounding_matches(&name, &v, &lo(&part(h + kvh, kvh)));
+
+            // qk_norm_rope (Qwen3): bias add in the dtype, per-head norm as Qwen3RMSNorm,
+            // RoPE products and sum in the dtype with the tables cast to it.
+            let qw = lo(&rng.tensor(&[d], 1.0, 0.3));
+            let kw = lo(&rng.tensor(&[d], 1.0, 0.3));
+            let (q, k, v) =
+                ops::qk_norm_rope(&qkv, &bias, &c, &s, &qw, &kw, EPS, (h, kvh), d).unwrap();
+            let want = qk_norm_rope_ref(&qkv, &bias, &c, &s, &qw, &kw, (h, kvh), d);
+            let name = format!("qk_norm_rope ({what})");
+            assert_rounding_matches(&name, &q, &want[0]);
+            assert_rounding_matches(&name, &k, &want[1]);
+            assert_rounding_matches(&name, &v, &want[2]);
+            // The bias added before the kernel (a trained bias) rounds the same way.
+            let bv = Var::from_tensor(&bias).unwrap();
+            let (q2, k2, v2) =
+                ops::qk_norm_rope(&qkv, bv.as_tensor(), &c, &s, &qw, &kw, EPS, (h, kvh), d)
+                    .unwrap();
+            for (a, b) in [(&q, &q2), (&k, &k2), (&v, &v2)] {
+                assert_eq!(max_diff(a, b), 0.0, "{name}: tracked bias path");
+            }
+        }
+    }
+}
+
+/// Qwen3 through the fused op equals the path it replaces (head-major copy, candle's
+/// rms_norm on each q and k head, candle's rope) in f32.
+#[test]
+fn qk_norm_rope_equals_the_composed_qwen3_path() {
+    let mut rng = Rng(10);
+    let (b, t, h, kvh, d) = (2, 4, 8, 2, 16);
+    let w = (h + 2 * kvh) * d;
+    let ((cos_r, sin_r), (cos_s, sin_s)) = per_row_and_shared(&[1, 0], t, d);
+    for (cos, sin) in [(cos_r, sin_r), (cos_s, sin_s)] {
+        let qkv = rng.tensor(&[b, t, w], 0.0, 2.0);
+        let bias = rng.tensor(&[w], 0.0, 0.5);
+        let qw = rng.tensor(&[d], 0.3, 0.1);
+        let kw = rng.tensor(&[d], 1.0, 0.3);
+        let heads = heads_ref(&qkv, &bias, h + 2 * kvh, d).contiguous().unwrap();
+        let part = |s, n| heads.narrow(1, s, n).unwrap().contiguous().unwrap();
+        let norm = |x: &Tensor, w: &Tensor| candle_nn::ops::rms_norm(x, w, EPS).unwrap();
+        let want_q = candle_nn::rotary_emb::rope(&norm(&part(0, h), &qw), &cos, &sin).unwrap();
+        let want_k = candle_nn::rotary_emb::rope(&norm(&part(h, kvh), &kw), &cos, &sin).unwrap();
+        let (q, k, v) =
+            ops::qk_norm_rope(&qkv, &bias, &cos, &sin, &qw, &kw, EPS, (h, kvh), d).unwrap();
+        assert!(max_diff(&q, &want_q) < 1e-5, "q {}", max_diff(&q, &want_q));
+        assert!(max_diff(&k, &want_k) < 1e-5, "k {}", max_diff(&k, &want_k));
+        assert_eq!(max_diff(&v, &part(h + kvh, kvh)), 0.0);
+        assert!(q.is_contiguous() && k.is_contiguous() && v.is_contiguous());
+    }
+}
+
+/// Shapes that do not fit are errors, not panics.
+#[test]
+fn bad_shapes_are_errors() {
+    let mut rng = Rng(11);
+    let x = rng.tensor(&[2, 8], 0.0, 1.0);
+    assert!(ops::rms_norm(&x, &rng.tensor(&[7], 1.0, 0.0), EPS).is_err());
+    let qkv = rng.tensor(&[1, 2, 4 * 8], 0.0, 1.0);
+    let bias = rng.tensor(&[32], 0.0, 1.0);
+    let (c, s) = tables(&[vec![0, 1]], 8);
+    let w = rng.tensor(&[8], 1.0, 0.0);
+    // h + 2 kvh = 4 heads of 8: (2, 1) fits, (3, 1) does not.
+    assert!(ops::qk_norm_rope(&qkv, &bias, &c, &s, &w, &w, EPS, (2, 1), 8).is_ok());
+    assert!(ops::qk_norm_rope(&qkv, &bias, &c, &s, &w, &w, EPS, (3, 1), 8).is_err());
+    // Tables for 3 positions where the call has 2.
+    let (c3, s3) = tables(&[vec![0, 1, 2]], 8);
+    assert!(ops::qk_norm_rope(&qkv, &bias, &c3, &s3, &w, &w, EPS, (2, 1), 8).is_err());
+    assert!(ops::qk_norm_rope(
+        &qkv,
+        &bias,
+        &c,
+        &s,
+        &rng.tensor(&[4], 1.0, 0.0),
+        &w,
+        EPS,
+        (2, 1),
+        8
+    )
+    .is_err());
+}
