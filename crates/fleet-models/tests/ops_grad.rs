@@ -67,7 +67,11 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 /// outputs is `r` (every output element gets its own weight).
 fn cotangents(outs: &[Tensor], rng: &mut Rng) -> Vec<Tensor> {
     outs.iter()
-        .map(|o| rng.tensor(o.dims(), 0.0, 1.0))
+        .map(|o| {
+            rng.tensor(o.dims(), 0.0, 1.0)
+                .to_device(o.device())
+                .unwrap()
+        })
         .collect()
 }
 
@@ -105,7 +109,7 @@ fn autograd(f: Forward, inputs: &[Tensor], diff: &[usize], rs: &[Tensor]) -> Vec
     for o in &outs {
         assert!(o.track_op(), "an output of a tracked input must be tracked");
     }
-    let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap();
+    let mut loss = Tensor::zeros((), DType::F32, outs[0].device()).unwrap();
     for (o, r) in outs.iter().zip(rs) {
         let term = (o.to_dtype(DType::F32).unwrap() * r)
             .unwrap()
@@ -860,4 +864,130 @@ fn bad_shapes_are_errors() {
         8
     )
     .is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CUDA kernels against their CPU twins (with `--features cuda`, on a machine with a GPU).
+
+/// Every op on `x`, on whatever device `x` lives: `x` = scores, pad (u32), swiglu input, norm
+/// input, residual, norm weight, qkv, trained bias, constant bias, per-row cs, per-row cos,
+/// per-row sin, shared cs, shared cos, shared sin, q_norm weight, k_norm weight.
+#[cfg(feature = "cuda")]
+fn every_op(
+    x: &[Tensor],
+    (h, kvh): (usize, usize),
+    d: usize,
+    (q_len, offset): (usize, usize),
+) -> Vec<Tensor> {
+    let rows_per_batch = x[0].dims()[1] * q_len;
+    let mut out = vec![ops::masked_softmax(&x[0], &x[1], rows_per_batch, q_len, offset).unwrap()];
+    out.push(ops::swiglu(&x[2]).unwrap());
+    out.push(ops::rms_norm(&x[3], &x[5], EPS).unwrap());
+    let (s, y) = ops::add_rms_norm(&x[3], &x[4], &x[5], EPS).unwrap();
+    out.extend([s, y]);
+    for (bias, cs, cos, sin) in [
+        (&x[7], &x[9], &x[10], &x[11]),
+        (&x[8], &x[12], &x[13], &x[14]),
+    ] {
+        let (q, k, v) = ops::qkv_rope(&x[6], bias, cs, (h, kvh), d).unwrap();
+        out.extend([q, k, v]);
+        let (q, k, v) =
+            ops::qk_norm_rope(&x[6], bias, cos, sin, &x[15], &x[16], EPS, (h, kvh), d).unwrap();
+        out.extend([q, k, v]);
+    }
+    out
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_kernels_match_cpu_twins() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cuda_kernels_match_cpu_twins: no CUDA device ({e}); not run");
+            return;
+        }
+    };
+    let mut rng = Rng(12);
+    // Sizes that exercise the kernels' loops: more keys than a warp, a head_dim whose half is
+    // more than a warp, norm rows that are not a multiple of 32 and longer than a block.
+    let (b, t, h, kvh, d) = (2, 5, 8, 2, 128);
+    let w = (h + 2 * kvh) * d;
+    let (heads, q_len, offset) = (3, 4, 67);
+    let pads = [0u32, 40];
+    let ((cos_r, sin_r), (cos_s, sin_s)) = per_row_and_shared(&[0, 3], t, d);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let lo = |x: Tensor| x.to_dtype(dtype).unwrap();
+        let cat = |c: &Tensor, s: &Tensor| lo(Tensor::cat(&[c, s], D::Minus1).unwrap());
+        let cpu = vec![
+            lo(rng.tensor(&[b, heads, q_len, offset + q_len], 0.0, 3.0)),
+            Tensor::new(&pads, &Device::Cpu).unwrap(),
+            lo(rng.tensor(&[3, 7, 2 * 1500], 0.0, 2.0)),
+            lo(rng.tensor(&[3, 4, 1500], 0.2, 3.0)),
+            lo(rng.tensor(&[3, 4, 1500], 0.0, 1.0)),
+            lo(rng.tensor(&[1500], 1.0, 0.5)),
+            lo(rng.tensor(&[b, t, w], 0.0, 2.0)),
+            lo(rng.tensor(&[w], 0.0, 0.5)),
+            lo(rng.tensor(&[w], 0.0, 0.5)),
+            cat(&cos_r, &sin_r),
+            lo(cos_r.clone()),
+            lo(sin_r.clone()),
+            cat(&cos_s, &sin_s),
+            lo(cos_s.clone()),
+            lo(sin_s.clone()),
+            lo(rng.tensor(&[d], 1.0, 0.3)),
+            lo(rng.tensor(&[d], 1.0, 0.3)),
+        ];
+        let on_gpu: Vec<Tensor> = cpu.iter().map(|x| x.to_device(&gpu).unwrap()).collect();
+        let f = |x: &[Tensor]| every_op(x, (h, kvh), d, (q_len, offset));
+        let (want, got) = (f(&cpu), f(&on_gpu));
+        // f32: the kernels' rsqrtf/expf and reduction order against the CPU's; half types:
+        // the same roundings, so rare one-ulp flips only.
+        let check = |what: String, g: &Tensor, w: &Tensor| {
+            let g = g.to_device(&Device::Cpu).unwrap();
+            if dtype == DType::F32 {
+                let (diff, scale) = (max_diff(&g, w), max_abs(w).max(1e-3));
+                eprintln!("{what} f32: gpu vs cpu {diff:.2e} (scale {scale:.2e})");
+                assert!(
+                    diff <= 2e-5 * scale,
+                    "{what} f32: gpu vs cpu {diff} (scale {scale})"
+                );
+            } else {
+                assert_rounding_matches(&what, &g, w);
+            }
+        };
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            check(format!("forward output {i}"), g, w);
+        }
+        // With the bias trained (tracked), qk_norm_rope adds it before the kernel, which then
+        // runs without one.
+        let tracked = |x: &[Tensor]| {
+            let mut x = x.to_vec();
+            x[7] = Var::from_tensor(&x[7]).unwrap().as_tensor().clone();
+            f(&x)
+        };
+        for (i, (g, w)) in tracked(&on_gpu).iter().zip(&tracked(&cpu)).enumerate() {
+            check(format!("forward output {i} (trained bias)"), g, w);
+        }
+        // The backward on the GPU (candle ops on CUDA) against the CPU's.
+        let diff = [0, 2, 3, 4, 5, 6, 7, 15, 16];
+        let rs = cotangents(&want, &mut rng);
+        let rs_gpu: Vec<Tensor> = rs.iter().map(|r| r.to_device(&gpu).unwrap()).collect();
+        let want = autograd(&f, &cpu, &diff, &rs);
+        let got = autograd(&f, &on_gpu, &diff, &rs_gpu);
+        for ((i, g), w) in diff.iter().zip(&got).zip(&want) {
+            let g = g.to_device(&Device::Cpu).unwrap();
+            let (d, scale) = (max_diff(&g, w), max_abs(w).max(1e-3));
+            eprintln!("{dtype:?}: gradient of input {i}: gpu vs cpu {d:.2e} (scale {scale:.2e})");
+            let tol = if dtype == DType::F32 {
+                1e-4
+            } else {
+                4.0 * ulp(dtype)
+            };
+            assert!(
+                d <= tol * scale,
+                "{dtype:?}: gradient of input {i}: {d} (scale {scale})"
+            );
+        }
+    }
 }
