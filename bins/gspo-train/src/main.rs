@@ -196,6 +196,7 @@ fn config(cli: &Cli) -> Result<GspoConfig> {
 
 fn run(cli: &Cli) -> Result<()> {
     let config = config(cli)?;
+    let mut label = None;
     let (model, dataset) = match (
         cli.model.clone().or(config.model_name_or_path.clone()),
         cli.dataset.clone().or(config.dataset_name.clone()),
@@ -203,6 +204,7 @@ fn run(cli: &Cli) -> Result<()> {
         (Some(m), Some(d)) => (m, d),
         (None, None) => {
             let dir = bundled_files()?;
+            label = Some("bundled tiny Qwen2 (assets/gspo-default), single-digit addition");
             (dir.display().to_string(), dir.join("train.jsonl"))
         }
         (Some(_), None) => bail!(
@@ -269,9 +271,11 @@ fn run(cli: &Cli) -> Result<()> {
     let out = trainer.config.output_dir.clone();
     summarize(&records, started.elapsed().as_secs_f64(), &out)?;
     let subtitle = format!(
-        "{} | {} | G={} lr={} seed={}",
-        model,
-        dataset.file_name().unwrap_or_default().to_string_lossy(),
+        "{} | G={} lr={} seed={}",
+        label.map(str::to_string).unwrap_or_else(|| format!(
+            "{model} | {}",
+            dataset.file_name().unwrap_or_default().to_string_lossy()
+        )),
         config.num_generations,
         config.learning_rate,
         config.seed

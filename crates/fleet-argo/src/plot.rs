@@ -174,12 +174,14 @@ fn draw_chart<DB: DrawingBackend>(
             ctx.draw_series(DashedLineSeries::new(s.points.iter().copied(), 8, 4, style))
                 .map_err(err)?;
         }
-        ctx.draw_series(
-            s.points
-                .iter()
-                .map(|&(x, y)| Circle::new((x, y), if s.emphasis { 5 } else { 4 }, color.filled())),
-        )
-        .map_err(err)?;
+        // Markers only where they can be told apart (a training curve of a thousand steps is
+        // a line).
+        if s.points.len() <= MAX_MARKERS {
+            ctx.draw_series(s.points.iter().map(|&(x, y)| {
+                Circle::new((x, y), if s.emphasis { 5 } else { 4 }, color.filled())
+            }))
+            .map_err(err)?;
+        }
     }
 
     // The legend sits in its own column so it never hides a line.
@@ -203,6 +205,9 @@ fn draw_chart<DB: DrawingBackend>(
     root.present().map_err(err)?;
     Ok(())
 }
+
+/// Series with more points than this are drawn without point markers.
+const MAX_MARKERS: usize = 100;
 
 /// Pixel size of every plot.
 const SIZE: (u32, u32) = (1100, 660);

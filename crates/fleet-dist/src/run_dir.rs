@@ -9,8 +9,8 @@
 //!    lock when the process ends, however it ends, so a killed run never leaves it stale;
 //! 2. it compares its [`Manifest`] — every value that determines the records — with the
 //!    `manifest.json` already there. Equal: the run resumes. Different: the run is refused
-//!    with the fields that differ ([`DistError::ManifestMismatch`]), unless the caller asked
-//!    to overwrite, in which case the job's own files are removed and the run starts over.
+//!    with the fields that differ ([`DistError::ManifestMismatch`]). A caller that asks to
+//!    overwrite starts over either way: the job's own files are removed.
 //!    Records without a manifest (an older fleet) are refused the same way.
 
 use std::collections::BTreeMap;
@@ -188,7 +188,7 @@ fn flatten(map: &BTreeMap<String, Value>) -> BTreeMap<String, Value> {
 /// How a job opens its output directory.
 #[derive(Debug, Clone)]
 pub struct RunDirOptions {
-    /// Start over when the manifest differs (or is missing): the job's files are removed.
+    /// Start over: the job's files are removed (whether or not the manifest differs).
     pub overwrite: bool,
     /// The job's files in the directory, removed on overwrite; any of them present without a
     /// manifest means records of unknown origin.
@@ -226,8 +226,8 @@ pub enum RunDirState {
     New,
     /// The manifest matched: records there are this run's and are resumed.
     Resumed,
-    /// The caller asked to overwrite and the directory held other records: these files were
-    /// removed (`diffs` says why; empty when there was no manifest).
+    /// The caller asked to overwrite (start over): these files were removed (`diffs` says how
+    /// the old manifest differed; empty when it was the same or missing).
     Overwritten {
         /// Files removed.
         removed: Vec<PathBuf>,
@@ -269,7 +269,7 @@ impl RunDir {
         let state = match recorded {
             Some(old) => {
                 let diffs = old.diff(&manifest);
-                if diffs.is_empty() {
+                if diffs.is_empty() && !options.overwrite {
                     RunDirState::Resumed
                 } else if options.overwrite {
                     remove_files(&present)?;
@@ -479,6 +479,22 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(now.diff(&manifest("bbb", 3)).is_empty());
+    }
+
+    #[test]
+    fn overwrite_starts_over_even_with_the_same_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap());
+        std::fs::write(dir.path().join("records.jsonl"), "{}\n").unwrap();
+        let run = RunDir::open(dir.path(), &manifest("aaa", 3), &options(true)).unwrap();
+        assert_eq!(
+            run.state,
+            RunDirState::Overwritten {
+                removed: vec![dir.path().join("records.jsonl")],
+                diffs: Vec::new()
+            }
+        );
+        assert!(!dir.path().join("records.jsonl").exists());
     }
 
     #[test]

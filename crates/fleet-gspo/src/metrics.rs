@@ -374,10 +374,27 @@ pub mod stems {
 const BLUE: RGBColor = RGBColor(0x2E, 0x86, 0xAB);
 const LIGHT_BLUE: RGBColor = RGBColor(0x8C, 0xC4, 0xDA);
 const RED: RGBColor = RGBColor(0xC7, 0x3E, 0x1D);
+const LIGHT_RED: RGBColor = RGBColor(0xE8, 0xA8, 0x98);
 
-/// Draws `reward.{png,svg}` (the mean reward per step, with dashed lines at mean ± std as its
-/// band: fleet-argo's chart draws lines, not filled areas) and `loss.{png,svg}` into `dir`,
-/// from the last record of each step. `subtitle` names the model, dataset and settings.
+/// Trailing mean over `window` points (fewer at the start).
+fn moving_average(points: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
+    let mut sum = 0.0;
+    points
+        .iter()
+        .enumerate()
+        .map(|(i, &(x, y))| {
+            sum += y;
+            if i >= window {
+                sum -= points[i - window].1;
+            }
+            (x, sum / (i + 1).min(window) as f64)
+        })
+        .collect()
+}
+
+/// Draws `reward.{png,svg}` (the mean reward of each generation batch, and its moving average
+/// over a twentieth of the run) and `loss.{png,svg}` (per step, and its moving average) into
+/// `dir`, from the last record of each step. `subtitle` names the model, dataset and settings.
 /// Returns the files written.
 pub fn plot_training(
     dir: &Path,
@@ -393,47 +410,56 @@ pub fn plot_training(
         source,
     })?;
     let finite = |v: f64| v.is_finite().then_some(v);
-    let mean: Vec<(f64, f64)> = rows
+    // The reward is one value per generation batch (its steps share the completions): one
+    // point per batch, and a moving average that shows the trend through the sampling noise.
+    let mut per_batch: Vec<(f64, f64)> = Vec::new();
+    let mut last_batch = None;
+    for r in &rows {
+        if last_batch == Some(r.generation_batch) {
+            continue;
+        }
+        last_batch = Some(r.generation_batch);
+        if let Some(v) = r.reward.and_then(finite) {
+            per_batch.push((r.step as f64, v));
+        }
+    }
+    let loss_points: Vec<(f64, f64)> = rows
         .iter()
-        .filter_map(|r| Some((r.step as f64, r.reward.and_then(finite)?)))
+        .filter_map(|r| Some((r.step as f64, finite(r.loss)?)))
         .collect();
-    let band = |sign: f64| -> Vec<(f64, f64)> {
-        rows.iter()
-            .filter_map(|r| {
-                let m = r.reward.and_then(finite)?;
-                let s = r.reward_std.and_then(finite)?;
-                Some((r.step as f64, m + sign * s))
-            })
-            .collect()
-    };
-    let series = |label: &str, color, emphasis, points| Series {
-        label: label.to_string(),
+    let series = |label: String, color, emphasis, points| Series {
+        label,
         color,
         emphasis,
         points,
         intervals: None,
+    };
+    let with_trend = |points: Vec<(f64, f64)>, name: &str, color, light| {
+        let window = (points.len() / 20).max(1);
+        let mut out = vec![series(name.to_string(), light, false, points.clone())];
+        if window > 1 {
+            out.push(series(
+                format!("mean of {window}"),
+                color,
+                true,
+                moving_average(&points, window),
+            ));
+        }
+        out
     };
     let reward = LineChart {
         title: "GSPO training: reward".into(),
         subtitle: subtitle.to_string(),
         x_label: "optimizer step".into(),
         y_label: "reward (mean over the generation batch)".into(),
-        series: vec![
-            series("reward", BLUE, true, mean),
-            series("reward + std", LIGHT_BLUE, false, band(1.0)),
-            series("reward - std", LIGHT_BLUE, false, band(-1.0)),
-        ],
+        series: with_trend(per_batch, "reward", BLUE, LIGHT_BLUE),
     };
-    let loss_points: Vec<(f64, f64)> = rows
-        .iter()
-        .filter_map(|r| Some((r.step as f64, finite(r.loss)?)))
-        .collect();
     let loss = LineChart {
         title: "GSPO training: loss".into(),
         subtitle: subtitle.to_string(),
         x_label: "optimizer step".into(),
         y_label: "policy loss".into(),
-        series: vec![series("loss", RED, true, loss_points)],
+        series: with_trend(loss_points, "loss", RED, LIGHT_RED),
     };
     let mut written = write_chart(dir, stems::REWARD, &reward, false)?;
     written.extend(write_chart(dir, stems::LOSS, &loss, false)?);
