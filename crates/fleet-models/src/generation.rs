@@ -292,16 +292,53 @@ impl<'a> Generator<'a> {
         rows: &mut [Row],
     ) -> Result<Vec<u32>> {
         let logits = logits.squeeze(1)?;
-        // Argmax on the device moves one id per row back; full rows move only for sampling.
-        let mut next: Vec<u32> = logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1()?;
-        let sampled: Vec<usize> = (0..active.len())
-            .filter(|&s| !requests[rows[active[s]].request].sampling.is_greedy())
+        let params_of = |s: usize| &requests[rows[active[s]].request].sampling;
+        // Plain temperature sampling runs on the device (Gumbel-max, seeded per row); greedy
+        // rows take the argmax; only top-k / top-p rows move their logits to the host.
+        let on_device: Vec<usize> = (0..active.len())
+            .filter(|&s| {
+                let p = params_of(s);
+                !p.is_greedy() && p.top_k.is_none() && p.top_p.is_none()
+            })
             .collect();
-        if !sampled.is_empty() {
-            let idx: Vec<u32> = sampled.iter().map(|&s| s as u32).collect();
+        let mut next: Vec<u32> = if on_device.len() == active.len() {
+            vec![0; active.len()]
+        } else {
+            logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1()?
+        };
+        if !on_device.is_empty() {
+            let mut params = Vec::with_capacity(on_device.len() * 4);
+            for &s in &on_device {
+                let row = &rows[active[s]];
+                params.extend(crate::ops::gumbel_params(
+                    params_of(s).seed,
+                    row.generated.len() as u32,
+                    params_of(s).temperature,
+                ));
+            }
+            let params = Tensor::from_vec(params, (on_device.len(), 4), logits.device())?;
+            let picked = if on_device.len() == active.len() {
+                crate::ops::sample_gumbel(&logits, &params)?
+            } else {
+                let idx: Vec<u32> = on_device.iter().map(|&s| s as u32).collect();
+                let idx = Tensor::from_slice(&idx, idx.len(), logits.device())?;
+                crate::ops::sample_gumbel(&logits.index_select(&idx, 0)?, &params)?
+            };
+            for (&s, id) in on_device.iter().zip(picked.to_vec1::<u32>()?) {
+                next[s] = id;
+            }
+        }
+        let on_host: Vec<usize> = (0..active.len())
+            .filter(|&s| {
+                let p = params_of(s);
+                !p.is_greedy() && (p.top_k.is_some() || p.top_p.is_some())
+            })
+            .collect();
+        if !on_host.is_empty() {
+            let idx: Vec<u32> = on_host.iter().map(|&s| s as u32).collect();
             let idx = Tensor::from_slice(&idx, idx.len(), logits.device())?;
             let host: Vec<Vec<f32>> = logits.index_select(&idx, 0)?.to_vec2()?;
-            for (row_logits, &slot) in host.into_iter().zip(&sampled) {
+            for (row_logits, &slot) in host.into_iter().zip(&on_host) {
                 let row = &mut rows[active[slot]];
                 let params = &requests[row.request].sampling;
                 next[slot] = sample(row_logits, params, &mut row.rng);

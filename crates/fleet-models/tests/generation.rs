@@ -283,3 +283,54 @@ fn rows_that_fit_run_together_even_when_the_padded_batch_does_not() {
         "{err}"
     );
 }
+
+/// Plain temperature sampling on the device (Gumbel-max): the frequencies follow
+/// softmax(logits / T), a row's draw depends on its seed and step only, and seeded requests
+/// repeat alone or in a batch.
+#[test]
+fn temperature_sampling_on_the_device_follows_the_softmax() {
+    use candle_core::{Device, Tensor};
+    use fleet_models::ops::{gumbel_params, sample_gumbel};
+    let logits = [0.0f32, 1.0, 2.0, -1.0];
+    for temperature in [1.0f64, 0.5] {
+        let rows = 40_000;
+        let flat: Vec<f32> = (0..rows).flat_map(|_| logits).collect();
+        let t = Tensor::from_vec(flat, (rows, 4), &Device::Cpu).unwrap();
+        let params: Vec<u32> = (0..rows as u64)
+            .flat_map(|r| gumbel_params(r * 7919 + 1, (r % 3) as u32, temperature))
+            .collect();
+        let p = Tensor::from_vec(params, (rows, 4), &Device::Cpu).unwrap();
+        let ids: Vec<u32> = sample_gumbel(&t, &p).unwrap().to_vec1().unwrap();
+        let z: f64 = logits.iter().map(|&l| (l as f64 / temperature).exp()).sum();
+        for (v, &l) in logits.iter().enumerate() {
+            let want = (l as f64 / temperature).exp() / z;
+            let got = ids.iter().filter(|&&i| i == v as u32).count() as f64 / rows as f64;
+            assert!(
+                (got - want).abs() < 0.01,
+                "T={temperature} token {v}: {got:.4} vs {want:.4}"
+            );
+        }
+        // The same seed and step give the same token.
+        let again: Vec<u32> = sample_gumbel(&t, &p).unwrap().to_vec1().unwrap();
+        assert_eq!(ids, again);
+    }
+
+    let model = load(&fixture("qwen2-tiny")).unwrap();
+    let plain = |seed| GenerationRequest {
+        prompt_ids: vec![5, 6, 7],
+        max_new_tokens: 8,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: None,
+            seed,
+        },
+        stop_strings: vec![],
+    };
+    let alone = model.generate(&[plain(3)], None).unwrap();
+    let batch = model
+        .generate(&[plain(4), plain(3), sampled(vec![9, 9], 1)], None)
+        .unwrap();
+    assert_eq!(alone[0].token_ids, batch[1].token_ids);
+    assert_ne!(batch[0].token_ids, batch[1].token_ids);
+}
