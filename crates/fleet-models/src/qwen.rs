@@ -393,6 +393,19 @@ impl QwenModel {
     pub fn new(cfg: &QwenConfig, weights: &Weights, dtype: DType, map: &DeviceMap) -> Result<Self> {
         map.validate(cfg.num_hidden_layers)?;
         let devices = Devices::open(map, dtype)?;
+        Self::on_devices(cfg, weights, dtype, map, devices)
+    }
+
+    /// [`QwenModel::new`] on devices already opened: tensors that live on them (a trainer's
+    /// weights) are used where they are, never copied between two handles of one GPU.
+    pub fn on_devices(
+        cfg: &QwenConfig,
+        weights: &Weights,
+        dtype: DType,
+        map: &DeviceMap,
+        devices: Devices,
+    ) -> Result<Self> {
+        map.validate(cfg.num_hidden_layers)?;
         let all: Vec<&Device> = devices.iter().map(|(_, d)| d).collect();
         weights.seed_devices(&all)?;
         let (hs, vocab) = (cfg.hidden_size, cfg.vocab_size);

@@ -282,7 +282,13 @@ impl TrainableQwen {
     /// compute dtype: what GSPO's rollouts run on. A copy in the compute dtype, made in one
     /// pass over the weights.
     pub fn inference_model(&self) -> Result<QwenModel> {
-        QwenModel::new(&self.cfg, &self.weights(false), self.dtype, &self.map)
+        QwenModel::on_devices(
+            &self.cfg,
+            &self.weights(false),
+            self.dtype,
+            &self.map,
+            self.devices.clone(),
+        )
     }
 
     /// The weights as the blocks read them: the master tensors, tracked (gradients reach the
