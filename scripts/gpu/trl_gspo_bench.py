@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from datasets.table import InMemoryTable
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -66,7 +67,10 @@ def main() -> None:
     args = ap.parse_args()
 
     rows = [json.loads(l) for l in Path(args.dataset).read_text().splitlines() if l.strip()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    # An explicit fingerprint: hashing the table with dill fails on the GPU machine's Python
+    # 3.12 (pyarrow's MonthDayNano); the dataset is not cached anyway.
+    table = InMemoryTable.from_pylist([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    dataset = Dataset(table, fingerprint="gspo-bench-prompts")
     tok = AutoTokenizer.from_pretrained(args.model)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

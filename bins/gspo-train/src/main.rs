@@ -257,7 +257,9 @@ fn run(cli: &Cli) -> Result<()> {
     );
     bar.set_position(trainer.state.step);
     let started = Instant::now();
-    let mut records: Vec<StepMetrics> = Vec::new();
+    // The rewards of this run's steps, for the summary line (the full records are in
+    // metrics.jsonl).
+    let mut rewards: Vec<Option<f64>> = Vec::new();
     trainer.train(&mut |m: &StepMetrics| {
         bar.set_position(m.step);
         bar.set_message(format!(
@@ -265,11 +267,11 @@ fn run(cli: &Cli) -> Result<()> {
             m.reward.map_or("-".into(), |r| format!("{r:.3}")),
             m.loss
         ));
-        records.push(m.clone());
+        rewards.push(m.reward);
     })?;
     bar.finish_and_clear();
     let out = trainer.config.output_dir.clone();
-    summarize(&records, started.elapsed().as_secs_f64(), &out)?;
+    summarize(&rewards, started.elapsed().as_secs_f64(), &out)?;
     let subtitle = format!(
         "{} | G={} lr={} seed={}",
         label.map(str::to_string).unwrap_or_else(|| format!(
@@ -289,9 +291,9 @@ fn run(cli: &Cli) -> Result<()> {
 }
 
 /// Reward at the start and at the end of this run, and where things are.
-fn summarize(records: &[StepMetrics], seconds: f64, out: &Path) -> Result<()> {
-    let mean = |rs: &[StepMetrics]| -> Option<f64> {
-        let v: Vec<f64> = rs.iter().filter_map(|r| r.reward).collect();
+fn summarize(records: &[Option<f64>], seconds: f64, out: &Path) -> Result<()> {
+    let mean = |rs: &[Option<f64>]| -> Option<f64> {
+        let v: Vec<f64> = rs.iter().flatten().copied().collect();
         (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
     };
     let k = (records.len() / 10).max(1);

@@ -443,7 +443,9 @@ impl AdamW {
                     got: grad.dims().to_vec(),
                 });
             }
-            let g = grad.to_dtype(DType::F32)?;
+            // Detached: the moments must not keep the graph a gradient came from (they live for
+            // the whole run; a graph kept here would keep every step's activations).
+            let g = grad.detach().to_dtype(DType::F32)?;
             st.step += 1;
             let t = st.step as f64;
             let dtype = var.dtype();
@@ -464,9 +466,9 @@ impl AdamW {
             // param.addcdiv_(exp_avg, denom, value=-step_size)
             let update = (&m / &denom)?.affine(-step_size, 0.0)?;
             let new_p = (p + update)?;
-            var.set(&new_p.to_dtype(dtype)?)?;
-            st.exp_avg = m;
-            st.exp_avg_sq = v;
+            var.set(&new_p.to_dtype(dtype)?.detach())?;
+            st.exp_avg = m.detach();
+            st.exp_avg_sq = v.detach();
         }
         Ok(())
     }

@@ -696,7 +696,9 @@ impl TrainableQwen {
                 continue;
             }
             if let Some(g) = store.get(p.var.as_tensor()) {
-                let g = g.to_dtype(DType::F32)?;
+                // Detached: a gradient computed from tracked tensors carries their graph, which
+                // would otherwise live as long as the sum it is added to.
+                let g = g.detach().to_dtype(DType::F32)?;
                 grads[i] = Some(match grads[i].take() {
                     Some(acc) => (acc + g)?,
                     None => g,
