@@ -16,22 +16,47 @@
 //!   kill, is repaired before the next append.
 //! - [`write_atomic`] / [`write_json_atomic`] — summaries, reports and checkpoints written whole
 //!   or not at all; [`files_digest`] — content digests of weights and data for manifests.
+//!
+//! Data-parallel processes (one rank per GPU; NCCL, driven by the caller, does the GPU
+//! collectives):
+//!
+//! - [`World`] — this process's rank, from torchrun's variables, fleet's launcher or SLURM
+//!   ([`World::from_env`], [`expand_nodelist`] for `gpu[01-03,07]`).
+//! - [`launch()`] — starts N ranks of a program on this node, one GPU each
+//!   (`CUDA_VISIBLE_DEVICES`, always `NCCL_NVLS_ENABLE=0`), forwards their output as
+//!   `[rank K] ...`, and kills the rest a grace period after one fails.
+//! - [`rendezvous()`] — the ranks meet rank 0 over TCP: same world size and config fingerprint
+//!   everywhere (or every rank fails naming the odd one), absent ranks named after a timeout,
+//!   rank 0's payload (the NCCL unique id) delivered to all.
+//! - [`Group`] — after the rendezvous: a heartbeat that ends every rank, naming the culprit, when
+//!   one dies or stalls ([`PeerFailure`]); and simple deterministic TCP collectives (barrier,
+//!   broadcast, all-gather, all-reduce sums of f32/f64) for the CPU path and small metadata.
 
 #![warn(missing_docs)]
 
 mod atomic;
 mod digest;
+mod group;
 mod jsonl;
+mod launch;
 mod merge;
 mod pool;
+mod rendezvous;
 mod run_dir;
 mod shard;
+mod wire;
+mod world;
 
 use std::path::PathBuf;
 
 pub use atomic::{write_atomic, write_json_atomic};
 pub use digest::{bytes_digest, files_digest, Fnv64};
+pub use group::{FailureHandler, Group, PeerFailure, PeerInfo, FAILURE_EXIT_CODE};
 pub use jsonl::{BadLine, JsonlContents, JsonlLog, TailRepair};
+pub use launch::{
+    launch, launch_with_grace, pick_free_port, strip_launcher_args, LaunchReport, LaunchSpec,
+    RankExit, DEFAULT_GRACE_PERIOD,
+};
 pub use merge::{
     merge_jsonl, Duplicate, InputStats, MalformedLine, MergeReport, MAX_LISTED_MISSING,
 };
@@ -39,10 +64,17 @@ pub use pool::{
     BoxError, FailureRecord, ItemError, ItemResult, PoolOptions, PoolOutput, PoolReport,
     ReplicaPool, Worker, WorkerReport,
 };
+pub use rendezvous::{
+    rendezvous, RendezvousFault, RendezvousOptions, DEFAULT_FAILURE_TIMEOUT,
+    DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_RENDEZVOUS_TIMEOUT, RENDEZVOUS_TIMEOUT_ENV, TIMEOUT_ENV,
+};
 pub use run_dir::{
     commit_id, FieldDiff, Manifest, RunDir, RunDirOptions, RunDirState, LOCK_FILE, MANIFEST_FILE,
 };
 pub use shard::{ShardSource, ShardSpec};
+pub use world::{
+    expand_nodelist, parse_tasks_per_node, Launcher, World, DEFAULT_MASTER_PORT, FLEET_LAUNCHER_ENV,
+};
 
 /// Errors of this crate. Each message names the value at fault and what to change.
 #[derive(Debug, thiserror::Error)]
@@ -160,12 +192,138 @@ pub enum DistError {
         /// The parser's message.
         message: String,
     },
+    /// An environment variable holds a value of the wrong form.
+    #[error("environment variable {var}=`{value}` is not {expected}: fix or unset it")]
+    BadEnvValue {
+        /// Variable name.
+        var: String,
+        /// Its value.
+        value: String,
+        /// What it should be.
+        expected: String,
+    },
+    /// Rank numbers that contradict each other (from the environment or built by hand).
+    #[error("invalid world: {problem}")]
+    BadWorld {
+        /// What is wrong, naming the value and where it came from.
+        problem: String,
+    },
+    /// A SLURM host list that does not parse.
+    #[error("cannot expand SLURM node list `{list}`: {reason}; expected names such as `gpu[01-03,07],login1`")]
+    BadNodelist {
+        /// The list (with its variable, when it came from one).
+        list: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A launch spec that cannot run.
+    #[error("cannot launch: {field} {problem}")]
+    BadLaunch {
+        /// The `LaunchSpec` field at fault.
+        field: &'static str,
+        /// What is wrong and what to change.
+        problem: String,
+    },
+    /// A rank's process could not be started.
+    #[error("cannot start rank {rank} (`{program}`): {source}; check that the program exists and is executable")]
+    Spawn {
+        /// The rank.
+        rank: usize,
+        /// The program.
+        program: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Ranks started by the launcher failed.
+    #[error("ranks failed on this node ({report}); their own messages, the `[rank K]` lines above, say why")]
+    RanksFailed {
+        /// How every rank ended.
+        report: Box<LaunchReport>,
+    },
+    /// An option of the rendezvous or the failure detection that cannot work.
+    #[error("{field} {problem}")]
+    BadOption {
+        /// The option.
+        field: &'static str,
+        /// What is wrong and what to change.
+        problem: String,
+    },
+    /// Rank 0 cannot listen for the other ranks.
+    #[error("rank 0 cannot listen on {addr} (port {port}): {source}; another job may use the port: pick another with --master-port or MASTER_PORT")]
+    Listen {
+        /// The address it tried to bind.
+        addr: String,
+        /// The port.
+        port: u16,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A rank could not reach rank 0 within the rendezvous timeout.
+    #[error("rank {rank} could not reach rank 0 at {addr}:{port} within {waited_secs:.1} s (last error: {last_error}): check that rank 0 started, that MASTER_ADDR/MASTER_PORT (--master-addr/--master-port) name it, and that the port is open between the nodes")]
+    Connect {
+        /// The rank that tried.
+        rank: usize,
+        /// Rank 0's address.
+        addr: String,
+        /// Rank 0's port.
+        port: u16,
+        /// How long it tried.
+        waited_secs: f64,
+        /// The last connection error.
+        last_error: String,
+    },
+    /// The rendezvous was refused or timed out; every rank that arrived gets the same fault.
+    #[error("rendezvous failed: {0}")]
+    Rendezvous(Box<RendezvousFault>),
+    /// A connection broke during the rendezvous.
+    #[error("rank {rank}: rendezvous with {peer} failed: {problem}")]
+    RendezvousLost {
+        /// The rank reporting.
+        rank: usize,
+        /// The other side.
+        peer: String,
+        /// What happened.
+        problem: String,
+    },
+    /// A rank died, stalled or broke the protocol (after the failure handler returned).
+    #[error("{0}")]
+    PeerFailed(PeerFailure),
+    /// This rank and rank 0 disagree about the sequence of collectives.
+    #[error("collective out of step on rank {rank}: {problem}")]
+    CollectiveMismatch {
+        /// The rank reporting.
+        rank: usize,
+        /// What differs.
+        problem: String,
+    },
+    /// A collective after an earlier one failed.
+    #[error("rank {rank}'s group is unusable after an earlier error ({why}): end the run")]
+    GroupBroken {
+        /// The rank.
+        rank: usize,
+        /// The earlier error.
+        why: String,
+    },
+    /// A collective called with arguments it cannot use.
+    #[error("rank {rank}: {problem}")]
+    BadCall {
+        /// The rank.
+        rank: usize,
+        /// What is wrong.
+        problem: String,
+    },
     /// The output path has no file name (e.g. `/` or `..`).
     #[error("output path `{path}` names no file: give a file path such as `results/merged.jsonl`")]
     OutputNotAFile {
         /// The path as given.
         path: PathBuf,
     },
+}
+
+impl From<RendezvousFault> for DistError {
+    fn from(f: RendezvousFault) -> Self {
+        DistError::Rendezvous(Box::new(f))
+    }
 }
 
 impl DistError {
