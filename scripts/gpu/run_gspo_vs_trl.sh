@@ -6,9 +6,10 @@
 # batches after the first), split into generation+scoring and update, and the peak GPU memory
 # (nvidia-smi, polled every 100 ms, above what the GPU held before the run).
 #
-# Carried (dist/carry/): gspo-train.xz (scripts/cuda/build.sh -p gspo-train, xz) and
-# trl-site.tar.xz (TRL and the packages it needs that the GPU machine lacks, installed for
-# Python 3.12 into site/: see docs/gpu.md). Run from the repo root:
+# Carried: dist/carry/gspo-train.xz (scripts/cuda/build.sh -p gspo-train, xz) and .whl/ with
+# the wheels TRL needs that the GPU machine lacks (trl 1.16.0, datasets 4.8.0 — 5.x wants a
+# newer pyarrow than the machine's —, dill 0.4.1, multiprocess 0.70.19; see docs/gpu.md).
+# Run from the repo root:
 #
 #     SHAPES="0.5b 1.5b" STEPS=16 bash scripts/gpu/run_gspo_vs_trl.sh
 #
@@ -26,7 +27,8 @@ exec > >(tee -a "$LOG") 2>&1
 
 [ -x "$WORK/gspo-train" ] || xz -dc dist/carry/gspo-train.xz > "$WORK/gspo-train"
 chmod +x "$WORK/gspo-train"
-[ -d "$WORK/site" ] || tar xJf dist/carry/trl-site.tar.xz -C "$WORK"
+[ -d "$WORK/site" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$WORK/site" .whl/*.whl
 export PYTHONPATH="$WORK/site"
 python3 -c "import trl, datasets, transformers, torch; print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

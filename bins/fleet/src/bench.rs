@@ -308,7 +308,7 @@ fn print_profile(batch: usize) {
     stages.sort_by(|a, b| b.1.total_cmp(&a.1));
     let total: f64 = stages.iter().map(|s| s.1).sum();
     eprintln!("profile, batch {batch} (synchronized stages; shares, not speeds):");
-    for (name, secs, calls) in stages {
+    for (name, secs, calls, _) in stages {
         eprintln!(
             "  {name:<14} {:>9.1} ms {:>5.1}%  {calls:>7} calls  {:>8.1} us/call",
             secs * 1e3,

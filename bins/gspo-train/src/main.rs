@@ -135,7 +135,41 @@ struct Cli {
     /// Remove an earlier run's checkpoints and metrics from the output directory and start over.
     #[arg(long)]
     overwrite: bool,
+    /// Data-parallel: start this many ranks on this machine, one GPU each (torchrun's name).
+    #[arg(long, help_heading = "Data parallel")]
+    nproc_per_node: Option<usize>,
+    /// Machines of the run (with --nproc-per-node, started by hand on each).
+    #[arg(long, default_value_t = 1, help_heading = "Data parallel")]
+    nnodes: usize,
+    /// This machine's index among --nnodes.
+    #[arg(long, default_value_t = 0, help_heading = "Data parallel")]
+    node_rank: usize,
+    /// Address of rank 0's machine, reachable from every machine.
+    #[arg(long, default_value = "127.0.0.1", help_heading = "Data parallel")]
+    master_addr: String,
+    /// Port rank 0 listens on for the rendezvous.
+    #[arg(long, default_value_t = 29500, help_heading = "Data parallel")]
+    master_port: u16,
+    /// `none` (default): the config's batch is the global batch, shared by the ranks, the
+    /// learning rate unchanged; `linear`: each rank takes the config's batch, and the learning
+    /// rate is multiplied by the number of ranks (the linear scaling rule).
+    #[arg(long, default_value = "none", help_heading = "Data parallel")]
+    scale_lr: String,
+    /// Seconds a rank may be silent (dead or stalled) before every rank stops with an error
+    /// naming it; also how long the rendezvous waits for every rank.
+    #[arg(long, default_value_t = 180, help_heading = "Data parallel")]
+    dist_timeout: u64,
 }
+
+/// The launcher's own flags: removed from the arguments its ranks get.
+const LAUNCHER_FLAGS: &[&str] = &[
+    "--nproc-per-node",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--gpu-ids",
+];
 
 /// The bundled model and task, written once to a directory named by their content.
 fn bundled_files() -> Result<PathBuf> {
@@ -239,13 +273,37 @@ fn run(cli: &Cli) -> Result<()> {
         resume: cli.resume,
         overwrite: cli.overwrite,
         plan_only: cli.plan,
+        dist: dist_options(cli)?,
     };
+    let is_main = opts.dist.as_ref().is_none_or(|d| d.world.is_main());
     let prepared = prepare(&config, &opts)?;
+    if !is_main {
+        // The other ranks train quietly: rank 0 prints, logs and writes.
+        let mut trainer = prepared.trainer.context("the trainer was not prepared")?;
+        trainer.train(&mut |_| {})?;
+        trainer.finish()?;
+        return Ok(());
+    }
     eprintln!("{}", prepared.dataset_report.trim_end());
     if cli.plan {
         outln!("{}", prepared.plan)?;
         return Ok(());
     }
+    if let Some(env) = &prepared.environment {
+        eprintln!("{env}");
+    }
+    let l = &prepared.layout;
+    eprintln!(
+        "batch: {} completions per micro-batch over all processes ({} per process), {} per \
+         generation batch ({} prompts x G = {}); {} optimizer steps per epoch; learning rate x{}",
+        l.global_micro_batch,
+        l.per_rank_micro_batch,
+        l.global_generation_batch,
+        l.prompts_per_generation,
+        config.num_generations,
+        l.steps_per_epoch,
+        l.lr_scale
+    );
     eprintln!("{}", config.policy_explanation());
     if let Some(from) = &prepared.resumed_from {
         eprintln!("resuming from {}", from.display());
@@ -270,6 +328,13 @@ fn run(cli: &Cli) -> Result<()> {
         rewards.push(m.reward);
     })?;
     bar.finish_and_clear();
+    // FLEET_PROFILE=1: where the time went (each stage synchronized; read the shares).
+    for (stage, seconds, calls, peak) in fleet_models::profile::take_report() {
+        eprintln!(
+            "profile {stage:<32} {seconds:>9.3} s {calls:>6} calls  peak {:>7.2} GiB",
+            peak as f64 / f64::from(1u32 << 30)
+        );
+    }
     let out = trainer.config.output_dir.clone();
     summarize(&rewards, started.elapsed().as_secs_f64(), &out)?;
     let subtitle = format!(
@@ -286,7 +351,64 @@ fn run(cli: &Cli) -> Result<()> {
     for path in fleet_gspo::plot_training(&out, &all.records, &subtitle)? {
         outln!("wrote {}", path.display())?;
     }
+    trainer.finish()?;
     drop(prepared.run_dir);
+    Ok(())
+}
+
+/// This process as a rank of a data-parallel run, from the launcher's, torchrun's or SLURM's
+/// variables; `None` for a plain run.
+fn dist_options(cli: &Cli) -> Result<Option<fleet_gspo::DistOptions>> {
+    let scaling: fleet_gspo::BatchScaling = cli.scale_lr.parse()?;
+    let Some(world) = fleet_dist::World::from_env()? else {
+        if scaling != fleet_gspo::BatchScaling::FixedGlobal {
+            eprintln!(
+                "warning: --scale-lr applies to data-parallel runs only; one process trains as \
+                 configured"
+            );
+        }
+        return Ok(None);
+    };
+    if cli.dist_timeout == 0 {
+        bail!("--dist-timeout 0: give the seconds a rank may be silent, e.g. 180");
+    }
+    let timeout = std::time::Duration::from_secs(cli.dist_timeout);
+    Ok(Some(fleet_gspo::DistOptions {
+        world,
+        scaling,
+        rendezvous_timeout: timeout,
+        failure_timeout: timeout,
+    }))
+}
+
+/// `--nproc-per-node N`: starts N ranks of this program on this machine and waits for them.
+fn launch(cli: &Cli, nproc: usize) -> Result<()> {
+    if nproc == 0 {
+        bail!("--nproc-per-node 0: give the number of processes (GPUs) to start on this machine");
+    }
+    if cli.node_rank >= cli.nnodes {
+        bail!(
+            "--node-rank {} with --nnodes {}: node ranks go from 0 to {}",
+            cli.node_rank,
+            cli.nnodes,
+            cli.nnodes - 1
+        );
+    }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args = fleet_dist::strip_launcher_args(&args, LAUNCHER_FLAGS, &[]);
+    let spec = fleet_dist::LaunchSpec {
+        nproc_per_node: nproc,
+        nnodes: cli.nnodes,
+        node_rank: cli.node_rank,
+        master_addr: cli.master_addr.clone(),
+        master_port: cli.master_port,
+        gpu_ids: cli.gpu_ids.clone(),
+        program: std::env::current_exe().context("finding this program to start its ranks")?,
+        args,
+        env: Vec::new(),
+    };
+    let report = fleet_dist::launch(&spec)?;
+    report.into_result()?;
     Ok(())
 }
 
@@ -323,5 +445,10 @@ fn main() -> std::process::ExitCode {
     fleet_models::replica_process::serve_if_replica_worker();
     fleet_cli::init_logging();
     let cli = Cli::parse();
-    fleet_cli::exit(run(&cli))
+    match cli.nproc_per_node {
+        Some(n) if !cli.plan && std::env::var_os("FLEET_LAUNCHER").is_none() => {
+            fleet_cli::exit(launch(&cli, n))
+        }
+        _ => fleet_cli::exit(run(&cli)),
+    }
 }

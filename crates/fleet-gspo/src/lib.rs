@@ -41,6 +41,7 @@ pub mod advantage;
 pub mod checkpoint;
 pub mod config;
 pub mod dataset;
+pub mod dist;
 pub mod loss;
 pub mod metrics;
 pub mod optim;
@@ -58,6 +59,7 @@ pub use dataset::{
     load_prompts, DataCursor, DatasetError, Prompt, PromptBatch, PromptDataset, PromptSampler,
     Sample,
 };
+pub use dist::{BatchLayout, BatchScaling, Collective, DataParallel};
 pub use loss::{
     completion_mask, policy_loss, CompletionMask, LossConfig, LossError, LossInputs, LossMetrics,
     PolicyLoss,
@@ -70,7 +72,7 @@ pub use optim::{
     OptimizerState,
 };
 pub use rewards::{BatchRewards, RewardError, RewardFunction, RewardSpec, WeightedSum};
-pub use run::{prepare, Prepared, RunOptions};
+pub use run::{prepare, DistOptions, Prepared, RunOptions};
 pub use trainer::Trainer;
 
 /// Errors of a training run: each names the file, field or value at fault and what to do.

@@ -277,14 +277,26 @@ impl Gradients {
 /// The global L2 norm of `grads`: each tensor's sum of squares in f32 (as torch's per-tensor
 /// norm), accumulated in f64.
 pub fn grad_norm(grads: &Gradients) -> Result<f64, OptimError> {
-    let mut total = 0f64;
+    // Each gradient's sum of squares stays on its device (one read back per device, not one
+    // per parameter), summed over rows first: candle reduces a whole tensor in a single
+    // thread block, which is slow for the embedding's hundreds of millions of values.
+    let mut per_device: Vec<(candle_core::Device, Vec<Tensor>)> = Vec::new();
     for g in grads.iter().flatten() {
-        let ss = g
-            .to_dtype(DType::F32)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f32>()?;
-        total += f64::from(ss);
+        let ss = fleet_models::ops::sum_squares(&g.to_dtype(DType::F32)?)?;
+        match per_device
+            .iter_mut()
+            .find(|(d, _)| d.same_device(ss.device()))
+        {
+            Some((_, v)) => v.push(ss),
+            None => per_device.push((ss.device().clone(), vec![ss])),
+        }
+    }
+    let mut total = 0f64;
+    for (_, sums) in per_device {
+        let v = Tensor::stack(&sums, 0)?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?;
+        total += v.iter().sum::<f64>();
     }
     Ok(total.sqrt())
 }

@@ -989,7 +989,7 @@ fn message_of(e: &RewardError) -> String {
 pub const MAX_ERRORS_KEPT: usize = 5;
 
 /// One function's scores over a batch.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FuncScores {
     /// The function's name.
     pub name: String,
@@ -1020,7 +1020,7 @@ impl FuncScores {
 }
 
 /// Rewards of a batch of completions.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BatchRewards {
     /// The weighted sum per completion; `None` when any function gave `None` or failed.
     pub totals: Vec<Option<f64>>,
@@ -1029,6 +1029,41 @@ pub struct BatchRewards {
 }
 
 impl BatchRewards {
+    /// The rewards of consecutive parts of one batch (the ranks' shares, in rank order) as
+    /// one: values concatenated, counts summed, error indices moved to the whole batch's rows.
+    pub fn concat(parts: Vec<BatchRewards>) -> BatchRewards {
+        let mut out = BatchRewards {
+            totals: Vec::new(),
+            per_func: Vec::new(),
+        };
+        for part in parts {
+            let offset = out.totals.len();
+            out.totals.extend(part.totals);
+            for (k, f) in part.per_func.into_iter().enumerate() {
+                if k == out.per_func.len() {
+                    out.per_func.push(FuncScores {
+                        name: f.name.clone(),
+                        weight: f.weight,
+                        values: Vec::new(),
+                        failed: 0,
+                        errors: Vec::new(),
+                        unparsed: 0,
+                    });
+                }
+                let o = &mut out.per_func[k];
+                o.values.extend(f.values);
+                o.failed += f.failed;
+                o.unparsed += f.unparsed;
+                for (i, e) in f.errors {
+                    if o.errors.len() < MAX_ERRORS_KEPT {
+                        o.errors.push((i + offset, e));
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// Completions without a total reward.
     pub fn failed(&self) -> usize {
         self.totals.iter().filter(|t| t.is_none()).count()

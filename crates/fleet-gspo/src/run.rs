@@ -8,6 +8,13 @@
 //! manifest that differs is refused with the fields that differ, the checkpoints untouched.
 //! `max_steps` and `num_train_epochs` may change on a resume (to train longer), as may where
 //! and how often checkpoints and logs are written.
+//!
+//! Data-parallel ([`DistOptions`]): the ranks meet after the manifest is known (a rank with
+//! another config, model, dataset or commit is refused by name) and before anything is loaded;
+//! rank 0 alone holds the output directory and decides whether to resume; every rank then
+//! loads the same weights (a resumed checkpoint must be readable by every rank: one machine,
+//! or a shared filesystem) and rank 0's weights are broadcast. A checkpoint holds no trace of
+//! the world size: a run resumes on any number of GPUs.
 
 use std::path::{Path, PathBuf};
 
@@ -23,6 +30,7 @@ use fleet_topology::{
 use crate::checkpoint::{self, TrainerState};
 use crate::config::GspoConfig;
 use crate::dataset::{load_prompts, PromptSampler};
+use crate::dist::{BatchLayout, BatchScaling, Collective, DataParallel, TcpCollective};
 use crate::metrics::MetricsLog;
 use crate::optim::{AdamW, AdamWConfig, LrSchedule, OptimizerState};
 use crate::rewards::WeightedSum;
@@ -54,6 +62,21 @@ pub struct RunOptions {
     pub overwrite: bool,
     /// Plan only: say what fits where, load nothing.
     pub plan_only: bool,
+    /// This process as one rank of a data-parallel run (`None`: the only process).
+    pub dist: Option<DistOptions>,
+}
+
+/// A rank of a data-parallel run, before it has met the others.
+#[derive(Debug, Clone)]
+pub struct DistOptions {
+    /// Where this rank stands (from the launcher's, torchrun's or SLURM's variables).
+    pub world: fleet_dist::World,
+    /// How the batch follows the number of ranks.
+    pub scaling: BatchScaling,
+    /// How long to wait for every rank to arrive.
+    pub rendezvous_timeout: std::time::Duration,
+    /// A rank silent for this long (dead or stalled) stops every rank with an error naming it.
+    pub failure_timeout: std::time::Duration,
 }
 
 /// What [`prepare`] found, for the binary to print.
@@ -68,8 +91,12 @@ pub struct Prepared {
     pub dataset_report: String,
     /// The checkpoint resumed from, if any.
     pub resumed_from: Option<PathBuf>,
-    /// The output directory, held for the whole run (one writer).
+    /// The output directory, held for the whole run (one writer; rank 0 only).
     pub run_dir: Option<RunDir>,
+    /// The batch arithmetic (world size, per-rank and global batches, steps per epoch).
+    pub layout: BatchLayout,
+    /// The distributed environment, in accelerate's words (data-parallel runs only).
+    pub environment: Option<String>,
 }
 
 /// The files of a run in its output directory that `--overwrite` removes (checkpoints are
@@ -181,6 +208,12 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         );
     }
     let longest_prompt = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(1);
+    let world_size = opts.dist.as_ref().map_or(1, |d| d.world.world_size);
+    let scaling = opts
+        .dist
+        .as_ref()
+        .map_or(BatchScaling::FixedGlobal, |d| d.scaling);
+    let layout = BatchLayout::new(config, world_size, scaling, data.len())?;
 
     // Placement, before loading: what fits where.
     let plan = plan(config, opts, &files, longest_prompt)?;
@@ -193,6 +226,8 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
             dataset_report,
             resumed_from: None,
             run_dir: None,
+            layout,
+            environment: None,
         });
     }
     // The reward functions, a reward model on the device the plan gave it; rows they cannot
@@ -228,6 +263,112 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     .note("dataset", opts.dataset.display().to_string())
     .note("commit", fleet_dist::commit_id());
     let out = &config.output_dir;
+
+    // The ranks meet: same manifest and commit everywhere, or a refusal naming the rank.
+    let policy_device = plan
+        .policy
+        .devices()
+        .first()
+        .cloned()
+        .unwrap_or(fleet_topology::DeviceLocation::Cpu);
+    let dp = match &opts.dist {
+        Some(d) => Some(meet(d, &manifest, &policy_device)?),
+        None => None,
+    };
+    let is_main = dp.as_ref().is_none_or(|dp| dp.world().is_main());
+    let (run_dir, state, has_checkpoints) = if is_main {
+        let (run_dir, has_checkpoints) = open_run_dir(out, &manifest, opts)?;
+        (Some(run_dir.0), run_dir.1, has_checkpoints)
+    } else {
+        (None, RunDirState::New, false)
+    };
+    // Rank 0 says whether (and from where) the ranks resume.
+    let resume_from: Option<PathBuf> = {
+        let mine = if is_main && opts.resume && has_checkpoints {
+            Some(checkpoint::latest(out)?)
+        } else {
+            None
+        };
+        match &dp {
+            Some(dp) => {
+                let bytes = dp.collective.broadcast_bytes(is_main.then(|| {
+                    mine.as_ref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default()
+                        .into_bytes()
+                }))?;
+                let path = String::from_utf8_lossy(&bytes).into_owned();
+                (!path.is_empty()).then(|| PathBuf::from(path))
+            }
+            None => mine,
+        }
+    };
+    if opts.resume && resume_from.is_none() && is_main {
+        tracing::warn!(
+            "--resume: {} has no checkpoint yet; starting from {}",
+            out.display(),
+            opts.model
+        );
+    }
+
+    // The policy: from the newest checkpoint when resuming, else from the base model.
+    let (weights_files, state_now, resumed_from) = match resume_from {
+        Some(ckpt) => {
+            let st = checkpoint::load_state(&ckpt, &base)?;
+            (vec![ckpt.join("model.safetensors")], st, Some(ckpt))
+        }
+        None => {
+            let st = TrainerState {
+                step: 0,
+                generation_batch: 0,
+                cursor: Default::default(),
+                num_tokens: 0,
+                base_model: base.clone(),
+                base_model_id: opts.model.clone(),
+                commit: fleet_dist::commit_id(),
+            };
+            (files.weights.clone(), st, None)
+        }
+    };
+    let rest = Loaded {
+        qwen: &qwen,
+        weights_files,
+        state: state_now,
+        resumed_from,
+    };
+    finish(
+        config,
+        opts,
+        files,
+        source,
+        data,
+        prompts,
+        rewards,
+        plan,
+        rest,
+        dp,
+        layout,
+        run_dir,
+        state,
+        dataset_report,
+    )
+}
+
+/// What [`prepare`] hands on to [`finish`].
+struct Loaded<'a> {
+    qwen: &'a QwenConfig,
+    weights_files: Vec<PathBuf>,
+    state: TrainerState,
+    resumed_from: Option<PathBuf>,
+}
+
+/// Takes the output directory (one writer, the same run or none). Returns it, how it was
+/// found, and whether it holds checkpoints.
+fn open_run_dir(
+    out: &Path,
+    manifest: &Manifest,
+    opts: &RunOptions,
+) -> Result<((RunDir, RunDirState), bool), TrainError> {
     let mut options = RunDirOptions::new(
         &owned_files(out)
             .iter()
@@ -236,7 +377,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         opts.overwrite,
     );
     options.dir_flag = "--output-dir".into();
-    let run_dir = RunDir::open(out, &manifest, &options)?;
+    let run_dir = RunDir::open(out, manifest, &options)?;
     let has_checkpoints = !checkpoint::list(out).is_empty();
     if run_dir.state == RunDirState::Resumed && has_checkpoints && !opts.resume {
         return Err(TrainError::Setup(format!(
@@ -245,41 +386,134 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
             out.display()
         )));
     }
+    let state = run_dir.state.clone();
+    Ok(((run_dir, state), has_checkpoints))
+}
 
-    // The policy: from the newest checkpoint when resuming, else from the base model.
-    let (weights_files, state, resumed_from) = if opts.resume && has_checkpoints {
-        let ckpt = checkpoint::latest(out)?;
-        let state = checkpoint::load_state(&ckpt, &base)?;
-        (vec![ckpt.join("model.safetensors")], state, Some(ckpt))
+/// Meets the other ranks: the rendezvous checks that every rank runs this manifest and
+/// commit; the collectives are NCCL's on a GPU, TCP's on the CPU.
+fn meet(
+    d: &DistOptions,
+    manifest: &Manifest,
+    device: &fleet_topology::DeviceLocation,
+) -> Result<DataParallel, TrainError> {
+    let on_gpu = device.cuda_ordinal().is_some();
+    let payload = if d.world.is_main() && on_gpu {
+        Some(nccl_id()?)
     } else {
-        if opts.resume {
-            tracing::warn!(
-                "--resume: {} has no checkpoint yet; starting from {}",
-                out.display(),
-                opts.model
-            );
-        }
-        let state = TrainerState {
-            step: 0,
-            generation_batch: 0,
-            cursor: Default::default(),
-            num_tokens: 0,
-            base_model: base.clone(),
-            base_model_id: opts.model.clone(),
-            commit: fleet_dist::commit_id(),
-        };
-        (files.weights.clone(), state, None)
+        None
     };
+    let options = fleet_dist::RendezvousOptions {
+        fingerprint: format!("{}:{}", manifest.digest(), fleet_dist::commit_id()),
+        describe: format!(
+            "commit {}, run manifest {}",
+            fleet_dist::commit_id(),
+            manifest.digest()
+        ),
+        timeout: d.rendezvous_timeout,
+        failure_timeout: d.failure_timeout,
+        ..fleet_dist::RendezvousOptions::default()
+    };
+    let group = fleet_dist::rendezvous(&d.world, &options, payload)?;
+    let collective: Box<dyn Collective> = if on_gpu {
+        gpu_collective(group, device)?
+    } else {
+        Box::new(TcpCollective::new(group))
+    };
+    Ok(DataParallel {
+        collective,
+        scaling: d.scaling,
+    })
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_id() -> Result<Vec<u8>, TrainError> {
+    crate::dist::nccl::new_id()
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_id() -> Result<Vec<u8>, TrainError> {
+    Err(TrainError::Setup(
+        "data-parallel training on GPUs needs NCCL: this gspo-train was built without the \
+         `nccl` feature (scripts/cuda/build.sh -p gspo-train builds it)"
+            .into(),
+    ))
+}
+
+#[cfg(feature = "nccl")]
+fn gpu_collective(
+    group: fleet_dist::Group,
+    device: &fleet_topology::DeviceLocation,
+) -> Result<Box<dyn Collective>, TrainError> {
+    let ordinal = device.cuda_ordinal().unwrap_or(0);
+    let dev = candle_core::Device::new_cuda(ordinal)?;
+    Ok(Box::new(crate::dist::nccl::NcclCollective::new(
+        group, &dev,
+    )?))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn gpu_collective(
+    _group: fleet_dist::Group,
+    _device: &fleet_topology::DeviceLocation,
+) -> Result<Box<dyn Collective>, TrainError> {
+    nccl_id().map(|_| unreachable!("nccl_id fails without the nccl feature"))
+}
+
+/// Loads the models and the optimizer and assembles the trainer.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    config: &GspoConfig,
+    opts: &RunOptions,
+    files: CheckpointFiles,
+    source: ModelSource,
+    data: crate::dataset::PromptDataset,
+    prompts: Vec<crate::prompt::RenderedPrompt>,
+    rewards: WeightedSum,
+    plan: TrainingPlan,
+    loaded: Loaded<'_>,
+    dp: Option<DataParallel>,
+    layout: BatchLayout,
+    run_dir: Option<RunDir>,
+    dir_state: RunDirState,
+    dataset_report: String,
+) -> Result<Prepared, TrainError> {
+    let Loaded {
+        qwen,
+        weights_files,
+        state,
+        resumed_from,
+    } = loaded;
+    let out = &config.output_dir;
     let mut policy = TrainableQwen::new(
-        &qwen,
+        qwen,
         &Weights::from_safetensors(&weights_files)?,
         opts.dtype,
         &plan.policy,
     )?;
     policy.gradient_checkpointing = opts.gradient_checkpointing;
+    // Every rank starts from rank 0's weights.
+    let environment = match &dp {
+        Some(dp) => {
+            let vars: Vec<candle_core::Var> = policy.params().into_iter().map(|(_, v)| v).collect();
+            dp.collective.broadcast_vars(&vars)?;
+            let device = plan
+                .policy
+                .devices()
+                .first()
+                .map(|d| d.to_string())
+                .unwrap_or_else(|| "cpu".into());
+            Some(crate::dist::describe_environment(
+                dp.world(),
+                dp.collective.backend(),
+                &device,
+            ))
+        }
+        None => None,
+    };
     let reference = match &plan.reference {
         Some(map) if config.beta > 0.0 => Some(TrainableQwen::new(
-            &qwen,
+            qwen,
             &Weights::from_safetensors(&files.weights)?,
             opts.dtype,
             map,
@@ -302,15 +536,19 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         config.shuffle_dataset,
         state.cursor,
     )?;
-    let total_steps = config.total_optimizer_steps(data.len(), 1)?;
+    let total_steps = config.total_optimizer_steps(data.len(), layout.batch_scale(config))?;
     let schedule = LrSchedule::from_config(config, total_steps)?;
 
     // Metrics: a resumed run drops the lines of steps after its checkpoint (they are redone).
-    let metrics_path = out.join("metrics.jsonl");
-    if resumed_from.is_some() {
-        crate::metrics::truncate_after(&metrics_path, state.step)?;
-    }
-    let (metrics, _) = MetricsLog::open(&metrics_path)?;
+    let metrics = if run_dir.is_some() {
+        let metrics_path = out.join("metrics.jsonl");
+        if resumed_from.is_some() {
+            crate::metrics::truncate_after(&metrics_path, state.step)?;
+        }
+        Some(MetricsLog::open(&metrics_path)?.0)
+    } else {
+        None
+    };
 
     let text = TextModel::with_model(source, files.clone(), policy.inference_model()?)?;
     let trainer = Trainer {
@@ -329,14 +567,18 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         state,
         metrics,
         memory: fleet_topology::MemoryWatch::start(&plan.policy.devices()),
+        dp,
+        layout: layout.clone(),
     };
     Ok(Prepared {
-        state: run_dir.state.clone(),
+        state: dir_state,
         trainer: Some(trainer),
         plan,
         dataset_report,
         resumed_from,
-        run_dir: Some(run_dir),
+        run_dir,
+        layout,
+        environment,
     })
 }
 

@@ -13,6 +13,11 @@
 //!
 //! Checkpoints are written only at the end of a generation batch (when `save_steps` says so),
 //! so a resume never needs a half-used batch: it continues with the next one, bit for bit.
+//!
+//! Data-parallel ([`crate::dist`]): every rank draws the same prompts, samples and scores its
+//! share of the rows, and gathers the rest; each micro-batch is shared among the ranks and the
+//! gradients are summed before the optimizer step, so every rank takes the same step. Only
+//! rank 0 writes metrics and checkpoints.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -25,6 +30,7 @@ use crate::advantage::{group_advantages, GroupAdvantages};
 use crate::checkpoint::{self, CheckpointContents, TrainerState};
 use crate::config::GspoConfig;
 use crate::dataset::{PromptDataset, PromptSampler, Sample};
+use crate::dist::{BatchLayout, DataParallel, Shares};
 use crate::loss::{completion_mask, policy_loss, LossConfig, LossInputs, LossMetrics};
 use crate::metrics::{CompletionStats, MetricsLog, StepMetrics, StepParts, StepTimings};
 use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule};
@@ -61,10 +67,14 @@ pub struct Trainer {
     pub total_steps: u64,
     /// Where the run stands.
     pub state: TrainerState,
-    /// One line per optimizer step.
-    pub metrics: MetricsLog,
+    /// One line per optimizer step (rank 0 only).
+    pub metrics: Option<MetricsLog>,
     /// Peak memory per device, for the metrics.
     pub memory: fleet_topology::MemoryWatch,
+    /// The other ranks of a data-parallel run (`None`: one process).
+    pub dp: Option<DataParallel>,
+    /// The batch arithmetic (world size, global and per-rank batches, learning-rate scale).
+    pub layout: BatchLayout,
 }
 
 /// One generation batch, scored, ready for the updates.
@@ -77,9 +87,15 @@ struct Rollouts {
     advantages: GroupAdvantages,
     /// `[rows, completion_width]` f32.
     mask: Tensor,
-    /// Old log-probs (off-policy), `[rows, width]`.
+    /// Masked tokens per row (0: the row is out of the loss).
+    row_tokens: Vec<u64>,
+    /// The micro-batches over all ranks: rows of the generation batch, shuffled once.
+    micro_batches: Vec<Vec<usize>>,
+    /// Where a row this rank trains on sits in `old_logp` / `ref_logp`.
+    logp_pos: std::collections::HashMap<usize, usize>,
+    /// Old log-probs (off-policy) of this rank's rows, `[rank rows, width]`.
     old_logp: Option<Tensor>,
-    /// Reference log-probs (beta > 0), `[rows, width]`.
+    /// Reference log-probs (beta > 0) of this rank's rows, `[rank rows, width]`.
     ref_logp: Option<Tensor>,
     stats: CompletionStats,
     tokens: u64,
@@ -106,13 +122,8 @@ impl Trainer {
         self.state.cursor = self.sampler.cursor();
         self.state.num_tokens += rollouts.tokens;
 
-        // The micro-batches: a seeded shuffle of the rows, cut into steps_per_generation parts.
         let cfg = &self.config;
-        let rows = rollouts.completions.len();
-        let order = crate::dataset::epoch_order(rows, cfg.seed, self.state.generation_batch);
-        let per_micro = cfg.per_device_train_batch_size;
-        let micro_batches: Vec<Vec<usize>> =
-            order.chunks(per_micro).map(<[usize]>::to_vec).collect();
+        let shares = self.shares();
         let loss_config = LossConfig::from(cfg);
         let gas = cfg.gradient_accumulation_steps;
 
@@ -125,12 +136,18 @@ impl Trainer {
         let mut step_started = Instant::now();
         let mut first_step = true;
         for _ in 0..cfg.num_iterations {
-            for rows in &micro_batches {
+            for micro in &rollouts.micro_batches {
                 if self.state.step >= self.total_steps {
                     return Ok(());
                 }
+                // This rank's share; the loss is divided by the whole micro-batch's sequences.
+                let global_sequences = micro
+                    .iter()
+                    .filter(|&&i| rollouts.row_tokens[i] > 0)
+                    .count() as u64;
+                let rows = shares.of(micro);
                 let (loss, metrics, ent, tokens) =
-                    self.micro_step(&rollouts, rows, &loss_config, &mut grads)?;
+                    self.micro_step(&rollouts, rows, global_sequences, &loss_config, &mut grads)?;
                 step_loss += loss / gas as f64;
                 step_metrics.merge(&metrics);
                 entropy.0 += ent.0;
@@ -140,15 +157,44 @@ impl Trainer {
                 if micro_in_step < gas {
                     continue;
                 }
-                // The optimizer step.
+                // The optimizer step, on the gradients summed over the ranks.
+                let timer = Stage::start(self, "optim.1_all_reduce");
+                if let Some(dp) = &self.dp {
+                    let params: Vec<candle_core::Var> = self
+                        .optimizer
+                        .params()
+                        .iter()
+                        .map(|(_, v)| v.clone())
+                        .collect();
+                    dp.collective.all_reduce_grads(&mut grads, &params)?;
+                    let mut sums = [step_loss, entropy.0, entropy.1, step_tokens as f64];
+                    dp.collective.all_reduce_f64(&mut sums)?;
+                    [step_loss, entropy.0, entropy.1] = [sums[0], sums[1], sums[2]];
+                    step_tokens = sums[3] as u64;
+                    let mine = serde_json::to_vec(&step_metrics)
+                        .map_err(|e| TrainError::Setup(format!("loss metrics: {e}")))?;
+                    let mut all = LossMetrics::default();
+                    for bytes in dp.collective.all_gather_bytes(mine)? {
+                        let m: LossMetrics = serde_json::from_slice(&bytes).map_err(|e| {
+                            TrainError::Setup(format!("loss metrics from another rank: {e}"))
+                        })?;
+                        all.merge(&m);
+                    }
+                    step_metrics = all;
+                }
+                timer.stop(self)?;
+                let timer = Stage::start(self, "optim.2_clip");
                 let mut g = Gradients::new(std::mem::take(&mut grads));
                 let grad_norm = if cfg.max_grad_norm > 0.0 {
                     clip_grad_norm(&mut g, cfg.max_grad_norm)?
                 } else {
                     crate::optim::grad_norm(&g)?
                 };
-                let lr = self.schedule.lr(self.state.step);
+                timer.stop(self)?;
+                let timer = Stage::start(self, "optim.3_adamw");
+                let lr = self.schedule.lr(self.state.step) * self.layout.lr_scale;
                 self.optimizer.step(&g, lr)?;
+                timer.stop(self)?;
                 self.state.step += 1;
                 let update_seconds = step_started.elapsed().as_secs_f64();
                 let timings = StepTimings {
@@ -185,7 +231,9 @@ impl Trainer {
                     timings,
                     peak_memory_bytes: &peak,
                 });
-                self.metrics.append(&record)?;
+                if let Some(metrics) = &mut self.metrics {
+                    metrics.append(&record)?;
+                }
                 on_step(&record);
                 step_loss = 0.0;
                 step_metrics = LossMetrics::default();
@@ -196,10 +244,11 @@ impl Trainer {
                 step_started = Instant::now();
             }
         }
-        // Checkpoints only between generation batches: a resume starts a fresh one.
+        // Checkpoints only between generation batches: a resume starts a fresh one. Rank 0
+        // writes them; the ranks hold the same weights.
         let save_every = self.config.save_steps;
         let last = self.state.step >= self.total_steps;
-        if save_every > 0 && (last || self.steps_since_save() >= save_every) {
+        if self.is_main() && save_every > 0 && (last || self.steps_since_save() >= save_every) {
             self.save()?;
         }
         Ok(())
@@ -230,6 +279,27 @@ impl Trainer {
         Ok(path)
     }
 
+    /// Ends a data-parallel run cleanly on this rank (every rank calls it after training);
+    /// nothing for a single process.
+    pub fn finish(&mut self) -> Result<(), TrainError> {
+        match self.dp.take() {
+            Some(dp) => dp.finish(),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether this process writes the run's files (rank 0, or the only process).
+    pub fn is_main(&self) -> bool {
+        self.dp.as_ref().is_none_or(|dp| dp.world().is_main())
+    }
+
+    /// This rank's shares of the rows.
+    pub fn shares(&self) -> Shares {
+        self.dp
+            .as_ref()
+            .map_or(Shares::SINGLE, DataParallel::shares)
+    }
+
     fn epoch(&self) -> f64 {
         self.sampler.epoch_progress()
     }
@@ -245,7 +315,9 @@ impl Trainer {
         let cfg = self.config.clone();
         let g = cfg.num_generations;
         let started = Instant::now();
-        let batch = self.sampler.next_batch(cfg.prompts_per_generation())?;
+        let batch = self
+            .sampler
+            .next_batch(self.layout.prompts_per_generation)?;
         let samples: Vec<&Sample> = batch
             .indices
             .iter()
@@ -280,12 +352,17 @@ impl Trainer {
                 });
             }
         }
+        // This rank samples and scores its share of the rows.
+        let shares = self.shares();
+        let mine = shares.range(requests.len());
         self.text.model = self.policy.inference_model()?;
-        let outputs = self.text.generate(&requests, None)?;
+        let timer = Stage::start(self, "rollout.generate");
+        let outputs = self.text.generate(&requests[mine.clone()], None)?;
+        timer.stop(self)?;
         let generation_seconds = started.elapsed().as_secs_f64();
 
         let scoring = Instant::now();
-        let completions: Vec<Vec<u32>> = outputs.iter().map(|o| o.token_ids.clone()).collect();
+        let mut completions: Vec<Vec<u32>> = outputs.iter().map(|o| o.token_ids.clone()).collect();
         let texts: Vec<&str> = outputs.iter().map(|o| o.text.as_str()).collect();
         let prompts_rep: Vec<&str> = prompt_texts
             .iter()
@@ -295,9 +372,26 @@ impl Trainer {
             .iter()
             .flat_map(|s| std::iter::repeat_n(*s, g))
             .collect();
-        let rewards = self
-            .rewards
-            .score_batch(&prompts_rep, &texts, &samples_rep)?;
+        let mut rewards = self.rewards.score_batch(
+            &prompts_rep[mine.clone()],
+            &texts,
+            &samples_rep[mine.clone()],
+        )?;
+        // ... and gathers the others' (completions and rewards, in row order).
+        if let Some(dp) = &self.dp {
+            let part = serde_json::to_vec(&(&completions, &rewards))
+                .map_err(|e| TrainError::Setup(format!("rollouts for the other ranks: {e}")))?;
+            let mut all_completions = Vec::with_capacity(requests.len());
+            let mut parts = Vec::new();
+            for bytes in dp.collective.all_gather_bytes(part)? {
+                let (c, r): (Vec<Vec<u32>>, BatchRewards) = serde_json::from_slice(&bytes)
+                    .map_err(|e| TrainError::Setup(format!("rollouts from another rank: {e}")))?;
+                all_completions.extend(c);
+                parts.push(r);
+            }
+            completions = all_completions;
+            rewards = BatchRewards::concat(parts);
+        }
         let advantages = group_advantages(&rewards.totals, g, cfg.scale_rewards)?;
         let width = cfg.max_completion_length.max(1);
         let eos = self.text.eos_ids();
@@ -309,6 +403,29 @@ impl Trainer {
             cfg.mask_truncated_completions,
             &head,
         )?;
+        let row_tokens: Vec<u64> = cm
+            .mask
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?
+            .iter()
+            .map(|r| r.iter().filter(|&&v| v != 0.0).count() as u64)
+            .collect();
+        // The micro-batches: a seeded shuffle of the rows, cut into parts of the global
+        // micro-batch; this rank trains on its share of each.
+        let order = crate::dataset::epoch_order(
+            completions.len(),
+            cfg.seed,
+            self.state.generation_batch + 1,
+        );
+        let micro_batches: Vec<Vec<usize>> = order
+            .chunks(self.layout.global_micro_batch)
+            .map(<[usize]>::to_vec)
+            .collect();
+        let rank_rows: Vec<usize> = micro_batches
+            .iter()
+            .flat_map(|m| shares.of(m).iter().copied())
+            .collect();
+        let logp_pos = rank_rows.iter().enumerate().map(|(p, &r)| (r, p)).collect();
         let stats = CompletionStats::from_lengths(&cm.lengths, &cm.truncated);
         let prompts: Vec<Vec<u32>> = prompt_ids
             .iter()
@@ -322,6 +439,9 @@ impl Trainer {
             rewards,
             advantages,
             mask: cm.mask,
+            row_tokens,
+            micro_batches,
+            logp_pos,
             old_logp: None,
             ref_logp: None,
             stats: stats.ok_or_else(|| {
@@ -332,11 +452,14 @@ impl Trainer {
             scoring_seconds: 0.0,
         };
         if !cfg.is_on_policy() {
-            rollouts.old_logp = Some(self.all_logprobs(&self.policy, &rollouts, width)?);
+            let timer = Stage::start(self, "rollout.old_logprobs");
+            rollouts.old_logp =
+                Some(self.all_logprobs(&self.policy, &rollouts, &rank_rows, width)?);
+            timer.stop(self)?;
         }
         if cfg.beta > 0.0 {
             let reference = self.reference.as_ref().ok_or(TrainError::NoReference)?;
-            rollouts.ref_logp = Some(self.all_logprobs(reference, &rollouts, width)?);
+            rollouts.ref_logp = Some(self.all_logprobs(reference, &rollouts, &rank_rows, width)?);
         }
         rollouts.scoring_seconds = scoring.elapsed().as_secs_f64();
         Ok(rollouts)
@@ -349,16 +472,17 @@ impl Trainer {
             .unwrap_or(candle_core::Device::Cpu)
     }
 
-    /// Log-probs of every rollout row under `model`, in micro-batches, `[rows, width]`.
+    /// Log-probs of `rows` under `model`, in this rank's micro-batches (the same batches the
+    /// updates use), `[rows, width]`.
     fn all_logprobs(
         &self,
         model: &TrainableQwen,
         r: &Rollouts,
+        rows: &[usize],
         width: usize,
     ) -> Result<Tensor, TrainError> {
-        let rows: Vec<usize> = (0..r.completions.len()).collect();
         let mut parts = Vec::new();
-        for chunk in rows.chunks(self.config.per_device_train_batch_size) {
+        for chunk in rows.chunks(self.layout.per_rank_micro_batch.max(1)) {
             let batch = self.token_batch(r, chunk, width)?;
             let lp = model.logprobs(&batch, self.config.temperature)?;
             parts.push(lp.logp.to_device(&self.policy_head_device())?);
@@ -385,12 +509,15 @@ impl Trainer {
         Ok(TokenBatch::new(&prompts, &completions, self.text.pad_id())?)
     }
 
-    /// One micro-batch: forward, GSPO loss, backward into `grads`. Returns the loss, the clip
-    /// statistics, (entropy sum, token count) and the tokens trained on.
+    /// One micro-batch (this rank's share of it): forward, GSPO loss, backward into `grads`.
+    /// The share's loss is its sum over `global_sequences`, the micro-batch's sequences over
+    /// all ranks, so that summing the ranks' gradients gives the whole micro-batch's. Returns
+    /// the loss, the clip statistics, (entropy sum, token count) and the tokens trained on.
     fn micro_step(
         &self,
         r: &Rollouts,
         rows: &[usize],
+        global_sequences: u64,
         loss_config: &LossConfig,
         grads: &mut ParamGrads,
     ) -> Result<(f64, LossMetrics, (f64, f64), u64), TrainError> {
@@ -404,16 +531,26 @@ impl Trainer {
             &dev,
         )?;
         let mask = r.mask.index_select(&idx, 0)?;
+        let pos: Vec<u32> = rows
+            .iter()
+            .map(|i| {
+                r.logp_pos.get(i).map(|&p| p as u32).ok_or_else(|| {
+                    TrainError::Setup(format!("row {i} is not among this rank's rows (a bug)"))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let pos = Tensor::from_vec(pos, rows.len(), &dev)?;
         let old = r
             .old_logp
             .as_ref()
-            .map(|t| t.index_select(&idx, 0))
+            .map(|t| t.index_select(&pos, 0))
             .transpose()?;
         let reference = r
             .ref_logp
             .as_ref()
-            .map(|t| t.index_select(&idx, 0))
+            .map(|t| t.index_select(&pos, 0))
             .transpose()?;
+        let distributed = self.dp.is_some();
         let adv: Vec<f32> = rows.iter().map(|&i| r.advantages.advantages[i]).collect();
         let advantages = Tensor::from_vec(adv, rows.len(), &dev)?;
         let gas = cfg.gradient_accumulation_steps as f64;
@@ -433,10 +570,16 @@ impl Trainer {
                     loss_config,
                 )
                 .map_err(|e| fleet_models::ModelError::BadInput(e.to_string()))?;
-                let value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                // Over several ranks: the share's sum over the whole micro-batch's sequences.
+                let loss = if distributed && global_sequences > 0 {
+                    (out.loss * (out.metrics.num_sequences as f64 / global_sequences as f64))?
+                } else {
+                    out.loss
+                };
+                let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 metrics = Some(out.metrics);
                 // Gradient accumulation averages the micro-batches of a step.
-                Ok(((out.loss / gas)?, value))
+                Ok(((loss / gas)?, value))
             },
             grads,
         )?;
@@ -448,6 +591,32 @@ impl Trainer {
             (ent_sum, tokens),
             tokens as u64,
         ))
+    }
+}
+
+/// A profiled stage of the loop (`FLEET_PROFILE=1`): the policy's head device is synchronized
+/// at both ends, so the time is the GPU's; free when not profiling.
+struct Stage {
+    name: &'static str,
+    started: Option<Instant>,
+}
+
+impl Stage {
+    fn start(trainer: &Trainer, name: &'static str) -> Stage {
+        let started = fleet_models::profile::enabled().then(|| {
+            let _ = trainer.policy_head_device().synchronize();
+            fleet_models::profile::begin();
+            Instant::now()
+        });
+        Stage { name, started }
+    }
+
+    fn stop(self, trainer: &Trainer) -> Result<(), TrainError> {
+        if let Some(t) = self.started {
+            trainer.policy_head_device().synchronize()?;
+            fleet_models::profile::record(self.name, t.elapsed().as_secs_f64());
+        }
+        Ok(())
     }
 }
 

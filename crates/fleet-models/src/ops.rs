@@ -61,6 +61,53 @@ pub fn masked_softmax(
     Ok(contig(scores)?.apply_op2_arc(pad, op)?)
 }
 
+/// Runs a custom op's backward; when profiling, adds its synchronized time to `stage`.
+fn bwd_timed<T>(
+    dev: &candle_core::Device,
+    stage: &'static str,
+    f: impl FnOnce() -> candle_core::Result<T>,
+) -> candle_core::Result<T> {
+    if !crate::profile::enabled() {
+        return f();
+    }
+    dev.synchronize()?;
+    let t = std::time::Instant::now();
+    let out = f()?;
+    dev.synchronize()?;
+    crate::profile::record(stage, t.elapsed().as_secs_f64());
+    Ok(out)
+}
+
+/// `sum(x * x)` as a 0-d f32 tensor, summed over the last dimension first: candle reduces a
+/// whole tensor in one thread block, which is slow for large ones, while a reduction over the
+/// last dimension runs one block per row.
+pub fn sum_squares(x: &Tensor) -> candle_core::Result<Tensor> {
+    row_sums_first(&x.to_dtype(DType::F32)?.sqr()?)
+}
+
+/// `x.sum_all()` computed over the last dimension first (see [`sum_squares`]); keeps the graph.
+pub fn sum_all_fast(x: &Tensor) -> candle_core::Result<Tensor> {
+    row_sums_first(x)
+}
+
+fn row_sums_first(x: &Tensor) -> candle_core::Result<Tensor> {
+    let n = x.elem_count();
+    if x.rank() < 2 || n < (1 << 16) {
+        return x.sum_all();
+    }
+    let last = x.dim(D::Minus1)?;
+    // Rows of a useful width: the tensor's own last dimension when it is wide enough, else
+    // the whole tensor cut into rows of 1024 when it divides.
+    let rows = if last >= 256 {
+        x.reshape(((), last))?
+    } else if n.is_multiple_of(1024) {
+        x.flatten_all()?.reshape(((), 1024))?
+    } else {
+        return x.sum_all();
+    };
+    rows.sum(1)?.sum_all()
+}
+
 /// `silu(x[.., :n]) * x[.., n:]` for `x` of last dimension `2n`.
 pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     let op: Arc<Box<dyn candle_core::CustomOp1 + Send + Sync>> = Arc::new(Box::new(SwiGlu));
@@ -301,11 +348,13 @@ impl CustomOp2 for MaskedSoftmax {
         res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let y = res.to_dtype(DType::F32)?;
-        let g = grad.to_dtype(DType::F32)?;
-        let dot = (&g * &y)?.sum_keepdim(D::Minus1)?;
-        let dx = (y * g.broadcast_sub(&dot)?)?;
-        Ok((Some(dx.to_dtype(scores.dtype())?), None))
+        bwd_timed(grad.device(), "bwd.masked_softmax", || {
+            let y = res.to_dtype(DType::F32)?;
+            let g = grad.to_dtype(DType::F32)?;
+            let dot = (&g * &y)?.sum_keepdim(D::Minus1)?;
+            let dx = (y * g.broadcast_sub(&dot)?)?;
+            Ok((Some(dx.to_dtype(scores.dtype())?), None))
+        })
     }
 }
 
@@ -354,20 +403,22 @@ impl candle_core::CustomOp1 for SwiGlu {
     /// With `x = [gate | up]`: `d gate = g * up * silu'(gate)`, `d up = g * silu(gate)`, where
     /// `silu'(z) = sigmoid(z) * (1 + z * (1 - sigmoid(z)))`.
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let xf = x.to_dtype(DType::F32)?;
-        let n = xf.dim(D::Minus1)? / 2;
-        let gate = xf.narrow(D::Minus1, 0, n)?;
-        let up = xf.narrow(D::Minus1, n, n)?;
-        let g = grad.to_dtype(DType::F32)?;
-        let sig = candle_nn::ops::sigmoid(&gate.contiguous()?)?;
-        let silu = (&gate * &sig)?;
-        // silu'(z) = sig + silu * (1 - sig)
-        let dsilu = (&sig + (&silu * sig.affine(-1.0, 1.0)?)?)?;
-        let d_gate = ((&g * up)? * dsilu)?;
-        let d_up = (g * silu)?;
-        Ok(Some(
-            Tensor::cat(&[d_gate, d_up], D::Minus1)?.to_dtype(x.dtype())?,
-        ))
+        bwd_timed(grad.device(), "bwd.swiglu", || {
+            let xf = x.to_dtype(DType::F32)?;
+            let n = xf.dim(D::Minus1)? / 2;
+            let gate = xf.narrow(D::Minus1, 0, n)?;
+            let up = xf.narrow(D::Minus1, n, n)?;
+            let g = grad.to_dtype(DType::F32)?;
+            let sig = candle_nn::ops::sigmoid(&gate.contiguous()?)?;
+            let silu = (&gate * &sig)?;
+            // silu'(z) = sig + silu * (1 - sig)
+            let dsilu = (&sig + (&silu * sig.affine(-1.0, 1.0)?)?)?;
+            let d_gate = ((&g * up)? * dsilu)?;
+            let d_up = (g * silu)?;
+            Ok(Some(
+                Tensor::cat(&[d_gate, d_up], D::Minus1)?.to_dtype(x.dtype())?,
+            ))
+        })
     }
 }
 
@@ -478,17 +529,19 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = rms_norm_bwd(
-            &x.to_dtype(DType::F32)?,
-            w,
-            &grad.to_dtype(DType::F32)?,
-            self.eps,
-            x.dtype(),
-        )?;
-        Ok((
-            wanted(x, || dx.to_dtype(x.dtype()))?,
-            wanted(w, || dw.to_dtype(w.dtype()))?,
-        ))
+        bwd_timed(grad.device(), "bwd.rms_norm", || {
+            let (dx, dw) = rms_norm_bwd(
+                &x.to_dtype(DType::F32)?,
+                w,
+                &grad.to_dtype(DType::F32)?,
+                self.eps,
+                x.dtype(),
+            )?;
+            Ok((
+                wanted(x, || dx.to_dtype(x.dtype()))?,
+                wanted(w, || dw.to_dtype(w.dtype()))?,
+            ))
+        })
     }
 }
 
@@ -573,16 +626,18 @@ impl CustomOp3 for AddRmsNorm {
         res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let s = res.get(0)?.to_dtype(DType::F32)?;
-        let grad = grad.to_dtype(DType::F32)?;
-        let (g_s, g_y) = (grad.get(0)?, grad.get(1)?);
-        let (ds, dw) = rms_norm_bwd(&s, w, &g_y, self.eps, x.dtype())?;
-        let ds = (ds + g_s)?.to_dtype(x.dtype())?;
-        Ok((
-            wanted(x, || Ok(ds.clone()))?,
-            wanted(h, || Ok(ds.clone()))?,
-            wanted(w, || dw.to_dtype(w.dtype()))?,
-        ))
+        bwd_timed(grad.device(), "bwd.add_rms_norm", || {
+            let s = res.get(0)?.to_dtype(DType::F32)?;
+            let grad = grad.to_dtype(DType::F32)?;
+            let (g_s, g_y) = (grad.get(0)?, grad.get(1)?);
+            let (ds, dw) = rms_norm_bwd(&s, w, &g_y, self.eps, x.dtype())?;
+            let ds = (ds + g_s)?.to_dtype(x.dtype())?;
+            Ok((
+                wanted(x, || Ok(ds.clone()))?,
+                wanted(h, || Ok(ds.clone()))?,
+                wanted(w, || dw.to_dtype(w.dtype()))?,
+            ))
+        })
     }
 }
 
@@ -741,22 +796,24 @@ impl CustomOp3 for QkvRope {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (b, t, w) = qkv.dims3()?;
-        let half = self.d / 2;
-        let (gq, gk, gv) = split_grad(grad, (b, t), (self.h, self.kvh), self.d)?;
-        let cos = cs.narrow(D::Minus1, 0, half)?;
-        let sin = cs.narrow(D::Minus1, half, half)?;
-        let all = Tensor::cat(
-            &[unrotate(&gq, &cos, &sin)?, unrotate(&gk, &cos, &sin)?, gv],
-            1,
-        )?
-        .transpose(1, 2)?
-        .reshape((b, t, w))?;
-        Ok((
-            wanted(qkv, || all.to_dtype(qkv.dtype()))?,
-            wanted(bias, || all.sum((0, 1))?.to_dtype(bias.dtype()))?,
-            None,
-        ))
+        bwd_timed(grad.device(), "bwd.qkv_rope", || {
+            let (b, t, w) = qkv.dims3()?;
+            let half = self.d / 2;
+            let (gq, gk, gv) = split_grad(grad, (b, t), (self.h, self.kvh), self.d)?;
+            let cos = cs.narrow(D::Minus1, 0, half)?;
+            let sin = cs.narrow(D::Minus1, half, half)?;
+            let all = Tensor::cat(
+                &[unrotate(&gq, &cos, &sin)?, unrotate(&gk, &cos, &sin)?, gv],
+                1,
+            )?
+            .transpose(1, 2)?
+            .reshape((b, t, w))?;
+            Ok((
+                wanted(qkv, || all.to_dtype(qkv.dtype()))?,
+                wanted(bias, || all.sum((0, 1))?.to_dtype(bias.dtype()))?,
+                None,
+            ))
+        })
     }
 }
 
@@ -975,31 +1032,33 @@ impl CustomOp3 for QkNormRope {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (h, kvh, d) = (self.h, self.kvh, self.d);
-        let (b, t, w) = qkv.dims3()?;
-        let dtype = qkv.dtype();
-        let s = match &self.bias {
-            Some(bias) => qkv
-                .to_dtype(DType::F32)?
-                .broadcast_add(&bias.to_dtype(DType::F32)?)?
-                .to_dtype(dtype)?
-                .to_dtype(DType::F32)?,
-            None => qkv.to_dtype(DType::F32)?,
-        }
-        .reshape((b, t, h + 2 * kvh, d))?;
-        let (gq, gk, gv) = split_grad(grad, (b, t), (h, kvh), d)?;
-        let norm_bwd = |g: &Tensor, start: usize, n: usize, weight: &Tensor| {
-            let g = unrotate(g, &self.cos, &self.sin)?.transpose(1, 2)?;
-            rms_norm_bwd(&s.narrow(2, start, n)?, weight, &g, self.eps, dtype)
-        };
-        let (dq, dqw) = norm_bwd(&gq, 0, h, q_weight)?;
-        let (dk, dkw) = norm_bwd(&gk, h, kvh, k_weight)?;
-        let dx = Tensor::cat(&[dq, dk, gv.transpose(1, 2)?], 2)?.reshape((b, t, w))?;
-        Ok((
-            wanted(qkv, || dx.to_dtype(dtype))?,
-            wanted(q_weight, || dqw.to_dtype(q_weight.dtype()))?,
-            wanted(k_weight, || dkw.to_dtype(k_weight.dtype()))?,
-        ))
+        bwd_timed(grad.device(), "bwd.qk_norm_rope", || {
+            let (h, kvh, d) = (self.h, self.kvh, self.d);
+            let (b, t, w) = qkv.dims3()?;
+            let dtype = qkv.dtype();
+            let s = match &self.bias {
+                Some(bias) => qkv
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&bias.to_dtype(DType::F32)?)?
+                    .to_dtype(dtype)?
+                    .to_dtype(DType::F32)?,
+                None => qkv.to_dtype(DType::F32)?,
+            }
+            .reshape((b, t, h + 2 * kvh, d))?;
+            let (gq, gk, gv) = split_grad(grad, (b, t), (h, kvh), d)?;
+            let norm_bwd = |g: &Tensor, start: usize, n: usize, weight: &Tensor| {
+                let g = unrotate(g, &self.cos, &self.sin)?.transpose(1, 2)?;
+                rms_norm_bwd(&s.narrow(2, start, n)?, weight, &g, self.eps, dtype)
+            };
+            let (dq, dqw) = norm_bwd(&gq, 0, h, q_weight)?;
+            let (dk, dkw) = norm_bwd(&gk, h, kvh, k_weight)?;
+            let dx = Tensor::cat(&[dq, dk, gv.transpose(1, 2)?], 2)?.reshape((b, t, w))?;
+            Ok((
+                wanted(qkv, || dx.to_dtype(dtype))?,
+                wanted(q_weight, || dqw.to_dtype(q_weight.dtype()))?,
+                wanted(k_weight, || dkw.to_dtype(k_weight.dtype()))?,
+            ))
+        })
     }
 }
 

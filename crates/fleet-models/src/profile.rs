@@ -1,8 +1,13 @@
 //! Opt-in timing of the decoder's stages (`FLEET_PROFILE=1`), for finding where a step's time
 //! goes on the GPU machine. Each timed stage synchronizes the device before and after, so
 //! profiled runs are slower than plain ones: read the shares, not the totals.
+//!
+//! The coarse stages of training (names starting `train.`, `optim.`, `rollout.`) also keep the
+//! most GPU memory in use while they ran (GPU 0, polled every millisecond by a thread that
+//! starts with the first such stage): where a run's peak comes from.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
@@ -11,11 +16,37 @@ use candle_core::Device;
 use crate::error::Result;
 
 static ENABLED: OnceLock<bool> = OnceLock::new();
-static TIMES: Mutex<BTreeMap<&'static str, (f64, u64)>> = Mutex::new(BTreeMap::new());
+/// Stage -> (seconds, calls, peak bytes in use).
+static TIMES: Mutex<BTreeMap<&'static str, (f64, u64, u64)>> = Mutex::new(BTreeMap::new());
+/// The most memory in use on GPU 0 since the last [`begin`].
+static PEAK: AtomicU64 = AtomicU64::new(0);
+static POLLER: OnceLock<()> = OnceLock::new();
 
 /// Whether `FLEET_PROFILE` is set to something other than `0`.
 pub fn enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("FLEET_PROFILE").is_ok_and(|v| v != "0"))
+}
+
+fn coarse(stage: &str) -> bool {
+    ["train.", "optim.", "rollout."]
+        .iter()
+        .any(|p| stage.starts_with(p))
+}
+
+/// Starts a coarse stage's memory window (see the module docs); does nothing unless profiling.
+pub fn begin() {
+    if !enabled() {
+        return;
+    }
+    POLLER.get_or_init(|| {
+        std::thread::spawn(|| loop {
+            if let Some(used) = fleet_topology::gpu_used_bytes(0) {
+                PEAK.fetch_max(used, Ordering::Relaxed);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        });
+    });
+    PEAK.store(0, Ordering::Relaxed);
 }
 
 /// Runs `f`; when profiling, adds its synchronized wall time to `stage`.
@@ -28,20 +59,43 @@ pub(crate) fn time<T>(
         return f();
     }
     dev.synchronize()?;
+    if coarse(stage) {
+        begin();
+    }
     let t = Instant::now();
     let out = f()?;
     dev.synchronize()?;
-    let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    let e = times.entry(stage).or_insert((0.0, 0));
-    e.0 += t.elapsed().as_secs_f64();
-    e.1 += 1;
+    record(stage, t.elapsed().as_secs_f64());
     Ok(out)
 }
 
-/// Stage name, total seconds and calls since the last reset; empty unless profiling.
-pub fn take_report() -> Vec<(&'static str, f64, u64)> {
+/// Adds `seconds` to `stage` (for callers outside this crate that time their own stages,
+/// synchronizing the device themselves and calling [`begin`] at the start of a coarse one);
+/// does nothing unless profiling.
+pub fn record(stage: &'static str, seconds: f64) {
+    if !enabled() {
+        return;
+    }
+    let peak = if coarse(stage) {
+        PEAK.load(Ordering::Relaxed)
+    } else {
+        0
+    };
     let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    let out = times.iter().map(|(k, (s, n))| (*k, *s, *n)).collect();
+    let e = times.entry(stage).or_insert((0.0, 0, 0));
+    e.0 += seconds;
+    e.1 += 1;
+    e.2 = e.2.max(peak);
+}
+
+/// Stage name, total seconds, calls and peak GPU bytes (coarse stages; else 0) since the
+/// last reset; empty unless profiling.
+pub fn take_report() -> Vec<(&'static str, f64, u64, u64)> {
+    let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
+    let out = times
+        .iter()
+        .map(|(k, (s, n, p))| (*k, *s, *n, *p))
+        .collect();
     times.clear();
     out
 }

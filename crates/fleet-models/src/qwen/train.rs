@@ -30,6 +30,7 @@ use crate::config::QwenConfig;
 use crate::device::Devices;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::LayerCache;
+use crate::profile;
 use crate::weights::Weights;
 
 /// Sequences to score: prompts left-padded to `prompt_len`, completions right-padded after
@@ -549,34 +550,38 @@ impl TrainableQwen {
         } else {
             self.cfg.num_hidden_layers
         };
+        let head_dev = self.devices.get(self.map.head).clone();
         let mut starts: Vec<(Tensor, Option<Tensor>)> = Vec::new();
-        let mut x = self.embedding(&detached)?.forward(&ids)?;
-        let mut pending: Option<Tensor> = None;
-        for i in 0..self.cfg.num_hidden_layers {
-            let layer = self.block(&detached, i)?;
-            let dev = self.devices.get(layer.location);
-            x = x.to_device(dev)?;
-            pending = pending.map(|p| p.to_device(dev)).transpose()?;
-            if i % segment == 0 {
-                starts.push((x.clone(), pending.clone()));
+        let (xs, ps) = profile::time(&head_dev, "train.1_forward_no_graph", || {
+            let mut x = self.embedding(&detached)?.forward(&ids)?;
+            let mut pending: Option<Tensor> = None;
+            for i in 0..self.cfg.num_hidden_layers {
+                let layer = self.block(&detached, i)?;
+                let dev = self.devices.get(layer.location);
+                x = x.to_device(dev)?;
+                pending = pending.map(|p| p.to_device(dev)).transpose()?;
+                if i % segment == 0 {
+                    starts.push((x.clone(), pending.clone()));
+                }
+                let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
+                x = nx;
+                pending = Some(mlp);
             }
-            let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
-            x = nx;
-            pending = Some(mlp);
-        }
-        let pending = pending.expect("a decoder has at least one layer");
-        let (xs, ps) = self.scored_rows(batch, &x, &pending)?;
-        drop((x, pending));
+            let pending = pending.expect("a decoder has at least one layer");
+            self.scored_rows(batch, &x, &pending)
+        })?;
 
         // 2. Log-probs without a graph, then the loss and its gradient with respect to them.
         let targets = self.targets(batch)?;
         let head_detached = self.head(&detached)?;
-        let values = self.chunked(&xs, &ps, &targets, temperature, &head_detached)?;
+        let values = profile::time(&head_dev, "train.2_head_values", || {
+            self.chunked(&xs, &ps, &targets, temperature, &head_detached)
+        })?;
         let logp_var = Var::from_tensor(&values.logp.reshape((b, c))?)?;
         let (loss, out) = loss_of(logp_var.as_tensor())?;
         let loss_grads = loss.backward()?;
         let g_logp = match loss_grads.get(logp_var.as_tensor()) {
-            Some(g) => g.reshape(b * c)?,
+            Some(g) => g.detach().reshape(b * c)?,
             // The loss does not depend on the model (every advantage 0): no gradient.
             None => {
                 return Ok((
@@ -591,30 +596,43 @@ impl TrainableQwen {
         drop(loss_grads);
 
         // 3. The head, chunk by chunk: gradient of the loss with respect to the hidden rows.
+        let head_started = profile::enabled().then(|| {
+            profile::begin();
+            std::time::Instant::now()
+        });
         let head = self.head(&tracked)?;
         let (mut gx_rows, n) = (Vec::new(), xs.dim(0)?);
         for (start, len) in chunks(n, self.head_chunk_rows) {
             let xv = Var::from_tensor(&xs.narrow(0, start, len)?)?;
             let pv = Var::from_tensor(&ps.narrow(0, start, len)?)?;
-            let (logp, _) = self.head_logprobs(
-                &head,
-                xv.as_tensor(),
-                pv.as_tensor(),
-                &targets.narrow(0, start, len)?,
-                temperature,
-                false,
-            )?;
-            let surrogate = (logp * g_logp.narrow(0, start, len)?)?.sum_all()?;
-            let g = surrogate.backward()?;
-            self.collect(&g, |p| p == Part::Head || p == Part::Embed, grads)?;
+            let (logp, _) = profile::time(&head_dev, "head.forward", || {
+                self.head_logprobs(
+                    &head,
+                    xv.as_tensor(),
+                    pv.as_tensor(),
+                    &targets.narrow(0, start, len)?,
+                    temperature,
+                    false,
+                )
+            })?;
+            let g = profile::time(&head_dev, "head.backward", || {
+                let surrogate = (logp * g_logp.narrow(0, start, len)?)?.sum_all()?;
+                Ok(surrogate.backward()?)
+            })?;
+            profile::time(&head_dev, "head.collect", || {
+                self.collect(&g, |p| p == Part::Head || p == Part::Embed, grads)
+            })?;
             // x and pending enter the head only through their sum: one gradient for both.
-            gx_rows.push(
-                g.get(xv.as_tensor())
-                    .cloned()
-                    .unwrap_or(xs.narrow(0, start, len)?.zeros_like()?),
-            );
+            gx_rows.push(match g.get(xv.as_tensor()) {
+                Some(t) => t.detach(),
+                None => xs.narrow(0, start, len)?.zeros_like()?,
+            });
         }
         drop(head);
+        if let Some(t) = head_started {
+            head_dev.synchronize()?;
+            profile::record("train.3_head_backward", t.elapsed().as_secs_f64());
+        }
         // Back to `[rows, len, hidden]`, zero at the positions that score nothing.
         let hs = self.cfg.hidden_size;
         let scored = Tensor::cat(&gx_rows, 0)?.reshape((b, c, hs))?;
@@ -646,33 +664,44 @@ impl TrainableQwen {
             let last = (first + segment).min(n_layers);
             let xv = Var::from_tensor(x0)?;
             let pv = p0.as_ref().map(Var::from_tensor).transpose()?;
-            let mut x = xv.as_tensor().clone();
-            let mut pending = pv.as_ref().map(|v| v.as_tensor().clone());
-            for i in first..last {
-                let layer = self.block(&tracked, i)?;
-                let dev = self.devices.get(layer.location);
-                x = x.to_device(dev)?;
-                pending = pending.map(|p| p.to_device(dev)).transpose()?;
-                let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
-                x = nx;
-                pending = Some(mlp);
-            }
-            let pending = pending.expect("a segment has at least one block");
+            let seg_dev = self.devices.get(self.map.layers[first]).clone();
+            let (x, pending) = profile::time(&seg_dev, "train.4a_blocks_recompute", || {
+                let mut x = xv.as_tensor().clone();
+                let mut pending = pv.as_ref().map(|v| v.as_tensor().clone());
+                for i in first..last {
+                    let layer = self.block(&tracked, i)?;
+                    let dev = self.devices.get(layer.location);
+                    x = x.to_device(dev)?;
+                    pending = pending.map(|p| p.to_device(dev)).transpose()?;
+                    let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
+                    x = nx;
+                    pending = Some(mlp);
+                }
+                Ok((x, pending.expect("a segment has at least one block")))
+            })?;
             let g_here = g.to_device(x.device())?.to_dtype(x.dtype())?;
-            let surrogate = ((x * &g_here)?.sum_all()? + (pending * &g_here)?.sum_all()?)?;
-            let gs = surrogate.backward()?;
-            self.collect(
-                &gs,
-                |p| matches!(p, Part::Layer(i) if (first..last).contains(&i)),
-                grads,
-            )?;
-            g = gs.get(xv.as_tensor()).cloned().unwrap_or(x0.zeros_like()?);
+            let gs = profile::time(&seg_dev, "train.4b_blocks_backward", || {
+                let surrogate = (crate::ops::sum_all_fast(&(x * &g_here)?)?
+                    + crate::ops::sum_all_fast(&(pending * &g_here)?)?)?;
+                Ok(surrogate.backward()?)
+            })?;
+            profile::time(&seg_dev, "train.4c_collect_grads", || {
+                self.collect(
+                    &gs,
+                    |p| matches!(p, Part::Layer(i) if (first..last).contains(&i)),
+                    grads,
+                )
+            })?;
+            g = match gs.get(xv.as_tensor()) {
+                Some(t) => t.detach(),
+                None => x0.zeros_like()?,
+            };
         }
 
         // 5. The embedding.
         let embedded = self.embedding(&tracked)?.forward(&ids)?;
         let g = g.to_device(embedded.device())?.to_dtype(embedded.dtype())?;
-        let gs = (embedded * g)?.sum_all()?.backward()?;
+        let gs = crate::ops::sum_all_fast(&(embedded * g)?)?.backward()?;
         self.collect(&gs, |p| p == Part::Embed, grads)?;
 
         Ok((

@@ -1,0 +1,330 @@
+//! Data-parallel gspo-train on the CPU, with real processes and real sockets (TCP collectives
+//! stand in for NCCL): N ranks train like one process with the same global batch, two
+//! "nodes" like one node of two, a run resumes on another number of ranks, and a rank that
+//! dies or runs another config stops the others with an error naming it.
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn gspo_train() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gspo-train"));
+    c.env("FLEET_COMMIT", "dp-test-commit");
+    // A rank started by hand must not think a parent launcher started it.
+    for v in [
+        "FLEET_LAUNCHER",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn ok(out: &Output) -> (String, String) {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    (stdout, stderr)
+}
+
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn port() -> String {
+    fleet_dist::pick_free_port().unwrap().to_string()
+}
+
+/// The embedded default for `steps` steps into `out`, plus `extra` flags.
+fn args(out: &Path, steps: u32, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--max-steps",
+        &steps.to_string(),
+        "--set",
+        "save_steps=4",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+fn f(v: &serde_json::Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or(f64::NAN)
+}
+
+/// Same rewards, and losses and gradient norms within float-summation tolerance.
+fn assert_same_curve(a: &[serde_json::Value], b: &[serde_json::Value], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: step counts");
+    for (x, y) in a.iter().zip(b) {
+        let step = &x["step"];
+        assert_eq!(x["reward"], y["reward"], "{what}: reward at step {step}");
+        assert_eq!(
+            x["num_tokens"], y["num_tokens"],
+            "{what}: tokens at step {step}"
+        );
+        for key in ["loss", "grad_norm", "entropy"] {
+            let (p, q) = (f(x, key), f(y, key));
+            assert!(
+                (p - q).abs() <= 1e-4 * (1.0 + p.abs()),
+                "{what}: {key} at step {step}: {p} vs {q}"
+            );
+        }
+    }
+}
+
+/// Weights of two checkpoints within `tol`.
+fn assert_same_weights(a: &Path, b: &Path, tol: f32) {
+    let load = |p: &Path| {
+        candle_core::safetensors::load(p.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap()
+    };
+    let (wa, wb) = (load(a), load(b));
+    assert_eq!(wa.len(), wb.len());
+    for (name, x) in &wa {
+        let y = &wb[name];
+        let d = (x - y)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d <= tol, "{name}: max |diff| {d} > {tol}");
+    }
+}
+
+#[test]
+fn two_ranks_train_like_one_process_with_the_same_global_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = tmp.path().join("one");
+    let two = tmp.path().join("two");
+    ok(&gspo_train().args(args(&one, 8, &[])).output().unwrap());
+    let (stdout, stderr) = ok(&gspo_train()
+        .args(args(
+            &two,
+            8,
+            &["--nproc-per-node", "2", "--master-port", &port()],
+        ))
+        .output()
+        .unwrap());
+    let all = format!("{stdout}{stderr}");
+    for line in [
+        "Distributed environment: MULTI_CPU",
+        "Number of processes: 2",
+        "Number of nodes: 1",
+        "16 completions per micro-batch over all processes (8 per process)",
+    ] {
+        assert!(all.contains(line), "{line:?} missing:\n{all}");
+    }
+    assert_same_curve(&metrics(&one), &metrics(&two), "1 vs 2 ranks");
+    assert_same_weights(&one.join("checkpoint-8"), &two.join("checkpoint-8"), 1e-5);
+}
+
+#[test]
+fn two_nodes_on_one_machine_train_like_one_node_of_two() {
+    let tmp = tempfile::tempdir().unwrap();
+    let node = tmp.path().join("node");
+    let nodes = tmp.path().join("nodes");
+    ok(&gspo_train()
+        .args(args(
+            &node,
+            4,
+            &["--nproc-per-node", "2", "--master-port", &port()],
+        ))
+        .output()
+        .unwrap());
+    let p = port();
+    let start = |rank: &str| -> Child {
+        gspo_train()
+            .args(args(
+                &nodes,
+                4,
+                &[
+                    "--nproc-per-node",
+                    "1",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    rank,
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    &p,
+                ],
+            ))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (start("0"), start("1"));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (_, err0) = ok(&a);
+    ok(&b);
+    assert!(err0.contains("Number of nodes: 2"), "{err0}");
+    // The same arithmetic in the same order: identical, not merely close.
+    assert_eq!(metrics(&node).len(), 4);
+    for (x, y) in metrics(&node).iter().zip(metrics(&nodes)) {
+        for key in ["reward", "loss", "grad_norm", "num_tokens"] {
+            assert_eq!(x[key], y[key], "{key} at step {}", x["step"]);
+        }
+    }
+    assert_same_weights(&node.join("checkpoint-4"), &nodes.join("checkpoint-4"), 0.0);
+}
+
+#[test]
+fn a_run_resumes_on_another_number_of_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let straight = tmp.path().join("straight");
+    let moved = tmp.path().join("moved");
+    ok(&gspo_train().args(args(&straight, 8, &[])).output().unwrap());
+    // Two ranks up to the checkpoint at step 4, then one process to step 8.
+    ok(&gspo_train()
+        .args(args(
+            &moved,
+            4,
+            &["--nproc-per-node", "2", "--master-port", &port()],
+        ))
+        .output()
+        .unwrap());
+    let (_, stderr) = ok(&gspo_train()
+        .args(args(&moved, 8, &["--resume"]))
+        .output()
+        .unwrap());
+    assert!(stderr.contains("resuming from"), "{stderr}");
+    assert_same_curve(&metrics(&straight), &metrics(&moved), "resumed on 1 rank");
+    assert_same_weights(
+        &straight.join("checkpoint-8"),
+        &moved.join("checkpoint-8"),
+        1e-5,
+    );
+}
+
+/// A rank started by hand, torchrun-style.
+fn rank(rank: usize, world: usize, port: &str, out: &Path, extra: &[&str]) -> Command {
+    let mut c = gspo_train();
+    c.args(args(out, 100_000, extra))
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+#[test]
+fn a_rank_that_dies_stops_the_others_with_its_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let p = port();
+    let extra = ["--dist-timeout", "5", "--set", "save_steps=100000"];
+    let mut r0 = rank(0, 2, &p, &out, &extra).spawn().unwrap();
+    let mut r1 = rank(1, 2, &p, &out, &extra).spawn().unwrap();
+    // Kill rank 1 once training is under way.
+    let started = Instant::now();
+    while !out.join("metrics.jsonl").exists()
+        || std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .is_empty()
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "training never started"
+        );
+        if let Some(status) = r0.try_wait().unwrap() {
+            let out = r0.wait_with_output().unwrap();
+            panic!(
+                "rank 0 ended before the kill ({status}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    r1.kill().unwrap();
+    r1.wait().unwrap();
+    let killed = Instant::now();
+    let out0 = loop {
+        if let Some(_status) = r0.try_wait().unwrap() {
+            break r0.wait_with_output().unwrap();
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "rank 0 still runs 30 s after rank 1 died"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let stderr = String::from_utf8_lossy(&out0.stderr);
+    assert!(!out0.status.success());
+    assert!(stderr.contains("rank 1"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn a_rank_with_another_config_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let p = port();
+    let r0 = rank(0, 2, &p, &out, &["--dist-timeout", "20"])
+        .spawn()
+        .unwrap();
+    let r1 = rank(
+        1,
+        2,
+        &p,
+        &out,
+        &["--dist-timeout", "20", "--learning-rate", "0.5"],
+    )
+    .spawn()
+    .unwrap();
+    let (o0, o1) = (
+        r0.wait_with_output().unwrap(),
+        r1.wait_with_output().unwrap(),
+    );
+    for o in [&o0, &o1] {
+        assert!(!o.status.success());
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(stderr.contains("rank 1"), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    // Nothing was trained.
+    assert!(!out.join("checkpoint-4").exists());
+}
+
+#[test]
+fn a_batch_the_ranks_cannot_share_is_refused_with_the_ways_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = gspo_train()
+        .args(args(
+            &tmp.path().join("run"),
+            4,
+            &["--nproc-per-node", "3", "--master-port", &port()],
+        ))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot be shared by 3"), "{stderr}");
+    assert!(stderr.contains("--scale-lr linear"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
