@@ -216,6 +216,92 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cos, const T *s
     }
 }
 
+
+// Backward of `masked_softmax`: dx = y * (g - sum(g * y)) per row (masked keys have y = 0, so
+// dx = 0 there), in f32, rounded once to T. One warp per row, as the forward.
+template <typename T>
+__device__ void masked_softmax_bwd(const T *y, const T *g, T *dx, int n_rows, int kv_len) {
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    const int lane = threadIdx.x;
+    if (row >= n_rows) return;
+    const T *yr = y + (size_t)row * kv_len;
+    const T *gr = g + (size_t)row * kv_len;
+    T *dr = dx + (size_t)row * kv_len;
+    float dot = 0.f;
+    for (int j = lane; j < kv_len; j += 32) dot += to_f(gr[j]) * to_f(yr[j]);
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, o);
+    for (int j = lane; j < kv_len; j += 32) {
+        const float yv = to_f(yr[j]);
+        dr[j] = from_f<T>(yv * (to_f(gr[j]) - dot));
+    }
+}
+
+// Backward of `swiglu`: with x = [gate | up] and g the output's gradient, d gate = g * up *
+// silu'(gate) and d up = g * silu(gate), silu'(z) = sigmoid(z) + silu(z) * (1 - sigmoid(z)),
+// in f32, rounded once to T.
+template <typename T>
+__device__ void swiglu_bwd(const T *x, const T *g, T *dx, int n_rows, int n_cols) {
+    const size_t n = (size_t)n_rows * n_cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / n_cols, c = i % n_cols;
+        const size_t gi = r * 2 * n_cols + c, ui = gi + n_cols;
+        const float z = to_f(x[gi]), u = to_f(x[ui]), gy = to_f(g[i]);
+        const float sig = 1.f / (1.f + expf(-z));
+        const float silu = z * sig;
+        const float dsilu = sig + silu * (1.f - sig);
+        dx[gi] = from_f<T>(gy * u * dsilu);
+        dx[ui] = from_f<T>(gy * silu);
+    }
+}
+
+// Backward of RMSNorm (y = w * T(s * r), r = rsqrt(mean(s^2) + eps)) for one row per block:
+// dn = gy * w, ds = r * (dn - n * mean(dn * n)) with n = s * r, plus gs (the gradient of the
+// residual output of add_rms_norm) when has_gs. Writes ds in f32 and r per row (for dw).
+template <typename T>
+__device__ void rms_norm_bwd_rows(const T *s, const T *w, const T *gs, const T *gy, float *ds,
+                                  float *inv_out, int n_rows, int n, float eps, int has_gs) {
+    const int row = blockIdx.x;
+    if (row >= n_rows) return;
+    const T *sr = s + (size_t)row * n;
+    const T *gr = gy + (size_t)row * n;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const float f = to_f(sr[c]);
+        ss += f * f;
+    }
+    const float r = rsqrtf(block_sum(ss) / n + eps);
+    __syncthreads(); // block_sum's shared memory is reused below
+    float dot = 0.f;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        dot += to_f(gr[c]) * to_f(w[c]) * (to_f(sr[c]) * r);
+    }
+    const float proj = block_sum(dot) / n;
+    float *dr = ds + (size_t)row * n;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const float normed = to_f(sr[c]) * r;
+        float v = r * (to_f(gr[c]) * to_f(w[c]) - normed * proj);
+        if (has_gs) v += to_f(gs[(size_t)row * n + c]);
+        dr[c] = v;
+    }
+    if (threadIdx.x == 0) inv_out[row] = r;
+}
+
+// dw partial sums: partial[y][c] = sum over rows r = y, y + gridDim.y, ... of
+// gy[r, c] * T(s[r, c] * inv[r]) (the normalised value rounded as the forward rounds it).
+// Threads walk consecutive columns, so each row is read coalesced.
+template <typename T>
+__device__ void rms_norm_dw_partial(const T *s, const T *gy, const float *inv, float *partial,
+                                    int n_rows, int n) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= n) return;
+    float acc = 0.f;
+    for (int r = blockIdx.y; r < n_rows; r += gridDim.y) {
+        acc += to_f(gy[(size_t)r * n + c]) * rnd<T>(to_f(s[(size_t)r * n + c]) * inv[r]);
+    }
+    partial[(size_t)blockIdx.y * n + c] = acc;
+}
+
 #define OPS(T, SUFFIX)                                                                        \
     extern "C" __global__ void masked_softmax_##SUFFIX(const T *x, T *y, const uint32_t *pad, \
                                                        int n_rows, int rows_per_batch,       \
@@ -224,6 +310,24 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cos, const T *s
     }                                                                                         \
     extern "C" __global__ void swiglu_##SUFFIX(const T *x, T *y, int n_rows, int n_cols) {    \
         swiglu<T>(x, y, n_rows, n_cols);                                                      \
+    }                                                                                         \
+    extern "C" __global__ void masked_softmax_bwd_##SUFFIX(const T *y, const T *g, T *dx,   \
+                                                           int n_rows, int kv_len) {         \
+        masked_softmax_bwd<T>(y, g, dx, n_rows, kv_len);                                      \
+    }                                                                                         \
+    extern "C" __global__ void swiglu_bwd_##SUFFIX(const T *x, const T *g, T *dx, int n_rows, \
+                                                   int n_cols) {                              \
+        swiglu_bwd<T>(x, g, dx, n_rows, n_cols);                                              \
+    }                                                                                         \
+    extern "C" __global__ void rms_norm_bwd_rows_##SUFFIX(                                    \
+        const T *s, const T *w, const T *gs, const T *gy, float *ds, float *inv, int n_rows,  \
+        int n, float eps, int has_gs) {                                                       \
+        rms_norm_bwd_rows<T>(s, w, gs, gy, ds, inv, n_rows, n, eps, has_gs);                  \
+    }                                                                                         \
+    extern "C" __global__ void rms_norm_dw_partial_##SUFFIX(const T *s, const T *gy,          \
+                                                            const float *inv, float *partial, \
+                                                            int n_rows, int n) {              \
+        rms_norm_dw_partial<T>(s, gy, inv, partial, n_rows, n);                               \
     }                                                                                         \
     extern "C" __global__ void add_rms_norm_##SUFFIX(const T *x, const T *h, const T *w,      \
                                                      T *out, int n_rows, int n, float eps) {  \
@@ -308,5 +412,85 @@ extern "C" __global__ void sample_gumbel(const float *logits, const uint32_t *pa
             }
         }
         if (lane == 0) out[r] = (uint32_t)(best_v == 0x7fffffff ? 0 : best_v);
+    }
+}
+
+// dw from the partial sums, added in order (deterministic): dw[c] = sum over y of partial[y][c].
+extern "C" __global__ void sum_partials(const float *partial, float *out, int parts, int n) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= n) return;
+    float acc = 0.f;
+    for (int y = 0; y < parts; ++y) acc += partial[(size_t)y * n + c];
+    out[c] = acc;
+}
+
+// Max of `v` over the block (as block_sum). Call it once per kernel, with every thread.
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partial_max[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) partial_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (blockDim.x + 31) / 32 ? partial_max[lane] : -INFINITY;
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+        if (lane == 0) partial_max[0] = v;
+    }
+    __syncthreads();
+    return partial_max[0];
+}
+
+// The gradient of sum_i g[i] * log_softmax(logits[i] / T)[target[i]] with respect to the
+// logits: g[i] / T * (onehot(target[i]) - softmax(logits[i] / T)), statistics in f32, rounded
+// once to T. One block per row.
+template <typename T>
+__device__ void logp_grad(const T *logits, const uint32_t *target, const float *g, T *out,
+                          int n_rows, int vocab, float inv_t) {
+    const int row = blockIdx.x;
+    if (row >= n_rows) return;
+    const T *lr = logits + (size_t)row * vocab;
+    T *orow = out + (size_t)row * vocab;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, to_f(lr[j]) * inv_t);
+    m = block_max(m);
+    float s = 0.f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(to_f(lr[j]) * inv_t - m);
+    s = block_sum(s);
+    const float gi = g[row] * inv_t, inv_s = 1.f / s;
+    const int t = (int)target[row];
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        const float p = expf(to_f(lr[j]) * inv_t - m) * inv_s;
+        orow[j] = from_f<T>(gi * ((j == t ? 1.f : 0.f) - p));
+    }
+}
+
+#define LOGP_GRAD(T, SUFFIX)                                                                  \
+    extern "C" __global__ void logp_grad_##SUFFIX(const T *logits, const uint32_t *target,    \
+                                                  const float *g, T *out, int n_rows,         \
+                                                  int vocab, float inv_t) {                   \
+        logp_grad<T>(logits, target, g, out, n_rows, vocab, inv_t);                           \
+    }
+LOGP_GRAD(float, f32)
+LOGP_GRAD(__half, f16)
+LOGP_GRAD(__nv_bfloat16, bf16)
+
+// One AdamW step in place, as torch.optim.AdamW (foreach=False) computes it in f32:
+// p *= 1 - lr * wd; m = m + (1 - b1) * (g - m); v = v * b2 + (1 - b2) * g * g;
+// p += -step_size * m / (sqrt(v) / bc2_sqrt + eps). One thread per element. omb1 and omb2
+// are 1 - b1 and 1 - b2 computed in f64 and rounded, as the composed version gets them; every
+// product and sum is rounded on its own (no contraction), as candle's kernels compute them.
+extern "C" __global__ void adamw_f32(float *p, const float *g, float *m, float *v, long long n,
+                                     float decay, float omb1, float b2, float omb2, float eps,
+                                     float step_size, float bc2_sqrt) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float gi = g[i];
+        const float mi = __fadd_rn(__fmul_rn(__fsub_rn(gi, m[i]), omb1), m[i]);
+        const float vi = __fadd_rn(__fmul_rn(v[i], b2), __fmul_rn(__fmul_rn(gi, omb2), gi));
+        const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), bc2_sqrt), eps);
+        const float pi = __fmul_rn(p[i], decay);
+        p[i] = __fadd_rn(pi, __fmul_rn(__fdiv_rn(mi, denom), -step_size));
+        m[i] = mi;
+        v[i] = vi;
     }
 }

@@ -349,6 +349,11 @@ impl CustomOp2 for MaskedSoftmax {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         bwd_timed(grad.device(), "bwd.masked_softmax", || {
+            if grad.device().is_cuda() {
+                let (y, g) = (res.detach().contiguous()?, grad.detach().contiguous()?);
+                let dx = y.apply_op2_no_bwd(&g, &MaskedSoftmaxBwd)?;
+                return Ok((Some(dx.to_dtype(scores.dtype())?), None));
+            }
             let y = res.to_dtype(DType::F32)?;
             let g = grad.to_dtype(DType::F32)?;
             let dot = (&g * &y)?.sum_keepdim(D::Minus1)?;
@@ -404,6 +409,11 @@ impl candle_core::CustomOp1 for SwiGlu {
     /// `silu'(z) = sigmoid(z) * (1 + z * (1 - sigmoid(z)))`.
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         bwd_timed(grad.device(), "bwd.swiglu", || {
+            if x.device().is_cuda() {
+                let g = grad.detach().to_dtype(x.dtype())?.contiguous()?;
+                let dx = x.detach().contiguous()?.apply_op2_no_bwd(&g, &SwiGluBwd)?;
+                return Ok(Some(dx));
+            }
             let xf = x.to_dtype(DType::F32)?;
             let n = xf.dim(D::Minus1)? / 2;
             let gate = xf.narrow(D::Minus1, 0, n)?;
@@ -419,6 +429,289 @@ impl candle_core::CustomOp1 for SwiGlu {
                 Tensor::cat(&[d_gate, d_up], D::Minus1)?.to_dtype(x.dtype())?,
             ))
         })
+    }
+}
+
+/// The fused backward kernels, as forward-only ops on CUDA tensors (the CPU keeps the composed
+/// backward, which the finite-difference tests check; `ops_grad` compares the two on a GPU).
+struct SwiGluBwd;
+struct MaskedSoftmaxBwd;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct RmsNormBwd {
+    eps: f32,
+}
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct AddRmsNormBwd {
+    eps: f32,
+}
+
+impl candle_core::CustomOp2 for SwiGluBwd {
+    fn name(&self) -> &'static str {
+        "fleet-swiglu-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("fleet-swiglu-bwd runs on CUDA only")
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::swiglu_bwd(s1, l1, s2, l2)
+    }
+}
+
+impl candle_core::CustomOp2 for MaskedSoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "fleet-masked-softmax-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("fleet-masked-softmax-bwd runs on CUDA only")
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::masked_softmax_bwd(s1, l1, s2, l2)
+    }
+}
+
+impl candle_core::CustomOp3 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "fleet-rms-norm-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("fleet-rms-norm-bwd runs on CUDA only")
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::rms_norm_bwd(self.eps, s1, l1, s2, l2, s3, l3, None)
+    }
+}
+
+/// Inputs: `s`, `w`, and the stacked `[2, ..]` gradient (residual output, normed output).
+impl candle_core::CustomOp3 for AddRmsNormBwd {
+    fn name(&self) -> &'static str {
+        "fleet-add-rms-norm-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("fleet-add-rms-norm-bwd runs on CUDA only")
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        // The stacked gradient: [2, ...] -> its two halves as layouts over one storage.
+        let half = l1.shape().elem_count();
+        let (Some((start, _)), true) = (l3.contiguous_offsets(), l3.dims()[0] == 2) else {
+            candle_core::bail!("add_rms_norm backward: the gradient must be a contiguous [2, ..]")
+        };
+        let gs = Layout::contiguous_with_offset(l1.shape().clone(), start);
+        let gy = Layout::contiguous_with_offset(l1.shape().clone(), start + half);
+        cuda::rms_norm_bwd(self.eps, s1, l1, s2, l2, s3, &gy, Some((s3, &gs)))
+    }
+}
+
+/// `(ds, dw)` from the fused kernel's `[rows + 1, n]` f32 output.
+fn split_norm_bwd(out: &Tensor, like: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let rows = out.dim(0)? - 1;
+    Ok((
+        out.narrow(0, 0, rows)?.reshape(like.shape())?,
+        out.get(rows)?,
+    ))
+}
+
+/// The gradient of `sum_i g[i] * log_softmax(logits[i] / T)[targets[i]]` with respect to
+/// `logits` (`[n, vocab]`, any float dtype; targets `[n]` u32, `g` `[n]` f32): `g[i] / T *
+/// (onehot(targets[i]) - softmax(logits[i] / T))`, in the logits' dtype, with no graph. One
+/// fused kernel on CUDA (the `[n, vocab]` intermediates of the autograd version are what made
+/// the vocabulary projection's backward slow); composed ops on the CPU.
+pub fn logp_grad(
+    logits: &Tensor,
+    targets: &Tensor,
+    g: &Tensor,
+    temperature: f64,
+) -> candle_core::Result<Tensor> {
+    let (logits, targets, g) = (
+        logits.detach().contiguous()?,
+        targets.contiguous()?,
+        g.detach().to_dtype(DType::F32)?.contiguous()?,
+    );
+    if logits.device().is_cuda() {
+        return logits.apply_op3_no_bwd(
+            &targets,
+            &g,
+            &LogpGrad {
+                inv_t: (1.0 / temperature) as f32,
+            },
+        );
+    }
+    let z = (logits.to_dtype(DType::F32)? / temperature)?;
+    let m = z.max_keepdim(D::Minus1)?;
+    let e = z.broadcast_sub(&m)?.exp()?;
+    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    let n = targets.dim(0)?;
+    let ones = Tensor::ones((n, 1), DType::F32, logits.device())?;
+    let onehot = p
+        .zeros_like()?
+        .scatter_add(&targets.unsqueeze(1)?, &ones, 1)?;
+    let scale = (g.unsqueeze(1)? / temperature)?;
+    (onehot - p)?
+        .broadcast_mul(&scale)?
+        .to_dtype(logits.dtype())
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct LogpGrad {
+    inv_t: f32,
+}
+
+impl CustomOp3 for LogpGrad {
+    fn name(&self) -> &'static str {
+        "fleet-logp-grad"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("fleet-logp-grad's kernel runs on CUDA (logp_grad composes on the CPU)")
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::logp_grad(self.inv_t, s1, l1, s2, l2, s3, l3)
+    }
+}
+
+/// AdamW's hyper-parameters for one step of one parameter (see [`adamw_step_`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWStep {
+    /// `1 - lr * weight_decay` (1 without decay).
+    pub decay: f32,
+    /// `1 - beta1` (computed in f64, then rounded).
+    pub one_minus_beta1: f32,
+    /// beta2.
+    pub beta2: f32,
+    /// `1 - beta2` (computed in f64, then rounded).
+    pub one_minus_beta2: f32,
+    /// epsilon.
+    pub eps: f32,
+    /// `lr / (1 - beta1^t)`.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t)`.
+    pub bc2_sqrt: f32,
+}
+
+/// One AdamW step in place on a CUDA f32 parameter `p` and its moments `m`, `v` from the
+/// gradient `g`, in one kernel (the composed version reads and writes each tensor about a
+/// dozen times). Returns `Ok(false)`, touching nothing, when the tensors are not all
+/// contiguous f32 tensors on one CUDA device: the caller then computes the step itself.
+/// `m` and `v` must not share their storage with any other tensor.
+pub fn adamw_step_(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    step: AdamWStep,
+) -> candle_core::Result<bool> {
+    let ok = |t: &Tensor| {
+        t.device().is_cuda()
+            && t.dtype() == DType::F32
+            && t.is_contiguous()
+            && t.dims() == p.dims()
+            && t.device().same_device(p.device())
+    };
+    if !(cfg!(feature = "cuda") && ok(p) && ok(g) && ok(m) && ok(v)) {
+        return Ok(false);
+    }
+    p.inplace_op1(&AdamWOp {
+        g: g.clone(),
+        m: m.clone(),
+        v: v.clone(),
+        step,
+    })?;
+    Ok(true)
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct AdamWOp {
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    step: AdamWStep,
+}
+
+impl candle_core::InplaceOp1 for AdamWOp {
+    fn name(&self) -> &'static str {
+        "fleet-adamw"
+    }
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("fleet-adamw runs on CUDA only")
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        cuda::adamw(s, l, &self.g, &self.m, &self.v, self.step)
     }
 }
 
@@ -530,6 +823,17 @@ impl CustomOp2 for RmsNorm {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         bwd_timed(grad.device(), "bwd.rms_norm", || {
+            if x.device().is_cuda() {
+                let xs = x.detach().contiguous()?;
+                let g = grad.detach().to_dtype(x.dtype())?.contiguous()?;
+                let w_ = w.detach().to_dtype(x.dtype())?.contiguous()?;
+                let out = xs.apply_op3_no_bwd(&w_, &g, &RmsNormBwd { eps: self.eps })?;
+                let (dx, dw) = split_norm_bwd(&out, x)?;
+                return Ok((
+                    wanted(x, || dx.to_dtype(x.dtype()))?,
+                    wanted(w, || dw.to_dtype(w.dtype()))?,
+                ));
+            }
             let (dx, dw) = rms_norm_bwd(
                 &x.to_dtype(DType::F32)?,
                 w,
@@ -627,6 +931,19 @@ impl CustomOp3 for AddRmsNorm {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         bwd_timed(grad.device(), "bwd.add_rms_norm", || {
+            if x.device().is_cuda() {
+                let s = res.detach().get(0)?.contiguous()?;
+                let g = grad.detach().to_dtype(x.dtype())?.contiguous()?;
+                let w_ = w.detach().to_dtype(x.dtype())?.contiguous()?;
+                let out = s.apply_op3_no_bwd(&w_, &g, &AddRmsNormBwd { eps: self.eps })?;
+                let (ds, dw) = split_norm_bwd(&out, &s)?;
+                let ds = ds.to_dtype(x.dtype())?;
+                return Ok((
+                    wanted(x, || Ok(ds.clone()))?,
+                    wanted(h, || Ok(ds.clone()))?,
+                    wanted(w, || dw.to_dtype(w.dtype()))?,
+                ));
+            }
             let s = res.get(0)?.to_dtype(DType::F32)?;
             let grad = grad.to_dtype(DType::F32)?;
             let (g_s, g_y) = (grad.get(0)?, grad.get(1)?);
@@ -1419,6 +1736,398 @@ mod cuda {
             other => candle_core::bail!("qkv_rope: unsupported dtype {other:?}"),
         };
         Ok((out, Shape::from(n)))
+    }
+
+    /// Backward of `masked_softmax` from its output `y` and the output's gradient `g` (same
+    /// shape, same dtype): `dx`, same shape.
+    pub(super) fn masked_softmax_bwd(
+        ys: &CudaStorage,
+        yl: &Layout,
+        gs: &CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            ys: &CudaStorage,
+            yl: &Layout,
+            gs: &CudaStorage,
+            gl: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = ys.device().clone();
+            let y = input::<T>(ys, yl)?;
+            let g = input::<T>(gs, gl)?;
+            let el = yl.shape().elem_count();
+            let kv_len = yl.dims()[yl.dims().len() - 1];
+            let n_rows = el / kv_len;
+            let func = dev.get_or_load_custom_func(
+                &format!("masked_softmax_bwd_{}", suffix(ys.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every element is written by the kernel.
+            let dx: CudaSlice<T> = unsafe { dev.alloc::<T>(el)? };
+            const ROWS_PER_BLOCK: u32 = 4;
+            let cfg = LaunchConfig {
+                grid_dim: ((n_rows as u32).div_ceil(ROWS_PER_BLOCK), 1, 1),
+                block_dim: (32, ROWS_PER_BLOCK, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&y);
+            b.arg(&g);
+            b.arg(&dx);
+            let (rows, kv) = (n_rows as i32, kv_len as i32);
+            b.arg(&rows);
+            b.arg(&kv);
+            // SAFETY: one warp per row of kv_len values.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(dx, dev))
+        }
+        same_shapes("masked_softmax backward", yl, gl, ys.dtype(), gs.dtype())?;
+        let out = match ys.dtype() {
+            candle_core::DType::F32 => run::<f32>(ys, yl, gs, gl)?,
+            candle_core::DType::F16 => run::<f16>(ys, yl, gs, gl)?,
+            candle_core::DType::BF16 => run::<bf16>(ys, yl, gs, gl)?,
+            other => candle_core::bail!("masked_softmax backward: unsupported dtype {other:?}"),
+        };
+        Ok((out, yl.shape().clone()))
+    }
+
+    fn same_shapes(
+        op: &str,
+        a: &Layout,
+        b: &Layout,
+        da: candle_core::DType,
+        db: candle_core::DType,
+    ) -> candle_core::Result<()> {
+        if a.dims() != b.dims() || da != db {
+            candle_core::bail!(
+                "{op}: {:?} {da:?} and {:?} {db:?} must have the same shape and dtype",
+                a.dims(),
+                b.dims()
+            );
+        }
+        Ok(())
+    }
+
+    /// Backward of `swiglu` from its input `x` (`[.., 2n]`) and the output's gradient `g`
+    /// (`[.., n]`): `dx`, shaped like `x`.
+    pub(super) fn swiglu_bwd(
+        xs: &CudaStorage,
+        xl: &Layout,
+        gs: &CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            xs: &CudaStorage,
+            xl: &Layout,
+            gs: &CudaStorage,
+            gl: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = xs.device().clone();
+            let x = input::<T>(xs, xl)?;
+            let g = input::<T>(gs, gl)?;
+            let n2 = xl.dims()[xl.dims().len() - 1];
+            let n_rows = xl.shape().elem_count() / n2;
+            let n_cols = n2 / 2;
+            let el = n_rows * n_cols;
+            let func = dev.get_or_load_custom_func(
+                &format!("swiglu_bwd_{}", suffix(xs.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: the kernel writes both halves of every row.
+            let dx: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * el)? };
+            let threads = 256u32;
+            let blocks = (el as u32).div_ceil(threads).clamp(1, 65_535);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&g);
+            b.arg(&dx);
+            let (rows, cols) = (n_rows as i32, n_cols as i32);
+            b.arg(&rows);
+            b.arg(&cols);
+            // SAFETY: the grid-stride loop covers n_rows * n_cols (gate, up) pairs.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(dx, dev))
+        }
+        let (xd, gd) = (xl.dims(), gl.dims());
+        let n2 = xd[xd.len() - 1];
+        if xd.len() != gd.len()
+            || xd[..xd.len() - 1] != gd[..gd.len() - 1]
+            || 2 * gd[gd.len() - 1] != n2
+            || xs.dtype() != gs.dtype()
+        {
+            candle_core::bail!("swiglu backward: x {xd:?} and grad {gd:?} do not match");
+        }
+        let out = match xs.dtype() {
+            candle_core::DType::F32 => run::<f32>(xs, xl, gs, gl)?,
+            candle_core::DType::F16 => run::<f16>(xs, xl, gs, gl)?,
+            candle_core::DType::BF16 => run::<bf16>(xs, xl, gs, gl)?,
+            other => candle_core::bail!("swiglu backward: unsupported dtype {other:?}"),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+
+    /// Backward of RMSNorm over the last dimension (see `rms_norm_bwd`) from the normalised
+    /// input `s` (`[rows, n]`), the weight, the output's gradient `gy` and, for add_rms_norm,
+    /// the residual output's gradient `gs` (`g2`, same shape as `s`; `None` for plain
+    /// RMSNorm). Returns f32 `[rows + 1, n]`: `ds` in the first `rows`, `dw` in the last.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rms_norm_bwd(
+        eps: f32,
+        ss: &CudaStorage,
+        sl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+        gys: &CudaStorage,
+        gyl: &Layout,
+        g2: Option<(&CudaStorage, &Layout)>,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: CudaDType + DeviceRepr>(
+            eps: f32,
+            ss: &CudaStorage,
+            sl: &Layout,
+            ws: &CudaStorage,
+            wl: &Layout,
+            gys: &CudaStorage,
+            gyl: &Layout,
+            g2: Option<(&CudaStorage, &Layout)>,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = ss.device().clone();
+            let s = input::<T>(ss, sl)?;
+            let w = input::<T>(ws, wl)?;
+            let gy = input::<T>(gys, gyl)?;
+            let n = wl.shape().elem_count();
+            let n_rows = sl.shape().elem_count() / n;
+            let sfx = suffix(ss.dtype())?;
+            // SAFETY: rows kernel writes every ds value and every inv; the partials kernel
+            // writes every partial; sum_partials writes every dw value.
+            let mut out: CudaSlice<f32> = unsafe { dev.alloc::<f32>((n_rows + 1) * n)? };
+            let inv: CudaSlice<f32> = unsafe { dev.alloc::<f32>(n_rows.max(1))? };
+            const PARTS: u32 = 64;
+            let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(PARTS as usize * n)? };
+            let (rows_i, n_i, has_gs) = (n_rows as i32, n as i32, g2.is_some() as i32);
+
+            let func =
+                dev.get_or_load_custom_func(&format!("rms_norm_bwd_rows_{sfx}"), MODULE, PTX)?;
+            let g2_view = match g2 {
+                Some((st, l)) => input::<T>(st, l)?,
+                None => input::<T>(gys, gyl)?,
+            };
+            let threads = (n.div_ceil(32) * 32).clamp(32, 1024) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (n_rows as u32, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&s);
+            b.arg(&w);
+            b.arg(&g2_view);
+            b.arg(&gy);
+            b.arg(&out);
+            b.arg(&inv);
+            b.arg(&rows_i);
+            b.arg(&n_i);
+            b.arg(&eps);
+            b.arg(&has_gs);
+            // SAFETY: one block per row of n values; ds lands in out's first n_rows rows.
+            unsafe { b.launch(cfg) }.w()?;
+
+            let func =
+                dev.get_or_load_custom_func(&format!("rms_norm_dw_partial_{sfx}"), MODULE, PTX)?;
+            let cfg = LaunchConfig {
+                grid_dim: ((n as u32).div_ceil(256), PARTS, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&s);
+            b.arg(&gy);
+            b.arg(&inv);
+            b.arg(&partial);
+            b.arg(&rows_i);
+            b.arg(&n_i);
+            // SAFETY: one thread per (column, part).
+            unsafe { b.launch(cfg) }.w()?;
+
+            let func = dev.get_or_load_custom_func("sum_partials", MODULE, PTX)?;
+            let cfg = LaunchConfig {
+                grid_dim: ((n as u32).div_ceil(256), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut dw = out.slice_mut(n_rows * n..(n_rows + 1) * n);
+            let parts = PARTS as i32;
+            let mut b = func.builder();
+            b.arg(&partial);
+            b.arg(&mut dw);
+            b.arg(&parts);
+            b.arg(&n_i);
+            // SAFETY: one thread per column writes dw's n values.
+            unsafe { b.launch(cfg) }.w()?;
+            drop(dw);
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        let n = wl.shape().elem_count();
+        let sd = sl.dims();
+        if sd.is_empty() || sd[sd.len() - 1] != n || gyl.dims() != sd {
+            candle_core::bail!(
+                "rms_norm backward: s {sd:?}, weight {:?}, grad {:?} do not match",
+                wl.dims(),
+                gyl.dims()
+            );
+        }
+        if let Some((_, l)) = g2 {
+            if l.dims() != sd {
+                candle_core::bail!(
+                    "rms_norm backward: residual grad {:?} is not {sd:?}",
+                    l.dims()
+                );
+            }
+        }
+        let rows = sl.shape().elem_count() / n;
+        let out = match ss.dtype() {
+            candle_core::DType::F32 => run::<f32>(eps, ss, sl, ws, wl, gys, gyl, g2)?,
+            candle_core::DType::F16 => run::<f16>(eps, ss, sl, ws, wl, gys, gyl, g2)?,
+            candle_core::DType::BF16 => run::<bf16>(eps, ss, sl, ws, wl, gys, gyl, g2)?,
+            other => candle_core::bail!("rms_norm backward: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from((rows + 1, n))))
+    }
+
+    /// `logp_grad` (see `ops::logp_grad`): logits `[n, vocab]`, targets `[n]` u32, g `[n]` f32.
+    pub(super) fn logp_grad(
+        inv_t: f32,
+        ls: &CudaStorage,
+        ll: &Layout,
+        ts: &CudaStorage,
+        tl: &Layout,
+        gs: &CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            inv_t: f32,
+            ls: &CudaStorage,
+            ll: &Layout,
+            ts: &CudaStorage,
+            tl: &Layout,
+            gs: &CudaStorage,
+            gl: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = ls.device().clone();
+            let logits = input::<T>(ls, ll)?;
+            let targets = input::<u32>(ts, tl)?;
+            let g = input::<f32>(gs, gl)?;
+            let (n_rows, vocab) = ll.shape().dims2()?;
+            let func = dev.get_or_load_custom_func(
+                &format!("logp_grad_{}", suffix(ls.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every element is written by the kernel.
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n_rows * vocab)? };
+            let cfg = LaunchConfig {
+                grid_dim: (n_rows as u32, 1, 1),
+                block_dim: (1024, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&logits);
+            b.arg(&targets);
+            b.arg(&g);
+            b.arg(&out);
+            let (rows, v) = (n_rows as i32, vocab as i32);
+            b.arg(&rows);
+            b.arg(&v);
+            b.arg(&inv_t);
+            // SAFETY: one block per row of vocab values.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        let (n, _) = ll.shape().dims2()?;
+        if tl.dims() != [n]
+            || gl.dims() != [n]
+            || ts.dtype() != candle_core::DType::U32
+            || gs.dtype() != candle_core::DType::F32
+        {
+            candle_core::bail!(
+                "logp_grad: logits {:?}, targets {:?} {:?} (u32), g {:?} {:?} (f32) do not match",
+                ll.dims(),
+                tl.dims(),
+                ts.dtype(),
+                gl.dims(),
+                gs.dtype()
+            );
+        }
+        let out = match ls.dtype() {
+            candle_core::DType::F32 => run::<f32>(inv_t, ls, ll, ts, tl, gs, gl)?,
+            candle_core::DType::F16 => run::<f16>(inv_t, ls, ll, ts, tl, gs, gl)?,
+            candle_core::DType::BF16 => run::<bf16>(inv_t, ls, ll, ts, tl, gs, gl)?,
+            other => candle_core::bail!("logp_grad: unsupported dtype {other:?}"),
+        };
+        Ok((out, ll.shape().clone()))
+    }
+
+    /// The fused AdamW step (see `ops::adamw_step_`): `p` in place, `m` and `v` written through
+    /// their device pointers (their storages are the optimizer's own).
+    pub(super) fn adamw(
+        ps: &mut CudaStorage,
+        pl: &Layout,
+        g: &candle_core::Tensor,
+        m: &candle_core::Tensor,
+        v: &candle_core::Tensor,
+        h: super::AdamWStep,
+    ) -> candle_core::Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+        let dev = ps.device().clone();
+        let stream = dev.cuda_stream();
+        let n = pl.shape().elem_count();
+        let ptr = |t: &candle_core::Tensor| -> candle_core::Result<u64> {
+            let (st, l) = t.storage_and_layout();
+            let candle_core::Storage::Cuda(cs) = &*st else {
+                candle_core::bail!("fleet-adamw: a tensor is not on the GPU")
+            };
+            let slice = cs.as_cuda_slice::<f32>()?;
+            let (base, _sync) = slice.device_ptr(&stream);
+            Ok(base + 4 * l.start_offset() as u64)
+        };
+        let (gp, mp, vp) = (ptr(g)?, ptr(m)?, ptr(v)?);
+        let p_off = pl.start_offset();
+        let p = ps.as_cuda_slice_mut::<f32>()?;
+        let mut p = p.slice_mut(p_off..p_off + n);
+        let func = dev.get_or_load_custom_func("adamw_f32", MODULE, PTX)?;
+        let threads = 256u32;
+        let blocks = (n as u64).div_ceil(threads as u64).clamp(1, 65_535) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = func.builder();
+        b.arg(&mut p);
+        b.arg(&gp);
+        b.arg(&mp);
+        b.arg(&vp);
+        let n = n as i64;
+        b.arg(&n);
+        b.arg(&h.decay);
+        b.arg(&h.one_minus_beta1);
+        b.arg(&h.beta2);
+        b.arg(&h.one_minus_beta2);
+        b.arg(&h.eps);
+        b.arg(&h.step_size);
+        b.arg(&h.bc2_sqrt);
+        // SAFETY: p, g, m, v each hold n contiguous f32 on this device; the grid-stride loop
+        // touches each element once.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
     }
 
     pub(super) fn swiglu(s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {

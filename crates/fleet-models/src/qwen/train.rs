@@ -596,31 +596,56 @@ impl TrainableQwen {
         drop(loss_grads);
 
         // 3. The head, chunk by chunk: gradient of the loss with respect to the hidden rows.
+        // The log-softmax's gradient is written down directly (one fused kernel on a GPU):
+        // autograd through the [rows, vocab] logits made this the slowest part of a step.
+        // The vocabulary projection's two products follow by hand; autograd runs only through
+        // the final norm.
         let head_started = profile::enabled().then(|| {
             profile::begin();
             std::time::Instant::now()
         });
         let head = self.head(&tracked)?;
+        let lm_name = if self.cfg.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let lm_idx = *self
+            .by_name
+            .get(lm_name)
+            .ok_or_else(|| ModelError::BadInput(format!("the trainable model has no {lm_name}")))?;
+        let lm_w = head.1.weight().detach();
         let (mut gx_rows, n) = (Vec::new(), xs.dim(0)?);
         for (start, len) in chunks(n, self.head_chunk_rows) {
             let xv = Var::from_tensor(&xs.narrow(0, start, len)?)?;
             let pv = Var::from_tensor(&ps.narrow(0, start, len)?)?;
-            let (logp, _) = profile::time(&head_dev, "head.forward", || {
-                self.head_logprobs(
-                    &head,
-                    xv.as_tensor(),
-                    pv.as_tensor(),
+            let (h, grad_logits) = profile::time(&head_dev, "head.forward", || {
+                let h = head.0.add_forward(xv.as_tensor(), pv.as_tensor())?.1;
+                let logits = h.detach().matmul(&lm_w.t()?)?;
+                let gl = crate::ops::logp_grad(
+                    &logits,
                     &targets.narrow(0, start, len)?,
+                    &g_logp.narrow(0, start, len)?,
                     temperature,
-                    false,
-                )
+                )?;
+                Ok((h, gl))
             })?;
             let g = profile::time(&head_dev, "head.backward", || {
-                let surrogate = (logp * g_logp.narrow(0, start, len)?)?.sum_all()?;
+                let grad_h = grad_logits.matmul(&lm_w)?;
+                let grad_w = grad_logits
+                    .t()?
+                    .matmul(&h.detach())?
+                    .to_dtype(DType::F32)?
+                    .to_device(self.params[lm_idx].var.device())?;
+                grads[lm_idx] = Some(match grads[lm_idx].take() {
+                    Some(acc) => (acc + grad_w)?,
+                    None => grad_w,
+                });
+                let surrogate = crate::ops::sum_all_fast(&(&h * grad_h.to_dtype(h.dtype())?)?)?;
                 Ok(surrogate.backward()?)
             })?;
             profile::time(&head_dev, "head.collect", || {
-                self.collect(&g, |p| p == Part::Head || p == Part::Embed, grads)
+                self.collect(&g, |p| p == Part::Head, grads)
             })?;
             // x and pending enter the head only through their sum: one gradient for both.
             gx_rows.push(match g.get(xv.as_tensor()) {
