@@ -54,11 +54,16 @@ for shape in $SHAPES; do
   [ -f "$ckpt/config.json" ] || python3 scripts/gpu/make_random_checkpoint.py \
       --config "configs/models/qwen2.5-$shape.json" --out "$ckpt" \
       --tokenizer-from tests/fixtures/qwen2-tiny --dtype bf16
-  rm -rf "$WORK/fleet-$shape"
-  with_peak "fleet-$shape" "$WORK/gspo-train" --config configs/gspo/bench.toml \
-      --model "$ckpt" --dataset "$WORK/prompts.jsonl" --output-dir "$WORK/fleet-$shape" \
-      --max-steps "$STEPS" --dtype bf16
-  cp "$WORK/fleet-$shape/metrics.jsonl" "$OUT/fleet-$shape.metrics.jsonl" 2>/dev/null
+  # fleet twice: f32 master weights and moments (the default), and bf16 ones (TRL's).
+  for variant in fleet fleet-bf16; do
+    extra=""; [ "$variant" = fleet-bf16 ] && extra="--torch-dtype bfloat16"
+    rm -rf "$WORK/$variant-$shape"
+    # shellcheck disable=SC2086
+    with_peak "$variant-$shape" "$WORK/gspo-train" --config configs/gspo/bench.toml \
+        --model "$ckpt" --dataset "$WORK/prompts.jsonl" --output-dir "$WORK/$variant-$shape" \
+        --max-steps "$STEPS" --dtype bf16 $extra
+    cp "$WORK/$variant-$shape/metrics.jsonl" "$OUT/$variant-$shape.metrics.jsonl" 2>/dev/null
+  done
   with_peak "trl-$shape" python3 scripts/gpu/trl_gspo_bench.py --model "$ckpt" \
       --dataset "$WORK/prompts.jsonl" --out "$OUT/trl-$shape.json" --steps "$STEPS"
 done
@@ -71,20 +76,21 @@ per_gen = 4
 report = {}
 for shape in shapes:
     row = {}
-    f = out / f"fleet-{shape}.metrics.jsonl"
-    if f.exists():
-        m = [json.loads(l) for l in f.read_text().splitlines()]
-        batches = {}
-        for r in m:
-            b = batches.setdefault(r["generation_batch"], {"total": 0.0, "gen": 0.0, "score": 0.0, "update": 0.0})
-            b["total"] += r["step_time"]; b["gen"] += r["generation_seconds"]
-            b["score"] += r["scoring_seconds"]; b["update"] += r["update_seconds"]
-        later = [v for k, v in sorted(batches.items())[1:]]
-        mean = lambda key: sum(b[key] for b in later) / max(len(later), 1)
-        row["fleet"] = {"seconds_per_generation_batch": mean("total"), "generation": mean("gen"),
-                        "scoring": mean("score"), "update": mean("update"), "batches": len(later),
-                        "peak_torch_or_cuda": m[-1].get("peak_memory_bytes"),
-                        **json.loads((out / f"fleet-{shape}.mem.json").read_text())}
+    for variant in ("fleet", "fleet-bf16"):
+      f = out / f"{variant}-{shape}.metrics.jsonl"
+      if f.exists():
+          m = [json.loads(l) for l in f.read_text().splitlines()]
+          batches = {}
+          for r in m:
+              b = batches.setdefault(r["generation_batch"], {"total": 0.0, "gen": 0.0, "score": 0.0, "update": 0.0})
+              b["total"] += r["step_time"]; b["gen"] += r["generation_seconds"]
+              b["score"] += r["scoring_seconds"]; b["update"] += r["update_seconds"]
+          later = [v for k, v in sorted(batches.items())[1:]]
+          mean = lambda key: sum(b[key] for b in later) / max(len(later), 1)
+          row[variant] = {"seconds_per_generation_batch": mean("total"), "generation": mean("gen"),
+                          "scoring": mean("score"), "update": mean("update"), "batches": len(later),
+                          "peak_torch_or_cuda": m[-1].get("peak_memory_bytes"),
+                          **json.loads((out / f"{variant}-{shape}.mem.json").read_text())}
     f = out / f"trl-{shape}.json"
     if f.exists():
         t = json.loads(f.read_text())
@@ -102,7 +108,13 @@ for shape in shapes:
     if "fleet" in row and "trl" in row:
         row["speedup"] = row["trl"]["seconds_per_generation_batch"] / row["fleet"]["seconds_per_generation_batch"]
         row["memory_ratio_fleet_over_trl"] = row["fleet"]["peak_mib"] / max(row["trl"]["peak_mib"], 1)
+    if "fleet-bf16" in row and "trl" in row:
+        row["speedup_bf16"] = row["trl"]["seconds_per_generation_batch"] / row["fleet-bf16"]["seconds_per_generation_batch"]
+        row["memory_ratio_fleet_bf16_over_trl"] = row["fleet-bf16"]["peak_mib"] / max(row["trl"]["peak_mib"], 1)
     report[shape] = row
 (out / "gspo_vs_trl.json").write_text(json.dumps(report, indent=1))
 print(json.dumps(report, indent=1))
 EOF
+# Few files come back from a device call: the per-run files travel as one archive.
+(cd "$OUT" && tar czf details.tgz --exclude details.tgz --exclude gspo_vs_trl.json --exclude log.txt . \
+  && find . -maxdepth 1 -type f ! -name details.tgz ! -name gspo_vs_trl.json ! -name log.txt -delete)

@@ -106,6 +106,11 @@ struct Cli {
     /// Run seed (sampling, shuffling).
     #[arg(long)]
     seed: Option<String>,
+    /// Dtype of the trained weights, their gradients and AdamW's moments: `float32` (default)
+    /// or `bfloat16` (TRL's arithmetic and memory with a bf16-loaded model; updates below a
+    /// weight's bf16 resolution round away).
+    #[arg(long)]
+    torch_dtype: Option<String>,
     /// Any config field, or BATCH_SIZE / GROUP_SIZE / GSPO_EPOCHS: `--set GROUP_SIZE=8`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
@@ -212,6 +217,7 @@ fn config(cli: &Cli) -> Result<GspoConfig> {
         ("max_completion_length", &cli.max_completion_length),
         ("max_steps", &cli.max_steps),
         ("seed", &cli.seed),
+        ("torch_dtype", &cli.torch_dtype),
     ];
     for (key, value) in flags {
         if let Some(v) = value {

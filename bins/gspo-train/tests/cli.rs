@@ -388,3 +388,87 @@ fn the_reward_rises_on_the_synthetic_task() {
         "the reward did not rise: {first:.3} over the first 20 steps, {last:.3} over the last 40"
     );
 }
+
+/// `--torch-dtype bfloat16`: weights, gradients and AdamW moments in bf16 (TRL's arithmetic with
+/// a bf16 model); the checkpoint holds bf16 tensors, and a resume continues bit for bit.
+#[test]
+fn bf16_master_weights_train_save_bf16_and_resume_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let straight = tmp.path().join("straight");
+    let resumed = tmp.path().join("resumed");
+    let args = |out: &Path, steps: &str| -> Vec<String> {
+        [
+            "--output-dir",
+            out.to_str().unwrap(),
+            "--max-steps",
+            steps,
+            "--set",
+            "save_steps=4",
+            "--torch-dtype",
+            "bfloat16",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let run_args = |a: Vec<String>| gspo_train().args(a).output().expect("gspo-train runs");
+    ok(&run_args(args(&straight, "8")));
+    ok(&run_args(args(&resumed, "4")));
+    let mut more = args(&resumed, "8");
+    more.push("--resume".into());
+    ok(&run_args(more));
+    let (a, b) = (metrics(&straight), metrics(&resumed));
+    assert_eq!(a.len(), 8);
+    for (x, y) in a.iter().zip(&b) {
+        for key in ["reward", "loss", "grad_norm"] {
+            assert_eq!(x[key], y[key], "{key} at step {}", x["step"]);
+        }
+        assert!(x["loss"].as_f64().is_some_and(f64::is_finite));
+    }
+    let ckpt = straight.join("checkpoint-8");
+    let weights =
+        candle_core::safetensors::load(ckpt.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    assert!(weights
+        .values()
+        .all(|t| t.dtype() == candle_core::DType::BF16));
+    let opt = candle_core::safetensors::load(
+        ckpt.join("optimizer.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert!(opt
+        .iter()
+        .filter(|(k, _)| k.starts_with("exp_avg"))
+        .all(|(_, t)| t.dtype() == candle_core::DType::BF16));
+    // The same run in f32 differs: the setting is part of the run, not a no-op.
+    let f32_run = tmp.path().join("f32");
+    ok(&gspo_train()
+        .args([
+            "--output-dir",
+            f32_run.to_str().unwrap(),
+            "--max-steps",
+            "8",
+            "--set",
+            "save_steps=4",
+        ])
+        .output()
+        .unwrap());
+    let c = metrics(&f32_run);
+    assert!(a.iter().zip(&c).any(|(x, y)| x["loss"] != y["loss"]));
+    // A resume with the other dtype is refused (the manifest records it).
+    let out = gspo_train()
+        .args([
+            "--output-dir",
+            straight.to_str().unwrap(),
+            "--max-steps",
+            "12",
+            "--set",
+            "save_steps=4",
+            "--resume",
+        ])
+        .output()
+        .unwrap();
+    let stderr = fails(&out);
+    assert!(stderr.contains("torch_dtype"), "{stderr}");
+}

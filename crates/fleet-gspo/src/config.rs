@@ -197,6 +197,20 @@ pub enum ScaleRewards {
     None,
 }
 
+/// The dtype the trained weights, their gradients and AdamW's moments are held in (TRL's
+/// `model_init_kwargs["torch_dtype"]`: the dtype the policy is loaded in).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TorchDtype {
+    /// f32 master weights, gradients and moments (16 bytes per parameter); the passes compute
+    /// in the compute dtype (`--dtype`). Updates far below bf16's resolution still count.
+    #[serde(rename = "float32")]
+    Float32,
+    /// bf16 weights, gradients and moments, as TRL trains a model loaded in bf16 (8 bytes per
+    /// parameter); an update smaller than a weight's bf16 resolution rounds away.
+    #[serde(rename = "bfloat16")]
+    Bfloat16,
+}
+
 /// The learning-rate schedule (HF `lr_scheduler_type`); each has the linear warm-up of
 /// `warmup_steps` / `warmup_ratio`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -250,6 +264,10 @@ enum_names!(ImportanceSamplingLevel, "an importance sampling level", {
     "token" => ImportanceSamplingLevel::Token,
 });
 enum_names!(LossType, "a loss type", { "grpo" => LossType::Grpo });
+enum_names!(TorchDtype, "a master dtype", {
+    "float32" => TorchDtype::Float32,
+    "bfloat16" => TorchDtype::Bfloat16,
+});
 enum_names!(ScaleRewards, "a reward scaling", {
     "group" => ScaleRewards::Group,
     "batch" => ScaleRewards::Batch,
@@ -295,6 +313,9 @@ pub struct GspoConfig {
     pub loss_type: LossType,
     /// `group` (default), `batch` or `none`.
     pub scale_rewards: ScaleRewards,
+    /// `float32` (default: f32 master weights and moments) or `bfloat16` (TRL's arithmetic
+    /// and memory with a bf16-loaded model).
+    pub torch_dtype: TorchDtype,
     /// Exclude truncated completions (no EOS within `max_completion_length`) from the loss.
     /// Default false.
     pub mask_truncated_completions: bool,
@@ -362,6 +383,7 @@ impl Default for GspoConfig {
             importance_sampling_level: ImportanceSamplingLevel::Sequence,
             loss_type: LossType::Grpo,
             scale_rewards: ScaleRewards::Group,
+            torch_dtype: TorchDtype::Float32,
             mask_truncated_completions: false,
             max_prompt_length: None,
             max_completion_length: 256,
@@ -405,6 +427,7 @@ const KEYS: &[&str] = &[
     "importance_sampling_level",
     "loss_type",
     "scale_rewards",
+    "torch_dtype",
     "mask_truncated_completions",
     "max_prompt_length",
     "max_completion_length",
@@ -605,6 +628,13 @@ impl GspoConfig {
                 self.scale_rewards = match value.trim().to_ascii_lowercase().as_str() {
                     "true" => ScaleRewards::Group,
                     "false" => ScaleRewards::None,
+                    _ => parse_enum(key, value)?,
+                }
+            }
+            "torch_dtype" => {
+                self.torch_dtype = match value.trim() {
+                    "bf16" => TorchDtype::Bfloat16,
+                    "f32" | "fp32" => TorchDtype::Float32,
                     _ => parse_enum(key, value)?,
                 }
             }

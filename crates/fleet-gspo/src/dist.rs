@@ -454,7 +454,22 @@ pub mod nccl {
                         }
                     };
                 }
-                other => candle_core::bail!("NCCL collectives here take f32, not {other:?}"),
+                candle_core::DType::BF16 => {
+                    let slice = s.as_cuda_slice_mut::<half::bf16>()?;
+                    let mut view = slice.slice_mut(0..n);
+                    match self.op {
+                        Op::Sum => self
+                            .comm
+                            .all_reduce_in_place(&mut view, &ReduceOp::Sum)
+                            .map_err(err)?,
+                        Op::BroadcastFromRoot => {
+                            self.comm.broadcast_in_place(&mut view, 0).map_err(err)?
+                        }
+                    };
+                }
+                other => {
+                    candle_core::bail!("NCCL collectives here take f32 or bf16, not {other:?}")
+                }
             }
             Ok(())
         }
@@ -497,9 +512,12 @@ pub mod nccl {
 
         fn broadcast_vars(&self, vars: &[Var]) -> Result<(), TrainError> {
             for v in vars {
-                if v.dtype() != candle_core::DType::F32 {
+                if !matches!(
+                    v.dtype(),
+                    candle_core::DType::F32 | candle_core::DType::BF16
+                ) {
                     return Err(TrainError::Setup(format!(
-                        "broadcast of {:?} weights: the master weights are f32",
+                        "broadcast of {:?} weights: master weights are f32 or bf16",
                         v.dtype()
                     )));
                 }

@@ -54,6 +54,7 @@ pub mod trainer;
 pub use advantage::{group_advantages, AdvantageError, GroupAdvantages};
 pub use config::{
     ConfigError, GspoConfig, ImportanceSamplingLevel, LossType, LrSchedulerType, ScaleRewards,
+    TorchDtype,
 };
 pub use dataset::{
     load_prompts, DataCursor, DatasetError, Prompt, PromptBatch, PromptDataset, PromptSampler,

@@ -364,7 +364,9 @@ impl AdamW {
                     dtype,
                 });
             }
-            let zeros = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+            // Moments in the parameter's dtype: f32 for f32 masters, bf16 as torch keeps them
+            // for a bf16 parameter.
+            let zeros = Tensor::zeros(var.shape(), dtype, var.device())?;
             state.push(ParamState {
                 step: 0,
                 // Two allocations: on a GPU the moments are updated in place.
@@ -485,10 +487,16 @@ impl AdamW {
             if weight_decay != 0.0 {
                 p = p.affine(1.0 - lr * weight_decay, 0.0)?;
             }
+            // The moments are held in the parameter's dtype (as torch keeps them for a bf16
+            // parameter) and computed in f32.
+            let (m0, v0) = (
+                st.exp_avg.to_dtype(DType::F32)?,
+                st.exp_avg_sq.to_dtype(DType::F32)?,
+            );
             // exp_avg.lerp_(grad, 1 - beta1): self + weight * (end - self).
-            let m = ((&g - &st.exp_avg)?.affine(1.0 - beta1, 0.0)? + &st.exp_avg)?;
+            let m = ((&g - &m0)?.affine(1.0 - beta1, 0.0)? + &m0)?;
             // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
-            let v = (st.exp_avg_sq.affine(beta2, 0.0)? + (g.affine(1.0 - beta2, 0.0)? * &g)?)?;
+            let v = (v0.affine(beta2, 0.0)? + (g.affine(1.0 - beta2, 0.0)? * &g)?)?;
             let bias_correction1 = 1.0 - beta1.powf(t);
             let bias_correction2 = 1.0 - beta2.powf(t);
             let step_size = lr / bias_correction1;
@@ -499,14 +507,14 @@ impl AdamW {
             let update = (&m / &denom)?.affine(-step_size, 0.0)?;
             let new_p = (p + update)?;
             var.set(&new_p.to_dtype(dtype)?.detach())?;
-            st.exp_avg = m.detach();
-            st.exp_avg_sq = v.detach();
+            st.exp_avg = m.to_dtype(dtype)?.detach();
+            st.exp_avg_sq = v.to_dtype(dtype)?.detach();
         }
         Ok(())
     }
 
-    /// The state as named tensors: `exp_avg/<name>`, `exp_avg_sq/<name>` (f32, the
-    /// parameter's shape) and `step/<name>` (i64, shape `[1]`). Saving and restoring them gives
+    /// The state as named tensors: `exp_avg/<name>`, `exp_avg_sq/<name>` (the parameter's
+    /// dtype and shape) and `step/<name>` (i64, shape `[1]`). Saving and restoring them gives
     /// bit-identical further steps.
     pub fn state(&self) -> Result<OptimizerState, OptimError> {
         let mut tensors = BTreeMap::new();
@@ -545,8 +553,8 @@ impl AdamW {
                 // A copy of its own: on a GPU the moments are updated in place.
                 Ok(t.to_device(var.device())?.copy()?)
             };
-            let exp_avg = get(EXP_AVG, var.dims(), DType::F32)?;
-            let exp_avg_sq = get(EXP_AVG_SQ, var.dims(), DType::F32)?;
+            let exp_avg = get(EXP_AVG, var.dims(), var.dtype())?;
+            let exp_avg_sq = get(EXP_AVG_SQ, var.dims(), var.dtype())?;
             let step = get(STEP, &[1], DType::I64)?.to_vec1::<i64>()?[0];
             let step = u64::try_from(step).map_err(|_| OptimError::StateShape {
                 key: format!("{STEP}/{name}"),

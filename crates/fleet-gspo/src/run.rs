@@ -485,10 +485,11 @@ fn finish(
         resumed_from,
     } = loaded;
     let out = &config.output_dir;
-    let mut policy = TrainableQwen::new(
+    let mut policy = TrainableQwen::with_master_dtype(
         qwen,
         &Weights::from_safetensors(&weights_files)?,
         opts.dtype,
+        master_dtype(config),
         &plan.policy,
     )?;
     policy.gradient_checkpointing = opts.gradient_checkpointing;
@@ -512,9 +513,11 @@ fn finish(
         None => None,
     };
     let reference = match &plan.reference {
-        Some(map) if config.beta > 0.0 => Some(TrainableQwen::new(
+        // Frozen: held in the compute dtype (no master copy is needed).
+        Some(map) if config.beta > 0.0 => Some(TrainableQwen::with_master_dtype(
             qwen,
             &Weights::from_safetensors(&files.weights)?,
+            opts.dtype,
             opts.dtype,
             map,
         )?),
@@ -605,6 +608,7 @@ fn plan(
         num_generations: config.num_generations,
         prompts_per_step: config.prompts_per_generation(),
         gradient_checkpointing: opts.gradient_checkpointing,
+        master_dtype: plan_dtype(master_dtype(config)),
         ..TrainingWorkload::default()
     };
     // A reward model is sized from its config.json and headers.
@@ -638,6 +642,15 @@ fn plan(
             reference: config.beta > 0.0,
         },
     )?)
+}
+
+/// The dtype of the policy's master weights: f32, or with `torch_dtype = "bfloat16"` bf16
+/// (the compute dtype too on GPUs; on the CPU the passes still compute in f32).
+pub fn master_dtype(config: &GspoConfig) -> DType {
+    match config.torch_dtype {
+        crate::config::TorchDtype::Float32 => DType::F32,
+        crate::config::TorchDtype::Bfloat16 => DType::BF16,
+    }
 }
 
 /// fleet-topology's name for a compute dtype.

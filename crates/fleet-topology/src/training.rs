@@ -200,6 +200,15 @@ pub struct TrainingWorkload {
     /// The activation model's coefficients.
     #[serde(default)]
     pub coefficients: ActivationCoefficients,
+    /// The dtype of the master weights, their gradients and AdamW's moments: f32 (the
+    /// constants above) or, as TRL trains a bf16-loaded model, the compute dtype (half of
+    /// each, and the rollouts read the weights without a copy of most of them).
+    #[serde(default = "f32_master")]
+    pub master_dtype: DType,
+}
+
+fn f32_master() -> DType {
+    DType::F32
 }
 
 impl Default for TrainingWorkload {
@@ -217,6 +226,7 @@ impl Default for TrainingWorkload {
             prompts_per_step: 4,
             gradient_checkpointing: true,
             head_chunk_rows: 512,
+            master_dtype: DType::F32,
             max_attention_bytes: None,
             coefficients: ActivationCoefficients::default(),
         }
@@ -371,11 +381,19 @@ impl TrainingWorkload {
                     + 2 * b * l * h * 4;
             act.logprobs = LOGPROB_TENSORS * self.logprob_elements() * 4;
         }
+        // f32 masters: the constants; others scale with the master dtype's width.
+        let m = self.master_dtype.size_in_bytes();
+        let inference_copy = if self.master_dtype == self.compute_dtype {
+            // Only the concatenated q/k/v and gate/up are new tensors: about 2/3 of a block.
+            params * d * 2 / 3
+        } else {
+            params * d
+        };
         RoleCost {
-            weights: params * MASTER_WEIGHT_BYTES,
-            gradients: params * GRADIENT_BYTES,
-            optimizer: params * ADAM_MOMENT_BYTES,
-            inference_copy: params * d,
+            weights: params * MASTER_WEIGHT_BYTES * m / 4,
+            gradients: params * GRADIENT_BYTES * m / 4,
+            optimizer: params * ADAM_MOMENT_BYTES * m / 4,
+            inference_copy,
             kv_cache,
             generation_workspace,
             activations: act,
@@ -504,6 +522,20 @@ mod tests {
             head: true,
             gpu: true,
         }
+    }
+
+    #[test]
+    fn bf16_masters_halve_weights_gradients_and_moments() {
+        let s = qwen05();
+        let p = s.total_params();
+        let w = TrainingWorkload {
+            master_dtype: DType::Bf16,
+            ..TrainingWorkload::default()
+        };
+        let c = w.policy_cost(&s, whole(&s));
+        assert_eq!(c.weights + c.gradients + c.optimizer, 8 * p);
+        // The rollouts read most weights in place; only the fused q/k/v and gate/up are new.
+        assert!(c.inference_copy < 2 * p);
     }
 
     #[test]

@@ -148,11 +148,12 @@ struct Param {
     part: Part,
 }
 
-/// Gradients of the parameters, in [`TrainableQwen::params`] order, f32 on each parameter's
-/// device (`None`: no gradient reached it).
+/// Gradients of the parameters, in [`TrainableQwen::params`] order, in the master dtype on each
+/// parameter's device (`None`: no gradient reached it).
 pub type ParamGrads = Vec<Option<Tensor>>;
 
-/// A Qwen2/2.5/3 decoder with f32 master weights that can be trained.
+/// A Qwen2/2.5/3 decoder with master weights (f32, or bf16 as TRL trains a bf16 model) that
+/// can be trained.
 pub struct TrainableQwen {
     cfg: QwenConfig,
     map: DeviceMap,
@@ -172,6 +173,25 @@ impl TrainableQwen {
     /// Loads every tensor of the checkpoint as an f32 master weight on the device `map` gives
     /// its block; passes compute in `dtype` (bf16 on GPUs, f32 on the CPU).
     pub fn new(cfg: &QwenConfig, weights: &Weights, dtype: DType, map: &DeviceMap) -> Result<Self> {
+        Self::with_master_dtype(cfg, weights, dtype, DType::F32, map)
+    }
+
+    /// As [`TrainableQwen::new`], with the master weights (and so the gradients) held in
+    /// `master` instead of f32: bf16 is what TRL trains when the model is loaded in bf16 (half
+    /// the memory of the weights, gradients and moments; updates smaller than bf16's
+    /// resolution are lost).
+    pub fn with_master_dtype(
+        cfg: &QwenConfig,
+        weights: &Weights,
+        dtype: DType,
+        master: DType,
+        map: &DeviceMap,
+    ) -> Result<Self> {
+        if !matches!(master, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(ModelError::BadInput(format!(
+                "master weights in {master:?}: expected f32, bf16 or f16"
+            )));
+        }
         map.validate(cfg.num_hidden_layers)?;
         let devices = Devices::open(map, dtype)?;
         let names = weights.names().ok_or_else(|| {
@@ -202,7 +222,7 @@ impl TrainableQwen {
                 Part::Layer(i) => map.layers[i],
                 Part::Head => map.head,
             };
-            let t = weights.load_any(&name, DType::F32, devices.get(loc))?;
+            let t = weights.load_any(&name, master, devices.get(loc))?;
             params.push(Param {
                 name,
                 var: Var::from_tensor(&t)?,
@@ -271,7 +291,7 @@ impl TrainableQwen {
         self.by_name.get(name).map(|&i| &self.params[i].var)
     }
 
-    /// The master weights as tensors (f32, detached), for saving a checkpoint.
+    /// The master weights as tensors (detached, in the master dtype), for saving a checkpoint.
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
         self.params
             .iter()
@@ -635,7 +655,7 @@ impl TrainableQwen {
                 let grad_w = grad_logits
                     .t()?
                     .matmul(&h.detach())?
-                    .to_dtype(DType::F32)?
+                    .to_dtype(self.params[lm_idx].var.dtype())?
                     .to_device(self.params[lm_idx].var.device())?;
                 grads[lm_idx] = Some(match grads[lm_idx].take() {
                     Some(acc) => (acc + grad_w)?,
@@ -752,7 +772,7 @@ impl TrainableQwen {
             if let Some(g) = store.get(p.var.as_tensor()) {
                 // Detached: a gradient computed from tracked tensors carries their graph, which
                 // would otherwise live as long as the sum it is added to.
-                let g = g.detach().to_dtype(DType::F32)?;
+                let g = g.detach().to_dtype(p.var.dtype())?;
                 grads[i] = Some(match grads[i].take() {
                     Some(acc) => (acc + g)?,
                     None => g,
