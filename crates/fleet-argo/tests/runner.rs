@@ -190,6 +190,8 @@ fn fixed_k_retrieves_k_times_then_answers_and_a_rerun_resumes() {
         .collect();
     let records_path = tmp.path().join("run/records.jsonl");
     let mut records = RecordsFile::open(&records_path).unwrap();
+    // Issue 14, item 6: progress is reported every round, long before the first job finishes.
+    let mut events: Vec<String> = Vec::new();
     let progress = run_jobs(
         jobs.clone(),
         &llm,
@@ -197,9 +199,24 @@ fn fixed_k_retrieves_k_times_then_answers_and_a_rerun_resumes() {
         &prompts,
         &mut records,
         3,
-        &mut |_| {},
+        &mut |e| {
+            events.push(match e {
+                fleet_argo::runner::RunEvent::Round { round, .. } => format!("round {round}"),
+                fleet_argo::runner::RunEvent::Finished(_) => "finished".into(),
+                fleet_argo::runner::RunEvent::Resumed(n) => format!("resumed {n}"),
+            })
+        },
     )
     .unwrap();
+    let first_finished = events.iter().position(|e| e == "finished").unwrap();
+    let rounds_before = events[..first_finished]
+        .iter()
+        .filter(|e| e.starts_with("round"))
+        .count();
+    assert!(rounds_before >= 2, "{events:?}");
+    let rounds: Vec<&String> = events.iter().filter(|e| e.starts_with("round")).collect();
+    assert!(rounds.len() >= 3, "{events:?}");
+    assert_eq!(rounds[0], "round 1", "{events:?}");
     assert_eq!((progress.jobs, progress.ran, progress.resumed), (5, 5, 0));
     // 3 calls per job (2 Decomposer + 1 Synthesizer), at most 3 jobs per batch.
     assert_eq!(llm.stats().calls, 15);
