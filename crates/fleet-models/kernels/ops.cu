@@ -479,18 +479,26 @@ LOGP_GRAD(__nv_bfloat16, bf16)
 // p += -step_size * m / (sqrt(v) / bc2_sqrt + eps). One thread per element. omb1 and omb2
 // are 1 - b1 and 1 - b2 computed in f64 and rounded, as the composed version gets them; every
 // product and sum is rounded on its own (no contraction), as candle's kernels compute them.
+template <typename T>
+__device__ void adamw(T *p, const float *g, T *m, T *v, long long n, float decay, float omb1,
+                      float b2, float omb2, float eps, float step_size, float bc2_sqrt) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float gi = g[i], m0 = to_f(m[i]), v0 = to_f(v[i]);
+        const float mi = __fadd_rn(__fmul_rn(__fsub_rn(gi, m0), omb1), m0);
+        const float vi = __fadd_rn(__fmul_rn(v0, b2), __fmul_rn(__fmul_rn(gi, omb2), gi));
+        const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), bc2_sqrt), eps);
+        const float pi = __fmul_rn(to_f(p[i]), decay);
+        p[i] = from_f<T>(__fadd_rn(pi, __fmul_rn(__fdiv_rn(mi, denom), -step_size)));
+        m[i] = from_f<T>(mi);
+        v[i] = from_f<T>(vi);
+    }
+}
+
+// f32 parameters and moments (the template also fits bf16 ones, computed in f32 and rounded
+// once on store; not instantiated until it has been checked against the composed step on a GPU).
 extern "C" __global__ void adamw_f32(float *p, const float *g, float *m, float *v, long long n,
                                      float decay, float omb1, float b2, float omb2, float eps,
                                      float step_size, float bc2_sqrt) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        const float gi = g[i];
-        const float mi = __fadd_rn(__fmul_rn(__fsub_rn(gi, m[i]), omb1), m[i]);
-        const float vi = __fadd_rn(__fmul_rn(v[i], b2), __fmul_rn(__fmul_rn(gi, omb2), gi));
-        const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), bc2_sqrt), eps);
-        const float pi = __fmul_rn(p[i], decay);
-        p[i] = __fadd_rn(pi, __fmul_rn(__fdiv_rn(mi, denom), -step_size));
-        m[i] = mi;
-        v[i] = vi;
-    }
+    adamw<float>(p, g, m, v, n, decay, omb1, b2, omb2, eps, step_size, bc2_sqrt);
 }

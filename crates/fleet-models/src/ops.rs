@@ -663,8 +663,8 @@ pub struct AdamWStep {
     pub bc2_sqrt: f32,
 }
 
-/// One AdamW step in place on a CUDA f32 parameter `p` and its moments `m`, `v` from the
-/// gradient `g`, in one kernel (the composed version reads and writes each tensor about a
+/// One AdamW step in place on a CUDA f32 parameter `p` and its f32 moments `m`, `v` from the
+/// f32 gradient `g`, in one kernel (the composed version reads and writes each tensor about a
 /// dozen times). Returns `Ok(false)`, touching nothing, when the tensors are not all
 /// contiguous f32 tensors on one CUDA device: the caller then computes the step itself.
 /// `m` and `v` must not share their storage with any other tensor.
@@ -675,14 +675,20 @@ pub fn adamw_step_(
     v: &Tensor,
     step: AdamWStep,
 ) -> candle_core::Result<bool> {
-    let ok = |t: &Tensor| {
+    let ok = |t: &Tensor, dtype: DType| {
         t.device().is_cuda()
-            && t.dtype() == DType::F32
+            && t.dtype() == dtype
             && t.is_contiguous()
             && t.dims() == p.dims()
             && t.device().same_device(p.device())
     };
-    if !(cfg!(feature = "cuda") && ok(p) && ok(g) && ok(m) && ok(v)) {
+    // FLEET_FUSED_ADAMW=0 keeps the composed step (to compare the two on a GPU).
+    if std::env::var("FLEET_FUSED_ADAMW").is_ok_and(|v| v == "0") {
+        return Ok(false);
+    }
+    let d = p.dtype();
+    let kinds = d == DType::F32;
+    if !(cfg!(feature = "cuda") && kinds && ok(p, d) && ok(g, DType::F32) && ok(m, d) && ok(v, d)) {
         return Ok(false);
     }
     p.inplace_op1(&AdamWOp {
@@ -2094,15 +2100,25 @@ mod cuda {
             let candle_core::Storage::Cuda(cs) = &*st else {
                 candle_core::bail!("fleet-adamw: a tensor is not on the GPU")
             };
-            let slice = cs.as_cuda_slice::<f32>()?;
-            let (base, _sync) = slice.device_ptr(&stream);
-            Ok(base + 4 * l.start_offset() as u64)
+            let (base, width) = match t.dtype() {
+                candle_core::DType::F32 => (cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0, 4),
+                other => candle_core::bail!("fleet-adamw: {other:?} tensors"),
+            };
+            Ok(base + width * l.start_offset() as u64)
         };
         let (gp, mp, vp) = (ptr(g)?, ptr(m)?, ptr(v)?);
         let p_off = pl.start_offset();
-        let p = ps.as_cuda_slice_mut::<f32>()?;
-        let mut p = p.slice_mut(p_off..p_off + n);
-        let func = dev.get_or_load_custom_func("adamw_f32", MODULE, PTX)?;
+        let (pp, kernel) = match ps.dtype() {
+            candle_core::DType::F32 => (
+                ps.as_cuda_slice_mut::<f32>()?
+                    .slice_mut(p_off..p_off + n)
+                    .device_ptr(&stream)
+                    .0,
+                "adamw_f32",
+            ),
+            other => candle_core::bail!("fleet-adamw: {other:?} parameters"),
+        };
+        let func = dev.get_or_load_custom_func(kernel, MODULE, PTX)?;
         let threads = 256u32;
         let blocks = (n as u64).div_ceil(threads as u64).clamp(1, 65_535) as u32;
         let cfg = LaunchConfig {
@@ -2111,7 +2127,7 @@ mod cuda {
             shared_mem_bytes: 0,
         };
         let mut b = func.builder();
-        b.arg(&mut p);
+        b.arg(&pp);
         b.arg(&gp);
         b.arg(&mp);
         b.arg(&vp);
