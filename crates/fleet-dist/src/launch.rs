@@ -274,7 +274,8 @@ pub struct LaunchReport {
     pub ranks: Vec<RankExit>,
     /// The first rank seen to fail (non-zero exit or a signal), if any. Among ranks seen ending
     /// in the same poll (10 ms apart), one that did not exit with [`FAILURE_EXIT_CODE`] (the
-    /// code of ranks ended by the failure detection because of another) is preferred.
+    /// code of ranks ended by the failure detection because of another) is preferred, and a
+    /// rank that fails for its own reason after such ranks replaces them: the cause.
     pub first_failure: Option<RankExit>,
 }
 
@@ -521,6 +522,20 @@ pub fn launch_with_grace(spec: &LaunchSpec, grace_period: Duration) -> Result<La
             }
             first_failure = Some(exit);
             kill_at = Some(Instant::now() + grace_period);
+        } else if first_failure
+            .as_ref()
+            .is_some_and(|f| f.code() == Some(FAILURE_EXIT_CODE))
+        {
+            // The first rank seen ending was ended by the failure detection: the cause is a
+            // rank that ends later for its own reason (a core dump makes an aborted rank slow
+            // to exit).
+            if let Some(cause) = newly_failed
+                .iter()
+                .find(|e| e.code() != Some(FAILURE_EXIT_CODE))
+            {
+                note(&format!("{cause}: the cause of the failure"));
+                first_failure = Some(cause.clone());
+            }
         }
         if exits.iter().all(Option::is_some) {
             break;
