@@ -348,7 +348,7 @@ pub mod nccl {
     use std::sync::Arc;
 
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
+    use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
     use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Tensor, Var};
     use fleet_dist::{Group, World};
     use fleet_models::qwen::train::ParamGrads;
@@ -439,40 +439,30 @@ pub mod nccl {
                 candle_core::bail!("NCCL needs a contiguous tensor from offset 0")
             }
             let n = l.shape().elem_count();
-            let err = |e| candle_core::Error::Msg(format!("NCCL: {e:?}"));
             match s.dtype() {
-                candle_core::DType::F32 => {
-                    let slice = s.as_cuda_slice_mut::<f32>()?;
-                    let mut view = slice.slice_mut(0..n);
-                    match self.op {
-                        Op::Sum => self
-                            .comm
-                            .all_reduce_in_place(&mut view, &ReduceOp::Sum)
-                            .map_err(err)?,
-                        Op::BroadcastFromRoot => {
-                            self.comm.broadcast_in_place(&mut view, 0).map_err(err)?
-                        }
-                    };
-                }
-                candle_core::DType::BF16 => {
-                    let slice = s.as_cuda_slice_mut::<half::bf16>()?;
-                    let mut view = slice.slice_mut(0..n);
-                    match self.op {
-                        Op::Sum => self
-                            .comm
-                            .all_reduce_in_place(&mut view, &ReduceOp::Sum)
-                            .map_err(err)?,
-                        Op::BroadcastFromRoot => {
-                            self.comm.broadcast_in_place(&mut view, 0).map_err(err)?
-                        }
-                    };
-                }
+                candle_core::DType::F32 => call::<f32>(&self.comm, self.op, s, n),
+                candle_core::DType::BF16 => call::<half::bf16>(&self.comm, self.op, s, n),
                 other => {
                     candle_core::bail!("NCCL collectives here take f32 or bf16, not {other:?}")
                 }
             }
-            Ok(())
         }
+    }
+
+    /// One collective in place on the first `n` values of `s`.
+    fn call<T: candle_core::cuda_backend::CudaDType + NcclType>(
+        comm: &Comm,
+        op: Op,
+        s: &mut CudaStorage,
+        n: usize,
+    ) -> candle_core::Result<()> {
+        let mut view = s.as_cuda_slice_mut::<T>()?.slice_mut(0..n);
+        let done = match op {
+            Op::Sum => comm.all_reduce_in_place(&mut view, &ReduceOp::Sum),
+            Op::BroadcastFromRoot => comm.broadcast_in_place(&mut view, 0),
+        };
+        done.map(|_| ())
+            .map_err(|e| candle_core::Error::Msg(format!("NCCL: {e:?}")))
     }
 
     impl Collective for NcclCollective {
