@@ -28,6 +28,7 @@ pub mod qwen;
 pub mod replica_process;
 pub mod source;
 pub mod tokenizer;
+pub mod vision;
 pub mod weights;
 
 use std::path::Path;
