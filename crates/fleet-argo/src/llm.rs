@@ -166,7 +166,7 @@ impl FleetLlm {
         }
     }
 
-    /// Bytes the attention scores of one prefill may take (see [`FleetLlm::batches`]).
+    /// Bytes the attention scores of one prefill may take (see `FleetLlm::batches`).
     pub fn with_attention_budget(mut self, bytes: u64) -> Self {
         self.attention_budget_bytes = bytes.max(1);
         self

@@ -5,7 +5,7 @@
 //! it. Restoring SIGPIPE's default would end the process at that write, but it would end it just
 //! as silently when `generate --gpu-mode` writes a batch to a replica process that has died:
 //! that must stay an error naming the replica, with its batches re-queued to the others. So the
-//! commands write stdout through [`write`], a closed stdout travels up as [`StdoutClosed`], and
+//! commands write stdout through [`write()`], a closed stdout travels up as [`StdoutClosed`], and
 //! `main` turns it into a quiet exit.
 
 use std::fmt;
@@ -40,7 +40,7 @@ pub fn is_closed(error: &anyhow::Error) -> bool {
     error.downcast_ref::<StdoutClosed>().is_some()
 }
 
-/// `print!` that returns `anyhow::Result<()>` through [`write`].
+/// `print!` that returns `anyhow::Result<()>` through [`write()`].
 #[macro_export]
 macro_rules! out {
     ($($arg:tt)*) => {
@@ -48,7 +48,7 @@ macro_rules! out {
     };
 }
 
-/// `println!` that returns `anyhow::Result<()>` through [`write`].
+/// `println!` that returns `anyhow::Result<()>` through [`write()`].
 #[macro_export]
 macro_rules! outln {
     () => {

@@ -14,7 +14,7 @@
 //! micro-batch and the generation batch grow N-fold and the learning rate is multiplied by N
 //! (the linear scaling rule, for users who grow the global batch with the GPU count).
 //!
-//! The collectives go through [`Collective`]: NCCL on GPUs ([`nccl`], feature `nccl`), and
+//! The collectives go through [`Collective`]: NCCL on GPUs (module `nccl`, feature `nccl`), and
 //! fleet-dist's TCP [`fleet_dist::Group`] on the CPU (and for the small metadata).
 
 use candle_core::{DType, Tensor, Var};

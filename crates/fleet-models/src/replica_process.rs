@@ -24,7 +24,7 @@ use crate::{
 };
 
 /// The environment variable that makes a program a replica worker; it holds the worker's
-/// [`WorkerSpec`] as JSON.
+/// `WorkerSpec` as JSON.
 pub const WORKER_ENV: &str = "FLEET_REPLICA_WORKER";
 
 /// Whether replicas run in processes: `FLEET_REPLICA_PROCESSES=0` keeps them all in-process

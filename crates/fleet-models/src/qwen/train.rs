@@ -2,7 +2,7 @@
 //!
 //! Trainable weights are f32 [`Var`]s under their checkpoint names (the layout transformers
 //! saves). Every pass builds the blocks from them exactly as the inference model is built
-//! ([`super::DecoderLayer::load`]: q/k/v and gate/up concatenated, the attention scale folded
+//! (`DecoderLayer::load`: q/k/v and gate/up concatenated, the attention scale folded
 //! into the queries, cast to the compute dtype), so training, the log-prob passes of GSPO and
 //! the rollouts ([`TrainableQwen::inference_model`]) share one definition and the same fused
 //! kernels, whose backward lives with them in [`crate::ops`].
