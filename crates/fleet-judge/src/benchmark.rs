@@ -720,20 +720,28 @@ pub fn load_gedit(
 /// The edit resized to the source's size, as GEdit-Bench's scorer does
 /// (`Image.open(edit).convert("RGB").resize(src.size)`, `test_gedit_score.py:34`).
 ///
-/// The result is RGB8. PIL's default resample for RGB is bicubic (Pillow ≥ 7); this uses the
-/// `image` crate's Catmull-Rom (a = -0.5 bicubic), which is close to but **not bit-exact** with
-/// PIL's bicubic (PIL uses a = -0.5 too but its own fixed-point, support-scaled convolution). An
-/// edit already at the source size is only converted, as PIL returns a copy.
+/// The result is RGB8. PIL's default resample for RGB is bicubic (Pillow >= 7); this uses
+/// fleet-models' reimplementation of Pillow's bicubic
+/// ([`fleet_models::vision::resize_bicubic_rgb8`], the one Qwen3-VL's preprocessing uses:
+/// bit-exact with Pillow 13 on 8-bit images). An edit already at the source size is only
+/// converted, as PIL returns a copy.
 pub fn resize_to_source(edited: &DynamicImage, source: &DynamicImage) -> DynamicImage {
-    let rgb = DynamicImage::ImageRgb8(edited.to_rgb8());
-    if rgb.width() == source.width() && rgb.height() == source.height() {
-        return rgb;
+    let rgb = edited.to_rgb8();
+    let (w, h) = (rgb.width(), rgb.height());
+    let (sw, sh) = (source.width(), source.height());
+    if (w, h) == (sw, sh) || w == 0 || h == 0 || sw == 0 || sh == 0 {
+        return DynamicImage::ImageRgb8(rgb);
     }
-    rgb.resize_exact(
-        source.width(),
-        source.height(),
-        image::imageops::FilterType::CatmullRom,
-    )
+    let resized = fleet_models::vision::resize_bicubic_rgb8(
+        rgb.as_raw(),
+        w as usize,
+        h as usize,
+        sw as usize,
+        sh as usize,
+    );
+    let buf = image::RgbImage::from_raw(sw, sh, resized)
+        .expect("the resize returns width x height x 3 bytes");
+    DynamicImage::ImageRgb8(buf)
 }
 
 /// Parses one JSONL line into an object, or the [`Skipped`] entry for it.
