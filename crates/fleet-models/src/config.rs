@@ -26,6 +26,10 @@ pub struct RopeParameters {
     pub rope_theta: Option<f64>,
     /// `default` is the only type fleet implements so far.
     pub rope_type: Option<String>,
+    /// Qwen3-VL's multimodal RoPE: how many of the `head_dim / 2` frequencies follow the
+    /// temporal, height and width positions (`[24, 20, 20]` in the released checkpoints).
+    #[serde(default)]
+    pub mrope_section: Option<Vec<usize>>,
 }
 
 /// The fields of `config.json` that the decoder needs, as named by transformers.
@@ -86,6 +90,26 @@ pub struct QwenConfig {
     /// Default EOS id(s); generation_config.json takes precedence.
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
+    /// Experts per MoE layer (Qwen3-VL-30B-A3B: 128). transformers 5 saves it as
+    /// `num_local_experts`.
+    #[serde(default, alias = "num_local_experts")]
+    pub num_experts: Option<usize>,
+    /// Experts each token is routed to (top-k).
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    /// Width of one expert's MLP.
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    /// Every `decoder_sparse_step`-th layer is MoE (transformers' default 1: all of them).
+    #[serde(default)]
+    pub decoder_sparse_step: Option<usize>,
+    /// Layers that keep a dense MLP of `intermediate_size` in a MoE model.
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+    /// Where the decoder's tensors sit in the checkpoint: `model.` for the text models,
+    /// `model.language_model.` inside Qwen3-VL (set by the loader, not read from the file).
+    #[serde(skip)]
+    pub weight_prefix: Option<String>,
 }
 
 fn default_act() -> String {
@@ -128,6 +152,133 @@ impl QwenConfig {
         })?;
         cfg.validate(path)?;
         Ok(cfg)
+    }
+
+    /// Parses the `text_config` of a Qwen3-VL `config.json` (dense `qwen3_vl_text` or MoE
+    /// `qwen3_vl_moe_text`). Its RoPE must name `mrope_section` (in `rope_scaling`, the 4.x
+    /// layout, or `rope_parameters`, the 5.x layout): without it the decoder would silently run
+    /// 1-D RoPE over image positions, so its absence is an error.
+    pub fn from_vl_text(raw: serde_json::Value, path: &Path) -> Result<Self> {
+        let model_type = raw
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("<missing>")
+            .to_string();
+        if !matches!(model_type.as_str(), "qwen3_vl_text" | "qwen3_vl_moe_text") {
+            return Err(ModelError::UnsupportedArchitecture {
+                path: path.to_path_buf(),
+                arch: format!("text_config.model_type={model_type}"),
+                supported: "text_config.model_type qwen3_vl_text (Qwen3-VL dense) and \
+                            qwen3_vl_moe_text (Qwen3-VL MoE)"
+                    .into(),
+            });
+        }
+        let mut cfg: QwenConfig = serde_json::from_value(raw).map_err(|e| ModelError::BadJson {
+            path: path.to_path_buf(),
+            message: format!(
+                "text_config: {e}; compare with the config.json the checkpoint was published with"
+            ),
+        })?;
+        cfg.weight_prefix = Some("model.language_model.".into());
+        let section = cfg.mrope_section().ok_or_else(|| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            field: "text_config.rope_scaling.mrope_section".into(),
+            value: "<missing>".into(),
+            hint: "Qwen3-VL needs its multimodal RoPE sections (the released checkpoints have \
+                   [24, 20, 20] in text_config.rope_scaling, or rope_parameters in transformers \
+                   5 files); without them image positions would be wrong: use the config.json \
+                   published with the checkpoint"
+                .into(),
+        })?;
+        cfg.validate(path)?;
+        let half = cfg.head_dim() / 2;
+        if section.len() != 3 || section.iter().sum::<usize>() != half {
+            return Err(ModelError::BadConfig {
+                path: path.to_path_buf(),
+                field: "text_config.mrope_section".into(),
+                value: format!("{section:?}"),
+                hint: format!(
+                    "must be three numbers (temporal, height, width) summing to head_dim / 2 = {half}"
+                ),
+            });
+        }
+        // The interleaving puts height and width on every third slot below 3 * section.
+        if 3 * section[1] > half || 3 * section[2] > half {
+            return Err(ModelError::BadConfig {
+                path: path.to_path_buf(),
+                field: "text_config.mrope_section".into(),
+                value: format!("{section:?}"),
+                hint: format!(
+                    "the interleaved layout needs 3 x height and 3 x width sections within \
+                     head_dim / 2 = {half}"
+                ),
+            });
+        }
+        if cfg.is_moe() {
+            let bad = |field: &str, hint: &str| ModelError::BadConfig {
+                path: path.to_path_buf(),
+                field: format!("text_config.{field}"),
+                value: "<missing or 0>".into(),
+                hint: hint.into(),
+            };
+            if cfg.num_experts_per_tok.unwrap_or(0) == 0 {
+                return Err(bad(
+                    "num_experts_per_tok",
+                    "a MoE model routes each token to at least one expert",
+                ));
+            }
+            if cfg.num_experts_per_tok.unwrap_or(0) > cfg.num_experts.unwrap_or(0) {
+                return Err(ModelError::BadConfig {
+                    path: path.to_path_buf(),
+                    field: "text_config.num_experts_per_tok".into(),
+                    value: format!("{:?}", cfg.num_experts_per_tok),
+                    hint: format!("cannot exceed num_experts = {:?}", cfg.num_experts),
+                });
+            }
+            if cfg.moe_intermediate_size.unwrap_or(0) == 0 {
+                return Err(bad(
+                    "moe_intermediate_size",
+                    "the width of one expert's MLP",
+                ));
+            }
+            if cfg.decoder_sparse_step == Some(0) {
+                return Err(bad("decoder_sparse_step", "must be at least 1"));
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// The multimodal RoPE sections (temporal, height, width), from `rope_scaling` (4.x) or
+    /// `rope_parameters` (5.x); `None` for 1-D RoPE.
+    pub fn mrope_section(&self) -> Option<Vec<usize>> {
+        let from_scaling = self
+            .rope_scaling
+            .as_ref()
+            .and_then(|s| s.get("mrope_section"))
+            .and_then(|v| serde_json::from_value::<Vec<usize>>(v.clone()).ok());
+        from_scaling.or_else(|| {
+            self.rope_parameters
+                .as_ref()
+                .and_then(|r| r.mrope_section.clone())
+        })
+    }
+
+    /// Whether any layer is a mixture of experts.
+    pub fn is_moe(&self) -> bool {
+        self.num_experts.unwrap_or(0) > 0
+    }
+
+    /// Whether decoder layer `i` has a sparse MoE block (transformers' rule: not in
+    /// `mlp_only_layers`, experts configured, and `(i + 1) % decoder_sparse_step == 0`).
+    pub fn layer_is_moe(&self, i: usize) -> bool {
+        self.is_moe()
+            && !self.mlp_only_layers.contains(&i)
+            && (i + 1).is_multiple_of(self.decoder_sparse_step.unwrap_or(1).max(1))
+    }
+
+    /// The tensor-name prefix of the decoder (`model.` unless set by a multimodal loader).
+    pub fn prefix(&self) -> &str {
+        self.weight_prefix.as_deref().unwrap_or("model.")
     }
 
     fn validate(&self, path: &Path) -> Result<()> {
@@ -186,7 +337,13 @@ impl QwenConfig {
             ));
         }
         if let Some(s) = &self.rope_scaling {
-            if !s.is_null() {
+            // Qwen3-VL's 4.x layout keeps its multimodal sections here with rope_type default.
+            let mrope_only = s.get("mrope_section").is_some()
+                && s.get("rope_type")
+                    .or_else(|| s.get("type"))
+                    .and_then(|t| t.as_str())
+                    .is_none_or(|t| t == "default");
+            if !s.is_null() && !mrope_only {
                 return Err(bad(
                     "rope_scaling",
                     s.to_string(),
@@ -217,7 +374,6 @@ impl QwenConfig {
         Ok(())
     }
 
-    /// Qwen2 or Qwen3.
     /// Outputs of the sequence-classification head when the checkpoint is a
     /// `*ForSequenceClassification` (a reward model: `score` `[num_labels, hidden]` read at the
     /// last token): `id2label`'s size, else `num_labels`, else transformers' default of 2.
@@ -235,8 +391,9 @@ impl QwenConfig {
             })
     }
 
+    /// Qwen2 or Qwen3 (Qwen3-VL's text decoder is a Qwen3).
     pub fn arch(&self) -> QwenArch {
-        if self.model_type == "qwen3" {
+        if self.model_type == "qwen3" || self.model_type.starts_with("qwen3_vl") {
             QwenArch::Qwen3
         } else {
             QwenArch::Qwen2
@@ -294,10 +451,21 @@ impl QwenConfig {
         if self.arch() == QwenArch::Qwen3 {
             attn += 2 * hd;
         }
-        let layer = attn + 3 * h * i + 2 * h;
         let embed = self.vocab_size as u64 * h;
         let head = if self.tie_word_embeddings { 0 } else { embed };
-        embed + head + h + layer * self.num_hidden_layers as u64
+        let layers: u64 = (0..self.num_hidden_layers)
+            .map(|l| {
+                let mlp = if self.layer_is_moe(l) {
+                    let e = self.num_experts.unwrap_or(0) as u64;
+                    let mi = self.moe_intermediate_size.unwrap_or(0) as u64;
+                    e * 3 * h * mi + e * h
+                } else {
+                    3 * h * i
+                };
+                attn + mlp + 2 * h
+            })
+            .sum();
+        embed + head + h + layers
     }
 
     /// EOS ids named by config.json (a number or a list).

@@ -9,6 +9,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
+use crate::kv_cache::KvCache;
 use crate::qwen::QwenModel;
 use crate::tokenizer::TextTokenizer;
 
@@ -127,6 +128,10 @@ pub struct StreamEvent<'a> {
     pub text_delta: &'a str,
 }
 
+/// A prompt pass for [`Generator::generate_with`]: `(ids, pad, cache) -> (logits, shifts)`.
+pub(crate) type Prefill<'p> =
+    &'p mut dyn FnMut(&[Vec<u32>], &[usize], &mut KvCache) -> Result<(Tensor, Vec<i64>)>;
+
 /// Generates continuations for a batch of requests.
 pub struct Generator<'a> {
     model: &'a QwenModel,
@@ -167,7 +172,22 @@ impl<'a> Generator<'a> {
     pub fn generate(
         &self,
         requests: &[GenerationRequest],
+        on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<Vec<GenerationOutput>> {
+        self.generate_with(requests, on_token, &mut |ids, pad, cache| {
+            Ok((self.model.forward(ids, pad, cache, true)?, Vec::new()))
+        })
+    }
+
+    /// [`Generator::generate`] with another prefill: `prefill(ids, pad, cache)` runs the
+    /// left-padded prompts (row `r` is request `r`) and returns the last position's logits
+    /// `[rows, 1, vocab]` and, for decoders whose prompt positions are not one per token
+    /// (Qwen3-VL's images), each row's position shift for the decode steps (empty: none).
+    pub(crate) fn generate_with(
+        &self,
+        requests: &[GenerationRequest],
         mut on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+        prefill: Prefill<'_>,
     ) -> Result<Vec<GenerationOutput>> {
         if requests.is_empty() {
             return Ok(Vec::new());
@@ -224,7 +244,7 @@ impl<'a> Generator<'a> {
             .collect();
         // `active` maps cache rows to entries of `rows`.
         let mut active: Vec<usize> = (0..rows.len()).collect();
-        let mut logits = self.model.forward(&ids, &pad, &mut cache, true)?;
+        let (mut logits, mut shift) = prefill(&ids, &pad, &mut cache)?;
         loop {
             let next = self.pick(&logits, &active, requests, &mut rows)?;
             let mut still = Vec::new();
@@ -261,13 +281,18 @@ impl<'a> Generator<'a> {
                 let keep: Vec<u32> = still.iter().map(|&s| s as u32).collect();
                 cache.retain_rows(&keep)?;
                 pad = still.iter().map(|&s| pad[s]).collect();
+                if !shift.is_empty() {
+                    shift = still.iter().map(|&s| shift[s]).collect();
+                }
                 active = still.iter().map(|&s| active[s]).collect();
             }
             let step: Vec<Vec<u32>> = active
                 .iter()
                 .map(|&ri| vec![*rows[ri].generated.last().expect("one token per active row")])
                 .collect();
-            logits = self.model.forward(&step, &pad, &mut cache, true)?;
+            logits = self
+                .model
+                .forward_shifted(&step, &pad, &shift, &mut cache, true)?;
         }
         let mut out: Vec<Option<GenerationOutput>> = vec![None; requests.len()];
         for row in rows {

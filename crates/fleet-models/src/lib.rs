@@ -25,6 +25,7 @@ pub mod ops;
 pub mod placement;
 pub mod profile;
 pub mod qwen;
+pub mod qwen3_vl;
 pub mod replica_process;
 pub mod source;
 pub mod tokenizer;
@@ -45,6 +46,7 @@ pub use generation::{
 };
 pub use kv_cache::KvCache;
 pub use qwen::QwenModel;
+pub use qwen3_vl::{Qwen3VlConfig, Qwen3VlModel, VlPrompt};
 pub use source::{CheckpointFiles, CheckpointIdentity, HubOptions, ModelSource};
 pub use tokenizer::{ChatMessage, ChatTemplate, TextTokenizer};
 pub use weights::Weights;

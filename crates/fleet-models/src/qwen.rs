@@ -20,7 +20,10 @@ use crate::kv_cache::{KvCache, LayerCache};
 use crate::weights::{non_finite, Init, Unread, Weights};
 use crate::{ops, profile};
 
+mod moe;
 pub mod train;
+
+use moe::SparseMoe;
 
 /// RMSNorm with transformers' arithmetic (f32 statistics, scale in the model dtype).
 #[derive(Debug, Clone)]
@@ -132,11 +135,17 @@ struct Mlp {
     down: Linear,
 }
 
+/// The feed-forward part of a layer: a dense SwiGLU MLP or a sparse mixture of experts.
+enum Ffn {
+    Dense(Mlp),
+    Moe(SparseMoe),
+}
+
 struct DecoderLayer {
     input_norm: RmsNorm,
     attn: Attention,
     post_attn_norm: RmsNorm,
-    mlp: Mlp,
+    mlp: Ffn,
     location: DeviceLocation,
 }
 
@@ -147,6 +156,9 @@ struct RopeTables {
     sin: Tensor,
     /// `[cos | sin]` per position, `[n, d]`, for the fused q/k/v kernel.
     cs: Tensor,
+    /// The `head_dim / 2` frequencies, for positions computed per call (M-RoPE).
+    inv_freq: Vec<f32>,
+    dtype: DType,
 }
 
 /// The RoPE rows of one forward call on one device: `[q_len, ..]` when all rows share
@@ -178,12 +190,55 @@ impl RopeTables {
         let cos = Tensor::from_vec(cos, (n, half), dev)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (n, half), dev)?.to_dtype(dtype)?;
         let cs = Tensor::cat(&[&cos, &sin], 1)?;
-        Ok(RopeTables { cos, sin, cs })
+        Ok(RopeTables {
+            cos,
+            sin,
+            cs,
+            inv_freq,
+            dtype,
+        })
     }
 
     /// The rows for the positions of one forward call.
     fn select(&self, positions: &Positions, dev: &Device) -> Result<RopeRows> {
         match positions {
+            Positions::Mrope {
+                axes,
+                section,
+                batch,
+                len,
+            } => {
+                // transformers' interleaved M-RoPE: frequency slot j follows the height
+                // position when j % 3 == 1 and j < 3 * section[1], the width position when
+                // j % 3 == 2 and j < 3 * section[2], the temporal position otherwise; angles
+                // in f32, cos/sin cast to the model dtype.
+                let half = self.inv_freq.len();
+                let axis_of: Vec<usize> = (0..half)
+                    .map(|j| {
+                        if j % 3 == 1 && j < 3 * section[1] {
+                            1
+                        } else if j % 3 == 2 && j < 3 * section[2] {
+                            2
+                        } else {
+                            0
+                        }
+                    })
+                    .collect();
+                let n = batch * len;
+                let mut cos = Vec::with_capacity(n * half);
+                let mut sin = Vec::with_capacity(n * half);
+                for t in 0..n {
+                    for (j, &f) in self.inv_freq.iter().enumerate() {
+                        let angle = axes[axis_of[j]][t] as f32 * f;
+                        cos.push(angle.cos());
+                        sin.push(angle.sin());
+                    }
+                }
+                let cos = Tensor::from_vec(cos, (*batch, *len, half), dev)?.to_dtype(self.dtype)?;
+                let sin = Tensor::from_vec(sin, (*batch, *len, half), dev)?.to_dtype(self.dtype)?;
+                let cs = Tensor::cat(&[&cos, &sin], 2)?;
+                Ok(RopeRows { cos, sin, cs })
+            }
             Positions::Shared { start, len } => Ok(RopeRows {
                 cos: self.cos.narrow(0, *start, *len)?,
                 sin: self.sin.narrow(0, *start, *len)?,
@@ -206,7 +261,7 @@ impl RopeTables {
 }
 
 /// RoPE positions of the tokens in one forward call.
-enum Positions {
+pub(crate) enum Positions {
     /// Every row has the same positions `start..start+len` (no padding).
     Shared { start: usize, len: usize },
     /// Row-major `[batch, len]` positions.
@@ -215,6 +270,41 @@ enum Positions {
         batch: usize,
         len: usize,
     },
+    /// Multimodal RoPE: row-major `[batch, len]` temporal, height and width positions, and the
+    /// config's `mrope_section`.
+    Mrope {
+        axes: [Vec<u32>; 3],
+        section: [usize; 3],
+        batch: usize,
+        len: usize,
+    },
+}
+
+impl Positions {
+    /// The largest position of row `r` in this call.
+    fn last_of_row(&self, r: usize) -> usize {
+        match self {
+            Positions::Shared { start, len } => start + len - 1,
+            Positions::PerRow { ids, len, .. } => ids[r * len..(r + 1) * len]
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(0) as usize,
+            Positions::Mrope { axes, len, .. } => axes
+                .iter()
+                .flat_map(|a| a[r * len..(r + 1) * len].iter().copied())
+                .max()
+                .unwrap_or(0) as usize,
+        }
+    }
+}
+
+/// Vision features added to the hidden states of image tokens after the first decoder layers
+/// (Qwen3-VL's deepstack): `features[l]` `[n, hidden]` after layer `l`, at the flattened
+/// `[batch * len]` token positions `index` (u32), in order.
+pub(crate) struct Deepstack<'a> {
+    pub(crate) index: &'a Tensor,
+    pub(crate) features: &'a [Tensor],
 }
 
 impl Attention {
@@ -277,6 +367,15 @@ impl Mlp {
     }
 }
 
+impl Ffn {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Moe(m) => profile::time(x.device(), "moe", || m.forward(x)),
+        }
+    }
+}
+
 impl DecoderLayer {
     fn load(
         cfg: &QwenConfig,
@@ -284,7 +383,7 @@ impl DecoderLayer {
         i: usize,
         location: DeviceLocation,
     ) -> Result<Self> {
-        let p = format!("model.layers.{i}");
+        let p = format!("{}layers.{i}", cfg.prefix());
         let (hs, hd) = (cfg.hidden_size, cfg.head_dim());
         let (h, kvh) = (cfg.num_attention_heads, cfg.num_kv_heads());
         let q = ld.linear(&format!("{p}.self_attn.q_proj"), hs, h * hd, cfg.qkv_bias())?;
@@ -318,10 +417,25 @@ impl DecoderLayer {
             let b = b.map(|b| scaled(&b, scale)).transpose()?;
             ((scaled(&w, scale)?, b), None, None)
         };
-        let im = cfg.intermediate_size;
-        let gate = ld.linear(&format!("{p}.mlp.gate_proj"), hs, im, false)?;
-        let up = ld.linear(&format!("{p}.mlp.up_proj"), hs, im, false)?;
-        let (dw, _) = ld.linear(&format!("{p}.mlp.down_proj"), im, hs, false)?;
+        let mlp = if cfg.layer_is_moe(i) {
+            Ffn::Moe(SparseMoe::load(
+                ld,
+                &format!("{p}.mlp"),
+                hs,
+                cfg.num_experts.unwrap_or(0),
+                cfg.moe_intermediate_size.unwrap_or(0),
+                cfg.num_experts_per_tok.unwrap_or(0),
+            )?)
+        } else {
+            let im = cfg.intermediate_size;
+            let gate = ld.linear(&format!("{p}.mlp.gate_proj"), hs, im, false)?;
+            let up = ld.linear(&format!("{p}.mlp.up_proj"), hs, im, false)?;
+            let (dw, _) = ld.linear(&format!("{p}.mlp.down_proj"), im, hs, false)?;
+            Ffn::Dense(Mlp {
+                gate_up: fused(vec![gate, up])?,
+                down: Linear::new(dw, None),
+            })
+        };
         let qkv = fused(vec![q, k, v])?;
         Ok(DecoderLayer {
             input_norm: ld.norm(&format!("{p}.input_layernorm"), hs)?,
@@ -343,10 +457,7 @@ impl DecoderLayer {
                 head_dim: hd,
             },
             post_attn_norm: ld.norm(&format!("{p}.post_attention_layernorm"), hs)?,
-            mlp: Mlp {
-                gate_up: fused(vec![gate, up])?,
-                down: Linear::new(dw, None),
-            },
+            mlp,
             location,
         })
     }
@@ -416,8 +527,9 @@ impl QwenModel {
             eps: cfg.rms_norm_eps,
         };
 
+        let prefix = cfg.prefix();
         let embed_w = loader(map.embed)
-            .linear("model.embed_tokens", hs, vocab, false)?
+            .linear(&format!("{prefix}embed_tokens"), hs, vocab, false)?
             .0;
         let embed = Embedding::new(embed_w.clone(), hs);
 
@@ -427,7 +539,7 @@ impl QwenModel {
         }
 
         let head = loader(map.head);
-        let norm = head.norm("model.norm", hs)?;
+        let norm = head.norm(&format!("{prefix}norm"), hs)?;
         // Tied: the lm_head is the embedding matrix (transformers ignores a saved lm_head.weight
         // then), copied to the head's device when that differs from the embedding's. A reward
         // model (sequence classifier) has a `score` head instead, without bias.
@@ -558,16 +670,102 @@ impl QwenModel {
         cache: &mut KvCache,
         last_only: bool,
     ) -> Result<Tensor> {
+        self.forward_shifted(ids, pad, &[], cache, last_only)
+    }
+
+    /// [`QwenModel::forward`] with row `r`'s positions moved by `shift[r]` (empty: no shift):
+    /// the decode steps after a multimodal prompt, whose images took fewer positions than
+    /// tokens (Qwen3-VL's `rope_deltas`; every axis of its M-RoPE then carries the same
+    /// position, which is plain RoPE).
+    pub fn forward_shifted(
+        &self,
+        ids: &[Vec<u32>],
+        pad: &[usize],
+        shift: &[i64],
+        cache: &mut KvCache,
+        last_only: bool,
+    ) -> Result<Tensor> {
         let b = ids.len();
-        if b == 0 || pad.len() != b {
+        if b == 0 || pad.len() != b || !(shift.is_empty() || shift.len() == b) {
             return Err(ModelError::BadInput(
-                "forward needs one pad count per row and at least one row".into(),
+                "forward needs one pad count (and one shift, if any) per row and at least one row"
+                    .into(),
             ));
         }
         let q_len = ids[0].len();
         if q_len == 0 || ids.iter().any(|r| r.len() != q_len) {
             return Err(ModelError::BadInput(
                 "every row of a forward call must have the same, non-zero length".into(),
+            ));
+        }
+        let vocab = self.cfg.vocab_size as u32;
+        if let Some(&bad) = ids.iter().flatten().find(|&&t| t >= vocab) {
+            return Err(ModelError::BadInput(format!(
+                "token id {bad} is outside the vocabulary (vocab_size = {vocab}); the ids come from another tokenizer"
+            )));
+        }
+        let offset = cache.len();
+        let shift_of = |r: usize| shift.get(r).copied().unwrap_or(0);
+        let positions = if pad.iter().all(|&p| p == 0) && (0..b).all(|r| shift_of(r) == 0) {
+            Positions::Shared {
+                start: offset,
+                len: q_len,
+            }
+        } else {
+            let mut ids = Vec::with_capacity(b * q_len);
+            for (r, &p) in pad.iter().enumerate() {
+                // Padding slots (before the row's first token) get position 0; they are masked.
+                let first = offset as i64 - p as i64 + shift_of(r);
+                for i in 0..q_len {
+                    let real = offset + i >= p;
+                    ids.push(if real {
+                        (first + i as i64).max(0) as u32
+                    } else {
+                        0
+                    });
+                }
+            }
+            Positions::PerRow {
+                ids,
+                batch: b,
+                len: q_len,
+            }
+        };
+        let x = self.embed_ids(ids)?;
+        self.forward_embeds(x, pad, positions, cache, last_only, None)
+    }
+
+    /// The token embeddings of `ids` (`[batch, len]`, equal lengths), `[batch, len, hidden]` in
+    /// the model dtype on the embedding's device.
+    pub fn embed_ids(&self, ids: &[Vec<u32>]) -> Result<Tensor> {
+        let b = ids.len();
+        let len = ids.first().map(Vec::len).unwrap_or(0);
+        let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+        if flat.len() != b * len {
+            return Err(ModelError::BadInput(
+                "every row must have the same length".into(),
+            ));
+        }
+        let input = Tensor::from_vec(flat, (b, len), self.input_device())?;
+        Ok(self.embed.forward(&input)?)
+    }
+
+    /// The decoder on input embeddings `x` (`[batch, q_len, hidden]`) at `positions`, rows
+    /// left-padded by `pad` slots of the cache; `deepstack` features are added after the first
+    /// layers. See [`QwenModel::forward`] for the logits.
+    pub(crate) fn forward_embeds(
+        &self,
+        x: Tensor,
+        pad: &[usize],
+        positions: Positions,
+        cache: &mut KvCache,
+        last_only: bool,
+        deepstack: Option<&Deepstack<'_>>,
+    ) -> Result<Tensor> {
+        let (b, q_len, _) = x.dims3()?;
+        if pad.len() != b {
+            return Err(ModelError::BadInput(
+                "forward needs one pad count per row".into(),
             ));
         }
         let offset = cache.len();
@@ -578,17 +776,10 @@ impl QwenModel {
                 q_len
             )));
         }
-        let vocab = self.cfg.vocab_size as u32;
-        if let Some(&bad) = ids.iter().flatten().find(|&&t| t >= vocab) {
-            return Err(ModelError::BadInput(format!(
-                "token id {bad} is outside the vocabulary (vocab_size = {vocab}); the ids come from another tokenizer"
-            )));
-        }
-        // The RoPE tables hold positions 0..max_position_embeddings; a row's last position is
-        // its last cache slot less its left padding (padded batches may hold more slots).
+        // The RoPE tables hold positions 0..max_position_embeddings.
         let max_pos = self.cfg.max_position_embeddings;
         for (r, &p) in pad.iter().enumerate() {
-            let last = (offset + q_len - 1).saturating_sub(p);
+            let last = positions.last_of_row(r);
             if last >= max_pos {
                 return Err(ModelError::BadInput(format!(
                     "row {r} needs {} positions ({offset} already in the cache + {q_len} in this \
@@ -599,30 +790,8 @@ impl QwenModel {
                 )));
             }
         }
-
-        let positions = if pad.iter().all(|&p| p == 0) {
-            Positions::Shared {
-                start: offset,
-                len: q_len,
-            }
-        } else {
-            let mut ids = Vec::with_capacity(b * q_len);
-            for &p in pad {
-                for i in 0..q_len {
-                    ids.push((offset + i).saturating_sub(p) as u32);
-                }
-            }
-            Positions::PerRow {
-                ids,
-                batch: b,
-                len: q_len,
-            }
-        };
         let pad_u32: Vec<u32> = pad.iter().map(|&p| p as u32).collect();
-
-        let flat: Vec<u32> = ids.iter().flatten().copied().collect();
-        let input = Tensor::from_vec(flat, (b, q_len), self.input_device())?;
-        let mut x = self.embed.forward(&input)?;
+        let mut x = x;
         // The last layer's MLP output, not yet added to `x` (see `DecoderLayer::forward`).
         let mut pending: Option<Tensor> = None;
 
@@ -652,6 +821,18 @@ impl QwenModel {
             let (nx, mlp) = layer.forward(&x, pending.as_ref(), rows, pad_t, cache.layer_mut(i))?;
             x = nx;
             pending = Some(mlp);
+            if let Some(ds) = deepstack.filter(|ds| i < ds.features.len()) {
+                // transformers adds the features to the layer's full output at the image
+                // tokens: materialise x + mlp first so the roundings match.
+                let hidden = x.dim(2)?;
+                let h = (&x + pending.take().expect("set above"))?;
+                let feats = ds.features[i].to_device(x.device())?.to_dtype(h.dtype())?;
+                let index = ds.index.to_device(x.device())?;
+                let add = Tensor::zeros((b * q_len, hidden), h.dtype(), x.device())?
+                    .index_add(&index, &feats, 0)?
+                    .reshape((b, q_len, hidden))?;
+                x = (h + add)?;
+            }
         }
         cache.advance(q_len);
 
@@ -734,8 +915,9 @@ fn classify_unread(cfg: &QwenConfig, name: &str) -> Unread {
 
 /// The likely cause of unread tensors, from the names (which config.json field to fix).
 fn unread_hint(cfg: &QwenConfig, names: &[String]) -> String {
+    let layers = format!("{}layers.", cfg.prefix());
     let layer_of = |n: &str| -> Option<usize> {
-        n.strip_prefix("model.layers.")?
+        n.strip_prefix(layers.as_str())?
             .split('.')
             .next()?
             .parse()
@@ -744,7 +926,7 @@ fn unread_hint(cfg: &QwenConfig, names: &[String]) -> String {
     if let Some(last) = names.iter().filter_map(|n| layer_of(n)).max() {
         if last >= cfg.num_hidden_layers {
             return format!(
-                "the checkpoint holds {} layers (up to model.layers.{last}) but config.json has \
+                "the checkpoint holds {} layers (up to {layers}{last}) but config.json has \
                  num_hidden_layers = {}: config.json does not match the weights; use the \
                  config.json saved with them",
                 last + 1,

@@ -129,6 +129,8 @@ pub struct CheckpointFiles {
     pub tokenizer_config: Option<PathBuf>,
     /// generation_config.json, if any.
     pub generation_config: Option<PathBuf>,
+    /// preprocessor_config.json (a vision-language checkpoint's image processor), if any.
+    pub preprocessor_config: Option<PathBuf>,
 }
 
 /// What makes a checkpoint behave as it does, by content: stored in the manifests of runs that
@@ -140,8 +142,8 @@ pub struct CheckpointIdentity {
     pub weights_digest: String,
     /// Digest of config.json.
     pub config_digest: String,
-    /// Digest of tokenizer.json, tokenizer_config.json (the chat template) and
-    /// generation_config.json, those the checkpoint has.
+    /// Digest of tokenizer.json, tokenizer_config.json (the chat template),
+    /// generation_config.json and preprocessor_config.json, those the checkpoint has.
     pub tokenizer_digest: String,
 }
 
@@ -156,6 +158,7 @@ impl CheckpointFiles {
             &self.tokenizer,
             &self.tokenizer_config,
             &self.generation_config,
+            &self.preprocessor_config,
         ]
         .into_iter()
         .flatten()
@@ -221,6 +224,7 @@ fn resolve_with(f: &dyn FileFetcher, origin: &str) -> Result<CheckpointFiles> {
         tokenizer: f.get("tokenizer.json")?,
         tokenizer_config: f.get("tokenizer_config.json")?,
         generation_config: f.get("generation_config.json")?,
+        preprocessor_config: f.get("preprocessor_config.json")?,
     })
 }
 

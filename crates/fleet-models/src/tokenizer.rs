@@ -197,15 +197,25 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
+        let messages = serde_json::to_value(messages).expect("messages serialize");
+        self.render_json(messages, add_generation_prompt, extra)
+    }
+
+    /// [`ChatTemplate::render`] of messages given as JSON, in transformers' message format:
+    /// `content` may be a list of parts (`{"type": "image"}`, `{"type": "text", "text": …}`),
+    /// as vision-language templates expect.
+    pub fn render_json(
+        &self,
+        messages: serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template("chat")
             .expect("added in environment()");
         let mut ctx = serde_json::Map::new();
-        ctx.insert(
-            "messages".into(),
-            serde_json::to_value(messages).expect("messages serialize"),
-        );
+        ctx.insert("messages".into(), messages);
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         ctx.insert(
             "bos_token".into(),

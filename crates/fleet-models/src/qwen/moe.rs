@@ -1,0 +1,217 @@
+//! The sparse mixture-of-experts MLP of Qwen3-MoE / Qwen3-VL-MoE decoder layers.
+//!
+//! transformers' `Qwen3VLMoeTextSparseMoeBlock`: router logits `x · Wgᵀ` in the model dtype,
+//! softmax in f32, the top-k probabilities renormalised to sum to one (always: transformers
+//! does not read `norm_topk_prob` for Qwen3-VL) and cast to the model dtype; each chosen expert
+//! computes `down(silu(gate) * up)` with gate the first half of its fused `gate_up`
+//! projection, scaled by its routing weight and summed over the chosen experts. There is no
+//! shared expert.
+//!
+//! Two ways to run it, same result up to the order of bf16 roundings:
+//! - grouped (every device, every dtype): the routing goes to the host, tokens are grouped by
+//!   expert and each expert runs two GEMMs on its tokens — transformers' own loop, so the CPU
+//!   parity tests check exactly its arithmetic;
+//! - candle's fused `moe_gemm` kernels (CUDA, bf16/f16), with routing, sorting and both
+//!   expert GEMMs on the device and no host round trip. `FLEET_MOE_KERNEL=0` turns them off.
+
+use candle_core::{DType, IndexOp, Module, Tensor};
+use candle_nn::Linear;
+
+use crate::error::{ModelError, Result};
+use crate::ops;
+use crate::weights::Init;
+
+use super::BlockLoader;
+
+/// One MoE block's weights.
+pub(crate) struct SparseMoe {
+    /// `[experts, hidden]`, no bias.
+    router: Linear,
+    /// Per expert `[2 * inter, hidden]` (gate rows first), i.e. `F.linear` layout.
+    gate_up: Tensor,
+    /// Per expert `[hidden, inter]`.
+    down: Tensor,
+    top_k: usize,
+}
+
+/// transformers' `initializer_range` for random weights.
+const INIT_STD: f64 = 0.02;
+
+/// Tokens per call of the fused kernels: candle sorts the `tokens * top_k` routing entries in
+/// one thread block, whose shared memory holds a few thousand entries.
+#[cfg(feature = "cuda")]
+const KERNEL_CHUNK: usize = 1024;
+
+impl SparseMoe {
+    /// Reads `{p}.gate.weight` `[E, H]`, `{p}.experts.gate_up_proj` `[E, H, 2I]` and
+    /// `{p}.experts.down_proj` `[E, I, H]` (the layout of the released checkpoints, used as
+    /// `x @ W`; transformers 5 transposes them on load, as done here).
+    pub(crate) fn load(
+        ld: &BlockLoader<'_>,
+        p: &str,
+        hidden: usize,
+        experts: usize,
+        inter: usize,
+        top_k: usize,
+    ) -> Result<Self> {
+        let (router, _) = ld.linear(&format!("{p}.gate"), hidden, experts, false)?;
+        let gate_up = ld.weights.get(
+            &format!("{p}.experts.gate_up_proj"),
+            &[experts, hidden, 2 * inter],
+            Init::Normal(INIT_STD),
+            ld.dtype,
+            ld.device,
+        )?;
+        let down = ld.weights.get(
+            &format!("{p}.experts.down_proj"),
+            &[experts, inter, hidden],
+            Init::Normal(INIT_STD),
+            ld.dtype,
+            ld.device,
+        )?;
+        Ok(SparseMoe {
+            router: Linear::new(router, None),
+            gate_up: gate_up.transpose(1, 2)?.contiguous()?,
+            down: down.transpose(1, 2)?.contiguous()?,
+            top_k,
+        })
+    }
+
+    /// `x` `[b, len, hidden]` -> `[b, len, hidden]`.
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, len, hidden) = x.dims3()?;
+        let flat = x.reshape((b * len, hidden))?;
+        #[cfg(feature = "cuda")]
+        if self.use_kernel(&flat) {
+            return Ok(self.forward_kernel(&flat)?.reshape((b, len, hidden))?);
+        }
+        Ok(self.forward_grouped(&flat)?.reshape((b, len, hidden))?)
+    }
+
+    /// Routing of `x` `[n, hidden]`: for every token its `top_k` experts (most probable first)
+    /// and their renormalised weights, on the host.
+    fn route(&self, x: &Tensor) -> Result<(Vec<u32>, Vec<f32>)> {
+        let logits = self.router.forward(x)?.to_dtype(DType::F32)?;
+        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
+        let k = self.top_k;
+        let mut ids = Vec::with_capacity(rows.len() * k);
+        let mut weights = Vec::with_capacity(rows.len() * k);
+        for (t, row) in rows.iter().enumerate() {
+            if let Some(bad) = row.iter().find(|v| !v.is_finite()) {
+                return Err(ModelError::BadInput(format!(
+                    "the MoE router's logit for token {t} is {bad}: the activations overflowed \
+                     or the router weights are not finite"
+                )));
+            }
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exp: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
+            let sum: f32 = exp.iter().sum();
+            let probs: Vec<f32> = exp.iter().map(|e| e / sum).collect();
+            // torch.topk: largest first; equal values keep the lower index first.
+            let mut order: Vec<usize> = (0..probs.len()).collect();
+            order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+            let top = &order[..k];
+            let total: f32 = top.iter().map(|&e| probs[e]).sum();
+            for &e in top {
+                ids.push(e as u32);
+                weights.push(probs[e] / total);
+            }
+        }
+        Ok((ids, weights))
+    }
+
+    /// transformers' loop: per expert hit, its tokens through gate/up, SwiGLU, down, scaled by
+    /// the routing weight (in the model dtype) and added into the output in expert order.
+    fn forward_grouped(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, hidden) = x.dims2()?;
+        let (ids, weights) = self.route(x)?;
+        let experts = self.gate_up.dim(0)?;
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); experts];
+        let mut token_w: Vec<Vec<f32>> = vec![Vec::new(); experts];
+        for (slot, (&e, &w)) in ids.iter().zip(&weights).enumerate() {
+            tokens[e as usize].push((slot / self.top_k) as u32);
+            token_w[e as usize].push(w);
+        }
+        let dev = x.device();
+        let mut out = Tensor::zeros((n, hidden), x.dtype(), dev)?;
+        for e in 0..experts {
+            if tokens[e].is_empty() {
+                continue;
+            }
+            let m = tokens[e].len();
+            let idx = Tensor::from_slice(&tokens[e], m, dev)?;
+            let xe = x.index_select(&idx, 0)?;
+            let gu = xe.matmul(&self.gate_up.i(e)?.t()?)?;
+            let act = ops::swiglu(&gu)?;
+            let y = act.matmul(&self.down.i(e)?.t()?)?;
+            // The routing weights are cast to the model dtype before scaling, as transformers.
+            let w = Tensor::from_slice(&token_w[e], (m, 1), dev)?.to_dtype(x.dtype())?;
+            let y = y.broadcast_mul(&w)?;
+            out = out.index_add(&idx, &y, 0)?;
+        }
+        Ok(out)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn use_kernel(&self, x: &Tensor) -> bool {
+        x.device().is_cuda()
+            && matches!(x.dtype(), DType::BF16 | DType::F16)
+            && std::env::var("FLEET_MOE_KERNEL").map_or(true, |v| v != "0")
+    }
+
+    /// candle's fused MoE GEMMs, in chunks of tokens (see [`KERNEL_CHUNK`]).
+    #[cfg(feature = "cuda")]
+    fn forward_kernel(&self, x: &Tensor) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let mut parts = Vec::new();
+        let mut start = 0;
+        while start < n {
+            let m = KERNEL_CHUNK.min(n - start);
+            parts.push(self.kernel_chunk(&x.narrow(0, start, m)?)?);
+            start += m;
+        }
+        Ok(if parts.len() == 1 {
+            parts.pop().expect("one part")
+        } else {
+            Tensor::cat(&parts, 0)?
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn kernel_chunk(&self, x: &Tensor) -> Result<Tensor> {
+        use candle_core::D;
+        use candle_nn::moe::moe_gemm;
+        let (n, hidden) = x.dims2()?;
+        let k = self.top_k;
+        let probs =
+            candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
+        let top_ids = probs
+            .arg_sort_last_dim(false)?
+            .narrow(D::Minus1, 0, k)?
+            .contiguous()?;
+        let top_w = probs.gather(&top_ids, D::Minus1)?;
+        let top_w = top_w.broadcast_div(&top_w.sum_keepdim(D::Minus1)?)?;
+        let (expert_ids, sorted_token_ids) = top_ids.flatten_all()?.sort_last_dim(true)?;
+        let prefill = n > 1;
+        let gu = moe_gemm(
+            &x.contiguous()?,
+            &self.gate_up,
+            &None,
+            &sorted_token_ids,
+            &expert_ids,
+            k,
+            prefill,
+        )?; // [n * k, 2I]
+        let act = ops::swiglu(&gu)?; // [n * k, I]
+        let y = moe_gemm(
+            &act,
+            &self.down,
+            &Some(top_w.contiguous()?),
+            &sorted_token_ids,
+            &expert_ids,
+            k,
+            prefill,
+        )?; // [n * k, hidden], already weighted
+        Ok(y.reshape((n, k, hidden))?.sum(1)?)
+    }
+}

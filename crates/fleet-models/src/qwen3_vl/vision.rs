@@ -1,0 +1,585 @@
+//! The Qwen3-VL vision encoder (transformers' `Qwen3VLVisionModel`).
+//!
+//! Patches (`[n, 3 * 2 * 16 * 16]` from [`crate::vision::preprocess`], in 2x2 merge-block
+//! order) go through a linear patch embedding (the Conv3d as one GEMM), a learned position
+//! table interpolated bilinearly to each image's grid, `depth` pre-norm blocks with 2-D rotary
+//! attention inside each image, and the merger (LayerNorm, 2x2 shuffle, fc, exact GELU, fc).
+//! Blocks named by `deepstack_visual_indexes` also feed their own mergers (LayerNorm after the
+//! shuffle), whose outputs the text decoder adds after its first layers.
+//!
+//! Facts and line references: `docs/reference/qwen3-vl-verified.md` section 1.
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::Linear;
+use serde::Deserialize;
+
+use crate::error::{ModelError, Result};
+use crate::profile;
+use crate::weights::{Init, Weights};
+
+/// `vision_config` of a Qwen3-VL `config.json`, as transformers names the fields.
+#[derive(Debug, Clone, Deserialize)]
+pub struct VisionConfig {
+    /// Number of blocks (27 for 8B and 30B-A3B).
+    pub depth: usize,
+    /// Block width (1152).
+    pub hidden_size: usize,
+    /// Block MLP activation (`gelu_pytorch_tanh`).
+    #[serde(default = "default_vision_act")]
+    pub hidden_act: String,
+    /// Block MLP width (4304).
+    pub intermediate_size: usize,
+    /// Attention heads (16).
+    pub num_heads: usize,
+    /// Image channels (3).
+    #[serde(default = "default_channels")]
+    pub in_channels: usize,
+    /// Patch side in pixels (16).
+    pub patch_size: usize,
+    /// Side of the square of patches merged into one token (2).
+    pub spatial_merge_size: usize,
+    /// Frames per patch (2; a still image is repeated).
+    pub temporal_patch_size: usize,
+    /// Width of the merged tokens = the text decoder's hidden size.
+    pub out_hidden_size: usize,
+    /// Entries of the learned position table, a square grid (2304 = 48 x 48).
+    pub num_position_embeddings: usize,
+    /// Blocks whose outputs feed the deepstack mergers (`[8, 16, 24]`).
+    #[serde(default)]
+    pub deepstack_visual_indexes: Vec<usize>,
+    /// Rotary base (transformers 5 files may carry it in `rope_parameters`; 10000 otherwise).
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+}
+
+fn default_vision_act() -> String {
+    "gelu_pytorch_tanh".into()
+}
+
+fn default_channels() -> usize {
+    3
+}
+
+impl VisionConfig {
+    /// Values in one patch (`channels * frames * patch * patch`).
+    pub fn patch_dim(&self) -> usize {
+        self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+
+    /// Per-head width.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
+
+    /// Side of the square position table.
+    pub fn grid_per_side(&self) -> usize {
+        (self.num_position_embeddings as f64).sqrt().round() as usize
+    }
+
+    fn rope_theta(&self) -> f64 {
+        self.rope_parameters
+            .as_ref()
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(|t| t.as_f64())
+            .unwrap_or(10_000.0)
+    }
+
+    /// Checks the shapes the encoder relies on; `path` names the file in errors.
+    pub(crate) fn validate(&self, path: &std::path::Path) -> Result<()> {
+        let bad = |field: &str, value: String, hint: &str| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            field: format!("vision_config.{field}"),
+            value,
+            hint: hint.to_string(),
+        };
+        for (field, v) in [
+            ("depth", self.depth),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_heads", self.num_heads),
+            ("patch_size", self.patch_size),
+            ("spatial_merge_size", self.spatial_merge_size),
+            ("temporal_patch_size", self.temporal_patch_size),
+            ("out_hidden_size", self.out_hidden_size),
+        ] {
+            if v == 0 {
+                return Err(bad(field, "0".into(), "must be positive"));
+            }
+        }
+        if !self.hidden_size.is_multiple_of(self.num_heads) || !self.head_dim().is_multiple_of(4) {
+            return Err(bad(
+                "num_heads",
+                self.num_heads.to_string(),
+                "hidden_size / num_heads must be a multiple of 4 (2-D rotary halves)",
+            ));
+        }
+        let side = self.grid_per_side();
+        if side * side != self.num_position_embeddings || side == 0 {
+            return Err(bad(
+                "num_position_embeddings",
+                self.num_position_embeddings.to_string(),
+                "must be a square number (the position table is a square grid)",
+            ));
+        }
+        if let Some(&i) = self
+            .deepstack_visual_indexes
+            .iter()
+            .find(|&&i| i >= self.depth)
+        {
+            return Err(bad(
+                "deepstack_visual_indexes",
+                format!("{:?}", self.deepstack_visual_indexes),
+                &format!("block {i} does not exist (depth = {})", self.depth),
+            ));
+        }
+        if !matches!(
+            self.hidden_act.as_str(),
+            "gelu_pytorch_tanh" | "gelu" | "gelu_new"
+        ) {
+            return Err(bad(
+                "hidden_act",
+                self.hidden_act.clone(),
+                "fleet implements gelu_pytorch_tanh and gelu",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// transformers' `initializer_range` for random weights.
+const INIT_STD: f64 = 0.02;
+
+/// Reads vision tensors of one device.
+struct Loader<'a> {
+    weights: &'a Weights,
+    dtype: DType,
+    device: &'a Device,
+}
+
+impl Loader<'_> {
+    fn tensor(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        self.weights.get(name, shape, init, self.dtype, self.device)
+    }
+
+    fn linear(&self, name: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
+        Ok(Linear::new(
+            self.tensor(
+                &format!("{name}.weight"),
+                &[out_dim, in_dim],
+                Init::Normal(INIT_STD),
+            )?,
+            Some(self.tensor(&format!("{name}.bias"), &[out_dim], Init::Zeros)?),
+        ))
+    }
+
+    fn layer_norm(&self, name: &str, dim: usize) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            weight: self.tensor(&format!("{name}.weight"), &[dim], Init::Ones)?,
+            bias: self.tensor(&format!("{name}.bias"), &[dim], Init::Zeros)?,
+        })
+    }
+}
+
+/// LayerNorm with bias, eps 1e-6 (statistics in f32).
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+const LN_EPS: f32 = 1e-6;
+
+impl LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::layer_norm(
+            &x.contiguous()?,
+            &self.weight,
+            &self.bias,
+            LN_EPS,
+        )?)
+    }
+}
+
+/// The activation of the block MLPs.
+#[derive(Clone, Copy)]
+enum Act {
+    GeluTanh,
+    GeluErf,
+}
+
+impl Act {
+    fn forward(self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Act::GeluTanh => x.gelu()?,
+            Act::GeluErf => x.gelu_erf()?,
+        })
+    }
+}
+
+struct Block {
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+    qkv: Linear,
+    proj: Linear,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+/// LayerNorm -> 2x2 shuffle -> fc -> exact GELU -> fc. `post_shuffle` puts the LayerNorm
+/// after the shuffle (the deepstack mergers).
+struct Merger {
+    norm: LayerNorm,
+    fc1: Linear,
+    fc2: Linear,
+    post_shuffle: bool,
+    unit: usize,
+}
+
+impl Merger {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, h) = x.dims2()?;
+        let wide = h * self.unit;
+        let x = if self.post_shuffle {
+            self.norm.forward(&x.reshape((n / self.unit, wide))?)?
+        } else {
+            self.norm.forward(x)?.reshape((n / self.unit, wide))?
+        };
+        let x = self.fc1.forward(&x)?.gelu_erf()?;
+        Ok(self.fc2.forward(&x)?)
+    }
+}
+
+/// What the encoder returns for a set of images.
+pub struct VisionOutput {
+    /// The merged tokens of all images in order, `[n_tokens, out_hidden_size]`.
+    pub features: Tensor,
+    /// One `[n_tokens, out_hidden_size]` tensor per deepstack merger.
+    pub deepstack: Vec<Tensor>,
+}
+
+/// The vision tower of a Qwen3-VL checkpoint.
+pub struct VisionEncoder {
+    cfg: VisionConfig,
+    dtype: DType,
+    device: Device,
+    /// The Conv3d patch embedding as a `[hidden, patch_dim]` matrix with bias.
+    patch_embed: Linear,
+    /// `[num_position_embeddings, hidden]`.
+    pos_table: Tensor,
+    blocks: Vec<Block>,
+    merger: Merger,
+    /// `(block index, merger)` in `deepstack_visual_indexes` order.
+    deepstack: Vec<(usize, Merger)>,
+    act: Act,
+    /// The rotary frequencies of one axis, `head_dim / 4` of them.
+    inv_freq: Vec<f32>,
+}
+
+impl VisionEncoder {
+    /// Reads `model.visual.*` onto `device`.
+    pub fn new(
+        cfg: &VisionConfig,
+        weights: &Weights,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let ld = Loader {
+            weights,
+            dtype,
+            device,
+        };
+        let (h, p) = (cfg.hidden_size, "model.visual");
+        let conv = ld.tensor(
+            &format!("{p}.patch_embed.proj.weight"),
+            &[
+                h,
+                cfg.in_channels,
+                cfg.temporal_patch_size,
+                cfg.patch_size,
+                cfg.patch_size,
+            ],
+            Init::Normal(INIT_STD),
+        )?;
+        // A kernel as large as its stride over a patch is a linear map of the patch's values in
+        // (channel, frame, row, column) order: the preprocessing's order.
+        let patch_embed = Linear::new(
+            conv.reshape((h, cfg.patch_dim()))?,
+            Some(ld.tensor(&format!("{p}.patch_embed.proj.bias"), &[h], Init::Zeros)?),
+        );
+        let pos_table = ld.tensor(
+            &format!("{p}.pos_embed.weight"),
+            &[cfg.num_position_embeddings, h],
+            Init::Normal(INIT_STD),
+        )?;
+        let mut blocks = Vec::with_capacity(cfg.depth);
+        for i in 0..cfg.depth {
+            let b = format!("{p}.blocks.{i}");
+            blocks.push(Block {
+                norm1: ld.layer_norm(&format!("{b}.norm1"), h)?,
+                norm2: ld.layer_norm(&format!("{b}.norm2"), h)?,
+                qkv: ld.linear(&format!("{b}.attn.qkv"), h, 3 * h)?,
+                proj: ld.linear(&format!("{b}.attn.proj"), h, h)?,
+                fc1: ld.linear(&format!("{b}.mlp.linear_fc1"), h, cfg.intermediate_size)?,
+                fc2: ld.linear(&format!("{b}.mlp.linear_fc2"), cfg.intermediate_size, h)?,
+            });
+        }
+        let unit = cfg.spatial_merge_size * cfg.spatial_merge_size;
+        let wide = h * unit;
+        let merger = |name: &str, post_shuffle: bool| -> Result<Merger> {
+            Ok(Merger {
+                norm: ld
+                    .layer_norm(&format!("{name}.norm"), if post_shuffle { wide } else { h })?,
+                fc1: ld.linear(&format!("{name}.linear_fc1"), wide, wide)?,
+                fc2: ld.linear(&format!("{name}.linear_fc2"), wide, cfg.out_hidden_size)?,
+                post_shuffle,
+                unit,
+            })
+        };
+        let main = merger(&format!("{p}.merger"), false)?;
+        let mut deepstack = Vec::new();
+        for (k, &i) in cfg.deepstack_visual_indexes.iter().enumerate() {
+            deepstack.push((i, merger(&format!("{p}.deepstack_merger_list.{k}"), true)?));
+        }
+        // inv_freq = 1 / theta^(arange(0, d, 2) / d) with d = head_dim / 2, in f32.
+        let d = cfg.head_dim() / 2;
+        let theta = cfg.rope_theta();
+        let inv_freq = (0..d / 2)
+            .map(|i| 1.0 / theta.powf((2 * i) as f64 / d as f64) as f32)
+            .collect();
+        Ok(VisionEncoder {
+            cfg: cfg.clone(),
+            dtype,
+            device: device.clone(),
+            patch_embed,
+            pos_table,
+            blocks,
+            merger: main,
+            deepstack,
+            act: if cfg.hidden_act == "gelu" {
+                Act::GeluErf
+            } else {
+                Act::GeluTanh
+            },
+            inv_freq,
+        })
+    }
+
+    /// The device the encoder runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Encodes images: `pixel_values` `[n_patches, patch_dim]` (f32, any device) and each
+    /// image's `[t, h, w]` patch grid, in order.
+    pub fn forward(&self, pixel_values: &Tensor, grids: &[[usize; 3]]) -> Result<VisionOutput> {
+        let cfg = &self.cfg;
+        let (n, dim) = pixel_values.dims2()?;
+        let m = cfg.spatial_merge_size;
+        let expected: usize = grids.iter().map(|g| g[0] * g[1] * g[2]).sum();
+        if dim != cfg.patch_dim() || n != expected {
+            return Err(ModelError::BadInput(format!(
+                "pixel_values is [{n}, {dim}] but the grids {grids:?} and vision_config need \
+                 [{expected}, {}]: preprocess the images with this checkpoint's \
+                 preprocessor_config.json",
+                cfg.patch_dim()
+            )));
+        }
+        if let Some(g) = grids
+            .iter()
+            .find(|g| g[1] % m != 0 || g[2] % m != 0 || g[0] == 0)
+        {
+            return Err(ModelError::BadInput(format!(
+                "image grid {g:?} is not a whole number of {m}x{m} merge blocks"
+            )));
+        }
+        let dev = &self.device;
+        let x = pixel_values.to_device(dev)?.to_dtype(self.dtype)?;
+        let x = profile::time(dev, "vision.patch_embed", || {
+            let pos = self.position_embeddings(grids)?;
+            Ok((self.patch_embed.forward(&x)? + pos)?)
+        })?;
+        let (cos, sin) = self.rotary(grids)?;
+        let mut x = x;
+        let mut deepstack = Vec::with_capacity(self.deepstack.len());
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = profile::time(dev, "vision.block", || {
+                self.block(block, &x, grids, &cos, &sin)
+            })?;
+            for (_, merger) in self.deepstack.iter().filter(|(at, _)| *at == i) {
+                deepstack.push(profile::time(dev, "vision.merger", || merger.forward(&x))?);
+            }
+        }
+        let features = profile::time(dev, "vision.merger", || self.merger.forward(&x))?;
+        Ok(VisionOutput {
+            features,
+            deepstack,
+        })
+    }
+
+    /// The learned position table bilinearly interpolated (align-corners) to each grid, in
+    /// merge-block order: per patch four taps and weights, products and sum in f32, cast to
+    /// the model dtype (transformers 5's `fast_pos_embed_interpolate`).
+    fn position_embeddings(&self, grids: &[[usize; 3]]) -> Result<Tensor> {
+        let side = self.cfg.grid_per_side();
+        let m = self.cfg.spatial_merge_size;
+        let n: usize = grids.iter().map(|g| g[0] * g[1] * g[2]).sum();
+        let mut idx: [Vec<u32>; 4] = Default::default();
+        let mut wts: [Vec<f32>; 4] = Default::default();
+        // Per axis: source coordinate idx * (S - 1) / (n - 1), taps floor and floor + 1
+        // (clamped), weights from the unclamped taps.
+        let taps = |i: usize, len: usize| -> ([usize; 2], [f32; 2]) {
+            let scale = (side - 1) as f32 / (len.max(2) - 1) as f32;
+            let src = if len == 1 { 0.0 } else { i as f32 * scale };
+            let f = src.floor();
+            let w0 = (1.0 - (src - f).abs()).max(0.0);
+            let w1 = (1.0 - (src - (f + 1.0)).abs()).max(0.0);
+            let f = f as usize;
+            ([f.min(side - 1), (f + 1).min(side - 1)], [w0, w1])
+        };
+        for &[t, h, w] in grids {
+            for _ in 0..t {
+                for br in 0..h / m {
+                    for bc in 0..w / m {
+                        for ir in 0..m {
+                            for ic in 0..m {
+                                let (rt, rw) = taps(br * m + ir, h);
+                                let (ct, cw) = taps(bc * m + ic, w);
+                                let mut k = 0;
+                                for a in 0..2 {
+                                    for b in 0..2 {
+                                        idx[k].push((rt[a] * side + ct[b]) as u32);
+                                        wts[k].push(rw[a] * cw[b]);
+                                        k += 1;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let dev = &self.device;
+        let table = self.pos_table.to_dtype(DType::F32)?;
+        let mut sum: Option<Tensor> = None;
+        for k in 0..4 {
+            let rows = table.index_select(&Tensor::from_slice(&idx[k], n, dev)?, 0)?;
+            let w = Tensor::from_slice(&wts[k], (n, 1), dev)?;
+            let term = rows.broadcast_mul(&w)?;
+            sum = Some(match sum {
+                None => term,
+                Some(s) => (s + term)?,
+            });
+        }
+        Ok(sum.expect("four taps").to_dtype(self.dtype)?)
+    }
+
+    /// cos/sin `[n, head_dim]` (f32) of every patch: the first quarter of the angles follow its
+    /// row, the second its column, repeated for the second half (rotate-half layout).
+    fn rotary(&self, grids: &[[usize; 3]]) -> Result<(Tensor, Tensor)> {
+        let m = self.cfg.spatial_merge_size;
+        let hd = self.cfg.head_dim();
+        let n: usize = grids.iter().map(|g| g[0] * g[1] * g[2]).sum();
+        let mut cos = Vec::with_capacity(n * hd);
+        let mut sin = Vec::with_capacity(n * hd);
+        let mut angles = Vec::with_capacity(hd / 2);
+        for &[t, h, w] in grids {
+            for _ in 0..t {
+                for br in 0..h / m {
+                    for bc in 0..w / m {
+                        for ir in 0..m {
+                            for ic in 0..m {
+                                let (row, col) = ((br * m + ir) as f32, (bc * m + ic) as f32);
+                                angles.clear();
+                                angles.extend(self.inv_freq.iter().map(|f| row * f));
+                                angles.extend(self.inv_freq.iter().map(|f| col * f));
+                                for _ in 0..2 {
+                                    cos.extend(angles.iter().map(|a| a.cos()));
+                                    sin.extend(angles.iter().map(|a| a.sin()));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let dev = &self.device;
+        Ok((
+            Tensor::from_vec(cos, (n, hd), dev)?,
+            Tensor::from_vec(sin, (n, hd), dev)?,
+        ))
+    }
+
+    fn block(
+        &self,
+        block: &Block,
+        x: &Tensor,
+        grids: &[[usize; 3]],
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Tensor> {
+        let h = block.norm1.forward(x)?;
+        let attn = self.attention(block, &h, grids, cos, sin)?;
+        let x = (x + block.proj.forward(&attn)?)?;
+        let h = block.norm2.forward(&x)?;
+        let mlp = block
+            .fc2
+            .forward(&self.act.forward(&block.fc1.forward(&h)?)?)?;
+        Ok((x + mlp)?)
+    }
+
+    /// Full (non-causal) attention within each image (each frame of `t` is its own segment).
+    fn attention(
+        &self,
+        block: &Block,
+        x: &Tensor,
+        grids: &[[usize; 3]],
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Tensor> {
+        let (n, hidden) = x.dims2()?;
+        let heads = self.cfg.num_heads;
+        let hd = self.cfg.head_dim();
+        let qkv = block.qkv.forward(x)?.reshape((n, 3, heads, hd))?;
+        // RoPE on q and k in f32, cast back, as transformers' apply_rotary_pos_emb_vision.
+        let rope = |t: Tensor| -> Result<Tensor> {
+            let t32 = t.to_dtype(DType::F32)?;
+            let c = cos.unsqueeze(1)?;
+            let s = sin.unsqueeze(1)?;
+            let rotated = rotate_half(&t32)?;
+            Ok((t32.broadcast_mul(&c)? + rotated.broadcast_mul(&s)?)?.to_dtype(self.dtype)?)
+        };
+        let q = rope(qkv.narrow(1, 0, 1)?.squeeze(1)?)?; // [n, heads, hd]
+        let k = rope(qkv.narrow(1, 1, 1)?.squeeze(1)?)?;
+        let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
+        let scale = (hd as f64).powf(-0.5);
+        let mut outs = Vec::new();
+        let mut start = 0;
+        for &[t, gh, gw] in grids {
+            let len = gh * gw;
+            for _ in 0..t {
+                let seg = |z: &Tensor| -> Result<Tensor> {
+                    Ok(z.narrow(0, start, len)?.transpose(0, 1)?.contiguous()?)
+                };
+                let (qs, ks, vs) = (seg(&q)?, seg(&k)?, seg(&v)?); // [heads, len, hd]
+                let scores = (qs.matmul(&ks.t()?)? * scale)?;
+                let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?
+                    .to_dtype(self.dtype)?;
+                outs.push(probs.matmul(&vs)?.transpose(0, 1)?); // [len, heads, hd]
+                start += len;
+            }
+        }
+        let out = if outs.len() == 1 {
+            outs.pop().expect("one segment")
+        } else {
+            Tensor::cat(&outs, 0)?
+        };
+        Ok(out.reshape((n, hidden))?)
+    }
+}
+
+/// `[-x2, x1]` of the two halves of the last dimension.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+    Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
+}

@@ -1,0 +1,240 @@
+//! Qwen3-VL (dense and MoE) against transformers 5.17 on the tiny random checkpoints of
+//! scripts/fixtures/make_qwen3_vl_fixtures.py: preprocessing, M-RoPE positions, vision and
+//! deepstack features, prompt logits (two images, one image, odd sizes, text only), greedy
+//! continuations, and a left-padded batch equal to the prompts one by one. f32 on the CPU.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use fleet_models::qwen3_vl::{rope_index, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
+use fleet_models::vision::{preprocess, ImageProcessorConfig};
+use fleet_models::{DType, DeviceLocation, DeviceMap, GenerationRequest, Weights};
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+struct Fixture {
+    model: Qwen3VlModel,
+    golden: Value,
+    tensors: std::collections::HashMap<String, Tensor>,
+    processor: ImageProcessorConfig,
+}
+
+fn fixture(name: &str) -> Fixture {
+    let dir = root().join("tests/fixtures").join(name);
+    let cfg = Qwen3VlConfig::from_file(&dir.join("config.json")).unwrap();
+    let weights = Weights::from_safetensors(&[dir.join("model.safetensors")]).unwrap();
+    let map = DeviceMap::single(DeviceLocation::Cpu, cfg.text.num_hidden_layers);
+    let model = Qwen3VlModel::new(&cfg, &weights, DType::F32, &map).unwrap();
+    let golden_dir = root().join("tests/fixtures/golden");
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(golden_dir.join(format!("{name}.json"))).unwrap(),
+    )
+    .unwrap();
+    let tensors = candle_core::safetensors::load(
+        golden_dir.join(format!("{name}.safetensors")),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let processor = ImageProcessorConfig::from_file(dir.join("preprocessor_config.json")).unwrap();
+    Fixture {
+        model,
+        golden,
+        tensors,
+        processor,
+    }
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// The image paths of a case's messages, in order.
+fn image_paths(case: &Value) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for m in case["messages"].as_array().unwrap() {
+        if let Some(parts) = m["content"].as_array() {
+            for p in parts {
+                if p["type"] == "image" {
+                    out.push(root().join(p["image"].as_str().unwrap()));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn prompt(f: &Fixture, case: &Value) -> VlPrompt {
+    let paths = image_paths(case);
+    let images = if paths.is_empty() {
+        None
+    } else {
+        let imgs: Vec<image::DynamicImage> =
+            paths.iter().map(|p| image::open(p).unwrap()).collect();
+        Some(preprocess(&imgs, &f.processor).unwrap())
+    };
+    VlPrompt {
+        ids: ids(&case["input_ids"]),
+        images,
+    }
+}
+
+/// Largest |a - b| / (1 + |b|) (relative for large values, absolute near zero).
+fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes");
+    let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f32::max)
+}
+
+const TOL: f32 = 1e-4;
+
+fn check_checkpoint(name: &str) {
+    let f = fixture(name);
+    let cases = f.golden["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 4);
+    let cfg = f.model.config();
+    for case in cases {
+        let cname = case["name"].as_str().unwrap();
+        let p = prompt(&f, case);
+
+        // Preprocessing is bit-exact (tests/vision_preprocess.rs); here it feeds the model.
+        if let Some(img) = &p.images {
+            let golden = &f.tensors[&format!("{cname}.pixel_values")];
+            let ours = img.pixel_values_tensor(&Device::Cpu).unwrap();
+            assert_eq!(
+                max_rel_diff(&ours, golden),
+                0.0,
+                "{name}/{cname} pixel_values"
+            );
+            let grids: Vec<Vec<usize>> = img.image_grid_thw.iter().map(|g| g.to_vec()).collect();
+            let golden_grids: Vec<Vec<usize>> =
+                serde_json::from_value(case["image_grid_thw"].clone()).unwrap();
+            assert_eq!(grids, golden_grids, "{name}/{cname} grids");
+        }
+
+        // M-RoPE positions and delta.
+        let (axes, delta) = rope_index(
+            &p.ids,
+            p.images.as_ref().map_or(&[][..], |i| &i.image_grid_thw),
+            cfg.vision.spatial_merge_size,
+            cfg.image_token_id,
+            cfg.video_token_id,
+        )
+        .unwrap();
+        let golden_pos: Vec<Vec<u32>> =
+            serde_json::from_value(case["position_ids"].clone()).unwrap();
+        assert_eq!(axes.to_vec(), golden_pos, "{name}/{cname} position ids");
+        assert_eq!(
+            delta,
+            case["rope_delta"].as_i64().unwrap(),
+            "{name}/{cname}"
+        );
+
+        // Vision features and deepstack features.
+        if let Some(img) = &p.images {
+            let out = f.model.encode_images(img).unwrap();
+            let d = max_rel_diff(
+                &out.features,
+                &f.tensors[&format!("{cname}.vision_features")],
+            );
+            assert!(d < TOL, "{name}/{cname} vision features differ by {d}");
+            assert_eq!(out.deepstack.len(), 3);
+            for (k, ds) in out.deepstack.iter().enumerate() {
+                let d = max_rel_diff(ds, &f.tensors[&format!("{cname}.deepstack.{k}")]);
+                assert!(d < TOL, "{name}/{cname} deepstack {k} differs by {d}");
+            }
+        }
+
+        // Logits of every prompt position.
+        let logits = f.model.logits(&p).unwrap();
+        let d = max_rel_diff(&logits, &f.tensors[&format!("{cname}.logits")]);
+        assert!(d < TOL, "{name}/{cname} logits differ by {d}");
+
+        // Greedy continuation.
+        let g = &case["greedy"];
+        let req = GenerationRequest::greedy(
+            p.ids.clone(),
+            g["max_new_tokens"].as_u64().unwrap() as usize,
+        );
+        let out = f
+            .model
+            .generate(
+                None,
+                vec![997, 995],
+                995,
+                std::slice::from_ref(&p),
+                &[req],
+                None,
+            )
+            .unwrap();
+        assert_eq!(
+            out[0].token_ids,
+            ids(&g["output_ids"]),
+            "{name}/{cname} greedy"
+        );
+    }
+
+    // The four prompts as one left-padded batch give each one's own continuation.
+    let prompts: Vec<VlPrompt> = cases.iter().map(|c| prompt(&f, c)).collect();
+    let reqs: Vec<GenerationRequest> = prompts
+        .iter()
+        .map(|p| GenerationRequest::greedy(p.ids.clone(), 10))
+        .collect();
+    let out = f
+        .model
+        .generate(None, vec![997, 995], 995, &prompts, &reqs, None)
+        .unwrap();
+    let golden: Vec<Vec<u32>> =
+        serde_json::from_value(f.golden["batched"]["output_ids"].clone()).unwrap();
+    for (r, o) in out.iter().enumerate() {
+        assert_eq!(o.token_ids, golden[r], "{name} batched row {r}");
+        assert_eq!(
+            o.token_ids,
+            ids(&cases[r]["greedy"]["output_ids"]),
+            "{name} batched row {r} vs alone"
+        );
+    }
+}
+
+#[test]
+fn dense_matches_transformers() {
+    check_checkpoint("qwen3-vl-tiny");
+}
+
+#[test]
+fn moe_matches_transformers() {
+    check_checkpoint("qwen3-vl-moe-tiny");
+}
+
+#[test]
+fn config_without_mrope_section_is_an_error() {
+    let path = root().join("tests/fixtures/qwen3-vl-moe-tiny/config.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut v: Value = serde_json::from_str(&text).unwrap();
+    v["text_config"]["rope_scaling"]
+        .as_object_mut()
+        .unwrap()
+        .remove("mrope_section");
+    let e = Qwen3VlConfig::from_json(&v.to_string(), Path::new("m/config.json"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("m/config.json") && e.contains("mrope_section"),
+        "{e}"
+    );
+
+    // A text checkpoint is not a judge.
+    let text_cfg = root().join("tests/fixtures/qwen3-tiny/config.json");
+    let e = Qwen3VlConfig::from_file(&text_cfg).unwrap_err().to_string();
+    assert!(e.contains("qwen3_vl"), "{e}");
+}
