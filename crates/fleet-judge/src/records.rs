@@ -507,6 +507,18 @@ pub fn merge_shards(shards: &[PathBuf], out: &Path, options: MergeOptions) -> Re
     if shards.is_empty() {
         return Err(RecordsError::NoShards);
     }
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    if let Some(d) = shards.iter().find(|d| same(d, out)) {
+        return Err(RecordsError::ShardSet {
+            problem: format!(
+                "the output directory {} is one of the shards; merge into a directory of its own",
+                d.display()
+            ),
+        });
+    }
     let mut manifests = Vec::new();
     let mut infos = Vec::new();
     for dir in shards {

@@ -91,6 +91,16 @@ pub enum RunError {
         /// The session's.
         expected: String,
     },
+    /// A decoding setting that cannot work.
+    #[error("{field} = {value} {problem}")]
+    BadSetting {
+        /// The setting (`decoding.max_new_tokens`, `retry.temperature`, ...).
+        field: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong and what to use.
+        problem: &'static str,
+    },
     /// Worker names given do not match the judges.
     #[error("{names} worker names for {judges} judges: give one name per judge, or none")]
     WorkerNames {
@@ -127,7 +137,80 @@ pub struct ScoringSpec {
     pub resize_edited_to_source: bool,
 }
 
+fn check_sampling(s: &Sampling, prefix: &'static str) -> Result<()> {
+    let bad = |field, value: String, problem| {
+        Err(RunError::BadSetting {
+            field,
+            value,
+            problem,
+        })
+    };
+    let temperature_field = if prefix == "retry" {
+        "retry.temperature"
+    } else {
+        "decoding.sampling.temperature"
+    };
+    if !(s.temperature.is_finite() && s.temperature > 0.0) {
+        return bad(
+            temperature_field,
+            s.temperature.to_string(),
+            "must be a positive number (greedy decoding is sampling = None)",
+        );
+    }
+    if let Some(p) = s.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            let field = if prefix == "retry" {
+                "retry.top_p"
+            } else {
+                "decoding.sampling.top_p"
+            };
+            return bad(
+                field,
+                p.to_string(),
+                "must lie in (0, 1] (None turns it off)",
+            );
+        }
+    }
+    if s.top_k == Some(0) {
+        let field = if prefix == "retry" {
+            "retry.top_k"
+        } else {
+            "decoding.sampling.top_k"
+        };
+        return bad(field, "0".into(), "must be at least 1 (None turns it off)");
+    }
+    Ok(())
+}
+
 impl ScoringSpec {
+    /// Checks the decoding and retry settings (called by [`Session::open`]).
+    pub fn validate(&self) -> Result<()> {
+        if self.decoding.max_new_tokens == 0 {
+            return Err(RunError::BadSetting {
+                field: "decoding.max_new_tokens",
+                value: "0".into(),
+                problem: "leaves no room for a reply; use the prompt set's max_new_tokens (128 for `Score: X`, 512 for VIEScore)",
+            });
+        }
+        if let Some(s) = &self.decoding.sampling {
+            check_sampling(s, "decoding")?;
+        }
+        if let Some(s) = &self.retry {
+            check_sampling(s, "retry")?;
+        }
+        if let Some(n) = self.prompts.max_new_tokens {
+            if self.decoding.max_new_tokens < n {
+                tracing::warn!(
+                    "decoding.max_new_tokens = {} is below the {} the prompt set {} was written for; replies may be cut off and fail to parse",
+                    self.decoding.max_new_tokens,
+                    n,
+                    self.prompts.name
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The manifest of an output directory of this configuration.
     pub fn manifest(&self) -> Manifest {
         Manifest::new(JOB)
@@ -254,6 +337,7 @@ fn location(r: &ImageRef) -> String {
 impl Session {
     /// Opens `dir` for `spec` (see the module docs).
     pub fn open(dir: &Path, spec: ScoringSpec, options: &SessionOptions) -> Result<Session> {
+        spec.validate()?;
         let mut manifest = spec.manifest();
         for (k, v) in &options.about {
             manifest = manifest.note(k, v);

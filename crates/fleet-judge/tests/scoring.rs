@@ -678,6 +678,27 @@ fn a_resume_with_another_model_is_refused_and_overwrite_starts_over() {
     .unwrap();
     assert!(matches!(session.state(), RunDirState::Overwritten { .. }));
     assert!(session.store().is_empty());
+    drop(session);
+    // Settings that cannot work are refused with the field.
+    let mut bad = spec(prompts.clone(), MODEL);
+    bad.retry = Some(Sampling {
+        temperature: 0.0,
+        top_p: None,
+        top_k: None,
+        seed: 1,
+    });
+    let err = Session::open(&dir.path().join("o2"), bad, &SessionOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("retry.temperature = 0"), "{err}");
+    let mut bad = spec(prompts.clone(), MODEL);
+    bad.decoding.max_new_tokens = 0;
+    let err = Session::open(&dir.path().join("o2"), bad, &SessionOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("decoding.max_new_tokens"), "{err}");
+    let session = Session::open(
+        &out,
+        spec(prompts.clone(), "other/model@1"),
+        &SessionOptions::default(),
+    )
+    .unwrap();
     // A judge that reports another model than the session's is refused.
     let loaded = load(&bench);
     let plan = session.plan(&loaded, ShardSpec::single()).unwrap();
@@ -821,6 +842,45 @@ fn shards_merged_equal_one_run() {
     let rb = Report::from_dir(&merged, "c").unwrap();
     assert_eq!(ra, rb);
     rb.write(&merged).unwrap();
+
+    let err = merge_shards(&shards, &shards[0], MergeOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("is one of the shards"), "{err}");
+
+    // A shard with a call left without a record is refused, unless allowed; then the item
+    // counts as not scored.
+    let mut gap = (*table).clone();
+    gap.remove(&(7, "score", false));
+    let gap = Arc::new(gap);
+    let halves: Vec<_> = (0..2)
+        .map(|i| dir.path().join(format!("half{i}")))
+        .collect();
+    for (i, d) in halves.iter().enumerate() {
+        run_once(
+            &bench,
+            d,
+            &prompts,
+            vec![scripted(&gap, &seen)],
+            ShardSpec::new(i, 2).unwrap(),
+            2,
+        );
+    }
+    let m3 = dir.path().join("m3");
+    let err = merge_shards(&halves, &m3, MergeOptions::default()).unwrap_err();
+    assert!(matches!(err, RecordsError::Incomplete { .. }), "{err}");
+    assert!(
+        err.to_string().contains("half1 (2 of 3 calls recorded)"),
+        "{err}"
+    );
+    let allow = MergeOptions {
+        allow_incomplete: true,
+        ..MergeOptions::default()
+    };
+    let outcome = merge_shards(&halves, &m3, allow).unwrap();
+    assert_eq!(outcome.info.failed.len(), 1);
+    assert_eq!(outcome.info.failed[0].id, "pair-7");
+    let r = Report::from_dir(&m3, "c").unwrap();
+    assert_eq!((r.items, r.not_scored, r.items_scored), (7, 1, 5));
+    assert_eq!(r.category("C").unwrap().not_scored, 1);
 
     // A shard made with another prompt set is refused.
     let other = prompt_set(
