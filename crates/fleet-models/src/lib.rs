@@ -46,7 +46,7 @@ pub use generation::{
 };
 pub use kv_cache::KvCache;
 pub use qwen::QwenModel;
-pub use qwen3_vl::{Qwen3VlConfig, Qwen3VlModel, VlPrompt};
+pub use qwen3_vl::{Qwen3VlConfig, Qwen3VlModel, VisionLanguageModel, VlPrompt};
 pub use source::{CheckpointFiles, CheckpointIdentity, HubOptions, ModelSource};
 pub use tokenizer::{ChatMessage, ChatTemplate, TextTokenizer};
 pub use weights::Weights;

@@ -131,6 +131,9 @@ pub struct CheckpointFiles {
     pub generation_config: Option<PathBuf>,
     /// preprocessor_config.json (a vision-language checkpoint's image processor), if any.
     pub preprocessor_config: Option<PathBuf>,
+    /// A chat template file of its own (`chat_template.jinja`, else the processor's
+    /// `chat_template.json`), which takes precedence over tokenizer_config.json's.
+    pub chat_template: Option<PathBuf>,
 }
 
 /// What makes a checkpoint behave as it does, by content: stored in the manifests of runs that
@@ -159,6 +162,7 @@ impl CheckpointFiles {
             &self.tokenizer_config,
             &self.generation_config,
             &self.preprocessor_config,
+            &self.chat_template,
         ]
         .into_iter()
         .flatten()
@@ -225,6 +229,10 @@ fn resolve_with(f: &dyn FileFetcher, origin: &str) -> Result<CheckpointFiles> {
         tokenizer_config: f.get("tokenizer_config.json")?,
         generation_config: f.get("generation_config.json")?,
         preprocessor_config: f.get("preprocessor_config.json")?,
+        chat_template: match f.get("chat_template.jinja")? {
+            Some(p) => Some(p),
+            None => f.get("chat_template.json")?,
+        },
     })
 }
 

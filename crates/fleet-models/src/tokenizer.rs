@@ -165,6 +165,51 @@ impl ChatTemplate {
         }))
     }
 
+    /// Reads a template file of its own: `chat_template.jinja` (the template itself) or a
+    /// processor's `chat_template.json` (`{"chat_template": "..."}`). Bos/eos tokens come from
+    /// `tokenizer_config` when given.
+    pub fn from_file(path: &Path, tokenizer_config: Option<&Path>) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let source = if path.extension().is_some_and(|e| e == "json") {
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| ModelError::BadJson {
+                    path: path.to_path_buf(),
+                    message: e.to_string(),
+                })?;
+            v.get("chat_template")
+                .and_then(|t| t.as_str())
+                .map(str::to_string)
+                .ok_or_else(|| ModelError::BadJson {
+                    path: path.to_path_buf(),
+                    message: "expected {\"chat_template\": \"...\"}".into(),
+                })?
+        } else {
+            text
+        };
+        let (bos_token, eos_token) = match tokenizer_config {
+            Some(tc) => {
+                let t = std::fs::read_to_string(tc).map_err(|e| ModelError::io(tc, e))?;
+                let cfg: TokenizerConfigFile =
+                    serde_json::from_str(&t).map_err(|e| ModelError::BadJson {
+                        path: tc.to_path_buf(),
+                        message: e.to_string(),
+                    })?;
+                (
+                    token_text(cfg.bos_token.as_ref()),
+                    token_text(cfg.eos_token.as_ref()),
+                )
+            }
+            None => (None, None),
+        };
+        let env = Self::environment(source, path)?;
+        Ok(ChatTemplate {
+            env,
+            path: path.to_path_buf(),
+            bos_token,
+            eos_token,
+        })
+    }
+
     fn environment(source: String, path: &Path) -> Result<Environment<'static>> {
         let mut env = Environment::new();
         // transformers renders with trim_blocks and lstrip_blocks on.

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use fleet_models::qwen3_vl::{rope_index, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
 use fleet_models::vision::{preprocess, ImageProcessorConfig};
-use fleet_models::{DType, DeviceLocation, DeviceMap, GenerationRequest, Weights};
+use fleet_models::{
+    DType, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions, VisionLanguageModel, Weights,
+};
 use serde_json::Value;
 
 fn root() -> PathBuf {
@@ -237,4 +239,40 @@ fn config_without_mrope_section_is_an_error() {
     let text_cfg = root().join("tests/fixtures/qwen3-tiny/config.json");
     let e = Qwen3VlConfig::from_file(&text_cfg).unwrap_err().to_string();
     assert!(e.contains("qwen3_vl"), "{e}");
+}
+
+/// The checkpoint's chat template, tokenizer and image processor build the prompts transformers'
+/// processor built: the rendered text and the expanded ids of every case.
+#[test]
+fn prompts_match_the_processor() {
+    for name in ["qwen3-vl-tiny", "qwen3-vl-moe-tiny"] {
+        let dir = root().join("tests/fixtures").join(name);
+        let vlm =
+            VisionLanguageModel::load(dir.to_str().unwrap(), &LoadOptions::default()).unwrap();
+        let golden: Value = serde_json::from_str(
+            &std::fs::read_to_string(root().join(format!("tests/fixtures/golden/{name}.json")))
+                .unwrap(),
+        )
+        .unwrap();
+        for case in golden["cases"].as_array().unwrap() {
+            // transformers' message format; the template only needs the part types.
+            let images: Vec<image::DynamicImage> = image_paths(case)
+                .iter()
+                .map(|p| image::open(p).unwrap())
+                .collect();
+            let text = vlm
+                .chat_template
+                .render_json(case["messages"].clone(), true, &Default::default())
+                .unwrap();
+            assert_eq!(
+                text,
+                case["text"].as_str().unwrap(),
+                "{name} {}",
+                case["name"]
+            );
+            let p = vlm.prompt(&case["messages"], &images).unwrap();
+            assert_eq!(p.ids, ids(&case["input_ids"]), "{name} {}", case["name"]);
+        }
+        assert_eq!(vlm.eos_ids(), vec![997, 995]);
+    }
 }

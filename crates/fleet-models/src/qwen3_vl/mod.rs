@@ -11,6 +11,7 @@
 //!
 //! The image processor is [`crate::vision`]. Facts: `docs/reference/qwen3-vl-verified.md`.
 
+mod checkpoint;
 pub mod vision;
 
 use std::path::Path;
@@ -29,6 +30,7 @@ use crate::tokenizer::TextTokenizer;
 use crate::vision::PreprocessedImages;
 use crate::weights::Weights;
 
+pub use checkpoint::VisionLanguageModel;
 pub use vision::{VisionConfig, VisionEncoder, VisionOutput};
 
 /// A Qwen3-VL `config.json`: the text decoder's and the vision encoder's configs and the
