@@ -137,7 +137,8 @@ pub struct ScoringSpec {
     pub resize_edited_to_source: bool,
 }
 
-fn check_sampling(s: &Sampling, prefix: &'static str) -> Result<()> {
+/// Checks a sampling setting; `fields` names its temperature, top_p and top_k in messages.
+fn check_sampling(s: &Sampling, fields: [&'static str; 3]) -> Result<()> {
     let bad = |field, value: String, problem| {
         Err(RunError::BadSetting {
             field,
@@ -145,39 +146,28 @@ fn check_sampling(s: &Sampling, prefix: &'static str) -> Result<()> {
             problem,
         })
     };
-    let temperature_field = if prefix == "retry" {
-        "retry.temperature"
-    } else {
-        "decoding.sampling.temperature"
-    };
     if !(s.temperature.is_finite() && s.temperature > 0.0) {
         return bad(
-            temperature_field,
+            fields[0],
             s.temperature.to_string(),
             "must be a positive number (greedy decoding is sampling = None)",
         );
     }
     if let Some(p) = s.top_p {
         if !(p > 0.0 && p <= 1.0) {
-            let field = if prefix == "retry" {
-                "retry.top_p"
-            } else {
-                "decoding.sampling.top_p"
-            };
             return bad(
-                field,
+                fields[1],
                 p.to_string(),
                 "must lie in (0, 1] (None turns it off)",
             );
         }
     }
     if s.top_k == Some(0) {
-        let field = if prefix == "retry" {
-            "retry.top_k"
-        } else {
-            "decoding.sampling.top_k"
-        };
-        return bad(field, "0".into(), "must be at least 1 (None turns it off)");
+        return bad(
+            fields[2],
+            "0".into(),
+            "must be at least 1 (None turns it off)",
+        );
     }
     Ok(())
 }
@@ -193,10 +183,17 @@ impl ScoringSpec {
             });
         }
         if let Some(s) = &self.decoding.sampling {
-            check_sampling(s, "decoding")?;
+            check_sampling(
+                s,
+                [
+                    "decoding.sampling.temperature",
+                    "decoding.sampling.top_p",
+                    "decoding.sampling.top_k",
+                ],
+            )?;
         }
         if let Some(s) = &self.retry {
-            check_sampling(s, "retry")?;
+            check_sampling(s, ["retry.temperature", "retry.top_p", "retry.top_k"])?;
         }
         if let Some(n) = self.prompts.max_new_tokens {
             if self.decoding.max_new_tokens < n {
