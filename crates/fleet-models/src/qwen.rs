@@ -227,9 +227,11 @@ impl RopeTables {
                 let n = batch * len;
                 let mut cos = Vec::with_capacity(n * half);
                 let mut sin = Vec::with_capacity(n * half);
-                for t in 0..n {
-                    for (j, &f) in self.inv_freq.iter().enumerate() {
-                        let angle = axes[axis_of[j]][t] as f32 * f;
+                let [t_pos, h_pos, w_pos] = axes;
+                for ((&t, &h), &w) in t_pos.iter().zip(h_pos).zip(w_pos).take(n) {
+                    let pos = [t, h, w];
+                    for (&axis, &f) in axis_of.iter().zip(&self.inv_freq) {
+                        let angle = pos[axis] as f32 * f;
                         cos.push(angle.cos());
                         sin.push(angle.sin());
                     }

@@ -112,6 +112,18 @@ impl Weights {
         }
     }
 
+    /// The stored shape of `name` (`None` when absent, and for random weights).
+    pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        match self {
+            Weights::Safetensors(st) => {
+                st.index.get(name)?;
+                st.mmaped.get(name).ok().map(|v| v.shape().to_vec())
+            }
+            Weights::Tensors(map) => map.get(name).map(|t| t.dims().to_vec()),
+            Weights::Random { .. } => None,
+        }
+    }
+
     /// The names of the tensors held, sorted (`None` for random weights, which have none).
     pub fn names(&self) -> Option<Vec<String>> {
         let mut names: Vec<String> = match self {

@@ -276,3 +276,42 @@ fn prompts_match_the_processor() {
         assert_eq!(vlm.eos_ids(), vec![997, 995]);
     }
 }
+
+/// Experts saved by transformers 5 (`[E, 2I, H]` / `[E, H, I]`, its in-memory layout) load to
+/// the same model as the released layout.
+#[test]
+fn moe_experts_saved_transposed_load_the_same() {
+    let src = root().join("tests/fixtures/qwen3-vl-moe-tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        if f.file_name().unwrap() != "model.safetensors" {
+            std::fs::copy(&f, tmp.path().join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut tensors =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut flipped = 0;
+    for (name, t) in tensors.iter_mut() {
+        if name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj") {
+            *t = t.transpose(1, 2).unwrap().contiguous().unwrap();
+            flipped += 1;
+        }
+    }
+    assert_eq!(flipped, 6, "three MoE layers, two tensors each");
+    candle_core::safetensors::save(&tensors, tmp.path().join("model.safetensors")).unwrap();
+
+    let load = |dir: &Path| {
+        let cfg = Qwen3VlConfig::from_file(&dir.join("config.json")).unwrap();
+        let w = Weights::from_safetensors(&[dir.join("model.safetensors")]).unwrap();
+        let map = DeviceMap::single(DeviceLocation::Cpu, cfg.text.num_hidden_layers);
+        Qwen3VlModel::new(&cfg, &w, DType::F32, &map).unwrap()
+    };
+    let p = VlPrompt {
+        ids: (0..20).map(|i| (i * 37 % 990) as u32).collect(),
+        images: None,
+    };
+    let a = load(&src).logits(&p).unwrap();
+    let b = load(tmp.path()).logits(&p).unwrap();
+    assert_eq!(max_rel_diff(&a, &b), 0.0);
+}

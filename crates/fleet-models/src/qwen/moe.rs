@@ -45,7 +45,10 @@ const KERNEL_CHUNK: usize = 1024;
 impl SparseMoe {
     /// Reads `{p}.gate.weight` `[E, H]`, `{p}.experts.gate_up_proj` `[E, H, 2I]` and
     /// `{p}.experts.down_proj` `[E, I, H]` (the layout of the released checkpoints, used as
-    /// `x @ W`; transformers 5 transposes them on load, as done here).
+    /// `x @ W`; transformers 5 transposes them on load, as done here). A file that transformers
+    /// 5 saved holds them already transposed (`[E, 2I, H]`, `[E, H, I]`); that layout is
+    /// recognised by its shape (it cannot be when `2I == H`, where the released layout is
+    /// assumed, as transformers assumes it).
     pub(crate) fn load(
         ld: &BlockLoader<'_>,
         p: &str,
@@ -55,24 +58,37 @@ impl SparseMoe {
         top_k: usize,
     ) -> Result<Self> {
         let (router, _) = ld.linear(&format!("{p}.gate"), hidden, experts, false)?;
-        let gate_up = ld.weights.get(
-            &format!("{p}.experts.gate_up_proj"),
-            &[experts, hidden, 2 * inter],
-            Init::Normal(INIT_STD),
-            ld.dtype,
-            ld.device,
-        )?;
-        let down = ld.weights.get(
+        let gate_up_name = format!("{p}.experts.gate_up_proj");
+        let saved_transposed = 2 * inter != hidden
+            && ld.weights.shape_of(&gate_up_name) == Some(vec![experts, 2 * inter, hidden]);
+        let read = |name: &str, released: [usize; 3]| -> Result<Tensor> {
+            let shape = if saved_transposed {
+                [released[0], released[2], released[1]]
+            } else {
+                released
+            };
+            let t = ld.weights.get(
+                name,
+                &shape,
+                Init::Normal(INIT_STD),
+                ld.dtype,
+                ld.device,
+            )?;
+            Ok(if saved_transposed {
+                t
+            } else {
+                t.transpose(1, 2)?.contiguous()?
+            })
+        };
+        let gate_up = read(&gate_up_name, [experts, hidden, 2 * inter])?;
+        let down = read(
             &format!("{p}.experts.down_proj"),
-            &[experts, inter, hidden],
-            Init::Normal(INIT_STD),
-            ld.dtype,
-            ld.device,
+            [experts, inter, hidden],
         )?;
         Ok(SparseMoe {
             router: Linear::new(router, None),
-            gate_up: gate_up.transpose(1, 2)?.contiguous()?,
-            down: down.transpose(1, 2)?.contiguous()?,
+            gate_up,
+            down,
             top_k,
         })
     }
