@@ -210,34 +210,39 @@ impl RopeTables {
             } => {
                 // transformers' interleaved M-RoPE: frequency slot j follows the height
                 // position when j % 3 == 1 and j < 3 * section[1], the width position when
-                // j % 3 == 2 and j < 3 * section[2], the temporal position otherwise; angles
-                // in f32, cos/sin cast to the model dtype.
+                // j % 3 == 2 and j < 3 * section[2], the temporal position otherwise. The
+                // tables hold exactly those cos/sin values (f32 angles, cast to the model
+                // dtype): gather each axis' rows and keep, per slot, the axis it follows
+                // (multiplying by 1 and adding 0 is exact).
                 let half = self.inv_freq.len();
-                let axis_of: Vec<usize> = (0..half)
-                    .map(|j| {
-                        if j % 3 == 1 && j < 3 * section[1] {
-                            1
-                        } else if j % 3 == 2 && j < 3 * section[2] {
-                            2
-                        } else {
-                            0
-                        }
-                    })
-                    .collect();
-                let n = batch * len;
-                let mut cos = Vec::with_capacity(n * half);
-                let mut sin = Vec::with_capacity(n * half);
-                let [t_pos, h_pos, w_pos] = axes;
-                for ((&t, &h), &w) in t_pos.iter().zip(h_pos).zip(w_pos).take(n) {
-                    let pos = [t, h, w];
-                    for (&axis, &f) in axis_of.iter().zip(&self.inv_freq) {
-                        let angle = pos[axis] as f32 * f;
-                        cos.push(angle.cos());
-                        sin.push(angle.sin());
-                    }
+                let mut masks = [vec![0f32; half], vec![0f32; half], vec![0f32; half]];
+                for j in 0..half {
+                    let axis = if j % 3 == 1 && j < 3 * section[1] {
+                        1
+                    } else if j % 3 == 2 && j < 3 * section[2] {
+                        2
+                    } else {
+                        0
+                    };
+                    masks[axis][j] = 1.0;
                 }
-                let cos = Tensor::from_vec(cos, (*batch, *len, half), dev)?.to_dtype(self.dtype)?;
-                let sin = Tensor::from_vec(sin, (*batch, *len, half), dev)?.to_dtype(self.dtype)?;
+                let n = batch * len;
+                let pick = |table: &Tensor| -> Result<Tensor> {
+                    let mut sum: Option<Tensor> = None;
+                    for (pos, mask) in axes.iter().zip(&masks) {
+                        let idx = Tensor::from_slice(&pos[..n], n, dev)?;
+                        let mask =
+                            Tensor::from_slice(mask, (1, half), dev)?.to_dtype(self.dtype)?;
+                        let part = table.index_select(&idx, 0)?.broadcast_mul(&mask)?;
+                        sum = Some(match sum {
+                            None => part,
+                            Some(s) => (s + part)?,
+                        });
+                    }
+                    Ok(sum.expect("three axes").reshape((*batch, *len, half))?)
+                };
+                let cos = pick(&self.cos)?;
+                let sin = pick(&self.sin)?;
                 let cs = Tensor::cat(&[&cos, &sin], 2)?;
                 Ok(RopeRows { cos, sin, cs })
             }

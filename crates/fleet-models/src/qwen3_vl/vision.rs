@@ -473,28 +473,31 @@ impl VisionEncoder {
     }
 
     /// cos/sin `[n, head_dim]` (f32) of every patch: the first quarter of the angles follow its
-    /// row, the second its column, repeated for the second half (rotate-half layout).
+    /// row, the second its column, repeated for the second half (rotate-half layout). A table
+    /// of `index * inv_freq` for every row/column index in use is made once on the host and
+    /// gathered on the device.
     fn rotary(&self, grids: &[[usize; 3]]) -> Result<(Tensor, Tensor)> {
         let m = self.cfg.spatial_merge_size;
-        let hd = self.cfg.head_dim();
         let n: usize = grids.iter().map(|g| g[0] * g[1] * g[2]).sum();
-        let mut cos = Vec::with_capacity(n * hd);
-        let mut sin = Vec::with_capacity(n * hd);
-        let mut angles = Vec::with_capacity(hd / 2);
+        let side = grids.iter().map(|g| g[1].max(g[2])).max().unwrap_or(0);
+        let q = self.inv_freq.len();
+        let (mut cos_t, mut sin_t) = (Vec::with_capacity(side * q), Vec::with_capacity(side * q));
+        for i in 0..side {
+            for f in &self.inv_freq {
+                let a = i as f32 * f;
+                cos_t.push(a.cos());
+                sin_t.push(a.sin());
+            }
+        }
+        let (mut rows, mut cols) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for &[t, h, w] in grids {
             for _ in 0..t {
                 for br in 0..h / m {
                     for bc in 0..w / m {
                         for ir in 0..m {
                             for ic in 0..m {
-                                let (row, col) = ((br * m + ir) as f32, (bc * m + ic) as f32);
-                                angles.clear();
-                                angles.extend(self.inv_freq.iter().map(|f| row * f));
-                                angles.extend(self.inv_freq.iter().map(|f| col * f));
-                                for _ in 0..2 {
-                                    cos.extend(angles.iter().map(|a| a.cos()));
-                                    sin.extend(angles.iter().map(|a| a.sin()));
-                                }
+                                rows.push((br * m + ir) as u32);
+                                cols.push((bc * m + ic) as u32);
                             }
                         }
                     }
@@ -502,10 +505,20 @@ impl VisionEncoder {
             }
         }
         let dev = &self.device;
-        Ok((
-            Tensor::from_vec(cos, (n, hd), dev)?,
-            Tensor::from_vec(sin, (n, hd), dev)?,
-        ))
+        let rows = Tensor::from_vec(rows, n, dev)?;
+        let cols = Tensor::from_vec(cols, n, dev)?;
+        let gather = |table: Vec<f32>| -> Result<Tensor> {
+            let table = Tensor::from_vec(table, (side, q), dev)?;
+            let half = Tensor::cat(
+                &[
+                    &table.index_select(&rows, 0)?,
+                    &table.index_select(&cols, 0)?,
+                ],
+                1,
+            )?;
+            Ok(Tensor::cat(&[&half, &half], 1)?)
+        };
+        Ok((gather(cos_t)?, gather(sin_t)?))
     }
 
     fn block(

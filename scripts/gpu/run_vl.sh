@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Qwen3-VL on the GPU machine: bf16 parity with transformers on real shapes, and judge speed of
+# fleet and transformers in the same call. Carried: dist/carry/edit-score.xz (CUDA build).
+#
+#   WHAT=parity bash scripts/gpu/run_vl.sh      # 8B shape, and 30B-A3B shape with LAYERS30 layers
+#   WHAT=speed8b bash scripts/gpu/run_vl.sh     # 8B: 512px batch 1 and 1024px batch 2, both engines
+#   WHAT=speed30b bash scripts/gpu/run_vl.sh    # 30B-A3B: fleet batches, transformers batch 1
+#
+# Everything lands in $OUT/vl_$WHAT.tgz (logs, JSON reports, nvidia-smi).
+set -u
+WHAT="${WHAT:?parity, speed8b or speed30b}"
+export NCCL_NVLS_ENABLE=0
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+R="$OUT/vl_$WHAT"
+mkdir -p "$R"
+W=/tmp/vl_work
+mkdir -p "$W"
+BIN="$W/edit-score"
+[ -x "$BIN" ] || { xz -dc dist/carry/edit-score.xz > "$BIN" && chmod +x "$BIN"; }
+export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
+nvidia-smi > "$R/nvidia-smi.txt" 2>&1
+python3 -c "import transformers, torch; print(transformers.__version__, torch.__version__)" > "$R/versions.txt" 2>&1
+
+case "$WHAT" in
+parity)
+  for spec in "8b:configs/models/qwen3-vl-8b.json:0" "30b-a3b:configs/models/qwen3-vl-30b-a3b.json:${LAYERS30:-4}"; do
+    IFS=: read -r name cfg layers <<< "$spec"
+    D="$W/parity-$name"
+    rm -rf "$D"
+    python3 scripts/gpu/vl_parity_bf16.py make --config "$cfg" --out "$D" --layers "$layers" \
+        --image-size "${IMAGE_SIZE:-512}" > "$R/make-$name.log" 2>&1 || { tail -20 "$R/make-$name.log"; continue; }
+    "$BIN" logits --model "$D/model" --inputs "$D/inputs.json" --output "$D/fleet.safetensors" \
+        --device cuda:0 --dtype bf16 > "$R/fleet-$name.log" 2>&1 || tail -20 "$R/fleet-$name.log"
+    python3 scripts/gpu/vl_parity_bf16.py compare --dir "$D" --fleet "$D/fleet.safetensors" \
+        --json "$R/parity-$name.json" 2>&1 | tee "$R/compare-$name.log"
+    cp "$D/meta.json" "$R/meta-$name.json"
+    rm -rf "$D/model"
+  done
+  ;;
+speed8b)
+  C=configs/models/qwen3-vl-8b.json
+  for run in "512:1:${S512:-4}" "1024:2:${S1024:-4}"; do
+    IFS=: read -r size batch samples <<< "$run"
+    FLEET_PROFILE=1 "$BIN" bench --config "$C" --image-size "$size" --batch "$batch" --samples "$samples" \
+        --new-tokens 128 --json "$R/fleet-8b-$size-b$batch.json" > "$R/fleet-8b-$size-b$batch.log" 2>&1 \
+        || tail -20 "$R/fleet-8b-$size-b$batch.log"
+    "$BIN" bench --config "$C" --image-size "$size" --batch "${FLEET_BATCH:-8}" --samples "${FLEET_SAMPLES:-16}" \
+        --new-tokens 128 --json "$R/fleet-8b-$size-b${FLEET_BATCH:-8}.json" > "$R/fleet-8b-$size-bbig.log" 2>&1 \
+        || tail -20 "$R/fleet-8b-$size-bbig.log"
+    python3 scripts/gpu/vl_bench_transformers.py --config "$C" --image-size "$size" --batch "$batch" \
+        --samples "$samples" --new-tokens 128 --json "$R/hf-8b-$size-b$batch.json" > "$R/hf-8b-$size-b$batch.log" 2>&1 \
+        || tail -20 "$R/hf-8b-$size-b$batch.log"
+  done
+  ;;
+speed30b)
+  C=configs/models/qwen3-vl-30b-a3b.json
+  size="${IMAGE_SIZE:-1024}"
+  for batch in ${FLEET_BATCHES:-8 32}; do
+    FLEET_PROFILE="${PROFILE:-0}" "$BIN" bench --config "$C" --image-size "$size" --batch "$batch" \
+        --samples "$((batch * ${BATCHES:-2}))" --new-tokens 128 --json "$R/fleet-30b-$size-b$batch.json" \
+        > "$R/fleet-30b-$size-b$batch.log" 2>&1 || tail -20 "$R/fleet-30b-$size-b$batch.log"
+  done
+  if [ "${HF:-1}" = 1 ]; then
+    timeout "${HF_TIMEOUT:-240}" python3 scripts/gpu/vl_bench_transformers.py --config "$C" --image-size "$size" \
+        --batch 1 --samples "${HF_SAMPLES:-2}" --new-tokens 128 --json "$R/hf-30b-$size-b1.json" \
+        > "$R/hf-30b-$size-b1.log" 2>&1 || tail -20 "$R/hf-30b-$size-b1.log"
+  fi
+  ;;
+esac
+tar -C "$OUT" -czf "$OUT/vl_$WHAT.tgz" "vl_$WHAT"
+rm -rf "$R"
+ls -la "$OUT"
