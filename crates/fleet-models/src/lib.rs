@@ -30,6 +30,7 @@ pub mod replica_process;
 pub mod source;
 pub mod tokenizer;
 pub mod vision;
+pub mod vl_replicas;
 pub mod weights;
 
 use std::path::Path;

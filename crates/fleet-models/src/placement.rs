@@ -148,7 +148,12 @@ impl Replicas {
         if in_processes {
             for (i, map) in maps.iter().enumerate().skip(1) {
                 tracing::info!("starting replica {i} on {map} in a process of its own");
-                processes.push(ReplicaProcess::spawn(spec, opts, map)?);
+                processes.push(ReplicaProcess::spawn(
+                    crate::replica_process::ReplicaKind::Text,
+                    spec,
+                    opts,
+                    map,
+                )?);
             }
         }
         let local_maps = if in_processes { &maps[..1] } else { maps };

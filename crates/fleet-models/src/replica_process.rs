@@ -11,6 +11,12 @@
 //! A program opts in by calling [`serve_if_replica_worker`] first thing in `main`: in a child
 //! it serves and exits; in the parent it records that the program can be started as a replica
 //! worker. A program that never calls it keeps every replica in-process.
+//!
+//! A worker serves one of two kinds of replica ([`ReplicaKind`]): a text model
+//! ([`crate::TextModel`], batches of [`GenerationRequest`]s) or a Qwen3-VL model
+//! ([`crate::VisionLanguageModel`], batches of [`crate::vl_replicas::VlRequest`]s: chat
+//! messages with their images sent as PNG bytes, lossless, so the worker's preprocessing — the
+//! checkpoint's own, fixed by its preprocessor_config.json — sees the pixels the parent has).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -18,9 +24,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+use crate::vl_replicas::{generate_vl, VlOutcome, VlRequest, WireVlRequest};
 use crate::{
     DeviceMap, GenerationOutput, GenerationRequest, HubOptions, LoadOptions, ModelError, Result,
-    TextModel,
+    TextModel, VisionLanguageModel,
 };
 
 /// The environment variable that makes a program a replica worker; it holds the worker's
@@ -31,11 +38,29 @@ pub const WORKER_ENV: &str = "FLEET_REPLICA_WORKER";
 /// (to compare), `1` (the default) uses processes when the program opted in.
 pub const PROCESSES_ENV: &str = "FLEET_REPLICA_PROCESSES";
 
+/// For tests of failure handling: a worker started with this variable set to `N` answers `N`
+/// batches, then exits with status 3 on receiving the next one, as a crashed replica would
+/// (the parent sees a replica process that stopped mid-batch). Unset in real runs.
+pub const EXIT_AFTER_ENV: &str = "FLEET_REPLICA_EXIT_AFTER";
+
 static CAN_SPAWN: AtomicBool = AtomicBool::new(false);
+
+/// What a replica worker serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplicaKind {
+    /// A text model ([`TextModel`]): batches of [`GenerationRequest`]s.
+    #[default]
+    Text,
+    /// A Qwen3-VL model ([`VisionLanguageModel`]): batches of chats with images.
+    VisionLanguage,
+}
 
 /// What a worker loads.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct WorkerSpec {
+    #[serde(default)]
+    kind: ReplicaKind,
     model: String,
     revision: Option<String>,
     dtype: String,
@@ -52,6 +77,8 @@ enum WorkerReply {
     Ready(String),
     /// A batch's outputs, in order.
     Done(Vec<GenerationOutput>),
+    /// A vision-language batch's outcomes, in order: an output, or why that request failed.
+    Outcomes(Vec<VlOutcome>),
     /// Loading or a batch failed.
     Failed(String),
 }
@@ -93,6 +120,12 @@ pub(crate) fn use_processes(maps: &[DeviceMap]) -> bool {
         }
 }
 
+/// A loaded replica in a worker.
+enum Served {
+    Text(Box<TextModel>),
+    VisionLanguage(Box<VisionLanguageModel>),
+}
+
 fn serve(spec_json: &str) -> Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -109,24 +142,79 @@ fn serve(spec_json: &str) -> Result<()> {
             return Err(e);
         }
     };
-    let name = model.model.device_map().to_string();
+    let name = match &model {
+        Served::Text(m) => m.model.device_map().to_string(),
+        Served::VisionLanguage(m) => m.model.text().device_map().to_string(),
+    };
+    let exit_after: Option<usize> = std::env::var(EXIT_AFTER_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok());
     send(&WorkerReply::Ready(name))?;
-    for line in std::io::stdin().lock().lines() {
+    for (served, line) in std::io::stdin().lock().lines().enumerate() {
         let line =
             line.map_err(|e| ModelError::Replicas(format!("reading from the parent: {e}")))?;
-        let reply = match serde_json::from_str::<Vec<GenerationRequest>>(&line) {
-            Ok(batch) => match model.generate(&batch, None) {
-                Ok(outputs) => WorkerReply::Done(outputs),
-                Err(e) => WorkerReply::Failed(e.to_string()),
+        if exit_after == Some(served) {
+            eprintln!(
+                "fleet replica worker: {EXIT_AFTER_ENV}={served}: exiting on batch {} (a test of failure handling)",
+                served + 1
+            );
+            std::process::exit(3);
+        }
+        let reply = match &model {
+            Served::Text(model) => match serde_json::from_str::<Vec<GenerationRequest>>(&line) {
+                Ok(batch) => match model.generate(&batch, None) {
+                    Ok(outputs) => WorkerReply::Done(outputs),
+                    Err(e) => WorkerReply::Failed(e.to_string()),
+                },
+                Err(e) => WorkerReply::Failed(format!("a batch that does not parse: {e}")),
             },
-            Err(e) => WorkerReply::Failed(format!("a batch that does not parse: {e}")),
+            Served::VisionLanguage(model) => {
+                match serde_json::from_str::<Vec<WireVlRequest>>(&line) {
+                    Ok(batch) => serve_vl_batch(model, batch),
+                    Err(e) => WorkerReply::Failed(format!("a batch that does not parse: {e}")),
+                }
+            }
         };
         send(&reply)?;
     }
     Ok(())
 }
 
-fn load(spec_json: &str) -> Result<TextModel> {
+/// Decodes a vision-language batch (a request whose images do not decode fails alone) and
+/// generates the rest as one batch.
+fn serve_vl_batch(model: &VisionLanguageModel, batch: Vec<WireVlRequest>) -> WorkerReply {
+    let n = batch.len();
+    let mut outcomes: Vec<Option<VlOutcome>> = vec![None; n];
+    let mut requests = Vec::with_capacity(n);
+    let mut index = Vec::with_capacity(n);
+    for (i, wire) in batch.into_iter().enumerate() {
+        match wire.into_request() {
+            Ok(r) => {
+                requests.push(r);
+                index.push(i);
+            }
+            Err(e) => outcomes[i] = Some(Err(format!("request {i}: {e}"))),
+        }
+    }
+    if !requests.is_empty() {
+        match generate_vl(model, &requests) {
+            Ok(out) => {
+                for (i, o) in index.into_iter().zip(out) {
+                    outcomes[i] = Some(o);
+                }
+            }
+            Err(e) => return WorkerReply::Failed(e.to_string()),
+        }
+    }
+    WorkerReply::Outcomes(
+        outcomes
+            .into_iter()
+            .map(|o| o.expect("every request has an outcome"))
+            .collect(),
+    )
+}
+
+fn load(spec_json: &str) -> Result<Served> {
     let spec: WorkerSpec = serde_json::from_str(spec_json)
         .map_err(|e| ModelError::BadInput(format!("{WORKER_ENV} does not parse: {e}")))?;
     let opts = LoadOptions {
@@ -138,11 +226,17 @@ fn load(spec_json: &str) -> Result<TextModel> {
             offline: spec.hub_offline,
         },
     };
-    TextModel::load(&spec.model, &opts)
+    Ok(match spec.kind {
+        ReplicaKind::Text => Served::Text(Box::new(TextModel::load(&spec.model, &opts)?)),
+        ReplicaKind::VisionLanguage => {
+            Served::VisionLanguage(Box::new(VisionLanguageModel::load(&spec.model, &opts)?))
+        }
+    })
 }
 
 /// A replica in a child process.
 pub(crate) struct ReplicaProcess {
+    kind: ReplicaKind,
     child: Child,
     stdin: Option<ChildStdin>,
     stdout: Option<BufReader<ChildStdout>>,
@@ -150,10 +244,16 @@ pub(crate) struct ReplicaProcess {
 }
 
 impl ReplicaProcess {
-    /// Starts this program as a worker loading `spec` on `map`; [`ReplicaProcess::ready`]
-    /// waits for it. Several can load at once.
-    pub(crate) fn spawn(spec: &str, opts: &LoadOptions, map: &DeviceMap) -> Result<Self> {
+    /// Starts this program as a worker loading `spec` (a replica of `kind`) on `map`;
+    /// [`ReplicaProcess::ready`] waits for it. Several can load at once.
+    pub(crate) fn spawn(
+        kind: ReplicaKind,
+        spec: &str,
+        opts: &LoadOptions,
+        map: &DeviceMap,
+    ) -> Result<Self> {
         let worker = WorkerSpec {
+            kind,
             model: spec.to_string(),
             revision: opts.revision.clone(),
             dtype: opts.dtype.as_str().to_string(),
@@ -182,6 +282,7 @@ impl ReplicaProcess {
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().map(BufReader::new);
         Ok(ReplicaProcess {
+            kind,
             child,
             stdin,
             stdout,
@@ -200,7 +301,9 @@ impl ReplicaProcess {
                 "the replica process for {} could not load: {e}",
                 self.name
             ))),
-            WorkerReply::Done(_) => Err(self.protocol_error("an output before loading")),
+            WorkerReply::Done(_) | WorkerReply::Outcomes(_) => {
+                Err(self.protocol_error("an output before loading"))
+            }
         }
     }
 
@@ -209,11 +312,13 @@ impl ReplicaProcess {
         &self.name
     }
 
-    /// Generates one batch in the worker.
-    pub(crate) fn generate(
-        &mut self,
-        batch: &[GenerationRequest],
-    ) -> Result<Vec<GenerationOutput>> {
+    /// The worker's process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends one batch (a JSON line) and reads the worker's reply.
+    fn call<T: Serialize>(&mut self, batch: &[T]) -> Result<WorkerReply> {
         let line = serde_json::to_string(batch).map_err(|e| ModelError::Replicas(e.to_string()))?;
         let stdin = self.stdin.as_mut().ok_or_else(|| {
             ModelError::Replicas(format!("replica process {} is closed", self.name))
@@ -221,7 +326,16 @@ impl ReplicaProcess {
         writeln!(stdin, "{line}")
             .and_then(|_| stdin.flush())
             .map_err(|e| self.died(&e.to_string()))?;
-        match self.receive()? {
+        self.receive()
+    }
+
+    /// Generates one batch in a text worker.
+    pub(crate) fn generate(
+        &mut self,
+        batch: &[GenerationRequest],
+    ) -> Result<Vec<GenerationOutput>> {
+        self.expect_kind(ReplicaKind::Text)?;
+        match self.call(batch)? {
             WorkerReply::Done(outputs) if outputs.len() == batch.len() => Ok(outputs),
             WorkerReply::Done(outputs) => Err(self.protocol_error(&format!(
                 "{} outputs for a batch of {}",
@@ -230,6 +344,39 @@ impl ReplicaProcess {
             ))),
             WorkerReply::Failed(e) => Err(ModelError::Replicas(e)),
             WorkerReply::Ready(_) => Err(self.protocol_error("a second ready")),
+            WorkerReply::Outcomes(_) => Err(self.protocol_error("vision-language outcomes")),
+        }
+    }
+
+    /// Generates one batch in a vision-language worker: one outcome per request, in order;
+    /// `Err` when the whole batch failed (or the worker stopped).
+    pub(crate) fn generate_vl(&mut self, batch: &[VlRequest]) -> Result<Vec<VlOutcome>> {
+        self.expect_kind(ReplicaKind::VisionLanguage)?;
+        let wire = batch
+            .iter()
+            .map(WireVlRequest::from_request)
+            .collect::<Result<Vec<_>>>()?;
+        match self.call(&wire)? {
+            WorkerReply::Outcomes(out) if out.len() == batch.len() => Ok(out),
+            WorkerReply::Outcomes(out) => Err(self.protocol_error(&format!(
+                "{} outcomes for a batch of {}",
+                out.len(),
+                batch.len()
+            ))),
+            WorkerReply::Failed(e) => Err(ModelError::Replicas(e)),
+            WorkerReply::Ready(_) => Err(self.protocol_error("a second ready")),
+            WorkerReply::Done(_) => Err(self.protocol_error("text outputs")),
+        }
+    }
+
+    fn expect_kind(&self, kind: ReplicaKind) -> Result<()> {
+        if self.kind == kind {
+            Ok(())
+        } else {
+            Err(ModelError::Replicas(format!(
+                "replica process {} serves a {:?} model, not {kind:?}",
+                self.name, self.kind
+            )))
         }
     }
 

@@ -2,9 +2,14 @@
 //! (`harness = false`, so `main` can call `serve_if_replica_worker` first, as fleet's binaries
 //! do). CPU replicas stand in for GPUs; `FLEET_REPLICA_PROCESSES=1` puts them in processes.
 
+use std::sync::Arc;
+
 use fleet_models::placement::Replicas;
-use fleet_models::replica_process::{serve_if_replica_worker, PROCESSES_ENV};
-use fleet_models::{DeviceLocation, DeviceMap, LoadOptions, TextModel};
+use fleet_models::replica_process::{serve_if_replica_worker, EXIT_AFTER_ENV, PROCESSES_ENV};
+use fleet_models::vl_replicas::{generate_vl, load_vl_replicas, VlRequest};
+use fleet_models::{
+    DeviceLocation, DeviceMap, LoadOptions, SamplingParams, TextModel, VisionLanguageModel,
+};
 
 mod common;
 use common::{fixture, requests};
@@ -15,7 +20,9 @@ fn main() {
     unsafe { std::env::set_var(PROCESSES_ENV, "1") };
     replicas_in_processes_generate_what_one_model_generates();
     a_batch_that_fails_in_every_process_is_reported();
-    println!("replica_process: 2 tests passed");
+    vl_replicas_in_processes_generate_what_one_model_generates();
+    a_vl_replica_process_that_dies_is_an_error_naming_it();
+    println!("replica_process: 4 tests passed");
 }
 
 fn replicas_in_processes_generate_what_one_model_generates() {
@@ -63,4 +70,112 @@ fn a_batch_that_fails_in_every_process_is_reported() {
     // The workers are still there for the next call.
     requests[5].prompt_ids.push(7);
     assert_eq!(replicas.generate(&requests, 3, false).unwrap().len(), 9);
+}
+
+/// Chats with one or two of the vision fixtures' images, greedy and sampled.
+fn vl_requests() -> Vec<VlRequest> {
+    let img = |name: &str| Arc::new(image::open(fixture("vision").join(name)).unwrap());
+    let (a, b, c) = (img("a_48x64.png"), img("b_37x100.png"), img("c_90x33.png"));
+    let chat = |system: bool, n_images: usize, text: &str| {
+        let mut content: Vec<serde_json::Value> = (0..n_images)
+            .map(|_| serde_json::json!({"type": "image"}))
+            .collect();
+        content.push(serde_json::json!({"type": "text", "text": text}));
+        let mut messages = Vec::new();
+        if system {
+            messages.push(serde_json::json!({"role": "system", "content": "You judge edits."}));
+        }
+        messages.push(serde_json::json!({"role": "user", "content": content}));
+        serde_json::Value::Array(messages)
+    };
+    let mut sampled = VlRequest::greedy(chat(false, 1, "Score it."), vec![c.clone()], 6);
+    sampled.sampling = SamplingParams {
+        temperature: 0.9,
+        top_k: Some(20),
+        top_p: Some(0.8),
+        seed: 7,
+    };
+    vec![
+        VlRequest::greedy(
+            chat(true, 2, "Compare them."),
+            vec![a.clone(), b.clone()],
+            8,
+        ),
+        VlRequest::greedy(chat(false, 1, "Describe."), vec![b], 5),
+        sampled,
+        VlRequest::greedy(chat(true, 2, "Again, with the pair."), vec![c, a], 7),
+    ]
+}
+
+fn vl_replicas_in_processes_generate_what_one_model_generates() {
+    let dir = fixture("qwen3-vl-tiny");
+    let spec = dir.to_str().unwrap();
+    let opts = LoadOptions::default();
+    let single = VisionLanguageModel::load(spec, &opts).unwrap();
+    let requests = vl_requests();
+    let expected: Vec<_> = requests
+        .iter()
+        .map(|r| {
+            generate_vl(&single, std::slice::from_ref(r))
+                .unwrap()
+                .remove(0)
+                .unwrap()
+        })
+        .collect();
+    let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
+    let mut replicas = load_vl_replicas(spec, &opts, &[cpu.clone(), cpu]).unwrap();
+    assert_eq!(replicas.len(), 2);
+    assert!(!replicas[0].in_process() && replicas[0].local().is_some());
+    assert!(
+        replicas[1].in_process(),
+        "the second replica runs in a process"
+    );
+    assert!(
+        replicas[1].name().contains("(pid "),
+        "{}",
+        replicas[1].name()
+    );
+    for replica in replicas.iter_mut() {
+        // One batch of all requests (left-padded) equals each request alone, in both places.
+        let got = replica.generate(&requests).unwrap();
+        assert_eq!(got.len(), requests.len());
+        for (g, e) in got.iter().zip(&expected) {
+            let g = g.as_ref().unwrap();
+            assert_eq!(g.token_ids, e.token_ids, "{}", replica.name());
+            assert_eq!(g.text, e.text);
+            assert_eq!(g.finish_reason, e.finish_reason);
+        }
+    }
+    // A request that cannot be built fails alone: two image parts, one image.
+    let mut bad = vl_requests();
+    bad[1].messages = bad[0].messages.clone();
+    let got = replicas[1].generate(&bad).unwrap();
+    let err = got[1].as_ref().unwrap_err();
+    assert!(err.contains("request 1") && err.contains("image"), "{err}");
+    assert_eq!(got[0].as_ref().unwrap().token_ids, expected[0].token_ids);
+    assert_eq!(got[3].as_ref().unwrap().token_ids, expected[3].token_ids);
+}
+
+fn a_vl_replica_process_that_dies_is_an_error_naming_it() {
+    let dir = fixture("qwen3-vl-tiny");
+    let spec = dir.to_str().unwrap();
+    let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
+    // SAFETY: no other thread runs now; only the worker started next inherits it.
+    unsafe { std::env::set_var(EXIT_AFTER_ENV, "1") };
+    let loaded = load_vl_replicas(spec, &LoadOptions::default(), &[cpu.clone(), cpu]);
+    unsafe { std::env::remove_var(EXIT_AFTER_ENV) };
+    let mut replicas = loaded.unwrap();
+    let requests = vl_requests();
+    assert_eq!(replicas[1].generate(&requests[..1]).unwrap().len(), 1);
+    let err = replicas[1]
+        .generate(&requests[..1])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("stopped"), "{err}");
+    assert!(
+        err.contains(&format!("pid {}", replicas[1].pid().unwrap())),
+        "{err}"
+    );
+    // The replica in this process is unaffected.
+    assert_eq!(replicas[0].generate(&requests).unwrap().len(), 4);
 }

@@ -1,0 +1,336 @@
+//! Qwen3-VL replicas: batches of chats with images answered by a [`VisionLanguageModel`] in
+//! this process or in a child process of its own ([`crate::replica_process`]).
+//!
+//! ```no_run
+//! use fleet_models::placement::{PlacementRequest, PlanMode};
+//! use fleet_models::vl_replicas::{load_vl_planned, VlRequest};
+//! use fleet_models::{LoadOptions, SamplingParams};
+//!
+//! # fn main() -> fleet_models::Result<()> {
+//! let opts = LoadOptions::default();
+//! let request = PlacementRequest::new(PlanMode::DataParallel);
+//! let mut replicas = load_vl_planned("Qwen/Qwen3-VL-8B-Instruct", &opts, &request)?;
+//! let image = std::sync::Arc::new(image::open("edit.png").expect("an image"));
+//! let messages = serde_json::json!([{"role": "user", "content": [
+//!     {"type": "image"}, {"type": "text", "text": "Describe the image."}]}]);
+//! let batch = vec![VlRequest::greedy(messages, vec![image], 64)];
+//! let outcomes = replicas[0].generate(&batch)?;
+//! # Ok(()) }
+//! ```
+//!
+//! The first replica is loaded in the calling process; with several GPU replicas (and a
+//! program that called [`crate::replica_process::serve_if_replica_worker`]) the others run in
+//! child processes, as [`crate::placement::Replicas`] does for text models. Each
+//! [`VlReplica`] is driven by one caller thread (e.g. one worker of fleet-dist's replica pool):
+//! callers that share a queue of batches get the data parallelism.
+
+use std::sync::Arc;
+
+use base64::Engine as _;
+use image::DynamicImage;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::placement::{plan_on_this_machine, PlacementRequest};
+use crate::replica_process::{use_processes, ReplicaKind, ReplicaProcess};
+use crate::{
+    DeviceLocation, DeviceMap, GenerationOutput, GenerationRequest, LoadOptions, ModelError,
+    ModelSource, Qwen3VlConfig, Result, SamplingParams, VisionLanguageModel,
+};
+
+/// One chat with images to continue.
+#[derive(Debug, Clone)]
+pub struct VlRequest {
+    /// transformers' message list: `{"role": "system"|"user"|"assistant", "content": text or
+    /// a list of `{"type": "image"}` / `{"type": "text", "text": …}` parts}`.
+    pub messages: Value,
+    /// The images of the image parts, in order.
+    pub images: Vec<Arc<DynamicImage>>,
+    /// The most tokens to generate.
+    pub max_new_tokens: usize,
+    /// Greedy (the default) or seeded sampling.
+    pub sampling: SamplingParams,
+    /// Stop when the generated text contains any of these.
+    pub stop_strings: Vec<String>,
+}
+
+impl VlRequest {
+    /// A greedy request of at most `max_new_tokens` tokens.
+    pub fn greedy(messages: Value, images: Vec<Arc<DynamicImage>>, max_new_tokens: usize) -> Self {
+        VlRequest {
+            messages,
+            images,
+            max_new_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_strings: Vec::new(),
+        }
+    }
+}
+
+/// What became of one request of a batch: its output, or why it alone failed (its prompt
+/// could not be built, it is too long for the model).
+pub type VlOutcome = std::result::Result<GenerationOutput, String>;
+
+/// Generates a batch on a model of this process: each request's prompt is built (chat
+/// template, image preprocessing), the ones that build and fit are generated as one
+/// left-padded batch. One outcome per request, in order; `Err` when the batch as a whole
+/// failed.
+pub fn generate_vl(model: &VisionLanguageModel, batch: &[VlRequest]) -> Result<Vec<VlOutcome>> {
+    let mut outcomes: Vec<Option<VlOutcome>> = vec![None; batch.len()];
+    let mut prompts = Vec::with_capacity(batch.len());
+    let mut requests = Vec::with_capacity(batch.len());
+    let mut index = Vec::with_capacity(batch.len());
+    for (i, r) in batch.iter().enumerate() {
+        let images: Vec<DynamicImage> = r.images.iter().map(|a| (**a).clone()).collect();
+        let built = model.prompt(&r.messages, &images).and_then(|p| {
+            model
+                .model
+                .text()
+                .check_length(p.ids.len() + r.max_new_tokens, &format!("request {i}"))?;
+            Ok(p)
+        });
+        match built {
+            Ok(p) => {
+                requests.push(GenerationRequest {
+                    prompt_ids: p.ids.clone(),
+                    max_new_tokens: r.max_new_tokens,
+                    sampling: r.sampling.clone(),
+                    stop_strings: r.stop_strings.clone(),
+                });
+                prompts.push(p);
+                index.push(i);
+            }
+            Err(e) => outcomes[i] = Some(Err(format!("request {i}: {e}"))),
+        }
+    }
+    if !prompts.is_empty() {
+        let out = model.generate(&prompts, &requests, None)?;
+        for (i, o) in index.into_iter().zip(out) {
+            outcomes[i] = Some(Ok(o));
+        }
+    }
+    Ok(outcomes
+        .into_iter()
+        .map(|o| o.expect("every request has an outcome"))
+        .collect())
+}
+
+/// A [`VlRequest`] on the wire to a worker: images as base64 PNG of their RGB8 pixels (the
+/// preprocessing starts with the same conversion, so the worker sees exactly these pixels).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct WireVlRequest {
+    messages: Value,
+    images_png: Vec<String>,
+    max_new_tokens: usize,
+    sampling: SamplingParams,
+    stop_strings: Vec<String>,
+}
+
+impl WireVlRequest {
+    pub(crate) fn from_request(r: &VlRequest) -> Result<Self> {
+        let mut images_png = Vec::with_capacity(r.images.len());
+        for (k, img) in r.images.iter().enumerate() {
+            let rgb = img.to_rgb8();
+            let mut bytes = Vec::new();
+            let encoder = image::codecs::png::PngEncoder::new_with_quality(
+                &mut bytes,
+                image::codecs::png::CompressionType::Fast,
+                image::codecs::png::FilterType::Sub,
+            );
+            image::ImageEncoder::write_image(
+                encoder,
+                rgb.as_raw(),
+                rgb.width(),
+                rgb.height(),
+                image::ColorType::Rgb8,
+            )
+            .map_err(|e| {
+                ModelError::Replicas(format!(
+                    "encoding image {k} ({}x{}) for a replica process: {e}",
+                    rgb.width(),
+                    rgb.height()
+                ))
+            })?;
+            images_png.push(base64::engine::general_purpose::STANDARD.encode(&bytes));
+        }
+        Ok(WireVlRequest {
+            messages: r.messages.clone(),
+            images_png,
+            max_new_tokens: r.max_new_tokens,
+            sampling: r.sampling.clone(),
+            stop_strings: r.stop_strings.clone(),
+        })
+    }
+
+    pub(crate) fn into_request(self) -> std::result::Result<VlRequest, String> {
+        let mut images = Vec::with_capacity(self.images_png.len());
+        for (k, b64) in self.images_png.iter().enumerate() {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| format!("image {k} is not base64: {e}"))?;
+            let img = image::load_from_memory_with_format(&bytes, image::ImageFormat::Png)
+                .map_err(|e| format!("image {k} does not decode as PNG: {e}"))?;
+            images.push(Arc::new(img));
+        }
+        Ok(VlRequest {
+            messages: self.messages,
+            images,
+            max_new_tokens: self.max_new_tokens,
+            sampling: self.sampling,
+            stop_strings: self.stop_strings,
+        })
+    }
+}
+
+/// One Qwen3-VL replica: loaded in this process, or in a child process of its own.
+pub struct VlReplica {
+    inner: Inner,
+    devices: String,
+    map: String,
+}
+
+enum Inner {
+    Local(Box<VisionLanguageModel>),
+    Process(ReplicaProcess),
+}
+
+impl VlReplica {
+    fn new(inner: Inner, map: &DeviceMap) -> Self {
+        let devices: Vec<String> = map.devices().iter().map(|d| d.to_string()).collect();
+        VlReplica {
+            inner,
+            devices: devices.join(","),
+            map: map.to_string(),
+        }
+    }
+
+    /// The devices it uses, e.g. `cuda:0` or `cuda:0,cuda:1` (for progress bars).
+    pub fn devices(&self) -> &str {
+        &self.devices
+    }
+
+    /// Its device map, e.g. `embed=cuda:1 layers[0..36]=cuda:1 head=cuda:1`.
+    pub fn device_map(&self) -> &str {
+        &self.map
+    }
+
+    /// The worker's pid, when the replica runs in a child process.
+    pub fn pid(&self) -> Option<u32> {
+        match &self.inner {
+            Inner::Local(_) => None,
+            Inner::Process(p) => Some(p.pid()),
+        }
+    }
+
+    /// `cuda:0` for a replica here, `cuda:1 (pid 4242)` for one in a child process.
+    pub fn name(&self) -> String {
+        match self.pid() {
+            Some(pid) => format!("{} (pid {pid})", self.devices),
+            None => self.devices.clone(),
+        }
+    }
+
+    /// The model, when the replica lives in this process.
+    pub fn local(&self) -> Option<&VisionLanguageModel> {
+        match &self.inner {
+            Inner::Local(m) => Some(m),
+            Inner::Process(_) => None,
+        }
+    }
+
+    /// Whether it runs in a child process.
+    pub fn in_process(&self) -> bool {
+        matches!(self.inner, Inner::Process(_))
+    }
+
+    /// Generates one batch ([`generate_vl`]), here or in the replica's process: one outcome
+    /// per request, in order; `Err` when the whole batch failed (or the process stopped).
+    pub fn generate(&mut self, batch: &[VlRequest]) -> Result<Vec<VlOutcome>> {
+        match &mut self.inner {
+            Inner::Local(m) => generate_vl(m, batch),
+            Inner::Process(p) => p.generate_vl(batch),
+        }
+    }
+}
+
+/// Loads one replica of the Qwen3-VL checkpoint `spec` per device map (`opts.device_map` is
+/// ignored). The first is loaded in this process; the others in child processes when the
+/// program opted in and they use GPUs (`FLEET_REPLICA_PROCESSES=1` forces processes for CPU
+/// replicas too, `0` keeps every replica here; see [`crate::replica_process`]). Processes
+/// load in parallel with the first replica.
+pub fn load_vl_replicas(
+    spec: &str,
+    opts: &LoadOptions,
+    maps: &[DeviceMap],
+) -> Result<Vec<VlReplica>> {
+    if maps.is_empty() {
+        return Err(ModelError::Replicas(
+            "no device map given: one per replica".into(),
+        ));
+    }
+    let in_processes = use_processes(maps);
+    let mut processes = Vec::new();
+    if in_processes {
+        for (i, map) in maps.iter().enumerate().skip(1) {
+            tracing::info!("starting judge replica {i} on {map} in a process of its own");
+            processes.push((
+                map,
+                ReplicaProcess::spawn(ReplicaKind::VisionLanguage, spec, opts, map)?,
+            ));
+        }
+    }
+    let local_maps = if in_processes { &maps[..1] } else { maps };
+    let mut out = Vec::with_capacity(maps.len());
+    for (i, map) in local_maps.iter().enumerate() {
+        tracing::info!("loading judge replica {i} on {map}");
+        let opts = LoadOptions {
+            device_map: Some(map.clone()),
+            ..opts.clone()
+        };
+        let model = VisionLanguageModel::load(spec, &opts)?;
+        out.push(VlReplica::new(Inner::Local(Box::new(model)), map));
+    }
+    for (map, mut p) in processes {
+        p.ready()?;
+        out.push(VlReplica::new(Inner::Process(p), map));
+    }
+    Ok(out)
+}
+
+/// The device maps of the replicas of Qwen3-VL checkpoint `spec` on this machine: the
+/// planner's ([`plan_on_this_machine`]: `--gpu-mode`, `--gpu-ids`, `max_memory`; one replica
+/// per GPU, or per GPU group when the model does not fit one), with the plan as text; one CPU
+/// map (and `None`) on a machine without GPUs.
+pub fn vl_device_maps(
+    spec: &str,
+    opts: &LoadOptions,
+    request: &PlacementRequest,
+) -> Result<(Vec<DeviceMap>, Option<String>)> {
+    match plan_on_this_machine(spec, opts, request)? {
+        Some(plan) => Ok((
+            plan.replicas.iter().map(|r| r.device_map.clone()).collect(),
+            Some(plan.to_string()),
+        )),
+        None => {
+            let source = ModelSource::parse(spec, opts.revision.as_deref())?;
+            let config = source.resolve(&opts.hub)?.config;
+            let layers = Qwen3VlConfig::from_file(&config)?.text.num_hidden_layers;
+            Ok((vec![DeviceMap::single(DeviceLocation::Cpu, layers)], None))
+        }
+    }
+}
+
+/// Plans on this machine ([`vl_device_maps`]) and loads every replica
+/// ([`load_vl_replicas`]); one CPU replica on a machine without GPUs.
+pub fn load_vl_planned(
+    spec: &str,
+    opts: &LoadOptions,
+    request: &PlacementRequest,
+) -> Result<Vec<VlReplica>> {
+    let (maps, plan) = vl_device_maps(spec, opts, request)?;
+    match plan {
+        Some(p) => tracing::info!("placement plan:\n{p}"),
+        None => tracing::warn!("no GPU visible: one judge replica on the CPU"),
+    }
+    load_vl_replicas(spec, opts, &maps)
+}
