@@ -1,0 +1,298 @@
+//! The Qwen3-VL judge: [`Judge`] over fleet-models' Qwen3-VL replicas
+//! ([`fleet_models::vl_replicas::VlReplica`]), one judge per replica.
+//!
+//! - A [`JudgeRequest`] becomes transformers' message list ([`messages`]): the system text as
+//!   `{"role": "system", "content": text}`, then `{"role": "user", "content": [{"type":
+//!   "image"}, …, {"type": "text", "text": …}]}` with the parts in the request's order, rendered
+//!   by the checkpoint's own chat template (with the generation prompt) and tokenized with each
+//!   image's pad token expanded, as `Qwen3VLProcessor` does.
+//! - Decoding is greedy unless the [`Decoding`] samples; sampling maps onto fleet-models'
+//!   [`SamplingParams`] with the recorded seed ([`sampling_params`]). The checkpoint's
+//!   generation_config.json sampling defaults are not used.
+//! - A batch of requests is one left-padded `generate` call on the replica. A request whose
+//!   prompt cannot be built (an image the processor refuses, a prompt longer than the model
+//!   takes) fails alone; a batch that fails as a whole (the device, a replica process that
+//!   died) fails every request, and the run loop hands it to another judge.
+//! - [`judge_model_id`]: what identifies the judge's answers in every record's key — the hub
+//!   id at the resolved commit, or a local directory's content digests, plus the dtype.
+//!
+//! ```no_run
+//! use fleet_judge::qwen::{judge_model_id, load_judges};
+//! use fleet_models::placement::{PlacementRequest, PlanMode};
+//! use fleet_models::LoadOptions;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let opts = LoadOptions::default();
+//! let model = "Qwen/Qwen3-VL-8B-Instruct";
+//! let id = judge_model_id(model, &opts)?;
+//! let judges = load_judges(model, &opts, &PlacementRequest::new(PlanMode::Auto), &id)?;
+//! # Ok(()) }
+//! ```
+
+use std::path::{Component, Path};
+use std::sync::Arc;
+
+use fleet_models::placement::PlacementRequest;
+use fleet_models::vl_replicas::{load_vl_replicas, vl_device_maps, VlReplica, VlRequest};
+use fleet_models::{DeviceMap, FinishReason, LoadOptions, ModelSource, SamplingParams};
+use image::DynamicImage;
+use serde_json::{json, Value};
+
+use crate::judge::{Decoding, Judge, JudgeReply, JudgeRequest, Part};
+
+/// transformers' message list for a request, and the images of its image parts in order.
+pub fn messages(request: &JudgeRequest) -> (Value, Vec<Arc<DynamicImage>>) {
+    let mut out = Vec::with_capacity(2);
+    if let Some(system) = &request.system {
+        out.push(json!({"role": "system", "content": system}));
+    }
+    let mut images = Vec::with_capacity(request.image_count());
+    let content: Vec<Value> = request
+        .user
+        .iter()
+        .map(|part| match part {
+            Part::Image(img) => {
+                images.push(img.clone());
+                json!({"type": "image"})
+            }
+            Part::Text(text) => json!({"type": "text", "text": text}),
+        })
+        .collect();
+    out.push(json!({"role": "user", "content": content}));
+    (Value::Array(out), images)
+}
+
+/// fleet-models' sampling for a decoding: greedy (`temperature` 0) unless it samples, then
+/// its temperature, top-p, top-k and seed.
+pub fn sampling_params(decoding: &Decoding) -> SamplingParams {
+    match &decoding.sampling {
+        None => SamplingParams::greedy(),
+        Some(s) => SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            seed: s.seed,
+        },
+    }
+}
+
+/// The replica's request for a judge request.
+pub fn vl_request(request: &JudgeRequest, decoding: &Decoding) -> VlRequest {
+    let (messages, images) = messages(request);
+    VlRequest {
+        messages,
+        images,
+        max_new_tokens: decoding.max_new_tokens,
+        sampling: sampling_params(decoding),
+        stop_strings: Vec::new(),
+    }
+}
+
+/// A Qwen3-VL checkpoint as a [`Judge`]: one replica (here or in a process of its own).
+pub struct Qwen3VlJudge {
+    replica: VlReplica,
+    model_id: String,
+}
+
+impl Qwen3VlJudge {
+    /// A judge over `replica`, reporting `model_id` ([`judge_model_id`] of the checkpoint it
+    /// loaded).
+    pub fn new(replica: VlReplica, model_id: String) -> Self {
+        Qwen3VlJudge { replica, model_id }
+    }
+
+    /// The replica.
+    pub fn replica(&self) -> &VlReplica {
+        &self.replica
+    }
+
+    /// A short name for logs and progress bars: the replica's devices (and pid).
+    pub fn name(&self) -> String {
+        self.replica.name()
+    }
+}
+
+impl Judge for Qwen3VlJudge {
+    fn model_id(&self) -> String {
+        self.model_id.clone()
+    }
+
+    fn judge(
+        &mut self,
+        batch: &[JudgeRequest],
+        decoding: &Decoding,
+    ) -> Vec<std::result::Result<JudgeReply, String>> {
+        let requests: Vec<VlRequest> = batch.iter().map(|r| vl_request(r, decoding)).collect();
+        match self.replica.generate(&requests) {
+            Ok(outcomes) => outcomes
+                .into_iter()
+                .map(|o| {
+                    o.map(|g| JudgeReply {
+                        new_tokens: g.token_ids.len(),
+                        stopped_at_eos: g.finish_reason == FinishReason::Eos,
+                        text: g.text,
+                    })
+                })
+                .collect(),
+            Err(e) => {
+                let e = format!("{}: {e}", self.replica.name());
+                vec![Err(e); batch.len()]
+            }
+        }
+    }
+}
+
+/// The commit of a hub snapshot path (`…/snapshots/<commit>/file`), if it is one.
+fn snapshot_commit(path: &Path) -> Option<String> {
+    let parts: Vec<Component<'_>> = path.components().collect();
+    parts.windows(2).find_map(|w| match (w[0], w[1]) {
+        (Component::Normal(a), Component::Normal(b)) if a == "snapshots" => {
+            let commit = b.to_string_lossy().to_string();
+            (commit.len() >= 7 && commit.chars().all(|c| c.is_ascii_hexdigit())).then_some(commit)
+        }
+        _ => None,
+    })
+}
+
+/// What identifies a judge's answers (part of every record's key and of the output
+/// directory's manifest): for a hub id, `owner/name@<commit>` — the commit the revision
+/// resolved to in the hub cache (`@<revision>` when the files are not in a snapshot); for a
+/// local directory, its name and the content digests of its weights, config and
+/// tokenizer/processor files (`qwen3-vl-tiny@fnv1a64w:<weights>.<config>.<tokenizer>`, so the
+/// same files anywhere share records and changed files do not); then the dtype.
+///
+/// Resolving a hub id fetches its files (or needs them cached with `HF_HUB_OFFLINE=1`); a
+/// local directory's weights are read once for the digest.
+pub fn judge_model_id(spec: &str, opts: &LoadOptions) -> fleet_models::Result<String> {
+    let source = ModelSource::parse(spec, opts.revision.as_deref())?;
+    let files = source.resolve(&opts.hub)?;
+    let dtype = opts.dtype.as_str();
+    Ok(match &source {
+        ModelSource::Hub { repo, revision } => {
+            let commit = files
+                .weights
+                .first()
+                .and_then(|p| snapshot_commit(p))
+                .unwrap_or_else(|| revision.clone());
+            format!("{repo}@{commit} {dtype}")
+        }
+        ModelSource::Local(dir) => {
+            let id = files.identity()?;
+            let strip = |d: &str| d.trim_start_matches("fnv1a64w:").to_string();
+            let name = dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
+                .or_else(|| dir.file_name().map(|n| n.to_string_lossy().to_string()))
+                .unwrap_or_else(|| "local".to_string());
+            format!(
+                "{name}@fnv1a64w:{}.{}.{} {dtype}",
+                strip(&id.weights_digest),
+                strip(&id.config_digest),
+                strip(&id.tokenizer_digest)
+            )
+        }
+    })
+}
+
+/// Loads one judge per device map (see [`load_vl_replicas`]: the first replica here, the
+/// others in child processes of this program when it opted in and they use GPUs).
+pub fn load_judges_on(
+    spec: &str,
+    opts: &LoadOptions,
+    maps: &[DeviceMap],
+    model_id: &str,
+) -> fleet_models::Result<Vec<Qwen3VlJudge>> {
+    Ok(load_vl_replicas(spec, opts, maps)?
+        .into_iter()
+        .map(|r| Qwen3VlJudge::new(r, model_id.to_string()))
+        .collect())
+}
+
+/// Plans the judge's replicas on this machine (`--gpu-mode`, `--gpu-ids`, `--max-memory`:
+/// one replica per GPU, or per GPU group when it does not fit one; one CPU replica without
+/// GPUs) and loads one judge per replica.
+pub fn load_judges(
+    spec: &str,
+    opts: &LoadOptions,
+    placement: &PlacementRequest,
+    model_id: &str,
+) -> fleet_models::Result<Vec<Qwen3VlJudge>> {
+    let (maps, plan) = vl_device_maps(spec, opts, placement)?;
+    if let Some(p) = plan {
+        tracing::info!("placement plan:\n{p}");
+    }
+    load_judges_on(spec, opts, &maps, model_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::judge::Sampling;
+
+    #[test]
+    fn requests_become_transformers_messages() {
+        let img = Arc::new(DynamicImage::new_rgb8(2, 2));
+        let r = JudgeRequest {
+            system: Some("sys".into()),
+            user: vec![
+                Part::Image(img.clone()),
+                Part::Image(img),
+                Part::Text("judge".into()),
+            ],
+        };
+        let (m, images) = messages(&r);
+        assert_eq!(images.len(), 2);
+        assert_eq!(
+            m,
+            json!([
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": [
+                    {"type": "image"}, {"type": "image"}, {"type": "text", "text": "judge"}
+                ]}
+            ])
+        );
+        let (m, images) = messages(&JudgeRequest {
+            system: None,
+            user: vec![Part::Text("only text".into())],
+        });
+        assert!(images.is_empty());
+        assert_eq!(m.as_array().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn decoding_maps_onto_sampling_params() {
+        assert_eq!(
+            sampling_params(&Decoding::greedy(8)),
+            SamplingParams::greedy()
+        );
+        let d = Decoding {
+            max_new_tokens: 8,
+            sampling: Some(Sampling {
+                temperature: 0.7,
+                top_p: Some(0.8),
+                top_k: Some(20),
+                seed: 11,
+            }),
+        };
+        assert_eq!(
+            sampling_params(&d),
+            SamplingParams {
+                temperature: 0.7,
+                top_k: Some(20),
+                top_p: Some(0.8),
+                seed: 11
+            }
+        );
+    }
+
+    #[test]
+    fn hub_snapshot_commits_are_found() {
+        let p = Path::new("/h/hub/models--Qwen--Qwen3-VL-8B-Instruct/snapshots/0123abcd4567/model-00001-of-00004.safetensors");
+        assert_eq!(snapshot_commit(p).as_deref(), Some("0123abcd4567"));
+        assert_eq!(
+            snapshot_commit(Path::new("/data/ckpt/model.safetensors")),
+            None
+        );
+    }
+}
