@@ -67,13 +67,9 @@ impl SparseMoe {
             } else {
                 released
             };
-            let t = ld.weights.get(
-                name,
-                &shape,
-                Init::Normal(INIT_STD),
-                ld.dtype,
-                ld.device,
-            )?;
+            let t = ld
+                .weights
+                .get(name, &shape, Init::Normal(INIT_STD), ld.dtype, ld.device)?;
             Ok(if saved_transposed {
                 t
             } else {
@@ -81,10 +77,7 @@ impl SparseMoe {
             })
         };
         let gate_up = read(&gate_up_name, [experts, hidden, 2 * inter])?;
-        let down = read(
-            &format!("{p}.experts.down_proj"),
-            [experts, inter, hidden],
-        )?;
+        let down = read(&format!("{p}.experts.down_proj"), [experts, inter, hidden])?;
         Ok(SparseMoe {
             router: Linear::new(router, None),
             gate_up,
