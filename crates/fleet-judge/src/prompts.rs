@@ -713,6 +713,25 @@ impl PromptSet {
     pub fn call(&self, name: &str) -> Option<&Call> {
         self.calls.iter().find(|c| c.name == name)
     }
+
+    /// The same set with every call showing `images`, in this order, instead of its own (a
+    /// command line's `--images`). The content hash changes with it, so records made with
+    /// other images are never reused. `images` must be non-empty without repeats.
+    pub fn with_images(mut self, images: &[ImageRole]) -> Result<PromptSet> {
+        let distinct: BTreeSet<_> = images.iter().collect();
+        if images.is_empty() || distinct.len() != images.len() {
+            return Err(PromptError::BadField {
+                path: self.path.clone(),
+                field: "images (override)".into(),
+                problem: format!("{images:?} must list \"source\" and/or \"edited\", each once"),
+            });
+        }
+        for c in &mut self.calls {
+            c.images = images.to_vec();
+        }
+        self.hash = self.compute_hash();
+        Ok(self)
+    }
 }
 
 /// The value of a placeholder for an item, or why there is none.
@@ -942,5 +961,26 @@ user = "q"
         let (_, user) = vie.render(pq, &item("color_alter", None)).unwrap();
         assert!(user.ends_with("output score = [naturalness, artifacts]\n"));
         vie.check_items(&[item("anything", None)]).unwrap();
+    }
+
+    #[test]
+    fn an_images_override_changes_every_call_and_the_hash() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/judge");
+        let orig = PromptSet::load(&root.join("original-rubrics.toml")).unwrap();
+        let both = orig
+            .clone()
+            .with_images(&[ImageRole::Source, ImageRole::Edited])
+            .unwrap();
+        assert_eq!(
+            both.calls[0].images,
+            vec![ImageRole::Source, ImageRole::Edited]
+        );
+        assert_ne!(both.hash(), orig.hash());
+        let again = both.clone().with_images(&[ImageRole::Edited]).unwrap();
+        assert_eq!(again.hash(), orig.hash(), "the hash is of the content");
+        for bad in [&[][..], &[ImageRole::Edited, ImageRole::Edited][..]] {
+            let e = orig.clone().with_images(bad).unwrap_err().to_string();
+            assert!(e.contains("images"), "{e}");
+        }
     }
 }

@@ -134,10 +134,8 @@ impl Judge for Qwen3VlJudge {
                     })
                 })
                 .collect(),
-            Err(e) => {
-                let e = format!("{}: {e}", self.replica.name());
-                vec![Err(e); batch.len()]
-            }
+            // The error names the replica (its devices, and the process when it runs in one).
+            Err(e) => vec![Err(e.to_string()); batch.len()],
         }
     }
 }

@@ -446,14 +446,16 @@ impl Session {
     }
 
     /// Judges the plan's calls that have no record, with one worker per judge sharing the
-    /// queue; writes `scores.jsonl` and `run.json`; returns the run's summary.
+    /// queue; writes `scores.jsonl` and `run.json`; returns the run's summary. When every
+    /// call is recorded already no judge is needed (`judges` may be empty: a finished run
+    /// rewrites its summary without loading a model).
     pub fn run<J: Judge + Send>(
         &self,
         judges: Vec<J>,
         plan: &Plan<'_>,
         options: &RunOptions,
     ) -> Result<RunInfo> {
-        if judges.is_empty() {
+        if judges.is_empty() && !plan.pending(&self.store).is_empty() {
             return Err(RunError::NoJudges);
         }
         if options.batch_size == 0 {
