@@ -302,6 +302,84 @@ fn a_scorer_json_with_bad_items_lists_them_and_scores_the_rest() {
 }
 
 #[test]
+fn gedit_bench_is_read_from_its_layout_with_the_edit_resized_to_the_source() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("fullset");
+    let mut rows = String::new();
+    for (i, (task, lang)) in [
+        ("color_alter", "en"),
+        ("subject-add", "en"),
+        ("subject-add", "en"),
+        ("color_alter", "cn"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let key = format!("k{i}");
+        let dir = root.join(task).join(lang);
+        std::fs::create_dir_all(&dir).unwrap();
+        picture(i as u32, false)
+            .save(dir.join(format!("{key}_SRCIMG.png")))
+            .unwrap();
+        // The edit at another size (GEdit's scorer resizes it to the source's); item 2 has none.
+        if i != 2 {
+            image::imageops::resize(
+                &picture(i as u32, true),
+                40,
+                40,
+                image::imageops::FilterType::Nearest,
+            )
+            .save(dir.join(format!("{key}.png")))
+            .unwrap();
+        }
+        rows.push_str(
+            &json!({"task_type": task, "key": key, "instruction": format!("edit {i}"),
+                    "instruction_language": lang})
+            .to_string(),
+        );
+        rows.push('\n');
+    }
+    let rows_path = tmp.path().join("rows.jsonl");
+    std::fs::write(&rows_path, rows).unwrap();
+    let out = tmp.path().join("out");
+    let (r, rp, o, m, p) = (
+        root.display().to_string(),
+        rows_path.display().to_string(),
+        out.display().to_string(),
+        tiny_judge(),
+        viescore(),
+    );
+    let (_, stderr) = ok(&run(&[
+        "--benchmark",
+        &r,
+        "--format",
+        "gedit",
+        "--gedit-rows",
+        &rp,
+        "--language",
+        "en",
+        "--prompts",
+        &p,
+        "--model",
+        &m,
+        "--max-new-tokens",
+        "8",
+        "--no-progress",
+        "--output",
+        &o,
+    ]));
+    assert!(stderr.contains("2 items loaded, 1 skipped"), "{stderr}");
+    assert!(stderr.contains("skipped k2"), "{stderr}");
+    let info = read_json(&out.join("run.json"));
+    assert_eq!(info["resize_edited_to_source"], true);
+    assert_eq!(info["calls_recorded"], 4);
+    assert_eq!(
+        info["items_by_category"],
+        json!({"color_alter": 1, "subject-add": 1})
+    );
+}
+
+#[test]
 fn a_killed_run_resumes_without_losing_or_rescoring_anything() {
     let tmp = tempfile::tempdir().unwrap();
     let bench = jsonl_benchmark(&tmp.path().join("bench"), 16);
