@@ -25,6 +25,7 @@ case "$WHAT" in
 parity)
   for spec in "8b:configs/models/qwen3-vl-8b.json:0" "30b-a3b:configs/models/qwen3-vl-30b-a3b.json:${LAYERS30:-4}"; do
     IFS=: read -r name cfg layers <<< "$spec"
+    case " ${PARITY_SHAPES:-8b 30b-a3b} " in *" $name "*) ;; *) continue ;; esac
     D="$W/parity-$name"
     rm -rf "$D"
     python3 scripts/gpu/vl_parity_bf16.py make --config "$cfg" --out "$D" --layers "$layers" \
@@ -33,6 +34,17 @@ parity)
         --device cuda:0 --dtype bf16 > "$R/fleet-$name.log" 2>&1 || tail -20 "$R/fleet-$name.log"
     python3 scripts/gpu/vl_parity_bf16.py compare --dir "$D" --fleet "$D/fleet.safetensors" \
         --json "$R/parity-$name.json" 2>&1 | tee "$R/compare-$name.log"
+    if grep -q qwen3_vl_moe "$D/model/config.json"; then
+      # The same with candle's fused MoE kernels off (the grouped path, as transformers loops).
+      FLEET_MOE_KERNEL=0 "$BIN" logits --model "$D/model" --inputs "$D/inputs.json" \
+          --output "$D/fleet-grouped.safetensors" --device cuda:0 --dtype bf16 > "$R/fleet-$name-grouped.log" 2>&1
+      python3 scripts/gpu/vl_parity_bf16.py compare --dir "$D" --fleet "$D/fleet-grouped.safetensors" \
+          --json "$R/parity-$name-grouped.json" 2>&1 | tee "$R/compare-$name-grouped.log"
+      python3 -c "
+import json,struct,sys
+f=open(sys.argv[1],'rb');n=struct.unpack('<Q',f.read(8))[0];h=json.loads(f.read(n))
+print({k:v['shape'] for k,v in h.items() if 'layers.0.mlp' in k})" "$(ls "$D"/model/*.safetensors | head -1)" | tee "$R/moe-shapes.txt"
+    fi
     cp "$D/meta.json" "$R/meta-$name.json"
     rm -rf "$D/model"
   done

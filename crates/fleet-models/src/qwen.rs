@@ -216,15 +216,21 @@ impl RopeTables {
                 // (multiplying by 1 and adding 0 is exact).
                 let half = self.inv_freq.len();
                 let mut masks = [vec![0f32; half], vec![0f32; half], vec![0f32; half]];
-                for j in 0..half {
-                    let axis = if j % 3 == 1 && j < 3 * section[1] {
+                let axis_of = |j: usize| {
+                    if j % 3 == 1 && j < 3 * section[1] {
                         1
                     } else if j % 3 == 2 && j < 3 * section[2] {
                         2
                     } else {
                         0
-                    };
-                    masks[axis][j] = 1.0;
+                    }
+                };
+                for (axis, mask) in masks.iter_mut().enumerate() {
+                    for (j, m) in mask.iter_mut().enumerate() {
+                        if axis_of(j) == axis {
+                            *m = 1.0;
+                        }
+                    }
                 }
                 let n = batch * len;
                 let pick = |table: &Tensor| -> Result<Tensor> {

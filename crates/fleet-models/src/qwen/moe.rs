@@ -202,8 +202,16 @@ impl SparseMoe {
         let top_w = top_w.broadcast_div(&top_w.sum_keepdim(D::Minus1)?)?;
         let (expert_ids, sorted_token_ids) = top_ids.flatten_all()?.sort_last_dim(true)?;
         let prefill = n > 1;
+        // candle's moe_gemm reads its input from the start of the storage, ignoring a view's
+        // offset: the normed input arrives as the second half of add_rms_norm's output, so
+        // give it a buffer of its own.
+        let x = if x.is_contiguous() && x.layout().start_offset() == 0 {
+            x.clone()
+        } else {
+            x.force_contiguous()?
+        };
         let gu = moe_gemm(
-            &x.contiguous()?,
+            &x,
             &self.gate_up,
             &None,
             &sorted_token_ids,
@@ -222,5 +230,65 @@ impl SparseMoe {
             prefill,
         )?; // [n * k, hidden], already weighted
         Ok(y.reshape((n, k, hidden))?.sum(1)?)
+    }
+}
+
+/// On a GPU: candle's fused kernels against the grouped path, on random weights of several
+/// shapes (run on the GPU machine: `cargo test --features cuda -p fleet-models moe_kernel`).
+#[cfg(all(test, feature = "cuda"))]
+mod kernel_tests {
+    use super::*;
+
+    fn moe(e: usize, h: usize, i: usize, k: usize, dev: &candle_core::Device) -> SparseMoe {
+        let dt = DType::BF16;
+        let r = |s: &[usize]| {
+            Tensor::randn(0f32, 0.05, s, dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap()
+        };
+        SparseMoe {
+            router: Linear::new((r(&[e, h]) * 20.0).unwrap(), None),
+            gate_up: r(&[e, 2 * i, h]),
+            down: r(&[e, h, i]),
+            top_k: k,
+        }
+    }
+
+    #[test]
+    fn moe_kernel_matches_grouped() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        for &(n, e, h, i, k) in &[
+            (1, 8, 64, 32, 2),
+            (7, 8, 64, 32, 2),
+            (64, 128, 2048, 768, 8),
+            (578, 128, 2048, 768, 8),
+            (3, 128, 2048, 768, 8),
+        ] {
+            let m = moe(e, h, i, k, &dev);
+            let x = Tensor::randn(0f32, 1.0, (n, h), &dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap();
+            // As the decoder feeds it: the second half of one buffer (a view with an offset).
+            let both = Tensor::stack(&[&x, &x], 0).unwrap();
+            let view = both.get(1).unwrap();
+            let a = m.forward_grouped(&x).unwrap().to_dtype(DType::F32).unwrap();
+            let b = m
+                .forward_kernel(&view)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let diff: f32 = (&a - &b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            let scale: f32 = a.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+            println!("n={n} e={e} h={h} i={i} k={k}: max|grouped-kernel| = {diff} (max|grouped| = {scale})");
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! The Qwen3-VL vision encoder (transformers' `Qwen3VLVisionModel`).
 //!
-//! Patches (`[n, 3 * 2 * 16 * 16]` from [`crate::vision::preprocess`], in 2x2 merge-block
+//! Patches (`[n, 3 * 2 * 16 * 16]` from [`crate::vision::preprocess()`], in 2x2 merge-block
 //! order) go through a linear patch embedding (the Conv3d as one GEMM), a learned position
 //! table interpolated bilinearly to each image's grid, `depth` pre-norm blocks with 2-D rotary
 //! attention inside each image, and the merger (LayerNorm, 2x2 shuffle, fc, exact GELU, fc).
@@ -401,9 +401,7 @@ impl VisionEncoder {
         let mut x = x;
         let mut deepstack = Vec::with_capacity(self.deepstack.len());
         for (i, block) in self.blocks.iter().enumerate() {
-            x = profile::time(dev, "vision.block", || {
-                self.block(block, &x, grids, &cos, &sin)
-            })?;
+            x = self.block(block, &x, grids, &cos, &sin)?;
             for (_, merger) in self.deepstack.iter().filter(|(at, _)| *at == i) {
                 deepstack.push(profile::time(dev, "vision.merger", || merger.forward(&x))?);
             }
@@ -529,13 +527,19 @@ impl VisionEncoder {
         cos: &Tensor,
         sin: &Tensor,
     ) -> Result<Tensor> {
-        let h = block.norm1.forward(x)?;
-        let attn = self.attention(block, &h, grids, cos, sin)?;
-        let x = (x + block.proj.forward(&attn)?)?;
-        let h = block.norm2.forward(&x)?;
-        let mlp = block
-            .fc2
-            .forward(&self.act.forward(&block.fc1.forward(&h)?)?)?;
+        let dev = x.device();
+        let attn = profile::time(dev, "vision.attn", || {
+            let h = block.norm1.forward(x)?;
+            let attn = self.attention(block, &h, grids, cos, sin)?;
+            Ok(block.proj.forward(&attn)?)
+        })?;
+        let x = (x + attn)?;
+        let mlp = profile::time(dev, "vision.mlp", || {
+            let h = block.norm2.forward(&x)?;
+            Ok(block
+                .fc2
+                .forward(&self.act.forward(&block.fc1.forward(&h)?)?)?)
+        })?;
         Ok((x + mlp)?)
     }
 
@@ -574,8 +578,10 @@ impl VisionEncoder {
                 };
                 let (qs, ks, vs) = (seg(&q)?, seg(&k)?, seg(&v)?); // [heads, len, hd]
                 let scores = (qs.matmul(&ks.t()?)? * scale)?;
-                let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?
-                    .to_dtype(self.dtype)?;
+                // transformers: softmax in f32, rounded to the model dtype; candle's fused
+                // softmax accumulates in f32 and writes the model dtype (no f32 copy of the
+                // [heads, len, len] scores).
+                let probs = candle_nn::ops::softmax_last_dim(&scores)?;
                 outs.push(probs.matmul(&vs)?.transpose(0, 1)?); // [len, heads, hd]
                 start += len;
             }

@@ -520,7 +520,7 @@ pub fn preprocess(
     // Images are independent: each is resized and patchified on its own thread (a 1024x1024
     // image takes tens of milliseconds), then concatenated in order.
     use rayon::prelude::*;
-    let parts: Vec<(Vec<f32>, [usize; 3], (usize, usize))> = images
+    let parts: Vec<OneImage> = images
         .par_iter()
         .map(|img| preprocess_one(img, cfg))
         .collect::<Result<_, _>>()?;
@@ -540,11 +540,14 @@ pub fn preprocess(
     Ok(out)
 }
 
+/// One image's patches, `[t, h, w]` grid and resized `(height, width)`.
+type OneImage = (Vec<f32>, [usize; 3], (usize, usize));
+
 /// One image's patches, grid and resized size.
 fn preprocess_one(
     img: &image::DynamicImage,
     cfg: &ImageProcessorConfig,
-) -> Result<(Vec<f32>, [usize; 3], (usize, usize)), VisionError> {
+) -> Result<OneImage, VisionError> {
     let p = cfg.patch_size;
     let m = cfg.merge_size;
     let t = cfg.temporal_patch_size;
