@@ -272,6 +272,8 @@ pub struct VisionEncoder {
     act: Act,
     /// The rotary frequencies of one axis, `head_dim / 4` of them.
     inv_freq: Vec<f32>,
+    /// Largest attention-score buffer ([`SCORES_BYTES`]; smaller in tests).
+    scores_bytes: usize,
 }
 
 impl VisionEncoder {
@@ -360,6 +362,7 @@ impl VisionEncoder {
                 Act::GeluTanh
             },
             inv_freq,
+            scores_bytes: SCORES_BYTES,
         })
     }
 
@@ -572,17 +575,27 @@ impl VisionEncoder {
         let mut start = 0;
         for &[t, gh, gw] in grids {
             let len = gh * gw;
+            // Queries in chunks whose scores stay within SCORES_BYTES: a 1024x1024 image has
+            // 4096 patches, and one [heads, 4096, 4096] buffer per step would be 512 MiB.
+            let rows =
+                (self.scores_bytes / (heads * len * self.dtype.size_in_bytes())).clamp(1, len);
             for _ in 0..t {
-                let seg = |z: &Tensor| -> Result<Tensor> {
-                    Ok(z.narrow(0, start, len)?.transpose(0, 1)?.contiguous()?)
+                let seg = |z: &Tensor, from: usize, n: usize| -> Result<Tensor> {
+                    Ok(z.narrow(0, from, n)?.transpose(0, 1)?.contiguous()?)
                 };
-                let (qs, ks, vs) = (seg(&q)?, seg(&k)?, seg(&v)?); // [heads, len, hd]
-                let scores = (qs.matmul(&ks.t()?)? * scale)?;
-                // transformers: softmax in f32, rounded to the model dtype; candle's fused
-                // softmax accumulates in f32 and writes the model dtype (no f32 copy of the
-                // [heads, len, len] scores).
-                let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-                outs.push(probs.matmul(&vs)?.transpose(0, 1)?); // [len, heads, hd]
+                let (ks, vs) = (seg(&k, start, len)?, seg(&v, start, len)?); // [heads, len, hd]
+                let kt = ks.t()?;
+                let mut from = 0;
+                while from < len {
+                    let m = rows.min(len - from);
+                    let qs = seg(&q, start + from, m)?;
+                    let scores = (qs.matmul(&kt)? * scale)?;
+                    // transformers: softmax in f32, rounded to the model dtype; candle's fused
+                    // softmax accumulates in f32 and writes the model dtype.
+                    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+                    outs.push(probs.matmul(&vs)?.transpose(0, 1)?); // [m, heads, hd]
+                    from += m;
+                }
                 start += len;
             }
         }
@@ -595,10 +608,51 @@ impl VisionEncoder {
     }
 }
 
+/// Largest attention-score buffer of one step of the vision attention.
+const SCORES_BYTES: usize = 64 << 20;
+
 /// `[-x2, x1]` of the two halves of the last dimension.
 fn rotate_half(x: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     let x1 = x.narrow(D::Minus1, 0, d / 2)?;
     let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
     Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Queries in chunks (down to one row at a time) give the attention of the whole image.
+    #[test]
+    fn chunked_attention_equals_whole() {
+        let cfg: VisionConfig = serde_json::from_value(serde_json::json!({
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "out_hidden_size": 48, "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0]
+        }))
+        .unwrap();
+        let dev = Device::Cpu;
+        let mut enc =
+            VisionEncoder::new(&cfg, &Weights::Random { seed: 3 }, DType::F32, &dev).unwrap();
+        let grids = [[1, 4, 6], [1, 2, 2]];
+        let n = 24 + 4;
+        let pv = Tensor::randn(0f32, 1.0, (n, cfg.patch_dim()), &dev).unwrap();
+        let whole = enc.forward(&pv, &grids).unwrap();
+        enc.scores_bytes = 1;
+        let chunked = enc.forward(&pv, &grids).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| -> f32 {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap()
+        };
+        assert!(diff(&whole.features, &chunked.features) < 1e-5);
+        assert!(diff(&whole.deepstack[0], &chunked.deepstack[0]) < 1e-5);
+    }
 }
