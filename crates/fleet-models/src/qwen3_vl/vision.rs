@@ -14,8 +14,8 @@ use candle_nn::Linear;
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
-use crate::profile;
 use crate::weights::{Init, Weights};
+use crate::{ops, profile};
 
 /// `vision_config` of a Qwen3-VL `config.json`, as transformers names the fields.
 #[derive(Debug, Clone, Deserialize)]
@@ -531,11 +531,9 @@ impl VisionEncoder {
         sin: &Tensor,
     ) -> Result<Tensor> {
         let dev = x.device();
-        let attn = profile::time(dev, "vision.attn", || {
-            let h = block.norm1.forward(x)?;
-            let attn = self.attention(block, &h, grids, cos, sin)?;
-            Ok(block.proj.forward(&attn)?)
-        })?;
+        let h = profile::time(dev, "vision.norm", || block.norm1.forward(x))?;
+        let attn = self.attention(block, &h, grids, cos, sin)?;
+        let attn = profile::time(dev, "vision.proj", || Ok(block.proj.forward(&attn)?))?;
         let x = (x + attn)?;
         let mlp = profile::time(dev, "vision.mlp", || {
             let h = block.norm2.forward(&x)?;
@@ -558,7 +556,10 @@ impl VisionEncoder {
         let (n, hidden) = x.dims2()?;
         let heads = self.cfg.num_heads;
         let hd = self.cfg.head_dim();
-        let qkv = block.qkv.forward(x)?.reshape((n, 3, heads, hd))?;
+        let dev = x.device();
+        let qkv = profile::time(dev, "vision.qkv", || {
+            Ok(block.qkv.forward(x)?.reshape((n, 3, heads, hd))?)
+        })?;
         // RoPE on q and k in f32, cast back, as transformers' apply_rotary_pos_emb_vision.
         let rope = |t: Tensor| -> Result<Tensor> {
             let t32 = t.to_dtype(DType::F32)?;
@@ -567,43 +568,51 @@ impl VisionEncoder {
             let rotated = rotate_half(&t32)?;
             Ok((t32.broadcast_mul(&c)? + rotated.broadcast_mul(&s)?)?.to_dtype(self.dtype)?)
         };
-        let q = rope(qkv.narrow(1, 0, 1)?.squeeze(1)?)?; // [n, heads, hd]
-        let k = rope(qkv.narrow(1, 1, 1)?.squeeze(1)?)?;
+        let (q, k) = profile::time(dev, "vision.rope", || {
+            Ok((
+                rope(qkv.narrow(1, 0, 1)?.squeeze(1)?)?, // [n, heads, hd]
+                rope(qkv.narrow(1, 1, 1)?.squeeze(1)?)?,
+            ))
+        })?;
         let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
+        // Every key visible: the decoder's masked softmax (f32 statistics, one rounding to
+        // the model dtype, as transformers' softmax in f32) with no padding and no causal cut.
+        let no_pad = Tensor::zeros(1, DType::U32, dev)?;
         let scale = (hd as f64).powf(-0.5);
-        let mut outs = Vec::new();
-        let mut start = 0;
-        for &[t, gh, gw] in grids {
-            let len = gh * gw;
-            // Queries in chunks whose scores stay within SCORES_BYTES: a 1024x1024 image has
-            // 4096 patches, and one [heads, 4096, 4096] buffer per step would be 512 MiB.
-            let rows =
-                (self.scores_bytes / (heads * len * self.dtype.size_in_bytes())).clamp(1, len);
-            for _ in 0..t {
-                let seg = |z: &Tensor, from: usize, n: usize| -> Result<Tensor> {
-                    Ok(z.narrow(0, from, n)?.transpose(0, 1)?.contiguous()?)
-                };
-                let (ks, vs) = (seg(&k, start, len)?, seg(&v, start, len)?); // [heads, len, hd]
-                let kt = ks.t()?;
-                let mut from = 0;
-                while from < len {
-                    let m = rows.min(len - from);
-                    let qs = seg(&q, start + from, m)?;
-                    let scores = (qs.matmul(&kt)? * scale)?;
-                    // transformers: softmax in f32, rounded to the model dtype; candle's fused
-                    // softmax accumulates in f32 and writes the model dtype.
-                    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-                    outs.push(probs.matmul(&vs)?.transpose(0, 1)?); // [m, heads, hd]
-                    from += m;
+        let out = profile::time(dev, "vision.core", || {
+            let mut outs = Vec::new();
+            let mut start = 0;
+            for &[t, gh, gw] in grids {
+                let len = gh * gw;
+                // Queries in chunks whose scores stay within SCORES_BYTES: a 1024x1024 image has
+                // 4096 patches, and one [heads, 4096, 4096] buffer per step would be 512 MiB.
+                let rows =
+                    (self.scores_bytes / (heads * len * self.dtype.size_in_bytes())).clamp(1, len);
+                for _ in 0..t {
+                    let seg = |z: &Tensor, from: usize, n: usize| -> Result<Tensor> {
+                        Ok(z.narrow(0, from, n)?.transpose(0, 1)?.contiguous()?)
+                    };
+                    let (ks, vs) = (seg(&k, start, len)?, seg(&v, start, len)?); // [heads, len, hd]
+                    let kt = ks.t()?;
+                    let mut from = 0;
+                    while from < len {
+                        let m = rows.min(len - from);
+                        let qs = seg(&q, start + from, m)?;
+                        let scores = (qs.matmul(&kt)? * scale)?;
+                        let probs = ops::masked_softmax(&scores, &no_pad, heads * m, m, len)?;
+                        outs.push(probs.matmul(&vs)?.transpose(0, 1)?); // [m, heads, hd]
+                        from += m;
+                    }
+                    start += len;
                 }
-                start += len;
             }
-        }
-        let out = if outs.len() == 1 {
-            outs.pop().expect("one segment")
-        } else {
-            Tensor::cat(&outs, 0)?
-        };
+            let out = if outs.len() == 1 {
+                outs.pop().expect("one segment")
+            } else {
+                Tensor::cat(&outs, 0)?
+            };
+            Ok(out)
+        })?;
         Ok(out.reshape((n, hidden))?)
     }
 }
