@@ -189,28 +189,16 @@ impl TextModel {
 
     /// EOS ids: generation_config.json's, else config.json's, else `<|im_end|>` / `<|endoftext|>`.
     pub fn eos_ids(&self) -> Vec<u32> {
-        let mut ids = self.generation_config.eos_token_ids();
-        if ids.is_empty() {
-            ids = self.model.config().eos_token_ids();
-        }
-        if ids.is_empty() {
-            if let Some(t) = &self.tokenizer {
-                ids.extend(
-                    ["<|im_end|>", "<|endoftext|>"]
-                        .iter()
-                        .filter_map(|s| t.token_id(s)),
-                );
-            }
-        }
-        ids
+        stop_ids(
+            &self.generation_config,
+            self.model.config(),
+            self.tokenizer.as_ref(),
+        )
     }
 
     /// The padding id (any id works, padded positions are masked; Qwen uses `<|endoftext|>`).
     pub fn pad_id(&self) -> u32 {
-        self.generation_config
-            .pad_token_id()
-            .or_else(|| self.eos_ids().first().copied())
-            .unwrap_or(0)
+        padding_id(&self.generation_config, &self.eos_ids())
     }
 
     /// A generator with this checkpoint's tokenizer and stop ids.
@@ -231,4 +219,36 @@ impl TextModel {
     ) -> Result<Vec<GenerationOutput>> {
         self.generator().generate(requests, on_token)
     }
+}
+
+/// EOS ids of a checkpoint: generation_config.json's, else config.json's, else the tokenizer's
+/// `<|im_end|>` / `<|endoftext|>`.
+pub(crate) fn stop_ids(
+    generation: &GenerationConfig,
+    config: &QwenConfig,
+    tokenizer: Option<&TextTokenizer>,
+) -> Vec<u32> {
+    let mut ids = generation.eos_token_ids();
+    if ids.is_empty() {
+        ids = config.eos_token_ids();
+    }
+    if ids.is_empty() {
+        if let Some(t) = tokenizer {
+            ids.extend(
+                ["<|im_end|>", "<|endoftext|>"]
+                    .iter()
+                    .filter_map(|s| t.token_id(s)),
+            );
+        }
+    }
+    ids
+}
+
+/// The padding id: generation_config.json's, else the first EOS id, else 0 (any id works:
+/// padded positions are masked).
+pub(crate) fn padding_id(generation: &GenerationConfig, eos: &[u32]) -> u32 {
+    generation
+        .pad_token_id()
+        .or_else(|| eos.first().copied())
+        .unwrap_or(0)
 }

@@ -186,26 +186,16 @@ impl VisionLanguageModel {
     /// EOS ids: generation_config.json's, else config.json's text_config, else `<|im_end|>` /
     /// `<|endoftext|>`.
     pub fn eos_ids(&self) -> Vec<u32> {
-        let mut ids = self.generation_config.eos_token_ids();
-        if ids.is_empty() {
-            ids = self.model.config().text.eos_token_ids();
-        }
-        if ids.is_empty() {
-            ids.extend(
-                ["<|im_end|>", "<|endoftext|>"]
-                    .iter()
-                    .filter_map(|s| self.tokenizer.token_id(s)),
-            );
-        }
-        ids
+        crate::stop_ids(
+            &self.generation_config,
+            &self.model.config().text,
+            Some(&self.tokenizer),
+        )
     }
 
     /// The padding id (masked; Qwen uses `<|endoftext|>`).
     pub fn pad_id(&self) -> u32 {
-        self.generation_config
-            .pad_token_id()
-            .or_else(|| self.eos_ids().first().copied())
-            .unwrap_or(0)
+        crate::padding_id(&self.generation_config, &self.eos_ids())
     }
 
     /// Generates continuations of `prompts` (one left-padded batch); `requests[r]` holds

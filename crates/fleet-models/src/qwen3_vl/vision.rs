@@ -436,25 +436,15 @@ impl VisionEncoder {
             let f = f as usize;
             ([f.min(side - 1), (f + 1).min(side - 1)], [w0, w1])
         };
-        for &[t, h, w] in grids {
-            for _ in 0..t {
-                for br in 0..h / m {
-                    for bc in 0..w / m {
-                        for ir in 0..m {
-                            for ic in 0..m {
-                                let (rt, rw) = taps(br * m + ir, h);
-                                let (ct, cw) = taps(bc * m + ic, w);
-                                let mut k = 0;
-                                for a in 0..2 {
-                                    for b in 0..2 {
-                                        idx[k].push((rt[a] * side + ct[b]) as u32);
-                                        wts[k].push(rw[a] * cw[b]);
-                                        k += 1;
-                                    }
-                                }
-                            }
-                        }
-                    }
+        for (row, col, [_, h, w]) in merge_block_order(grids, m) {
+            let (rt, rw) = taps(row, h);
+            let (ct, cw) = taps(col, w);
+            let mut k = 0;
+            for a in 0..2 {
+                for b in 0..2 {
+                    idx[k].push((rt[a] * side + ct[b]) as u32);
+                    wts[k].push(rw[a] * cw[b]);
+                    k += 1;
                 }
             }
         }
@@ -491,19 +481,9 @@ impl VisionEncoder {
             }
         }
         let (mut rows, mut cols) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for &[t, h, w] in grids {
-            for _ in 0..t {
-                for br in 0..h / m {
-                    for bc in 0..w / m {
-                        for ir in 0..m {
-                            for ic in 0..m {
-                                rows.push((br * m + ir) as u32);
-                                cols.push((bc * m + ic) as u32);
-                            }
-                        }
-                    }
-                }
-            }
+        for (row, col, _) in merge_block_order(grids, m) {
+            rows.push(row as u32);
+            cols.push(col as u32);
         }
         let dev = &self.device;
         let rows = Tensor::from_vec(rows, n, dev)?;
@@ -615,6 +595,24 @@ impl VisionEncoder {
         })?;
         Ok(out.reshape((n, hidden))?)
     }
+}
+
+/// Every patch's (row, column) and its image's grid, in the order the patches come: per image
+/// and frame, `m x m` merge blocks row-major, and inside a block row-major.
+fn merge_block_order(
+    grids: &[[usize; 3]],
+    m: usize,
+) -> impl Iterator<Item = (usize, usize, [usize; 3])> + '_ {
+    grids.iter().flat_map(move |&g| {
+        let [t, h, w] = g;
+        (0..t).flat_map(move |_| {
+            (0..h / m).flat_map(move |br| {
+                (0..w / m).flat_map(move |bc| {
+                    (0..m * m).map(move |i| (br * m + i / m, bc * m + i % m, g))
+                })
+            })
+        })
+    })
 }
 
 /// Largest attention-score buffer of one step of the vision attention.
