@@ -22,6 +22,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
+use fleet_models::vision::MAX_ASPECT_RATIO;
 use image::DynamicImage;
 use serde_json::{Map, Value};
 
@@ -191,6 +192,9 @@ pub enum SkipKind {
     BadBase64,
     /// The base64 decodes but the bytes are not a readable image.
     Base64NotImage,
+    /// The image is empty or more than 200 times longer than wide (or the reverse): the
+    /// judge's image processor cannot take it.
+    ExtremeAspectRatio,
 }
 
 impl fmt::Display for SkipKind {
@@ -205,6 +209,7 @@ impl fmt::Display for SkipKind {
             SkipKind::UnreadableImage => "unreadable image",
             SkipKind::BadBase64 => "bad base64",
             SkipKind::Base64NotImage => "base64 not an image",
+            SkipKind::ExtremeAspectRatio => "extreme aspect ratio",
         })
     }
 }
@@ -350,7 +355,7 @@ fn check_image_file(
         .and_then(|r| r.with_guessed_format().map_err(image::ImageError::IoError))
         .and_then(|r| r.into_dimensions());
     match dims {
-        Ok(_) => Ok(()),
+        Ok((w, h)) => check_aspect(w, h, &format!("{role} image {}", path.display())),
         Err(e) => Err((
             SkipKind::UnreadableImage,
             format!(
@@ -359,6 +364,26 @@ fn check_image_file(
             ),
         )),
     }
+}
+
+/// Refuses an image the judge's processor cannot take: a zero side, or one side more than
+/// [`MAX_ASPECT_RATIO`] times the other.
+fn check_aspect(
+    width: u32,
+    height: u32,
+    what: &str,
+) -> std::result::Result<(), (SkipKind, String)> {
+    let (long, short) = (width.max(height), width.min(height));
+    if short == 0 || long as f64 / short as f64 > MAX_ASPECT_RATIO {
+        return Err((
+            SkipKind::ExtremeAspectRatio,
+            format!(
+                "{what} is {width}x{height}: the judge's image processor takes at most \
+                 {MAX_ASPECT_RATIO}:1 between the sides; crop or pad it"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Decodes the scorer's `src_img_b64` as its `decode_base64_image` does: a `data:` URL prefix
@@ -381,13 +406,16 @@ fn decode_b64_image(b64: &str) -> std::result::Result<Vec<u8>, (SkipKind, String
             format!("field src_img_b64 is not valid base64 ({e}); re-encode the source image"),
         )
     })?;
-    if let Err(e) = image::load_from_memory(&bytes) {
-        return Err((
+    match image::load_from_memory(&bytes) {
+        Err(e) => Err((
             SkipKind::Base64NotImage,
             format!("field src_img_b64 decodes but is not a readable image ({e}); re-encode the source image as PNG"),
-        ));
+        )),
+        Ok(img) => {
+            check_aspect(img.width(), img.height(), "the source image in src_img_b64")?;
+            Ok(bytes)
+        }
     }
-    Ok(bytes)
 }
 
 /// The scorer's pair id (`benchmark_loader.py`): when `original_image_path` holds a `/`, its last

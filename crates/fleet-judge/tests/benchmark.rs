@@ -341,3 +341,45 @@ fn jsonl_duplicate_id_is_an_error_naming_both_lines() {
         "{msg}"
     );
 }
+
+/// Images the judge's processor refuses (one side over 200 times the other) are listed and
+/// skipped up front, in files and in the scorer's base64; 200:1 itself is taken.
+#[test]
+fn extreme_aspect_ratios_are_skipped_with_the_size() {
+    let dir = tempfile::tempdir().unwrap();
+    write_png(&dir.path().join("ok_src.png"), 4, 4);
+    write_png(&dir.path().join("ok_edit.png"), 400, 2); // 200:1, allowed
+    write_png(&dir.path().join("thin.png"), 402, 2); // 201:1
+    let lines = [
+        json!({"id": "a", "category": "c", "instruction": "i", "source": "ok_src.png", "edited": "ok_edit.png"}),
+        json!({"id": "b", "category": "c", "instruction": "i", "source": "thin.png", "edited": "ok_edit.png"}),
+    ];
+    let path = dir.path().join("b.jsonl");
+    std::fs::write(
+        &path,
+        lines.iter().map(|l| format!("{l}\n")).collect::<String>(),
+    )
+    .unwrap();
+    let loaded = load_jsonl(&path, dir.path()).unwrap();
+    assert_eq!(loaded.items.len(), 1);
+    assert_eq!(loaded.items[0].id, "a");
+    assert_eq!(loaded.skipped.len(), 1);
+    assert_eq!(loaded.skipped[0].kind, SkipKind::ExtremeAspectRatio);
+    assert!(
+        loaded.skipped[0].reason.contains("402x2"),
+        "{}",
+        loaded.skipped[0].reason
+    );
+
+    // The scorer's base64 source image.
+    let edited = dir.path().join("edited");
+    write_png(&edited.join("p1.png"), 4, 4);
+    let items = json!([scorer_item("物理", "p1.png", &b64(&png_bytes(1, 300)))]);
+    let json_path = dir.path().join("bench.json");
+    std::fs::write(&json_path, items.to_string()).unwrap();
+    // Its only item skipped: an error that gives the reason.
+    let err = load_scorer_json(&json_path, &edited, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("1x300") && err.contains("200:1"), "{err}");
+}

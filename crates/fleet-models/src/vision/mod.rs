@@ -9,6 +9,6 @@ mod resample;
 
 pub use preprocess::{
     image_pad_tokens, preprocess, smart_resize, ImageProcessorConfig, PreprocessedImages,
-    VisionError,
+    VisionError, MAX_ASPECT_RATIO,
 };
 pub use resample::resize_bicubic_rgb8;

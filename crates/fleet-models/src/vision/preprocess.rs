@@ -126,6 +126,10 @@ pub enum VisionError {
     },
 }
 
+/// The longest side may be at most this many times the shortest (transformers' image processor
+/// refuses more).
+pub const MAX_ASPECT_RATIO: f64 = 200.0;
+
 /// The size Qwen2-VL / Qwen3-VL resize an image of `height` x `width` to, as transformers'
 /// `smart_resize` computes it: both sides multiples of `factor` (`patch_size * merge_size`,
 /// 32 for Qwen3-VL), the area within `[min_pixels, max_pixels]` (`size.shortest_edge` /
@@ -158,7 +162,7 @@ pub fn smart_resize(
         return Err(VisionError::EmptyImage { height, width });
     }
     let ratio = height.max(width) as f64 / height.min(width) as f64;
-    if ratio > 200.0 {
+    if ratio > MAX_ASPECT_RATIO {
         return Err(VisionError::AspectRatio {
             height,
             width,
