@@ -557,18 +557,11 @@ impl Report {
                 );
                 let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
                 for cat in &self.categories {
-                    let st = cat.stats.get("score");
-                    let cell = |g: fn(&Stats) -> f64| st.map_or("—".to_string(), |s| f(g(s)));
                     let _ = writeln!(
                         s,
-                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                        "| {} | {} | {} | {} |",
                         cat.label,
-                        st.map_or(0, |s| s.n),
-                        cell(|s| s.mean),
-                        cell(|s| s.std),
-                        cell(|s| s.median),
-                        cell(|s| s.min),
-                        cell(|s| s.max),
+                        stats_cells(cat.stats.get("score")),
                         cat.parse_failed,
                         cat.not_scored
                     );
@@ -618,18 +611,11 @@ impl Report {
         );
         let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
         for o in &self.overall {
-            let p = o.pooled.as_ref();
-            let cell = |g: fn(&Stats) -> f64| p.map_or("—".to_string(), |s| f(g(s)));
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} |",
                 o.metric,
-                p.map_or(0, |s| s.n),
-                cell(|s| s.mean),
-                cell(|s| s.std),
-                cell(|s| s.median),
-                cell(|s| s.min),
-                cell(|s| s.max),
+                stats_cells(o.pooled.as_ref()),
                 o.mean_of_category_means.map_or("—".to_string(), f)
             );
         }
@@ -667,6 +653,17 @@ impl Report {
         let mut out = vec![json, md];
         out.extend(crate::chart::write_chart(dir, self)?);
         Ok(out)
+    }
+}
+
+/// The `n | mean | std | median | min | max` cells of a Markdown row (dashes without values).
+fn stats_cells(st: Option<&Stats>) -> String {
+    match st {
+        None => "0 | — | — | — | — | —".to_string(),
+        Some(s) => format!(
+            "{} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3}",
+            s.n, s.mean, s.std, s.median, s.min, s.max
+        ),
     }
 }
 

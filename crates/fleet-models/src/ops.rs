@@ -445,111 +445,92 @@ struct AddRmsNormBwd {
     eps: f32,
 }
 
-impl candle_core::CustomOp2 for SwiGluBwd {
-    fn name(&self) -> &'static str {
-        "fleet-swiglu-bwd"
-    }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("fleet-swiglu-bwd runs on CUDA only")
-    }
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        cuda::swiglu_bwd(s1, l1, s2, l2)
-    }
+/// A forward-only custom op that runs on CUDA alone: the CPU refuses it (the CPU keeps the
+/// composed backward). `$op` names the op's `self` in the CUDA body.
+macro_rules! cuda_only_op {
+    (CustomOp2 for $ty:ty, $name:literal,
+     |$op:ident, $s1:ident, $l1:ident, $s2:ident, $l2:ident| $body:expr) => {
+        impl candle_core::CustomOp2 for $ty {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn cpu_fwd(
+                &self,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+            ) -> candle_core::Result<(CpuStorage, Shape)> {
+                candle_core::bail!(concat!($name, " runs on CUDA only"))
+            }
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                $s1: &candle_core::CudaStorage,
+                $l1: &Layout,
+                $s2: &candle_core::CudaStorage,
+                $l2: &Layout,
+            ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+                let $op = self;
+                $body
+            }
+        }
+    };
+    (CustomOp3 for $ty:ty, $name:literal,
+     |$op:ident, $s1:ident, $l1:ident, $s2:ident, $l2:ident, $s3:ident, $l3:ident| $body:expr) => {
+        impl candle_core::CustomOp3 for $ty {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn cpu_fwd(
+                &self,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+            ) -> candle_core::Result<(CpuStorage, Shape)> {
+                candle_core::bail!(concat!($name, " runs on CUDA only"))
+            }
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                $s1: &candle_core::CudaStorage,
+                $l1: &Layout,
+                $s2: &candle_core::CudaStorage,
+                $l2: &Layout,
+                $s3: &candle_core::CudaStorage,
+                $l3: &Layout,
+            ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+                let $op = self;
+                $body
+            }
+        }
+    };
 }
 
-impl candle_core::CustomOp2 for MaskedSoftmaxBwd {
-    fn name(&self) -> &'static str {
-        "fleet-masked-softmax-bwd"
-    }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("fleet-masked-softmax-bwd runs on CUDA only")
-    }
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        cuda::masked_softmax_bwd(s1, l1, s2, l2)
-    }
-}
+cuda_only_op!(CustomOp2 for SwiGluBwd, "fleet-swiglu-bwd", |_op, s1, l1, s2, l2| {
+    cuda::swiglu_bwd(s1, l1, s2, l2)
+});
 
-impl candle_core::CustomOp3 for RmsNormBwd {
-    fn name(&self) -> &'static str {
-        "fleet-rms-norm-bwd"
-    }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("fleet-rms-norm-bwd runs on CUDA only")
-    }
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        cuda::rms_norm_bwd(self.eps, s1, l1, s2, l2, s3, l3, None)
-    }
-}
+cuda_only_op!(
+    CustomOp2 for MaskedSoftmaxBwd,
+    "fleet-masked-softmax-bwd",
+    |_op, s1, l1, s2, l2| cuda::masked_softmax_bwd(s1, l1, s2, l2)
+);
 
-/// Inputs: `s`, `w`, and the stacked `[2, ..]` gradient (residual output, normed output).
-impl candle_core::CustomOp3 for AddRmsNormBwd {
-    fn name(&self) -> &'static str {
-        "fleet-add-rms-norm-bwd"
-    }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("fleet-add-rms-norm-bwd runs on CUDA only")
-    }
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+cuda_only_op!(
+    CustomOp3 for RmsNormBwd,
+    "fleet-rms-norm-bwd",
+    |op, s1, l1, s2, l2, s3, l3| cuda::rms_norm_bwd(op.eps, s1, l1, s2, l2, s3, l3, None)
+);
+
+// Inputs: `s`, `w`, and the stacked `[2, ..]` gradient (residual output, normed output).
+cuda_only_op!(
+    CustomOp3 for AddRmsNormBwd,
+    "fleet-add-rms-norm-bwd",
+    |op, s1, l1, s2, l2, s3, l3| {
         // The stacked gradient: [2, ...] -> its two halves as layouts over one storage.
         let half = l1.shape().elem_count();
         let (Some((start, _)), true) = (l3.contiguous_offsets(), l3.dims()[0] == 2) else {
@@ -557,9 +538,9 @@ impl candle_core::CustomOp3 for AddRmsNormBwd {
         };
         let gs = Layout::contiguous_with_offset(l1.shape().clone(), start);
         let gy = Layout::contiguous_with_offset(l1.shape().clone(), start + half);
-        cuda::rms_norm_bwd(self.eps, s1, l1, s2, l2, s3, &gy, Some((s3, &gs)))
+        cuda::rms_norm_bwd(op.eps, s1, l1, s2, l2, s3, &gy, Some((s3, &gs)))
     }
-}
+);
 
 /// `(ds, dw)` from the fused kernel's `[rows + 1, n]` f32 output.
 fn split_norm_bwd(out: &Tensor, like: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
