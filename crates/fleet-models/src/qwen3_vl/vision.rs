@@ -9,7 +9,7 @@
 //!
 //! Facts and line references: `docs/reference/qwen3-vl-verified.md` section 1.
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 use serde::Deserialize;
 
@@ -463,8 +463,8 @@ impl VisionEncoder {
         Ok(sum.expect("four taps").to_dtype(self.dtype)?)
     }
 
-    /// cos/sin `[n, head_dim]` (f32) of every patch: the first quarter of the angles follow its
-    /// row, the second its column, repeated for the second half (rotate-half layout). A table
+    /// cos/sin `[n, head_dim / 2]` (f32) of every patch: the first half of the angles follow its
+    /// row, the second its column (the rotate-half kernel repeats them for the second half). A table
     /// of `index * inv_freq` for every row/column index in use is made once on the host and
     /// gathered on the device.
     fn rotary(&self, grids: &[[usize; 3]]) -> Result<(Tensor, Tensor)> {
@@ -497,7 +497,7 @@ impl VisionEncoder {
                 ],
                 1,
             )?;
-            Ok(Tensor::cat(&[&half, &half], 1)?)
+            Ok(half)
         };
         Ok((gather(cos_t)?, gather(sin_t)?))
     }
@@ -541,12 +541,15 @@ impl VisionEncoder {
             Ok(block.qkv.forward(x)?.reshape((n, 3, heads, hd))?)
         })?;
         // RoPE on q and k in f32, cast back, as transformers' apply_rotary_pos_emb_vision.
+        // candle's rotate-half RoPE kernel on `[1, heads, n, hd]`, in f32.
         let rope = |t: Tensor| -> Result<Tensor> {
-            let t32 = t.to_dtype(DType::F32)?;
-            let c = cos.unsqueeze(1)?;
-            let s = sin.unsqueeze(1)?;
-            let rotated = rotate_half(&t32)?;
-            Ok((t32.broadcast_mul(&c)? + rotated.broadcast_mul(&s)?)?.to_dtype(self.dtype)?)
+            let t32 = t
+                .to_dtype(DType::F32)?
+                .transpose(0, 1)?
+                .unsqueeze(0)?
+                .contiguous()?;
+            let r = candle_nn::rotary_emb::rope(&t32, cos, sin)?;
+            Ok(r.squeeze(0)?.transpose(0, 1)?.to_dtype(self.dtype)?)
         };
         let (q, k) = profile::time(dev, "vision.rope", || {
             Ok((
@@ -617,14 +620,6 @@ fn merge_block_order(
 
 /// Largest attention-score buffer of one step of the vision attention.
 const SCORES_BYTES: usize = 64 << 20;
-
-/// `[-x2, x1]` of the two halves of the last dimension.
-fn rotate_half(x: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
-    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
-    Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
-}
 
 #[cfg(test)]
 mod tests {
