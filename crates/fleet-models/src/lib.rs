@@ -15,6 +15,7 @@
 //! reads its config, [`Weights`] maps its shards, [`QwenModel`] runs it on the devices of a
 //! [`DeviceMap`], [`Generator`] batches requests over a KV cache.
 
+pub mod attention;
 pub mod config;
 pub mod device;
 pub mod embedder;

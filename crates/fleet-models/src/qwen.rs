@@ -18,7 +18,7 @@ use crate::device::Devices;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{KvCache, LayerCache};
 use crate::weights::{non_finite, Init, Unread, Weights};
-use crate::{ops, profile};
+use crate::{attention, ops, profile};
 
 mod moe;
 pub mod train;
@@ -53,6 +53,11 @@ struct BlockLoader<'a> {
 
 /// transformers' `initializer_range` for random weights.
 const INIT_STD: f64 = 0.02;
+
+/// From how many queries (a prefill) attention on a GPU runs through the fused kernel; decode
+/// steps keep the unfused path, which reads each grouped key/value head once for all the query
+/// heads that share it.
+const FLASH_MIN_QUERIES: usize = 16;
 
 impl BlockLoader<'_> {
     /// `{name}.weight` `[out, in]` and, with `bias`, `{name}.bias` `[out]`.
@@ -355,6 +360,29 @@ impl Attention {
         // Grouped-query attention without copying K/V: query heads that share a KV head are
         // stacked along the row axis, `[b, kvh, n_rep * q_len, d]`. The 1/sqrt(d) scale is
         // already folded into the query projection (see `DecoderLayer::load`).
+        // Prefills of many queries on a GPU: the fused kernel (no score buffer; the inputs as
+        // head-major views). Not while training: it has no backward.
+        if q_len >= FLASH_MIN_QUERIES
+            && attention::supported(&q)
+            && !(q.track_op() || k.track_op() || v.track_op())
+        {
+            return profile::time(dev, "attn.core", || {
+                let out = attention::flash_attention(
+                    &q.transpose(1, 2)?,
+                    &k.transpose(1, 2)?,
+                    &v.transpose(1, 2)?,
+                    1.0, // folded into the queries
+                    &attention::Mask {
+                        causal: true,
+                        key_start: Some(pad.clone()),
+                    },
+                )?; // [b, q_len, h, d]
+                Ok(out.reshape((b, q_len, h * d))?)
+            })
+            .and_then(|out| {
+                profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?))
+            });
+        }
         let n_rep = h / kvh;
         let out = profile::time(dev, "attn.core", || {
             let q = q.reshape((b, kvh, n_rep * q_len, d))?;

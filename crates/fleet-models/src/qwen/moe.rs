@@ -7,12 +7,16 @@
 //! projection, scaled by its routing weight and summed over the chosen experts. There is no
 //! shared expert.
 //!
-//! Two ways to run it, same result up to the order of bf16 roundings:
+//! Three ways to run it, same result up to the order of bf16 roundings:
 //! - grouped (every device, every dtype): the routing goes to the host, tokens are grouped by
 //!   expert and each expert runs two GEMMs on its tokens — transformers' own loop, so the CPU
 //!   parity tests check exactly its arithmetic;
 //! - candle's fused `moe_gemm` kernels (CUDA, bf16/f16), with routing, sorting and both
-//!   expert GEMMs on the device and no host round trip. `FLEET_MOE_KERNEL=0` turns them off.
+//!   expert GEMMs on the device and no host round trip: decode steps;
+//! - sorted (CUDA, bf16/f16, from `FLEET_MOE_SORTED_MIN_TOKENS` tokens, default 256): routing
+//!   on the device, rows gathered into expert order and one cuBLAS GEMM per expert: prefills.
+//!
+//! `FLEET_MOE_KERNEL=0` turns both GPU paths off (the grouped path everywhere).
 
 use candle_core::{DType, IndexOp, Module, Tensor};
 use candle_nn::Linear;
@@ -41,6 +45,17 @@ const INIT_STD: f64 = 0.02;
 /// one thread block, whose shared memory holds a few thousand entries.
 #[cfg(feature = "cuda")]
 const KERNEL_CHUNK: usize = 1024;
+
+/// From how many tokens a GPU call takes the sorted per-expert GEMMs instead of candle's fused
+/// kernels: `FLEET_MOE_SORTED_MIN_TOKENS`, default 256 (decode steps stay on the fused kernels,
+/// which need no host round trip).
+#[cfg(feature = "cuda")]
+fn sorted_min_tokens() -> usize {
+    std::env::var("FLEET_MOE_SORTED_MIN_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
+}
 
 impl SparseMoe {
     /// Reads `{p}.gate.weight` `[E, H]`, `{p}.experts.gate_up_proj` `[E, H, 2I]` and
@@ -92,7 +107,12 @@ impl SparseMoe {
         let flat = x.reshape((b * len, hidden))?;
         #[cfg(feature = "cuda")]
         if self.use_kernel(&flat) {
-            return Ok(self.forward_kernel(&flat)?.reshape((b, len, hidden))?);
+            let out = if b * len >= sorted_min_tokens() {
+                self.forward_sorted(&flat)?
+            } else {
+                self.forward_kernel(&flat)?
+            };
+            return Ok(out.reshape((b, len, hidden))?);
         }
         Ok(self.forward_grouped(&flat)?.reshape((b, len, hidden))?)
     }
@@ -186,20 +206,83 @@ impl SparseMoe {
         })
     }
 
+    /// Routing of `x` `[n, hidden]` on the device: each token's `top_k` experts `[n, k]` (u32,
+    /// most probable first) and their renormalised f32 weights `[n, k]`.
     #[cfg(feature = "cuda")]
-    fn kernel_chunk(&self, x: &Tensor) -> Result<Tensor> {
+    fn route_on_device(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
         use candle_core::D;
-        use candle_nn::moe::moe_gemm;
-        let (n, hidden) = x.dims2()?;
-        let k = self.top_k;
         let probs =
             candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
         let top_ids = probs
             .arg_sort_last_dim(false)?
-            .narrow(D::Minus1, 0, k)?
+            .narrow(D::Minus1, 0, self.top_k)?
             .contiguous()?;
         let top_w = probs.gather(&top_ids, D::Minus1)?;
         let top_w = top_w.broadcast_div(&top_w.sum_keepdim(D::Minus1)?)?;
+        Ok((top_ids, top_w))
+    }
+
+    /// Many tokens at once (a prefill) on a GPU: the routing on the device, the (token, expert)
+    /// pairs sorted by expert on the host (one copy of the ids back), the rows gathered once
+    /// into expert order, one cuBLAS GEMM per expert on its contiguous rows for gate/up and
+    /// again for down, then each token's rows gathered back and summed with their weights.
+    /// candle's fused kernels reach a small fraction of the tensor cores' rate at thousands of
+    /// tokens; per-expert GEMMs of hundreds of rows run near it.
+    #[cfg(feature = "cuda")]
+    fn forward_sorted(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, hidden) = x.dims2()?;
+        let k = self.top_k;
+        let experts = self.gate_up.dim(0)?;
+        let (top_ids, top_w) = self.route_on_device(x)?;
+        let ids: Vec<u32> = top_ids.flatten_all()?.to_vec1()?;
+        let mut counts = vec![0usize; experts];
+        for &e in &ids {
+            counts[e as usize] += 1;
+        }
+        let mut offsets = Vec::with_capacity(experts);
+        let mut total = 0;
+        for &c in &counts {
+            offsets.push(total);
+            total += c;
+        }
+        // token_of[p]: the token of sorted row p; position[slot]: where slot (token * k + j)
+        // went in the sorted order.
+        let mut next = offsets.clone();
+        let mut token_of = vec![0u32; n * k];
+        let mut position = vec![0u32; n * k];
+        for (slot, &e) in ids.iter().enumerate() {
+            let p = next[e as usize];
+            next[e as usize] += 1;
+            token_of[p] = (slot / k) as u32;
+            position[slot] = p as u32;
+        }
+        let dev = x.device();
+        let rows = x.index_select(&Tensor::from_vec(token_of, n * k, dev)?, 0)?;
+        let per_expert = |input: &Tensor, weights: &Tensor| -> Result<Tensor> {
+            let mut parts = Vec::new();
+            for e in (0..experts).filter(|&e| counts[e] > 0) {
+                let part = input.narrow(0, offsets[e], counts[e])?;
+                parts.push(part.matmul(&weights.i(e)?.t()?)?);
+            }
+            Ok(Tensor::cat(&parts, 0)?)
+        };
+        let gu = per_expert(&rows, &self.gate_up)?; // [n * k, 2I], expert order
+        let act = ops::swiglu(&gu)?;
+        let y = per_expert(&act, &self.down)?; // [n * k, hidden], expert order
+        let y = y
+            .index_select(&Tensor::from_vec(position, n * k, dev)?, 0)?
+            .reshape((n, k, hidden))?;
+        // The routing weights are cast to the model dtype before scaling, as transformers.
+        let w = top_w.to_dtype(x.dtype())?.unsqueeze(2)?;
+        Ok(y.broadcast_mul(&w)?.sum(1)?)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn kernel_chunk(&self, x: &Tensor) -> Result<Tensor> {
+        use candle_nn::moe::moe_gemm;
+        let (n, hidden) = x.dims2()?;
+        let k = self.top_k;
+        let (top_ids, top_w) = self.route_on_device(x)?;
         let (expert_ids, sorted_token_ids) = top_ids.flatten_all()?.sort_last_dim(true)?;
         let prefill = n > 1;
         // candle's moe_gemm reads its input from the start of the storage, ignoring a view's
@@ -264,6 +347,7 @@ mod kernel_tests {
             (64, 128, 2048, 768, 8),
             (578, 128, 2048, 768, 8),
             (3, 128, 2048, 768, 8),
+            (4000, 128, 2048, 768, 8),
         ] {
             let m = moe(e, h, i, k, &dev);
             let x = Tensor::randn(0f32, 1.0, (n, h), &dev)
@@ -288,7 +372,28 @@ mod kernel_tests {
                 .to_scalar()
                 .unwrap();
             let scale: f32 = a.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
-            println!("n={n} e={e} h={h} i={i} k={k}: max|grouped-kernel| = {diff} (max|grouped| = {scale})");
+            let c = m
+                .forward_sorted(&view)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let diff_sorted: f32 = (&a - &c)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            println!(
+                "n={n} e={e} h={h} i={i} k={k}: max|grouped-kernel| = {diff}, \
+                 max|grouped-sorted| = {diff_sorted} (max|grouped| = {scale})"
+            );
+            assert!(diff <= 0.02 * scale, "fused kernels differ by {diff}");
+            assert!(
+                diff_sorted <= 0.02 * scale,
+                "sorted GEMMs differ by {diff_sorted}"
+            );
         }
     }
 }
