@@ -5,6 +5,11 @@
 #   WHAT=parity bash scripts/gpu/run_vl.sh      # 8B shape, and 30B-A3B shape with LAYERS30 layers
 #   WHAT=speed8b bash scripts/gpu/run_vl.sh     # 8B: 512px batch 1 and 1024px batch 2, both engines
 #   WHAT=speed30b bash scripts/gpu/run_vl.sh    # 30B-A3B: fleet batches, transformers batch 1
+#   WHAT=kernels bash scripts/gpu/run_vl.sh     # fleet-models' GPU tests (carried test binary
+#                                               # dist/carry/fleet-models-tests.xz): fused
+#                                               # attention and MoE paths against references
+#   WHAT=fleet RUNS="8b:1024:8:16:0 30b:1024:8:8:1" bash scripts/gpu/run_vl.sh
+#                                               # fleet only: shape:size:batch:samples:profile
 #
 # Everything lands in $OUT/vl_$WHAT.tgz (logs, JSON reports, nvidia-smi).
 set -u
@@ -22,6 +27,23 @@ nvidia-smi > "$R/nvidia-smi.txt" 2>&1
 python3 -c "import transformers, torch; print(transformers.__version__, torch.__version__)" > "$R/versions.txt" 2>&1
 
 case "$WHAT" in
+kernels)
+  T="$W/fleet-models-tests"
+  xz -dc dist/carry/fleet-models-tests.xz > "$T" && chmod +x "$T"
+  "$T" --test-threads 1 --nocapture kernel_tests > "$R/kernel-tests.log" 2>&1
+  echo "kernel tests exit $?" >> "$R/kernel-tests.log"
+  tail -30 "$R/kernel-tests.log"
+  ;;
+fleet)
+  for run in ${RUNS:?shape:size:batch:samples:profile ...}; do
+    IFS=: read -r shape size batch samples prof <<< "$run"
+    case "$shape" in 8b) C=configs/models/qwen3-vl-8b.json ;; *) C=configs/models/qwen3-vl-30b-a3b.json ;; esac
+    tag="fleet-$shape-$size-b$batch$( [ "$prof" = 1 ] && echo -profile )"
+    FLEET_PROFILE="$prof" "$BIN" bench --config "$C" --image-size "$size" --batch "$batch" --samples "$samples" \
+        --new-tokens 128 --json "$R/$tag.json" > "$R/$tag.log" 2>&1 || tail -20 "$R/$tag.log"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], round(d['samples_per_s'],3), 'samples/s', 'prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 'peak GiB', round(d['peak_used_bytes']/2**30,1))" "$R/$tag.json" "$tag" || true
+  done
+  ;;
 parity)
   for spec in "8b:configs/models/qwen3-vl-8b.json:0" "30b-a3b:configs/models/qwen3-vl-30b-a3b.json:${LAYERS30:-4}"; do
     IFS=: read -r name cfg layers <<< "$spec"

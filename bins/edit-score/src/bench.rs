@@ -136,20 +136,32 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let load_s = t.elapsed().as_secs_f64();
     eprintln!("built random {} in {load_s:.1}s", args.config.display());
 
+    // The samples of a batch are preprocessed in parallel, as the judge builds its requests
+    // (fleet_models::vl_replicas::generate_vl). The images are drawn before the clock starts:
+    // a judge reads them from files, which is not what is measured here.
     let batch_inputs = |first: usize| -> Result<(Vec<VlPrompt>, f64)> {
+        use rayon::prelude::*;
+        let images: Vec<Vec<_>> = (first..first + args.batch)
+            .into_par_iter()
+            .map(|s| {
+                (0..args.images_per_sample)
+                    .map(|k| image(args.image_size, s, k))
+                    .collect()
+            })
+            .collect();
         let t = Instant::now();
-        let mut prompts = Vec::with_capacity(args.batch);
-        for s in first..first + args.batch {
-            let imgs: Vec<_> = (0..args.images_per_sample)
-                .map(|k| image(args.image_size, s, k))
-                .collect();
-            let pre = preprocess(&imgs, &processor)?;
-            let pads = pre.pad_tokens(cfg.vision.spatial_merge_size);
-            prompts.push(VlPrompt {
-                ids: prompt_ids(&cfg, &pads, s),
-                images: Some(pre),
-            });
-        }
+        let prompts = images
+            .par_iter()
+            .enumerate()
+            .map(|(i, imgs)| -> Result<VlPrompt> {
+                let pre = preprocess(imgs, &processor)?;
+                let pads = pre.pad_tokens(cfg.vision.spatial_merge_size);
+                Ok(VlPrompt {
+                    ids: prompt_ids(&cfg, &pads, first + i),
+                    images: Some(pre),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok((prompts, t.elapsed().as_secs_f64()))
     };
     let run_batch = |prompts: &[VlPrompt]| -> Result<(f64, f64)> {

@@ -14,10 +14,13 @@
 // before they multiply v, as the unfused path rounds them before its second matmul.
 //
 // One block = 4 warps = 64 queries of one (batch, head); each warp owns 16 query rows and walks
-// the keys in tiles of 32 (staged in shared memory and shared by the 4 warps). Per tile a warp
-// computes S = Q Kᵀ with WMMA, updates its rows' running max and sum (two lanes per row), writes
-// P in T and accumulates P V with WMMA into f32 registers. Shared memory stays under 48 KiB for
-// head dimensions up to 128.
+// the keys in tiles of 64 (staged in shared memory and shared by the 4 warps). Per tile a warp
+// computes S = Q Kᵀ with WMMA, updates its rows' running max and sum in registers, writes P in
+// T to shared memory (the only round trip: WMMA needs it as an A operand) and accumulates P V
+// into WMMA accumulators that stay in registers for the whole pass. Rescaling those by the
+// running max reads their elements in the m16n8 accumulator layout of sm_80 and later tensor
+// cores (`acc_row`/`acc_col`); the GPU test checks the result against the unfused reference.
+// Shared memory stays under 48 KiB for head dimensions up to 128.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mma.h>
@@ -30,13 +33,18 @@ namespace {
 constexpr int WARPS = 4;
 constexpr int ROWS = 16;            // query rows per warp
 constexpr int BLOCK_M = WARPS * ROWS;
-constexpr int BLOCK_N = 32;         // keys per tile
-constexpr int S_LD = BLOCK_N + 4;   // f32 scratch leading dimension (a multiple of 4)
+constexpr int BLOCK_N = 64;         // keys per tile
+constexpr int NS = BLOCK_N / 16;    // 16-key subtiles per tile
 constexpr int P_LD = BLOCK_N + 8;   // probabilities' leading dimension (a multiple of 8)
 
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+
+// Element i of a 16x16 f32 WMMA accumulator held by `lane`: two m16n8 tiles side by side, each
+// lane holding rows lane/4 and lane/4 + 8, columns 2 * (lane % 4) + {0, 1} of each.
+__device__ __forceinline__ int acc_row(int lane, int i) { return (lane >> 2) + 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ int acc_col(int lane, int i) { return 2 * (lane & 3) + (i & 1) + 8 * (i >> 2); }
 
 // Rows [row0, row0 + n_rows) of one head of q/k/v into shared memory rows of width DP (leading
 // dimension DP + 8), zero past `len` rows and past D columns. D is a multiple of 8, so a row is
@@ -46,9 +54,9 @@ __device__ __forceinline__ void stage_rows(T *dst, const T *src, long stride_l, 
                                            int n_rows, int len, int D) {
     constexpr int LD = DP + 8;
     constexpr int VEC = 8; // elements per 16 bytes
-    const int per_row = DP / VEC;
-    for (int i = threadIdx.x; i < n_rows * per_row; i += blockDim.x) {
-        const int r = i / per_row, c = (i % per_row) * VEC;
+    constexpr int PER_ROW = DP / VEC;
+    for (int i = threadIdx.x; i < n_rows * PER_ROW; i += blockDim.x) {
+        const int r = i / PER_ROW, c = (i % PER_ROW) * VEC;
         uint4 val = make_uint4(0, 0, 0, 0);
         if (row0 + r < len && c < D) {
             val = *reinterpret_cast<const uint4 *>(src + (long)(row0 + r) * stride_l + c);
@@ -65,10 +73,10 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
                                 long ksh, long vsb, long vsl, long vsh, float scale, int causal) {
     constexpr int LD = DP + 8;
     constexpr int KD = DP / 16; // 16-wide chunks of the head dimension
+    using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
     __shared__ __align__(32) T tiles[2 * BLOCK_N * LD]; // K tile then V tile (Q staging first)
-    __shared__ __align__(32) float scratch[WARPS][ROWS * S_LD];
     __shared__ __align__(32) T probs[WARPS][ROWS * P_LD];
-    static_assert(2 * BLOCK_N >= BLOCK_M, "Q staging fits the K and V tiles");
+    static_assert(BLOCK_N >= BLOCK_M, "Q staging fits the K tile");
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q0 = blockIdx.x * BLOCK_M;
@@ -85,16 +93,12 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 #pragma unroll
     for (int c = 0; c < KD; ++c) wmma::load_matrix_sync(qf[c], tiles + warp * ROWS * LD + c * 16, LD);
 
-    // Each lane owns one query row (lane / 2) and half of every 16-wide output chunk.
-    const int r = lane / 2, half = lane % 2;
-    const int qi = q0 + warp * ROWS + r;
-    const int qabs = qi + shift;
-    float m = -INFINITY, l = 0.f;
-    float o[KD][8];
+    // This lane's two query rows (of the warp's 16): lane / 4 and lane / 4 + 8.
+    const int row_base = q0 + warp * ROWS + (lane >> 2);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    Acc o[KD];
 #pragma unroll
-    for (int c = 0; c < KD; ++c)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[c][e] = 0.f;
+    for (int c = 0; c < KD; ++c) wmma::fill_fragment(o[c], 0.f);
 
     // Keys this block can see: from the first tile holding an unpadded key (a padding query's
     // own key lies before it; those tiles are visited too when the block has such queries) to
@@ -102,16 +106,12 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     const int q_last = min(q0 + BLOCK_M, Lq) - 1;
     const int k_end = causal ? min(Lk, q_last + shift + 1) : Lk;
     int k_begin = 0;
-    if (key_start) {
-        const int first_pad_query = q0 + shift; // smallest qabs in the block
-        k_begin = min(kstart, max(first_pad_query, 0));
-    }
+    if (key_start) k_begin = min(kstart, max(q0 + shift, 0));
     k_begin = (k_begin / BLOCK_N) * BLOCK_N;
 
     const T *kh = k + b * ksb + kvh * ksh;
     const T *vh = v + b * vsb + kvh * vsh;
     T *ks = tiles, *vs = tiles + BLOCK_N * LD;
-    float *sw = scratch[warp];
     T *pw = probs[warp];
 
     for (int kt = k_begin; kt < k_end; kt += BLOCK_N) {
@@ -120,85 +120,89 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
         stage_rows<T, DP>(vs, vh, vsl, kt, BLOCK_N, Lk, D);
         __syncthreads();
 
-        // S = Q Kᵀ for this warp's 16 rows and the tile's 32 keys.
+        // S = Q Kᵀ for this warp's 16 rows and the tile's keys.
+        Acc s[NS];
 #pragma unroll
-        for (int n = 0; n < BLOCK_N / 16; ++n) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
+        for (int n = 0; n < NS; ++n) {
+            wmma::fill_fragment(s[n], 0.f);
 #pragma unroll
             for (int c = 0; c < KD; ++c) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
                 wmma::load_matrix_sync(kf, ks + n * 16 * LD + c * 16, LD);
-                wmma::mma_sync(acc, qf[c], kf, acc);
+                wmma::mma_sync(s[n], qf[c], kf, s[n]);
             }
-            wmma::store_matrix_sync(sw + n * 16, acc, S_LD, wmma::mem_row_major);
         }
-        __syncwarp();
 
-        // Online softmax: this lane's 16 of the row's 32 scores.
-        float s[16];
-        float tile_max = -INFINITY;
+        // Online softmax in registers; a row's 64 scores are spread over 4 lanes.
+        float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
-            const int j = kt + half * 16 + e;
-            const bool visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
-                                 (j >= kstart || j == qabs);
-            s[e] = visible ? sw[r * S_LD + half * 16 + e] * scale : -INFINITY;
-            tile_max = fmaxf(tile_max, s[e]);
-        }
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-        const float m_new = fmaxf(m, tile_max);
-        float alpha = 1.f, sum = 0.f;
-        if (m_new != -INFINITY) {
-            alpha = expf(m - m_new); // 0 when m was -inf
+        for (int n = 0; n < NS; ++n)
 #pragma unroll
-            for (int e = 0; e < 16; ++e) {
-                const float p = expf(s[e] - m_new); // 0 for masked keys
-                sum += p;
-                pw[r * P_LD + half * 16 + e] = from_f<T>(p);
+            for (int i = 0; i < s[n].num_elements; ++i) {
+                const int rs = (i >> 1) & 1;
+                const int qi = row_base + 8 * rs, qabs = qi + shift;
+                const int j = kt + n * 16 + acc_col(lane, i);
+                const bool visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
+                                     (j >= kstart || j == qabs);
+                const float x = visible ? s[n].x[i] * scale : -INFINITY;
+                s[n].x[i] = x;
+                tile_max[rs] = fmaxf(tile_max[rs], x);
             }
-        } else {
+        float alpha[2], m_new[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-            for (int e = 0; e < 16; ++e) pw[r * P_LD + half * 16 + e] = from_f<T>(0.f);
+        for (int rs = 0; rs < 2; ++rs) {
+            tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 1));
+            tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 2));
+            m_new[rs] = fmaxf(m[rs], tile_max[rs]);
+            alpha[rs] = m_new[rs] == -INFINITY ? 1.f : expf(m[rs] - m_new[rs]); // 0 if m was -inf
         }
-        sum += __shfl_xor_sync(0xffffffff, sum, 1);
-        l = l * alpha + sum;
-        m = m_new;
-        __syncwarp();
-
-        // O = O * alpha + P V, one 16-wide chunk of the head dimension at a time.
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[BLOCK_N / 16];
 #pragma unroll
-        for (int n = 0; n < BLOCK_N / 16; ++n) wmma::load_matrix_sync(pf[n], pw + n * 16, P_LD);
+        for (int n = 0; n < NS; ++n)
 #pragma unroll
-        for (int c = 0; c < KD; ++c) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-            for (int n = 0; n < BLOCK_N / 16; ++n) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-                wmma::load_matrix_sync(vf, vs + n * 16 * LD + c * 16, LD);
-                wmma::mma_sync(acc, pf[n], vf, acc);
+            for (int i = 0; i < s[n].num_elements; ++i) {
+                const int rs = (i >> 1) & 1;
+                const float p = m_new[rs] == -INFINITY ? 0.f : expf(s[n].x[i] - m_new[rs]);
+                sum[rs] += p;
+                pw[acc_row(lane, i) * P_LD + n * 16 + acc_col(lane, i)] = from_f<T>(p);
             }
-            __syncwarp(); // everyone has read the scores / the previous chunk
-            wmma::store_matrix_sync(sw, acc, S_LD, wmma::mem_row_major);
-            __syncwarp();
 #pragma unroll
-            for (int e = 0; e < 8; ++e) o[c][e] = o[c][e] * alpha + sw[r * S_LD + half * 8 + e];
+        for (int rs = 0; rs < 2; ++rs) {
+            sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 1);
+            sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 2);
+            l[rs] = l[rs] * alpha[rs] + sum[rs];
+            m[rs] = m_new[rs];
         }
-    }
-
-    if (qi < Lq) {
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        T *orow = out + (((long)b * Lq + qi) * H + h) * D;
 #pragma unroll
         for (int c = 0; c < KD; ++c)
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const int col = c * 16 + half * 8 + e;
-                if (col < D) orow[col] = from_f<T>(o[c][e] * inv);
+            for (int i = 0; i < o[c].num_elements; ++i) o[c].x[i] *= alpha[(i >> 1) & 1];
+        __syncwarp(); // P is written
+
+        // O += P V.
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[NS];
+#pragma unroll
+        for (int n = 0; n < NS; ++n) wmma::load_matrix_sync(pf[n], pw + n * 16, P_LD);
+#pragma unroll
+        for (int c = 0; c < KD; ++c)
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+                wmma::load_matrix_sync(vf, vs + n * 16 * LD + c * 16, LD);
+                wmma::mma_sync(o[c], pf[n], vf, o[c]);
             }
+        __syncwarp(); // P is read before the next tile overwrites it
     }
+
+    const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
+#pragma unroll
+    for (int c = 0; c < KD; ++c)
+#pragma unroll
+        for (int i = 0; i < o[c].num_elements; ++i) {
+            const int rs = (i >> 1) & 1;
+            const int qi = row_base + 8 * rs;
+            const int col = c * 16 + acc_col(lane, i);
+            if (qi < Lq && col < D) out[(((long)b * Lq + qi) * H + h) * D + col] = from_f<T>(o[c].x[i] * inv[rs]);
+        }
 }
 
 } // namespace
@@ -220,3 +224,19 @@ FLASH(flash_attention_bf16_d128, __nv_bfloat16, 128)
 FLASH(flash_attention_f16_d64, __half, 64)
 FLASH(flash_attention_f16_d80, __half, 80)
 FLASH(flash_attention_f16_d128, __half, 128)
+
+// Checks acc_row/acc_col against this GPU's WMMA accumulator layout: one warp loads a 16x16
+// matrix whose entries are their own row-major index and compares each element it holds. ok[0]
+// stays 1 when every element sits where acc_row/acc_col say (the caller sets it to 1).
+extern "C" __global__ void wmma_layout_probe(int *ok) {
+    __shared__ __align__(32) float m[256];
+    for (int i = threadIdx.x; i < 256; i += 32) m[i] = (float)i;
+    __syncwarp();
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::load_matrix_sync(acc, m, 16, wmma::mem_row_major);
+    const int lane = threadIdx.x;
+    bool good = acc.num_elements == 8;
+    for (int i = 0; i < acc.num_elements && good; ++i)
+        good = acc.x[i] == (float)(acc_row(lane, i) * 16 + acc_col(lane, i));
+    if (!good) atomicAnd(ok, 0);
+}

@@ -38,6 +38,40 @@ pub fn supported(q: &Tensor) -> bool {
         && d.is_multiple_of(8)
         && d <= MAX_HEAD_DIM
         && std::env::var("FLEET_FLASH_ATTENTION").map_or(true, |v| v != "0")
+        && layout_checked(q.device())
+}
+
+/// Whether this GPU's tensor-core accumulator layout is the one the kernel reads (checked once
+/// per process by a one-warp probe; every sm_80+ GPU has it). Logged when it is not.
+fn layout_checked(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| match device {
+            candle_core::Device::Cuda(dev) => match cuda::layout_probe(dev) {
+                Ok(true) => true,
+                Ok(false) => {
+                    tracing::warn!(
+                        "this GPU's WMMA accumulator layout is not the one fused attention \
+                         reads; attention runs unfused"
+                    );
+                    false
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "fused attention's layout probe failed ({e}); attention runs unfused"
+                    );
+                    false
+                }
+            },
+            _ => false,
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        false
+    }
 }
 
 /// `softmax(q kᵀ · scale + mask) v` for `q` `[b, q_len, heads, d]` and `k`, `v`
@@ -190,6 +224,22 @@ mod cuda {
     /// Queries per thread block (4 warps of 16 rows).
     const BLOCK_M: usize = 64;
 
+    /// Runs `wmma_layout_probe`: whether the kernel's reading of accumulator elements holds.
+    pub(super) fn layout_probe(dev: &candle_core::CudaDevice) -> candle_core::Result<bool> {
+        let func = dev.get_or_load_custom_func("wmma_layout_probe", MODULE, PTX)?;
+        let ok = dev.clone_htod(&[1i32])?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = func.builder();
+        builder.arg(&ok);
+        // SAFETY: one warp reads its own shared memory and may clear the one int.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(dev.clone_dtoh(&ok)?[0] == 1)
+    }
+
     /// Element strides over (batch, position, head) of a `[b, len, heads, d]` layout.
     fn strides(l: &Layout) -> [i64; 3] {
         let s = l.stride();
@@ -306,12 +356,101 @@ mod kernel_tests {
             .unwrap()
     }
 
+    #[test]
+    fn layout_probe_passes() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        let candle_core::Device::Cuda(cuda) = &dev else {
+            unreachable!()
+        };
+        assert!(cuda::layout_probe(cuda).unwrap());
+    }
+
+    /// Throughput of the kernel and of candle's GEMMs at the vision tower's shapes (1024x1024
+    /// images: 4,096 patches, 16 heads of 72; hidden 1152, MLP 4304), printed for the record.
+    #[test]
+    fn rates_at_vision_shapes() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        let dt = DType::BF16;
+        let time = |f: &dyn Fn()| {
+            f();
+            dev.synchronize().unwrap();
+            let t = std::time::Instant::now();
+            for _ in 0..10 {
+                f();
+            }
+            dev.synchronize().unwrap();
+            t.elapsed().as_secs_f64() / 10.0
+        };
+        let r = |s: &[usize]| {
+            Tensor::randn(0f32, 1.0, s, &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap()
+        };
+        let (n, heads, d) = (4096, 16, 72);
+        let (q, k, v) = (
+            r(&[1, n, heads, d]),
+            r(&[1, n, heads, d]),
+            r(&[1, n, heads, d]),
+        );
+        let s = time(&|| {
+            flash_attention(&q, &k, &v, 0.1, &Mask::default()).unwrap();
+        });
+        let flops = 4.0 * (n * n * heads * d) as f64;
+        println!(
+            "flash attention 4096x4096x16x72: {:.3} ms, {:.0} TFLOP/s",
+            s * 1e3,
+            flops / s / 1e12
+        );
+        let (q, k, v) = (
+            r(&[2, 2048, 32, 128]),
+            r(&[2, 2048, 8, 128]),
+            r(&[2, 2048, 8, 128]),
+        );
+        let mask = Mask {
+            causal: true,
+            key_start: None,
+        };
+        let s = time(&|| {
+            flash_attention(&q, &k, &v, 1.0, &mask).unwrap();
+        });
+        let flops = 4.0 * (2 * 2048 * 2048 * 32 * 128) as f64 / 2.0;
+        println!(
+            "flash attention causal 2x2048x32x128 (GQA 8): {:.3} ms, {:.0} TFLOP/s",
+            s * 1e3,
+            flops / s / 1e12
+        );
+        for (m, kk, nn) in [
+            (65536, 1152, 4304),
+            (65536, 4304, 1152),
+            (65536, 1152, 3456),
+            (16384, 4096, 12288),
+        ] {
+            let x = r(&[m, kk]);
+            let w = r(&[nn, kk]);
+            let bias = r(&[nn]);
+            let lin = candle_nn::Linear::new(w.clone(), Some(bias));
+            let s_mm = time(&|| {
+                x.matmul(&w.t().unwrap()).unwrap();
+            });
+            let s_lin = time(&|| {
+                candle_core::Module::forward(&lin, &x).unwrap();
+            });
+            let flops = 2.0 * (m * kk * nn) as f64;
+            println!(
+                "gemm [{m},{kk}]x[{kk},{nn}]: matmul {:.3} ms ({:.0} TFLOP/s), Linear with bias {:.3} ms ({:.0} TFLOP/s)",
+                s_mm * 1e3, flops / s_mm / 1e12, s_lin * 1e3, flops / s_lin / 1e12
+            );
+        }
+    }
+
     /// The kernel against [`reference`] on the GPU: vision-like (head dim 72, no mask, strided
     /// v), decoder prefill (causal, left padding, grouped heads), decode-like (kv longer than q),
     /// odd lengths that leave partial tiles.
     #[test]
     fn flash_matches_reference() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
+        #[allow(clippy::type_complexity)]
         let cases: &[(
             usize,
             usize,

@@ -1950,16 +1950,18 @@ mod cuda {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut dw = out.slice_mut(n_rows * n..(n_rows + 1) * n);
-            let parts = PARTS as i32;
-            let mut b = func.builder();
-            b.arg(&partial);
-            b.arg(&mut dw);
-            b.arg(&parts);
-            b.arg(&n_i);
-            // SAFETY: one thread per column writes dw's n values.
-            unsafe { b.launch(cfg) }.w()?;
-            drop(dw);
+            {
+                // Scoped: the view borrows `out` until the launch is queued.
+                let mut dw = out.slice_mut(n_rows * n..(n_rows + 1) * n);
+                let parts = PARTS as i32;
+                let mut b = func.builder();
+                b.arg(&partial);
+                b.arg(&mut dw);
+                b.arg(&parts);
+                b.arg(&n_i);
+                // SAFETY: one thread per column writes dw's n values.
+                unsafe { b.launch(cfg) }.w()?;
+            }
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
         let n = wl.shape().elem_count();

@@ -541,15 +541,12 @@ impl VisionEncoder {
             Ok(block.qkv.forward(x)?.reshape((n, 3, heads, hd))?)
         })?;
         // RoPE on q and k in f32, cast back, as transformers' apply_rotary_pos_emb_vision.
-        // candle's rotate-half RoPE kernel on `[1, heads, n, hd]`, in f32.
+        // candle's rotate-half RoPE kernel on the token-major `[1, n, heads, hd]` layout, in f32
+        // (the cast makes the strided view contiguous; no transposes).
         let rope = |t: Tensor| -> Result<Tensor> {
-            let t32 = t
-                .to_dtype(DType::F32)?
-                .transpose(0, 1)?
-                .unsqueeze(0)?
-                .contiguous()?;
-            let r = candle_nn::rotary_emb::rope(&t32, cos, sin)?;
-            Ok(r.squeeze(0)?.transpose(0, 1)?.to_dtype(self.dtype)?)
+            let t32 = t.to_dtype(DType::F32)?.contiguous()?.unsqueeze(0)?;
+            let r = candle_nn::rotary_emb::rope_thd(&t32, cos, sin)?;
+            Ok(r.squeeze(0)?.to_dtype(self.dtype)?)
         };
         let (q, k) = profile::time(dev, "vision.rope", || {
             Ok((
