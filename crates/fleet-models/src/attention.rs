@@ -414,7 +414,7 @@ mod kernel_tests {
         let s = time(&|| {
             flash_attention(&q, &k, &v, 1.0, &mask).unwrap();
         });
-        let flops = 4.0 * (2 * 2048 * 2048 * 32 * 128) as f64 / 2.0;
+        let flops = 4.0 * 2.0 * 2048.0 * 2048.0 * 32.0 * 128.0 / 2.0;
         println!(
             "flash attention causal 2x2048x32x128 (GQA 8): {:.3} ms, {:.0} TFLOP/s",
             s * 1e3,
