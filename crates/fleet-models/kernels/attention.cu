@@ -17,7 +17,8 @@
 // the keys in tiles of 64 (staged in shared memory and shared by the 4 warps). Per tile a warp
 // computes S = Q Kᵀ with WMMA, updates its rows' running max and sum in registers, writes P in
 // T to shared memory (the only round trip: WMMA needs it as an A operand) and accumulates P V
-// into WMMA accumulators that stay in registers for the whole pass. Rescaling those by the
+// into WMMA accumulators that stay in registers for the whole pass. Tiles arrive by cp.async
+// while the previous step's math runs. Rescaling those by the
 // running max reads their elements in the m16n8 accumulator layout of sm_80 and later tensor
 // cores (`acc_row`/`acc_col`); the GPU test checks the result against the unfused reference.
 // Shared memory stays under 48 KiB for head dimensions up to 128.
@@ -63,6 +64,29 @@ __device__ __forceinline__ void stage_rows(T *dst, const T *src, long stride_l, 
         }
         *reinterpret_cast<uint4 *>(dst + r * LD + c) = val;
     }
+}
+
+// The same rows copied asynchronously (cp.async, sm_80+): 16-byte copies that zero-fill what
+// lies outside the rows or the head dimension; the caller commits and waits.
+template <typename T, int DP>
+__device__ __forceinline__ void stage_rows_async(T *dst, const T *src, long stride_l, int row0,
+                                                 int n_rows, int len, int D) {
+    constexpr int LD = DP + 8;
+    constexpr int VEC = 8;
+    constexpr int PER_ROW = DP / VEC;
+    for (int i = threadIdx.x; i < n_rows * PER_ROW; i += blockDim.x) {
+        const int r = i / PER_ROW, c = (i % PER_ROW) * VEC;
+        const bool inside = row0 + r < len && c < D;
+        const T *from = inside ? src + (long)(row0 + r) * stride_l + c : src;
+        const unsigned to = (unsigned)__cvta_generic_to_shared(dst + r * LD + c);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from),
+                     "r"(inside ? 16 : 0));
+    }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 template <typename T, int DP>
@@ -113,11 +137,18 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     const T *vh = v + b * vsb + kvh * vsh;
     T *ks = tiles, *vs = tiles + BLOCK_N * LD;
     T *pw = probs[warp];
+    // Scores in log2 units: exp2(x * scale * log2 e) = exp(x * scale).
+    const float scale_log2 = scale * 1.4426950408889634f;
 
+    // The loads overlap the math: V_t is copied while S = Q K_t is computed, K_{t+1} while
+    // P V_t is.
+    __syncthreads(); // every warp holds its Q fragments: the staging area becomes the K tile
+    if (k_begin < k_end) stage_rows_async<T, DP>(ks, kh, ksl, k_begin, BLOCK_N, Lk, D);
+    cp_async_commit();
     for (int kt = k_begin; kt < k_end; kt += BLOCK_N) {
-        __syncthreads(); // the previous tile (or the Q staging) is no longer read
-        stage_rows<T, DP>(ks, kh, ksl, kt, BLOCK_N, Lk, D);
-        stage_rows<T, DP>(vs, vh, vsl, kt, BLOCK_N, Lk, D);
+        stage_rows_async<T, DP>(vs, vh, vsl, kt, BLOCK_N, Lk, D);
+        cp_async_commit();
+        cp_async_wait<1>(); // K_t has landed (V_t may still be in flight)
         __syncthreads();
 
         // S = Q Kᵀ for this warp's 16 rows and the tile's keys.
@@ -133,18 +164,24 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
             }
         }
 
-        // Online softmax in registers; a row's 64 scores are spread over 4 lanes.
+        // Online softmax in registers; a row's 64 scores are spread over 4 lanes. A tile that
+        // every query of the block sees whole skips the mask.
+        const bool whole = kt + BLOCK_N <= Lk && q0 + BLOCK_M <= Lq && kt >= kstart &&
+                           (!causal || kt + BLOCK_N - 1 <= q0 + shift);
         float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int i = 0; i < s[n].num_elements; ++i) {
                 const int rs = (i >> 1) & 1;
-                const int qi = row_base + 8 * rs, qabs = qi + shift;
-                const int j = kt + n * 16 + acc_col(lane, i);
-                const bool visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
-                                     (j >= kstart || j == qabs);
-                const float x = visible ? s[n].x[i] * scale : -INFINITY;
+                bool visible = true;
+                if (!whole) {
+                    const int qi = row_base + 8 * rs, qabs = qi + shift;
+                    const int j = kt + n * 16 + acc_col(lane, i);
+                    visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
+                              (j >= kstart || j == qabs);
+                }
+                const float x = visible ? s[n].x[i] * scale_log2 : -INFINITY;
                 s[n].x[i] = x;
                 tile_max[rs] = fmaxf(tile_max[rs], x);
             }
@@ -154,14 +191,14 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
             tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 1));
             tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 2));
             m_new[rs] = fmaxf(m[rs], tile_max[rs]);
-            alpha[rs] = m_new[rs] == -INFINITY ? 1.f : expf(m[rs] - m_new[rs]); // 0 if m was -inf
+            alpha[rs] = m_new[rs] == -INFINITY ? 1.f : exp2f(m[rs] - m_new[rs]); // 0 if m was -inf
         }
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
             for (int i = 0; i < s[n].num_elements; ++i) {
                 const int rs = (i >> 1) & 1;
-                const float p = m_new[rs] == -INFINITY ? 0.f : expf(s[n].x[i] - m_new[rs]);
+                const float p = m_new[rs] == -INFINITY ? 0.f : exp2f(s[n].x[i] - m_new[rs]);
                 sum[rs] += p;
                 pw[acc_row(lane, i) * P_LD + n * 16 + acc_col(lane, i)] = from_f<T>(p);
             }
@@ -176,7 +213,11 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
         for (int c = 0; c < KD; ++c)
 #pragma unroll
             for (int i = 0; i < o[c].num_elements; ++i) o[c].x[i] *= alpha[(i >> 1) & 1];
-        __syncwarp(); // P is written
+
+        cp_async_wait<0>(); // V_t has landed
+        __syncthreads();    // ... for every warp, and no warp reads K_t any more
+        if (kt + BLOCK_N < k_end) stage_rows_async<T, DP>(ks, kh, ksl, kt + BLOCK_N, BLOCK_N, Lk, D);
+        cp_async_commit();
 
         // O += P V.
         wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[NS];
@@ -190,8 +231,9 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
                 wmma::load_matrix_sync(vf, vs + n * 16 * LD + c * 16, LD);
                 wmma::mma_sync(o[c], pf[n], vf, o[c]);
             }
-        __syncwarp(); // P is read before the next tile overwrites it
+        __syncthreads(); // V_t and P are read before the next tile overwrites them
     }
+    cp_async_wait<0>();
 
     const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
 #pragma unroll

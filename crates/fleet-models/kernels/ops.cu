@@ -502,3 +502,24 @@ extern "C" __global__ void adamw_f32(float *p, const float *g, float *m, float *
                                      float step_size, float bc2_sqrt) {
     adamw<float>(p, g, m, v, n, decay, omb1, b2, omb2, eps, step_size, bc2_sqrt);
 }
+
+// y[r, c] += bias[c] in place for y [n_rows, n_cols] contiguous: the bias of a linear layer
+// after its GEMM (candle's broadcast add runs a strided kernel that takes several times the GEMM
+// on wide activations). Grid-stride, one element per thread and step.
+template <typename T>
+__device__ void add_bias_rows(T *y, const T *bias, long long n_rows, int n_cols) {
+    const long long n = n_rows * n_cols;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        y[i] = from_f<T>(to_f(y[i]) + to_f(bias[i % n_cols]));
+    }
+}
+
+#define ADD_BIAS(T, SUFFIX)                                                                    \
+    extern "C" __global__ void add_bias_rows_##SUFFIX(T *y, const T *bias, long long n_rows,   \
+                                                      int n_cols) {                            \
+        add_bias_rows<T>(y, bias, n_rows, n_cols);                                             \
+    }
+ADD_BIAS(float, f32)
+ADD_BIAS(__half, f16)
+ADD_BIAS(__nv_bfloat16, bf16)

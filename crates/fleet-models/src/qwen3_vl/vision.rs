@@ -9,7 +9,7 @@
 //!
 //! Facts and line references: `docs/reference/qwen3-vl-verified.md` section 1.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
 use serde::Deserialize;
 
@@ -243,8 +243,8 @@ impl Merger {
         } else {
             self.norm.forward(x)?.reshape((n / self.unit, wide))?
         };
-        let x = self.fc1.forward(&x)?.gelu_erf()?;
-        Ok(self.fc2.forward(&x)?)
+        let x = ops::linear(&self.fc1, &x)?.gelu_erf()?;
+        ops::linear(&self.fc2, &x)
     }
 }
 
@@ -398,7 +398,7 @@ impl VisionEncoder {
         let x = pixel_values.to_device(dev)?.to_dtype(self.dtype)?;
         let x = profile::time(dev, "vision.patch_embed", || {
             let pos = self.position_embeddings(grids)?;
-            Ok((self.patch_embed.forward(&x)? + pos)?)
+            Ok((ops::linear(&self.patch_embed, &x)? + pos)?)
         })?;
         let (cos, sin) = self.rotary(grids)?;
         let mut x = x;
@@ -513,13 +513,14 @@ impl VisionEncoder {
         let dev = x.device();
         let h = profile::time(dev, "vision.norm", || block.norm1.forward(x))?;
         let attn = self.attention(block, &h, grids, cos, sin)?;
-        let attn = profile::time(dev, "vision.proj", || Ok(block.proj.forward(&attn)?))?;
+        let attn = profile::time(dev, "vision.proj", || ops::linear(&block.proj, &attn))?;
         let x = (x + attn)?;
         let mlp = profile::time(dev, "vision.mlp", || {
             let h = block.norm2.forward(&x)?;
-            Ok(block
-                .fc2
-                .forward(&self.act.forward(&block.fc1.forward(&h)?)?)?)
+            ops::linear(
+                &block.fc2,
+                &self.act.forward(&ops::linear(&block.fc1, &h)?)?,
+            )
         })?;
         Ok((x + mlp)?)
     }
@@ -538,7 +539,7 @@ impl VisionEncoder {
         let hd = self.cfg.head_dim();
         let dev = x.device();
         let qkv = profile::time(dev, "vision.qkv", || {
-            Ok(block.qkv.forward(x)?.reshape((n, 3, heads, hd))?)
+            Ok(ops::linear(&block.qkv, x)?.reshape((n, 3, heads, hd))?)
         })?;
         // RoPE on q and k in f32, cast back, as transformers' apply_rotary_pos_emb_vision.
         // candle's rotate-half RoPE kernel on the token-major `[1, n, heads, hd]` layout, in f32
