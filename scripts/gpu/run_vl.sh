@@ -10,6 +10,8 @@
 #                                               # attention and MoE paths against references
 #   WHAT=fleet RUNS="8b:1024:8:16:0 30b:1024:8:8:1" bash scripts/gpu/run_vl.sh
 #                                               # fleet only: shape:size:batch:samples:profile
+#   WHAT=hf HF_RUNS="8b:1024:2:4 30b:1024:1:2" bash scripts/gpu/run_vl.sh
+#                                               # transformers only: shape:size:batch:samples
 #
 # Everything lands in $OUT/vl_$WHAT.tgz (logs, JSON reports, nvidia-smi).
 set -u
@@ -42,6 +44,17 @@ fleet)
     FLEET_PROFILE="$prof" "$BIN" bench --config "$C" --image-size "$size" --batch "$batch" --samples "$samples" \
         --new-tokens 128 --json "$R/$tag.json" > "$R/$tag.log" 2>&1 || tail -20 "$R/$tag.log"
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], round(d['samples_per_s'],3), 'samples/s', 'prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 'peak GiB', round(d['peak_used_bytes']/2**30,1))" "$R/$tag.json" "$tag" || true
+  done
+  ;;
+hf)
+  for run in ${HF_RUNS:?shape:size:batch:samples ...}; do
+    IFS=: read -r shape size batch samples <<< "$run"
+    case "$shape" in 8b) C=configs/models/qwen3-vl-8b.json ;; *) C=configs/models/qwen3-vl-30b-a3b.json ;; esac
+    tag="hf-$shape-$size-b$batch"
+    timeout "${HF_TIMEOUT:-240}" python3 scripts/gpu/vl_bench_transformers.py --config "$C" --image-size "$size" \
+        --batch "$batch" --samples "$samples" --new-tokens 128 --json "$R/$tag.json" > "$R/$tag.log" 2>&1 \
+        || tail -20 "$R/$tag.log"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], round(d['samples_per_s'],3), 'samples/s')" "$R/$tag.json" "$tag" || true
   done
   ;;
 parity)
