@@ -173,39 +173,11 @@ struct FlashAttention {
     key_start: Option<Tensor>,
 }
 
-impl CustomOp3 for FlashAttention {
-    fn name(&self) -> &'static str {
-        "fleet-flash-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!(
-            "flash_attention runs on CUDA only (attention::supported says where); \
-             attention::reference is the CPU path"
-        )
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        cuda::flash_attention(self, s1, l1, s2, l2, s3, l3)
-    }
-}
+crate::ops::cuda_only_op!(
+    CustomOp3 for FlashAttention,
+    "fleet-flash-attention",
+    |op, s1, l1, s2, l2, s3, l3| cuda::flash_attention(op, s1, l1, s2, l2, s3, l3)
+);
 
 #[cfg(feature = "cuda")]
 mod cuda {

@@ -563,6 +563,8 @@ macro_rules! cuda_only_op {
     };
 }
 
+pub(crate) use cuda_only_op;
+
 cuda_only_op!(CustomOp2 for SwiGluBwd, "fleet-swiglu-bwd", |_op, s1, l1, s2, l2| {
     cuda::swiglu_bwd(s1, l1, s2, l2)
 });

@@ -358,33 +358,14 @@ mod kernel_tests {
             let both = Tensor::stack(&[&x, &x], 0).unwrap();
             let view = both.get(1).unwrap();
             let a = m.forward_grouped(&x).unwrap().to_dtype(DType::F32).unwrap();
-            let b = m
-                .forward_kernel(&view)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap();
-            let diff: f32 = (&a - &b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar()
-                .unwrap();
-            let scale: f32 = a.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
-            let c = m
-                .forward_sorted(&view)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap();
-            let diff_sorted: f32 = (&a - &c)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar()
-                .unwrap();
+            let max_abs =
+                |t: &Tensor| -> f32 { t.abs().unwrap().max_all().unwrap().to_scalar().unwrap() };
+            let diff_to = |t: Result<Tensor>| {
+                max_abs(&(&a - t.unwrap().to_dtype(DType::F32).unwrap()).unwrap())
+            };
+            let diff = diff_to(m.forward_kernel(&view));
+            let diff_sorted = diff_to(m.forward_sorted(&view));
+            let scale = max_abs(&a);
             println!(
                 "n={n} e={e} h={h} i={i} k={k}: max|grouped-kernel| = {diff}, \
                  max|grouped-sorted| = {diff_sorted} (max|grouped| = {scale})"
