@@ -431,7 +431,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
     let files = ModelSource::parse(&model, opts.revision.as_deref())
         .and_then(|s| s.resolve(&opts.hub))
         .with_context(|| format!("finding the judge checkpoint --model {model}"))?;
-    Qwen3VlConfig::from_file(&files.config)
+    let judge_cfg = Qwen3VlConfig::from_file(&files.config)
         .with_context(|| format!("--model {model} cannot be the judge"))?;
     let generation = match &files.generation_config {
         Some(p) => GenerationConfig::from_file(p)?,
@@ -552,9 +552,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
         let started = Instant::now();
         let judges = match args.cpu_replicas {
             Some(n) => {
-                let layers = Qwen3VlConfig::from_file(&files.config)?
-                    .text
-                    .num_hidden_layers;
+                let layers = judge_cfg.text.num_hidden_layers;
                 let maps = vec![DeviceMap::single(DeviceLocation::Cpu, layers); n.max(1)];
                 load_judges_on(&model, &opts, &maps, &model_id)?
             }
@@ -575,7 +573,12 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
                         // Two images of ~1000 tokens each, a rubric prompt and the reply.
                         seq_len: 4096,
                         full_logits: false,
-                        max_attention_bytes: None,
+                        // GPU prefills in bf16/f16 go through fused attention: no score buffers.
+                        max_attention_bytes: fleet_models::attention::fused_prefill(
+                            dtype,
+                            judge_cfg.text.head_dim(),
+                        )
+                        .then_some(0),
                     },
                 };
                 load_judges(&model, &opts, &placement, &model_id)?

@@ -33,12 +33,19 @@ pub struct Mask {
 /// `FLEET_FLASH_ATTENTION=0` turns the kernel off (for measurements against the unfused path).
 pub fn supported(q: &Tensor) -> bool {
     let d = q.dims().last().copied().unwrap_or(0);
-    q.device().is_cuda()
-        && matches!(q.dtype(), DType::BF16 | DType::F16)
-        && d.is_multiple_of(8)
-        && d <= MAX_HEAD_DIM
+    q.device().is_cuda() && fused_prefill(q.dtype(), d) && layout_checked(q.device())
+}
+
+/// Whether prefills of a model with heads of `head_dim` in `dtype` on a CUDA GPU go through the
+/// fused kernel, so that a memory plan need not count score buffers (`Workload::
+/// max_attention_bytes = Some(0)`). Decided before any device is opened: it assumes an sm_80+
+/// GPU (the kernel needs cp.async; [`supported`] checks the accumulator layout at run time).
+pub fn fused_prefill(dtype: DType, head_dim: usize) -> bool {
+    cfg!(feature = "cuda")
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && head_dim.is_multiple_of(8)
+        && head_dim <= MAX_HEAD_DIM
         && std::env::var("FLEET_FLASH_ATTENTION").map_or(true, |v| v != "0")
-        && layout_checked(q.device())
 }
 
 /// Whether this GPU's tensor-core accumulator layout is the one the kernel reads (checked once

@@ -25,6 +25,11 @@ impl LayerCache {
         }
     }
 
+    /// Whether this is a training pass's cache (see [`LayerCache::passthrough`]).
+    pub fn is_passthrough(&self) -> bool {
+        self.passthrough
+    }
+
     /// Writes `k`, `v` (`[batch, kv_heads, new, head_dim]`) after the cached tokens and returns
     /// views of everything cached so far.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {

@@ -361,8 +361,11 @@ impl Attention {
         // stacked along the row axis, `[b, kvh, n_rep * q_len, d]`. The 1/sqrt(d) scale is
         // already folded into the query projection (see `DecoderLayer::load`).
         // Prefills of many queries on a GPU: the fused kernel (no score buffer; the inputs as
-        // head-major views). Not while training: it has no backward.
+        // head-major views). Never in the training module's passes (a passthrough cache), with
+        // or without gradients: the kernel has no backward, and GSPO's old log-probs (no
+        // gradient) must equal the first update's (tracked) to the bit, or the ratio is not 1.
         if q_len >= FLASH_MIN_QUERIES
+            && !cache.is_passthrough()
             && attention::supported(&q)
             && !(q.track_op() || k.track_op() || v.track_op())
         {
@@ -686,13 +689,15 @@ impl QwenModel {
         Ok(KvCache::new(self.layers.len(), capacity))
     }
 
-    /// Errors when one sequence of `tokens` (prompt + new tokens) would pass the last position
-    /// the model has (`max_position_embeddings`); `what` names the sequence in the message.
-    pub fn check_length(&self, tokens: usize, what: &str) -> Result<()> {
-        if tokens > self.cfg.max_position_embeddings {
+    /// Errors when one sequence needing `positions` positions (prompt + new tokens: one per
+    /// text token; an image takes fewer positions than tokens under M-RoPE) would pass the last
+    /// position the model has (`max_position_embeddings`); `what` names the sequence.
+    pub fn check_length(&self, positions: usize, what: &str) -> Result<()> {
+        if positions > self.cfg.max_position_embeddings {
             return Err(ModelError::BadInput(format!(
-                "{what}: {tokens} tokens (prompt + new tokens) exceed max_position_embeddings = {} \
-                 of this model; shorten the prompt or lower max_new_tokens",
+                "{what}: {positions} positions (prompt + new tokens) exceed \
+                 max_position_embeddings = {} of this model; shorten the prompt or lower \
+                 max_new_tokens",
                 self.cfg.max_position_embeddings
             )));
         }

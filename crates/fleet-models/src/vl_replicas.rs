@@ -89,10 +89,14 @@ pub fn generate_vl(model: &VisionLanguageModel, batch: &[VlRequest]) -> Result<V
         .map(|(i, r)| {
             let images: Vec<DynamicImage> = r.images.iter().map(|a| (**a).clone()).collect();
             let p = model.prompt(&r.messages, &images)?;
+            // The limit is on M-RoPE positions, which an image uses fewer of than tokens:
+            // rope_delta (<= 0) is the difference.
+            let (_, delta) = model.model.rope_index(&p)?;
+            let positions = (p.ids.len() as i64 + delta).max(0) as usize + r.max_new_tokens;
             model
                 .model
                 .text()
-                .check_length(p.ids.len() + r.max_new_tokens, &format!("request {i}"))?;
+                .check_length(positions, &format!("request {i}"))?;
             Ok(p)
         })
         .collect();
