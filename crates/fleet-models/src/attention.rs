@@ -143,8 +143,8 @@ pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Mask) ->
             .expand((b, kvh, h / kvh, n, d))?
             .reshape((b, h, n, d))?)
     };
-    let qt = q.transpose(1, 2)?.to_dtype(DType::F32)?;
-    let kt = rep(k)?.to_dtype(DType::F32)?;
+    let qt = q.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous()?;
+    let kt = rep(k)?.to_dtype(DType::F32)?.contiguous()?;
     let scores = (qt.matmul(&kt.t()?)? * scale as f64)?; // [b, h, q_len, kv_len]
     let starts: Vec<u32> = match &mask.key_start {
         Some(t) => t.to_vec1()?,
@@ -312,6 +312,113 @@ mod cuda {
             other => candle_core::bail!("flash_attention runs in bf16 or f16, not {other:?}"),
         };
         Ok((out, l1.shape().clone()))
+    }
+}
+
+/// The reference the GPU kernel is checked against, checked itself on the CPU against attention
+/// written out element by element: the mask (causal offset, left padding, a padding query's self
+/// key), grouped heads and the scale.
+#[cfg(test)]
+mod reference_tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// `out[b, i, h, :]` by loops over f32 values.
+    fn by_hand(
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        (b, lq, lk, h, kvh, d): (usize, usize, usize, usize, usize, usize),
+        scale: f32,
+        causal: bool,
+        starts: &[u32],
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; b * lq * h * d];
+        for bi in 0..b {
+            for i in 0..lq {
+                let pos = i + lk - lq;
+                for hi in 0..h {
+                    let g = hi / (h / kvh);
+                    let qrow = &q[((bi * lq + i) * h + hi) * d..][..d];
+                    let visible: Vec<usize> = (0..lk)
+                        .filter(|&j| {
+                            (!causal || j <= pos) && (j >= starts[bi] as usize || j == pos)
+                        })
+                        .collect();
+                    let scores: Vec<f32> = visible
+                        .iter()
+                        .map(|&j| {
+                            let krow = &k[((bi * lk + j) * kvh + g) * d..][..d];
+                            qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f32>() * scale
+                        })
+                        .collect();
+                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let sum: f32 = e.iter().sum();
+                    let o = &mut out[((bi * lq + i) * h + hi) * d..][..d];
+                    for (&j, w) in visible.iter().zip(&e) {
+                        let vrow = &v[((bi * lk + j) * kvh + g) * d..][..d];
+                        for (x, y) in o.iter_mut().zip(vrow) {
+                            *x += w / sum * y;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn reference_is_attention_with_the_decoders_mask() {
+        let dev = Device::Cpu;
+        for (b, lq, lk, h, kvh, d, causal, starts) in [
+            (2, 7, 7, 4, 2, 8, true, vec![0u32, 3]),
+            (3, 2, 9, 2, 1, 8, true, vec![4, 0, 8]),
+            (1, 5, 6, 2, 2, 16, false, vec![0]),
+        ] {
+            let r = |n: usize, seed: u64| -> Vec<f32> {
+                (0..n)
+                    .map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0)
+                    .collect()
+            };
+            let (qv, kv, vv) = (
+                r(b * lq * h * d, 1),
+                r(b * lk * kvh * d, 2),
+                r(b * lk * kvh * d, 3),
+            );
+            let q = Tensor::from_vec(qv.clone(), (b, lq, h, d), &dev).unwrap();
+            let k = Tensor::from_vec(kv.clone(), (b, lk, kvh, d), &dev).unwrap();
+            let v = Tensor::from_vec(vv.clone(), (b, lk, kvh, d), &dev).unwrap();
+            let mask = Mask {
+                causal,
+                key_start: Some(Tensor::new(starts.as_slice(), &dev).unwrap()),
+            };
+            let got: Vec<f32> = reference(&q, &k, &v, 0.3, &mask)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let dims = (b, lq, lk, h, kvh, d);
+            let want = by_hand((&qv, &kv, &vv), dims, 0.3, causal, &starts);
+            let diff = got
+                .iter()
+                .zip(&want)
+                .map(|(a, c)| (a - c).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                diff < 1e-5,
+                "reference differs from attention by hand by {diff}"
+            );
+        }
+    }
+
+    /// Off the GPU the kernel is not offered, and asking for it anyway is an error naming the
+    /// way out.
+    #[test]
+    fn the_kernel_is_gpu_only() {
+        let q = Tensor::zeros((1, 4, 2, 8), DType::F32, &Device::Cpu).unwrap();
+        assert!(!supported(&q));
+        let err = flash_attention(&q, &q, &q, 1.0, &Mask::default()).unwrap_err();
+        assert!(err.to_string().contains("CUDA only"), "{err}");
     }
 }
 
