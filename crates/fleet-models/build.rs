@@ -20,6 +20,8 @@ fn main() {
     let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let cap = cap.trim().trim_end_matches('a').replace('.', "");
+    // What the kernels were built for: the fused attention exists from sm_80 on.
+    println!("cargo:rustc-env=FLEET_CUDA_COMPUTE_CAP={cap}");
     let nvcc = std::env::var("CUDA_HOME")
         .map(|h| PathBuf::from(h).join("bin/nvcc"))
         .ok()

@@ -249,13 +249,22 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 
 } // namespace
 
+// bf16 tensor cores and cp.async need sm_80: built for an older GPU, the kernels are empty and
+// the probe below fails, so fleet takes the unfused path there.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define FLASH_BODY(T, DP)                                                                        \
+    flash_attention<T, DP>(q, k, v, out, key_start, H, KVH, Lq, Lk, D, qsb, qsl, qsh, ksb, ksl,  \
+                           ksh, vsb, vsl, vsh, scale, causal);
+#else
+#define FLASH_BODY(T, DP)
+#endif
+
 #define FLASH(NAME, T, DP)                                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                     \
         NAME(const T *q, const T *k, const T *v, T *out, const uint32_t *key_start, int H,       \
              int KVH, int Lq, int Lk, int D, long qsb, long qsl, long qsh, long ksb, long ksl,   \
              long ksh, long vsb, long vsl, long vsh, float scale, int causal) {                  \
-        flash_attention<T, DP>(q, k, v, out, key_start, H, KVH, Lq, Lk, D, qsb, qsl, qsh, ksb,   \
-                               ksl, ksh, vsb, vsl, vsh, scale, causal);                         \
+        FLASH_BODY(T, DP)                                                                        \
     }
 
 // Head dimensions padded to a multiple of 16: 64 (tiny and small models), 80 (Qwen3-VL's vision
@@ -271,6 +280,9 @@ FLASH(flash_attention_f16_d128, __half, 128)
 // matrix whose entries are their own row-major index and compares each element it holds. ok[0]
 // stays 1 when every element sits where acc_row/acc_col say (the caller sets it to 1).
 extern "C" __global__ void wmma_layout_probe(int *ok) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    if (threadIdx.x == 0) atomicAnd(ok, 0); // the fused kernels need sm_80 (see FLASH_BODY)
+#else
     __shared__ __align__(32) float m[256];
     for (int i = threadIdx.x; i < 256; i += 32) m[i] = (float)i;
     __syncwarp();
@@ -281,4 +293,5 @@ extern "C" __global__ void wmma_layout_probe(int *ok) {
     for (int i = 0; i < acc.num_elements && good; ++i)
         good = acc.x[i] == (float)(acc_row(lane, i) * 16 + acc_col(lane, i));
     if (!good) atomicAnd(ok, 0);
+#endif
 }

@@ -38,14 +38,22 @@ pub fn supported(q: &Tensor) -> bool {
 
 /// Whether prefills of a model with heads of `head_dim` in `dtype` on a CUDA GPU go through the
 /// fused kernel, so that a memory plan need not count score buffers (`Workload::
-/// max_attention_bytes = Some(0)`). Decided before any device is opened: it assumes an sm_80+
-/// GPU (the kernel needs cp.async; [`supported`] checks the accumulator layout at run time).
+/// max_attention_bytes = Some(0)`). Decided before any device is opened, from the build: the
+/// kernels exist when built for sm_80 or later (`CUDA_COMPUTE_CAP`); [`supported`] also checks
+/// the GPU at run time.
 pub fn fused_prefill(dtype: DType, head_dim: usize) -> bool {
-    cfg!(feature = "cuda")
+    built_for_sm80()
         && matches!(dtype, DType::BF16 | DType::F16)
         && head_dim.is_multiple_of(8)
         && head_dim <= MAX_HEAD_DIM
         && std::env::var("FLEET_FLASH_ATTENTION").map_or(true, |v| v != "0")
+}
+
+/// Whether the CUDA kernels were built for compute capability 8.0 or later.
+fn built_for_sm80() -> bool {
+    option_env!("FLEET_CUDA_COMPUTE_CAP")
+        .and_then(|c| c.parse::<u32>().ok())
+        .is_some_and(|c| c >= 80)
 }
 
 /// Whether this GPU's tensor-core accumulator layout is the one the kernel reads (checked once
