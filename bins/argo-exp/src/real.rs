@@ -409,23 +409,16 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     }
 
     // The LLM on its placement.
-    let mode = match args.gpu_mode.as_str() {
-        "sharded" => "layer-sharded",
-        m => m,
-    };
     let max_batch = args.max_batch as usize;
     let attention_budget = (args.attention_budget_gib * (1u64 << 30) as f64) as u64;
-    let placement = PlacementRequest {
-        mode: mode.parse()?,
-        gpu_ids: args.gpu_ids.clone(),
-        max_memory: match &args.max_memory {
-            Some(m) => m.parse()?,
-            None => fleet_models::placement::MaxMemory::new(),
-        },
-        workload: fleet_models::placement::default_workload(max_batch, attention_budget),
-    };
+    let placement = PlacementRequest::from_flags(
+        &args.gpu_mode,
+        args.gpu_ids.clone(),
+        args.max_memory.as_deref(),
+        fleet_models::placement::default_workload(max_batch, attention_budget),
+    )?;
     let replicas = Replicas::load_planned(&args.model, &opts, &placement)?;
-    let placement_text = format!("{} mode, {} replica(s)", mode, replicas.len());
+    let placement_text = format!("{} mode, {} replica(s)", placement.mode, replicas.len());
     let llm = FleetLlm::new(replicas, model_id.clone(), max_batch)
         .with_attention_budget(attention_budget)
         .with_cache_file(

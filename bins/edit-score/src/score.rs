@@ -23,7 +23,7 @@ use fleet_judge::qwen::{judge_model_id, load_judges, load_judges_on, Qwen3VlJudg
 use fleet_judge::records::RunInfo;
 use fleet_judge::report::Report;
 use fleet_judge::run::{RunOptions, ScoringSpec, Session, SessionOptions};
-use fleet_models::placement::{MaxMemory, PlacementRequest, Workload};
+use fleet_models::placement::{PlacementRequest, Workload};
 use fleet_models::{
     DType, DeviceLocation, DeviceMap, GenerationConfig, LoadOptions, ModelSource, Qwen3VlConfig,
 };
@@ -557,18 +557,11 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
                 load_judges_on(&model, &opts, &maps, &model_id)?
             }
             None => {
-                let placement = PlacementRequest {
-                    mode: match args.gpu_mode.as_str() {
-                        "sharded" => "layer-sharded",
-                        m => m,
-                    }
-                    .parse()?,
-                    gpu_ids: args.gpu_ids.clone(),
-                    max_memory: match &args.max_memory {
-                        Some(m) => m.parse()?,
-                        None => MaxMemory::new(),
-                    },
-                    workload: Workload {
+                let placement = PlacementRequest::from_flags(
+                    &args.gpu_mode,
+                    args.gpu_ids.clone(),
+                    args.max_memory.as_deref(),
+                    Workload {
                         batch: args.batch_size as usize,
                         // Two images of ~1000 tokens each, a rubric prompt and the reply.
                         seq_len: 4096,
@@ -580,7 +573,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
                         )
                         .then_some(0),
                     },
-                };
+                )?;
                 load_judges(&model, &opts, &placement, &model_id)?
             }
         };

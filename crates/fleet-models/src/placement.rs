@@ -41,6 +41,26 @@ pub struct PlacementRequest {
 }
 
 impl PlacementRequest {
+    /// From the jobs' placement flags as typed: `--gpu-mode` (any spelling [`PlanMode`]
+    /// parses, `sharded` included), `--gpu-ids`, `--max-memory` (accelerate's style; none: the
+    /// default budgets), and the workload each replica must hold.
+    pub fn from_flags(
+        gpu_mode: &str,
+        gpu_ids: Option<Vec<usize>>,
+        max_memory: Option<&str>,
+        workload: Workload,
+    ) -> Result<Self> {
+        Ok(PlacementRequest {
+            mode: gpu_mode.parse()?,
+            gpu_ids,
+            max_memory: match max_memory {
+                Some(m) => m.parse()?,
+                None => MaxMemory::new(),
+            },
+            workload,
+        })
+    }
+
     /// `mode` on every visible GPU with the default budgets and workload.
     pub fn new(mode: PlanMode) -> Self {
         PlacementRequest {
@@ -316,5 +336,45 @@ impl Worker<&[GenerationRequest], Vec<GenerationOutput>> for ReplicaWorker<'_> {
                 .unwrap_or_else(|e| e.into_inner())
                 .generate(batch)?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The flags as typed: every spelling of a mode the planner knows, budgets in accelerate's
+    /// style, and errors that name what was wrong.
+    #[test]
+    fn placement_flags_are_read_as_the_planner_spells_them() {
+        let r = PlacementRequest::from_flags(
+            "sharded",
+            Some(vec![1, 0]),
+            Some("0=10GiB"),
+            default_workload(4, 1 << 30),
+        )
+        .unwrap();
+        assert_eq!(r.mode, PlanMode::LayerSharded);
+        assert_eq!(r.gpu_ids, Some(vec![1, 0]));
+        assert_eq!(r.workload.batch, 4);
+        assert_ne!(
+            format!("{:?}", r.max_memory),
+            format!("{:?}", MaxMemory::new())
+        );
+        let r = PlacementRequest::from_flags("hybrid:2", None, None, Workload::default()).unwrap();
+        assert_eq!(
+            r.mode,
+            PlanMode::Hybrid {
+                group_size: Some(2)
+            }
+        );
+        let err = PlacementRequest::from_flags("diagonal", None, None, Workload::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("diagonal"), "{err}");
+        assert!(
+            PlacementRequest::from_flags("auto", None, Some("0=lots"), Workload::default())
+                .is_err()
+        );
     }
 }
