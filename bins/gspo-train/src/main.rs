@@ -164,6 +164,11 @@ struct Cli {
     /// naming it; also how long the rendezvous waits for every rank.
     #[arg(long, default_value_t = 180, help_heading = "Data parallel")]
     dist_timeout: u64,
+    /// Instead of training: time all-reduce between the ranks (the collective the gradients
+    /// go through: NCCL on GPUs) for sizes from 4 KiB up to this, e.g. `1GiB`, and print
+    /// nccl-tests' columns (algbw, busbw); with --output-dir also all_reduce_perf.json.
+    #[arg(long, value_name = "MAX_SIZE", help_heading = "Data parallel")]
+    bench_all_reduce: Option<String>,
 }
 
 /// The launcher's own flags: removed from the arguments its ranks get.
@@ -235,6 +240,9 @@ fn config(cli: &Cli) -> Result<GspoConfig> {
 }
 
 fn run(cli: &Cli) -> Result<()> {
+    if let Some(max) = &cli.bench_all_reduce {
+        return bench_all_reduce(cli, max);
+    }
     let config = config(cli)?;
     let mut label = None;
     let (model, dataset) = match (
@@ -385,6 +393,62 @@ fn dist_options(cli: &Cli) -> Result<Option<fleet_gspo::DistOptions>> {
         rendezvous_timeout: timeout,
         failure_timeout: timeout,
     }))
+}
+
+/// `--bench-all-reduce MAX`: all-reduce timings between the ranks, printed by rank 0.
+fn bench_all_reduce(cli: &Cli, max: &str) -> Result<()> {
+    let max_bytes = fleet_topology::parse_bytes(max)
+        .with_context(|| format!("--bench-all-reduce {max}"))? as usize;
+    let dist = dist_options(cli)?.context(
+        "--bench-all-reduce times the collective between ranks: start them with \
+         --nproc-per-node N (or under torchrun or SLURM)",
+    )?;
+    let world_size = dist.world.world_size;
+    let is_main = dist.world.is_main();
+    let (rows, backend) =
+        fleet_gspo::run::all_reduce_bench(&dist, cli.gpu_ids.as_deref(), max_bytes)?;
+    if !is_main {
+        return Ok(());
+    }
+    outln!(
+        "# all-reduce (sum, in place) over {world_size} ranks, backend {backend}; 20 calls per \
+         size after 5 warm-up calls"
+    )?;
+    outln!("# busbw = algbw x 2(n-1)/n (nccl-tests' definition for all-reduce)")?;
+    outln!(
+        "{:>12} {:>12} {:>9} {:>11} {:>12} {:>12} {:>7}",
+        "size(B)",
+        "count",
+        "type",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "#wrong"
+    )?;
+    for r in &rows {
+        outln!(
+            "{:>12} {:>12} {:>9} {:>11.1} {:>12.2} {:>12.2} {:>7}",
+            r.bytes,
+            r.count,
+            r.dtype,
+            r.time_us,
+            r.algbw,
+            r.busbw,
+            if r.correct { "0" } else { "WRONG" }
+        )?;
+    }
+    if let Some(dir) = &cli.output_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let path = dir.join("all_reduce_perf.json");
+        let json =
+            serde_json::json!({ "world_size": world_size, "backend": backend, "rows": rows });
+        fleet_dist::write_atomic(&path, serde_json::to_string_pretty(&json)?.as_bytes())?;
+        outln!("wrote {}", path.display())?;
+    }
+    if rows.iter().any(|r| !r.correct) {
+        bail!("all-reduce returned wrong sums (rows marked WRONG)");
+    }
+    Ok(())
 }
 
 /// `--nproc-per-node N`: starts N ranks of this program on this machine and waits for them.

@@ -328,3 +328,49 @@ fn a_batch_the_ranks_cannot_share_is_refused_with_the_ways_out() {
     assert!(stderr.contains("--scale-lr linear"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn the_all_reduce_bench_reports_nccl_tests_columns_with_right_sums() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = gspo_train()
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port(),
+            "--bench-all-reduce",
+            "64KiB",
+            "--output-dir",
+            dir.path().to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, _) = ok(&out);
+    assert!(stdout.contains("busbw(GB/s)"), "{stdout}");
+    assert!(stdout.contains("backend tcp"), "{stdout}");
+    let json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("all_reduce_perf.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(json["world_size"], 2);
+    let rows = json["rows"].as_array().unwrap();
+    // 4, 16 and 64 KiB, in f32 and bf16.
+    assert_eq!(rows.len(), 6, "{json}");
+    for r in rows {
+        assert_eq!(r["correct"], true, "{r}");
+        // Two ranks: nccl-tests' bus bandwidth equals the algorithm bandwidth.
+        let (alg, bus) = (f(r, "algbw"), f(r, "busbw"));
+        assert!(alg > 0.0 && (alg - bus).abs() <= 1e-9 * alg, "{r}");
+    }
+    assert_eq!(rows[0]["bytes"], 4096);
+    assert_eq!(rows[3]["dtype"], "bfloat16");
+
+    // One process alone has no ranks to time.
+    let alone = gspo_train()
+        .args(["--bench-all-reduce", "64KiB"])
+        .output()
+        .unwrap();
+    assert!(!alone.status.success());
+    let err = String::from_utf8_lossy(&alone.stderr);
+    assert!(err.contains("--nproc-per-node"), "{err}");
+}

@@ -460,7 +460,7 @@ impl Group {
             cv: Condvar::new(),
             handler: Mutex::new(Arc::new(move |pf: &PeerFailure| {
                 eprintln!("error: {pf}: exiting (this is rank {default_rank})");
-                std::process::exit(FAILURE_EXIT_CODE);
+                exit_now(FAILURE_EXIT_CODE);
             })),
             hb_out,
             shut,
@@ -1007,4 +1007,15 @@ impl Drop for Group {
             inner.close_all();
         }
     }
+}
+
+/// Ends the process at once. Not `std::process::exit`: it runs the C exit handlers, and the
+/// CUDA runtime's would wait for this process's GPU work — an NCCL kernel waiting on the dead
+/// rank never finishes, so the survivor would hang in its exit.
+fn exit_now(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit takes no pointers and does not return.
+    unsafe { libc::_exit(code) }
 }

@@ -57,8 +57,33 @@ pub trait Collective {
     fn broadcast_bytes(&self, mine: Option<Vec<u8>>) -> Result<Vec<u8>, TrainError>;
     /// Element-wise sums over the ranks, the same on every rank.
     fn all_reduce_f64(&self, values: &mut [f64]) -> Result<(), TrainError>;
-    /// Sums the gradients over the ranks, in place (every rank gets the same sums).
-    fn all_reduce_grads(&self, grads: &mut ParamGrads, params: &[Var]) -> Result<(), TrainError>;
+    /// Element-wise sums of a tensor over the ranks (every rank gets the same sums). NCCL sums
+    /// in place and returns the same tensor; the tensor must be contiguous.
+    fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor, TrainError>;
+    /// Sums the gradients over the ranks (every rank gets the same sums), as f32, in buckets of
+    /// about [`GRAD_BUCKET_BYTES`]: one collective per bucket instead of one per parameter.
+    fn all_reduce_grads(&self, grads: &mut ParamGrads, params: &[Var]) -> Result<(), TrainError> {
+        let dense = dense_grads(grads, params)?;
+        let mut out = Vec::with_capacity(dense.len());
+        for bucket in buckets(&dense, GRAD_BUCKET_BYTES / 4) {
+            let part = &dense[bucket];
+            // `cat` makes a fresh buffer: backward may hand two parameters the same storage,
+            // which an in-place sum would otherwise add twice.
+            let flat: Vec<Tensor> = part
+                .iter()
+                .map(|g| g.to_dtype(DType::F32)?.flatten_all())
+                .collect::<candle_core::Result<_>>()?;
+            let sums = self.all_reduce_sum(Tensor::cat(&flat, 0)?)?;
+            let mut at = 0;
+            for g in part {
+                let n = g.elem_count();
+                out.push(Some(sums.narrow(0, at, n)?.reshape(g.shape())?));
+                at += n;
+            }
+        }
+        *grads = out;
+        Ok(())
+    }
     /// Rank 0's values of these variables on every rank.
     fn broadcast_vars(&self, vars: &[Var]) -> Result<(), TrainError>;
     /// Says which engine carries the tensors (`tcp`, `nccl`).
@@ -114,6 +139,29 @@ fn from_host(buf: &[f32], like: &[Tensor]) -> Result<Vec<Tensor>, TrainError> {
     Ok(out)
 }
 
+/// Bytes of gradients summed by one collective (PyTorch DDP's default bucket is 25 MiB; larger
+/// buckets reach more of the link's bandwidth, see docs/benchmarks.md).
+pub const GRAD_BUCKET_BYTES: usize = 64 << 20;
+
+/// Consecutive index ranges of `tensors`, each of at most `max_elems` elements unless a single
+/// tensor is larger.
+fn buckets(tensors: &[Tensor], max_elems: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut elems) = (0, 0);
+    for (i, t) in tensors.iter().enumerate() {
+        let n = t.elem_count();
+        if i > start && elems + n > max_elems {
+            out.push(start..i);
+            (start, elems) = (i, 0);
+        }
+        elems += n;
+    }
+    if start < tensors.len() {
+        out.push(start..tensors.len());
+    }
+    out
+}
+
 /// Gradients with every missing one as zeros (a rank whose share gave a parameter no gradient
 /// still contributes to the sum).
 fn dense_grads(grads: &ParamGrads, params: &[Var]) -> Result<Vec<Tensor>, TrainError> {
@@ -144,12 +192,10 @@ impl Collective for TcpCollective {
         self.group.all_reduce_sum_f64(values).map_err(dist_err)
     }
 
-    fn all_reduce_grads(&self, grads: &mut ParamGrads, params: &[Var]) -> Result<(), TrainError> {
-        let dense = dense_grads(grads, params)?;
-        let mut buf = to_host(&dense)?;
+    fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor, TrainError> {
+        let mut buf = to_host(std::slice::from_ref(&t))?;
         self.group.all_reduce_sum_f32(&mut buf).map_err(dist_err)?;
-        *grads = from_host(&buf, &dense)?.into_iter().map(Some).collect();
-        Ok(())
+        Ok(from_host(&buf, &[t])?.remove(0))
     }
 
     fn broadcast_vars(&self, vars: &[Var]) -> Result<(), TrainError> {
@@ -290,6 +336,109 @@ impl BatchLayout {
     }
 }
 
+/// The GPUs of this rank among the `visible` ones when one process per GPU was started by a
+/// launcher that shows every rank all of the node's GPUs (torchrun, SLURM without
+/// `--gpus-per-task`): local rank `k` of `n` takes the `k`-th of `n` equal slices, as
+/// torchrun's `cuda:LOCAL_RANK` convention does for one GPU per rank. `None` when the rank sees
+/// one GPU or none (fleet's launcher sets CUDA_VISIBLE_DEVICES per rank) or runs alone on its
+/// node.
+pub fn rank_gpus(world: &World, visible: &[usize]) -> Result<Option<Vec<usize>>, TrainError> {
+    let n = world.local_world_size;
+    if visible.len() <= 1 || n <= 1 {
+        return Ok(None);
+    }
+    if !visible.len().is_multiple_of(n) {
+        return Err(TrainError::Setup(format!(
+            "this rank sees {} GPUs ({visible:?}) and its node runs {n} ranks (LOCAL_WORLD_SIZE): \
+             the GPUs cannot be shared equally; start one rank per GPU, give --gpu-ids, or set \
+             CUDA_VISIBLE_DEVICES for each rank",
+            visible.len()
+        )));
+    }
+    let per = visible.len() / n;
+    let k = world.local_rank;
+    Ok(Some(visible[k * per..(k + 1) * per].to_vec()))
+}
+
+/// One row of [`bench_all_reduce`], in nccl-tests' terms (`all_reduce_perf`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct AllReducePerf {
+    /// Bytes per rank.
+    pub bytes: usize,
+    /// Elements per rank.
+    pub count: usize,
+    /// `float` or `bfloat16`, as nccl-tests names them.
+    pub dtype: &'static str,
+    /// Microseconds per call, the mean over the ranks.
+    pub time_us: f64,
+    /// Algorithm bandwidth: bytes / time, GB/s (10^9).
+    pub algbw: f64,
+    /// Bus bandwidth: algbw x 2 (n - 1) / n, nccl-tests' definition for all-reduce (what each
+    /// link carries in a ring, comparable across rank counts).
+    pub busbw: f64,
+    /// The sums were right (every rank filled its buffer with rank + 1).
+    pub correct: bool,
+}
+
+/// Times [`Collective::all_reduce_sum`] as nccl-tests' `all_reduce_perf` does: per size,
+/// `warmup` calls, then `iters` calls back to back between two device synchronizations; a
+/// separate call checks the sums. Every rank must call it with the same arguments.
+pub fn bench_all_reduce(
+    c: &dyn Collective,
+    device: &candle_core::Device,
+    dtype: DType,
+    sizes: &[usize],
+    warmup: usize,
+    iters: usize,
+) -> Result<Vec<AllReducePerf>, TrainError> {
+    let n = c.world().world_size;
+    let rank = c.world().rank;
+    let width = dtype.size_in_bytes();
+    let mut rows = Vec::with_capacity(sizes.len());
+    for &bytes in sizes {
+        let count = (bytes / width).max(1);
+        // The check: rank r adds r + 1, so every element sums to n (n + 1) / 2 (exact in bf16
+        // for the rank counts of one machine or a few).
+        let t = Tensor::full((rank + 1) as f32, count, device)?.to_dtype(dtype)?;
+        let sums = c.all_reduce_sum(t)?.to_dtype(DType::F32)?;
+        let want = (n * (n + 1) / 2) as f64;
+        let worst = (sums - want)?.abs()?.max(0)?.to_scalar::<f32>()?;
+        let correct = worst == 0.0;
+        // The timed buffer holds ones: repeated in-place sums grow it by n per call, which stays
+        // finite for the iteration counts used here.
+        let mut t = Tensor::ones(count, dtype, device)?;
+        for _ in 0..warmup {
+            t = c.all_reduce_sum(t)?;
+        }
+        device.synchronize()?;
+        c.all_reduce_f64(&mut [0.0])?;
+        let start = std::time::Instant::now();
+        for _ in 0..iters {
+            t = c.all_reduce_sum(t)?;
+        }
+        device.synchronize()?;
+        let mut seconds = [start.elapsed().as_secs_f64() / iters.max(1) as f64];
+        c.all_reduce_f64(&mut seconds)?;
+        let time = seconds[0] / n as f64;
+        let algbw = (count * width) as f64 / time / 1e9;
+        rows.push(AllReducePerf {
+            bytes: count * width,
+            count,
+            dtype: match dtype {
+                DType::BF16 => "bfloat16",
+                DType::F16 => "half",
+                DType::F32 => "float",
+                _ => "other",
+            },
+            time_us: time * 1e6,
+            algbw,
+            busbw: algbw * 2.0 * (n as f64 - 1.0) / n as f64,
+            correct,
+        });
+    }
+    Ok(rows)
+}
+
 /// The distributed environment in accelerate's words, for the start of a run.
 pub fn describe_environment(world: &World, backend: &str, device: &str) -> String {
     let mode = if world.world_size > 1 {
@@ -351,9 +500,8 @@ pub mod nccl {
     use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
     use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Tensor, Var};
     use fleet_dist::{Group, World};
-    use fleet_models::qwen::train::ParamGrads;
 
-    use super::{dense_grads, Collective, TcpCollective};
+    use super::{Collective, TcpCollective};
     use crate::TrainError;
 
     /// Bytes of an NCCL unique id.
@@ -482,22 +630,14 @@ pub mod nccl {
             self.tcp.all_reduce_f64(values)
         }
 
-        fn all_reduce_grads(
-            &self,
-            grads: &mut ParamGrads,
-            params: &[Var],
-        ) -> Result<(), TrainError> {
-            // A fresh copy of each gradient: backward may hand two parameters the same
-            // storage, which an in-place sum would then add twice.
-            let dense = dense_grads(grads, params)?;
-            let mut out = Vec::with_capacity(dense.len());
-            for g in dense {
-                let g = g.to_dtype(candle_core::DType::F32)?.copy()?;
-                self.in_place(&g, Op::Sum)?;
-                out.push(Some(g));
-            }
-            *grads = out;
-            Ok(())
+        fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor, TrainError> {
+            let t = if t.is_contiguous() && t.layout().start_offset() == 0 {
+                t
+            } else {
+                t.copy()?
+            };
+            self.in_place(&t, Op::Sum)?;
+            Ok(t)
         }
 
         fn broadcast_vars(&self, vars: &[Var]) -> Result<(), TrainError> {
@@ -530,6 +670,7 @@ pub mod nccl {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::IndexOp;
 
     #[test]
     fn shares_cut_rows_evenly_in_rank_order() {
@@ -545,6 +686,138 @@ mod tests {
         assert_eq!(a.of(&rows), &[0, 1, 2, 3]);
         assert_eq!(b.of(&rows), &[4, 5, 6, 7]);
         assert_eq!(Shares::SINGLE.of(&rows), &rows[..]);
+    }
+
+    fn world(local_rank: usize, local_world_size: usize) -> World {
+        World {
+            rank: local_rank,
+            world_size: local_world_size,
+            local_rank,
+            local_world_size,
+            ..World::single()
+        }
+    }
+
+    #[test]
+    fn a_rank_that_sees_every_gpu_of_its_node_takes_its_own() {
+        // torchrun's convention: local rank k uses cuda:k.
+        assert_eq!(
+            rank_gpus(&world(1, 4), &[0, 1, 2, 3]).unwrap(),
+            Some(vec![1])
+        );
+        // Two GPUs per rank (a sharded policy per rank).
+        assert_eq!(
+            rank_gpus(&world(1, 2), &[0, 1, 2, 3]).unwrap(),
+            Some(vec![2, 3])
+        );
+        // fleet's launcher shows each rank one GPU; a lone rank keeps what it sees.
+        assert_eq!(rank_gpus(&world(3, 4), &[5]).unwrap(), None);
+        assert_eq!(rank_gpus(&world(0, 1), &[0, 1]).unwrap(), None);
+        assert_eq!(rank_gpus(&world(0, 4), &[]).unwrap(), None);
+        let err = rank_gpus(&world(0, 3), &[0, 1, 2, 3])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cannot be shared equally"), "{err}");
+        assert!(err.contains("CUDA_VISIBLE_DEVICES"), "{err}");
+    }
+
+    #[test]
+    fn buckets_keep_order_and_hold_oversized_tensors_alone() {
+        let t = |n: usize| Tensor::zeros(n, DType::F32, &candle_core::Device::Cpu).unwrap();
+        let ts = [t(3), t(3), t(10), t(1), t(1), t(2)];
+        assert_eq!(buckets(&ts, 6), vec![0..2, 2..3, 3..6]);
+        assert_eq!(buckets(&ts, 100), vec![0..6]);
+        assert_eq!(buckets(&ts[..0], 6), Vec::<std::ops::Range<usize>>::new());
+    }
+
+    #[test]
+    fn bucketed_gradients_come_back_in_their_shapes() {
+        // A world of one over TCP: the sums are the gradients themselves.
+        let dev = candle_core::Device::Cpu;
+        let params: Vec<Var> = [vec![2usize, 3], vec![4], vec![1, 1]]
+            .into_iter()
+            .map(|s| Var::zeros(s, DType::F32, &dev).unwrap())
+            .collect();
+        let g0 = Tensor::arange(0f32, 6., &dev)
+            .unwrap()
+            .reshape((2, 3))
+            .unwrap();
+        let mut grads: ParamGrads = vec![
+            Some(g0.clone()),
+            None,
+            Some(g0.i((0, 0..1)).unwrap().reshape((1, 1)).unwrap()),
+        ];
+        let c = LoopbackCollective(World::single());
+        c.all_reduce_grads(&mut grads, &params).unwrap();
+        let got: Vec<Vec<f32>> = grads
+            .iter()
+            .map(|g| {
+                g.as_ref()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![vec![0., 1., 2., 3., 4., 5.], vec![0.; 4], vec![0.]]
+        );
+        assert_eq!(grads[0].as_ref().unwrap().dims(), &[2, 3]);
+        assert_eq!(grads[2].as_ref().unwrap().dims(), &[1, 1]);
+    }
+
+    /// One rank alone: every collective is the identity.
+    struct LoopbackCollective(World);
+
+    impl Collective for LoopbackCollective {
+        fn world(&self) -> &World {
+            &self.0
+        }
+        fn all_gather_bytes(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, TrainError> {
+            Ok(vec![mine])
+        }
+        fn broadcast_bytes(&self, mine: Option<Vec<u8>>) -> Result<Vec<u8>, TrainError> {
+            Ok(mine.unwrap_or_default())
+        }
+        fn all_reduce_f64(&self, _: &mut [f64]) -> Result<(), TrainError> {
+            Ok(())
+        }
+        fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor, TrainError> {
+            Ok(t)
+        }
+        fn broadcast_vars(&self, _: &[Var]) -> Result<(), TrainError> {
+            Ok(())
+        }
+        fn backend(&self) -> &'static str {
+            "loopback"
+        }
+        fn finish(self: Box<Self>) -> Result<(), TrainError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_bench_checks_sums_and_reports_bus_bandwidth() {
+        let c = LoopbackCollective(World::single());
+        let rows = bench_all_reduce(
+            &c,
+            &candle_core::Device::Cpu,
+            DType::BF16,
+            &[4096, 16384],
+            1,
+            2,
+        )
+        .unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(
+            (rows[0].bytes, rows[0].count, rows[0].dtype),
+            (4096, 2048, "bfloat16")
+        );
+        assert!(rows.iter().all(|r| r.correct && r.algbw > 0.0));
+        // One rank: nothing crosses a bus.
+        assert_eq!(rows[0].busbw, 0.0);
     }
 
     #[test]

@@ -397,6 +397,27 @@ fn meet(
     manifest: &Manifest,
     device: &fleet_topology::DeviceLocation,
 ) -> Result<DataParallel, TrainError> {
+    join(
+        d,
+        format!("{}:{}", manifest.digest(), fleet_dist::commit_id()),
+        format!(
+            "commit {}, run manifest {}",
+            fleet_dist::commit_id(),
+            manifest.digest()
+        ),
+        device,
+    )
+}
+
+/// Meets the other ranks, which must all give the same `fingerprint` (`describe` says in
+/// words what it stands for, for the error naming a rank that differs), and opens the
+/// collectives: NCCL's when `device` is a GPU, TCP's on the CPU.
+pub fn join(
+    d: &DistOptions,
+    fingerprint: String,
+    describe: String,
+    device: &fleet_topology::DeviceLocation,
+) -> Result<DataParallel, TrainError> {
     let on_gpu = device.cuda_ordinal().is_some();
     let payload = if d.world.is_main() && on_gpu {
         Some(nccl_id()?)
@@ -404,12 +425,8 @@ fn meet(
         None
     };
     let options = fleet_dist::RendezvousOptions {
-        fingerprint: format!("{}:{}", manifest.digest(), fleet_dist::commit_id()),
-        describe: format!(
-            "commit {}, run manifest {}",
-            fleet_dist::commit_id(),
-            manifest.digest()
-        ),
+        fingerprint,
+        describe,
         timeout: d.rendezvous_timeout,
         failure_timeout: d.failure_timeout,
         ..fleet_dist::RendezvousOptions::default()
@@ -424,6 +441,61 @@ fn meet(
         collective,
         scaling: d.scaling,
     })
+}
+
+/// `gspo-train --bench-all-reduce MAX`: the ranks meet (same MAX and commit on every rank),
+/// open the collectives that training uses on their device (NCCL on a GPU, TCP on the CPU) and
+/// time all-reduce in nccl-tests' terms for sizes from 4 KiB up to `max_bytes` (x4 steps), f32
+/// then bf16. Returns the rows (the same on every rank) and the backend's name.
+pub fn all_reduce_bench(
+    d: &DistOptions,
+    gpu_ids: Option<&[usize]>,
+    max_bytes: usize,
+) -> Result<(Vec<crate::dist::AllReducePerf>, &'static str), TrainError> {
+    let mut topology = Topology::from_devices(&fleet_topology::discover()?);
+    if let Some(ids) = gpu_ids {
+        topology = topology.select(ids)?;
+    }
+    let visible = topology.gpu_ids();
+    let mine = crate::dist::rank_gpus(&d.world, &visible)?.unwrap_or(visible);
+    let location = mine
+        .first()
+        .map_or(fleet_topology::DeviceLocation::Cpu, |&g| {
+            fleet_topology::DeviceLocation::Cuda(g)
+        });
+    let device = match location.cuda_ordinal() {
+        Some(g) => candle_core::Device::new_cuda(g)?,
+        None => candle_core::Device::Cpu,
+    };
+    let dp = join(
+        d,
+        format!("all-reduce bench {max_bytes}:{}", fleet_dist::commit_id()),
+        format!(
+            "commit {}, --bench-all-reduce of {max_bytes} bytes",
+            fleet_dist::commit_id()
+        ),
+        &location,
+    )?;
+    let mut sizes = Vec::new();
+    let mut size = 4096usize.min(max_bytes);
+    while size <= max_bytes {
+        sizes.push(size);
+        size *= 4;
+    }
+    let mut rows = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        rows.extend(crate::dist::bench_all_reduce(
+            dp.collective.as_ref(),
+            &device,
+            dtype,
+            &sizes,
+            5,
+            20,
+        )?);
+    }
+    let backend = dp.collective.backend();
+    dp.finish()?;
+    Ok((rows, backend))
 }
 
 #[cfg(feature = "nccl")]
@@ -595,6 +667,11 @@ fn plan(
     let mut topology = Topology::from_devices(&fleet_topology::discover()?);
     if let Some(ids) = &opts.gpu_ids {
         topology = topology.select(ids)?;
+    }
+    if let Some(d) = &opts.dist {
+        if let Some(mine) = crate::dist::rank_gpus(&d.world, &topology.gpu_ids())? {
+            topology = topology.select(&mine)?;
+        }
     }
     let mut shape = ModelShape::from_config_file(&files.config)?;
     if let Some(dir) = files.weights.first().and_then(|w| w.parent()) {
