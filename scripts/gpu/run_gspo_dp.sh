@@ -7,6 +7,7 @@
 #   nodes  two launcher invocations (--nnodes 2 over 127.0.0.1, one GPU each) vs one node of two
 #   tput   Qwen2.5-0.5B and 1.5B shapes (random weights, configs/gspo/bench.toml): 1 GPU, 2 GPUs
 #          with the same global batch, 2 GPUs with the per-GPU batch kept (--scale-lr linear)
+#   contention  the 0.5B shape alone, as two independent runs at once, and data-parallel
 #   kill   a 2-GPU 0.5B run: rank 1 killed (SIGKILL) mid-run, then a run with rank 1 stopped
 #          (SIGSTOP): seconds until rank 0 exits, and its error
 #
@@ -115,6 +116,41 @@ if has tput; then
       grep -h "^batch:\|\[rank 0\] batch:" "$R/tput-$shape-$v.log" | head -1
     done
   done
+fi
+
+# Whether two processes slow each other down without any collective: the 0.5B shape alone on
+# GPU 0, then two independent single-GPU runs at once (GPU 0 and GPU 1), with FLEET_PROFILE=1.
+if has contention; then
+  c=$(ckpt 0.5b)
+  common=(--config configs/gspo/bench.toml --model "$c" --dataset "$W/prompts.jsonl" --dtype bf16
+          --max-steps "$TPUT_STEPS")
+  rm -rf "$W/x-"*
+  stamp "contention: 0.5b alone on GPU 0"
+  CUDA_VISIBLE_DEVICES=0 FLEET_PROFILE=1 lim 240 "$BIN" "${common[@]}" --output-dir "$W/x-alone" \
+    > "$R/contention-alone.log" 2>&1; echo "exit $?"
+  stamp "contention: two independent runs at once"
+  CUDA_VISIBLE_DEVICES=0 FLEET_PROFILE=1 lim 240 "$BIN" "${common[@]}" --output-dir "$W/x-pair0" \
+    > "$R/contention-pair0.log" 2>&1 &
+  p0=$!
+  CUDA_VISIBLE_DEVICES=1 FLEET_PROFILE=1 lim 240 "$BIN" "${common[@]}" --output-dir "$W/x-pair1" \
+    > "$R/contention-pair1.log" 2>&1 &
+  p1=$!
+  wait "$p0"; wait "$p1"
+  stamp "contention: 2 GPUs data-parallel, --scale-lr linear, profiled"
+  FLEET_PROFILE=1 lim 240 "$BIN" --nproc-per-node 2 --master-port 29619 "${common[@]}" --scale-lr linear \
+    --output-dir "$W/x-dp" > "$R/contention-dp.log" 2>&1; echo "exit $?"
+  for v in alone pair0 pair1 dp; do
+    cp "$W/x-$v/metrics.jsonl" "$R/contention-$v.metrics.jsonl" 2>/dev/null
+    python3 -c "
+import json,sys
+m=[json.loads(l) for l in open(sys.argv[1])]
+g=[x['generation_seconds'] for x in m if x['generation_seconds']>0][1:]
+u=[x['update_seconds'] for x in m][4:]
+print(sys.argv[2], 'generation s/batch', [round(v,2) for v in g], 'update s/step', round(sum(u)/max(len(u),1),3))" \
+      "$R/contention-$v.metrics.jsonl" "$v" 2>/dev/null
+    grep -h "profile" "$R/contention-$v.log" | grep -v "rank 1" | head -14
+  done
+  nproc; grep -m3 MHz /proc/cpuinfo
 fi
 
 # Runs the 2-GPU 0.5B training in the background, waits for its third step, sends rank 1 the
