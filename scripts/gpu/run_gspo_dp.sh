@@ -92,7 +92,7 @@ ckpt() { # shape -> random checkpoint dir
     --dtype bf16 > "$R/make-$1.log" 2>&1
   echo "$d"
 }
-if has tput || has kill; then
+if has tput || has kill || has contention; then
   [ -f "$W/prompts.jsonl" ] || python3 scripts/gpu/make_gspo_prompts.py --out "$W/prompts.jsonl" --n 512
 fi
 

@@ -4,7 +4,8 @@
 # Qwen3-VL-8B-shaped checkpoint saved by transformers, PAIRS generated 1024x1024 pairs, VIEScore's
 # two calls per pair with both images in each and 128 new tokens, batch BATCH: one replica on
 # GPU 0, then one replica per GPU on both (the second in a child process).
-# Judging time is edit-score's own (after loading): calls per second = calls / seconds.
+# Judging time is edit-score's own (after loading): calls per second = calls / seconds. A short
+# `edit-score bench` first compiles the PTX, so neither timed run pays the JIT.
 #
 # Carried: dist/carry/edit-score.xz and COMMIT.   PAIRS=128 BATCH=16 bash scripts/gpu/run_judge_scaling.sh
 set -u
@@ -20,6 +21,10 @@ PAIRS="${PAIRS:-128}"; BATCH="${BATCH:-16}"; SHAPE="${SHAPE:-configs/models/qwen
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$R/gpus.txt"
 [ -f "$W/model/config.json" ] || python3 scripts/gpu/make_random_vl_checkpoint.py --config "$SHAPE" \
   --out "$W/model" --pairs "$PAIRS" --image-size 1024 --bench-out "$W/bench" 2>&1 | tail -2 | tee "$R/make.log"
+# A fresh machine compiles fleet's PTX on first use (~15 s, cached for later processes): a short
+# bench first, so that neither timed run pays it.
+"$BIN" bench --config "$SHAPE" --image-size 1024 --batch 2 --samples 2 --new-tokens 8 > "$R/warmup.log" 2>&1
+echo "warm-up exit $?"
 for mode in single data-parallel; do
   rm -rf "$W/out-$mode"
   start=$(date +%s.%N)
