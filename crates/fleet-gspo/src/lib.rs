@@ -115,6 +115,23 @@ pub enum TrainError {
     /// A tensor operation.
     #[error("tensor error: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// An optimizer step's gradients hold NaN or infinite values (the step is not taken).
+    #[error(
+        "step {step}: the gradient norm is {norm} (loss {loss}); first parameters with a NaN or \
+         infinite gradient: {params}. A NaN loss points at the rewards, advantages or \
+         log-probabilities of the batch; a finite loss at the backward pass of these layers \
+         (and their device, with a sharded policy)"
+    )]
+    NonFiniteGradients {
+        /// The optimizer step (1-based) that was not taken.
+        step: u64,
+        /// The step's loss.
+        loss: f64,
+        /// The global gradient norm.
+        norm: f64,
+        /// Names of the first parameters at fault, comma-separated.
+        params: String,
+    },
     /// beta > 0 without a reference model (a bug of the set-up).
     #[error("beta > 0 needs the reference model, which was not loaded")]
     NoReference,

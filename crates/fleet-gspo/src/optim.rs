@@ -244,6 +244,27 @@ impl Gradients {
         self.grads.iter().map(Option::as_ref)
     }
 
+    /// Indices of the entries that hold a NaN or an infinity (at most `limit` of them), for an
+    /// error that names the parameters.
+    pub fn non_finite(&self, limit: usize) -> Result<Vec<usize>, OptimError> {
+        let mut out = Vec::new();
+        for (i, g) in self.grads.iter().enumerate() {
+            let Some(g) = g else { continue };
+            let sum = g
+                .to_dtype(candle_core::DType::F32)?
+                .abs()?
+                .sum_all()?
+                .to_scalar::<f32>()?;
+            if !sum.is_finite() {
+                out.push(i);
+                if out.len() == limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Adds `other` entry by entry (gradient accumulation over micro-batches).
     pub fn accumulate(&mut self, other: &Gradients) -> Result<(), OptimError> {
         if self.grads.is_empty() {
@@ -729,6 +750,25 @@ mod tests {
 
     fn values(v: &Var) -> Vec<f32> {
         v.as_tensor().to_vec1::<f32>().unwrap()
+    }
+
+    #[test]
+    fn non_finite_gradients_are_found_by_index() {
+        let dev = Device::Cpu;
+        let t = |v: &[f32]| Some(Tensor::new(v, &dev).unwrap());
+        let g = Gradients::new(vec![
+            t(&[1.0, 2.0]),
+            None,
+            t(&[f32::NAN, 0.0]),
+            t(&[0.5]),
+            t(&[f32::INFINITY]),
+        ]);
+        assert_eq!(g.non_finite(8).unwrap(), vec![2, 4]);
+        assert_eq!(g.non_finite(1).unwrap(), vec![2]);
+        assert!(Gradients::new(vec![t(&[1.0])])
+            .non_finite(8)
+            .unwrap()
+            .is_empty());
     }
 
     #[test]

@@ -33,7 +33,7 @@ use crate::dataset::{PromptDataset, PromptSampler, Sample};
 use crate::dist::{BatchLayout, DataParallel, Shares};
 use crate::loss::{completion_mask, policy_loss, LossConfig, LossInputs, LossMetrics};
 use crate::metrics::{CompletionStats, MetricsLog, StepMetrics, StepParts, StepTimings};
-use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule};
+use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule, OptimError};
 use crate::prompt::RenderedPrompt;
 use crate::rewards::{BatchRewards, WeightedSum};
 use crate::TrainError;
@@ -185,10 +185,28 @@ impl Trainer {
                 timer.stop(self)?;
                 let timer = Stage::start(self, "optim.2_clip");
                 let mut g = Gradients::new(std::mem::take(&mut grads));
-                let grad_norm = if cfg.max_grad_norm > 0.0 {
-                    clip_grad_norm(&mut g, cfg.max_grad_norm)?
+                let grad_norm = match if cfg.max_grad_norm > 0.0 {
+                    clip_grad_norm(&mut g, cfg.max_grad_norm)
                 } else {
-                    crate::optim::grad_norm(&g)?
+                    crate::optim::grad_norm(&g)
+                } {
+                    Ok(n) if n.is_finite() => n,
+                    Ok(norm) | Err(OptimError::NonFiniteGradNorm { norm }) => {
+                        let names = self.optimizer.params();
+                        let params = g
+                            .non_finite(3)?
+                            .into_iter()
+                            .map(|i| names[i].0.clone())
+                            .collect::<Vec<_>>()
+                            .join(", ");
+                        return Err(TrainError::NonFiniteGradients {
+                            step: self.state.step + 1,
+                            loss: step_loss,
+                            norm,
+                            params,
+                        });
+                    }
+                    Err(e) => return Err(e.into()),
                 };
                 timer.stop(self)?;
                 let timer = Stage::start(self, "optim.3_adamw");
