@@ -494,7 +494,7 @@ pub mod nccl {
     //! the thread that uses it, on candle's stream), with fleet-dist's TCP group for the small
     //! metadata and the communicator's unique id.
 
-    use std::sync::Arc;
+    use std::rc::Rc;
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
@@ -516,7 +516,7 @@ pub mod nccl {
     /// NCCL for the tensors, TCP for the rest.
     pub struct NcclCollective {
         tcp: TcpCollective,
-        comm: Arc<Comm>,
+        comm: Rc<Comm>,
     }
 
     impl NcclCollective {
@@ -548,7 +548,7 @@ pub mod nccl {
             .map_err(|e| TrainError::Setup(format!("ncclCommInitRank: {e:?}")))?;
             Ok(Self {
                 tcp: TcpCollective::new(group),
-                comm: Arc::new(comm),
+                comm: Rc::new(comm),
             })
         }
 
@@ -569,7 +569,7 @@ pub mod nccl {
 
     /// One NCCL call on a tensor's storage, in place, on candle's stream.
     struct NcclOp {
-        comm: Arc<Comm>,
+        comm: Rc<Comm>,
         op: Op,
     }
 

@@ -503,7 +503,10 @@ impl Trainer {
         for chunk in rows.chunks(self.layout.per_rank_micro_batch.max(1)) {
             let batch = self.token_batch(r, chunk, width)?;
             let lp = model.logprobs(&batch, self.config.temperature)?;
-            parts.push(lp.logp.to_device(&self.policy_head_device())?);
+            parts.push(fleet_models::device::transfer(
+                &lp.logp,
+                &self.policy_head_device(),
+            )?);
         }
         Ok(Tensor::cat(&parts, 0)?)
     }

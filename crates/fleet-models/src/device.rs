@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use fleet_topology::{DeviceLocation, DeviceMap};
 
 use crate::error::{ModelError, Result};
@@ -91,6 +91,31 @@ fn skip_event_tracking(dev: &Device) {
     }
     #[cfg(not(feature = "cuda"))]
     let _ = dev;
+}
+
+/// `t` on `dev`, safe to use while the caller runs ahead of the GPUs.
+///
+/// Between two GPUs candle copies on the destination's stream, after an event of the source's
+/// stream, but frees the source buffer on the source's stream as soon as the tensor is dropped.
+/// Work queued later on the source GPU (the next micro-batch, the next chunk of the head) can
+/// then be given that memory and overwrite it before the destination's stream, still busy with
+/// earlier work, performs the copy: a sharded policy's gradients came back NaN. Here the source
+/// stream also waits for the copy, so the buffer's reuse is ordered after it. No host sync.
+pub fn transfer(t: &Tensor, dev: &Device) -> Result<Tensor> {
+    let out = t.to_device(dev)?;
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(src), Device::Cuda(dst)) = (t.device(), dev) {
+        if !t.device().same_device(dev) {
+            let copied = dst
+                .cuda_stream()
+                .record_event(None)
+                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+            src.cuda_stream()
+                .wait(&copied)
+                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+        }
+    }
+    Ok(out)
 }
 
 /// Parses `f32`, `f16`, `bf16` (and the transformers spellings `float32`, `bfloat16`, …).

@@ -590,7 +590,7 @@ impl QwenModel {
         let lm_head_w = if let Some(labels) = cfg.classifier_labels() {
             head.linear("score", hs, labels, false)?.0
         } else if cfg.tie_word_embeddings {
-            embed_w.to_device(head.device)?
+            crate::device::transfer(&embed_w, head.device)?
         } else {
             head.linear("lm_head", hs, vocab, false)?.0
         };
@@ -846,8 +846,10 @@ impl QwenModel {
         for (i, layer) in self.layers.iter().enumerate() {
             let dev = self.devices.get(layer.location);
             if !x.device().same_device(dev) {
-                x = x.to_device(dev)?;
-                pending = pending.map(|p| p.to_device(dev)).transpose()?;
+                x = crate::device::transfer(&x, dev)?;
+                pending = pending
+                    .map(|p| crate::device::transfer(&p, dev))
+                    .transpose()?;
             }
             if !per_device.iter().any(|(l, ..)| *l == layer.location) {
                 let tables = &self
@@ -872,8 +874,9 @@ impl QwenModel {
                 // tokens: materialise x + mlp first so the roundings match.
                 let hidden = x.dim(2)?;
                 let h = (&x + pending.take().expect("set above"))?;
-                let feats = ds.features[i].to_device(x.device())?.to_dtype(h.dtype())?;
-                let index = ds.index.to_device(x.device())?;
+                let feats =
+                    crate::device::transfer(&ds.features[i], x.device())?.to_dtype(h.dtype())?;
+                let index = crate::device::transfer(ds.index, x.device())?;
                 let add = Tensor::zeros((b * q_len, hidden), h.dtype(), x.device())?
                     .index_add(&index, &feats, 0)?
                     .reshape((b, q_len, hidden))?;
@@ -884,8 +887,10 @@ impl QwenModel {
 
         let head_dev = self.output_device();
         if !x.device().same_device(head_dev) {
-            x = x.to_device(head_dev)?;
-            pending = pending.map(|p| p.to_device(head_dev)).transpose()?;
+            x = crate::device::transfer(&x, head_dev)?;
+            pending = pending
+                .map(|p| crate::device::transfer(&p, head_dev))
+                .transpose()?;
         }
         if last_only {
             x = x.i((.., q_len - 1..q_len, ..))?;

@@ -360,7 +360,7 @@ impl TrainableQwen {
             let (e, _) =
                 self.loader(w, self.map.embed)
                     .linear("model.embed_tokens", hs, vocab, false)?;
-            e.to_device(head.device)?
+            crate::device::transfer(&e, head.device)?
         } else {
             head.linear("lm_head", hs, vocab, false)?.0
         };
@@ -439,7 +439,7 @@ impl TrainableQwen {
         let (b, c, h) = (batch.rows(), batch.completion_len(), self.cfg.hidden_size);
         let dev = self.devices.get(self.map.head);
         let pick = |t: &Tensor| -> Result<Tensor> {
-            Ok(t.to_device(dev)?
+            Ok(crate::device::transfer(t, dev)?
                 .narrow(1, batch.prompt_len - 1, c)?
                 .contiguous()?
                 .reshape((b * c, h))?)
@@ -493,8 +493,10 @@ impl TrainableQwen {
         for i in 0..self.cfg.num_hidden_layers {
             let layer = self.block(&w, i)?;
             let dev = self.devices.get(layer.location);
-            x = x.to_device(dev)?;
-            pending = pending.map(|p| p.to_device(dev)).transpose()?;
+            x = crate::device::transfer(&x, dev)?;
+            pending = pending
+                .map(|p| crate::device::transfer(&p, dev))
+                .transpose()?;
             let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
             x = nx;
             pending = Some(mlp);
@@ -578,8 +580,10 @@ impl TrainableQwen {
             for i in 0..self.cfg.num_hidden_layers {
                 let layer = self.block(&detached, i)?;
                 let dev = self.devices.get(layer.location);
-                x = x.to_device(dev)?;
-                pending = pending.map(|p| p.to_device(dev)).transpose()?;
+                x = crate::device::transfer(&x, dev)?;
+                pending = pending
+                    .map(|p| crate::device::transfer(&p, dev))
+                    .transpose()?;
                 if i % segment == 0 {
                     starts.push((x.clone(), pending.clone()));
                 }
@@ -652,11 +656,13 @@ impl TrainableQwen {
             })?;
             let g = profile::time(&head_dev, "head.backward", || {
                 let grad_h = grad_logits.matmul(&lm_w)?;
-                let grad_w = grad_logits
-                    .t()?
-                    .matmul(&h.detach())?
-                    .to_dtype(self.params[lm_idx].var.dtype())?
-                    .to_device(self.params[lm_idx].var.device())?;
+                let grad_w = crate::device::transfer(
+                    &grad_logits
+                        .t()?
+                        .matmul(&h.detach())?
+                        .to_dtype(self.params[lm_idx].var.dtype())?,
+                    self.params[lm_idx].var.device(),
+                )?;
                 grads[lm_idx] = Some(match grads[lm_idx].take() {
                     Some(acc) => (acc + grad_w)?,
                     None => grad_w,
@@ -716,15 +722,17 @@ impl TrainableQwen {
                 for i in first..last {
                     let layer = self.block(&tracked, i)?;
                     let dev = self.devices.get(layer.location);
-                    x = x.to_device(dev)?;
-                    pending = pending.map(|p| p.to_device(dev)).transpose()?;
+                    x = crate::device::transfer(&x, dev)?;
+                    pending = pending
+                        .map(|p| crate::device::transfer(&p, dev))
+                        .transpose()?;
                     let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
                     x = nx;
                     pending = Some(mlp);
                 }
                 Ok((x, pending.expect("a segment has at least one block")))
             })?;
-            let g_here = g.to_device(x.device())?.to_dtype(x.dtype())?;
+            let g_here = crate::device::transfer(&g, x.device())?.to_dtype(x.dtype())?;
             let gs = profile::time(&seg_dev, "train.4b_blocks_backward", || {
                 let surrogate = (crate::ops::sum_all_fast(&(x * &g_here)?)?
                     + crate::ops::sum_all_fast(&(pending * &g_here)?)?)?;
@@ -745,7 +753,7 @@ impl TrainableQwen {
 
         // 5. The embedding.
         let embedded = self.embedding(&tracked)?.forward(&ids)?;
-        let g = g.to_device(embedded.device())?.to_dtype(embedded.dtype())?;
+        let g = crate::device::transfer(&g, embedded.device())?.to_dtype(embedded.dtype())?;
         let gs = crate::ops::sum_all_fast(&(embedded * g)?)?.backward()?;
         self.collect(&gs, |p| p == Part::Embed, grads)?;
 

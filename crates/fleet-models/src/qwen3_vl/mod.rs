@@ -382,7 +382,7 @@ impl Qwen3VlModel {
                 keep[s as usize] = 0.0;
             }
             let keep = Tensor::from_vec(keep, (b * len, 1), &dev)?.to_dtype(x.dtype())?;
-            let feats = out.features.to_device(&dev)?.to_dtype(x.dtype())?;
+            let feats = crate::device::transfer(&out.features, &dev)?.to_dtype(x.dtype())?;
             x = x
                 .reshape((b * len, hidden))?
                 .broadcast_mul(&keep)?
