@@ -15,8 +15,9 @@
 //! A worker serves one of two kinds of replica ([`ReplicaKind`]): a text model
 //! ([`crate::TextModel`], batches of [`GenerationRequest`]s) or a Qwen3-VL model
 //! ([`crate::VisionLanguageModel`], batches of [`crate::vl_replicas::VlRequest`]s: chat
-//! messages with their images sent as PNG bytes, lossless, so the worker's preprocessing — the
-//! checkpoint's own, fixed by its preprocessor_config.json — sees the pixels the parent has).
+//! messages with their images as raw RGB8 files in /dev/shm, lossless, so the worker's
+//! preprocessing — the checkpoint's own, fixed by its preprocessor_config.json — sees the
+//! pixels the parent has).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -24,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use crate::vl_replicas::{generate_vl, VlOutcome, VlRequest, WireVlRequest};
+use crate::vl_replicas::{generate_vl, Spool, VlOutcome, VlRequest, WireVlRequest};
 use crate::{
     DeviceMap, GenerationOutput, GenerationRequest, HubOptions, LoadOptions, ModelError, Result,
     TextModel, VisionLanguageModel,
@@ -188,7 +189,7 @@ fn serve_vl_batch(model: &VisionLanguageModel, batch: Vec<WireVlRequest>) -> Wor
     let mut outcomes: Vec<Option<VlOutcome>> = vec![None; n];
     let mut requests = Vec::with_capacity(n);
     let mut index = Vec::with_capacity(n);
-    // Decoded in parallel, as the parent encoded them.
+    // Read in parallel, as the parent wrote them.
     let decoded: Vec<_> = batch
         .into_par_iter()
         .map(WireVlRequest::into_request)
@@ -358,12 +359,13 @@ impl ReplicaProcess {
     /// `Err` when the whole batch failed (or the worker stopped).
     pub(crate) fn generate_vl(&mut self, batch: &[VlRequest]) -> Result<Vec<VlOutcome>> {
         self.expect_kind(ReplicaKind::VisionLanguage)?;
-        // PNG-encoding a batch's images (32 of 1024x1024 for 16 judge calls) one after the
-        // other held the worker's GPU idle for a second per batch: in parallel.
+        // The images go as raw pixel files (see `WireVlRequest`), written in parallel; the
+        // spool removes what the worker has not.
         use rayon::prelude::*;
+        let spool = Spool::new();
         let wire = batch
             .par_iter()
-            .map(WireVlRequest::from_request)
+            .map(|r| WireVlRequest::from_request(r, &spool))
             .collect::<Result<Vec<_>>>()?;
         match self.call(&wire)? {
             WorkerReply::Outcomes(out) if out.len() == batch.len() => Ok(out),

@@ -154,6 +154,17 @@ fn vl_replicas_in_processes_generate_what_one_model_generates() {
     assert!(err.contains("request 1") && err.contains("image"), "{err}");
     assert_eq!(got[0].as_ref().unwrap().token_ids, expected[0].token_ids);
     assert_eq!(got[3].as_ref().unwrap().token_ids, expected[3].token_ids);
+    // The images travelled as pixel files; none is left behind.
+    let prefix = format!("fleet-vl-{}-", std::process::id());
+    for dir in [std::path::PathBuf::from("/dev/shm"), std::env::temp_dir()] {
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .collect();
+        assert!(left.is_empty(), "left in {}: {left:?}", dir.display());
+    }
 }
 
 fn a_vl_replica_process_that_dies_is_an_error_naming_it() {
