@@ -111,7 +111,12 @@ if has tput; then
     stamp "tput $shape: 2 GPUs, per-GPU batch kept (--scale-lr linear)"
     lim 240 "$BIN" --nproc-per-node 2 --master-port 29617 "${common[@]}" --scale-lr linear \
       --output-dir "$W/t-$shape-2linear" > "$R/tput-$shape-2linear.log" 2>&1; echo "exit $?"
-    for v in 1 2fixed 2linear; do
+    # The single-GPU run again: generation times of one shape differed by 20% between calls,
+    # so the reference is taken before and after the two-GPU runs.
+    stamp "tput $shape: 1 GPU again"
+    CUDA_VISIBLE_DEVICES=0 lim 240 "$BIN" "${common[@]}" --output-dir "$W/t-$shape-1again" \
+      > "$R/tput-$shape-1again.log" 2>&1; echo "exit $?"
+    for v in 1 2fixed 2linear 1again; do
       cp "$W/t-$shape-$v/metrics.jsonl" "$R/tput-$shape-$v.metrics.jsonl" 2>/dev/null
       grep -h "^batch:\|\[rank 0\] batch:" "$R/tput-$shape-$v.log" | head -1
     done
@@ -234,6 +239,8 @@ for f in sorted(r.glob("tput-*.metrics.jsonl")):
                                            "completions_per_s": completions / sec if sec else None, "batches_timed": len(later),
                                            "reward_mean": sum(x.get("reward") or 0 for x in m) / len(m)}
 for shape, v in tput.items():
+    if "1again" in v and "1" in v:
+        v["1_before_after"] = [v["1"]["completions_per_s"], v.pop("1again")["completions_per_s"]]
     if "1" in v and v["1"]["completions_per_s"]:
         for k in ("2fixed", "2linear"):
             if k in v and v[k]["completions_per_s"]:
