@@ -67,13 +67,18 @@ pub trait Collective {
         let mut out = Vec::with_capacity(dense.len());
         for bucket in buckets(&dense, GRAD_BUCKET_BYTES / 4) {
             let part = &dense[bucket];
-            // `cat` makes a fresh buffer: backward may hand two parameters the same storage,
-            // which an in-place sum would otherwise add twice.
             let flat: Vec<Tensor> = part
                 .iter()
                 .map(|g| g.to_dtype(DType::F32)?.flatten_all())
                 .collect::<candle_core::Result<_>>()?;
-            let sums = self.all_reduce_sum(Tensor::cat(&flat, 0)?)?;
+            // A buffer of our own: NCCL sums in place, and backward may hand two parameters the
+            // same storage, which would then be added twice. `cat` copies, except a bucket of
+            // one tensor, which it returns as it is.
+            let own = match flat.as_slice() {
+                [one] => one.copy()?,
+                _ => Tensor::cat(&flat, 0)?,
+            };
+            let sums = self.all_reduce_sum(own)?;
             let mut at = 0;
             for g in part {
                 let n = g.elem_count();
@@ -766,6 +771,87 @@ mod tests {
         );
         assert_eq!(grads[0].as_ref().unwrap().dims(), &[2, 3]);
         assert_eq!(grads[2].as_ref().unwrap().dims(), &[1, 1]);
+    }
+
+    /// Doubles a CPU f32 tensor in place, as NCCL sums in place (two ranks, equal gradients).
+    struct DoubleInPlace;
+
+    impl candle_core::InplaceOp1 for DoubleInPlace {
+        fn name(&self) -> &'static str {
+            "double"
+        }
+        fn cpu_fwd(
+            &self,
+            s: &mut candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<()> {
+            if let candle_core::CpuStorage::F32(v) = s {
+                v.iter_mut().for_each(|x| *x *= 2.0);
+            }
+            Ok(())
+        }
+    }
+
+    /// Two ranks with the same gradients, summed in place like NCCL.
+    struct InPlaceCollective(World);
+
+    impl Collective for InPlaceCollective {
+        fn world(&self) -> &World {
+            &self.0
+        }
+        fn all_gather_bytes(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, TrainError> {
+            Ok(vec![mine])
+        }
+        fn broadcast_bytes(&self, mine: Option<Vec<u8>>) -> Result<Vec<u8>, TrainError> {
+            Ok(mine.unwrap_or_default())
+        }
+        fn all_reduce_f64(&self, _: &mut [f64]) -> Result<(), TrainError> {
+            Ok(())
+        }
+        fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor, TrainError> {
+            t.inplace_op1(&DoubleInPlace)?;
+            Ok(t)
+        }
+        fn broadcast_vars(&self, _: &[Var]) -> Result<(), TrainError> {
+            Ok(())
+        }
+        fn backend(&self) -> &'static str {
+            "in-place"
+        }
+        fn finish(self: Box<Self>) -> Result<(), TrainError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn in_place_sums_never_write_into_the_gradients_given() {
+        let dev = candle_core::Device::Cpu;
+        let g = Tensor::new(&[1f32, 2., 3.], &dev).unwrap();
+        // One parameter: a bucket of one tensor, which `cat` would hand back as it is.
+        let one = [Var::zeros(3, DType::F32, &dev).unwrap()];
+        let mut grads: ParamGrads = vec![Some(g.clone())];
+        InPlaceCollective(World::single())
+            .all_reduce_grads(&mut grads, &one)
+            .unwrap();
+        let summed: Vec<f32> = grads[0].as_ref().unwrap().to_vec1().unwrap();
+        assert_eq!(summed, vec![2., 4., 6.]);
+        assert_eq!(g.to_vec1::<f32>().unwrap(), vec![1., 2., 3.]);
+        // Two parameters handed the same storage by backward: each summed once.
+        let two = [
+            Var::zeros(3, DType::F32, &dev).unwrap(),
+            Var::zeros(3, DType::F32, &dev).unwrap(),
+        ];
+        let mut grads: ParamGrads = vec![Some(g.clone()), Some(g.clone())];
+        InPlaceCollective(World::single())
+            .all_reduce_grads(&mut grads, &two)
+            .unwrap();
+        for s in &grads {
+            assert_eq!(
+                s.as_ref().unwrap().to_vec1::<f32>().unwrap(),
+                vec![2., 4., 6.]
+            );
+        }
+        assert_eq!(g.to_vec1::<f32>().unwrap(), vec![1., 2., 3.]);
     }
 
     /// One rank alone: every collective is the identity.

@@ -443,6 +443,24 @@ pub fn join(
     })
 }
 
+/// The GPUs this process may use: the visible ones, `gpu_ids` of them when given, and of those
+/// a data-parallel rank's own slice ([`crate::dist::rank_gpus`]).
+fn rank_topology(
+    gpu_ids: Option<&[usize]>,
+    dist: Option<&DistOptions>,
+) -> Result<Topology, TrainError> {
+    let mut topology = Topology::from_devices(&fleet_topology::discover()?);
+    if let Some(ids) = gpu_ids {
+        topology = topology.select(ids)?;
+    }
+    if let Some(d) = dist {
+        if let Some(mine) = crate::dist::rank_gpus(&d.world, &topology.gpu_ids())? {
+            topology = topology.select(&mine)?;
+        }
+    }
+    Ok(topology)
+}
+
 /// `gspo-train --bench-all-reduce MAX`: the ranks meet (same MAX and commit on every rank),
 /// open the collectives that training uses on their device (NCCL on a GPU, TCP on the CPU) and
 /// time all-reduce in nccl-tests' terms for sizes from 4 KiB up to `max_bytes` (x4 steps), f32
@@ -452,13 +470,8 @@ pub fn all_reduce_bench(
     gpu_ids: Option<&[usize]>,
     max_bytes: usize,
 ) -> Result<(Vec<crate::dist::AllReducePerf>, &'static str), TrainError> {
-    let mut topology = Topology::from_devices(&fleet_topology::discover()?);
-    if let Some(ids) = gpu_ids {
-        topology = topology.select(ids)?;
-    }
-    let visible = topology.gpu_ids();
-    let mine = crate::dist::rank_gpus(&d.world, &visible)?.unwrap_or(visible);
-    let location = mine
+    let location = rank_topology(gpu_ids, Some(d))?
+        .gpu_ids()
         .first()
         .map_or(fleet_topology::DeviceLocation::Cpu, |&g| {
             fleet_topology::DeviceLocation::Cuda(g)
@@ -664,15 +677,7 @@ fn plan(
     files: &CheckpointFiles,
     longest_prompt: usize,
 ) -> Result<TrainingPlan, TrainError> {
-    let mut topology = Topology::from_devices(&fleet_topology::discover()?);
-    if let Some(ids) = &opts.gpu_ids {
-        topology = topology.select(ids)?;
-    }
-    if let Some(d) = &opts.dist {
-        if let Some(mine) = crate::dist::rank_gpus(&d.world, &topology.gpu_ids())? {
-            topology = topology.select(&mine)?;
-        }
-    }
+    let topology = rank_topology(opts.gpu_ids.as_deref(), opts.dist.as_ref())?;
     let mut shape = ModelShape::from_config_file(&files.config)?;
     if let Some(dir) = files.weights.first().and_then(|w| w.parent()) {
         shape = shape.with_checkpoint(fleet_topology::CheckpointParams::from_dir(dir)?)?;

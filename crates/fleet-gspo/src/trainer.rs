@@ -185,11 +185,12 @@ impl Trainer {
                 timer.stop(self)?;
                 let timer = Stage::start(self, "optim.2_clip");
                 let mut g = Gradients::new(std::mem::take(&mut grads));
-                let grad_norm = match if cfg.max_grad_norm > 0.0 {
+                let norm = if cfg.max_grad_norm > 0.0 {
                     clip_grad_norm(&mut g, cfg.max_grad_norm)
                 } else {
                     crate::optim::grad_norm(&g)
-                } {
+                };
+                let grad_norm = match norm {
                     Ok(n) if n.is_finite() => n,
                     Ok(norm) | Err(OptimError::NonFiniteGradNorm { norm }) => {
                         let names = self.optimizer.params();
