@@ -718,7 +718,10 @@ fn a_failing_judge_in_a_pool_hands_its_batches_to_the_other_and_is_reported() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let mut broken = Scripted::new("broken", MODEL, table.clone(), seen.clone());
     broken.fail_all = true;
-    let good = Scripted::new("good", MODEL, table.clone(), seen.clone());
+    let mut good = Scripted::new("good", MODEL, table.clone(), seen.clone());
+    // The good replica starts only once the broken one has failed a batch: otherwise it
+    // may take all six before the broken one asks for any.
+    good.wait_for = Some(broken.failed.clone());
     let loaded = load(&bench);
     let out = dir.path().join("out");
     let session = Session::open(&out, spec(prompts, MODEL), &SessionOptions::default()).unwrap();

@@ -9,7 +9,9 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use fleet_judge::benchmark::{load_jsonl, Loaded};
 use fleet_judge::judge::{Decoding, Judge, JudgeReply, JudgeRequest, Part};
@@ -155,6 +157,11 @@ pub struct Scripted {
     pub seen: Arc<Mutex<Vec<Seen>>>,
     /// Fail every batch (a broken replica).
     pub fail_all: bool,
+    /// Raised by a `fail_all` double when it has failed a batch.
+    pub failed: Arc<AtomicBool>,
+    /// Hold the first batch until this flag is raised (so a test decides which replica
+    /// gets work first instead of racing for it); gives up after ten seconds.
+    pub wait_for: Option<Arc<AtomicBool>>,
 }
 
 impl Scripted {
@@ -165,6 +172,8 @@ impl Scripted {
             table,
             seen,
             fail_all: false,
+            failed: Arc::new(AtomicBool::new(false)),
+            wait_for: None,
         }
     }
 }
@@ -179,7 +188,14 @@ impl Judge for Scripted {
         batch: &[JudgeRequest],
         decoding: &Decoding,
     ) -> Vec<Result<JudgeReply, String>> {
+        if let Some(flag) = self.wait_for.take() {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !flag.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         if self.fail_all {
+            self.failed.store(true, Ordering::SeqCst);
             return batch
                 .iter()
                 .map(|_| {
