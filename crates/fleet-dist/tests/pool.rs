@@ -1,5 +1,6 @@
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use fleet_dist::{BoxError, DistError, ItemResult, PoolOptions, ReplicaPool, Worker};
 
@@ -16,6 +17,11 @@ struct Sq {
     delay: Duration,
     fail_on: Vec<u64>,
     panic: bool,
+    /// Raised when this worker has failed an item.
+    failed: Arc<AtomicBool>,
+    /// Hold the first item until this flag is raised (at most ten seconds), so a test
+    /// decides which worker gets work first instead of racing for it.
+    wait_for: Option<Arc<AtomicBool>>,
 }
 
 impl Sq {
@@ -25,6 +31,8 @@ impl Sq {
             delay: Duration::from_millis(delay_ms),
             fail_on: Vec::new(),
             panic: false,
+            failed: Arc::new(AtomicBool::new(false)),
+            wait_for: None,
         }
     }
 }
@@ -34,8 +42,15 @@ impl Worker<u64, (u64, usize)> for Sq {
         format!("GPU {}", self.id)
     }
     fn process(&mut self, item: &u64) -> Result<(u64, usize), BoxError> {
+        if let Some(flag) = self.wait_for.take() {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !flag.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         std::thread::sleep(self.delay);
         if self.fail_on.contains(item) {
+            self.failed.store(true, Ordering::SeqCst);
             if self.panic {
                 panic!("boom on {item}");
             }
@@ -84,7 +99,9 @@ fn faster_worker_takes_more_items() {
 fn failed_item_is_retried_on_another_worker_and_failing_worker_stops() {
     let mut bad = Sq::new(0, 0);
     bad.fail_on = (0..100).collect();
-    let workers = vec![bad, Sq::new(1, 1)];
+    let mut good = Sq::new(1, 1);
+    good.wait_for = Some(bad.failed.clone());
+    let workers = vec![bad, good];
     let items: Vec<u64> = (0..10).collect();
     let out = ReplicaPool::run(workers, items, &opts()).unwrap();
     assert_eq!(out.report.items_done, 10);
@@ -102,7 +119,9 @@ fn failed_item_is_retried_on_another_worker_and_failing_worker_stops() {
 fn worker_keeps_going_when_configured() {
     let mut bad = Sq::new(0, 0);
     bad.fail_on = vec![3];
-    let workers = vec![bad, Sq::new(1, 3)];
+    let mut good = Sq::new(1, 3);
+    good.wait_for = Some(bad.failed.clone());
+    let workers = vec![bad, good];
     let items: Vec<u64> = (0..20).collect();
     let o = PoolOptions {
         stop_worker_on_error: false,
