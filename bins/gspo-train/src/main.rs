@@ -134,6 +134,10 @@ struct Cli {
     /// Print where everything goes and what it costs per device, then stop (loads nothing).
     #[arg(long)]
     plan: bool,
+    /// With --plan: plan for the GPUs of this topology file (configs/topologies/*.toml)
+    /// instead of this machine's, e.g. to size a run before renting the machine.
+    #[arg(long, requires = "plan")]
+    topology: Option<PathBuf>,
     /// Continue from the newest checkpoint in the output directory.
     #[arg(long)]
     resume: bool,
@@ -264,9 +268,12 @@ fn run(cli: &Cli) -> Result<()> {
              checkpoint to train"
         ),
     };
-    let gpus = fleet_topology::discover()?
-        .iter()
-        .any(|d| d.location.cuda_ordinal().is_some());
+    let gpus = match &cli.topology {
+        Some(path) => !fleet_topology::Topology::from_file(path)?.gpus.is_empty(),
+        None => fleet_topology::discover()?
+            .iter()
+            .any(|d| d.location.cuda_ordinal().is_some()),
+    };
     let dtype = match &cli.dtype {
         Some(d) => fleet_models::parse_dtype(d)?,
         None if gpus => candle_core::DType::BF16,
@@ -287,6 +294,7 @@ fn run(cli: &Cli) -> Result<()> {
         resume: cli.resume,
         overwrite: cli.overwrite,
         plan_only: cli.plan,
+        topology: cli.topology.clone(),
         dist: dist_options(cli)?,
     };
     let is_main = opts.dist.as_ref().is_none_or(|d| d.world.is_main());

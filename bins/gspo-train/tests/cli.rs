@@ -311,6 +311,48 @@ fn plan_says_what_fits_where_without_loading() {
     assert!(out.to_lowercase().contains("weights"), "{out}");
 }
 
+/// `--plan --topology`: a plan for GPUs this machine does not have, from a checkpoint directory
+/// without weights (config.json and the tokenizer are enough); `--topology` alone is refused.
+#[test]
+fn plan_for_a_topology_file_needs_no_weights_and_no_gpus() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("qwen2.5-1.5b");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        repo().join("configs/models/qwen2.5-1.5b.json"),
+        model.join("config.json"),
+    )
+    .unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(
+            repo().join("tests/fixtures/qwen2-tiny").join(f),
+            model.join(f),
+        )
+        .unwrap();
+    }
+    let dataset = repo().join("assets/gspo-default/train.jsonl");
+    let topology = repo().join("configs/topologies/h200-2x.toml");
+    let args = [
+        "--model",
+        model.to_str().unwrap(),
+        "--dataset",
+        dataset.to_str().unwrap(),
+        "--gpu-mode",
+        "2gpu",
+        "--topology",
+        topology.to_str().unwrap(),
+    ];
+    let mut with_plan = args.to_vec();
+    with_plan.push("--plan");
+    let out = ok(&run(&with_plan));
+    assert!(out.contains("cuda:0") && out.contains("cuda:1"), "{out}");
+    assert!(out.contains("sized from config.json"), "{out}");
+    // The compute dtype a GPU run would use: bf16.
+    assert!(out.contains("bf16 compute"), "{out}");
+    let err = fails(&run(&args));
+    assert!(err.contains("--plan"), "{err}");
+}
+
 /// The bundled model's directory (as the embedded default writes it).
 fn gspo_default_model() -> PathBuf {
     repo().join("assets/gspo-default")

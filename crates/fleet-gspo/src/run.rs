@@ -62,6 +62,9 @@ pub struct RunOptions {
     pub overwrite: bool,
     /// Plan only: say what fits where, load nothing.
     pub plan_only: bool,
+    /// Plan for the GPUs of this topology file (`configs/topologies/`) instead of this
+    /// machine's: for sizing a run on a machine one does not have. Only with `plan_only`.
+    pub topology: Option<PathBuf>,
     /// This process as one rank of a data-parallel run (`None`: the only process).
     pub dist: Option<DistOptions>,
 }
@@ -154,9 +157,21 @@ pub fn run_manifest(
 /// Loads, places and checks everything a run needs (see the module docs).
 pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, TrainError> {
     config.validate()?;
+    if let (Some(path), false) = (&opts.topology, opts.plan_only) {
+        return Err(TrainError::Setup(format!(
+            "--topology {} describes GPUs to plan for, not the ones to train on: add --plan, or \
+             leave --topology out to train on this machine's GPUs",
+            path.display()
+        )));
+    }
     let hub = HubOptions::from_env();
     let source = ModelSource::parse(&opts.model, opts.revision.as_deref())?;
-    let files = source.resolve(&hub)?;
+    // A plan needs no weights: their headers when they are here, else config.json.
+    let files = if opts.plan_only {
+        source.resolve_for_plan(&hub)?
+    } else {
+        source.resolve(&hub)?
+    };
     let qwen = QwenConfig::from_file(&files.config)?;
 
     // The data and the rewards first: a bad dataset is found before anything is loaded.
@@ -670,14 +685,24 @@ fn finish(
     })
 }
 
-/// Where the models go on this machine (or on the CPU when it has no GPU).
+/// Where the models go on this machine (or on the CPU when it has no GPU), or on the GPUs of
+/// `opts.topology`.
 fn plan(
     config: &GspoConfig,
     opts: &RunOptions,
     files: &CheckpointFiles,
     longest_prompt: usize,
 ) -> Result<TrainingPlan, TrainError> {
-    let topology = rank_topology(opts.gpu_ids.as_deref(), opts.dist.as_ref())?;
+    let topology = match &opts.topology {
+        Some(path) => {
+            let topology = Topology::from_file(path)?;
+            match &opts.gpu_ids {
+                Some(ids) => topology.select(ids)?,
+                None => topology,
+            }
+        }
+        None => rank_topology(opts.gpu_ids.as_deref(), opts.dist.as_ref())?,
+    };
     let mut shape = ModelShape::from_config_file(&files.config)?;
     if let Some(dir) = files.weights.first().and_then(|w| w.parent()) {
         shape = shape.with_checkpoint(fleet_topology::CheckpointParams::from_dir(dir)?)?;
@@ -704,8 +729,13 @@ fn plan(
             _ => None,
         })
         .map(|(model, revision)| -> Result<ModelShape, TrainError> {
-            let files =
-                ModelSource::parse(model, revision.as_deref())?.resolve(&HubOptions::from_env())?;
+            let source = ModelSource::parse(model, revision.as_deref())?;
+            let hub = HubOptions::from_env();
+            let files = if opts.plan_only {
+                source.resolve_for_plan(&hub)?
+            } else {
+                source.resolve(&hub)?
+            };
             let mut shape = ModelShape::from_config_file(&files.config)?;
             if let Some(dir) = files.weights.first().and_then(|w| w.parent()) {
                 shape = shape.with_checkpoint(fleet_topology::CheckpointParams::from_dir(dir)?)?;

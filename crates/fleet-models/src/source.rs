@@ -46,12 +46,32 @@ impl ModelSource {
     /// Finds (and for the hub, downloads or looks up in the cache) the checkpoint's files.
     pub fn resolve(&self, hub: &HubOptions) -> Result<CheckpointFiles> {
         match self {
-            ModelSource::Local(dir) => {
-                resolve_with(&LocalDir(dir.clone()), &dir.display().to_string())
-            }
+            ModelSource::Local(dir) => resolve_with(
+                &LocalDir(dir.clone()),
+                &dir.display().to_string(),
+                Weights::Required,
+            ),
             ModelSource::Hub { repo, revision } => {
                 let fetcher = HubRepo::new(repo, revision, hub)?;
-                resolve_with(&fetcher, &format!("{repo}@{revision}"))
+                resolve_with(&fetcher, &format!("{repo}@{revision}"), Weights::Required)
+            }
+        }
+    }
+
+    /// The checkpoint's files for planning: as [`ModelSource::resolve`], but the weights are
+    /// neither required nor downloaded. A local directory's safetensors are listed when present
+    /// (a plan then reads their headers); otherwise `weights` is empty and a plan sizes the
+    /// model from config.json.
+    pub fn resolve_for_plan(&self, hub: &HubOptions) -> Result<CheckpointFiles> {
+        match self {
+            ModelSource::Local(dir) => resolve_with(
+                &LocalDir(dir.clone()),
+                &dir.display().to_string(),
+                Weights::IfPresent,
+            ),
+            ModelSource::Hub { repo, revision } => {
+                let fetcher = HubRepo::new(repo, revision, hub)?;
+                resolve_with(&fetcher, &format!("{repo}@{revision}"), Weights::Skip)
             }
         }
     }
@@ -194,32 +214,31 @@ impl FileFetcher for LocalDir {
 const INDEX: &str = "model.safetensors.index.json";
 const SINGLE: &str = "model.safetensors";
 
-fn resolve_with(f: &dyn FileFetcher, origin: &str) -> Result<CheckpointFiles> {
+/// What [`resolve_with`] does about the weights.
+#[derive(Clone, Copy, PartialEq)]
+enum Weights {
+    /// Every shard must be there (fetched from the hub if need be).
+    Required,
+    /// Listed when they are all there; none when any is missing.
+    IfPresent,
+    /// Not looked for (nothing is downloaded).
+    Skip,
+}
+
+fn resolve_with(f: &dyn FileFetcher, origin: &str, want: Weights) -> Result<CheckpointFiles> {
     let config = f
         .get("config.json")?
         .ok_or_else(|| ModelError::MissingFile {
             path: PathBuf::from(origin).join("config.json"),
             hint: "a checkpoint directory needs the config.json it was published with".into(),
         })?;
-    let weights = if let Some(index) = f.get(INDEX)? {
-        let mut files = Vec::new();
-        for name in shard_names(&index)? {
-            let path = f.get(&name)?.ok_or_else(|| ModelError::MissingFile {
-                path: PathBuf::from(origin).join(&name),
-                hint: format!("{INDEX} names this shard; download the complete checkpoint"),
-            })?;
-            files.push(path);
-        }
-        files
-    } else if let Some(single) = f.get(SINGLE)? {
-        vec![single]
-    } else {
-        return Err(ModelError::MissingFile {
-            path: PathBuf::from(origin).join(SINGLE),
-            hint: format!(
-                "neither {SINGLE} nor {INDEX} found; fleet loads safetensors weights only"
-            ),
-        });
+    let weights = match want {
+        Weights::Required => find_weights(f, origin)?,
+        Weights::IfPresent => match find_weights(f, origin) {
+            Err(ModelError::MissingFile { .. }) => Vec::new(),
+            found => found?,
+        },
+        Weights::Skip => Vec::new(),
     };
     Ok(CheckpointFiles {
         origin: origin.to_string(),
@@ -234,6 +253,30 @@ fn resolve_with(f: &dyn FileFetcher, origin: &str) -> Result<CheckpointFiles> {
             None => f.get("chat_template.json")?,
         },
     })
+}
+
+/// The safetensors shards: every file the index names, or the single file.
+fn find_weights(f: &dyn FileFetcher, origin: &str) -> Result<Vec<PathBuf>> {
+    if let Some(index) = f.get(INDEX)? {
+        let mut files = Vec::new();
+        for name in shard_names(&index)? {
+            let path = f.get(&name)?.ok_or_else(|| ModelError::MissingFile {
+                path: PathBuf::from(origin).join(&name),
+                hint: format!("{INDEX} names this shard; download the complete checkpoint"),
+            })?;
+            files.push(path);
+        }
+        Ok(files)
+    } else if let Some(single) = f.get(SINGLE)? {
+        Ok(vec![single])
+    } else {
+        Err(ModelError::MissingFile {
+            path: PathBuf::from(origin).join(SINGLE),
+            hint: format!(
+                "neither {SINGLE} nor {INDEX} found; fleet loads safetensors weights only"
+            ),
+        })
+    }
 }
 
 /// The distinct shard file names of a `model.safetensors.index.json`, sorted.
