@@ -164,17 +164,9 @@ fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointEr
         std::fs::copy(file, dir.join(name)).map_err(|e| io(file, e))?;
     }
     let weights_path = dir.join("model.safetensors");
-    let tensors: std::collections::HashMap<String, Tensor> = c
-        .weights
-        .iter()
-        .map(|(n, t)| {
-            Ok((
-                n.clone(),
-                t.to_device(&candle_core::Device::Cpu)
-                    .map_err(|e| io(&weights_path, e))?,
-            ))
-        })
-        .collect::<Result<_, CheckpointError>>()?;
+    // Where they are: the writer brings one tensor at a time to the host, so a checkpoint
+    // needs one tensor's worth of host memory, not the model's.
+    let tensors: std::collections::HashMap<String, Tensor> = c.weights.iter().cloned().collect();
     candle_core::safetensors::save(&tensors, &weights_path).map_err(|e| io(&weights_path, e))?;
     sync_file(&weights_path)?;
     c.optimizer.save(&dir.join("optimizer.safetensors"))?;

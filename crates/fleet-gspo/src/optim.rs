@@ -19,9 +19,12 @@
 //!
 //! The scalars are computed in f64 and applied as f32, as torch applies Python floats, and the
 //! operations are done in torch's order (the tests check a step bit for bit against a scalar f32
-//! emulation of torch's CPU kernels). Moments are f32 whatever the parameter's dtype; a
-//! parameter of another dtype is updated in f32 and rounded back (there is no f32 master copy:
-//! keep trained parameters in f32 when updates are smaller than the dtype's resolution).
+//! emulation of torch's CPU kernels). Moments are held in the parameter's dtype (as torch holds
+//! them); a parameter of another dtype than f32 is updated in f32 and rounded back (there is no
+//! f32 master copy: keep trained parameters in f32 when updates are smaller than the dtype's
+//! resolution). On a GPU an f32 parameter takes one fused in-place kernel; otherwise the
+//! composed update runs in slices of the first dimension, in place, so that its f32
+//! temporaries stay small however large the parameter.
 //!
 //! # Schedules (HF `get_*_schedule_with_warmup`)
 //!
@@ -303,7 +306,9 @@ pub fn grad_norm(grads: &Gradients) -> Result<f64, OptimError> {
     // thread block, which is slow for the embedding's hundreds of millions of values.
     let mut per_device: Vec<(candle_core::Device, Vec<Tensor>)> = Vec::new();
     for g in grads.iter().flatten() {
-        let ss = fleet_models::ops::sum_squares(&g.to_dtype(DType::F32)?)?;
+        // In f32 slice by slice inside (a whole f32 copy of a bf16 gradient would be one more
+        // tensor of its size).
+        let ss = fleet_models::ops::sum_squares(g)?;
         match per_device
             .iter_mut()
             .find(|(d, _)| d.same_device(ss.device()))
@@ -362,6 +367,87 @@ pub struct AdamW {
     params: Vec<(String, Var)>,
     config: AdamWConfig,
     state: Vec<ParamState>,
+    /// Elements per slice of the composed update ([`COMPOSED_SLICE_ELEMENTS`]; tests make it
+    /// small).
+    slice_elements: usize,
+}
+
+/// Elements per slice of the composed update (the CPU, and parameters the fused GPU kernel does
+/// not take): its f32 temporaries — about six slice-sized tensors — stay near 6 x 64 MiB
+/// however large the parameter. Whole-tensor temporaries of a 151,936 x 1,536 embedding came to
+/// ~5.6 GB, which made the peak of a bf16 run.
+const COMPOSED_SLICE_ELEMENTS: usize = 16 << 20;
+
+/// One composed AdamW step of `p` (any float dtype, updated in f32 and rounded back), slice by
+/// slice along the first dimension, written in place into `p` and the moments with the same
+/// element-wise arithmetic as a whole-tensor update (no reduction crosses a slice, so the result
+/// is the same bit for bit).
+fn composed_step(
+    p: &Tensor,
+    g: &Tensor,
+    st: &mut ParamState,
+    config: &AdamWConfig,
+    lr: f64,
+    t: f64,
+    slice_elements: usize,
+) -> Result<(), OptimError> {
+    let AdamWConfig {
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+    } = *config;
+    let dtype = p.dtype();
+    let bias_correction1 = 1.0 - beta1.powf(t);
+    let bias_correction2 = 1.0 - beta2.powf(t);
+    let step_size = lr / bias_correction1;
+    let bc2_sqrt = Tensor::new(bias_correction2.sqrt() as f32, p.device())?;
+    // A scalar parameter is one slice of its own, as a [1] view.
+    let (p, g, m_all, v_all) = if p.rank() == 0 {
+        (
+            p.reshape(1)?,
+            g.reshape(1)?,
+            st.exp_avg.reshape(1)?,
+            st.exp_avg_sq.reshape(1)?,
+        )
+    } else {
+        (
+            p.clone(),
+            g.clone(),
+            st.exp_avg.clone(),
+            st.exp_avg_sq.clone(),
+        )
+    };
+    let rows = p.dim(0)?;
+    let per_row = (p.elem_count() / rows.max(1)).max(1);
+    let slice_rows = (slice_elements / per_row).max(1);
+    for start in (0..rows).step_by(slice_rows) {
+        let n = slice_rows.min(rows - start);
+        let mut ps = p.narrow(0, start, n)?.to_dtype(DType::F32)?;
+        let gs = g.narrow(0, start, n)?;
+        if weight_decay != 0.0 {
+            ps = ps.affine(1.0 - lr * weight_decay, 0.0)?;
+        }
+        // The moments are held in the parameter's dtype (as torch keeps them for a bf16
+        // parameter) and computed in f32.
+        let m0 = m_all.narrow(0, start, n)?.to_dtype(DType::F32)?;
+        let v0 = v_all.narrow(0, start, n)?.to_dtype(DType::F32)?;
+        // exp_avg.lerp_(grad, 1 - beta1): self + weight * (end - self).
+        let m = ((&gs - &m0)?.affine(1.0 - beta1, 0.0)? + &m0)?;
+        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
+        let v = (v0.affine(beta2, 0.0)? + (gs.affine(1.0 - beta2, 0.0)? * &gs)?)?;
+        // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        let denom = (v.sqrt()?.broadcast_div(&bc2_sqrt)? + eps)?;
+        // param.addcdiv_(exp_avg, denom, value=-step_size)
+        let update = (&m / &denom)?.affine(-step_size, 0.0)?;
+        let new_p = (ps + update)?.to_dtype(dtype)?.contiguous()?;
+        // Read before written: every value of this slice is computed above, and no later
+        // slice reads these rows.
+        p.slice_set(&new_p, 0, start)?;
+        m_all.slice_set(&m.to_dtype(dtype)?.contiguous()?, 0, start)?;
+        v_all.slice_set(&v.to_dtype(dtype)?.contiguous()?, 0, start)?;
+    }
+    Ok(())
 }
 
 /// Key prefixes of the exported state.
@@ -399,6 +485,7 @@ impl AdamW {
             params,
             config,
             state,
+            slice_elements: COMPOSED_SLICE_ELEMENTS,
         })
     }
 
@@ -484,7 +571,6 @@ impl AdamW {
             let g = grad.detach().to_dtype(DType::F32)?;
             st.step += 1;
             let t = st.step as f64;
-            let dtype = var.dtype();
             // On a GPU: one fused kernel, in place (same arithmetic, one pass).
             let fused = fleet_models::ops::AdamWStep {
                 decay: (1.0 - lr * weight_decay) as f32,
@@ -504,51 +590,63 @@ impl AdamW {
             )? {
                 continue;
             }
-            let mut p = var.as_tensor().detach().to_dtype(DType::F32)?;
-            if weight_decay != 0.0 {
-                p = p.affine(1.0 - lr * weight_decay, 0.0)?;
-            }
-            // The moments are held in the parameter's dtype (as torch keeps them for a bf16
-            // parameter) and computed in f32.
-            let (m0, v0) = (
-                st.exp_avg.to_dtype(DType::F32)?,
-                st.exp_avg_sq.to_dtype(DType::F32)?,
-            );
-            // exp_avg.lerp_(grad, 1 - beta1): self + weight * (end - self).
-            let m = ((&g - &m0)?.affine(1.0 - beta1, 0.0)? + &m0)?;
-            // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
-            let v = (v0.affine(beta2, 0.0)? + (g.affine(1.0 - beta2, 0.0)? * &g)?)?;
-            let bias_correction1 = 1.0 - beta1.powf(t);
-            let bias_correction2 = 1.0 - beta2.powf(t);
-            let step_size = lr / bias_correction1;
-            let bc2_sqrt = Tensor::new(bias_correction2.sqrt() as f32, var.device())?;
-            // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-            let denom = (v.sqrt()?.broadcast_div(&bc2_sqrt)? + eps)?;
-            // param.addcdiv_(exp_avg, denom, value=-step_size)
-            let update = (&m / &denom)?.affine(-step_size, 0.0)?;
-            let new_p = (p + update)?;
-            var.set(&new_p.to_dtype(dtype)?.detach())?;
-            st.exp_avg = m.to_dtype(dtype)?.detach();
-            st.exp_avg_sq = v.to_dtype(dtype)?.detach();
+            composed_step(
+                var.as_tensor(),
+                &g,
+                st,
+                &self.config,
+                lr,
+                t,
+                self.slice_elements,
+            )?;
         }
         Ok(())
     }
 
-    /// The state as named tensors: `exp_avg/<name>`, `exp_avg_sq/<name>` (the parameter's
-    /// dtype and shape) and `step/<name>` (i64, shape `[1]`). Saving and restoring them gives
-    /// bit-identical further steps.
+    /// The state as named tensors on the CPU: `exp_avg/<name>`, `exp_avg_sq/<name>` (the
+    /// parameter's dtype and shape) and `step/<name>` (i64, shape `[1]`). Saving and restoring
+    /// them gives bit-identical further steps.
     pub fn state(&self) -> Result<OptimizerState, OptimError> {
+        // Snapshots on the CPU, where they are written: the next step updates the moments in
+        // place, and copies on the GPU would double the optimizer's memory there at every
+        // checkpoint.
+        let snapshot = |t: &Tensor| -> candle_core::Result<Tensor> {
+            if t.device().is_cpu() {
+                t.copy()
+            } else {
+                t.to_device(&Device::Cpu)
+            }
+        };
         let mut tensors = BTreeMap::new();
-        for ((name, var), st) in self.params.iter().zip(&self.state) {
-            // Copies: on a GPU the moments are updated in place by the next step.
-            tensors.insert(format!("{EXP_AVG}/{name}"), st.exp_avg.copy()?);
-            tensors.insert(format!("{EXP_AVG_SQ}/{name}"), st.exp_avg_sq.copy()?);
+        for (name, st) in self.params.iter().map(|(n, _)| n).zip(&self.state) {
+            tensors.insert(format!("{EXP_AVG}/{name}"), snapshot(&st.exp_avg)?);
+            tensors.insert(format!("{EXP_AVG_SQ}/{name}"), snapshot(&st.exp_avg_sq)?);
             tensors.insert(
                 format!("{STEP}/{name}"),
-                Tensor::new(&[st.step as i64], var.device())?,
+                Tensor::new(&[st.step as i64], &Device::Cpu)?,
             );
         }
         Ok(OptimizerState { tensors })
+    }
+
+    /// The live state, borrowed: the moments themselves rather than copies, to write a
+    /// checkpoint without a second copy of the optimizer's memory (on a GPU,
+    /// [`OptimizerState::save`] brings one tensor at a time to the host). The borrow keeps the
+    /// optimizer from stepping while the view exists.
+    pub fn state_view(&self) -> Result<StateView<'_>, OptimError> {
+        let mut tensors = BTreeMap::new();
+        for (name, st) in self.params.iter().map(|(n, _)| n).zip(&self.state) {
+            tensors.insert(format!("{EXP_AVG}/{name}"), st.exp_avg.clone());
+            tensors.insert(format!("{EXP_AVG_SQ}/{name}"), st.exp_avg_sq.clone());
+            tensors.insert(
+                format!("{STEP}/{name}"),
+                Tensor::new(&[st.step as i64], &Device::Cpu)?,
+            );
+        }
+        Ok(StateView {
+            state: OptimizerState { tensors },
+            _optimizer: std::marker::PhantomData,
+        })
     }
 
     /// Restores a state exported by [`AdamW::state`] for the same parameters. Every entry must
@@ -609,6 +707,20 @@ impl AdamW {
         }
         self.state = restored;
         Ok(())
+    }
+}
+
+/// The optimizer's live state ([`AdamW::state_view`]), valid while it borrows the optimizer.
+pub struct StateView<'a> {
+    state: OptimizerState,
+    _optimizer: std::marker::PhantomData<&'a AdamW>,
+}
+
+impl std::ops::Deref for StateView<'_> {
+    type Target = OptimizerState;
+
+    fn deref(&self) -> &OptimizerState {
+        &self.state
     }
 }
 
@@ -890,6 +1002,84 @@ mod tests {
                 .to_scalar::<f64>()
                 .unwrap();
             assert!(d < 1e-6, "{k}: {d}");
+        }
+    }
+
+    /// The composed update in slices writes the same bits as in one piece, for matrices,
+    /// vectors and scalars, f32 and bf16 (moments and parameters), and keeps its own storage.
+    #[test]
+    fn sliced_composed_steps_equal_whole_ones() {
+        let c = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let dev = Device::Cpu;
+        let value = |i: usize, salt: usize| {
+            ((i.wrapping_mul(7919) ^ salt.wrapping_mul(104729)) % 2001) as f32 / 1000.0 - 1.0
+        };
+        let shapes: [&[usize]; 3] = [&[37, 11], &[53], &[]];
+        for dtype in [DType::F32, DType::BF16] {
+            let make = || -> Vec<(String, Var)> {
+                shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(k, dims)| {
+                        let n: usize = dims.iter().product();
+                        let v: Vec<f32> = (0..n).map(|i| value(i, k)).collect();
+                        let t = Tensor::from_vec(v, *dims, &dev)
+                            .unwrap()
+                            .to_dtype(dtype)
+                            .unwrap();
+                        (format!("p{k}"), Var::from_tensor(&t).unwrap())
+                    })
+                    .collect()
+            };
+            let (whole_params, sliced_params) = (make(), make());
+            let mut whole = AdamW::new(whole_params.clone(), c).unwrap();
+            let mut sliced = AdamW::new(sliced_params.clone(), c).unwrap();
+            // 37 x 11 in slices of 2 rows (the last one short), 53 in slices of 22.
+            sliced.slice_elements = 22;
+            for step in 0..4 {
+                let g = Gradients::new(
+                    shapes
+                        .iter()
+                        .enumerate()
+                        .map(|(k, dims)| {
+                            let n: usize = dims.iter().product();
+                            let v: Vec<f32> = (0..n).map(|i| value(i, 10 * step + k + 7)).collect();
+                            Some(Tensor::from_vec(v, *dims, &dev).unwrap())
+                        })
+                        .collect(),
+                );
+                whole.step(&g, 1e-2).unwrap();
+                sliced.step(&g, 1e-2).unwrap();
+            }
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            };
+            for ((name, a), (_, b)) in whole_params.iter().zip(&sliced_params) {
+                assert_eq!(bits(a.as_tensor()), bits(b.as_tensor()), "{dtype:?} {name}");
+                assert_eq!(b.dtype(), dtype);
+            }
+            let (sa, sb) = (whole.state().unwrap(), sliced.state().unwrap());
+            for (k, t) in &sa.tensors {
+                assert_eq!(bits(t), bits(&sb.tensors[k]), "{dtype:?} {k}");
+            }
+            // A step moved every parameter (a test that cannot pass by doing nothing).
+            assert_ne!(
+                bits(sliced_params[0].1.as_tensor()),
+                bits(make()[0].1.as_tensor())
+            );
         }
     }
 

@@ -284,7 +284,9 @@ impl Trainer {
     /// Writes a checkpoint of the current step.
     pub fn save(&mut self) -> Result<std::path::PathBuf, TrainError> {
         self.state.commit = fleet_dist::commit_id();
-        let optimizer = self.optimizer.state()?;
+        // The moments as they are, no copy: a checkpoint must not need the optimizer's memory
+        // twice.
+        let optimizer = self.optimizer.state_view()?;
         let path = checkpoint::save(
             &self.config.output_dir,
             &CheckpointContents {

@@ -80,9 +80,27 @@ fn bwd_timed<T>(
 
 /// `sum(x * x)` as a 0-d f32 tensor, summed over the last dimension first: candle reduces a
 /// whole tensor in one thread block, which is slow for large ones, while a reduction over the
-/// last dimension runs one block per row.
+/// last dimension runs one block per row. A large `x` is squared in slices of its first
+/// dimension (16M elements each), so the squares never need a second tensor of its size (the
+/// gradient norm of a 0.5-1 GB embedding gradient).
 pub fn sum_squares(x: &Tensor) -> candle_core::Result<Tensor> {
-    row_sums_first(&x.to_dtype(DType::F32)?.sqr()?)
+    const SLICE_ELEMENTS: usize = 16 << 20;
+    let n = x.elem_count();
+    if x.rank() < 2 || n <= SLICE_ELEMENTS {
+        return row_sums_first(&x.to_dtype(DType::F32)?.sqr()?);
+    }
+    let rows = x.dim(0)?;
+    let step = (SLICE_ELEMENTS / (n / rows).max(1)).max(1);
+    let mut total: Option<Tensor> = None;
+    for start in (0..rows).step_by(step) {
+        let len = step.min(rows - start);
+        let part = row_sums_first(&x.narrow(0, start, len)?.to_dtype(DType::F32)?.sqr()?)?;
+        total = Some(match total {
+            Some(t) => (t + part)?,
+            None => part,
+        });
+    }
+    total.ok_or_else(|| candle_core::Error::Msg("sum_squares of an empty tensor".into()))
 }
 
 /// `x.sum_all()` computed over the last dimension first (see [`sum_squares`]); keeps the graph.
@@ -2457,6 +2475,47 @@ mod cuda {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// A tensor past the slice size is squared in slices: the sum matches f64 arithmetic, in
+    /// f32 and bf16, and a small one takes the whole-tensor path to the same value.
+    #[test]
+    fn sum_squares_in_slices_matches_the_exact_sum() {
+        let (rows, cols) = (4099usize, 4097usize); // 16.8M elements: two slices, one short
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i.wrapping_mul(2654435761) % 2001) as f32 - 1000.0) / 1000.0)
+            .collect();
+        let exact: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        let x = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
+        let got = f64::from(sum_squares(&x).unwrap().to_scalar::<f32>().unwrap());
+        assert!((got - exact).abs() / exact < 1e-5, "{got} vs {exact}");
+        let xb = x.to_dtype(DType::BF16).unwrap();
+        let exact_b: f64 = xb
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&x| f64::from(x) * f64::from(x))
+            .sum();
+        let got_b = f64::from(sum_squares(&xb).unwrap().to_scalar::<f32>().unwrap());
+        assert!(
+            (got_b - exact_b).abs() / exact_b < 1e-5,
+            "{got_b} vs {exact_b}"
+        );
+        let small = x.narrow(0, 0, 3).unwrap();
+        let exact_small: f64 = small
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|&x| f64::from(x) * f64::from(x))
+            .sum();
+        let got_small = f64::from(sum_squares(&small).unwrap().to_scalar::<f32>().unwrap());
+        assert!((got_small - exact_small).abs() / exact_small < 1e-5);
+    }
 
     /// The fused softmax equals mask-add + softmax done the plain way.
     #[test]

@@ -167,6 +167,10 @@ pub struct TrainableQwen {
     pub gradient_checkpointing: bool,
     /// Token rows whose vocabulary projection is computed at once.
     pub head_chunk_rows: usize,
+    /// Gradients larger than this many elements are summed into their accumulator in place,
+    /// this many at a time (64 MiB of f32 by default): the same numbers, without a second
+    /// tensor of the parameter's size. Tests make it small.
+    pub gradient_slice_elements: usize,
 }
 
 impl TrainableQwen {
@@ -251,6 +255,7 @@ impl TrainableQwen {
             rope,
             gradient_checkpointing: true,
             head_chunk_rows: default_head_chunk_rows(cfg.vocab_size),
+            gradient_slice_elements: ACCUMULATE_SLICE_ELEMENTS,
         };
         // Building every block once checks names and shapes against config.json now, not at
         // the first step.
@@ -656,16 +661,32 @@ impl TrainableQwen {
             })?;
             let g = profile::time(&head_dev, "head.backward", || {
                 let grad_h = grad_logits.matmul(&lm_w)?;
-                let grad_w = crate::device::transfer(
-                    &grad_logits
-                        .t()?
-                        .matmul(&h.detach())?
-                        .to_dtype(self.params[lm_idx].var.dtype())?,
-                    self.params[lm_idx].var.device(),
-                )?;
+                let lm = &self.params[lm_idx].var;
+                let slice_elements = self.gradient_slice_elements.max(1);
+                let h_values = h.detach();
+                // The projection's weight gradient `grad_logits^T h`, added to the accumulator
+                // in vocabulary slices: a whole [vocab, hidden] product per chunk, and its sum
+                // with the accumulator, were two more tensors of the embedding's size.
+                let product = |rows: Option<(usize, usize)>| -> Result<Tensor> {
+                    let gl = match rows {
+                        Some((v0, n)) => grad_logits.narrow(1, v0, n)?.contiguous()?,
+                        None => grad_logits.clone(),
+                    };
+                    let w = gl.t()?.matmul(&h_values)?.to_dtype(lm.dtype())?;
+                    crate::device::transfer(&w, lm.device())
+                };
                 grads[lm_idx] = Some(match grads[lm_idx].take() {
-                    Some(acc) => (acc + grad_w)?,
-                    None => grad_w,
+                    None => product(None)?,
+                    Some(acc) if acc.elem_count() <= slice_elements => (acc + product(None)?)?,
+                    Some(acc) => {
+                        let vocab = acc.dim(0)?;
+                        let slice = (slice_elements / acc.dim(1)?.max(1)).max(1);
+                        for (v0, n) in chunks(vocab, slice) {
+                            let sum = (acc.narrow(0, v0, n)? + product(Some((v0, n)))?)?;
+                            acc.slice_set(&sum, 0, v0)?;
+                        }
+                        acc
+                    }
                 });
                 let surrogate = crate::ops::sum_all_fast(&(&h * grad_h.to_dtype(h.dtype())?)?)?;
                 Ok(surrogate.backward()?)
@@ -751,11 +772,32 @@ impl TrainableQwen {
             };
         }
 
-        // 5. The embedding.
-        let embedded = self.embedding(&tracked)?.forward(&ids)?;
-        let g = crate::device::transfer(&g, embedded.device())?.to_dtype(embedded.dtype())?;
-        let gs = crate::ops::sum_all_fast(&(embedded * g)?)?.backward()?;
-        self.collect(&gs, |p| p == Part::Embed, grads)?;
+        // 5. The embedding: row `ids[j]` of its gradient gains row `j` of `g`, added by hand
+        // into the accumulator in place (autograd's index_add made two more tensors of the
+        // embedding's size: its zeros and its result).
+        let embed_idx = *self
+            .by_name
+            .get("model.embed_tokens.weight")
+            .ok_or_else(|| {
+                ModelError::BadInput("the trainable model has no model.embed_tokens.weight".into())
+            })?;
+        let embed = &self.params[embed_idx].var;
+        let n_ids = ids.elem_count();
+        let hs = self.cfg.hidden_size;
+        let g = crate::device::transfer(&g, embed.device())?
+            .to_dtype(embed.dtype())?
+            .reshape((n_ids, hs))?
+            .contiguous()?;
+        let rows = crate::device::transfer(&ids, embed.device())?
+            .reshape((n_ids, 1))?
+            .broadcast_as((n_ids, hs))?
+            .contiguous()?;
+        let acc = match grads[embed_idx].take() {
+            Some(acc) => acc,
+            None => Tensor::zeros(embed.shape(), embed.dtype(), embed.device())?,
+        };
+        acc.scatter_add_set(&rows, &g, 0)?;
+        grads[embed_idx] = Some(acc);
 
         Ok((
             TokenLogprobs {
@@ -781,14 +823,38 @@ impl TrainableQwen {
                 // Detached: a gradient computed from tracked tensors carries their graph, which
                 // would otherwise live as long as the sum it is added to.
                 let g = g.detach().to_dtype(p.var.dtype())?;
-                grads[i] = Some(match grads[i].take() {
-                    Some(acc) => (acc + g)?,
-                    None => g,
-                });
+                grads[i] = Some(accumulate(
+                    grads[i].take(),
+                    g,
+                    self.gradient_slice_elements.max(1),
+                )?);
             }
         }
         Ok(())
     }
+}
+
+/// Elements per slice when a large gradient is added to its accumulator in place: 64 MiB of
+/// f32.
+const ACCUMULATE_SLICE_ELEMENTS: usize = 16 << 20;
+
+/// `acc + g` for a gradient accumulator: one of more than `slice_elements` is summed in place,
+/// about that many elements at a time along its first dimension, so that the sum needs no
+/// second tensor of the parameter's size (a tied embedding's gradient is 0.5-1 GB in f32). In place is safe because an accumulator is this
+/// model's alone: the first gradient stored is a fresh result of the backward (candle's
+/// gradient store sums into new tensors) or of the head's product, and nothing else keeps it.
+fn accumulate(acc: Option<Tensor>, g: Tensor, slice_elements: usize) -> Result<Tensor> {
+    let Some(acc) = acc else { return Ok(g) };
+    if acc.elem_count() <= slice_elements || acc.rank() == 0 || !acc.is_contiguous() {
+        return Ok((acc + g)?);
+    }
+    let rows = acc.dim(0)?;
+    let slice = (slice_elements / (acc.elem_count() / rows.max(1)).max(1)).max(1);
+    for (start, n) in chunks(rows, slice) {
+        let sum = (acc.narrow(0, start, n)? + g.narrow(0, start, n)?)?;
+        acc.slice_set(&sum, 0, start)?;
+    }
+    Ok(acc)
 }
 
 /// Rows per chunk of the vocabulary projection: about 256 MiB of f32 logits.
