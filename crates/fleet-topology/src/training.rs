@@ -22,6 +22,13 @@ pub const CHECKPOINT_STORED_TENSORS: u64 = 2;
 pub const LOGIT_CHUNK_TENSORS: u64 = 4;
 /// f32 tensors of one log-softmax chunk without a gradient: logits, shifted, exp.
 pub const FROZEN_LOGIT_CHUNK_TENSORS: u64 = 3;
+/// f32 temporaries of the composed AdamW update, per element of the slice being updated (the
+/// parameter, the two moments, the denominator, the update and the new parameter; measured: a
+/// 0.5B run on the CPU held 0.33 GB of them).
+pub const COMPOSED_UPDATE_TENSORS: u64 = 5;
+/// Elements per slice of the composed AdamW update (fleet-gspo updates large parameters slice
+/// by slice, in place).
+pub const COMPOSED_UPDATE_SLICE_ELEMENTS: u64 = 16 << 20;
 /// f32 `[B, completion]` tensors on the policy's head device: new, old and reference
 /// log-probs, and the completion mask.
 pub const LOGPROB_TENSORS: u64 = 4;
@@ -105,6 +112,9 @@ impl Default for ActivationCoefficients {
 /// | inference copy | 2 (compute dtype) | the whole policy built in bf16 for rollouts |
 ///
 /// 16 B/param of training state plus 2 B/param for the inference copy: 18 B/param in bf16.
+/// With masters in the compute dtype (`master_dtype`, TRL's arithmetic) each term scales with
+/// that dtype's width, and the inference copy is only the concatenated q/k/v and gate/up of
+/// each block (the rollouts read the other weights in place).
 ///
 /// Transient terms come in two phases that do not overlap, because the rollout buffers are
 /// dropped before the first micro-batch's forward (fleet-models' KV cache lives per generate
@@ -115,7 +125,11 @@ impl Default for ActivationCoefficients {
 ///   [`ModelShape::kv_bytes_per_token_per_layer`]), plus the workspace of prefilling the
 ///   prompts ([`ModelShape::workspace_bytes`]);
 /// * **training**: the activations of one micro-batch of `B` sequences of `L = prompt +
-///   completion` tokens ([`ActivationBytes`]), described below.
+///   completion` tokens ([`ActivationBytes`]), described below; or, if larger, the optimizer
+///   update's temporaries after the backward ([`RoleCost::optimizer_update`]: none where the
+///   fused GPU kernel updates f32 parameters in place, else [`COMPOSED_UPDATE_TENSORS`] f32
+///   tensors of one slice of the largest parameter, at most
+///   [`COMPOSED_UPDATE_SLICE_ELEMENTS`]).
 ///
 /// A device's peak is the persistent terms plus the larger phase ([`RoleCost::peak`]).
 ///
@@ -277,6 +291,9 @@ pub struct RoleCost {
     pub generation_workspace: u64,
     /// Activations of one micro-batch (training phase).
     pub activations: ActivationBytes,
+    /// The composed optimizer update's temporaries (policy only; 0 where a fused kernel
+    /// updates in place). After the backward, when the activations are gone.
+    pub optimizer_update: u64,
 }
 
 impl RoleCost {
@@ -290,9 +307,10 @@ impl RoleCost {
         self.kv_cache + self.generation_workspace
     }
 
-    /// The training phase's transient bytes: activations.
+    /// The training phase's transient bytes: the activations of the forward and backward, or
+    /// the optimizer update's temporaries after them, whichever is larger.
     pub fn training(&self) -> u64 {
-        self.activations.total()
+        self.activations.total().max(self.optimizer_update)
     }
 
     /// The role's peak alone: persistent plus the larger phase.
@@ -384,10 +402,25 @@ impl TrainingWorkload {
         // f32 masters: the constants; others scale with the master dtype's width.
         let m = self.master_dtype.size_in_bytes();
         let inference_copy = if self.master_dtype == self.compute_dtype {
-            // Only the concatenated q/k/v and gate/up are new tensors: about 2/3 of a block.
-            params * d * 2 / 3
+            // Only the concatenated q/k/v and gate/up are new tensors.
+            n * fused_params_per_layer(shape) * d
         } else {
             params * d
+        };
+        // On a GPU an f32 parameter is updated by one fused in-place kernel; otherwise the
+        // composed update holds its f32 temporaries for one slice of the largest parameter.
+        let fused_update = part.gpu && self.master_dtype == DType::F32;
+        let largest = if part.embed || part.head {
+            (shape.vocab_size * shape.hidden_size) as u64
+        } else if n > 0 {
+            (shape.hidden_size * mlp_width(shape)) as u64
+        } else {
+            0
+        };
+        let optimizer_update = if fused_update {
+            0
+        } else {
+            COMPOSED_UPDATE_TENSORS * largest.min(COMPOSED_UPDATE_SLICE_ELEMENTS) * 4
         };
         RoleCost {
             weights: params * MASTER_WEIGHT_BYTES * m / 4,
@@ -397,6 +430,7 @@ impl TrainingWorkload {
             kv_cache,
             generation_workspace,
             activations: act,
+            optimizer_update,
         }
     }
 
@@ -482,6 +516,14 @@ impl RolloutWorkload {
 }
 
 /// Width of the MLP path one token takes: the dense intermediate size, or the routed experts'.
+/// Parameters of one block that the inference model concatenates into new tensors: q/k/v
+/// (with their biases) and gate/up.
+fn fused_params_per_layer(shape: &ModelShape) -> u64 {
+    let qkv = ((shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim) as u64;
+    let bias = if shape.qkv_bias { qkv } else { 0 };
+    shape.hidden_size as u64 * qkv + bias + 2 * (shape.hidden_size * mlp_width(shape)) as u64
+}
+
 fn mlp_width(shape: &ModelShape) -> usize {
     match &shape.moe {
         Some(m) => m.num_experts_per_tok * m.moe_intermediate_size,
