@@ -2,6 +2,10 @@
 //! scripts/fixtures/make_qwen3_vl_fixtures.py: preprocessing, M-RoPE positions, vision and
 //! deepstack features, prompt logits (two images, one image, odd sizes, text only), greedy
 //! continuations, and a left-padded batch equal to the prompts one by one. f32 on the CPU.
+//!
+//! `FLEET_TEST_DEVICES` (default `cpu`) names the device(s) the decoder's layers are split
+//! over, as in `parity.rs`: `cuda:0,cuda:1` checks the layer-sharded model on two GPUs (the
+//! deepstack features cross to the layers' devices), `cpu,cpu` runs the boundary code here.
 
 use std::path::{Path, PathBuf};
 
@@ -28,7 +32,7 @@ fn fixture(name: &str) -> Fixture {
     let dir = root().join("tests/fixtures").join(name);
     let cfg = Qwen3VlConfig::from_file(&dir.join("config.json")).unwrap();
     let weights = Weights::from_safetensors(&[dir.join("model.safetensors")]).unwrap();
-    let map = DeviceMap::single(DeviceLocation::Cpu, cfg.text.num_hidden_layers);
+    let map = DeviceMap::split_layers(&test_devices(), cfg.text.num_hidden_layers).unwrap();
     let model = Qwen3VlModel::new(&cfg, &weights, DType::F32, &map).unwrap();
     let golden_dir = root().join("tests/fixtures/golden");
     let golden: Value = serde_json::from_str(
@@ -96,6 +100,14 @@ fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
         .zip(&b)
         .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
         .fold(0.0, f32::max)
+}
+
+fn test_devices() -> Vec<DeviceLocation> {
+    std::env::var("FLEET_TEST_DEVICES")
+        .unwrap_or_else(|_| "cpu".into())
+        .split(',')
+        .map(|d| d.parse().unwrap())
+        .collect()
 }
 
 const TOL: f32 = 1e-4;
