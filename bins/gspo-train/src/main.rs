@@ -111,6 +111,11 @@ struct Cli {
     /// weight's bf16 resolution round away).
     #[arg(long)]
     torch_dtype: Option<String>,
+    /// Fit the micro-batch to memory before loading (transformers' name): the largest
+    /// per_device_train_batch_size from the configured one down whose plan fits, with
+    /// steps_per_generation and gradient_accumulation_steps grown to keep the same batches.
+    #[arg(long)]
+    auto_find_batch_size: bool,
     /// Any config field, or BATCH_SIZE / GROUP_SIZE / GSPO_EPOCHS: `--set GROUP_SIZE=8`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
@@ -232,6 +237,9 @@ fn config(cli: &Cli) -> Result<GspoConfig> {
         if let Some(v) = value {
             config.apply_override(key, v)?;
         }
+    }
+    if cli.auto_find_batch_size {
+        config.apply_override("auto_find_batch_size", "true")?;
     }
     for assignment in &cli.set {
         config.apply_assignment(assignment)?;

@@ -353,6 +353,79 @@ fn plan_for_a_topology_file_needs_no_weights_and_no_gpus() {
     assert!(err.contains("--plan"), "{err}");
 }
 
+/// `--auto-find-batch-size`: a budget the configured micro-batch (16) does not fit makes it 8,
+/// with steps_per_generation and gradient_accumulation_steps doubled; the run then equals one
+/// configured that way, and samples the same rollouts as the configured batch would.
+#[test]
+fn auto_find_batch_size_fits_the_micro_batch_and_keeps_the_batches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |name: &str| tmp.path().join(name).display().to_string();
+    let common = ["--max-steps", "4", "--set", "save_steps=1000"];
+    let run_with = |out: &str, extra: &[&str]| -> Output {
+        let mut args = vec!["--output-dir", out];
+        args.extend_from_slice(&common);
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    let (auto, explicit, configured) = (dir("auto"), dir("explicit"), dir("configured"));
+    let out = run_with(
+        &auto,
+        &["--max-memory", "cpu=2.9MiB", "--auto-find-batch-size"],
+    );
+    ok(&out);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        log.contains("per_device_train_batch_size 16 -> 8")
+            && log.contains("steps_per_generation 4 -> 8")
+            && log.contains("gradient_accumulation_steps 1 -> 2"),
+        "{log}"
+    );
+    ok(&run_with(
+        &explicit,
+        &[
+            "--set",
+            "per_device_train_batch_size=8",
+            "--set",
+            "steps_per_generation=8",
+            "--set",
+            "gradient_accumulation_steps=2",
+        ],
+    ));
+    ok(&run_with(&configured, &[]));
+    let timing = |k: &str| {
+        k.contains("seconds")
+            || k.contains("time")
+            || k.contains("per_second")
+            || k == "peak_memory_bytes"
+    };
+    let strip = |m: Vec<serde_json::Value>| -> Vec<serde_json::Value> {
+        m.into_iter()
+            .map(|mut v| {
+                v.as_object_mut().unwrap().retain(|k, _| !timing(k));
+                v
+            })
+            .collect()
+    };
+    let a = strip(metrics(Path::new(&auto)));
+    assert_eq!(a.len(), 4);
+    assert_eq!(a, strip(metrics(Path::new(&explicit))));
+    // The same rollouts as the configured micro-batch: rewards and lengths per step.
+    let c = strip(metrics(Path::new(&configured)));
+    for (x, y) in a.iter().zip(&c) {
+        for key in [
+            "reward",
+            "reward_std",
+            "completions/mean_length",
+            "num_tokens",
+        ] {
+            assert_eq!(x[key], y[key], "{key}");
+        }
+    }
+    // Without the flag the same budget is an error naming the way out.
+    let err = fails(&run_with(&dir("refused"), &["--max-memory", "cpu=2.9MiB"]));
+    assert!(err.contains("does not fit"), "{err}");
+}
+
 /// The bundled model's directory (as the embedded default writes it).
 fn gspo_default_model() -> PathBuf {
     repo().join("assets/gspo-default")

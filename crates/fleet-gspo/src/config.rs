@@ -300,6 +300,13 @@ pub struct GspoConfig {
     pub num_iterations: usize,
     /// Micro-batches per optimizer step. Default 1.
     pub gradient_accumulation_steps: usize,
+    /// transformers' name: fit the micro-batch to memory. Before loading, the training memory
+    /// model's plan is made for `per_device_train_batch_size`, then for it divided by its
+    /// smallest prime factor, and so on, until one fits; `steps_per_generation` and
+    /// `gradient_accumulation_steps` are multiplied by the same factor, so that the rollouts
+    /// and every optimizer step see the same batches (the same algorithm, up to the order of
+    /// float sums). Default false: a plan that does not fit is an error.
+    pub auto_find_batch_size: bool,
     /// Lower clip range: the ratio is clipped below at 1 − epsilon. Default 3e-4.
     pub epsilon: f64,
     /// Upper clip range: the ratio is clipped above at 1 + epsilon_high. Default 4e-4.
@@ -377,6 +384,7 @@ impl Default for GspoConfig {
             steps_per_generation: 4,
             num_iterations: 1,
             gradient_accumulation_steps: 1,
+            auto_find_batch_size: false,
             epsilon: 3e-4,
             epsilon_high: 4e-4,
             beta: 0.0,
@@ -421,6 +429,7 @@ const KEYS: &[&str] = &[
     "steps_per_generation",
     "num_iterations",
     "gradient_accumulation_steps",
+    "auto_find_batch_size",
     "epsilon",
     "epsilon_high",
     "beta",
@@ -664,6 +673,7 @@ impl GspoConfig {
             "num_train_epochs" => self.num_train_epochs = parse_f64(key, value)?,
             "seed" => self.seed = parse_u64(key, value)?,
             "shuffle_dataset" => self.shuffle_dataset = parse_bool(key, value)?,
+            "auto_find_batch_size" => self.auto_find_batch_size = parse_bool(key, value)?,
             "logging_steps" => self.logging_steps = parse_u64(key, value)?,
             "save_steps" => self.save_steps = parse_u64(key, value)?,
             "save_total_limit" => self.save_total_limit = parse_opt(key, value, parse_usize)?,
@@ -937,6 +947,20 @@ impl GspoConfig {
         self.generation_batch_size() / self.num_generations
     }
 
+    /// The same run with micro-batches `factor` times smaller: `per_device_train_batch_size`
+    /// divided by `factor` (which must divide it), `steps_per_generation` and
+    /// `gradient_accumulation_steps` multiplied by it. Rollouts, optimizer steps, the
+    /// on-policy condition and the step count are unchanged.
+    pub fn with_smaller_micro_batch(&self, factor: usize) -> GspoConfig {
+        debug_assert!(factor > 0 && self.per_device_train_batch_size.is_multiple_of(factor));
+        GspoConfig {
+            per_device_train_batch_size: self.per_device_train_batch_size / factor,
+            steps_per_generation: self.steps_per_generation * factor,
+            gradient_accumulation_steps: self.gradient_accumulation_steps * factor,
+            ..self.clone()
+        }
+    }
+
     /// Micro-steps each generation batch feeds: `steps_per_generation × num_iterations`.
     pub fn micro_steps_per_generation(&self) -> usize {
         self.steps_per_generation * self.num_iterations
@@ -1044,6 +1068,38 @@ weight = 1.0
 
     fn valid() -> GspoConfig {
         GspoConfig::from_toml_str(MINIMAL).unwrap()
+    }
+
+    /// A smaller micro-batch keeps the rollouts, the optimizer batch, the on-policy condition
+    /// and the optimizer steps per generation batch; and the config still validates.
+    #[test]
+    fn a_smaller_micro_batch_keeps_every_batch_the_algorithm_sees() {
+        for (gas, iters) in [(1, 1), (4, 1), (2, 2)] {
+            let mut c = valid();
+            c.per_device_train_batch_size = 12;
+            c.gradient_accumulation_steps = gas;
+            c.num_iterations = iters;
+            for factor in [2, 3, 4, 12] {
+                let s = c.with_smaller_micro_batch(factor);
+                s.validate().unwrap();
+                assert_eq!(s.per_device_train_batch_size * factor, 12);
+                assert_eq!(s.generation_batch_size(), c.generation_batch_size());
+                assert_eq!(s.prompts_per_generation(), c.prompts_per_generation());
+                assert_eq!(
+                    s.per_device_train_batch_size * s.gradient_accumulation_steps,
+                    c.per_device_train_batch_size * c.gradient_accumulation_steps
+                );
+                assert_eq!(s.is_on_policy(), c.is_on_policy());
+                assert_eq!(
+                    s.micro_steps_per_generation() / s.gradient_accumulation_steps,
+                    c.micro_steps_per_generation() / c.gradient_accumulation_steps
+                );
+            }
+        }
+        let mut c = valid();
+        c.apply_override("auto_find_batch_size", "true").unwrap();
+        assert!(c.auto_find_batch_size);
+        assert!(c.apply_override("auto_find_batch_size", "yes").is_err());
     }
 
     #[test]

@@ -228,10 +228,13 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         .dist
         .as_ref()
         .map_or(BatchScaling::FixedGlobal, |d| d.scaling);
+    // Placement, before loading: what fits where (with auto_find_batch_size, the micro-batch
+    // that fits). The manifest keeps the configured batch: a resume on another machine may fit
+    // another micro-batch of the same algorithm.
+    let requested = config;
+    let (fitted, plan) = fit_micro_batch(config, opts, &files, longest_prompt)?;
+    let config = &fitted;
     let layout = BatchLayout::new(config, world_size, scaling, data.len())?;
-
-    // Placement, before loading: what fits where.
-    let plan = plan(config, opts, &files, longest_prompt)?;
     if opts.plan_only {
         // Loads nothing: a reward model is only sized.
         return Ok(Prepared {
@@ -269,7 +272,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     let dataset_bytes = std::fs::read(&opts.dataset)
         .map_err(|e| TrainError::Setup(format!("reading {}: {e}", opts.dataset.display())))?;
     let manifest = run_manifest(
-        config,
+        requested,
         &base,
         &fleet_dist::bytes_digest(&dataset_bytes),
         opts.dtype,
@@ -287,7 +290,12 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         .cloned()
         .unwrap_or(fleet_topology::DeviceLocation::Cpu);
     let dp = match &opts.dist {
-        Some(d) => Some(meet(d, &manifest, &policy_device)?),
+        Some(d) => Some(meet(
+            d,
+            &manifest,
+            config.per_device_train_batch_size,
+            &policy_device,
+        )?),
         None => None,
     };
     let is_main = dp.as_ref().is_none_or(|dp| dp.world().is_main());
@@ -410,13 +418,20 @@ fn open_run_dir(
 fn meet(
     d: &DistOptions,
     manifest: &Manifest,
+    micro_batch: usize,
     device: &fleet_topology::DeviceLocation,
 ) -> Result<DataParallel, TrainError> {
+    // The micro-batch too: ranks that fitted different ones would disagree on the number of
+    // collective calls.
     join(
         d,
-        format!("{}:{}", manifest.digest(), fleet_dist::commit_id()),
         format!(
-            "commit {}, run manifest {}",
+            "{}:{}:micro-batch {micro_batch}",
+            manifest.digest(),
+            fleet_dist::commit_id()
+        ),
+        format!(
+            "micro-batch {micro_batch}, commit {}, run manifest {}",
             fleet_dist::commit_id(),
             manifest.digest()
         ),
@@ -683,6 +698,54 @@ fn finish(
         layout,
         environment,
     })
+}
+
+/// The plan, and the config it is for: `config` itself, or with `auto_find_batch_size` the
+/// largest micro-batch from the configured one down (divided by its smallest prime factor at
+/// each try) whose plan fits, with steps_per_generation and gradient_accumulation_steps grown
+/// to match ([`GspoConfig::with_smaller_micro_batch`]).
+fn fit_micro_batch(
+    config: &GspoConfig,
+    opts: &RunOptions,
+    files: &CheckpointFiles,
+    longest_prompt: usize,
+) -> Result<(GspoConfig, TrainingPlan), TrainError> {
+    let mut candidate = config.clone();
+    loop {
+        match plan(&candidate, opts, files, longest_prompt) {
+            Ok(p) => {
+                if candidate.per_device_train_batch_size != config.per_device_train_batch_size {
+                    tracing::warn!(
+                        "auto_find_batch_size: per_device_train_batch_size {} -> {} (fits), \
+                         steps_per_generation {} -> {}, gradient_accumulation_steps {} -> {}: \
+                         the same rollouts and optimizer steps in smaller micro-batches",
+                        config.per_device_train_batch_size,
+                        candidate.per_device_train_batch_size,
+                        config.steps_per_generation,
+                        candidate.steps_per_generation,
+                        config.gradient_accumulation_steps,
+                        candidate.gradient_accumulation_steps
+                    );
+                }
+                return Ok((candidate, p));
+            }
+            Err(TrainError::Topology(e @ fleet_topology::TopologyError::DoesNotFit { .. }))
+                if config.auto_find_batch_size =>
+            {
+                let b = candidate.per_device_train_batch_size;
+                let Some(factor) = (2..=b).find(|f| b.is_multiple_of(*f)) else {
+                    return Err(TrainError::Setup(format!(
+                        "{e}\nauto_find_batch_size: even per_device_train_batch_size = 1 \
+                         (from {}) does not fit: the rollouts or the model itself need more \
+                         memory than the budget",
+                        config.per_device_train_batch_size
+                    )));
+                };
+                candidate = candidate.with_smaller_micro_batch(factor);
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Where the models go on this machine (or on the CPU when it has no GPU), or on the GPUs of

@@ -224,8 +224,8 @@ impl fmt::Display for TrainingPlan {
         let w = &self.workload;
         writeln!(
             f,
-            "training plan on {} (preset {}): {} compute, f32 master weights, gradients and AdamW moments",
-            self.topology, self.preset, w.compute_dtype
+            "training plan on {} (preset {}): {} compute, {} master weights, gradients and AdamW moments",
+            self.topology, self.preset, w.compute_dtype, w.master_dtype
         )?;
         writeln!(
             f,
