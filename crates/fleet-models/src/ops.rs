@@ -2484,37 +2484,22 @@ mod tests {
         let v: Vec<f32> = (0..rows * cols)
             .map(|i| ((i.wrapping_mul(2654435761) % 2001) as f32 - 1000.0) / 1000.0)
             .collect();
-        let exact: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
         let x = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
-        let got = f64::from(sum_squares(&x).unwrap().to_scalar::<f32>().unwrap());
-        assert!((got - exact).abs() / exact < 1e-5, "{got} vs {exact}");
-        let xb = x.to_dtype(DType::BF16).unwrap();
-        let exact_b: f64 = xb
-            .to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|&x| f64::from(x) * f64::from(x))
-            .sum();
-        let got_b = f64::from(sum_squares(&xb).unwrap().to_scalar::<f32>().unwrap());
-        assert!(
-            (got_b - exact_b).abs() / exact_b < 1e-5,
-            "{got_b} vs {exact_b}"
-        );
-        let small = x.narrow(0, 0, 3).unwrap();
-        let exact_small: f64 = small
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|&x| f64::from(x) * f64::from(x))
-            .sum();
-        let got_small = f64::from(sum_squares(&small).unwrap().to_scalar::<f32>().unwrap());
-        assert!((got_small - exact_small).abs() / exact_small < 1e-5);
+        // Each case's sum of squares in f64 against sum_squares.
+        let check = |t: &Tensor| {
+            let values = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let exact: f64 = values
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|&x| f64::from(x) * f64::from(x))
+                .sum();
+            let got = f64::from(sum_squares(t).unwrap().to_scalar::<f32>().unwrap());
+            assert!((got - exact).abs() / exact < 1e-5, "{got} vs {exact}");
+        };
+        check(&x);
+        check(&x.to_dtype(DType::BF16).unwrap());
+        check(&x.narrow(0, 0, 3).unwrap());
     }
 
     /// The fused softmax equals mask-add + softmax done the plain way.

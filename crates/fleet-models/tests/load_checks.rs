@@ -13,6 +13,9 @@ use fleet_models::{
     SentenceEmbedder, TextModel, Weights,
 };
 
+mod devices;
+use devices::test_devices;
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")
@@ -129,15 +132,6 @@ fn fewer_layers_in_config_than_in_the_weights_is_refused() {
             && e.contains("num_hidden_layers = 2"),
         "{e}"
     );
-}
-
-/// `FLEET_TEST_DEVICES` (default `cpu`), as in tests/parity.rs: a comma list splits the layers.
-fn test_devices() -> Vec<DeviceLocation> {
-    std::env::var("FLEET_TEST_DEVICES")
-        .unwrap_or_else(|_| "cpu".into())
-        .split(',')
-        .map(|d| d.parse().unwrap())
-        .collect()
 }
 
 /// Layers split over several devices still read every tensor once: the complete checkpoints

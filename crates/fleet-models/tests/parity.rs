@@ -12,6 +12,9 @@ use fleet_models::{
 };
 use serde::Deserialize;
 
+mod devices;
+use devices::test_devices;
+
 const CHECKPOINTS: [&str; 3] = ["qwen2-tiny", "qwen2-tiny-tied-sharded", "qwen3-tiny"];
 
 fn fixtures() -> PathBuf {
@@ -49,14 +52,6 @@ struct LogprobCase {
 fn golden(name: &str) -> Golden {
     let p = fixtures().join("golden").join(format!("{name}.json"));
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
-}
-
-fn test_devices() -> Vec<DeviceLocation> {
-    std::env::var("FLEET_TEST_DEVICES")
-        .unwrap_or_else(|_| "cpu".into())
-        .split(',')
-        .map(|d| d.parse().unwrap())
-        .collect()
 }
 
 fn load_on(name: &str, devices: &[DeviceLocation]) -> TextModel {

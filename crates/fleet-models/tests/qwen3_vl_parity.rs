@@ -17,6 +17,9 @@ use fleet_models::{
 };
 use serde_json::Value;
 
+mod devices;
+use devices::test_devices;
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -100,14 +103,6 @@ fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
         .zip(&b)
         .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
         .fold(0.0, f32::max)
-}
-
-fn test_devices() -> Vec<DeviceLocation> {
-    std::env::var("FLEET_TEST_DEVICES")
-        .unwrap_or_else(|_| "cpu".into())
-        .split(',')
-        .map(|d| d.parse().unwrap())
-        .collect()
 }
 
 const TOL: f32 = 1e-4;
