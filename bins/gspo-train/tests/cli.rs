@@ -355,7 +355,8 @@ fn plan_for_a_topology_file_needs_no_weights_and_no_gpus() {
 
 /// `--auto-find-batch-size`: a budget the configured micro-batch (16) does not fit makes it 8,
 /// with steps_per_generation and gradient_accumulation_steps doubled; the run then equals one
-/// configured that way, and samples the same rollouts as the configured batch would.
+/// configured that way (no row is without loss tokens here, so the normalisations agree), and
+/// has the configured batch's rollouts, loss and gradient norm.
 #[test]
 fn auto_find_batch_size_fits_the_micro_batch_and_keeps_the_batches() {
     let tmp = tempfile::tempdir().unwrap();
@@ -419,6 +420,14 @@ fn auto_find_batch_size_fits_the_micro_batch_and_keeps_the_batches() {
             "num_tokens",
         ] {
             assert_eq!(x[key], y[key], "{key}");
+        }
+        // The loss and the gradient are the configured micro-batch's, summed in two halves.
+        for key in ["loss", "grad_norm"] {
+            let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+            assert!(
+                (p - q).abs() <= 1e-4 * q.abs().max(1e-3),
+                "{key}: {p} vs {q}"
+            );
         }
     }
     // Without the flag the same budget is an error naming the way out.

@@ -165,7 +165,9 @@ fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointEr
     }
     let weights_path = dir.join("model.safetensors");
     // Where they are: the writer brings one tensor at a time to the host, so a checkpoint
-    // needs one tensor's worth of host memory, not the model's.
+    // needs one tensor's worth of host memory, not the model's. (candle's writer cannot return
+    // an error from that copy: a CUDA failure in the middle of a save panics, leaving the
+    // temporary directory and the previous checkpoints as they were.)
     let tensors: std::collections::HashMap<String, Tensor> = c.weights.iter().cloned().collect();
     candle_core::safetensors::save(&tensors, &weights_path).map_err(|e| io(&weights_path, e))?;
     sync_file(&weights_path)?;

@@ -290,6 +290,9 @@ pub struct BatchLayout {
     pub steps_per_epoch: u64,
     /// Multiplies the config's learning rate.
     pub lr_scale: f64,
+    /// Parts each configured micro-batch runs as (auto_find_batch_size; 1 otherwise): the
+    /// loss stays normalised over the configured micro-batch.
+    pub micro_split: usize,
 }
 
 impl BatchLayout {
@@ -332,6 +335,7 @@ impl BatchLayout {
             steps_per_generation_batch,
             steps_per_epoch,
             lr_scale,
+            micro_split: 1,
         })
     }
 

@@ -424,7 +424,7 @@ fn composed_step(
     for start in (0..rows).step_by(slice_rows) {
         let n = slice_rows.min(rows - start);
         let mut ps = p.narrow(0, start, n)?.to_dtype(DType::F32)?;
-        let gs = g.narrow(0, start, n)?;
+        let gs = g.narrow(0, start, n)?.to_dtype(DType::F32)?;
         if weight_decay != 0.0 {
             ps = ps.affine(1.0 - lr * weight_decay, 0.0)?;
         }
@@ -568,7 +568,9 @@ impl AdamW {
             }
             // Detached: the moments must not keep the graph a gradient came from (they live for
             // the whole run; a graph kept here would keep every step's activations).
-            let g = grad.detach().to_dtype(DType::F32)?;
+            // In its own dtype: the composed update converts one slice at a time (a whole f32
+            // copy of a bf16 embedding gradient would be one more tensor of its size).
+            let g = grad.detach();
             st.step += 1;
             let t = st.step as f64;
             // On a GPU: one fused kernel, in place (same arithmetic, one pass).
@@ -581,13 +583,15 @@ impl AdamW {
                 step_size: (lr / (1.0 - beta1.powf(t))) as f32,
                 bc2_sqrt: (1.0 - beta2.powf(t)).sqrt() as f32,
             };
-            if fleet_models::ops::adamw_step_(
-                var.as_tensor(),
-                &g.contiguous()?,
-                &st.exp_avg,
-                &st.exp_avg_sq,
-                fused,
-            )? {
+            if var.dtype() == DType::F32
+                && fleet_models::ops::adamw_step_(
+                    var.as_tensor(),
+                    &g.to_dtype(DType::F32)?.contiguous()?,
+                    &st.exp_avg,
+                    &st.exp_avg_sq,
+                    fused,
+                )?
+            {
                 continue;
             }
             composed_step(

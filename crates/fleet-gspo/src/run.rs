@@ -232,9 +232,14 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     // that fits). The manifest keeps the configured batch: a resume on another machine may fit
     // another micro-batch of the same algorithm.
     let requested = config;
-    let (fitted, plan) = fit_micro_batch(config, opts, &files, longest_prompt)?;
+    let (fitted, plan, layout) = fit_micro_batch(
+        config,
+        opts,
+        &files,
+        longest_prompt,
+        (world_size, scaling, data.len()),
+    )?;
     let config = &fitted;
-    let layout = BatchLayout::new(config, world_size, scaling, data.len())?;
     if opts.plan_only {
         // Loads nothing: a reward model is only sized.
         return Ok(Prepared {
@@ -700,26 +705,51 @@ fn finish(
     })
 }
 
-/// The plan, and the config it is for: `config` itself, or with `auto_find_batch_size` the
-/// largest micro-batch from the configured one down (divided by its smallest prime factor at
-/// each try) whose plan fits, with steps_per_generation and gradient_accumulation_steps grown
-/// to match ([`GspoConfig::with_smaller_micro_batch`]).
+/// The plan, the config it is for and its batch layout: `config` itself, or with
+/// `auto_find_batch_size` the largest micro-batch, among the configured one's divisors, that
+/// the ranks can share and whose plan fits, with steps_per_generation and
+/// gradient_accumulation_steps grown to match ([`GspoConfig::with_smaller_micro_batch`]; the
+/// layout's `micro_split` keeps the loss normalised over the configured micro-batch). Each
+/// rank is planned for the rows it trains on.
 fn fit_micro_batch(
     config: &GspoConfig,
     opts: &RunOptions,
     files: &CheckpointFiles,
     longest_prompt: usize,
-) -> Result<(GspoConfig, TrainingPlan), TrainError> {
-    let mut candidate = config.clone();
-    loop {
-        match plan(&candidate, opts, files, longest_prompt) {
+    (world_size, scaling, num_prompts): (usize, BatchScaling, usize),
+) -> Result<(GspoConfig, TrainingPlan, BatchLayout), TrainError> {
+    let b = config.per_device_train_batch_size;
+    let factors: Vec<usize> = if config.auto_find_batch_size {
+        (1..=b).filter(|f| b.is_multiple_of(*f)).collect()
+    } else {
+        vec![1]
+    };
+    let mut last_error = None;
+    for factor in factors {
+        let candidate = config.with_smaller_micro_batch(factor);
+        let mut layout = match BatchLayout::new(&candidate, world_size, scaling, num_prompts) {
+            Ok(layout) => layout,
+            // A micro-batch the ranks cannot share: the next smaller one.
+            Err(e) if factor > 1 => {
+                last_error = Some(e);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        match plan(
+            &candidate,
+            opts,
+            files,
+            longest_prompt,
+            layout.per_rank_micro_batch,
+        ) {
             Ok(p) => {
-                if candidate.per_device_train_batch_size != config.per_device_train_batch_size {
+                if factor > 1 {
                     tracing::warn!(
                         "auto_find_batch_size: per_device_train_batch_size {} -> {} (fits), \
                          steps_per_generation {} -> {}, gradient_accumulation_steps {} -> {}: \
                          the same rollouts and optimizer steps in smaller micro-batches",
-                        config.per_device_train_batch_size,
+                        b,
                         candidate.per_device_train_batch_size,
                         config.steps_per_generation,
                         candidate.steps_per_generation,
@@ -727,25 +757,23 @@ fn fit_micro_batch(
                         candidate.gradient_accumulation_steps
                     );
                 }
-                return Ok((candidate, p));
+                layout.micro_split = factor;
+                return Ok((candidate, p, layout));
             }
-            Err(TrainError::Topology(e @ fleet_topology::TopologyError::DoesNotFit { .. }))
+            Err(e @ TrainError::Topology(fleet_topology::TopologyError::DoesNotFit { .. }))
                 if config.auto_find_batch_size =>
             {
-                let b = candidate.per_device_train_batch_size;
-                let Some(factor) = (2..=b).find(|f| b.is_multiple_of(*f)) else {
-                    return Err(TrainError::Setup(format!(
-                        "{e}\nauto_find_batch_size: even per_device_train_batch_size = 1 \
-                         (from {}) does not fit: the rollouts or the model itself need more \
-                         memory than the budget",
-                        config.per_device_train_batch_size
-                    )));
-                };
-                candidate = candidate.with_smaller_micro_batch(factor);
+                last_error = Some(e);
             }
             Err(e) => return Err(e),
         }
     }
+    let e = last_error.map_or_else(String::new, |e| e.to_string());
+    Err(TrainError::Setup(format!(
+        "{e}\nauto_find_batch_size: no divisor of per_device_train_batch_size = {b} that the \
+         {world_size} process(es) can share fits: the rollouts or the model itself need more \
+         memory than the budget"
+    )))
 }
 
 /// Where the models go on this machine (or on the CPU when it has no GPU), or on the GPUs of
@@ -755,6 +783,7 @@ fn plan(
     opts: &RunOptions,
     files: &CheckpointFiles,
     longest_prompt: usize,
+    micro_rows: usize,
 ) -> Result<TrainingPlan, TrainError> {
     let topology = match &opts.topology {
         Some(path) => {
@@ -772,7 +801,7 @@ fn plan(
     }
     let workload = TrainingWorkload {
         compute_dtype: plan_dtype(opts.dtype),
-        per_device_train_batch_size: config.per_device_train_batch_size,
+        per_device_train_batch_size: micro_rows,
         max_prompt_length: longest_prompt,
         max_completion_length: config.max_completion_length,
         num_generations: config.num_generations,

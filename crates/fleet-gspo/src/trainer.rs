@@ -135,20 +135,29 @@ impl Trainer {
         let mut micro_in_step = 0;
         let mut step_started = Instant::now();
         let mut first_step = true;
+        // A micro-batch fitted to memory (auto_find_batch_size) runs as `split` smaller ones;
+        // the loss is still normalised over the configured micro-batch (its sequences, and
+        // gradient_accumulation_steps / split of them per step), as TRL computes it.
+        let split = self.layout.micro_split.max(1);
+        let configured_gas = (gas / split).max(1) as f64;
         for _ in 0..cfg.num_iterations {
-            for micro in &rollouts.micro_batches {
+            for (m, micro) in rollouts.micro_batches.iter().enumerate() {
                 if self.state.step >= self.total_steps {
                     return Ok(());
                 }
-                // This rank's share; the loss is divided by the whole micro-batch's sequences.
-                let global_sequences = micro
+                // This rank's share; the loss is divided by the sequences of the whole
+                // configured micro-batch (over all ranks, and all parts of a split one).
+                let first = m / split * split;
+                let last = (first + split).min(rollouts.micro_batches.len());
+                let global_sequences = rollouts.micro_batches[first..last]
                     .iter()
+                    .flatten()
                     .filter(|&&i| rollouts.row_tokens[i] > 0)
                     .count() as u64;
                 let rows = shares.of(micro);
                 let (loss, metrics, ent, tokens) =
                     self.micro_step(&rollouts, rows, global_sequences, &loss_config, &mut grads)?;
-                step_loss += loss / gas as f64;
+                step_loss += loss / configured_gas;
                 step_metrics.merge(&metrics);
                 entropy.0 += ent.0;
                 entropy.1 += ent.1;
@@ -574,10 +583,12 @@ impl Trainer {
             .as_ref()
             .map(|t| t.index_select(&pos, 0))
             .transpose()?;
-        let distributed = self.dp.is_some();
+        let split = self.layout.micro_split.max(1);
+        let shared = self.dp.is_some() || split > 1;
         let adv: Vec<f32> = rows.iter().map(|&i| r.advantages.advantages[i]).collect();
         let advantages = Tensor::from_vec(adv, rows.len(), &dev)?;
-        let gas = cfg.gradient_accumulation_steps as f64;
+        // The configured accumulation (a split micro-batch's parts add up to one of its steps).
+        let gas = (cfg.gradient_accumulation_steps / split).max(1) as f64;
         let mut metrics = None;
         let (lp, loss) = self.policy.forward_backward(
             &batch,
@@ -594,8 +605,9 @@ impl Trainer {
                     loss_config,
                 )
                 .map_err(|e| fleet_models::ModelError::BadInput(e.to_string()))?;
-                // Over several ranks: the share's sum over the whole micro-batch's sequences.
-                let loss = if distributed && global_sequences > 0 {
+                // A share (of the ranks, or of a split micro-batch): its sum over the whole
+                // micro-batch's sequences.
+                let loss = if shared && global_sequences > 0 {
                     (out.loss * (out.metrics.num_sequences as f64 / global_sequences as f64))?
                 } else {
                     out.loss

@@ -138,6 +138,40 @@ fn tied_embeddings_sum_both_gradients_and_layers_may_sit_on_several_devices() {
     check("qwen2-tiny-tied-sharded", &model);
 }
 
+/// Two backward passes into the same gradients (gradient accumulation) sum them: every
+/// parameter's gradient is twice the golden one, also when the sums are made in place a few
+/// elements at a time.
+#[test]
+fn gradients_accumulate_over_passes_in_place() {
+    for slice in [usize::MAX, 100] {
+        let mut model = load("qwen2-tiny-tied-sharded", None);
+        model.head_chunk_rows = 5;
+        model.gradient_slice_elements = slice;
+        let g = golden("qwen2-tiny-tied-sharded");
+        let mut grads: ParamGrads = Vec::new();
+        for _ in 0..2 {
+            let weights = g.weights.clone();
+            model
+                .forward_backward(
+                    &g.batch,
+                    TEMPERATURE,
+                    &mut |logp| {
+                        let loss = (logp * &weights)?.sum_all()?;
+                        let value = loss.to_scalar::<f32>()?;
+                        Ok((loss, value))
+                    },
+                    &mut grads,
+                )
+                .unwrap();
+        }
+        for ((pname, _), grad) in model.params().iter().zip(&grads) {
+            let want = (&g.grads[pname] * 2.0).unwrap();
+            let e = rel_err(grad.as_ref().unwrap(), &want);
+            assert!(e < 1e-4, "slices of {slice}: {pname}: rel err {e}");
+        }
+    }
+}
+
 #[test]
 fn a_loss_that_ignores_the_model_gives_no_gradient() {
     let model = load("qwen2-tiny", None);

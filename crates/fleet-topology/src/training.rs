@@ -402,8 +402,14 @@ impl TrainingWorkload {
         // f32 masters: the constants; others scale with the master dtype's width.
         let m = self.master_dtype.size_in_bytes();
         let inference_copy = if self.master_dtype == self.compute_dtype {
-            // Only the concatenated q/k/v and gate/up are new tensors.
-            n * fused_params_per_layer(shape) * d
+            // Only the concatenated q/k/v and gate/up are new tensors, and a tied embedding
+            // copied to the head's device when that is another one.
+            let tied_head = if shape.tie_word_embeddings && part.head && !part.embed {
+                (shape.vocab_size * shape.hidden_size) as u64
+            } else {
+                0
+            };
+            (n * fused_params_per_layer(shape) + tied_head) * d
         } else {
             params * d
         };

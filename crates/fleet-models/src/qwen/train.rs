@@ -772,9 +772,10 @@ impl TrainableQwen {
             };
         }
 
-        // 5. The embedding: row `ids[j]` of its gradient gains row `j` of `g`, added by hand
-        // into the accumulator in place (autograd's index_add made two more tensors of the
-        // embedding's size: its zeros and its result).
+        // 5. The embedding: row `ids[j]` of its gradient gains row `j` of `g`. By hand, into
+        // the accumulator in place (autograd's index_add made two more tensors of the
+        // embedding's size, its zeros and its result): the rows of each distinct id are summed
+        // in f32 first, then added to the accumulator once.
         let embed_idx = *self
             .by_name
             .get("model.embed_tokens.weight")
@@ -782,21 +783,38 @@ impl TrainableQwen {
                 ModelError::BadInput("the trainable model has no model.embed_tokens.weight".into())
             })?;
         let embed = &self.params[embed_idx].var;
-        let n_ids = ids.elem_count();
+        let dev = embed.device();
+        let mut slot_of: std::collections::HashMap<u32, u32> = Default::default();
+        let mut distinct: Vec<u32> = Vec::new();
+        let slots: Vec<u32> = batch
+            .ids
+            .iter()
+            .flatten()
+            .map(|&id| {
+                *slot_of.entry(id).or_insert_with(|| {
+                    distinct.push(id);
+                    (distinct.len() - 1) as u32
+                })
+            })
+            .collect();
+        let (n_ids, n_distinct) = (slots.len(), distinct.len());
         let hs = self.cfg.hidden_size;
-        let g = crate::device::transfer(&g, embed.device())?
-            .to_dtype(embed.dtype())?
+        let g = crate::device::transfer(&g, dev)?
             .reshape((n_ids, hs))?
-            .contiguous()?;
-        let rows = crate::device::transfer(&ids, embed.device())?
-            .reshape((n_ids, 1))?
-            .broadcast_as((n_ids, hs))?
+            .to_dtype(DType::F32)?;
+        let sums = Tensor::zeros((n_distinct, hs), DType::F32, dev)?.index_add(
+            &Tensor::from_vec(slots, n_ids, dev)?,
+            &g,
+            0,
+        )?;
+        let rows = Tensor::from_vec(distinct, (n_distinct, 1), dev)?
+            .broadcast_as((n_distinct, hs))?
             .contiguous()?;
         let acc = match grads[embed_idx].take() {
             Some(acc) => acc,
-            None => Tensor::zeros(embed.shape(), embed.dtype(), embed.device())?,
+            None => Tensor::zeros(embed.shape(), embed.dtype(), dev)?,
         };
-        acc.scatter_add_set(&rows, &g, 0)?;
+        acc.scatter_add_set(&rows, &sums.to_dtype(embed.dtype())?.contiguous()?, 0)?;
         grads[embed_idx] = Some(acc);
 
         Ok((
