@@ -301,11 +301,12 @@ pub struct GspoConfig {
     /// Micro-batches per optimizer step. Default 1.
     pub gradient_accumulation_steps: usize,
     /// transformers' name: fit the micro-batch to memory. Before loading, the training memory
-    /// model's plan is made for `per_device_train_batch_size`, then for it divided by its
-    /// smallest prime factor, and so on, until one fits; `steps_per_generation` and
-    /// `gradient_accumulation_steps` are multiplied by the same factor, so that the rollouts
-    /// and every optimizer step see the same batches (the same algorithm, up to the order of
-    /// float sums). Default false: a plan that does not fit is an error.
+    /// model's plan is made for `per_device_train_batch_size`, then for its divisors from the
+    /// largest down (those the ranks can share), until one fits; `steps_per_generation` and
+    /// `gradient_accumulation_steps` are multiplied by the same factor and the loss stays
+    /// normalised over the configured micro-batch, so that the rollouts and every optimizer
+    /// step are the configured ones (up to the order of float sums). Default false: a plan
+    /// that does not fit is an error.
     pub auto_find_batch_size: bool,
     /// Lower clip range: the ratio is clipped below at 1 − epsilon. Default 3e-4.
     pub epsilon: f64,
