@@ -756,7 +756,7 @@ mod tests {
             None,
             Some(g0.i((0, 0..1)).unwrap().reshape((1, 1)).unwrap()),
         ];
-        let c = LoopbackCollective(World::single());
+        let c = LoopbackCollective(World::single(), false);
         c.all_reduce_grads(&mut grads, &params).unwrap();
         let got: Vec<Vec<f32>> = grads
             .iter()
@@ -796,37 +796,6 @@ mod tests {
         }
     }
 
-    /// Two ranks with the same gradients, summed in place like NCCL.
-    struct InPlaceCollective(World);
-
-    impl Collective for InPlaceCollective {
-        fn world(&self) -> &World {
-            &self.0
-        }
-        fn all_gather_bytes(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, TrainError> {
-            Ok(vec![mine])
-        }
-        fn broadcast_bytes(&self, mine: Option<Vec<u8>>) -> Result<Vec<u8>, TrainError> {
-            Ok(mine.unwrap_or_default())
-        }
-        fn all_reduce_f64(&self, _: &mut [f64]) -> Result<(), TrainError> {
-            Ok(())
-        }
-        fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor, TrainError> {
-            t.inplace_op1(&DoubleInPlace)?;
-            Ok(t)
-        }
-        fn broadcast_vars(&self, _: &[Var]) -> Result<(), TrainError> {
-            Ok(())
-        }
-        fn backend(&self) -> &'static str {
-            "in-place"
-        }
-        fn finish(self: Box<Self>) -> Result<(), TrainError> {
-            Ok(())
-        }
-    }
-
     #[test]
     fn in_place_sums_never_write_into_the_gradients_given() {
         let dev = candle_core::Device::Cpu;
@@ -834,7 +803,7 @@ mod tests {
         // One parameter: a bucket of one tensor, which `cat` would hand back as it is.
         let one = [Var::zeros(3, DType::F32, &dev).unwrap()];
         let mut grads: ParamGrads = vec![Some(g.clone())];
-        InPlaceCollective(World::single())
+        LoopbackCollective(World::single(), true)
             .all_reduce_grads(&mut grads, &one)
             .unwrap();
         let summed: Vec<f32> = grads[0].as_ref().unwrap().to_vec1().unwrap();
@@ -846,7 +815,7 @@ mod tests {
             Var::zeros(3, DType::F32, &dev).unwrap(),
         ];
         let mut grads: ParamGrads = vec![Some(g.clone()), Some(g.clone())];
-        InPlaceCollective(World::single())
+        LoopbackCollective(World::single(), true)
             .all_reduce_grads(&mut grads, &two)
             .unwrap();
         for s in &grads {
@@ -858,8 +827,9 @@ mod tests {
         assert_eq!(g.to_vec1::<f32>().unwrap(), vec![1., 2., 3.]);
     }
 
-    /// One rank alone: every collective is the identity.
-    struct LoopbackCollective(World);
+    /// One rank alone: every collective is the identity (`false`), or the
+    /// sum of two ranks with the same gradients, written in place like NCCL's (`true`).
+    struct LoopbackCollective(World, bool);
 
     impl Collective for LoopbackCollective {
         fn world(&self) -> &World {
@@ -875,13 +845,20 @@ mod tests {
             Ok(())
         }
         fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor, TrainError> {
+            if self.1 {
+                t.inplace_op1(&DoubleInPlace)?;
+            }
             Ok(t)
         }
         fn broadcast_vars(&self, _: &[Var]) -> Result<(), TrainError> {
             Ok(())
         }
         fn backend(&self) -> &'static str {
-            "loopback"
+            if self.1 {
+                "in-place"
+            } else {
+                "loopback"
+            }
         }
         fn finish(self: Box<Self>) -> Result<(), TrainError> {
             Ok(())
@@ -890,7 +867,7 @@ mod tests {
 
     #[test]
     fn the_bench_checks_sums_and_reports_bus_bandwidth() {
-        let c = LoopbackCollective(World::single());
+        let c = LoopbackCollective(World::single(), false);
         let rows = bench_all_reduce(
             &c,
             &candle_core::Device::Cpu,

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use fleet_models::qwen::train::{ParamGrads, TokenBatch, TrainableQwen};
+use fleet_models::qwen::train::{ParamGrads, TokenBatch, TokenLogprobs, TrainableQwen};
 use fleet_models::{DeviceLocation, DeviceMap, HubOptions, ModelSource, QwenConfig, Weights};
 
 fn fixtures() -> PathBuf {
@@ -67,6 +67,28 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
 
 const TEMPERATURE: f64 = 0.7;
 
+/// One forward/backward of the goldens' loss (the weighted sum of the log-probs), its
+/// gradients added into `grads`; returns the log-probs and the loss.
+fn backward_into(
+    model: &TrainableQwen,
+    g: &Golden,
+    grads: &mut ParamGrads,
+) -> (TokenLogprobs, f32) {
+    let weights = g.weights.clone();
+    model
+        .forward_backward(
+            &g.batch,
+            TEMPERATURE,
+            &mut |logp| {
+                let loss = (logp * &weights)?.sum_all()?;
+                let value = loss.to_scalar::<f32>()?;
+                Ok((loss, value))
+            },
+            grads,
+        )
+        .unwrap()
+}
+
 fn check(name: &str, model: &TrainableQwen) {
     let g = golden(name);
     // No-gradient pass.
@@ -77,19 +99,7 @@ fn check(name: &str, model: &TrainableQwen) {
     assert!(e < 1e-5, "{name}: logp rel err {e}");
 
     let mut grads: ParamGrads = Vec::new();
-    let weights = g.weights.clone();
-    let (out, loss) = model
-        .forward_backward(
-            &g.batch,
-            TEMPERATURE,
-            &mut |logp| {
-                let loss = (logp * &weights)?.sum_all()?;
-                let value = loss.to_scalar::<f32>()?;
-                Ok((loss, value))
-            },
-            &mut grads,
-        )
-        .unwrap();
+    let (out, loss) = backward_into(model, &g, &mut grads);
     let e = rel_err(&masked(&out.logp), &masked(&g.logp));
     assert!(e < 1e-5, "{name}: forward_backward logp rel err {e}");
     assert!(loss.is_finite());
@@ -150,19 +160,7 @@ fn gradients_accumulate_over_passes_in_place() {
         let g = golden("qwen2-tiny-tied-sharded");
         let mut grads: ParamGrads = Vec::new();
         for _ in 0..2 {
-            let weights = g.weights.clone();
-            model
-                .forward_backward(
-                    &g.batch,
-                    TEMPERATURE,
-                    &mut |logp| {
-                        let loss = (logp * &weights)?.sum_all()?;
-                        let value = loss.to_scalar::<f32>()?;
-                        Ok((loss, value))
-                    },
-                    &mut grads,
-                )
-                .unwrap();
+            backward_into(&model, &g, &mut grads);
         }
         for ((pname, _), grad) in model.params().iter().zip(&grads) {
             let want = (&g.grads[pname] * 2.0).unwrap();
