@@ -45,17 +45,7 @@ impl ModelSource {
 
     /// Finds (and for the hub, downloads or looks up in the cache) the checkpoint's files.
     pub fn resolve(&self, hub: &HubOptions) -> Result<CheckpointFiles> {
-        match self {
-            ModelSource::Local(dir) => resolve_with(
-                &LocalDir(dir.clone()),
-                &dir.display().to_string(),
-                Weights::Required,
-            ),
-            ModelSource::Hub { repo, revision } => {
-                let fetcher = HubRepo::new(repo, revision, hub)?;
-                resolve_with(&fetcher, &format!("{repo}@{revision}"), Weights::Required)
-            }
-        }
+        self.resolve_weights(hub, Weights::Required, Weights::Required)
     }
 
     /// The checkpoint's files for planning: as [`ModelSource::resolve`], but the weights are
@@ -63,15 +53,23 @@ impl ModelSource {
     /// (a plan then reads their headers); otherwise `weights` is empty and a plan sizes the
     /// model from config.json.
     pub fn resolve_for_plan(&self, hub: &HubOptions) -> Result<CheckpointFiles> {
+        self.resolve_weights(hub, Weights::IfPresent, Weights::Skip)
+    }
+
+    /// The files, with the weights as `local` says for a directory and `hub` for a hub id.
+    fn resolve_weights(
+        &self,
+        hub: &HubOptions,
+        local: Weights,
+        remote: Weights,
+    ) -> Result<CheckpointFiles> {
         match self {
-            ModelSource::Local(dir) => resolve_with(
-                &LocalDir(dir.clone()),
-                &dir.display().to_string(),
-                Weights::IfPresent,
-            ),
+            ModelSource::Local(dir) => {
+                resolve_with(&LocalDir(dir.clone()), &dir.display().to_string(), local)
+            }
             ModelSource::Hub { repo, revision } => {
                 let fetcher = HubRepo::new(repo, revision, hub)?;
-                resolve_with(&fetcher, &format!("{repo}@{revision}"), Weights::Skip)
+                resolve_with(&fetcher, &format!("{repo}@{revision}"), remote)
             }
         }
     }
