@@ -673,7 +673,11 @@ fn finish(
         None
     };
 
-    let text = TextModel::with_model(source, files.clone(), policy.inference_model()?)?;
+    let text = crate::trainer::RolloutText::from_text_model(TextModel::with_model(
+        source,
+        files.clone(),
+        policy.inference_model()?,
+    )?);
     let trainer = Trainer {
         config: config.clone(),
         policy,
@@ -808,6 +812,7 @@ fn plan(
         prompts_per_step: config.prompts_per_generation(),
         gradient_checkpointing: opts.gradient_checkpointing,
         master_dtype: plan_dtype(master_dtype(config)),
+        head_chunk_rows: fleet_models::qwen::train::default_head_chunk_rows(shape.vocab_size),
         ..TrainingWorkload::default()
     };
     // A reward model is sized from its config.json and headers.

@@ -24,7 +24,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use fleet_models::qwen::train::{ParamGrads, TokenBatch, TrainableQwen};
-use fleet_models::{CheckpointFiles, GenerationRequest, SamplingParams, TextModel};
+use fleet_models::{
+    CheckpointFiles, GenerationRequest, Generator, SamplingParams, TextModel, TextTokenizer,
+};
 
 use crate::advantage::{group_advantages, GroupAdvantages};
 use crate::checkpoint::{self, CheckpointContents, TrainerState};
@@ -38,15 +40,39 @@ use crate::prompt::RenderedPrompt;
 use crate::rewards::{BatchRewards, WeightedSum};
 use crate::TrainError;
 
+/// What rollouts need of the policy's checkpoint besides its weights. The inference model is
+/// not kept here: each rollout builds it from the current weights and drops it when generation
+/// ends, so its copy (the whole model in the compute dtype with f32 masters) never sits beside
+/// the training step's activations.
+pub struct RolloutText {
+    /// tokenizer.json, when the checkpoint has one.
+    pub tokenizer: Option<TextTokenizer>,
+    /// Stop ids (generation_config.json's, else config.json's, else the tokenizer's).
+    pub eos_ids: Vec<u32>,
+    /// The padding id.
+    pub pad_id: u32,
+}
+
+impl RolloutText {
+    /// The tokenizer and ids of `text`; its model is dropped.
+    pub fn from_text_model(text: TextModel) -> Self {
+        let (eos_ids, pad_id) = (text.eos_ids(), text.pad_id());
+        RolloutText {
+            tokenizer: text.tokenizer,
+            eos_ids,
+            pad_id,
+        }
+    }
+}
+
 /// Everything a run trains with, loaded and placed.
 pub struct Trainer {
     /// The configuration.
     pub config: GspoConfig,
     /// The policy being trained.
     pub policy: TrainableQwen,
-    /// The policy's tokenizer, chat template and stop ids; its model is replaced by an
-    /// inference copy of the current weights before each rollout.
-    pub text: TextModel,
+    /// The policy's tokenizer and stop ids (the inference model is built for each rollout).
+    pub text: RolloutText,
     /// The base checkpoint's files (copied into checkpoints).
     pub base: CheckpointFiles,
     /// The frozen reference model (only with `beta > 0`).
@@ -385,9 +411,17 @@ impl Trainer {
         // This rank samples and scores its share of the rows.
         let shares = self.shares();
         let mine = shares.range(requests.len());
-        self.text.model = self.policy.inference_model()?;
         let timer = Stage::start(self, "rollout.generate");
-        let outputs = self.text.generate(&requests[mine.clone()], None)?;
+        let model = self.policy.inference_model()?;
+        let outputs = Generator::new(
+            &model,
+            self.text.tokenizer.as_ref(),
+            self.text.eos_ids.clone(),
+            self.text.pad_id,
+        )
+        .generate(&requests[mine.clone()], None)?;
+        // Freed before the update: the training step never holds this copy.
+        drop(model);
         timer.stop(self)?;
         let generation_seconds = started.elapsed().as_secs_f64();
 
@@ -424,7 +458,7 @@ impl Trainer {
         }
         let advantages = group_advantages(&rewards.totals, g, cfg.scale_rewards)?;
         let width = cfg.max_completion_length.max(1);
-        let eos = self.text.eos_ids();
+        let eos = self.text.eos_ids.clone();
         let head = self.policy_head_device();
         let cm = completion_mask(
             &completions,
@@ -535,11 +569,11 @@ impl Trainer {
             .iter()
             .map(|&i| {
                 let mut c = r.completions[i].clone();
-                c.resize(width, self.text.pad_id());
+                c.resize(width, self.text.pad_id);
                 c
             })
             .collect();
-        Ok(TokenBatch::new(&prompts, &completions, self.text.pad_id())?)
+        Ok(TokenBatch::new(&prompts, &completions, self.text.pad_id)?)
     }
 
     /// One micro-batch (this rank's share of it): forward, GSPO loss, backward into `grads`.

@@ -991,3 +991,99 @@ fn cuda_kernels_match_cpu_twins() {
         }
     }
 }
+
+/// `(logp, entropy)` per row of `logits` (any dtype) at temperature `t`, in f64 from the
+/// logits' values: the definition `logp_entropy` computes.
+fn logp_entropy_f64(logits: &Tensor, targets: &[u32], t: f64) -> (Vec<f64>, Vec<f64>) {
+    let rows = logits.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    rows.iter()
+        .zip(targets)
+        .map(|(row, &tg)| {
+            let z: Vec<f64> = row.iter().map(|x| x / t).collect();
+            let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let s: f64 = z.iter().map(|v| (v - m).exp()).sum();
+            let lse = m + s.ln();
+            let h = -z.iter().map(|v| (v - lse).exp() * (v - lse)).sum::<f64>();
+            (z[tg as usize] - lse, h)
+        })
+        .unzip()
+}
+
+#[test]
+fn logp_entropy_is_the_log_softmax_at_the_target_and_the_entropy() {
+    let mut rng = Rng(31);
+    let (n, vocab) = (6, 3001);
+    let targets: Vec<u32> = (0..n as u32).map(|i| (i * 977 + 5) % vocab as u32).collect();
+    let tg = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let logits = rng
+            .tensor(&[n, vocab], 0.0, 4.0)
+            .to_dtype(dtype)
+            .unwrap();
+        for t in [1.0, 0.7] {
+            let (logp, ent) = ops::logp_entropy(&logits, &tg, t).unwrap();
+            let (want_l, want_h) = logp_entropy_f64(&logits, &targets, t);
+            for (got, want) in [(logp, want_l), (ent, want_h)] {
+                let got = got.to_vec1::<f32>().unwrap();
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        (*g as f64 - w).abs() <= 1e-5 * w.abs().max(1.0),
+                        "{dtype:?} T={t}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+    // A target outside the vocabulary is an error on the CPU (NaN from the kernel), not a read
+    // past the row.
+    let bad = Tensor::new(&[vocab as u32; 6], &Device::Cpu).unwrap();
+    let logits = rng.tensor(&[n, vocab], 0.0, 1.0);
+    assert!(ops::logp_entropy(&logits, &bad, 1.0).is_err());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn head_kernels_match_cpu() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("head_kernels_match_cpu: no CUDA device ({e}); not run");
+            return;
+        }
+    };
+    let mut rng = Rng(32);
+    // A vocabulary longer than a block's stride many times over, and a row count that is not
+    // a multiple of anything.
+    let (n, vocab) = (7, 151_936);
+    let targets: Vec<u32> = (0..n as u32).map(|i| (i * 40_013 + 11) % vocab as u32).collect();
+    let tg = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+    let g = rng.tensor(&[n], 0.0, 1.0);
+    for dtype in [DType::F32, DType::BF16] {
+        let logits = rng
+            .tensor(&[n, vocab], 0.0, 4.0)
+            .to_dtype(dtype)
+            .unwrap();
+        let on = |t: &Tensor| t.to_device(&gpu).unwrap();
+        for t in [1.0, 0.7] {
+            let (l_gpu, h_gpu) = ops::logp_entropy(&on(&logits), &on(&tg), t).unwrap();
+            let (want_l, want_h) = logp_entropy_f64(&logits, &targets, t);
+            for (what, got, want) in [("logp", l_gpu, want_l), ("entropy", h_gpu, want_h)] {
+                let got = got.to_device(&Device::Cpu).unwrap().to_vec1::<f32>().unwrap();
+                for (a, b) in got.iter().zip(&want) {
+                    eprintln!("{dtype:?} T={t} {what}: gpu {a} vs f64 {b}");
+                    assert!((*a as f64 - b).abs() <= 1e-4 * b.abs().max(1.0));
+                }
+            }
+            let want = ops::logp_grad(&logits, &tg, &g, t).unwrap();
+            let got = ops::logp_grad(&on(&logits), &on(&tg), &on(&g), t).unwrap();
+            let got = got.to_device(&Device::Cpu).unwrap();
+            if dtype == DType::F32 {
+                let (d, scale) = (max_diff(&got, &want), max_abs(&want).max(1e-6));
+                eprintln!("logp_grad f32 T={t}: gpu vs cpu {d:.2e} (scale {scale:.2e})");
+                assert!(d <= 1e-4 * scale);
+            } else {
+                assert_rounding_matches(&format!("logp_grad T={t}"), &got, &want);
+            }
+        }
+    }
+}

@@ -15,13 +15,15 @@ pub const ADAM_MOMENT_BYTES: u64 = 8;
 /// Compute-dtype copies of one block's parameters a forward builds (the cast, and the
 /// concatenated q/k/v and gate/up).
 pub const BLOCK_WEIGHT_COPIES: u64 = 2;
-/// `[B, L, hidden]` tensors stored per layer with gradient checkpointing (block input and
-/// pending residual).
-pub const CHECKPOINT_STORED_TENSORS: u64 = 2;
-/// f32 tensors of one log-softmax chunk with a gradient: logits, shifted, exp, gradient.
-pub const LOGIT_CHUNK_TENSORS: u64 = 4;
-/// f32 tensors of one log-softmax chunk without a gradient: logits, shifted, exp.
-pub const FROZEN_LOGIT_CHUNK_TENSORS: u64 = 3;
+/// `[B, L, hidden]` tensors stored per layer with gradient checkpointing (the block's input,
+/// the residual stream as one tensor).
+pub const CHECKPOINT_STORED_TENSORS: u64 = 1;
+/// Compute-dtype tensors of one log-softmax chunk with a gradient: the logits and their
+/// gradient (the log-probs and entropies come from one fused pass per row, the gradient from
+/// another: no f32 `[rows, vocab]` intermediates).
+pub const LOGIT_CHUNK_TENSORS: u64 = 2;
+/// Compute-dtype tensors of one log-softmax chunk without a gradient: the logits.
+pub const FROZEN_LOGIT_CHUNK_TENSORS: u64 = 1;
 /// f32 temporaries of the composed AdamW update, per element of the slice being updated (the
 /// parameter, the two moments, the denominator, the update and the new parameter; measured: a
 /// 0.5B run on the CPU held 0.33 GB of them).
@@ -157,8 +159,8 @@ impl Default for ActivationCoefficients {
 /// on the GPU (a caller may pass others in [`TrainingWorkload::coefficients`]).
 ///
 /// * **With gradient checkpointing** (per layer): each layer on the device stores
-///   [`CHECKPOINT_STORED_TENSORS`] = 2 tensors `[B, L, h]` in the compute dtype (the block input
-///   and the pending residual); the backward recomputes one block at a time with its graph:
+///   [`CHECKPOINT_STORED_TENSORS`] = 1 tensor `[B, L, h]` in the compute dtype (the block input,
+///   the residual stream); the backward recomputes one block at a time with its graph:
 ///   `block(peak)` on top.
 /// * **Without**: every layer's forward is kept, `layers x block(forward)`, plus the gradients
 ///   of the one block being differentiated, `block(peak) - block(forward)`.
@@ -168,15 +170,15 @@ impl Default for ActivationCoefficients {
 ///   the graph references every block's copies until the backward ends, so every layer's are
 ///   counted.
 /// * **Head** (head device): the log-softmax over the vocabulary in chunks of `head_chunk_rows`
-///   rows (at most `B x completion` rows exist): `rows x vocab x 4 B x` [`LOGIT_CHUNK_TENSORS`]
-///   (f32 logits, shifted logits, their exp, the gradient), plus the final hidden states of the
-///   micro-batch in f32 and their gradient, `2 x B x L x h x 4 B` (the head multiplies the f32
-///   master lm_head, which has no compute-dtype copy).
+///   rows (at most `B x completion` rows exist): `rows x vocab x d x` [`LOGIT_CHUNK_TENSORS`]
+///   (the logits and their gradient in the compute dtype), the final hidden states of the
+///   micro-batch and their gradient, `2 x B x L x h x 4 B`, and, when the masters are not in the
+///   compute dtype, the lm_head's compute-dtype copy `vocab x h x d` (built per pass).
 /// * **Log-probs** (head device): [`LOGPROB_TENSORS`] = 4 tensors `[B, completion]` in f32 (the
 ///   policy's, the old policy's, the reference's, and the completion mask).
 ///
-/// The embedding and the lm_head are used as f32 masters (no compute-dtype copy), as the
-/// trainer being written does.
+/// The inference copy (the rollouts' model in the compute dtype) is built before each
+/// rollout and dropped after it: it belongs to the rollout phase, not to what persists.
 ///
 /// # Frozen models
 ///
@@ -184,7 +186,7 @@ impl Default for ActivationCoefficients {
 /// forward over a micro-batch without a graph: the inference workspace of
 /// [`ModelShape::workspace_bytes`] for `B` sequences of `L` tokens (hidden states and the
 /// largest of attention and MLP), and on the head device the reference's log-softmax chunk
-/// without a gradient (`rows x vocab x 4 B x` [`FROZEN_LOGIT_CHUNK_TENSORS`]) and its
+/// without a gradient (`rows x vocab x d x` [`FROZEN_LOGIT_CHUNK_TENSORS`]) and its
 /// log-probs `[B, completion]` in f32, or the reward model's scores `B x L x num_labels` in f32.
 /// They are counted in the training phase (the reference runs per micro-batch next to the
 /// policy's step; the reward model runs between rollout and training, counted there too, on the
@@ -260,8 +262,9 @@ pub struct ActivationBytes {
     /// Compute-dtype copies of the block weights (one block's, or every layer's without
     /// checkpointing). 0 for frozen models (their weights are in the compute dtype already).
     pub block_weights: u64,
-    /// The head: the log-softmax chunk and the final hidden states in f32 (policy), the chunk
-    /// without gradient (reference) or the scores (reward model).
+    /// The head: the log-softmax chunk, the final hidden states and the lm_head's
+    /// compute-dtype copy (policy), the chunk without gradient (reference) or the scores
+    /// (reward model).
     pub head: u64,
     /// Per-token log-prob tensors `[B, completion]` in f32.
     pub logprobs: u64,
@@ -283,7 +286,8 @@ pub struct RoleCost {
     pub gradients: u64,
     /// AdamW moments (policy only).
     pub optimizer: u64,
-    /// The compute-dtype copy of the policy used for rollouts.
+    /// The compute-dtype copy of the policy used for rollouts (rollout phase: built before
+    /// each rollout, dropped after it).
     pub inference_copy: u64,
     /// KV cache of the generation batch (policy, rollout phase).
     pub kv_cache: u64,
@@ -297,14 +301,15 @@ pub struct RoleCost {
 }
 
 impl RoleCost {
-    /// What lives for the whole run: weights, gradients, optimizer state, inference copy.
+    /// What lives for the whole run: weights, gradients, optimizer state.
     pub fn persistent(&self) -> u64 {
-        self.weights + self.gradients + self.optimizer + self.inference_copy
+        self.weights + self.gradients + self.optimizer
     }
 
-    /// The rollout phase's transient bytes: KV cache and prefill workspace.
+    /// The rollout phase's transient bytes: the inference copy, KV cache and prefill
+    /// workspace.
     pub fn rollout(&self) -> u64 {
-        self.kv_cache + self.generation_workspace
+        self.inference_copy + self.kv_cache + self.generation_workspace
     }
 
     /// The training phase's transient bytes: the activations of the forward and backward, or
@@ -394,9 +399,15 @@ impl TrainingWorkload {
             }
         }
         if part.head {
+            let head_copy = if self.master_dtype == self.compute_dtype {
+                0
+            } else {
+                shape.head_outputs() as u64 * h * d
+            };
             act.head =
-                self.logit_chunk_rows() * shape.head_outputs() as u64 * 4 * LOGIT_CHUNK_TENSORS
-                    + 2 * b * l * h * 4;
+                self.logit_chunk_rows() * shape.head_outputs() as u64 * d * LOGIT_CHUNK_TENSORS
+                    + 2 * b * l * h * 4
+                    + head_copy;
             act.logprobs = LOGPROB_TENSORS * self.logprob_elements() * 4;
         }
         // f32 masters: the constants; others scale with the master dtype's width.
@@ -468,7 +479,7 @@ impl TrainingWorkload {
                 None => {
                     act.head = self.logit_chunk_rows()
                         * shape.vocab_size as u64
-                        * 4
+                        * d
                         * FROZEN_LOGIT_CHUNK_TENSORS;
                     act.logprobs = self.logprob_elements() * 4;
                 }
@@ -596,7 +607,7 @@ mod tests {
         assert_eq!(c.weights, 4 * p);
         assert_eq!(c.optimizer, 8 * p);
         assert_eq!(c.inference_copy, 2 * p);
-        assert_eq!(c.persistent(), 18 * p);
+        assert_eq!(c.persistent(), 16 * p);
         // A layer range carries its own layers' share only.
         let part = DevicePart {
             layers: 10,
@@ -605,7 +616,8 @@ mod tests {
             gpu: true,
         };
         let c = TrainingWorkload::default().policy_cost(&s, part);
-        assert_eq!(c.persistent(), 18 * 10 * s.layer_params());
+        assert_eq!(c.persistent(), 16 * 10 * s.layer_params());
+        assert_eq!(c.inference_copy, 2 * 10 * s.layer_params());
         assert_eq!((c.activations.head, c.activations.logprobs), (0, 0));
     }
 
@@ -626,8 +638,8 @@ mod tests {
         let fwd = on.block_bytes(&s, &C_FORWARD);
         let peak = on.block_bytes(&s, &C_PEAK);
         assert_eq!(b.stored + b.block_peak, 28 * fwd + peak - fwd);
-        // With it: 2 tensors [B, L, h] per layer, then one block's recompute and backward.
-        assert_eq!(a.stored, 28 * 2 * 8 * 768 * 3584 * 2);
+        // With it: 1 tensor [B, L, h] per layer, then one block's recompute and backward.
+        assert_eq!(a.stored, 28 * 8 * 768 * 3584 * 2);
         assert_eq!(a.block_peak, peak);
     }
 
@@ -658,7 +670,9 @@ mod tests {
             let b = two.policy_cost(&s, whole(&s)).activations;
             assert_eq!(b.stored, 2 * a.stored);
             assert_eq!(b.block_peak, 2 * a.block_peak);
-            assert_eq!(b.head, 2 * a.head);
+            // The lm_head's compute-dtype copy does not depend on the batch.
+            let copy = 151936 * 896 * 2;
+            assert_eq!(b.head - copy, 2 * (a.head - copy));
             assert_eq!(b.logprobs, 2 * a.logprobs);
             // The weights built per forward do not depend on the batch.
             assert_eq!(b.block_weights, a.block_weights);
@@ -668,14 +682,22 @@ mod tests {
         let head = w.policy_cost(&s, whole(&s)).activations.head;
         assert_eq!(
             head,
-            512 * 151936 * 16 + 2 * 8 * 768 * 896 * 4,
-            "512 rows x vocab x 4 B x 4 tensors + final hidden states"
+            512 * 151936 * 2 * 2 + 2 * 8 * 768 * 896 * 4 + 151936 * 896 * 2,
+            "512 rows x vocab x 2 B x 2 tensors + final hidden states + the lm_head's bf16 copy"
         );
+        // Masters in the compute dtype: the lm_head is read as it is.
+        let same = TrainingWorkload {
+            master_dtype: DType::Bf16,
+            ..w
+        };
+        let head_same = same.policy_cost(&s, whole(&s)).activations.head;
+        assert_eq!(head - head_same, 151936 * 896 * 2);
     }
 
     /// A 7B policy (Qwen2.5-7B, 7.62B parameters), bf16, micro-batch 8 x (512 + 256) tokens,
-    /// checkpointing on, generation batch 32: 121.9 GB of training state, 15.2 GB inference
-    /// copy, 1.4 GB of KV cache, 7.0-8.0 GB of activations; 140-146 GB in all on one device.
+    /// checkpointing on, generation batch 32: 121.9 GB of training state, then either the
+    /// rollout (15.2 GB inference copy, 1.4 GB of KV cache) or the step (6.0-7.0 GB of
+    /// activations); 137-141 GB in all on one device.
     #[test]
     fn a_7b_step_is_in_a_sane_range() {
         let s = qwen7b();
@@ -686,11 +708,11 @@ mod tests {
         // 28 layers x 2 x 4 kv heads x 128 x 2 B x 32 x 768 tokens = 1.41 GB.
         assert_eq!(c.kv_cache, 28 * 2048 * 32 * 768);
         let act = gb(c.activations.total());
-        assert!((7.0..8.0).contains(&act), "{act} GB: {:?}", c.activations);
+        assert!((6.0..7.0).contains(&act), "{act} GB: {:?}", c.activations);
         let peak = gb(c.peak());
-        assert!((140.0..146.0).contains(&peak), "{peak} GB");
-        // The rollout phase is the smaller one here.
-        assert!(c.rollout() < c.training());
+        assert!((137.0..141.0).contains(&peak), "{peak} GB");
+        // The rollout phase, with the inference copy, is the larger one here.
+        assert!(c.rollout() > c.training());
     }
 
     #[test]
@@ -701,7 +723,7 @@ mod tests {
         assert_eq!(r.weights, 2 * s.total_params());
         assert_eq!(r.gradients + r.optimizer + r.inference_copy + r.kv_cache, 0);
         assert_eq!(r.activations.stored, 0);
-        assert_eq!(r.activations.head, 512 * 151936 * 4 * 3);
+        assert_eq!(r.activations.head, 512 * 151936 * 2);
         assert_eq!(r.activations.logprobs, 8 * 256 * 4);
         // Far below the policy's training activations: no graph, no backward.
         let p = w.policy_cost(&s, whole(&s));

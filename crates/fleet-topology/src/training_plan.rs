@@ -852,7 +852,8 @@ impl Ctx<'_> {
             .unwrap_or(0)
             .max(1);
         if gpus > 0 {
-            let state = whole.persistent();
+            // Both live during a rollout, on whichever GPUs hold the policy.
+            let state = whole.persistent() + whole.inference_copy;
             let at_least = state.div_ceil(per_gpu);
             let mut gpu_way = format!(
                 "more GPUs (the policy's weights, gradients, optimizer state and inference copy alone are {}: at least {} GPU(s) of this budget",

@@ -8,7 +8,8 @@
 //! kernels, whose backward lives with them in [`crate::ops`].
 //!
 //! Memory, for long completions and large vocabularies:
-//! - gradient checkpointing (on by default): the forward keeps only each block's input; the
+//! - gradient checkpointing (on by default): the forward keeps only each block's input (the
+//!   residual stream, one tensor); the
 //!   backward recomputes one block at a time with its graph, pushes the gradient of the
 //!   block's output through it, and frees it;
 //! - the log-softmax over the vocabulary runs over chunks of `head_chunk_rows` token rows, so
@@ -21,7 +22,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Tensor, Var, D};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::{Embedding, Linear, Module};
 use fleet_topology::{DeviceLocation, DeviceMap};
 
@@ -452,7 +453,9 @@ impl TrainableQwen {
         Ok((pick(x)?, pick(pending)?))
     }
 
-    /// Log-probs (and, without gradients, entropies) of `targets` from hidden rows `x + p`.
+    /// Log-probs and entropies of `targets` from hidden rows `x + p`, without gradients: the
+    /// logits in the compute dtype, then one fused pass per row (`ops::logp_entropy`; f32
+    /// `[rows, vocab]` intermediates were the largest transient of a training step).
     fn head_logprobs(
         &self,
         head: &(RmsNorm, Linear),
@@ -460,31 +463,11 @@ impl TrainableQwen {
         p: &Tensor,
         targets: &Tensor,
         temperature: f64,
-        entropy: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    ) -> Result<(Tensor, Tensor)> {
         let (norm, lm_head) = head;
         let h = norm.add_forward(x, p)?.1;
-        let mut logits = lm_head.forward(&h)?.to_dtype(DType::F32)?;
-        if temperature != 1.0 {
-            logits = (logits / temperature)?;
-        }
-        // log_softmax as logits - max - log(sum(exp(logits - max))): the max is a constant
-        // shift (no gradient needed through it).
-        let max = logits.max_keepdim(D::Minus1)?.detach();
-        let z = logits.broadcast_sub(&max)?;
-        let exp = z.exp()?;
-        let sum = exp.sum_keepdim(D::Minus1)?;
-        let lse = sum.log()?;
-        let picked = z.gather(&targets.unsqueeze(1)?, 1)?;
-        let logp = (picked - &lse)?.squeeze(1)?;
-        let entropy = if entropy {
-            // H = log Z - sum(p z), with p = exp(z) / Z.
-            let pz = (exp * &z)?.sum_keepdim(D::Minus1)?.broadcast_div(&sum)?;
-            Some((lse - pz)?.squeeze(1)?)
-        } else {
-            None
-        };
-        Ok((logp, entropy))
+        let logits = lm_head.forward(&h)?;
+        Ok(crate::ops::logp_entropy(&logits, targets, temperature)?)
     }
 
     /// Log-probs and entropies of `batch`'s completion tokens under the current weights, with
@@ -536,10 +519,9 @@ impl TrainableQwen {
                 &ps.narrow(0, start, len)?,
                 &targets.narrow(0, start, len)?,
                 temperature,
-                true,
             )?;
             logps.push(l);
-            ents.push(e.expect("asked for"));
+            ents.push(e);
         }
         Ok(TokenLogprobs {
             logp: Tensor::cat(&logps, 0)?,
@@ -578,7 +560,9 @@ impl TrainableQwen {
             self.cfg.num_hidden_layers
         };
         let head_dev = self.devices.get(self.map.head).clone();
-        let mut starts: Vec<(Tensor, Option<Tensor>)> = Vec::new();
+        // Each segment's input as one tensor, the residual stream `x + pending` the block
+        // computes first (rounded as it rounds it): half of keeping both parts.
+        let mut starts: Vec<Tensor> = Vec::new();
         let (xs, ps) = profile::time(&head_dev, "train.1_forward_no_graph", || {
             let mut x = self.embedding(&detached)?.forward(&ids)?;
             let mut pending: Option<Tensor> = None;
@@ -590,7 +574,10 @@ impl TrainableQwen {
                     .map(|p| crate::device::transfer(&p, dev))
                     .transpose()?;
                 if i % segment == 0 {
-                    starts.push((x.clone(), pending.clone()));
+                    starts.push(match &pending {
+                        Some(p) => (&x + p)?,
+                        None => x.clone(),
+                    });
                 }
                 let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
                 x = nx;
@@ -731,15 +718,14 @@ impl TrainableQwen {
 
         // 4. The blocks, last segment first: recompute with the graph, push `g` through.
         let n_layers = self.cfg.num_hidden_layers;
-        for (s, (x0, p0)) in starts.iter().enumerate().rev() {
+        for (s, x0) in starts.iter().enumerate().rev() {
             let first = s * segment;
             let last = (first + segment).min(n_layers);
             let xv = Var::from_tensor(x0)?;
-            let pv = p0.as_ref().map(Var::from_tensor).transpose()?;
             let seg_dev = self.devices.get(self.map.layers[first]).clone();
             let (x, pending) = profile::time(&seg_dev, "train.4a_blocks_recompute", || {
                 let mut x = xv.as_tensor().clone();
-                let mut pending = pv.as_ref().map(|v| v.as_tensor().clone());
+                let mut pending: Option<Tensor> = None;
                 for i in first..last {
                     let layer = self.block(&tracked, i)?;
                     let dev = self.devices.get(layer.location);
@@ -875,8 +861,9 @@ fn accumulate(acc: Option<Tensor>, g: Tensor, slice_elements: usize) -> Result<T
     Ok(acc)
 }
 
-/// Rows per chunk of the vocabulary projection: about 256 MiB of f32 logits.
-fn default_head_chunk_rows(vocab: usize) -> usize {
+/// Rows per chunk of the vocabulary projection by default (`TrainableQwen::head_chunk_rows`):
+/// 256 MiB of logits were they f32 (441 rows of a 152k vocabulary). Memory plans use it too.
+pub fn default_head_chunk_rows(vocab: usize) -> usize {
     ((256usize << 20) / (vocab.max(1) * 4)).max(1)
 }
 
