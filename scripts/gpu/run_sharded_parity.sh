@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The f32 parity tests (text: tests/parity.rs; vision-language: tests/qwen3_vl_parity.rs) with
 # the decoder's layers split over two GPUs (FLEET_TEST_DEVICES=cuda:0,cuda:1), then on one GPU,
-# on nvidia-h200-x2. Checks the layer-sharded paths against transformers' goldens (1e-4), the
+# on nvidia-h200-x2; then tests/ops_grad.rs's kernel checks. Checks the layer-sharded paths against transformers' goldens (1e-4), the
 # VL deepstack features crossing to the second GPU included.
 #
 # Carried: dist/carry/fleet-models-gpu-tests.tar.xz (built here: with scripts/cuda/env.sh
 # sourced, `cargo test --no-run --release -p fleet-models --features cuda --test parity
-# --test qwen3_vl_parity` in a worktree at /tmp/wt-cuda, the two executables stripped and put
-# in one tar as `parity` and `qwen3_vl_parity`). The binaries find tests/fixtures through the
+# --test qwen3_vl_parity --test ops_grad` in a worktree at /tmp/wt-cuda, the executables
+# stripped and put in one tar as `parity`, `qwen3_vl_parity` and `ops_grad`). The binaries find tests/fixtures through the
 # path they were built at, so /tmp/wt-cuda is made a link to this checkout. Run from the repo
 # root; writes $OUT/sharded-parity.log.
 set -u
@@ -31,4 +31,11 @@ for devices in cuda:0,cuda:1 cuda:0; do
     [ "$rc" = 0 ] || status=1
   done
 done
+# The fused kernels against their CPU twins (the decoder's ops, and the training head's
+# logp_entropy / logp_grad at the 152k vocabulary).
+echo "== ops_grad kernels_match on cuda:0"
+"$W/ops_grad" kernels_match --test-threads 1 --nocapture
+rc=$?
+echo "== ops_grad kernels_match: exit $rc"
+[ "$rc" = 0 ] || status=1
 exit $status
