@@ -682,7 +682,10 @@ pub fn logp_entropy(
             inv_t: (1.0 / temperature) as f32,
         },
     )?;
-    Ok((out.narrow(1, 0, 1)?.squeeze(1)?, out.narrow(1, 1, 1)?.squeeze(1)?))
+    Ok((
+        out.narrow(1, 0, 1)?.squeeze(1)?,
+        out.narrow(1, 1, 1)?.squeeze(1)?,
+    ))
 }
 
 struct LogpEntropy {
@@ -1664,11 +1667,7 @@ mod cuda {
         let func = dev.get_or_load_custom_func("sample_gumbel", MODULE, PTX)?;
         // SAFETY: the kernel writes one id per row.
         let out: CudaSlice<u32> = unsafe { dev.alloc::<u32>(rows)? };
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = row_blocks(rows);
         let mut b = func.builder();
         b.arg(&logits);
         b.arg(&params);
@@ -1678,6 +1677,15 @@ mod cuda {
         // SAFETY: one block per row reads its vocab logits and params, writes one id.
         unsafe { b.launch(cfg) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+    }
+
+    /// One block of 1024 threads per row: the kernels that reduce over a row of logits.
+    fn row_blocks(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
@@ -2247,11 +2255,7 @@ mod cuda {
             )?;
             // SAFETY: every element is written by the kernel.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n_rows * vocab)? };
-            let cfg = LaunchConfig {
-                grid_dim: (n_rows as u32, 1, 1),
-                block_dim: (1024, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = row_blocks(n_rows);
             let mut b = func.builder();
             b.arg(&logits);
             b.arg(&targets);
@@ -2325,11 +2329,7 @@ mod cuda {
             )?;
             // SAFETY: the kernel writes both values of every row.
             let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(n_rows * 2)? };
-            let cfg = LaunchConfig {
-                grid_dim: (n_rows as u32, 1, 1),
-                block_dim: (1024, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = row_blocks(n_rows);
             let mut b = func.builder();
             b.arg(&logits);
             b.arg(&targets);

@@ -995,7 +995,11 @@ fn cuda_kernels_match_cpu_twins() {
 /// `(logp, entropy)` per row of `logits` (any dtype) at temperature `t`, in f64 from the
 /// logits' values: the definition `logp_entropy` computes.
 fn logp_entropy_f64(logits: &Tensor, targets: &[u32], t: f64) -> (Vec<f64>, Vec<f64>) {
-    let rows = logits.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    let rows = logits
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap();
     rows.iter()
         .zip(targets)
         .map(|(row, &tg)| {
@@ -1013,13 +1017,12 @@ fn logp_entropy_f64(logits: &Tensor, targets: &[u32], t: f64) -> (Vec<f64>, Vec<
 fn logp_entropy_is_the_log_softmax_at_the_target_and_the_entropy() {
     let mut rng = Rng(31);
     let (n, vocab) = (6, 3001);
-    let targets: Vec<u32> = (0..n as u32).map(|i| (i * 977 + 5) % vocab as u32).collect();
+    let targets: Vec<u32> = (0..n as u32)
+        .map(|i| (i * 977 + 5) % vocab as u32)
+        .collect();
     let tg = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
     for dtype in [DType::F32, DType::BF16] {
-        let logits = rng
-            .tensor(&[n, vocab], 0.0, 4.0)
-            .to_dtype(dtype)
-            .unwrap();
+        let logits = rng.tensor(&[n, vocab], 0.0, 4.0).to_dtype(dtype).unwrap();
         for t in [1.0, 0.7] {
             let (logp, ent) = ops::logp_entropy(&logits, &tg, t).unwrap();
             let (want_l, want_h) = logp_entropy_f64(&logits, &targets, t);
@@ -1055,20 +1058,23 @@ fn head_kernels_match_cpu() {
     // A vocabulary longer than a block's stride many times over, and a row count that is not
     // a multiple of anything.
     let (n, vocab) = (7, 151_936);
-    let targets: Vec<u32> = (0..n as u32).map(|i| (i * 40_013 + 11) % vocab as u32).collect();
+    let targets: Vec<u32> = (0..n as u32)
+        .map(|i| (i * 40_013 + 11) % vocab as u32)
+        .collect();
     let tg = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
     let g = rng.tensor(&[n], 0.0, 1.0);
     for dtype in [DType::F32, DType::BF16] {
-        let logits = rng
-            .tensor(&[n, vocab], 0.0, 4.0)
-            .to_dtype(dtype)
-            .unwrap();
+        let logits = rng.tensor(&[n, vocab], 0.0, 4.0).to_dtype(dtype).unwrap();
         let on = |t: &Tensor| t.to_device(&gpu).unwrap();
         for t in [1.0, 0.7] {
             let (l_gpu, h_gpu) = ops::logp_entropy(&on(&logits), &on(&tg), t).unwrap();
             let (want_l, want_h) = logp_entropy_f64(&logits, &targets, t);
             for (what, got, want) in [("logp", l_gpu, want_l), ("entropy", h_gpu, want_h)] {
-                let got = got.to_device(&Device::Cpu).unwrap().to_vec1::<f32>().unwrap();
+                let got = got
+                    .to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
                 for (a, b) in got.iter().zip(&want) {
                     eprintln!("{dtype:?} T={t} {what}: gpu {a} vs f64 {b}");
                     assert!((*a as f64 - b).abs() <= 1e-4 * b.abs().max(1.0));
