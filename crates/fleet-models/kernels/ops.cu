@@ -65,7 +65,8 @@ __device__ void swiglu(const T *x, T *y, int n_rows, int n_cols) {
 }
 
 // Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), returned to every
-// thread. Call it once per kernel, with every thread of the block.
+// thread. Call it with every thread of the block; a second call in the same kernel needs a
+// __syncthreads() before it (the partials are reused).
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float partial[32];
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
@@ -424,7 +425,8 @@ extern "C" __global__ void sum_partials(const float *partial, float *out, int pa
     out[c] = acc;
 }
 
-// Max of `v` over the block (as block_sum). Call it once per kernel, with every thread.
+// Max of `v` over the block (as block_sum, with partials of its own). Call it with every
+// thread; a second call needs a __syncthreads() before it.
 __device__ __forceinline__ float block_max(float v) {
     __shared__ float partial_max[32];
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));

@@ -676,6 +676,11 @@ pub fn logp_entropy(
     targets: &Tensor,
     temperature: f64,
 ) -> candle_core::Result<(Tensor, Tensor)> {
+    let n = targets.dim(0)?;
+    if n == 0 {
+        let none = Tensor::zeros(0, DType::F32, logits.device())?;
+        return Ok((none.clone(), none));
+    }
     let out = contig(&logits.detach())?.apply_op2_no_bwd(
         &contig(targets)?,
         &LogpEntropy {
@@ -730,6 +735,9 @@ impl CustomOp2 for LogpEntropy {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, vocab) = l1.shape().dims2()?;
+        if vocab == 0 {
+            candle_core::bail!("logp_entropy: logits {:?} have no vocabulary", l1.dims());
+        }
         let (Some((a, b)), Some((ta, tb))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
         else {
             candle_core::bail!("logp_entropy: inputs must be contiguous")

@@ -19,8 +19,9 @@ pub const BLOCK_WEIGHT_COPIES: u64 = 2;
 /// the residual stream as one tensor).
 pub const CHECKPOINT_STORED_TENSORS: u64 = 1;
 /// Compute-dtype tensors of one log-softmax chunk with a gradient: the logits and their
-/// gradient (the log-probs and entropies come from one fused pass per row, the gradient from
-/// another: no f32 `[rows, vocab]` intermediates).
+/// gradient (on a GPU the log-probs and entropies come from one fused pass per row, the
+/// gradient from another: no f32 `[rows, vocab]` intermediates; the CPU composes the gradient
+/// in f32, which this does not count).
 pub const LOGIT_CHUNK_TENSORS: u64 = 2;
 /// Compute-dtype tensors of one log-softmax chunk without a gradient: the logits.
 pub const FROZEN_LOGIT_CHUNK_TENSORS: u64 = 1;
@@ -111,10 +112,10 @@ impl Default for ActivationCoefficients {
 /// | weights | 4 ([`MASTER_WEIGHT_BYTES`]) | f32 master weights, the trainable `Var`s |
 /// | gradients | 4 ([`GRADIENT_BYTES`]) | f32, accumulated over micro-batches |
 /// | optimizer | 8 ([`ADAM_MOMENT_BYTES`]) | AdamW's first and second moments in f32 |
-/// | inference copy | 2 (compute dtype) | the whole policy built in bf16 for rollouts |
+/// | inference copy | 2 (compute dtype) | the whole policy built in bf16 for rollouts (rollout phase only) |
 ///
-/// 16 B/param of training state plus 2 B/param for the inference copy: 18 B/param in bf16.
-/// With masters in the compute dtype (`master_dtype`, TRL's arithmetic) each term scales with
+/// 16 B/param of training state for the whole run, plus 2 B/param for the inference copy while
+/// a rollout runs (it is built before each rollout and dropped after it). With masters in the compute dtype (`master_dtype`, TRL's arithmetic) each term scales with
 /// that dtype's width, and the inference copy is only the concatenated q/k/v and gate/up of
 /// each block (the rollouts read the other weights in place).
 ///
@@ -122,7 +123,7 @@ impl Default for ActivationCoefficients {
 /// dropped before the first micro-batch's forward (fleet-models' KV cache lives per generate
 /// call):
 ///
-/// * **rollout**: the KV cache of the generation batch (`num_generations x prompts_per_step`
+/// * **rollout**: the inference copy, the KV cache of the generation batch (`num_generations x prompts_per_step`
 ///   sequences of `max_prompt_length + max_completion_length` tokens, the formula of
 ///   [`ModelShape::kv_bytes_per_token_per_layer`]), plus the workspace of prefilling the
 ///   prompts ([`ModelShape::workspace_bytes`]);
@@ -172,8 +173,9 @@ impl Default for ActivationCoefficients {
 /// * **Head** (head device): the log-softmax over the vocabulary in chunks of `head_chunk_rows`
 ///   rows (at most `B x completion` rows exist): `rows x vocab x d x` [`LOGIT_CHUNK_TENSORS`]
 ///   (the logits and their gradient in the compute dtype), the final hidden states of the
-///   micro-batch and their gradient, `2 x B x L x h x 4 B`, and, when the masters are not in the
-///   compute dtype, the lm_head's compute-dtype copy `vocab x h x d` (built per pass).
+///   micro-batch and their gradient, `2 x B x L x h x 4 B` (counted at f32 width, on the safe
+///   side), and the lm_head's compute-dtype copy `vocab x h x d` (built per pass) when the
+///   masters are not in the compute dtype or a tied embedding lives on another device.
 /// * **Log-probs** (head device): [`LOGPROB_TENSORS`] = 4 tensors `[B, completion]` in f32 (the
 ///   policy's, the old policy's, the reference's, and the completion mask).
 ///
@@ -399,7 +401,9 @@ impl TrainingWorkload {
             }
         }
         if part.head {
-            let head_copy = if self.master_dtype == self.compute_dtype {
+            // Cast from other-dtype masters, or a tied embedding moved to the head's device.
+            let tied_elsewhere = shape.tie_word_embeddings && !part.embed;
+            let head_copy = if self.master_dtype == self.compute_dtype && !tied_elsewhere {
                 0
             } else {
                 shape.head_outputs() as u64 * h * d
@@ -692,6 +696,21 @@ mod tests {
         };
         let head_same = same.policy_cost(&s, whole(&s)).activations.head;
         assert_eq!(head - head_same, 151936 * 896 * 2);
+        // ...unless the tied embedding lives on another device: then it is copied over.
+        let last = DevicePart {
+            layers: 12,
+            embed: false,
+            head: true,
+            gpu: true,
+        };
+        let first = DevicePart {
+            embed: true,
+            head: false,
+            ..last
+        };
+        let head_last = same.policy_cost(&s, last).activations.head;
+        assert_eq!(head_last, head);
+        assert_eq!(same.policy_cost(&s, first).activations.head, 0);
     }
 
     /// A 7B policy (Qwen2.5-7B, 7.62B parameters), bf16, micro-batch 8 x (512 + 256) tokens,

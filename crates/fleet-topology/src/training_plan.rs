@@ -136,9 +136,9 @@ pub struct TrainingDevicePlan {
     pub roles: Vec<RolePlacement>,
     /// CUDA context (once per GPU, 0 on the CPU).
     pub overhead: u64,
-    /// Sum of the roles' persistent terms (weights, gradients, optimizer, inference copy).
+    /// Sum of the roles' persistent terms (weights, gradients, optimizer).
     pub persistent: u64,
-    /// Sum of the roles' rollout-phase terms (KV cache, prefill workspace).
+    /// Sum of the roles' rollout-phase terms (inference copy, KV cache, prefill workspace).
     pub rollout: u64,
     /// Sum of the roles' training-phase terms (activations).
     pub training: u64,

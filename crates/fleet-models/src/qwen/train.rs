@@ -593,6 +593,8 @@ impl TrainableQwen {
         let values = profile::time(&head_dev, "train.2_head_values", || {
             self.chunked(&xs, &ps, &targets, temperature, &head_detached)
         })?;
+        // Its compute-dtype lm_head (a cast of f32 masters) must not live beside step 3's.
+        drop(head_detached);
         let logp_var = Var::from_tensor(&values.logp.reshape((b, c))?)?;
         let (loss, out) = loss_of(logp_var.as_tensor())?;
         let loss_grads = loss.backward()?;
