@@ -356,12 +356,21 @@ fn plan_for_a_topology_file_needs_no_weights_and_no_gpus() {
 /// `--auto-find-batch-size`: a budget the configured micro-batch (16) does not fit makes it 8,
 /// with steps_per_generation and gradient_accumulation_steps doubled; the run then equals one
 /// configured that way (no row is without loss tokens here, so the normalisations agree), and
-/// has the configured batch's rollouts, loss and gradient norm.
+/// has the configured batch's rollouts, loss and gradient norm. One micro-batch per generation
+/// batch, so that the training phase, not the rollouts' KV cache, makes the peak (the
+/// micro-batch can only lower that one).
 #[test]
 fn auto_find_batch_size_fits_the_micro_batch_and_keeps_the_batches() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = |name: &str| tmp.path().join(name).display().to_string();
-    let common = ["--max-steps", "4", "--set", "save_steps=1000"];
+    let common = [
+        "--max-steps",
+        "4",
+        "--set",
+        "save_steps=1000",
+        "--set",
+        "steps_per_generation=1",
+    ];
     let run_with = |out: &str, extra: &[&str]| -> Output {
         let mut args = vec!["--output-dir", out];
         args.extend_from_slice(&common);
@@ -369,15 +378,14 @@ fn auto_find_batch_size_fits_the_micro_batch_and_keeps_the_batches() {
         run(&args)
     };
     let (auto, explicit, configured) = (dir("auto"), dir("explicit"), dir("configured"));
-    let out = run_with(
-        &auto,
-        &["--max-memory", "cpu=2.9MiB", "--auto-find-batch-size"],
-    );
+    // Between the plans of micro-batch 8 (2.32 MiB) and 16 (2.7 MiB).
+    let budget = "cpu=2.5MiB";
+    let out = run_with(&auto, &["--max-memory", budget, "--auto-find-batch-size"]);
     ok(&out);
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(
         log.contains("per_device_train_batch_size 16 -> 8")
-            && log.contains("steps_per_generation 4 -> 8")
+            && log.contains("steps_per_generation 1 -> 2")
             && log.contains("gradient_accumulation_steps 1 -> 2"),
         "{log}"
     );
@@ -387,7 +395,7 @@ fn auto_find_batch_size_fits_the_micro_batch_and_keeps_the_batches() {
             "--set",
             "per_device_train_batch_size=8",
             "--set",
-            "steps_per_generation=8",
+            "steps_per_generation=2",
             "--set",
             "gradient_accumulation_steps=2",
         ],
@@ -431,7 +439,7 @@ fn auto_find_batch_size_fits_the_micro_batch_and_keeps_the_batches() {
         }
     }
     // Without the flag the same budget is an error naming the way out.
-    let err = fails(&run_with(&dir("refused"), &["--max-memory", "cpu=2.9MiB"]));
+    let err = fails(&run_with(&dir("refused"), &["--max-memory", budget]));
     assert!(err.contains("does not fit"), "{err}");
 }
 

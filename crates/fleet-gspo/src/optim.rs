@@ -22,7 +22,8 @@
 //! emulation of torch's CPU kernels). Moments are held in the parameter's dtype (as torch holds
 //! them); a parameter of another dtype than f32 is updated in f32 and rounded back (there is no
 //! f32 master copy: keep trained parameters in f32 when updates are smaller than the dtype's
-//! resolution). On a GPU an f32 parameter takes one fused in-place kernel; otherwise the
+//! resolution). On a GPU an f32 parameter, or a bf16 one with a bf16 gradient, takes one fused
+//! in-place kernel (the same bits as the composed step); otherwise the
 //! composed update runs in slices of the first dimension, in place, so that its f32
 //! temporaries stay small however large the parameter.
 //!
@@ -583,15 +584,20 @@ impl AdamW {
                 step_size: (lr / (1.0 - beta1.powf(t))) as f32,
                 bc2_sqrt: (1.0 - beta2.powf(t)).sqrt() as f32,
             };
-            if var.dtype() == DType::F32
-                && fleet_models::ops::adamw_step_(
-                    var.as_tensor(),
-                    &g.to_dtype(DType::F32)?.contiguous()?,
-                    &st.exp_avg,
-                    &st.exp_avg_sq,
-                    fused,
-                )?
-            {
+            // An f32 parameter takes any gradient as f32; a bf16 one only a bf16 gradient (an
+            // f32 gradient rounded to bf16 first would not be the composed step's arithmetic).
+            let g_fused = if var.dtype() == DType::F32 {
+                g.to_dtype(DType::F32)?
+            } else {
+                g.clone()
+            };
+            if fleet_models::ops::adamw_step_(
+                var.as_tensor(),
+                &g_fused.contiguous()?,
+                &st.exp_avg,
+                &st.exp_avg_sq,
+                fused,
+            )? {
                 continue;
             }
             composed_step(
@@ -865,7 +871,11 @@ mod tests {
     }
 
     fn values(v: &Var) -> Vec<f32> {
-        v.as_tensor().to_vec1::<f32>().unwrap()
+        v.as_tensor()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
     }
 
     #[test]
@@ -949,7 +959,8 @@ mod tests {
         *p -= lr * m_hat / (v_hat.sqrt() + c.eps);
     }
 
-    /// The fused kernel against the composed steps (with `--features cuda` on a GPU machine).
+    /// The fused kernel against the composed steps (with `--features cuda` on a GPU machine),
+    /// for f32 masters and bf16 ones (bf16 gradients and moments): the same bits.
     #[cfg(feature = "cuda")]
     #[test]
     fn fused_gpu_steps_match_the_composed_cpu_steps() {
@@ -967,45 +978,56 @@ mod tests {
         let init: Vec<f32> = (0..n)
             .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0)
             .collect();
-        let cpu = Var::from_tensor(&Tensor::new(init.as_slice(), &Device::Cpu).unwrap()).unwrap();
-        let on_gpu = Var::from_tensor(&cpu.as_tensor().to_device(&gpu).unwrap()).unwrap();
-        let mut a = AdamW::new(vec![("w".into(), cpu.clone())], c).unwrap();
-        let mut b = AdamW::new(vec![("w".into(), on_gpu.clone())], c).unwrap();
-        for step in 0..5u32 {
-            let g: Vec<f32> = (0..n)
-                .map(|i| {
-                    (((i as u32).wrapping_mul(2654435761) ^ step) % 2000) as f32 / 1000.0 - 1.0
-                })
-                .collect();
-            let gc = Tensor::new(g.as_slice(), &Device::Cpu).unwrap();
-            a.step(&Gradients::new(vec![Some(gc.clone())]), 1e-3)
+        for dtype in [DType::F32, DType::BF16] {
+            let start = Tensor::new(init.as_slice(), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
                 .unwrap();
-            b.step(
-                &Gradients::new(vec![Some(gc.to_device(&gpu).unwrap())]),
-                1e-3,
-            )
-            .unwrap();
-        }
-        let (x, y) = (values(&cpu), values(&on_gpu));
-        let worst = x
-            .iter()
-            .zip(&y)
-            .map(|(p, q)| (p - q).abs() / (1e-6 + p.abs()))
-            .fold(0f32, f32::max);
-        eprintln!("fused AdamW on the GPU vs the CPU: worst relative difference {worst:.2e}");
-        assert!(worst < 1e-6, "{worst}");
-        let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
-        for (k, t) in &sa.tensors {
-            let u = sb.tensors[k].to_device(&Device::Cpu).unwrap();
-            let d = (t.to_dtype(DType::F64).unwrap() - u.to_dtype(DType::F64).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f64>()
+            let cpu = Var::from_tensor(&start).unwrap();
+            let on_gpu = Var::from_tensor(&start.to_device(&gpu).unwrap()).unwrap();
+            let mut a = AdamW::new(vec![("w".into(), cpu.clone())], c).unwrap();
+            let mut b = AdamW::new(vec![("w".into(), on_gpu.clone())], c).unwrap();
+            for step in 0..5u32 {
+                let g: Vec<f32> = (0..n)
+                    .map(|i| {
+                        (((i as u32).wrapping_mul(2654435761) ^ step) % 2000) as f32 / 1000.0 - 1.0
+                    })
+                    .collect();
+                let gc = Tensor::new(g.as_slice(), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                a.step(&Gradients::new(vec![Some(gc.clone())]), 1e-3)
+                    .unwrap();
+                b.step(
+                    &Gradients::new(vec![Some(gc.to_device(&gpu).unwrap())]),
+                    1e-3,
+                )
                 .unwrap();
-            assert!(d < 1e-6, "{k}: {d}");
+            }
+            let (x, y) = (values(&cpu), values(&on_gpu));
+            let worst = x
+                .iter()
+                .zip(&y)
+                .map(|(p, q)| (p - q).abs() / (1e-6 + p.abs()))
+                .fold(0f32, f32::max);
+            eprintln!(
+                "fused AdamW on the GPU vs the CPU, {dtype:?}: worst relative difference {worst:.2e}"
+            );
+            assert!(worst < 1e-6, "{dtype:?}: {worst}");
+            let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
+            for (k, t) in &sa.tensors {
+                let u = sb.tensors[k].to_device(&Device::Cpu).unwrap();
+                let d = (t.to_dtype(DType::F64).unwrap() - u.to_dtype(DType::F64).unwrap())
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap();
+                assert!(d < 1e-6, "{dtype:?} {k}: {d}");
+            }
         }
     }
 

@@ -524,12 +524,14 @@ LOGP_ENTROPY(__nv_bfloat16, bf16)
 // p += -step_size * m / (sqrt(v) / bc2_sqrt + eps). One thread per element. omb1 and omb2
 // are 1 - b1 and 1 - b2 computed in f64 and rounded, as the composed version gets them; every
 // product and sum is rounded on its own (no contraction), as candle's kernels compute them.
-template <typename T>
-__device__ void adamw(T *p, const float *g, T *m, T *v, long long n, float decay, float omb1,
+// T: the parameter's and moments' dtype (computed in f32, each rounded once on store, as the
+// composed step's to_dtype does); G: the gradient's (read in f32, exactly).
+template <typename T, typename G>
+__device__ void adamw(T *p, const G *g, T *m, T *v, long long n, float decay, float omb1,
                       float b2, float omb2, float eps, float step_size, float bc2_sqrt) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float gi = g[i], m0 = to_f(m[i]), v0 = to_f(v[i]);
+        const float gi = to_f(g[i]), m0 = to_f(m[i]), v0 = to_f(v[i]);
         const float mi = __fadd_rn(__fmul_rn(__fsub_rn(gi, m0), omb1), m0);
         const float vi = __fadd_rn(__fmul_rn(v0, b2), __fmul_rn(__fmul_rn(gi, omb2), gi));
         const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), bc2_sqrt), eps);
@@ -540,13 +542,16 @@ __device__ void adamw(T *p, const float *g, T *m, T *v, long long n, float decay
     }
 }
 
-// f32 parameters and moments (the template also fits bf16 ones, computed in f32 and rounded
-// once on store; not instantiated until it has been checked against the composed step on a GPU).
-extern "C" __global__ void adamw_f32(float *p, const float *g, float *m, float *v, long long n,
-                                     float decay, float omb1, float b2, float omb2, float eps,
-                                     float step_size, float bc2_sqrt) {
-    adamw<float>(p, g, m, v, n, decay, omb1, b2, omb2, eps, step_size, bc2_sqrt);
-}
+#define ADAMW(T, G, NAME)                                                                      \
+    extern "C" __global__ void NAME(T *p, const G *g, T *m, T *v, long long n, float decay,    \
+                                    float omb1, float b2, float omb2, float eps,                \
+                                    float step_size, float bc2_sqrt) {                          \
+        adamw<T, G>(p, g, m, v, n, decay, omb1, b2, omb2, eps, step_size, bc2_sqrt);           \
+    }
+// f32 masters (f32 gradients), and bf16 masters as TRL trains a bf16-loaded model (bf16
+// gradients and moments: torch keeps the moments in the parameter's dtype).
+ADAMW(float, float, adamw_f32)
+ADAMW(__nv_bfloat16, __nv_bfloat16, adamw_bf16)
 
 // y[r, c] += bias[c] in place for y [n_rows, n_cols] contiguous: the bias of a linear layer
 // after its GEMM (candle's broadcast add runs a strided kernel that takes several times the GEMM

@@ -826,11 +826,12 @@ pub struct AdamWStep {
     pub bc2_sqrt: f32,
 }
 
-/// One AdamW step in place on a CUDA f32 parameter `p` and its f32 moments `m`, `v` from the
-/// f32 gradient `g`, in one kernel (the composed version reads and writes each tensor about a
-/// dozen times). Returns `Ok(false)`, touching nothing, when the tensors are not all
-/// contiguous f32 tensors on one CUDA device: the caller then computes the step itself.
-/// `m` and `v` must not share their storage with any other tensor.
+/// One AdamW step in place on a CUDA parameter `p` and its moments `m`, `v` (all f32, or all
+/// bf16 as torch holds them for a bf16 parameter) from the gradient `g` (the parameter's
+/// dtype), in one kernel computing in f32 (the composed version reads and writes each tensor
+/// about a dozen times). Returns `Ok(false)`, touching nothing, when the tensors are not all
+/// contiguous tensors of one of those dtypes on one CUDA device: the caller then computes the
+/// step itself. `m` and `v` must not share their storage with any other tensor.
 pub fn adamw_step_(
     p: &Tensor,
     g: &Tensor,
@@ -850,8 +851,8 @@ pub fn adamw_step_(
         return Ok(false);
     }
     let d = p.dtype();
-    let kinds = d == DType::F32;
-    if !(cfg!(feature = "cuda") && kinds && ok(p, d) && ok(g, DType::F32) && ok(m, d) && ok(v, d)) {
+    let kinds = matches!(d, DType::F32 | DType::BF16);
+    if !(cfg!(feature = "cuda") && kinds && ok(p, d) && ok(g, d) && ok(m, d) && ok(v, d)) {
         return Ok(false);
     }
     p.inplace_op1(&AdamWOp {
@@ -2381,6 +2382,7 @@ mod cuda {
             };
             let (base, width) = match t.dtype() {
                 candle_core::DType::F32 => (cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0, 4),
+                candle_core::DType::BF16 => (cs.as_cuda_slice::<bf16>()?.device_ptr(&stream).0, 2),
                 other => candle_core::bail!("fleet-adamw: {other:?} tensors"),
             };
             Ok(base + width * l.start_offset() as u64)
@@ -2394,6 +2396,13 @@ mod cuda {
                     .device_ptr(&stream)
                     .0,
                 "adamw_f32",
+            ),
+            candle_core::DType::BF16 => (
+                ps.as_cuda_slice_mut::<bf16>()?
+                    .slice_mut(p_off..p_off + n)
+                    .device_ptr(&stream)
+                    .0,
+                "adamw_bf16",
             ),
             other => candle_core::bail!("fleet-adamw: {other:?} parameters"),
         };
@@ -2419,7 +2428,8 @@ mod cuda {
         b.arg(&h.eps);
         b.arg(&h.step_size);
         b.arg(&h.bc2_sqrt);
-        // SAFETY: p, g, m, v each hold n contiguous f32 on this device; the grid-stride loop
+        // SAFETY: p, g, m, v each hold n contiguous values of the kernel's dtypes on this
+        // device (checked by `adamw_step_` and the matches above); the grid-stride loop
         // touches each element once.
         unsafe { b.launch(cfg) }.w()?;
         Ok(())

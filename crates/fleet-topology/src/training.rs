@@ -130,7 +130,7 @@ impl Default for ActivationCoefficients {
 /// * **training**: the activations of one micro-batch of `B` sequences of `L = prompt +
 ///   completion` tokens ([`ActivationBytes`]), described below; or, if larger, the optimizer
 ///   update's temporaries after the backward ([`RoleCost::optimizer_update`]: none where the
-///   fused GPU kernel updates f32 parameters in place, else [`COMPOSED_UPDATE_TENSORS`] f32
+///   fused GPU kernel updates f32 or bf16 parameters in place, else [`COMPOSED_UPDATE_TENSORS`] f32
 ///   tensors of one slice of the largest parameter, at most
 ///   [`COMPOSED_UPDATE_SLICE_ELEMENTS`]).
 ///
@@ -428,9 +428,9 @@ impl TrainingWorkload {
         } else {
             params * d
         };
-        // On a GPU an f32 parameter is updated by one fused in-place kernel; otherwise the
-        // composed update holds its f32 temporaries for one slice of the largest parameter.
-        let fused_update = part.gpu && self.master_dtype == DType::F32;
+        // On a GPU an f32 or bf16 parameter is updated by one fused in-place kernel; otherwise
+        // the composed update holds its f32 temporaries for one slice of the largest parameter.
+        let fused_update = part.gpu && matches!(self.master_dtype, DType::F32 | DType::Bf16);
         let largest = if part.embed || part.head {
             (shape.vocab_size * shape.hidden_size) as u64
         } else if n > 0 {
