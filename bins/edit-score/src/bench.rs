@@ -235,7 +235,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     });
     let mut profile: Vec<(String, f64, u64)> = fleet_models::profile::take_report()
         .into_iter()
-        .map(|(name, secs, calls, _)| (name.to_string(), secs, calls))
+        .map(|r| (r.stage.to_string(), r.seconds, r.calls))
         .collect();
     profile.sort_by(|a, b| b.1.total_cmp(&a.1));
     let report = Report {

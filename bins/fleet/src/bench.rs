@@ -305,10 +305,11 @@ fn print_profile(batch: usize) {
     if stages.is_empty() {
         return;
     }
-    stages.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let total: f64 = stages.iter().map(|s| s.1).sum();
+    stages.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+    let total: f64 = stages.iter().map(|s| s.seconds).sum();
     eprintln!("profile, batch {batch} (synchronized stages; shares, not speeds):");
-    for (name, secs, calls, _) in stages {
+    for r in stages {
+        let (name, secs, calls) = (r.stage, r.seconds, r.calls);
         eprintln!(
             "  {name:<14} {:>9.1} ms {:>5.1}%  {calls:>7} calls  {:>8.1} us/call",
             secs * 1e3,

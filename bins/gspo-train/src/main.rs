@@ -359,10 +359,17 @@ fn run(cli: &Cli) -> Result<()> {
     })?;
     bar.finish_and_clear();
     // FLEET_PROFILE=1: where the time went (each stage synchronized; read the shares).
-    for (stage, seconds, calls, peak) in fleet_models::profile::take_report() {
+    // Memory (coarse stages): the driver's figure, then the allocator's live and reserved bytes.
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    for r in fleet_models::profile::take_report() {
         eprintln!(
-            "profile {stage:<32} {seconds:>9.3} s {calls:>6} calls  peak {:>7.2} GiB",
-            peak as f64 / f64::from(1u32 << 30)
+            "profile {:<32} {:>9.3} s {:>6} calls  peak {:>7.2} GiB  live {:>7.2} GiB  pool {:>7.2} GiB",
+            r.stage,
+            r.seconds,
+            r.calls,
+            gib(r.peak_bytes),
+            gib(r.live_peak_bytes),
+            gib(r.reserved_peak_bytes)
         );
     }
     let out = trainer.config.output_dir.clone();

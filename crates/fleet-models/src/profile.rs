@@ -4,7 +4,9 @@
 //!
 //! The coarse stages of training (names starting `train.`, `optim.`, `rollout.`) also keep the
 //! most GPU memory in use while they ran (GPU 0, polled every millisecond by a thread that
-//! starts with the first such stage): where a run's peak comes from.
+//! starts with the first such stage): where a run's peak comes from. Beside it, the allocator's
+//! own high-water marks over the stage: the bytes of live buffers and what its pool reserved
+//! (the difference is fragmentation; the driver's figure adds the context).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,8 +18,28 @@ use candle_core::Device;
 use crate::error::Result;
 
 static ENABLED: OnceLock<bool> = OnceLock::new();
-/// Stage -> (seconds, calls, peak bytes in use).
-static TIMES: Mutex<BTreeMap<&'static str, (f64, u64, u64)>> = Mutex::new(BTreeMap::new());
+/// Stage -> its totals so far.
+static TIMES: Mutex<BTreeMap<&'static str, StageReport>> = Mutex::new(BTreeMap::new());
+
+/// One stage's totals (see [`take_report`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageReport {
+    /// The stage's name.
+    pub stage: &'static str,
+    /// Synchronized wall time over all calls.
+    pub seconds: f64,
+    /// Calls.
+    pub calls: u64,
+    /// Coarse stages: the most GPU memory the driver reported in use (the context and other
+    /// processes included); 0 for others.
+    pub peak_bytes: u64,
+    /// Coarse stages: the most bytes the allocator held in live buffers; 0 for others or
+    /// without CUDA.
+    pub live_peak_bytes: u64,
+    /// Coarse stages: the most bytes the allocator's pool reserved (live plus freed blocks kept
+    /// for reuse); 0 for others or without CUDA.
+    pub reserved_peak_bytes: u64,
+}
 /// The most memory in use on GPU 0 since the last [`begin`].
 static PEAK: AtomicU64 = AtomicU64::new(0);
 static POLLER: OnceLock<()> = OnceLock::new();
@@ -47,6 +69,7 @@ pub fn begin() {
         });
     });
     PEAK.store(0, Ordering::Relaxed);
+    fleet_topology::reset_gpu_pool_high_water(0);
 }
 
 /// Runs `f`; when profiling, adds its synchronized wall time to `stage`.
@@ -76,26 +99,34 @@ pub fn record(stage: &'static str, seconds: f64) {
     if !enabled() {
         return;
     }
-    let peak = if coarse(stage) {
-        PEAK.load(Ordering::Relaxed)
+    let (peak, (live, reserved)) = if coarse(stage) {
+        (
+            PEAK.load(Ordering::Relaxed),
+            fleet_topology::gpu_pool_high_water(0).unwrap_or((0, 0)),
+        )
     } else {
-        0
+        (0, (0, 0))
     };
     let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    let e = times.entry(stage).or_insert((0.0, 0, 0));
-    e.0 += seconds;
-    e.1 += 1;
-    e.2 = e.2.max(peak);
+    let e = times.entry(stage).or_insert(StageReport {
+        stage,
+        seconds: 0.0,
+        calls: 0,
+        peak_bytes: 0,
+        live_peak_bytes: 0,
+        reserved_peak_bytes: 0,
+    });
+    e.seconds += seconds;
+    e.calls += 1;
+    e.peak_bytes = e.peak_bytes.max(peak);
+    e.live_peak_bytes = e.live_peak_bytes.max(live);
+    e.reserved_peak_bytes = e.reserved_peak_bytes.max(reserved);
 }
 
-/// Stage name, total seconds, calls and peak GPU bytes (coarse stages; else 0) since the
-/// last reset; empty unless profiling.
-pub fn take_report() -> Vec<(&'static str, f64, u64, u64)> {
+/// Every stage's totals since the last call, by name; empty unless profiling.
+pub fn take_report() -> Vec<StageReport> {
     let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    let out = times
-        .iter()
-        .map(|(k, (s, n, p))| (*k, *s, *n, *p))
-        .collect();
+    let out = times.values().copied().collect();
     times.clear();
     out
 }

@@ -47,7 +47,9 @@ pub use memory::{
     format_bytes, DType, DeviceCost, DevicePart, ModelShape, MoeShape, VisionShape, Workload,
     CONTEXT_OVERHEAD_BYTES, GIB, MIB,
 };
-pub use memory_watch::{cpu_peak_bytes, gpu_used_bytes, MemoryWatch};
+pub use memory_watch::{
+    cpu_peak_bytes, gpu_pool_high_water, gpu_used_bytes, reset_gpu_pool_high_water, MemoryWatch,
+};
 pub use planner::{plan, DevicePlan, Plan, PlanMode, PlanRequest, ReplicaPlan};
 pub use topology::{Gpu, PeerAccess, Topology};
 pub use training::{

@@ -19,6 +19,73 @@ pub fn gpu_used_bytes(ordinal: usize) -> Option<u64> {
     Some(total.saturating_sub(free))
 }
 
+/// The high-water marks of GPU `ordinal`'s stream-ordered allocator (the device's default
+/// memory pool, which candle allocates from) since the last [`reset_gpu_pool_high_water`]:
+/// `(live, reserved)` — the most bytes held by live buffers, and the most the pool held from
+/// the driver (live plus freed blocks kept for reuse). Unlike the driver's figure they are
+/// this process's alone, and `reserved - live` is what fragmentation cost. `None` without a
+/// CUDA build or driver.
+pub fn gpu_pool_high_water(ordinal: usize) -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    {
+        use cudarc::driver::sys::CUmemPool_attribute as A;
+        let pool = default_pool(ordinal)?;
+        let read = |attr: A| -> Option<u64> {
+            let mut v: u64 = 0;
+            // SAFETY: a query of a valid pool handle into a u64, the attribute's documented type.
+            let r = unsafe {
+                cudarc::driver::sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast())
+            };
+            (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some(v)
+        };
+        Some((
+            read(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+            read(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+        ))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        None
+    }
+}
+
+/// Resets the high-water marks of [`gpu_pool_high_water`] to the current values.
+pub fn reset_gpu_pool_high_water(ordinal: usize) {
+    #[cfg(feature = "cuda")]
+    {
+        use cudarc::driver::sys::CUmemPool_attribute as A;
+        let Some(pool) = default_pool(ordinal) else {
+            return;
+        };
+        for attr in [
+            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        ] {
+            let mut zero: u64 = 0;
+            // SAFETY: setting a high-water attribute takes a u64, and 0 resets it.
+            unsafe {
+                cudarc::driver::sys::cuMemPoolSetAttribute(
+                    pool,
+                    attr,
+                    (&mut zero as *mut u64).cast(),
+                )
+            };
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = ordinal;
+}
+
+#[cfg(feature = "cuda")]
+fn default_pool(ordinal: usize) -> Option<cudarc::driver::sys::CUmemoryPool> {
+    let ctx = cudarc::driver::CudaContext::new(ordinal).ok()?;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: a plain query on a valid device handle.
+    let r = unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) };
+    (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some(pool)
+}
+
 /// The process's resident-memory high-water mark (Linux `VmHWM`), `None` elsewhere.
 pub fn cpu_peak_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
