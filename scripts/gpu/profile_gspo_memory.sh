@@ -3,7 +3,8 @@
 # scripts/gpu/profile_gspo.sh, 8 steps of configs/gspo/bench.toml each, printing per coarse stage
 # the driver's peak, the allocator's live-buffer peak and its pool's reserved peak, and the
 # metrics' per-step peaks. Cases: bf16 masters 1.5B with micro-batch 16 and the same batch as
-# 2 x 8 (gradient accumulation), bf16 0.5B, f32 masters 1.5B. Carried: dist/carry/gspo-train.xz.
+# 2 x 8 (gradient accumulation), bf16 0.5B, f32 masters 1.5B (CASES picks some). Carried:
+# dist/carry/gspo-train.xz.
 # Writes $OUT/all.tgz.
 set -u
 export NCCL_NVLS_ENABLE=0
@@ -25,8 +26,14 @@ for f in pathlib.Path(sys.argv[1]).glob("*.metrics.jsonl"):
 PY
 }
 bf16="--torch-dtype bfloat16"
-run bf16-1.5b-b16 SHAPES=1.5b EXTRA="$bf16"
-run bf16-1.5b-b8x2 SHAPES=1.5b EXTRA="$bf16 --set per_device_train_batch_size=8 --set steps_per_generation=8 --set gradient_accumulation_steps=2"
-run bf16-0.5b-b16 SHAPES=0.5b EXTRA="$bf16"
-run f32-1.5b-b16 SHAPES=1.5b EXTRA=""
+mb8="--set per_device_train_batch_size=8 --set steps_per_generation=8 --set gradient_accumulation_steps=2"
+for c in ${CASES:-bf16-1.5b-b16 bf16-1.5b-b8x2 bf16-0.5b-b16 f32-1.5b-b16}; do
+  case "$c" in
+    bf16-1.5b-b16) run "$c" SHAPES=1.5b EXTRA="$bf16" ;;
+    bf16-1.5b-b8x2) run "$c" SHAPES=1.5b EXTRA="$bf16 $mb8" ;;
+    bf16-0.5b-b16) run "$c" SHAPES=0.5b EXTRA="$bf16" ;;
+    f32-1.5b-b16) run "$c" SHAPES=1.5b EXTRA="" ;;
+    *) echo "unknown case $c" ;;
+  esac
+done
 (cd "$OUT" && tar czf all.tgz --exclude all.tgz */ && rm -rf -- */)

@@ -13,6 +13,8 @@
 #
 #     SHAPES="0.5b 1.5b" STEPS=16 bash scripts/gpu/run_gspo_vs_trl.sh
 #
+# VARIANTS picks fleet's runs (default "fleet fleet-bf16"; also fleet-bf16-mb8).
+#
 # Writes $OUT/gspo_vs_trl.json (both engines' figures per shape) and the per-step logs.
 set -u
 export NCCL_NVLS_ENABLE=0
@@ -54,9 +56,16 @@ for shape in $SHAPES; do
   [ -f "$ckpt/config.json" ] || python3 scripts/gpu/make_random_checkpoint.py \
       --config "configs/models/qwen2.5-$shape.json" --out "$ckpt" \
       --tokenizer-from tests/fixtures/qwen2-tiny --dtype bf16
-  # fleet twice: f32 master weights and moments (the default), and bf16 ones (TRL's).
-  for variant in fleet fleet-bf16; do
-    extra=""; [ "$variant" = fleet-bf16 ] && extra="--torch-dtype bfloat16"
+  # fleet: f32 master weights and moments (the default), bf16 ones (TRL's arithmetic), and
+  # bf16 ones with each micro-batch of 16 run as two of 8 (gradient accumulation: the same
+  # optimizer steps; what --auto-find-batch-size picks under a smaller memory budget).
+  for variant in ${VARIANTS:-fleet fleet-bf16}; do
+    case "$variant" in
+      fleet) extra="" ;;
+      fleet-bf16) extra="--torch-dtype bfloat16" ;;
+      fleet-bf16-mb8) extra="--torch-dtype bfloat16 --set per_device_train_batch_size=8 --set steps_per_generation=8 --set gradient_accumulation_steps=2" ;;
+      *) echo "unknown variant $variant"; continue ;;
+    esac
     rm -rf "$WORK/$variant-$shape"
     # shellcheck disable=SC2086
     with_peak "$variant-$shape" "$WORK/gspo-train" --config configs/gspo/bench.toml \
@@ -76,7 +85,7 @@ per_gen = 4
 report = {}
 for shape in shapes:
     row = {}
-    for variant in ("fleet", "fleet-bf16"):
+    for variant in ("fleet", "fleet-bf16", "fleet-bf16-mb8"):
       f = out / f"{variant}-{shape}.metrics.jsonl"
       if f.exists():
           m = [json.loads(l) for l in f.read_text().splitlines()]
@@ -108,9 +117,11 @@ for shape in shapes:
     if "fleet" in row and "trl" in row:
         row["speedup"] = row["trl"]["seconds_per_generation_batch"] / row["fleet"]["seconds_per_generation_batch"]
         row["memory_ratio_fleet_over_trl"] = row["fleet"]["peak_mib"] / max(row["trl"]["peak_mib"], 1)
-    if "fleet-bf16" in row and "trl" in row:
-        row["speedup_bf16"] = row["trl"]["seconds_per_generation_batch"] / row["fleet-bf16"]["seconds_per_generation_batch"]
-        row["memory_ratio_fleet_bf16_over_trl"] = row["fleet-bf16"]["peak_mib"] / max(row["trl"]["peak_mib"], 1)
+    for v in ("fleet-bf16", "fleet-bf16-mb8"):
+        if v in row and "trl" in row:
+            key = v.replace("fleet-", "").replace("-", "_")
+            row[f"speedup_{key}"] = row["trl"]["seconds_per_generation_batch"] / row[v]["seconds_per_generation_batch"]
+            row[f"memory_ratio_fleet_{key}_over_trl"] = row[v]["peak_mib"] / max(row["trl"]["peak_mib"], 1)
     report[shape] = row
 (out / "gspo_vs_trl.json").write_text(json.dumps(report, indent=1))
 print(json.dumps(report, indent=1))

@@ -86,7 +86,7 @@ pub trait Collective {
                 at += n;
             }
         }
-        *grads = out;
+        *grads = ParamGrads::from_vec(out);
         Ok(())
     }
     /// Rank 0's values of these variables on every rank.
@@ -173,7 +173,7 @@ fn dense_grads(grads: &ParamGrads, params: &[Var]) -> Result<Vec<Tensor>, TrainE
     params
         .iter()
         .enumerate()
-        .map(|(i, p)| match grads.get(i).and_then(Option::as_ref) {
+        .map(|(i, p)| match grads.get(i) {
             Some(g) => Ok(g.clone()),
             None => Ok(p.as_tensor().zeros_like()?),
         })
@@ -751,11 +751,11 @@ mod tests {
             .unwrap()
             .reshape((2, 3))
             .unwrap();
-        let mut grads: ParamGrads = vec![
+        let mut grads = ParamGrads::from_vec(vec![
             Some(g0.clone()),
             None,
             Some(g0.i((0, 0..1)).unwrap().reshape((1, 1)).unwrap()),
-        ];
+        ]);
         let c = LoopbackCollective(World::single(), false);
         c.all_reduce_grads(&mut grads, &params).unwrap();
         let got: Vec<Vec<f32>> = grads
@@ -773,8 +773,8 @@ mod tests {
             got,
             vec![vec![0., 1., 2., 3., 4., 5.], vec![0.; 4], vec![0.]]
         );
-        assert_eq!(grads[0].as_ref().unwrap().dims(), &[2, 3]);
-        assert_eq!(grads[2].as_ref().unwrap().dims(), &[1, 1]);
+        assert_eq!(grads.get(0).unwrap().dims(), &[2, 3]);
+        assert_eq!(grads.get(2).unwrap().dims(), &[1, 1]);
     }
 
     /// Doubles a CPU f32 tensor in place, as NCCL sums in place (two ranks, equal gradients).
@@ -802,11 +802,11 @@ mod tests {
         let g = Tensor::new(&[1f32, 2., 3.], &dev).unwrap();
         // One parameter: a bucket of one tensor, which `cat` would hand back as it is.
         let one = [Var::zeros(3, DType::F32, &dev).unwrap()];
-        let mut grads: ParamGrads = vec![Some(g.clone())];
+        let mut grads = ParamGrads::from_vec(vec![Some(g.clone())]);
         LoopbackCollective(World::single(), true)
             .all_reduce_grads(&mut grads, &one)
             .unwrap();
-        let summed: Vec<f32> = grads[0].as_ref().unwrap().to_vec1().unwrap();
+        let summed: Vec<f32> = grads.get(0).unwrap().to_vec1().unwrap();
         assert_eq!(summed, vec![2., 4., 6.]);
         assert_eq!(g.to_vec1::<f32>().unwrap(), vec![1., 2., 3.]);
         // Two parameters handed the same storage by backward: each summed once.
@@ -814,15 +814,12 @@ mod tests {
             Var::zeros(3, DType::F32, &dev).unwrap(),
             Var::zeros(3, DType::F32, &dev).unwrap(),
         ];
-        let mut grads: ParamGrads = vec![Some(g.clone()), Some(g.clone())];
+        let mut grads = ParamGrads::from_vec(vec![Some(g.clone()), Some(g.clone())]);
         LoopbackCollective(World::single(), true)
             .all_reduce_grads(&mut grads, &two)
             .unwrap();
-        for s in &grads {
-            assert_eq!(
-                s.as_ref().unwrap().to_vec1::<f32>().unwrap(),
-                vec![2., 4., 6.]
-            );
+        for s in grads.iter() {
+            assert_eq!(s.unwrap().to_vec1::<f32>().unwrap(), vec![2., 4., 6.]);
         }
         assert_eq!(g.to_vec1::<f32>().unwrap(), vec![1., 2., 3.]);
     }

@@ -290,10 +290,10 @@ impl Gradients {
         Ok(())
     }
 
-    /// Multiplies every gradient by `factor`.
+    /// Multiplies every gradient by `factor`, in place.
     pub fn scale(&mut self, factor: f64) -> Result<(), OptimError> {
         for g in self.grads.iter_mut().flatten() {
-            *g = g.affine(factor, 0.0)?;
+            map_in_place(g, |s| s.affine(factor, 0.0))?;
         }
         Ok(())
     }
@@ -347,11 +347,39 @@ pub fn clip_grad_norm(grads: &mut Gradients, max_norm: f64) -> Result<f64, Optim
     let coef = max_norm as f32 / (norm as f32 + 1e-6);
     if coef < 1.0 {
         for g in grads.grads.iter_mut().flatten() {
-            let dtype = g.dtype();
-            *g = g.broadcast_mul(&Tensor::new(coef, g.device())?.to_dtype(dtype)?)?;
+            let c = Tensor::new(coef, g.device())?.to_dtype(g.dtype())?;
+            map_in_place(g, |s| s.broadcast_mul(&c))?;
         }
     }
     Ok(norm)
+}
+
+/// `t = f(t)` in place, [`COMPOSED_SLICE_ELEMENTS`] elements at a time along the first
+/// dimension (`f` elementwise; a tensor that is not contiguous is replaced instead). Gradients
+/// are views into one buffer per device (fleet-models' `ParamGrads`): a new tensor per
+/// gradient would hold a second copy of them all until the buffer is freed.
+fn map_in_place(
+    t: &mut Tensor,
+    f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> Result<(), OptimError> {
+    if !t.is_contiguous() {
+        *t = f(t)?;
+        return Ok(());
+    }
+    let t = if t.rank() == 0 {
+        t.reshape(1)?
+    } else {
+        t.clone()
+    };
+    let rows = t.dim(0)?;
+    let per_row = (t.elem_count() / rows.max(1)).max(1);
+    let slice = (COMPOSED_SLICE_ELEMENTS / per_row).max(1);
+    for start in (0..rows).step_by(slice) {
+        let n = slice.min(rows - start);
+        let out = f(&t.narrow(0, start, n)?)?.contiguous()?;
+        t.slice_set(&out, 0, start)?;
+    }
+    Ok(())
 }
 
 /// One parameter's moments and step.

@@ -153,7 +153,7 @@ impl Trainer {
         let loss_config = LossConfig::from(cfg);
         let gas = cfg.gradient_accumulation_steps;
 
-        let mut grads: ParamGrads = Vec::new();
+        let mut grads = ParamGrads::new();
         let mut step_loss = 0.0;
         let mut step_metrics = LossMetrics::default();
         let mut entropy = (0.0f64, 0.0f64);
@@ -219,7 +219,7 @@ impl Trainer {
                 }
                 timer.stop(self)?;
                 let timer = Stage::start(self, "optim.2_clip");
-                let mut g = Gradients::new(std::mem::take(&mut grads));
+                let mut g = Gradients::new(std::mem::take(&mut grads).into_vec());
                 let norm = if cfg.max_grad_norm > 0.0 {
                     clip_grad_norm(&mut g, cfg.max_grad_norm)
                 } else {

@@ -149,9 +149,128 @@ struct Param {
     part: Part,
 }
 
-/// Gradients of the parameters, in [`TrainableQwen::params`] order, in the master dtype on each
-/// parameter's device (`None`: no gradient reached it).
-pub type ParamGrads = Vec<Option<Tensor>>;
+/// Gradients of the parameters summed over the micro-batches of one optimizer step, in
+/// [`TrainableQwen::params`] order, in the master dtype on each parameter's device (`None`: no
+/// gradient reached it).
+///
+/// The sums live in one buffer per device, allocated (zeroed) when the step's first gradient
+/// arrives, and every gradient is added into them in place. Sums allocated one by one between
+/// the transient activations of the backward left the GPU allocator's pool fragmented when
+/// the activations were freed: at the Qwen2.5-1.5B shape it held 1.9 GiB beyond the live
+/// buffers at the peak of a step.
+#[derive(Debug, Default)]
+pub struct ParamGrads {
+    /// The sums, `None` until a gradient reaches the parameter.
+    sums: Vec<Option<Tensor>>,
+    /// Each parameter's place in its device's buffer (empty until the first gradient).
+    slots: Vec<Option<Tensor>>,
+}
+
+impl ParamGrads {
+    /// No gradient yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Gradients given whole (a data-parallel all-reduce's results, tests); later gradients
+    /// are added to them in place.
+    pub fn from_vec(sums: Vec<Option<Tensor>>) -> Self {
+        Self {
+            sums,
+            slots: Vec::new(),
+        }
+    }
+
+    /// Parameters covered (0 before the first gradient).
+    pub fn len(&self) -> usize {
+        self.sums.len()
+    }
+
+    /// Whether no parameter is covered yet.
+    pub fn is_empty(&self) -> bool {
+        self.sums.is_empty()
+    }
+
+    /// The gradient of parameter `i`.
+    pub fn get(&self, i: usize) -> Option<&Tensor> {
+        self.sums.get(i).and_then(Option::as_ref)
+    }
+
+    /// The gradients in parameter order.
+    pub fn iter(&self) -> impl Iterator<Item = Option<&Tensor>> {
+        self.sums.iter().map(Option::as_ref)
+    }
+
+    /// The gradients, for the optimizer (views into the buffers: they are freed with the last).
+    pub fn into_vec(self) -> Vec<Option<Tensor>> {
+        self.sums
+    }
+
+    /// Adds `g` (any dtype; converted to the parameter's) to parameter `i`'s sum, in place,
+    /// at most `slice_elements` elements at a time along the first dimension.
+    fn add(&mut self, params: &[Param], i: usize, g: &Tensor, slice_elements: usize) -> Result<()> {
+        let (acc, first) = self.slot(params, i)?;
+        let g = g.to_dtype(acc.dtype())?;
+        if first {
+            let (acc, g) = (as_rows(&acc)?, as_rows(&g)?);
+            return Ok(acc.slice_set(&g.contiguous()?, 0, 0)?);
+        }
+        add_in_place(&acc, &g, slice_elements)
+    }
+
+    /// Parameter `i`'s sum, allocating the buffers on the first call of a step; `true` when
+    /// no gradient has reached it yet (its slot holds zeros).
+    fn slot(&mut self, params: &[Param], i: usize) -> Result<(Tensor, bool)> {
+        if self.sums.is_empty() {
+            self.sums.resize(params.len(), None);
+        }
+        if let Some(t) = &self.sums[i] {
+            return Ok((t.clone(), false));
+        }
+        if self.slots.is_empty() {
+            self.slots = self.allocate(params)?;
+        }
+        let t = self.slots[i].clone().ok_or_else(|| {
+            ModelError::BadInput(format!("gradient {i} has no slot in the step's buffers"))
+        })?;
+        self.sums[i] = Some(t.clone());
+        Ok((t, true))
+    }
+
+    /// One zeroed buffer per device for the parameters without a sum yet, cut into views.
+    fn allocate(&self, params: &[Param]) -> Result<Vec<Option<Tensor>>> {
+        let mut slots = vec![None; params.len()];
+        let missing: Vec<usize> = (0..params.len())
+            .filter(|&i| self.sums[i].is_none())
+            .collect();
+        let mut done = vec![false; params.len()];
+        for &i in &missing {
+            if done[i] {
+                continue;
+            }
+            let (dev, dtype) = (params[i].var.device(), params[i].var.dtype());
+            let here: Vec<usize> = missing
+                .iter()
+                .copied()
+                .filter(|&j| {
+                    !done[j]
+                        && params[j].var.device().same_device(dev)
+                        && params[j].var.dtype() == dtype
+                })
+                .collect();
+            let total: usize = here.iter().map(|&j| params[j].var.elem_count()).sum();
+            let buffer = Tensor::zeros(total, dtype, dev)?;
+            let mut at = 0;
+            for j in here {
+                let n = params[j].var.elem_count();
+                slots[j] = Some(buffer.narrow(0, at, n)?.reshape(params[j].var.shape())?);
+                at += n;
+                done[j] = true;
+            }
+        }
+        Ok(slots)
+    }
+}
 
 /// A Qwen2/2.5/3 decoder with master weights (f32, or bf16 as TRL trains a bf16 model) that
 /// can be trained.
@@ -418,6 +537,33 @@ impl TrainableQwen {
         )?)
     }
 
+    /// Room for the input of every segment of `segment` blocks, `[rows, len, hidden]` each in
+    /// the compute dtype on its first block's device: views into one buffer per device.
+    fn segment_starts(&self, batch: &TokenBatch, segment: usize) -> Result<Vec<Tensor>> {
+        let (b, len, hs) = (batch.rows(), batch.ids[0].len(), self.cfg.hidden_size);
+        let firsts: Vec<DeviceLocation> = (0..self.cfg.num_hidden_layers)
+            .step_by(segment)
+            .map(|i| self.map.layers[i])
+            .collect();
+        let mut views: Vec<Option<Tensor>> = vec![None; firsts.len()];
+        for loc in &firsts {
+            if views
+                .iter()
+                .zip(&firsts)
+                .any(|(v, l)| v.is_some() && l == loc)
+            {
+                continue;
+            }
+            let here: Vec<usize> = (0..firsts.len()).filter(|&k| firsts[k] == *loc).collect();
+            let buffer =
+                Tensor::zeros((here.len(), b, len, hs), self.dtype, self.devices.get(*loc))?;
+            for (n, k) in here.into_iter().enumerate() {
+                views[k] = Some(buffer.get(n)?);
+            }
+        }
+        Ok(views.into_iter().flatten().collect())
+    }
+
     /// Runs block `i` on `(x, pending)` (the residual stream as the decoder carries it).
     fn run_block(
         &self,
@@ -544,9 +690,6 @@ impl TrainableQwen {
         grads: &mut ParamGrads,
     ) -> Result<(TokenLogprobs, T)> {
         batch.validate(&self.cfg)?;
-        if grads.is_empty() {
-            grads.resize(self.params.len(), None);
-        }
         let (b, c) = (batch.rows(), batch.completion_len());
         let detached = self.weights(false);
         let tracked = self.weights(true);
@@ -561,8 +704,10 @@ impl TrainableQwen {
         };
         let head_dev = self.devices.get(self.map.head).clone();
         // Each segment's input as one tensor, the residual stream `x + pending` the block
-        // computes first (rounded as it rounds it): half of keeping both parts.
-        let mut starts: Vec<Tensor> = Vec::new();
+        // computes first (rounded as it rounds it): half of keeping both parts. They are kept
+        // in one buffer per device, allocated before the forward: allocated one by one between
+        // the blocks' transients, they left the GPU allocator's pool fragmented.
+        let starts = self.segment_starts(batch, segment)?;
         let (xs, ps) = profile::time(&head_dev, "train.1_forward_no_graph", || {
             let mut x = self.embedding(&detached)?.forward(&ids)?;
             let mut pending: Option<Tensor> = None;
@@ -574,10 +719,11 @@ impl TrainableQwen {
                     .map(|p| crate::device::transfer(&p, dev))
                     .transpose()?;
                 if i % segment == 0 {
-                    starts.push(match &pending {
+                    let start = match &pending {
                         Some(p) => (&x + p)?,
                         None => x.clone(),
-                    });
+                    };
+                    starts[i / segment].slice_set(&start.contiguous()?, 0, 0)?;
                 }
                 let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
                 x = nx;
@@ -653,30 +799,18 @@ impl TrainableQwen {
                 let lm = &self.params[lm_idx].var;
                 let slice_elements = self.gradient_slice_elements.max(1);
                 let h_values = h.detach();
-                // The projection's weight gradient `grad_logits^T h`, added to the accumulator
-                // in vocabulary slices: a whole [vocab, hidden] product per chunk, and its sum
-                // with the accumulator, were two more tensors of the embedding's size.
-                let product = |rows: Option<(usize, usize)>| -> Result<Tensor> {
-                    let gl = match rows {
-                        Some((v0, n)) => grad_logits.narrow(1, v0, n)?.contiguous()?,
-                        None => grad_logits.clone(),
-                    };
+                // The projection's weight gradient `grad_logits^T h`, added to its sum in
+                // vocabulary slices: a whole [vocab, hidden] product per chunk would be one
+                // more tensor of the embedding's size.
+                let (acc, _) = grads.slot(&self.params, lm_idx)?;
+                let slice = (slice_elements / acc.dim(1)?.max(1)).max(1);
+                for (v0, n) in chunks(acc.dim(0)?, slice) {
+                    let gl = grad_logits.narrow(1, v0, n)?.contiguous()?;
                     let w = gl.t()?.matmul(&h_values)?.to_dtype(lm.dtype())?;
-                    crate::device::transfer(&w, lm.device())
-                };
-                grads[lm_idx] = Some(match grads[lm_idx].take() {
-                    None => product(None)?,
-                    Some(acc) if acc.elem_count() <= slice_elements => (acc + product(None)?)?,
-                    Some(acc) => {
-                        let vocab = acc.dim(0)?;
-                        let slice = (slice_elements / acc.dim(1)?.max(1)).max(1);
-                        for (v0, n) in chunks(vocab, slice) {
-                            let sum = (acc.narrow(0, v0, n)? + product(Some((v0, n)))?)?;
-                            acc.slice_set(&sum, 0, v0)?;
-                        }
-                        acc
-                    }
-                });
+                    let w = crate::device::transfer(&w, lm.device())?;
+                    let sum = (acc.narrow(0, v0, n)? + w)?;
+                    acc.slice_set(&sum, 0, v0)?;
+                }
                 let surrogate = crate::ops::sum_all_fast(&(&h * grad_h.to_dtype(h.dtype())?)?)?;
                 Ok(surrogate.backward()?)
             })?;
@@ -798,12 +932,8 @@ impl TrainableQwen {
         let rows = Tensor::from_vec(distinct, (n_distinct, 1), dev)?
             .broadcast_as((n_distinct, hs))?
             .contiguous()?;
-        let acc = match grads[embed_idx].take() {
-            Some(acc) => acc,
-            None => Tensor::zeros(embed.shape(), embed.dtype(), dev)?,
-        };
+        let (acc, _) = grads.slot(&self.params, embed_idx)?;
         acc.scatter_add_set(&rows, &sums.to_dtype(embed.dtype())?.contiguous()?, 0)?;
-        grads[embed_idx] = Some(acc);
 
         Ok((
             TokenLogprobs {
@@ -826,14 +956,13 @@ impl TrainableQwen {
                 continue;
             }
             if let Some(g) = store.get(p.var.as_tensor()) {
-                // Detached: a gradient computed from tracked tensors carries their graph, which
-                // would otherwise live as long as the sum it is added to.
-                let g = g.detach().to_dtype(p.var.dtype())?;
-                grads[i] = Some(accumulate(
-                    grads[i].take(),
-                    g,
+                // Detached: a gradient computed from tracked tensors carries their graph.
+                grads.add(
+                    &self.params,
+                    i,
+                    &g.detach(),
                     self.gradient_slice_elements.max(1),
-                )?);
+                )?;
             }
         }
         Ok(())
@@ -844,23 +973,28 @@ impl TrainableQwen {
 /// f32.
 const ACCUMULATE_SLICE_ELEMENTS: usize = 16 << 20;
 
-/// `acc + g` for a gradient accumulator: one of more than `slice_elements` is summed in place,
-/// about that many elements at a time along its first dimension, so that the sum needs no
-/// second tensor of the parameter's size (a tied embedding's gradient is 0.5-1 GB in f32). In place is safe because an accumulator is this
-/// model's alone: the first gradient stored is a fresh result of the backward (candle's
-/// gradient store sums into new tensors) or of the head's product, and nothing else keeps it.
-fn accumulate(acc: Option<Tensor>, g: Tensor, slice_elements: usize) -> Result<Tensor> {
-    let Some(acc) = acc else { return Ok(g) };
-    if acc.elem_count() <= slice_elements || acc.rank() == 0 || !acc.is_contiguous() {
-        return Ok((acc + g)?);
-    }
+/// `acc += g` in place, about `slice_elements` elements at a time along the first dimension,
+/// so that the sum needs no second tensor of the parameter's size (a tied embedding's gradient
+/// is 0.5-1 GB in f32). In place is safe because a sum lives in this step's gradient buffers
+/// alone.
+fn add_in_place(acc: &Tensor, g: &Tensor, slice_elements: usize) -> Result<()> {
+    let (acc, g) = (as_rows(acc)?, as_rows(g)?);
     let rows = acc.dim(0)?;
     let slice = (slice_elements / (acc.elem_count() / rows.max(1)).max(1)).max(1);
     for (start, n) in chunks(rows, slice) {
         let sum = (acc.narrow(0, start, n)? + g.narrow(0, start, n)?)?;
         acc.slice_set(&sum, 0, start)?;
     }
-    Ok(acc)
+    Ok(())
+}
+
+/// `t` with a first dimension to slice along (a scalar as `[1]`; a view, no copy).
+fn as_rows(t: &Tensor) -> Result<Tensor> {
+    Ok(if t.rank() == 0 {
+        t.reshape(1)?
+    } else {
+        t.clone()
+    })
 }
 
 /// Rows per chunk of the vocabulary projection by default (`TrainableQwen::head_chunk_rows`):
