@@ -13,7 +13,8 @@
 #
 #     SHAPES="0.5b 1.5b" STEPS=16 bash scripts/gpu/run_gspo_vs_trl.sh
 #
-# VARIANTS picks fleet's runs (default "fleet fleet-bf16"; also fleet-bf16-mb8).
+# VARIANTS picks fleet's runs (default "fleet fleet-bf16"; also fleet-bf16-mb8 and
+# fleet-bf16-auto, whose --max-memory is TRL's peak measured just before).
 #
 # Writes $OUT/gspo_vs_trl.json (both engines' figures per shape) and the per-step logs.
 set -u
@@ -56,14 +57,20 @@ for shape in $SHAPES; do
   [ -f "$ckpt/config.json" ] || python3 scripts/gpu/make_random_checkpoint.py \
       --config "configs/models/qwen2.5-$shape.json" --out "$ckpt" \
       --tokenizer-from tests/fixtures/qwen2-tiny --dtype bf16
-  # fleet: f32 master weights and moments (the default), bf16 ones (TRL's arithmetic), and
-  # bf16 ones with each micro-batch of 16 run as two of 8 (gradient accumulation: the same
-  # optimizer steps; what --auto-find-batch-size picks under a smaller memory budget).
+  # TRL first: fleet-bf16-auto takes TRL's measured peak as its memory budget.
+  with_peak "trl-$shape" python3 scripts/gpu/trl_gspo_bench.py --model "$ckpt" \
+      --dataset "$WORK/prompts.jsonl" --out "$OUT/trl-$shape.json" --steps "$STEPS"
+  trl_mib=$(python3 -c "import json; print(json.load(open('$OUT/trl-$shape.mem.json'))['peak_mib'])")
+  # fleet: f32 master weights and moments (the default); bf16 ones (TRL's arithmetic); bf16
+  # ones with each micro-batch of 16 run as two of 8 (gradient accumulation: the same
+  # optimizer steps); bf16 ones with --auto-find-batch-size under TRL's peak as --max-memory
+  # (the plan picks the micro-batch that fits it).
   for variant in ${VARIANTS:-fleet fleet-bf16}; do
     case "$variant" in
       fleet) extra="" ;;
       fleet-bf16) extra="--torch-dtype bfloat16" ;;
       fleet-bf16-mb8) extra="--torch-dtype bfloat16 --set per_device_train_batch_size=8 --set steps_per_generation=8 --set gradient_accumulation_steps=2" ;;
+      fleet-bf16-auto) extra="--torch-dtype bfloat16 --auto-find-batch-size --max-memory 0=${trl_mib}MiB" ;;
       *) echo "unknown variant $variant"; continue ;;
     esac
     rm -rf "$WORK/$variant-$shape"
@@ -73,8 +80,6 @@ for shape in $SHAPES; do
         --max-steps "$STEPS" --dtype bf16 $extra
     cp "$WORK/$variant-$shape/metrics.jsonl" "$OUT/$variant-$shape.metrics.jsonl" 2>/dev/null
   done
-  with_peak "trl-$shape" python3 scripts/gpu/trl_gspo_bench.py --model "$ckpt" \
-      --dataset "$WORK/prompts.jsonl" --out "$OUT/trl-$shape.json" --steps "$STEPS"
 done
 
 python3 - "$OUT" $SHAPES <<'EOF'
@@ -85,7 +90,7 @@ per_gen = 4
 report = {}
 for shape in shapes:
     row = {}
-    for variant in ("fleet", "fleet-bf16", "fleet-bf16-mb8"):
+    for variant in ("fleet", "fleet-bf16", "fleet-bf16-mb8", "fleet-bf16-auto"):
       f = out / f"{variant}-{shape}.metrics.jsonl"
       if f.exists():
           m = [json.loads(l) for l in f.read_text().splitlines()]
@@ -117,7 +122,7 @@ for shape in shapes:
     if "fleet" in row and "trl" in row:
         row["speedup"] = row["trl"]["seconds_per_generation_batch"] / row["fleet"]["seconds_per_generation_batch"]
         row["memory_ratio_fleet_over_trl"] = row["fleet"]["peak_mib"] / max(row["trl"]["peak_mib"], 1)
-    for v in ("fleet-bf16", "fleet-bf16-mb8"):
+    for v in ("fleet-bf16", "fleet-bf16-mb8", "fleet-bf16-auto"):
         if v in row and "trl" in row:
             key = v.replace("fleet-", "").replace("-", "_")
             row[f"speedup_{key}"] = row["trl"]["seconds_per_generation_batch"] / row[v]["seconds_per_generation_batch"]

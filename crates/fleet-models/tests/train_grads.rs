@@ -93,7 +93,7 @@ fn backward_into(
             &g.batch,
             TEMPERATURE,
             &mut |logp| {
-                let loss = (logp * &weights)?.sum_all()?;
+                let loss = (logp * weights.to_device(logp.device())?)?.sum_all()?;
                 let value = loss.to_scalar::<f32>()?;
                 Ok((loss, value))
             },

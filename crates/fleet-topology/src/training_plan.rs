@@ -136,7 +136,7 @@ pub struct TrainingDevicePlan {
     pub roles: Vec<RolePlacement>,
     /// CUDA context (once per GPU, 0 on the CPU).
     pub overhead: u64,
-    /// Sum of the roles' persistent terms (weights, gradients, optimizer).
+    /// Sum of the roles' persistent terms (weights, optimizer).
     pub persistent: u64,
     /// Sum of the roles' rollout-phase terms (inference copy, KV cache, prefill workspace).
     pub rollout: u64,
@@ -304,7 +304,7 @@ impl fmt::Display for TrainingPlan {
                     c.inference_copy,
                     c.kv_cache,
                     c.generation_workspace,
-                    c.training(),
+                    c.step_transients(),
                     c.peak(),
                 ] {
                     write!(
@@ -768,7 +768,7 @@ impl Ctx<'_> {
                             terms.push(format!("{name} {}", format_bytes(v)));
                         }
                     }
-                    terms.push(format!("activations {}", format_bytes(c.training())));
+                    terms.push(format!("activations {}", format_bytes(c.step_transients())));
                     let holds = if r.role == TrainingRole::Policy {
                         format!("layers {}..{}", r.layers.start, r.layers.end)
                     } else {
@@ -799,7 +799,7 @@ impl Ctx<'_> {
         let mut ways = Vec::new();
         let act_max = devices
             .iter()
-            .map(|d| d.sum(|c| c.training()))
+            .map(|d| d.sum(|c| c.step_transients()))
             .max()
             .unwrap_or(0);
         ways.push(format!(
@@ -820,8 +820,8 @@ impl Ctx<'_> {
             };
             ways.push(format!(
                 "gradient checkpointing on (the whole policy's activations {} instead of {})",
-                format_bytes(on.policy_cost(self.policy, part).training()),
-                format_bytes(w.policy_cost(self.policy, part).training())
+                format_bytes(on.policy_cost(self.policy, part).step_transients()),
+                format_bytes(w.policy_cost(self.policy, part).step_transients())
             ));
         }
         let kv_max = devices
@@ -852,11 +852,12 @@ impl Ctx<'_> {
             .unwrap_or(0)
             .max(1);
         if gpus > 0 {
-            // Both live during a rollout, on whichever GPUs hold the policy.
-            let state = whole.persistent() + whole.inference_copy;
+            // Weights and moments, with the gradients (training) or the inference copy
+            // (rollouts), on whichever GPUs hold the policy.
+            let state = whole.persistent() + whole.gradients.max(whole.inference_copy);
             let at_least = state.div_ceil(per_gpu);
             let mut gpu_way = format!(
-                "more GPUs (the policy's weights, gradients, optimizer state and inference copy alone are {}: at least {} GPU(s) of this budget",
+                "more GPUs (the policy's weights and optimizer state with its gradients or inference copy alone are {}: at least {} GPU(s) of this budget",
                 format_bytes(state),
                 at_least
             );
