@@ -54,9 +54,9 @@ pub use planner::{plan, DevicePlan, Plan, PlanMode, PlanRequest, ReplicaPlan};
 pub use topology::{Gpu, PeerAccess, Topology};
 pub use training::{
     ActivationBytes, ActivationCoefficients, BlockCoefficients, RoleCost, TrainingWorkload,
-    ADAM_MOMENT_BYTES, BLOCK_WEIGHT_COPIES, CHECKPOINT_STORED_TENSORS, C_FORWARD, C_PEAK,
-    FROZEN_LOGIT_CHUNK_TENSORS, GRADIENT_BYTES, LOGIT_CHUNK_TENSORS, LOGPROB_TENSORS,
-    MASTER_WEIGHT_BYTES,
+    ADAM_MOMENT_BYTES, ALLOCATOR_SLACK_PERCENT, BLOCK_WEIGHT_COPIES, CHECKPOINT_STORED_TENSORS,
+    C_FORWARD, C_PEAK, FROZEN_LOGIT_CHUNK_TENSORS, GRADIENT_BYTES, LOGIT_CHUNK_TENSORS,
+    LOGPROB_TENSORS, MASTER_WEIGHT_BYTES, TRAINING_CONTEXT_BYTES,
 };
 pub use training_plan::{
     plan_training, RolePlacement, TrainingDevicePlan, TrainingPlan, TrainingPreset,

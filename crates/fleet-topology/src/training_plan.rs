@@ -8,10 +8,10 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::budget::{default_reserve, MaxMemory};
-use crate::memory::{format_bytes, DevicePart, ModelShape, CONTEXT_OVERHEAD_BYTES};
+use crate::memory::{format_bytes, DevicePart, ModelShape};
 use crate::planner::{check_budgets, groups_of, weights_from};
 use crate::topology::Topology;
-use crate::training::{RoleCost, TrainingWorkload};
+use crate::training::{RoleCost, TrainingWorkload, TRAINING_CONTEXT_BYTES};
 use crate::{DeviceLocation, DeviceMap, TopologyError};
 
 /// Where the three models of a GSPO run go (the seed's names; serialized as them).
@@ -423,7 +423,7 @@ impl Ctx<'_> {
         let rollout = roles.iter().map(RoleCost::rollout).sum();
         let training = roles.iter().map(RoleCost::training).sum();
         let overhead = if self.slots[slot].gpu() && !roles.is_empty() {
-            CONTEXT_OVERHEAD_BYTES
+            TRAINING_CONTEXT_BYTES
         } else {
             0
         };
@@ -847,7 +847,7 @@ impl Ctx<'_> {
             .slots
             .iter()
             .filter(|s| s.gpu())
-            .map(|s| s.budget.saturating_sub(CONTEXT_OVERHEAD_BYTES))
+            .map(|s| s.budget.saturating_sub(TRAINING_CONTEXT_BYTES))
             .max()
             .unwrap_or(0)
             .max(1);
@@ -939,7 +939,7 @@ impl Ctx<'_> {
 /// else each device holds). The reference and the reward model are frozen and each sits whole
 /// on one device. Each device's need is the sum over the roles it holds ([`TrainingWorkload`]):
 /// the persistent terms of every role, plus the larger of the rollout phase and the training
-/// phase, plus one CUDA context per GPU ([`CONTEXT_OVERHEAD_BYTES`]); it fits when that is at
+/// phase, plus one CUDA context per GPU ([`TRAINING_CONTEXT_BYTES`]); it fits when that is at
 /// most the device's budget ([`MaxMemory::budget`]).
 ///
 /// Presets ([`TrainingPreset`]), named by the seed; GPU numbers are positions among the GPUs

@@ -65,7 +65,7 @@ fn check(plan: &TrainingPlan, policy: &ModelShape) {
             d.overhead + d.persistent + d.rollout.max(d.training)
         );
         let gpu = d.device != DeviceLocation::Cpu;
-        assert_eq!(d.overhead, if gpu { CONTEXT_OVERHEAD_BYTES } else { 0 });
+        assert_eq!(d.overhead, if gpu { TRAINING_CONTEXT_BYTES } else { 0 });
         assert!(d.fits(), "{plan}");
         assert_eq!(d.headroom, d.budget - d.total);
         for r in &d.roles {
@@ -564,7 +564,7 @@ fn plans_display_and_serialize() {
         "of budget 126.36 GiB (headroom",
         "weights   gradients   optimizer  infer copy    KV cache     prefill activations",
         "reference  whole (28 layers)",
-        "= context 500.0 MiB + persistent",
+        "= context 700.0 MiB + persistent",
     ] {
         assert!(text.contains(want), "{want}:\n{text}");
     }
