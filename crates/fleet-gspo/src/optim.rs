@@ -366,19 +366,7 @@ fn map_in_place(
         *t = f(t)?;
         return Ok(());
     }
-    let t = if t.rank() == 0 {
-        t.reshape(1)?
-    } else {
-        t.clone()
-    };
-    let rows = t.dim(0)?;
-    let per_row = (t.elem_count() / rows.max(1)).max(1);
-    let slice = (COMPOSED_SLICE_ELEMENTS / per_row).max(1);
-    for start in (0..rows).step_by(slice) {
-        let n = slice.min(rows - start);
-        let out = f(&t.narrow(0, start, n)?)?.contiguous()?;
-        t.slice_set(&out, 0, start)?;
-    }
+    fleet_models::ops::update_rows_in_place(t, COMPOSED_SLICE_ELEMENTS, |s, _, _| f(s))?;
     Ok(())
 }
 

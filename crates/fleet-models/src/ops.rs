@@ -78,6 +78,31 @@ fn bwd_timed<T>(
     Ok(out)
 }
 
+/// `t[r0..r0 + n] = f(t[r0..r0 + n], r0, n)` in place for slices of about `slice_elements`
+/// elements along the first dimension (a scalar as `[1]`), so that an elementwise update of a
+/// large tensor needs no second tensor of its size. `t` must be contiguous and own its storage
+/// alone for the caller (gradient sums, optimizer state).
+pub fn update_rows_in_place(
+    t: &Tensor,
+    slice_elements: usize,
+    f: impl Fn(&Tensor, usize, usize) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<()> {
+    let t = if t.rank() == 0 {
+        t.reshape(1)?
+    } else {
+        t.clone()
+    };
+    let rows = t.dim(0)?;
+    let per_row = (t.elem_count() / rows.max(1)).max(1);
+    let step = (slice_elements / per_row).max(1);
+    for start in (0..rows).step_by(step) {
+        let n = step.min(rows - start);
+        let out = f(&t.narrow(0, start, n)?, start, n)?.contiguous()?;
+        t.slice_set(&out, 0, start)?;
+    }
+    Ok(())
+}
+
 /// `sum(x * x)` as a 0-d f32 tensor, summed over the last dimension first: candle reduces a
 /// whole tensor in one thread block, which is slow for large ones, while a reduction over the
 /// last dimension runs one block per row. A large `x` is squared in slices of its first

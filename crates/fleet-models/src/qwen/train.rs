@@ -978,14 +978,12 @@ const ACCUMULATE_SLICE_ELEMENTS: usize = 16 << 20;
 /// is 0.5-1 GB in f32). In place is safe because a sum lives in this step's gradient buffers
 /// alone.
 fn add_in_place(acc: &Tensor, g: &Tensor, slice_elements: usize) -> Result<()> {
-    let (acc, g) = (as_rows(acc)?, as_rows(g)?);
-    let rows = acc.dim(0)?;
-    let slice = (slice_elements / (acc.elem_count() / rows.max(1)).max(1)).max(1);
-    for (start, n) in chunks(rows, slice) {
-        let sum = (acc.narrow(0, start, n)? + g.narrow(0, start, n)?)?;
-        acc.slice_set(&sum, 0, start)?;
-    }
-    Ok(())
+    let g = as_rows(g)?;
+    Ok(crate::ops::update_rows_in_place(
+        acc,
+        slice_elements,
+        |s, start, n| s + g.narrow(0, start, n)?,
+    )?)
 }
 
 /// `t` with a first dimension to slice along (a scalar as `[1]`; a view, no copy).
