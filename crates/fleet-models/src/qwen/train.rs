@@ -243,33 +243,39 @@ impl ParamGrads {
         let missing: Vec<usize> = (0..params.len())
             .filter(|&i| self.sums[i].is_none())
             .collect();
-        let mut done = vec![false; params.len()];
-        for &i in &missing {
-            if done[i] {
-                continue;
-            }
-            let (dev, dtype) = (params[i].var.device(), params[i].var.dtype());
-            let here: Vec<usize> = missing
+        let keys: Vec<(candle_core::DeviceLocation, DType)> = missing
+            .iter()
+            .map(|&i| (params[i].var.device().location(), params[i].var.dtype()))
+            .collect();
+        for group in groups(&keys) {
+            let (dev, dtype) = (params[missing[group[0]]].var.device(), keys[group[0]].1);
+            let total: usize = group
                 .iter()
-                .copied()
-                .filter(|&j| {
-                    !done[j]
-                        && params[j].var.device().same_device(dev)
-                        && params[j].var.dtype() == dtype
-                })
-                .collect();
-            let total: usize = here.iter().map(|&j| params[j].var.elem_count()).sum();
+                .map(|&g| params[missing[g]].var.elem_count())
+                .sum();
             let buffer = Tensor::zeros(total, dtype, dev)?;
             let mut at = 0;
-            for j in here {
-                let n = params[j].var.elem_count();
-                slots[j] = Some(buffer.narrow(0, at, n)?.reshape(params[j].var.shape())?);
+            for g in group {
+                let p = &params[missing[g]];
+                let n = p.var.elem_count();
+                slots[missing[g]] = Some(buffer.narrow(0, at, n)?.reshape(p.var.shape())?);
                 at += n;
-                done[j] = true;
             }
         }
         Ok(slots)
     }
+}
+
+/// The indices of `keys` grouped by equal key, groups in order of first appearance.
+fn groups<K: PartialEq>(keys: &[K]) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        match out.iter_mut().find(|g| keys[g[0]] == *k) {
+            Some(g) => g.push(i),
+            None => out.push(vec![i]),
+        }
+    }
+    out
 }
 
 /// A Qwen2/2.5/3 decoder with master weights (f32, or bf16 as TRL trains a bf16 model) that
@@ -546,17 +552,10 @@ impl TrainableQwen {
             .map(|i| self.map.layers[i])
             .collect();
         let mut views: Vec<Option<Tensor>> = vec![None; firsts.len()];
-        for loc in &firsts {
-            if views
-                .iter()
-                .zip(&firsts)
-                .any(|(v, l)| v.is_some() && l == loc)
-            {
-                continue;
-            }
-            let here: Vec<usize> = (0..firsts.len()).filter(|&k| firsts[k] == *loc).collect();
+        for here in groups(&firsts) {
+            let loc = firsts[here[0]];
             let buffer =
-                Tensor::zeros((here.len(), b, len, hs), self.dtype, self.devices.get(*loc))?;
+                Tensor::zeros((here.len(), b, len, hs), self.dtype, self.devices.get(loc))?;
             for (n, k) in here.into_iter().enumerate() {
                 views[k] = Some(buffer.get(n)?);
             }
