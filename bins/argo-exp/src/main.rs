@@ -22,7 +22,7 @@ use fleet_cli::{out, outln};
 #[derive(Parser, Debug)]
 #[command(
     name = "argo-exp",
-    version,
+    version = fleet_cli::VERSION,
     about = "ARGO experiments: solve the MDP, simulate strategies, sweep the retrieval cost",
     long_about = "ARGO experiments. With no subcommand: the simulated cost sweep with the \
                   default parameters (the MDP's own model; no weights, no GPU).",
@@ -411,7 +411,7 @@ fn solve(args: &SolveArgs) -> Result<()> {
 fn main() -> std::process::ExitCode {
     // A replica worker started by this program's own data-parallel path serves and exits here.
     fleet_models::replica_process::serve_if_replica_worker();
-    fleet_cli::init_logging();
+    fleet_cli::init();
     let cli = Cli::parse();
     // Results go to stdout through fleet_cli's `out!`/`outln!`: `argo-exp | head` ends quietly.
     fleet_cli::exit(run(&cli))

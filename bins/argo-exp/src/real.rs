@@ -381,8 +381,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     })
     .note("model", &model_id)
     .note("index", args.index.display().to_string())
-    .note("dataset", args.dataset.display().to_string())
-    .note("commit", commit_id());
+    .note("dataset", args.dataset.display().to_string());
     let run_dir = RunDir::open(
         &args.out,
         &manifest,

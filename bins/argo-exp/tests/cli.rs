@@ -50,10 +50,69 @@ fn default_run_prints_the_table_and_writes_plots_and_summary() {
     )
     .unwrap();
     assert_eq!(summary["world"], "simulation");
-    assert_eq!(summary["commit"], "cli-test-commit");
+    assert_eq!(summary["commit"], common::built_commit().as_str());
     assert_eq!(summary["seed"], 42);
     assert_eq!(summary["config"]["sweep"]["n_questions"], 1000);
     assert_eq!(summary["points"].as_array().unwrap().len(), 10);
+}
+
+/// Results never depend on stdout: with its reader gone at once (`argo-exp | true`), the run
+/// still writes every file and exits 0; and the commit it records is the one fleet was built
+/// from, not that of the repository it runs in.
+#[test]
+fn a_closed_stdout_and_another_repository_change_no_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let other_repo = dir.path().join("elsewhere");
+    std::fs::create_dir_all(&other_repo).unwrap();
+    let git = |args: &[&str]| {
+        let ok = std::process::Command::new("git")
+            .args(args)
+            .current_dir(&other_repo)
+            .env("GIT_AUTHOR_NAME", "t")
+            .env("GIT_AUTHOR_EMAIL", "t@t")
+            .env("GIT_COMMITTER_NAME", "t")
+            .env("GIT_COMMITTER_EMAIL", "t@t")
+            .output()
+            .unwrap();
+        assert!(ok.status.success(), "{ok:?}");
+        String::from_utf8_lossy(&ok.stdout).trim().to_string()
+    };
+    git(&["init", "-q"]);
+    git(&["commit", "-q", "--allow-empty", "-m", "another project"]);
+    let other_head = git(&["rev-parse", "HEAD"]);
+
+    let out_dir = dir.path().join("results");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_argo-exp"))
+        .args(["--out", out_dir.to_str().unwrap()])
+        .current_dir(&other_repo)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes away before the first line is written.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for name in [
+        "simulation_summary.json",
+        "simulation_points.jsonl",
+        "simulation_table.txt",
+        "simulation_graph1c_accuracy_vs_cost.png",
+    ] {
+        assert!(out_dir.join(name).is_file(), "missing {name}");
+    }
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out_dir.join("simulation_summary.json")).unwrap(),
+    )
+    .unwrap();
+    let commit = summary["commit"].as_str().unwrap();
+    assert_ne!(commit, other_head);
+    assert_eq!(commit, common::built_commit());
+    assert!(!commit.starts_with("unknown"), "{commit}");
 }
 
 #[test]

@@ -20,7 +20,7 @@ mod score;
 #[derive(Parser)]
 #[command(
     name = "edit-score",
-    version,
+    version = fleet_cli::VERSION,
     about = "A Qwen3-VL judge for image-edit benchmarks",
     long_about = "A Qwen3-VL judge for image-edit benchmarks: one replica per GPU (or per GPU \
                   group), resumable per-item records, per-category reports. With no subcommand \
@@ -52,7 +52,7 @@ enum Command {
 
 fn main() -> ExitCode {
     fleet_models::replica_process::serve_if_replica_worker();
-    fleet_cli::init_logging();
+    fleet_cli::init();
     let cli = Cli::parse();
     fleet_cli::exit(match cli.command {
         None => score::run(&cli.score),

@@ -476,6 +476,10 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
     about.insert("model".to_string(), json!(model));
     about.insert("revision".to_string(), json!(args.revision));
     about.insert("commit".to_string(), json!(fleet_dist::commit_id()));
+    about.insert(
+        "fleet_version".to_string(),
+        json!(fleet_dist::fleet_version()),
+    );
     let session = Session::open(
         &output,
         spec,

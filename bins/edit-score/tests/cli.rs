@@ -14,8 +14,7 @@ use serde_json::{json, Value};
 
 fn edit_score() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_edit-score"));
-    c.env("FLEET_COMMIT", "cli-test-commit")
-        .env_remove("FLEET_REPLICA_PROCESSES")
+    c.env_remove("FLEET_REPLICA_PROCESSES")
         .env_remove("FLEET_REPLICA_EXIT_AFTER")
         .env_remove("SLURM_PROCID")
         .env_remove("SLURM_NTASKS")

@@ -74,24 +74,6 @@ struct Report {
     runs: Vec<Run>,
 }
 
-/// The commit being measured: $FLEET_COMMIT, a COMMIT file (the device machine gets no .git),
-/// or `git rev-parse HEAD`.
-pub fn commit() -> String {
-    if let Ok(c) = std::env::var("FLEET_COMMIT") {
-        return c;
-    }
-    if let Ok(c) = std::fs::read_to_string("COMMIT") {
-        return c.trim().to_string();
-    }
-    std::process::Command::new("git")
-        .args(["rev-parse", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
-}
-
 fn used_bytes(gpus: &[usize]) -> Option<u64> {
     gpus.iter()
         .map(|&g| fleet_topology::gpu_used_bytes(g))
@@ -194,7 +176,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
     }
     let report = Report {
         engine: "fleet",
-        commit: commit(),
+        commit: fleet_dist::commit_id(),
         device: device_name,
         device_map: model.device_map().to_string(),
         config: label,

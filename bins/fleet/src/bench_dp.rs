@@ -175,7 +175,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
     }
     let report = Report {
         engine: "fleet",
-        commit: crate::bench::commit(),
+        commit: fleet_dist::commit_id(),
         config: label,
         dtype: args.model.dtype.clone(),
         devices: args.devices.clone(),

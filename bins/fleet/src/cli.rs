@@ -15,7 +15,7 @@ use fleet_cli::{out, outln};
 
 /// fleet: Qwen models on one GPU, on all GPUs of a machine, or across machines.
 #[derive(Parser)]
-#[command(name = "fleet", version, about)]
+#[command(name = "fleet", version = fleet_cli::VERSION, about)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -337,12 +337,11 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             return;
         }
         if let Err(err) = out!("{}", e.text_delta) {
-            if fleet_cli::stdout::is_closed(&err) {
-                // Nobody reads the rest of the reply: stop now, as SIGPIPE's default would,
-                // rather than generate it for nobody.
-                std::process::exit(0);
-            }
             write_error = Some(err);
+        } else if fleet_cli::stdout::closed() {
+            // The reply goes only to stdout and nobody reads the rest of it: stop now, as
+            // SIGPIPE's default would, rather than generate it for nobody.
+            std::process::exit(0);
         }
     };
     let out = model.generate(std::slice::from_ref(&request), Some(&mut on_token))?;

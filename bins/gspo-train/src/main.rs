@@ -48,7 +48,7 @@ const DEFAULT_FILES: &[(&str, &[u8])] = &[
 #[derive(Parser, Debug)]
 #[command(
     name = "gspo-train",
-    version,
+    version = fleet_cli::VERSION,
     about = "GSPO RL fine-tuning of Qwen LLMs (TRL's GRPOConfig names)",
     long_about = "GSPO reinforcement-learning fine-tuning of Qwen LLMs. With no flags: the \
                   embedded default (a tiny bundled model learns single-digit addition from \
@@ -143,9 +143,14 @@ struct Cli {
     /// instead of this machine's, e.g. to size a run before renting the machine.
     #[arg(long, requires = "plan")]
     topology: Option<PathBuf>,
-    /// Continue from the newest checkpoint in the output directory.
+    /// Continue from the newest checkpoint in the output directory (an error when it holds
+    /// none, as TRL's resume_from_checkpoint).
     #[arg(long)]
     resume: bool,
+    /// Continue from this checkpoint of the output directory (TRL's resume_from_checkpoint
+    /// with a path), e.g. an earlier one when the newest is damaged; the later ones are removed.
+    #[arg(long, value_name = "DIR")]
+    resume_from_checkpoint: Option<PathBuf>,
     /// Remove an earlier run's checkpoints and metrics from the output directory and start over.
     #[arg(long)]
     overwrite: bool,
@@ -300,6 +305,7 @@ fn run(cli: &Cli) -> Result<()> {
         },
         gradient_checkpointing: !cli.no_gradient_checkpointing,
         resume: cli.resume,
+        resume_from_checkpoint: cli.resume_from_checkpoint.clone(),
         overwrite: cli.overwrite,
         plan_only: cli.plan,
         topology: cli.topology.clone(),
@@ -536,7 +542,7 @@ fn summarize(records: &[Option<f64>], seconds: f64, out: &Path) -> Result<()> {
 
 fn main() -> std::process::ExitCode {
     fleet_models::replica_process::serve_if_replica_worker();
-    fleet_cli::init_logging();
+    fleet_cli::init();
     let cli = Cli::parse();
     match cli.nproc_per_node {
         Some(n) if !cli.plan && std::env::var_os("FLEET_LAUNCHER").is_none() => {

@@ -6,9 +6,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn gspo_train() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_gspo-train"));
-    c.env("FLEET_COMMIT", "cli-test-commit");
-    c
+    Command::new(env!("CARGO_BIN_EXE_gspo-train"))
 }
 
 fn run(args: &[&str]) -> Output {

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 fn gspo_train() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_gspo-train"));
-    c.env("FLEET_COMMIT", "dp-test-commit");
     // A rank started by hand must not think a parent launcher started it.
     for v in [
         "FLEET_LAUNCHER",

@@ -1,34 +1,99 @@
-//! What fleet's binaries share (as ripgrep's `grep-cli`): stdout that ends a command quietly
-//! when its reader goes away ([`stdout`], [`out!`], [`outln!`]), the logging set-up, and
-//! `main`'s handling of the command's result ([`exit`]).
+//! What fleet's binaries share (as ripgrep's `grep-cli`): the version and commit they were
+//! built from ([`VERSION`], [`init`]), stdout that a reader may close without costing the run
+//! its files ([`stdout`], [`out!`], [`outln!`]), the logging set-up, and `main`'s handling of
+//! the command's result ([`exit`]).
 
 #![warn(missing_docs)]
 
 pub mod stdout;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
+
+/// The commit fleet was built from (`git rev-parse HEAD` at build time, `-dirty` when tracked
+/// files differed from it; `FLEET_BUILD_COMMIT` set at build time wins; else `unknown`).
+pub const BUILD_COMMIT: &str = env!("FLEET_BUILD_COMMIT");
+
+/// `--version` of every binary: fleet's version and the commit it was built from.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("FLEET_BUILD_COMMIT"),
+    ")"
+);
+
+/// What every binary does first: registers the build ([`BUILD_COMMIT`] becomes what manifests,
+/// checkpoints and reports record through `fleet_dist::commit_id`) and sets up logging
+/// ([`init_logging`]).
+pub fn init() {
+    fleet_dist::set_build(env!("CARGO_PKG_VERSION"), BUILD_COMMIT);
+    init_logging();
+}
 
 /// Logs of the libraries (tracing) to stderr, `warn` and above unless `RUST_LOG` says
 /// otherwise: a warning such as a checkpoint tensor the model does not use reaches the user.
+/// Colour only when stderr is a terminal: no escape codes in a log file or a pipe.
 pub fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
 }
 
-/// The exit of a command: success; success when stdout's reader stopped reading (`| head`:
-/// it has what it wanted); otherwise the error and its causes on stderr, as
-/// `fn main() -> anyhow::Result<()>` prints them, and failure.
+/// The exit of a command: success, or the error and its causes on stderr and failure.
+///
+/// The message only, also with `RUST_BACKTRACE=1` set: an error returned here is the user's
+/// to fix (a bad flag, a missing file) and says what to do; a backtrace is for bugs, which
+/// panic and get one from the panic hook.
 pub fn exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) if stdout::is_closed(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("Error: {e:?}");
+            eprintln!("{}", error_message(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `Error: <message>` and, when there are causes, `Caused by:` with each one numbered, as
+/// anyhow prints an error returned from `main`, without the backtrace.
+pub fn error_message(error: &anyhow::Error) -> String {
+    let mut text = format!("Error: {error}");
+    let causes: Vec<String> = error.chain().skip(1).map(|c| c.to_string()).collect();
+    if !causes.is_empty() {
+        text.push_str("\n\nCaused by:");
+        for (i, cause) in causes.iter().enumerate() {
+            text.push_str(&format!("\n    {i}: {cause}"));
+        }
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_prints_its_causes_and_no_backtrace() {
+        let e = anyhow::anyhow!("no such file: x.json")
+            .context("reading the dataset")
+            .context("gspo-train");
+        assert_eq!(
+            error_message(&e),
+            "Error: gspo-train\n\nCaused by:\n    0: reading the dataset\n    1: no such file: x.json"
+        );
+        assert_eq!(
+            error_message(&anyhow::anyhow!("bad flag")),
+            "Error: bad flag"
+        );
+    }
+
+    #[test]
+    fn the_version_names_the_commit() {
+        assert!(VERSION.contains(BUILD_COMMIT), "{VERSION}");
+        assert!(!BUILD_COMMIT.is_empty());
     }
 }

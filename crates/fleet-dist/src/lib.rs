@@ -49,7 +49,9 @@ mod world;
 
 use std::path::PathBuf;
 
-pub use atomic::{write_atomic, write_json_atomic};
+pub use atomic::{
+    remove_stale_temporaries, set_created_permissions, write_atomic, write_json_atomic,
+};
 pub use digest::{bytes_digest, files_digest, Fnv64};
 pub use group::{FailureHandler, Group, PeerFailure, PeerInfo, FAILURE_EXIT_CODE};
 pub use jsonl::{BadLine, JsonlContents, JsonlLog, TailRepair};
@@ -69,7 +71,8 @@ pub use rendezvous::{
     DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_RENDEZVOUS_TIMEOUT, RENDEZVOUS_TIMEOUT_ENV, TIMEOUT_ENV,
 };
 pub use run_dir::{
-    commit_id, FieldDiff, Manifest, RunDir, RunDirOptions, RunDirState, LOCK_FILE, MANIFEST_FILE,
+    commit_id, fleet_version, set_build, FieldDiff, Manifest, RunDir, RunDirOptions, RunDirState,
+    LOCK_FILE, MANIFEST_FILE,
 };
 pub use shard::{ShardSource, ShardSpec};
 pub use world::{

@@ -74,12 +74,17 @@ impl std::fmt::Display for FieldDiff {
 }
 
 impl Manifest {
-    /// An empty manifest for `job`.
+    /// A manifest for `job` that determines nothing yet; `about` names the fleet build writing
+    /// it (`fleet_version`, `commit`: [`fleet_version`], [`commit_id`]).
     pub fn new(job: impl Into<String>) -> Self {
+        let about = BTreeMap::from([
+            ("fleet_version".to_string(), Value::String(fleet_version())),
+            ("commit".to_string(), Value::String(commit_id())),
+        ]);
         Manifest {
             job: job.into(),
             determines: BTreeMap::new(),
-            about: BTreeMap::new(),
+            about,
         }
     }
 
@@ -306,6 +311,15 @@ impl RunDir {
                 RunDirState::New
             }
         };
+        // Held alone now: what interrupted writes of earlier runs left is nobody's.
+        let stale = crate::atomic::remove_stale_temporaries(dir)?;
+        if !stale.is_empty() {
+            tracing::info!(
+                "{}: removed {} temporary file(s) left by interrupted writes",
+                dir.display(),
+                stale.len()
+            );
+        }
         Ok(RunDir {
             dir: dir.to_path_buf(),
             _lock: lock,
@@ -382,30 +396,32 @@ fn lock_dir(dir: &Path) -> Result<File> {
     Ok(file)
 }
 
-/// The commit being run: `$FLEET_COMMIT`, else `git rev-parse HEAD`, else a `COMMIT` file in
-/// the working directory (the device machine gets no .git), else `"unknown"`.
+/// The fleet build a binary registered with [`set_build`]: version and commit.
+static BUILD: std::sync::OnceLock<(&'static str, &'static str)> = std::sync::OnceLock::new();
+
+/// Registers the version and the commit this program was built from (fleet's binaries do it
+/// first thing, from what their build embedded; see `fleet_cli::init`). What manifests,
+/// checkpoints and reports record as the commit. Only the first call counts.
+pub fn set_build(version: &'static str, commit: &'static str) {
+    let _ = BUILD.set((version, commit));
+}
+
+/// The commit of fleet that is running, as the binary embedded it when it was built; never the
+/// repository of the directory the program runs in. `unknown (library build)` when no binary
+/// registered one ([`set_build`]): a program that uses fleet's crates as libraries.
 pub fn commit_id() -> String {
-    if let Ok(c) = std::env::var("FLEET_COMMIT") {
-        if !c.trim().is_empty() {
-            return c.trim().to_string();
-        }
-    }
-    let from_git = std::process::Command::new("git")
-        .args(["rev-parse", "HEAD"])
-        .stderr(std::process::Stdio::null())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .filter(|s| !s.is_empty());
-    if let Some(c) = from_git {
-        return c;
-    }
-    std::fs::read_to_string("COMMIT")
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "unknown".into())
+    BUILD
+        .get()
+        .map(|(_, commit)| commit.to_string())
+        .unwrap_or_else(|| "unknown (library build)".to_string())
+}
+
+/// fleet's version: the registered binary's ([`set_build`]), else this crate's.
+pub fn fleet_version() -> String {
+    BUILD
+        .get()
+        .map(|(version, _)| version.to_string())
+        .unwrap_or_else(|| env!("CARGO_PKG_VERSION").to_string())
 }
 
 #[cfg(test)]

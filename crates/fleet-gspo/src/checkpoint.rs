@@ -45,6 +45,15 @@ pub enum CheckpointError {
         /// Why.
         message: String,
     },
+    /// A checkpoint's files are cut short or unreadable (a kill or a full disk while it was
+    /// written by a fleet without atomic checkpoints, or damage since).
+    #[error("checkpoint file {path} is damaged: {message}")]
+    Damaged {
+        /// The damaged file or checkpoint.
+        path: PathBuf,
+        /// What is wrong, and which checkpoint to resume from instead.
+        message: String,
+    },
     /// The checkpoint was trained from another base model.
     #[error("checkpoint {path} was trained from another model ({message}); resume with the model it was trained from, or train into another output_dir")]
     OtherModel {
@@ -76,8 +85,11 @@ pub struct TrainerState {
     pub base_model: CheckpointIdentity,
     /// The base model as given (path or hub id), for messages.
     pub base_model_id: String,
-    /// The commit that wrote the checkpoint.
+    /// The commit of fleet that wrote the checkpoint (embedded when it was built).
     pub commit: String,
+    /// The version of fleet that wrote the checkpoint (absent in older checkpoints).
+    #[serde(default)]
+    pub fleet_version: String,
 }
 
 /// The file `latest` in an output directory.
@@ -170,6 +182,8 @@ fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointEr
     // temporary directory and the previous checkpoints as they were.)
     let tensors: std::collections::HashMap<String, Tensor> = c.weights.iter().cloned().collect();
     candle_core::safetensors::save(&tensors, &weights_path).map_err(|e| io(&weights_path, e))?;
+    // safetensors writes through a private (0600) temporary file.
+    fleet_dist::set_created_permissions(&weights_path)?;
     sync_file(&weights_path)?;
     c.optimizer.save(&dir.join("optimizer.safetensors"))?;
     fleet_dist::write_json_atomic(&dir.join("trainer_state.json"), c.state)?;
@@ -220,7 +234,11 @@ pub fn latest(output_dir: &Path) -> Result<PathBuf, CheckpointError> {
     let pointer = output_dir.join(LATEST);
     let name = std::fs::read_to_string(&pointer).map_err(|e| CheckpointError::NothingToResume {
         dir: output_dir.to_path_buf(),
-        message: format!("no `{LATEST}` file ({e}): no checkpoint was completed there"),
+        message: format!(
+            "no `{LATEST}` file ({e}): no checkpoint was completed there. Check the path; a \
+             run killed before its first checkpoint has none: start it again without --resume \
+             (with --overwrite to remove its metrics)"
+        ),
     })?;
     let path = output_dir.join(name.trim());
     if !path.join("trainer_state.json").exists() {
@@ -233,6 +251,114 @@ pub fn latest(output_dir: &Path) -> Result<PathBuf, CheckpointError> {
         });
     }
     Ok(path)
+}
+
+/// Checks that a checkpoint is whole: its trainer state reads, and its weights and optimizer
+/// state hold every byte their headers promise. Returns the trainer state.
+pub fn verify(checkpoint: &Path) -> Result<TrainerState, CheckpointError> {
+    for name in ["model.safetensors", "optimizer.safetensors"] {
+        let path = checkpoint.join(name);
+        fleet_models::weights::check_shard(&path).map_err(|e| CheckpointError::Damaged {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+    }
+    let path = checkpoint.join("trainer_state.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::Damaged {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    serde_json::from_str(&text).map_err(|e| CheckpointError::Damaged {
+        path,
+        message: e.to_string(),
+    })
+}
+
+/// The checkpoint a resume continues from: `chosen` (a `checkpoint-<step>` directory of
+/// `output_dir`, TRL's `resume_from_checkpoint`) or else the newest, checked whole
+/// ([`verify`]). A damaged one is refused with the newest intact earlier checkpoint and the
+/// command that resumes from it. Checkpoints after the chosen one are removed and `latest`
+/// points at it: the run redoes those steps, and every file agrees with the checkpoint.
+pub fn resume_point(output_dir: &Path, chosen: Option<&Path>) -> Result<PathBuf, CheckpointError> {
+    let path = match chosen {
+        None => latest(output_dir)?,
+        Some(p) => {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            let step = name
+                .as_deref()
+                .and_then(|n| n.strip_prefix(PREFIX))
+                .and_then(|s| s.parse::<u64>().ok());
+            match step.and_then(|s| list(output_dir).into_iter().find(|(k, _)| *k == s)) {
+                Some((_, path)) => path,
+                None => {
+                    return Err(CheckpointError::NothingToResume {
+                        dir: output_dir.to_path_buf(),
+                        message: format!(
+                            "{} is not a checkpoint of this output directory; its checkpoints: \
+                             {}",
+                            p.display(),
+                            describe(output_dir)
+                        ),
+                    })
+                }
+            }
+        }
+    };
+    if let Err(e) = verify(&path) {
+        let step = step_of(&path).unwrap_or(u64::MAX);
+        let intact = list(output_dir)
+            .into_iter()
+            .rev()
+            .filter(|(k, _)| *k < step)
+            .find(|(_, p)| verify(p).is_ok())
+            .map(|(_, p)| p);
+        let way_out = match intact {
+            Some(p) => format!(
+                "the newest intact checkpoint before it is {0}: resume from it with \
+                 --resume-from-checkpoint {0} (the steps after it are trained again)",
+                p.display()
+            ),
+            None => "no earlier checkpoint is intact: start over with --overwrite".to_string(),
+        };
+        return Err(CheckpointError::Damaged {
+            path,
+            message: format!("{e}; {way_out}"),
+        });
+    }
+    // Later checkpoints (and `latest`, if it names one) belong to steps that are redone.
+    let step = step_of(&path).unwrap_or(0);
+    for (_, later) in list(output_dir).into_iter().filter(|(k, _)| *k > step) {
+        tracing::warn!(
+            "resuming from {}: removing the later {}",
+            path.display(),
+            later.display()
+        );
+        std::fs::remove_dir_all(&later).map_err(|e| io(&later, e))?;
+    }
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    fleet_dist::write_atomic(&output_dir.join(LATEST), format!("{name}\n").as_bytes())?;
+    Ok(path)
+}
+
+fn step_of(checkpoint: &Path) -> Option<u64> {
+    checkpoint
+        .file_name()?
+        .to_str()?
+        .strip_prefix(PREFIX)?
+        .parse()
+        .ok()
+}
+
+fn describe(output_dir: &Path) -> String {
+    let names: Vec<String> = list(output_dir)
+        .iter()
+        .map(|(_, p)| p.display().to_string())
+        .collect();
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(", ")
+    }
 }
 
 /// Reads a checkpoint's trainer state and checks that it was trained from `base`.

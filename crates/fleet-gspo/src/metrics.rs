@@ -337,29 +337,51 @@ pub fn latest_per_step(records: &[StepMetrics]) -> Vec<StepMetrics> {
     by_step.into_values().cloned().collect()
 }
 
-/// Drops the records of steps after `step` from the metrics file at `path` (a resumed run
-/// redoes those steps and appends them again). The file is rewritten atomically, only when
-/// there is something to drop; a missing file is fine.
+/// Cuts `metrics.jsonl` back to its lines before the first step after `step` (the checkpoint a
+/// run resumes from; the later steps are redone). The kept lines are copied byte for byte — never parsed and
+/// written again, which could change a float's last digit — and the file is replaced
+/// atomically. A torn last line (a kill mid-write) goes too; any other line that does not
+/// read as a step's metrics is an error naming its line number.
 pub fn truncate_after(path: &Path, step: u64) -> Result<(), MetricsError> {
-    if !path.exists() {
-        return Ok(());
+    #[derive(serde::Deserialize)]
+    struct StepOf {
+        step: u64,
     }
-    let (log, contents) = JsonlLog::open::<StepMetrics>(path)?;
-    drop(log);
-    if contents.records.iter().all(|r| r.step <= step) {
-        return Ok(());
-    }
-    let mut text = Vec::new();
-    for r in contents.records.iter().filter(|r| r.step <= step) {
-        text.extend(serde_json::to_vec(r).map_err(|e| {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(MetricsError::from(fleet_dist::DistError::io(
+                "read", path, e,
+            )))
+        }
+    };
+    let mut kept = 0;
+    let mut start = 0;
+    let mut number = 0;
+    while start < bytes.len() {
+        number += 1;
+        let (line, next) = match bytes[start..].iter().position(|&b| b == b'\n') {
+            Some(i) => (&bytes[start..start + i], start + i + 1),
+            // No newline: the line a kill tore.
+            None => break,
+        };
+        let of: StepOf = serde_json::from_slice(line).map_err(|e| {
             MetricsError::from(fleet_dist::DistError::Json {
-                what: path.display().to_string(),
+                what: format!("{} line {number}", path.display()),
                 source: e,
             })
-        })?);
-        text.push(b'\n');
+        })?;
+        if of.step > step {
+            break;
+        }
+        kept = next;
+        start = next;
     }
-    fleet_dist::write_atomic(path, &text)?;
+    if kept == bytes.len() {
+        return Ok(());
+    }
+    fleet_dist::write_atomic(path, &bytes[..kept])?;
     Ok(())
 }
 

@@ -58,6 +58,9 @@ pub struct RunOptions {
     pub gradient_checkpointing: bool,
     /// Continue from the newest checkpoint in the output directory.
     pub resume: bool,
+    /// Continue from this checkpoint of the output directory (TRL's `resume_from_checkpoint`
+    /// with a path) instead of the newest; implies `resume`.
+    pub resume_from_checkpoint: Option<PathBuf>,
     /// Remove what an earlier run left in the output directory and start over.
     pub overwrite: bool,
     /// Plan only: say what fits where, load nothing.
@@ -67,6 +70,13 @@ pub struct RunOptions {
     pub topology: Option<PathBuf>,
     /// This process as one rank of a data-parallel run (`None`: the only process).
     pub dist: Option<DistOptions>,
+}
+
+impl RunOptions {
+    /// Whether the run continues from a checkpoint (`resume` or `resume_from_checkpoint`).
+    pub fn resumes(&self) -> bool {
+        self.resume || self.resume_from_checkpoint.is_some()
+    }
 }
 
 /// A rank of a data-parallel run, before it has met the others.
@@ -283,8 +293,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         opts.dtype,
     )
     .note("model", &opts.model)
-    .note("dataset", opts.dataset.display().to_string())
-    .note("commit", fleet_dist::commit_id());
+    .note("dataset", opts.dataset.display().to_string());
     let out = &config.output_dir;
 
     // The ranks meet: same manifest and commit everywhere, or a refusal naming the rank.
@@ -304,6 +313,13 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         None => None,
     };
     let is_main = dp.as_ref().is_none_or(|dp| dp.world().is_main());
+    if is_main && opts.resumes() && !out.is_dir() {
+        return Err(TrainError::Setup(format!(
+            "--resume: the output directory {} does not exist: check --output-dir (a resume \
+             continues a run in the directory it wrote)",
+            out.display()
+        )));
+    }
     let (run_dir, state, has_checkpoints) = if is_main {
         let (run_dir, has_checkpoints) = open_run_dir(out, &manifest, opts)?;
         (Some(run_dir.0), run_dir.1, has_checkpoints)
@@ -312,8 +328,24 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     };
     // Rank 0 says whether (and from where) the ranks resume.
     let resume_from: Option<PathBuf> = {
-        let mine = if is_main && opts.resume && has_checkpoints {
-            Some(checkpoint::latest(out)?)
+        let mine = if is_main && opts.resumes() {
+            if !has_checkpoints {
+                return Err(TrainError::Setup(format!(
+                    "--resume: {} holds no checkpoint to resume from. Check the path; a run \
+                     killed before its first checkpoint has none: start it again without \
+                     --resume{}",
+                    out.display(),
+                    if out.join(MetricsLog::FILE).exists() {
+                        " and with --overwrite (its metrics are removed)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+            Some(checkpoint::resume_point(
+                out,
+                opts.resume_from_checkpoint.as_deref(),
+            )?)
         } else {
             None
         };
@@ -331,14 +363,6 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
             None => mine,
         }
     };
-    if opts.resume && resume_from.is_none() && is_main {
-        tracing::warn!(
-            "--resume: {} has no checkpoint yet; starting from {}",
-            out.display(),
-            opts.model
-        );
-    }
-
     // The policy: from the newest checkpoint when resuming, else from the base model.
     let (weights_files, state_now, resumed_from) = match resume_from {
         Some(ckpt) => {
@@ -354,6 +378,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
                 base_model: base.clone(),
                 base_model_id: opts.model.clone(),
                 commit: fleet_dist::commit_id(),
+                fleet_version: fleet_dist::fleet_version(),
             };
             (files.weights.clone(), st, None)
         }
@@ -407,11 +432,24 @@ fn open_run_dir(
     options.dir_flag = "--output-dir".into();
     let run_dir = RunDir::open(out, manifest, &options)?;
     let has_checkpoints = !checkpoint::list(out).is_empty();
-    if run_dir.state == RunDirState::Resumed && has_checkpoints && !opts.resume {
+    let has_metrics = std::fs::metadata(out.join(MetricsLog::FILE)).is_ok_and(|m| m.len() > 0);
+    // A fresh start would append its steps to the old run's metrics.
+    if run_dir.state == RunDirState::Resumed && !opts.resumes() && (has_checkpoints || has_metrics)
+    {
+        let way_on = if has_checkpoints {
+            "pass --resume to continue from the newest checkpoint, or "
+        } else {
+            "it was stopped before its first checkpoint, so there is nothing to resume: "
+        };
         return Err(TrainError::Setup(format!(
-            "{} holds checkpoints of this run: pass --resume to continue from the newest, or \
-             --overwrite to start over",
-            out.display()
+            "{} holds a run of these settings ({}): {way_on}pass --overwrite to start over, \
+             or choose another --output-dir",
+            out.display(),
+            if has_checkpoints {
+                "checkpoints and metrics"
+            } else {
+                "metrics"
+            }
         )));
     }
     let state = run_dir.state.clone();

@@ -319,6 +319,7 @@ impl Trainer {
     /// Writes a checkpoint of the current step.
     pub fn save(&mut self) -> Result<std::path::PathBuf, TrainError> {
         self.state.commit = fleet_dist::commit_id();
+        self.state.fleet_version = fleet_dist::fleet_version();
         // The moments as they are, no copy: a checkpoint must not need the optimizer's memory
         // twice.
         let optimizer = self.optimizer.state_view()?;

@@ -543,9 +543,10 @@ impl SafetensorsWeights {
     }
 }
 
-/// Reads a shard's header and checks that the file holds every byte the header promises.
+/// Reads a safetensors file's header and checks that the file holds every byte the header
+/// promises (a file cut short by a kill or a full disk fails here, before anything is mapped).
 /// Returns the tensor names.
-fn check_shard(path: &Path) -> Result<Vec<String>> {
+pub fn check_shard(path: &Path) -> Result<Vec<String>> {
     let bad = |message: String| ModelError::BadWeights {
         path: path.to_path_buf(),
         message,

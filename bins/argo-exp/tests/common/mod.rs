@@ -3,13 +3,24 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// Runs argo-exp with `args` (and a fixed commit id for the summaries).
+/// Runs argo-exp with `args`.
 pub fn argo_exp(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_argo-exp"))
         .args(args)
-        .env("FLEET_COMMIT", "cli-test-commit")
         .output()
         .expect("argo-exp runs")
+}
+
+/// The commit `--version` names (the one the binary was built from).
+#[allow(dead_code)]
+pub fn built_commit() -> String {
+    let out = argo_exp(&["--version"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.split("(commit ")
+        .nth(1)
+        .and_then(|t| t.split(')').next())
+        .unwrap_or_else(|| panic!("no commit in --version: {text}"))
+        .to_string()
 }
 
 /// The repository root.
