@@ -322,3 +322,119 @@ fn moe_experts_saved_transposed_load_the_same() {
     let b = load(tmp.path()).logits(&p).unwrap();
     assert_eq!(max_rel_diff(&a, &b), 0.0);
 }
+
+/// One directory of `tests/fixtures/qwen3-vl-moe-layouts/` (scripts/fixtures/
+/// make_qwen3_vl_moe_layouts.py), loaded on the CPU.
+fn layout_model(dir: &str) -> fleet_models::Result<Qwen3VlModel> {
+    let dir = root().join("tests/fixtures/qwen3-vl-moe-layouts").join(dir);
+    let cfg = Qwen3VlConfig::from_file(&dir.join("config.json"))?;
+    let w = Weights::from_safetensors(&[dir.join("model.safetensors")])?;
+    let map = DeviceMap::single(DeviceLocation::Cpu, cfg.text.num_hidden_layers);
+    Qwen3VlModel::new(&cfg, &w, DType::F32, &map)
+}
+
+/// The tiny MoE of `shape` (`i4`, `i8`, `i16`) with its experts in the released layout
+/// (`[E, H, 2I]` / `[E, I, H]`, 4.x hub config.json) and as transformers 5's `save_pretrained`
+/// wrote it (`[E, 2I, H]` / `[E, H, I]`, native config.json): both give transformers' logits of
+/// the in-memory model, and the same logits to the bit.
+fn check_expert_layouts(shape: &str) {
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/fixtures/golden/qwen3-vl-moe-layouts.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let g = &golden["shapes"][shape];
+    let prompts = golden["prompts"].as_array().unwrap();
+    let mut outs = Vec::new();
+    for layout in ["released", "saved"] {
+        let name = format!("{shape}-{layout}");
+        let model = layout_model(&name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let inter = g["moe_intermediate_size"].as_u64().unwrap() as usize;
+        assert_eq!(model.config().text.moe_intermediate_size, Some(inter));
+        assert_eq!(model.config().text.num_experts, Some(4), "{name}");
+        let mut logits = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let ours = model
+                .logits(&VlPrompt {
+                    ids: ids(p),
+                    images: None,
+                })
+                .unwrap();
+            let rows: Vec<Vec<f32>> = serde_json::from_value(g["logits"][i].clone()).unwrap();
+            let want = Tensor::new(rows, &Device::Cpu).unwrap();
+            let d = max_rel_diff(&ours, &want);
+            assert!(d < TOL, "{name} prompt {i}: logits differ by {d}");
+            logits.push(ours);
+        }
+        outs.push(logits);
+    }
+    for (a, b) in outs[0].iter().zip(&outs[1]) {
+        assert_eq!(max_rel_diff(a, b), 0.0, "{shape}: released vs saved");
+    }
+}
+
+/// I = 4, H = 16: each tensor's shape alone tells the layouts apart.
+#[test]
+fn moe_expert_layouts_match_transformers() {
+    check_expert_layouts("i4");
+}
+
+/// 2I == H: `gate_up_proj` is square in both layouts and only `down_proj` tells them apart.
+/// transformers 5.17 itself misreads the released file here (recorded in the golden).
+#[test]
+fn moe_expert_layouts_with_square_gate_up_match_transformers() {
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tests/fixtures/golden/qwen3-vl-moe-layouts.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let reload = &golden["shapes"]["i8"]["transformers_reload"];
+    assert_eq!(reload["saved"]["exact"], true);
+    assert_eq!(
+        reload["released"]["misread_tensors"],
+        serde_json::json!(["mlp.experts.gate_up_proj"])
+    );
+    check_expert_layouts("i8");
+}
+
+/// I == H: `down_proj` is square in both layouts and only `gate_up_proj` tells them apart.
+#[test]
+fn moe_expert_layouts_with_square_down_match_transformers() {
+    check_expert_layouts("i16");
+}
+
+/// Experts in neither layout (here one layer's `gate_up_proj` in the released layout and its
+/// `down_proj` as transformers 5 saves it) are an error naming the tensor, the file, both
+/// shapes and what each layout expects.
+#[test]
+fn moe_experts_in_no_layout_are_an_error() {
+    let src = root().join("tests/fixtures/qwen3-vl-moe-layouts/i4-saved");
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(src.join("config.json"), tmp.path().join("config.json")).unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let name = "model.language_model.layers.1.mlp.experts.gate_up_proj";
+    let t = tensors[name].transpose(1, 2).unwrap().contiguous().unwrap();
+    tensors.insert(name.to_string(), t);
+    let file = tmp.path().join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+
+    let cfg = Qwen3VlConfig::from_file(&tmp.path().join("config.json")).unwrap();
+    let w = Weights::from_safetensors(std::slice::from_ref(&file)).unwrap();
+    let map = DeviceMap::single(DeviceLocation::Cpu, cfg.text.num_hidden_layers);
+    let e = Qwen3VlModel::new(&cfg, &w, DType::F32, &map)
+        .err()
+        .expect("experts in no layout")
+        .to_string();
+    for s in [
+        file.to_str().unwrap(),
+        name,
+        "[4, 16, 8]",                 // gate_up_proj as stored
+        "down_proj [4, 16, 4]",       // down_proj as stored, transformers 5's layout
+        "gate_up_proj is [4, 8, 16]", // what that layout expects
+        "released layout expects [4, 16, 8]",
+        "mixes the layouts",
+    ] {
+        assert!(e.contains(s), "`{s}` not in: {e}");
+    }
+}

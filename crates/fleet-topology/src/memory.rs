@@ -197,6 +197,9 @@ struct RawConfig {
     head_dim: Option<usize>,
     vocab_size: Option<usize>,
     tie_word_embeddings: Option<bool>,
+    /// `num_local_experts` in the config.json that transformers 5's `save_pretrained` writes
+    /// for Qwen3-VL MoE (the released 4.x files say `num_experts`).
+    #[serde(alias = "num_local_experts")]
     num_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
@@ -239,12 +242,12 @@ impl ModelShape {
     /// `num_attention_heads`, `tie_word_embeddings` to false. A `vision_config` is read with
     /// Qwen3-VL's defaults (27 blocks of width 1152, MLP 4304, patch 16, merge 2, 2304 learned
     /// positions and 3 deepstack mergers for `qwen3_vl*` model types, none otherwise) for any
-    /// field it lacks. A config with `num_experts` is taken to have a mixture of experts in
-    /// every layer (true of Qwen3-MoE and Qwen3-VL-MoE checkpoints; `decoder_sparse_step` and
-    /// `mlp_only_layers` are not read). A config whose `architectures` name a
-    /// `*ForSequenceClassification` class is a classifier ([`ModelShape::classification_head`])
-    /// with as many labels as `id2label` has entries (else `num_labels`, else transformers'
-    /// default of 2).
+    /// field it lacks. A config with `num_experts` (or `num_local_experts`, as transformers 5
+    /// saves it) is taken to have a mixture of experts in every layer (true of Qwen3-MoE and
+    /// Qwen3-VL-MoE checkpoints; `decoder_sparse_step` and `mlp_only_layers` are not read). A
+    /// config whose `architectures` name a `*ForSequenceClassification` class is a classifier
+    /// ([`ModelShape::classification_head`]) with as many labels as `id2label` has entries
+    /// (else `num_labels`, else transformers' default of 2).
     pub fn from_config_str(text: &str, source: &str) -> Result<Self, TopologyError> {
         let raw: RawConfig =
             serde_json::from_str(text).map_err(|e| TopologyError::ModelConfig {

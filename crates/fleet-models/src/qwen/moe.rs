@@ -57,13 +57,141 @@ fn sorted_min_tokens() -> usize {
         .unwrap_or(256)
 }
 
+/// How a checkpoint stores each MoE layer's experts.
+///
+/// | layout | `experts.gate_up_proj` | `experts.down_proj` | used as |
+/// |---|---|---|---|
+/// | [`Released`](ExpertLayout::Released) | `[E, H, 2I]` | `[E, I, H]` | `x @ W` |
+/// | [`Transformers5`](ExpertLayout::Transformers5) | `[E, 2I, H]` | `[E, H, I]` | `F.linear(x, W)` |
+///
+/// The released checkpoints (Qwen3-VL-30B-A3B and the other hub files, written by transformers
+/// 4.57, whose experts computed `x @ W`) hold the first. transformers 5.17 holds the second in
+/// memory and converts on load with `Transpose(1, 2, check_dims=True)` per tensor
+/// (`conversion_mapping.py`, `"qwen3_vl_moe"`; `core_model_loading.py`, `Transpose.convert`):
+/// it transposes a tensor only when the file's shape differs from the parameter's. Its
+/// `save_pretrained` applies the reverse op (`revert_weight_conversion`), which compares the
+/// in-memory tensor with that same parameter shape, always finds them equal and writes the
+/// runtime layout as is: a file transformers 5 saved holds the second layout.
+///
+/// fleet tells them apart by both tensors' shapes together: a layout is taken only when both
+/// match it. `down_proj` decides whenever `I != H` (and `gate_up_proj` must then agree);
+/// `gate_up_proj` decides whenever `2I != H`. One tensor can be square and fit both layouts
+/// (`gate_up_proj` when `2I == H`, `down_proj` when `I == H`) but never both at once (that
+/// needs `I == 0`), so exactly one layout or none fits the pair. transformers' per-tensor check
+/// has no such fallback: at `2I == H` it keeps a released file's square `gate_up_proj`
+/// untransposed, and at `I == H` its square `down_proj`, and computes with the transposed
+/// matrices (scripts/fixtures/make_qwen3_vl_moe_layouts.py records both); files it saved itself
+/// it reads back exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExpertLayout {
+    /// The released checkpoints': `[E, H, 2I]` / `[E, I, H]`.
+    Released,
+    /// transformers 5's runtime layout, which its `save_pretrained` writes: `[E, 2I, H]` /
+    /// `[E, H, I]`.
+    Transformers5,
+}
+
+impl ExpertLayout {
+    const BOTH: [ExpertLayout; 2] = [ExpertLayout::Released, ExpertLayout::Transformers5];
+
+    /// The (`gate_up_proj`, `down_proj`) shapes of this layout.
+    fn shapes(self, experts: usize, hidden: usize, inter: usize) -> ([usize; 3], [usize; 3]) {
+        match self {
+            ExpertLayout::Released => ([experts, hidden, 2 * inter], [experts, inter, hidden]),
+            ExpertLayout::Transformers5 => ([experts, 2 * inter, hidden], [experts, hidden, inter]),
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            ExpertLayout::Released => "the released layout",
+            ExpertLayout::Transformers5 => "the layout transformers 5 saves",
+        }
+    }
+
+    /// The layout that both stored shapes match. `Err` names the tensor at fault (`true` for
+    /// `gate_up_proj`, `false` for `down_proj`) and says what each layout expects.
+    fn detect(
+        gate_up: &[usize],
+        down: &[usize],
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> std::result::Result<Self, (bool, String)> {
+        let shapes = |l: ExpertLayout| l.shapes(experts, hidden, inter);
+        if let Some(&l) = Self::BOTH.iter().find(|&&l| {
+            let (g, d) = shapes(l);
+            gate_up == g && down == d
+        }) {
+            return Ok(l);
+        }
+        // What each layout expects of one tensor (`down`: down_proj, else gate_up_proj).
+        let expect = |down: bool| {
+            let pick = |l: ExpertLayout| if down { shapes(l).1 } else { shapes(l).0 };
+            format!(
+                "{} expects {:?}, {} {:?}",
+                ExpertLayout::Released.describe(),
+                pick(ExpertLayout::Released),
+                ExpertLayout::Transformers5.describe(),
+                pick(ExpertLayout::Transformers5)
+            )
+        };
+        let sizes = format!(
+            "num_experts = {experts}, hidden_size = {hidden}, moe_intermediate_size = {inter}"
+        );
+        // down_proj decides where it can; gate_up_proj must then agree.
+        let down_fits: Vec<ExpertLayout> = Self::BOTH
+            .into_iter()
+            .filter(|&l| down == shapes(l).1)
+            .collect();
+        let mismatch = "; config.json and the weights are from different models";
+        Err(match down_fits.as_slice() {
+            [] => (
+                false,
+                format!(
+                    "has shape {down:?}, which fits neither layout of the experts for {sizes} \
+                     ({}; gate_up_proj is {gate_up:?}){mismatch}",
+                    expect(true)
+                ),
+            ),
+            [l] => {
+                let hint = match Self::BOTH.into_iter().find(|&o| gate_up == shapes(o).0) {
+                    Some(o) => format!(
+                        "; gate_up_proj is in {}: the file mixes the layouts (converted in part)",
+                        o.describe()
+                    ),
+                    None => mismatch.to_string(),
+                };
+                (
+                    true,
+                    format!(
+                        "has shape {gate_up:?}, but down_proj {down:?} is in {}, where \
+                         gate_up_proj is {:?} for {sizes} ({}){hint}",
+                        l.describe(),
+                        shapes(*l).0,
+                        expect(false)
+                    ),
+                )
+            }
+            _ => (
+                true,
+                format!(
+                    "has shape {gate_up:?}, which fits neither layout of the experts for {sizes} \
+                     ({}; down_proj is {down:?}, square, which fits both){mismatch}",
+                    expect(false)
+                ),
+            ),
+        })
+    }
+}
+
 impl SparseMoe {
-    /// Reads `{p}.gate.weight` `[E, H]`, `{p}.experts.gate_up_proj` `[E, H, 2I]` and
-    /// `{p}.experts.down_proj` `[E, I, H]` (the layout of the released checkpoints, used as
-    /// `x @ W`; transformers 5 transposes them on load, as done here). A file that transformers
-    /// 5 saved holds them already transposed (`[E, 2I, H]`, `[E, H, I]`); that layout is
-    /// recognised by its shape (it cannot be when `2I == H`, where the released layout is
-    /// assumed, as transformers assumes it).
+    /// Reads `{p}.gate.weight` `[E, H]` and the experts, `{p}.experts.gate_up_proj` and
+    /// `{p}.experts.down_proj`, in either [`ExpertLayout`], told apart by both tensors' stored
+    /// shapes; they are held as `[E, 2I, H]` / `[E, H, I]` (transformers 5's layout, the rows of
+    /// `F.linear`). Random weights have no stored shapes: they are drawn in the released layout.
+    /// Shapes that fit neither layout are an error naming the tensor, its shard, both shapes
+    /// and what each layout expects.
     pub(crate) fn load(
         ld: &BlockLoader<'_>,
         p: &str,
@@ -74,31 +202,64 @@ impl SparseMoe {
     ) -> Result<Self> {
         let (router, _) = ld.linear(&format!("{p}.gate"), hidden, experts, false)?;
         let gate_up_name = format!("{p}.experts.gate_up_proj");
-        let saved_transposed = 2 * inter != hidden
-            && ld.weights.shape_of(&gate_up_name) == Some(vec![experts, 2 * inter, hidden]);
-        let read = |name: &str, released: [usize; 3]| -> Result<Tensor> {
-            let shape = if saved_transposed {
-                [released[0], released[2], released[1]]
-            } else {
-                released
-            };
+        let down_name = format!("{p}.experts.down_proj");
+        let layout = Self::layout(ld, &gate_up_name, &down_name, experts, hidden, inter)?;
+        let (gate_up_shape, down_shape) = layout.shapes(experts, hidden, inter);
+        let read = |name: &str, shape: [usize; 3]| -> Result<Tensor> {
             let t = ld
                 .weights
                 .get(name, &shape, Init::Normal(INIT_STD), ld.dtype, ld.device)?;
-            Ok(if saved_transposed {
-                t
-            } else {
-                t.transpose(1, 2)?.contiguous()?
+            Ok(match layout {
+                ExpertLayout::Transformers5 => t,
+                ExpertLayout::Released => t.transpose(1, 2)?.contiguous()?,
             })
         };
-        let gate_up = read(&gate_up_name, [experts, hidden, 2 * inter])?;
-        let down = read(&format!("{p}.experts.down_proj"), [experts, inter, hidden])?;
+        let gate_up = read(&gate_up_name, gate_up_shape)?;
+        let down = read(&down_name, down_shape)?;
         Ok(SparseMoe {
             router: Linear::new(router, None),
             gate_up,
             down,
             top_k,
         })
+    }
+
+    /// The layout of one layer's experts (see [`ExpertLayout`]).
+    fn layout(
+        ld: &BlockLoader<'_>,
+        gate_up_name: &str,
+        down_name: &str,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<ExpertLayout> {
+        let w = ld.weights;
+        // A tensor missing from the checkpoint: reading it reports that, not a layout.
+        for name in [gate_up_name, down_name] {
+            if !w.contains(name) {
+                w.get(name, &[0], Init::Zeros, ld.dtype, ld.device)?;
+            }
+        }
+        let (Some(gate_up), Some(down)) = (w.shape_of(gate_up_name), w.shape_of(down_name)) else {
+            // Random weights have no stored shapes: drawn in the released layout.
+            return Ok(ExpertLayout::Released);
+        };
+        ExpertLayout::detect(&gate_up, &down, experts, hidden, inter).map_err(
+            |(gate_up_at_fault, message)| {
+                let name = if gate_up_at_fault {
+                    gate_up_name
+                } else {
+                    down_name
+                };
+                ModelError::BadWeights {
+                    path: w
+                        .shard_of(name)
+                        .map(|p| p.to_path_buf())
+                        .unwrap_or_default(),
+                    message: format!("tensor `{name}` {message}"),
+                }
+            },
+        )
     }
 
     /// `x` `[b, len, hidden]` -> `[b, len, hidden]`.
@@ -313,6 +474,181 @@ impl SparseMoe {
             prefill,
         )?; // [n * k, hidden], already weighted
         Ok(y.reshape((n, k, hidden))?.sum(1)?)
+    }
+}
+
+/// Layout detection, and loading from every kind of [`crate::weights::Weights`].
+#[cfg(test)]
+mod layout_tests {
+    use std::collections::HashMap;
+
+    use candle_core::Device;
+
+    use super::*;
+    use crate::weights::Weights;
+
+    const E: usize = 4;
+    const H: usize = 16;
+
+    fn detect(
+        gate_up: [usize; 3],
+        down: [usize; 3],
+        inter: usize,
+    ) -> std::result::Result<ExpertLayout, (bool, String)> {
+        ExpertLayout::detect(&gate_up, &down, E, H, inter)
+    }
+
+    #[test]
+    fn both_shapes_decide_the_layout() {
+        use ExpertLayout::*;
+        // Neither tensor square (I = 4), gate_up square (2I = H, I = 8), down square (I = H).
+        for inter in [4, 8, 16] {
+            for l in ExpertLayout::BOTH {
+                let (g, d) = l.shapes(E, H, inter);
+                assert_eq!(detect(g, d, inter), Ok(l), "I = {inter}");
+            }
+        }
+        // 2I == H: gate_up [4, 16, 16] fits both; down decides.
+        assert_eq!(detect([E, H, H], [E, 8, H], 8), Ok(Released));
+        assert_eq!(detect([E, H, H], [E, H, 8], 8), Ok(Transformers5));
+        // I == H: down [4, 16, 16] fits both; gate_up decides.
+        assert_eq!(detect([E, H, 2 * H], [E, H, H], H), Ok(Released));
+        assert_eq!(detect([E, 2 * H, H], [E, H, H], H), Ok(Transformers5));
+    }
+
+    #[test]
+    fn shapes_in_no_layout_name_the_tensor_and_both_layouts() {
+        // down in transformers 5's layout, gate_up in the released one: gate_up is at fault.
+        let (gate_up_at_fault, m) = detect([E, H, 8], [E, H, 4], 4).unwrap_err();
+        assert!(gate_up_at_fault, "{m}");
+        for s in [
+            "[4, 16, 8]",
+            "[4, 16, 4]",
+            "[4, 8, 16]",
+            "transformers 5 saves",
+            "released",
+            "mixes the layouts",
+        ] {
+            assert!(m.contains(s), "{s}: {m}");
+        }
+        // down fits neither layout.
+        let (gate_up_at_fault, m) = detect([E, 8, H], [E, 5, H], 4).unwrap_err();
+        assert!(!gate_up_at_fault, "{m}");
+        for s in ["[4, 5, 16]", "[4, 4, 16]", "[4, 16, 4]", "[4, 8, 16]"] {
+            assert!(m.contains(s), "{s}: {m}");
+        }
+        // I == H: down square fits both, gate_up fits neither.
+        let (gate_up_at_fault, m) = detect([E, H, H], [E, H, H], H).unwrap_err();
+        assert!(gate_up_at_fault, "{m}");
+        for s in ["[4, 16, 16]", "[4, 16, 32]", "[4, 32, 16]", "fits both"] {
+            assert!(m.contains(s), "{s}: {m}");
+        }
+    }
+
+    fn load(weights: &Weights, inter: usize) -> Result<SparseMoe> {
+        let ld = BlockLoader {
+            weights,
+            dtype: DType::F32,
+            device: &Device::Cpu,
+            eps: 1e-6,
+        };
+        SparseMoe::load(&ld, "mlp", H, E, inter, 2)
+    }
+
+    /// The same experts stored in both layouts load to the same tensors, at every shape.
+    #[test]
+    fn trained_tensors_load_in_either_layout() {
+        let dev = Device::Cpu;
+        for inter in [4, 8, 16] {
+            let gate_up = Tensor::randn(0f32, 1.0, (E, 2 * inter, H), &dev).unwrap();
+            let down = Tensor::randn(0f32, 1.0, (E, H, inter), &dev).unwrap();
+            let router = Tensor::randn(0f32, 1.0, (E, H), &dev).unwrap();
+            for released in [false, true] {
+                let t = |x: &Tensor| {
+                    if released {
+                        x.transpose(1, 2).unwrap().contiguous().unwrap()
+                    } else {
+                        x.clone()
+                    }
+                };
+                let w = Weights::Tensors(HashMap::from([
+                    ("mlp.gate.weight".to_string(), router.clone()),
+                    ("mlp.experts.gate_up_proj".to_string(), t(&gate_up)),
+                    ("mlp.experts.down_proj".to_string(), t(&down)),
+                ]));
+                let m = load(&w, inter).unwrap();
+                let same = |a: &Tensor, b: &Tensor| {
+                    a.dims() == b.dims()
+                        && (a - b)
+                            .unwrap()
+                            .abs()
+                            .unwrap()
+                            .max_all()
+                            .unwrap()
+                            .to_scalar::<f32>()
+                            .unwrap()
+                            == 0.0
+                };
+                assert!(
+                    same(&m.gate_up, &gate_up),
+                    "I = {inter} released = {released}"
+                );
+                assert!(same(&m.down, &down), "I = {inter} released = {released}");
+            }
+        }
+    }
+
+    /// Random weights (benchmarks) have no stored shapes: drawn in the released layout, held
+    /// transposed, the same draw as before the layouts were told apart.
+    #[test]
+    fn random_weights_load_at_every_shape() {
+        let w = Weights::Random { seed: 7 };
+        for inter in [4, 8, 16] {
+            let m = load(&w, inter).unwrap();
+            assert_eq!(m.gate_up.dims(), &[E, 2 * inter, H]);
+            assert_eq!(m.down.dims(), &[E, H, inter]);
+            let drawn = w
+                .get(
+                    "mlp.experts.down_proj",
+                    &[E, inter, H],
+                    Init::Normal(INIT_STD),
+                    DType::F32,
+                    &Device::Cpu,
+                )
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap();
+            let d: f32 = (&m.down - drawn)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert_eq!(d, 0.0);
+        }
+    }
+
+    /// A missing expert tensor is reported as missing, not as a layout mismatch.
+    #[test]
+    fn a_missing_expert_tensor_is_named() {
+        let dev = Device::Cpu;
+        let w = Weights::Tensors(HashMap::from([
+            (
+                "mlp.gate.weight".to_string(),
+                Tensor::zeros((E, H), DType::F32, &dev).unwrap(),
+            ),
+            (
+                "mlp.experts.gate_up_proj".to_string(),
+                Tensor::zeros((E, 8, H), DType::F32, &dev).unwrap(),
+            ),
+        ]));
+        let e = load(&w, 4).err().unwrap().to_string();
+        assert!(
+            e.contains("mlp.experts.down_proj") && e.contains("not among"),
+            "{e}"
+        );
     }
 }
 
