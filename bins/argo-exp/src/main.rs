@@ -169,7 +169,12 @@ struct SweepArgs {
     #[arg(long, allow_negative_numbers = true)]
     stop_progress: Option<f64>,
     /// Directory for the summary, records and plots.
-    #[arg(long, default_value = "results/argo/simulation")]
+    #[arg(
+        long = "output-dir",
+        visible_alias = "out",
+        alias = "output",
+        default_value = "results/argo/simulation"
+    )]
     out: PathBuf,
     /// Skip writing files; print the table only.
     #[arg(long)]

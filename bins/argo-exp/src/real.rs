@@ -23,30 +23,41 @@ use fleet_cli::{out, outln};
 use fleet_dist::{RunDir, RunDirOptions, RunDirState};
 use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
 use fleet_models::placement::{PlacementRequest, Replicas};
-use fleet_models::{parse_dtype, LoadOptions, ModelSource};
+use fleet_models::{LoadOptions, ModelSource};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// The sentence embedder and where it runs.
 #[derive(Args, Debug, Clone)]
 pub struct EmbedderArgs {
-    /// Sentence-transformers checkpoint (local dir or hub id).
-    #[arg(long, default_value = "sentence-transformers/all-MiniLM-L6-v2")]
-    pub embedder: String,
+    /// Sentence-transformers checkpoint (local dir or hub id). Default: the one recorded in
+    /// the index (an index is searched with the embedder that built it); for a new index
+    /// sentence-transformers/all-MiniLM-L6-v2.
+    #[arg(long)]
+    pub embedder: Option<String>,
     /// Device of the embedder and the similarity search: cpu or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub embed_device: String,
 }
 
+/// The embedder a new index gets when --embedder is not given.
+const DEFAULT_EMBEDDER: &str = "sentence-transformers/all-MiniLM-L6-v2";
+
 impl EmbedderArgs {
-    fn load(&self) -> Result<(SentenceEmbedder, candle_core::Device)> {
+    /// Loads `--embedder`, else the embedder `index` records, else [`DEFAULT_EMBEDDER`].
+    fn load(&self, index: Option<&VectorIndex>) -> Result<(SentenceEmbedder, candle_core::Device)> {
         let location: fleet_models::DeviceLocation = self.embed_device.parse()?;
         let device = fleet_models::open_device(location)?;
         let opts = EmbedderOptions {
             device: device.clone(),
             ..EmbedderOptions::default()
         };
-        let embedder = SentenceEmbedder::load(&self.embedder, &opts)
-            .with_context(|| format!("loading the embedder {}", self.embedder))?;
+        let (spec, from) = match (&self.embedder, index) {
+            (Some(e), _) => (e.clone(), "--embedder"),
+            (None, Some(i)) => (i.meta().embedder.model.clone(), "the index's record"),
+            (None, None) => (DEFAULT_EMBEDDER.to_string(), "the default"),
+        };
+        let embedder = SentenceEmbedder::load(&spec, &opts)
+            .with_context(|| format!("loading the embedder {spec} (from {from})"))?;
         Ok((embedder, device))
     }
 }
@@ -75,12 +86,12 @@ pub struct IngestArgs {
 }
 
 pub fn ingest(args: &IngestArgs) -> Result<()> {
-    let (embedder, _) = args.embedder.load()?;
     let existing = if args.index.join("index.json").exists() && !args.rebuild {
         Some(VectorIndex::open(&args.index)?)
     } else {
         None
     };
+    let (embedder, _) = args.embedder.load(existing.as_ref())?;
     let base = existing
         .as_ref()
         .map_or_else(Chunking::default, |i| i.meta().chunking);
@@ -148,8 +159,8 @@ pub struct QueryArgs {
 }
 
 pub fn query(args: &QueryArgs) -> Result<()> {
-    let (embedder, device) = args.embedder.load()?;
     let index = VectorIndex::open(&args.index)?;
+    let (embedder, device) = args.embedder.load(Some(&index))?;
     index.check_embedder(embedder.id())?;
     let v = embedder.embed_vecs(&[args.text.as_str()])?;
     for hit in &index.search(&v, args.top_k as usize, &device)?[0] {
@@ -169,9 +180,10 @@ pub struct RealArgs {
     /// Hub revision of the LLM.
     #[arg(long)]
     pub revision: Option<String>,
-    /// bf16, f16 or f32.
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    /// bf16, f16 or f32 (default: bf16 when the model goes on GPUs, f32 on the CPU, where
+    /// bf16 is several times slower).
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// single, data-parallel, layer-sharded (sharded), hybrid[:N] or auto.
     #[arg(long, default_value = "auto")]
     pub gpu_mode: String,
@@ -235,9 +247,14 @@ pub struct RealArgs {
     /// Results directory: manifest.json (what made the records), records.jsonl (resumable),
     /// summary.json, llm_cache.jsonl (exact cache of the greedy LLM calls, with
     /// llm_cache.jsonl.manifest.json) and, with --sweep, the plots. One run at a time.
-    #[arg(long, default_value = "results/argo/real")]
+    #[arg(
+        long = "output-dir",
+        visible_alias = "out",
+        alias = "output",
+        default_value = "results/argo/real"
+    )]
     pub out: PathBuf,
-    /// Remove the records of another model or other settings in --out and start over (a
+    /// Remove the records of another model or other settings in --output-dir and start over (a
     /// resume with a different manifest is refused without it).
     #[arg(long)]
     pub overwrite: bool,
@@ -335,8 +352,8 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         sample.questions.iter().cloned().map(Arc::new).collect();
 
     // Retrieval.
-    let (embedder, device) = args.embedder.load()?;
     let index = VectorIndex::open(&args.index)?;
+    let (embedder, device) = args.embedder.load(Some(&index))?;
     index.check_embedder(embedder.id())?;
     let retrieval = RetrievalConfig {
         top_k: args.top_k as usize,
@@ -354,8 +371,12 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
 
     // The output directory: taken (one writer) and checked against what made its records
     // before the model is loaded, so a refused resume costs no loading time.
+    let gpus = fleet_topology::discover()?
+        .iter()
+        .any(|d| d.location.cuda_ordinal().is_some());
+    let dtype = fleet_cli::dtype_or_default(args.dtype.as_deref(), gpus)?;
     let opts = LoadOptions {
-        dtype: parse_dtype(&args.dtype)?,
+        dtype,
         revision: args.revision.clone(),
         ..LoadOptions::default()
     };
@@ -385,7 +406,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     let run_dir = RunDir::open(
         &args.out,
         &manifest,
-        &RunDirOptions::new(REAL_RUN_FILES, args.overwrite),
+        &RunDirOptions::new(REAL_RUN_FILES, args.overwrite).with_dir_flag("--output-dir"),
     )?;
     if let RunDirState::Overwritten { removed, diffs } = &run_dir.state {
         eprintln!(

@@ -7,8 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use fleet_models::placement::{PlacementRequest, Replicas};
 use fleet_models::{
-    parse_dtype, ChatMessage, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions,
-    SamplingParams, TextModel,
+    parse_dtype, ChatMessage, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions, TextModel,
 };
 
 use fleet_cli::{out, outln};
@@ -234,13 +233,9 @@ pub struct GenerateArgs {
     pub raw: bool,
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
-    /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f64,
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    #[arg(long)]
-    pub top_p: Option<f64>,
+    /// Greedy unless --temperature is above 0.
+    #[command(flatten)]
+    pub sampling: fleet_cli::SamplingArgs,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Stop when this text appears (repeatable).
@@ -249,15 +244,11 @@ pub struct GenerateArgs {
 }
 
 pub fn generate(args: &GenerateArgs) -> Result<()> {
+    let sampling = args.sampling.params(0.0, args.seed)?;
     let request = |prompt_ids: Vec<u32>| GenerationRequest {
         prompt_ids,
         max_new_tokens: args.max_new_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
+        sampling: sampling.clone(),
         stop_strings: args.stop.clone(),
     };
     if let Some(path) = &args.ids_file {
@@ -487,13 +478,17 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let mut shape = ModelShape::from_config_file(&config)?;
     // A checkpoint directory (local, or a hub snapshot already in the cache) gives exact
     // parameter counts from its safetensors headers; a lone config.json gives estimates.
-    if let Some(dir) = config.parent() {
-        let has_weights = std::fs::read_dir(dir)?
-            .filter_map(|e| e.ok())
-            .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
-        if has_weights {
-            shape = shape.with_checkpoint(fleet_topology::CheckpointParams::from_dir(dir)?)?;
-        }
+    // A bare file name (`--model config.json`) lives in the working directory.
+    let dir = match config.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let has_weights = std::fs::read_dir(dir)
+        .with_context(|| format!("listing {} for the checkpoint's weights", dir.display()))?
+        .filter_map(|e| e.ok())
+        .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
+    if has_weights {
+        shape = shape.with_checkpoint(fleet_topology::CheckpointParams::from_dir(dir)?)?;
     }
     let mut topology = if args.topology == "live" {
         Topology::from_devices(&fleet_topology::discover()?)

@@ -214,6 +214,61 @@ fn repo(path: &str) -> PathBuf {
         .join(path)
 }
 
+/// `--model config.json` from the directory that holds it (issue 23: it failed with "No such
+/// file or directory" and no path).
+#[test]
+fn plan_takes_a_bare_config_file_name() {
+    let out = fleet()
+        .args(["plan", "--model", "qwen2.5-7b.json", "--topology"])
+        .arg(repo("configs/topologies/rtx3060-8x.toml"))
+        .current_dir(repo("configs/models"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("4 replica(s)"));
+}
+
+/// One check of the sampling flags in every binary: --top-k 0 turns the filter off, --top-p
+/// outside (0, 1] and negative numbers get the real error (not clap's "unexpected argument"),
+/// and a user error prints its message only, even with RUST_BACKTRACE=1, without colour
+/// codes when stderr is a pipe.
+#[test]
+fn sampling_flags_are_checked_once_and_errors_print_no_backtrace() {
+    let generate = |extra: &[&str]| {
+        fleet()
+            .args(["generate", "--model"])
+            .arg(fixture("qwen3-tiny"))
+            .args(["--prompt", "hi", "--max-new-tokens", "2", "--raw"])
+            .args(extra)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap()
+    };
+    let out = generate(&["--temperature", "0.7", "--top-k", "0", "--top-p", "1"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (flags, needle) in [
+        (&["--temperature", "-1"][..], "--temperature -1"),
+        (&["--temperature", "1", "--top-p", "2"][..], "--top-p 2"),
+        (&["--temperature", "1", "--top-k", "-5"][..], "--top-k -5"),
+    ] {
+        let out = generate(flags);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(err.contains(needle), "{err}");
+        assert!(!err.contains("unexpected argument"), "{err}");
+        assert!(!err.contains("backtrace"), "{err}");
+        assert!(!err.contains('\u{1b}'), "{err}");
+    }
+}
+
 #[test]
 fn plan_prints_replicas_for_a_virtual_topology() {
     let out = fleet()

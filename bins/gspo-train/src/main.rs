@@ -117,7 +117,7 @@ struct Cli {
     #[arg(long)]
     auto_find_batch_size: bool,
     /// Any config field, or BATCH_SIZE / GROUP_SIZE / GSPO_EPOCHS: `--set GROUP_SIZE=8`.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
+    #[arg(long = "set", value_name = "KEY=VALUE", long_help = set_help())]
     set: Vec<String>,
     /// Placement of policy, reference and reward: 1gpu, 2gpu (policy over GPUs 0,1; reference
     /// and reward on 1), 3gpu (policy over 0,1; reference and reward on 2) or auto.
@@ -183,6 +183,34 @@ struct Cli {
     /// nccl-tests' columns (algbw, busbw); with --output-dir also all_reduce_perf.json.
     #[arg(long, value_name = "MAX_SIZE", help_heading = "Data parallel")]
     bench_all_reduce: Option<String>,
+}
+
+/// `--set`'s long help: every key it takes (TRL's GRPOConfig names), and where checkpoints
+/// fall.
+fn set_help() -> String {
+    let mut keys = String::new();
+    let mut line = String::from("   ");
+    for key in fleet_gspo::config::KEYS {
+        if line.len() + key.len() > 88 {
+            keys.push_str(&line);
+            keys.push('\n');
+            line = String::from("   ");
+        }
+        line.push(' ');
+        line.push_str(key);
+    }
+    keys.push_str(&line);
+    format!(
+        "Any config field, or the seed's BATCH_SIZE / GROUP_SIZE / GSPO_EPOCHS: `--set \
+         GROUP_SIZE=8`, `--set save_steps=100`. Repeatable; applied after --config and the \
+         flags. The keys (TRL's GRPOConfig names; configs/gspo/*.toml use the same):\n{keys}\n\n\
+         save_steps: checkpoints are written between generation batches, so that a resume \
+         never replays half of one: after the generation batch in which a multiple of \
+         save_steps falls. That is TRL's step when save_steps is a multiple of the optimizer \
+         steps per generation batch (steps_per_generation x num_iterations / \
+         gradient_accumulation_steps), else up to one generation batch later (save_steps=250 \
+         with 4 steps per batch: checkpoint-252, then checkpoint-500)."
+    )
 }
 
 /// The launcher's own flags: removed from the arguments its ranks get.
@@ -287,11 +315,7 @@ fn run(cli: &Cli) -> Result<()> {
             .iter()
             .any(|d| d.location.cuda_ordinal().is_some()),
     };
-    let dtype = match &cli.dtype {
-        Some(d) => fleet_models::parse_dtype(d)?,
-        None if gpus => candle_core::DType::BF16,
-        None => candle_core::DType::F32,
-    };
+    let dtype = fleet_cli::dtype_or_default(cli.dtype.as_deref(), gpus)?;
     let opts = RunOptions {
         model: model.clone(),
         revision: cli.revision.clone(),

@@ -246,3 +246,35 @@ fn copy_dir(from: &Path, to: &PathBuf) {
         }
     }
 }
+
+/// Checkpoints fall after the generation batch in which a multiple of save_steps falls, so
+/// they do not drift away from TRL's steps (4 optimizer steps per generation batch here,
+/// save_steps 6: 8, 12, then 16 as the last; it used to count from the last checkpoint and
+/// give 8, 16). --help lists the keys --set takes and says where checkpoints fall.
+#[test]
+fn checkpoints_follow_multiples_of_save_steps_and_help_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let mut a = args(&out, "16", "6");
+    a.extend(["--set".to_string(), "save_total_limit=10".to_string()]);
+    ok(&run(&strs(&a)));
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect();
+    names.sort_by_key(|n| n["checkpoint-".len()..].parse::<u64>().unwrap());
+    assert_eq!(names, ["checkpoint-8", "checkpoint-12", "checkpoint-16"]);
+
+    let help = ok(&run(&["--help"]));
+    for key in [
+        "save_steps",
+        "save_total_limit",
+        "logging_steps",
+        "max_grad_norm",
+        "warmup_ratio",
+        "checkpoint-252",
+    ] {
+        assert!(help.contains(key), "--help lacks {key}");
+    }
+}

@@ -1,11 +1,16 @@
 //! What fleet's binaries share (as ripgrep's `grep-cli`): the version and commit they were
 //! built from ([`VERSION`], [`init`]), stdout that a reader may close without costing the run
-//! its files ([`stdout`], [`out!`], [`outln!`]), the logging set-up, and `main`'s handling of
-//! the command's result ([`exit`]).
+//! its files ([`stdout`], [`out!`], [`outln!`]), the flags every binary spells the same way
+//! ([`SamplingArgs`]), the logging set-up, and `main`'s handling of the command's result
+//! ([`exit`]).
 
 #![warn(missing_docs)]
 
 pub mod stdout;
+
+mod sampling;
+
+pub use sampling::SamplingArgs;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -21,6 +26,31 @@ pub const VERSION: &str = concat!(
     env!("FLEET_BUILD_COMMIT"),
     ")"
 );
+
+/// The compute dtype when `--dtype` is not given, and why: bf16 when the work goes on GPUs,
+/// f32 on the CPU (where bf16 is several times slower). Every binary prints it.
+pub fn default_dtype(gpus: bool) -> (fleet_models::DType, &'static str) {
+    if gpus {
+        (fleet_models::DType::BF16, "GPUs present")
+    } else {
+        (
+            fleet_models::DType::F32,
+            "no GPU; bf16 is several times slower on the CPU",
+        )
+    }
+}
+
+/// `--dtype` if given, else [`default_dtype`] (printed to stderr with the reason).
+pub fn dtype_or_default(flag: Option<&str>, gpus: bool) -> anyhow::Result<fleet_models::DType> {
+    Ok(match flag {
+        Some(d) => fleet_models::parse_dtype(d)?,
+        None => {
+            let (dtype, why) = default_dtype(gpus);
+            eprintln!("dtype {} ({why}; --dtype to choose)", dtype.as_str());
+            dtype
+        }
+    })
+}
 
 /// What every binary does first: registers the build ([`BUILD_COMMIT`] becomes what manifests,
 /// checkpoints and reports record through `fleet_dist::commit_id`) and sets up logging

@@ -216,6 +216,12 @@ impl RunDirOptions {
         }
     }
 
+    /// The same options with the job's output-directory flag named `flag` in messages.
+    pub fn with_dir_flag(mut self, flag: &str) -> Self {
+        self.dir_flag = flag.to_string();
+        self
+    }
+
     fn ways_out(&self) -> String {
         format!(
             "write to another directory ({} DIR), or pass {} to remove this directory's records and start over",

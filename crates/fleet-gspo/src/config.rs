@@ -364,7 +364,10 @@ pub struct GspoConfig {
     /// Print a progress line every this many optimizer steps (the metrics file gets every
     /// step). Default 1.
     pub logging_steps: u64,
-    /// Save a checkpoint every this many optimizer steps. Default 500 (HF).
+    /// Save a checkpoint every this many optimizer steps. Default 500 (HF). Checkpoints are
+    /// written between generation batches (a resume never replays half of one), after the
+    /// batch in which a multiple of save_steps falls: at TRL's steps when save_steps is a
+    /// multiple of the optimizer steps per generation batch, else up to one batch later.
     pub save_steps: u64,
     /// Keep at most this many checkpoints (oldest removed); unset: keep all.
     pub save_total_limit: Option<usize>,
@@ -420,8 +423,9 @@ impl Default for GspoConfig {
     }
 }
 
-/// The override keys, in the order they are listed in errors.
-const KEYS: &[&str] = &[
+/// The keys `--set KEY=VALUE` (and [`GspoConfig::apply_override`]) take, in the order they
+/// are listed in errors and in `gspo-train --help`.
+pub const KEYS: &[&str] = &[
     "model_name_or_path",
     "dataset_name",
     "learning_rate",

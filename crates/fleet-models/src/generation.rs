@@ -43,6 +43,49 @@ impl SamplingParams {
         }
     }
 
+    /// Sampling settings as users give them, with transformers' conventions, checked: the one
+    /// definition every binary's `--temperature`/`--top-k`/`--top-p` goes through.
+    ///
+    /// `temperature` >= 0 (0 = greedy); `top_k` >= 0, where 0 turns the filter off (as in
+    /// transformers' `generate`); `top_p` in (0, 1], where 1 turns it off. The filters that
+    /// are off come back as `None`. Errors name the flag, the value and the range.
+    pub fn from_flags(
+        temperature: f64,
+        top_k: Option<i64>,
+        top_p: Option<f64>,
+        seed: u64,
+    ) -> Result<Self> {
+        if !temperature.is_finite() || temperature < 0.0 {
+            return Err(ModelError::BadInput(format!(
+                "--temperature {temperature}: must be a number >= 0 (0 = greedy)"
+            )));
+        }
+        let top_k = match top_k {
+            Some(k) if k < 0 => {
+                return Err(ModelError::BadInput(format!(
+                    "--top-k {k}: must be >= 0 (0 turns the filter off, as in transformers)"
+                )))
+            }
+            Some(0) | None => None,
+            Some(k) => Some(k as usize),
+        };
+        let top_p = match top_p {
+            Some(p) if !(p > 0.0 && p <= 1.0) => {
+                return Err(ModelError::BadInput(format!(
+                    "--top-p {p}: must lie in (0, 1] (1 turns the filter off)"
+                )))
+            }
+            Some(p) if p == 1.0 => None,
+            p => p,
+        };
+        Ok(SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+        })
+    }
+
     fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 || self.top_k == Some(1)
     }
@@ -527,6 +570,26 @@ mod tests {
             top_k: k,
             top_p: p,
             seed: 0,
+        }
+    }
+
+    #[test]
+    fn flags_follow_transformers_conventions_and_name_the_bad_value() {
+        let p = SamplingParams::from_flags(0.7, Some(0), Some(1.0), 3).unwrap();
+        assert_eq!((p.top_k, p.top_p, p.seed), (None, None, 3));
+        let p = SamplingParams::from_flags(1.0, Some(5), Some(0.9), 0).unwrap();
+        assert_eq!((p.top_k, p.top_p), (Some(5), Some(0.9)));
+        for (t, k, tp, needle) in [
+            (-1.0, None, None, "--temperature -1"),
+            (f64::NAN, None, None, "--temperature NaN"),
+            (1.0, Some(-2), None, "--top-k -2"),
+            (1.0, None, Some(2.0), "--top-p 2"),
+            (1.0, None, Some(0.0), "--top-p 0"),
+        ] {
+            let e = SamplingParams::from_flags(t, k, tp, 0)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle), "{e}");
         }
     }
 

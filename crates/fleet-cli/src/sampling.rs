@@ -1,0 +1,72 @@
+//! The sampling flags, spelled and checked the same way by every binary.
+
+use fleet_models::SamplingParams;
+
+/// `--temperature`, `--top-k`, `--top-p` (transformers' `generate` names and conventions),
+/// checked by [`SamplingParams::from_flags`]: the same values are accepted, turned off or
+/// refused everywhere. Negative numbers reach the check (and its message) instead of being
+/// taken for flags.
+#[derive(clap::Args, Debug, Clone, Default, PartialEq)]
+pub struct SamplingArgs {
+    /// Softmax temperature, >= 0 (0 = greedy).
+    #[arg(long, allow_negative_numbers = true)]
+    pub temperature: Option<f64>,
+    /// Keep only the k most likely tokens; 0 turns the filter off (as in transformers).
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_k: Option<i64>,
+    /// Keep the smallest set of tokens whose probability reaches p, in (0, 1]; 1 turns it off.
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_p: Option<f64>,
+}
+
+impl SamplingArgs {
+    /// Whether any of the flags was given.
+    pub fn any(&self) -> bool {
+        self.temperature.is_some() || self.top_k.is_some() || self.top_p.is_some()
+    }
+
+    /// The checked settings: `default_temperature` where `--temperature` is absent, the
+    /// filters that are off as `None`.
+    pub fn params(&self, default_temperature: f64, seed: u64) -> anyhow::Result<SamplingParams> {
+        Ok(SamplingParams::from_flags(
+            self.temperature.unwrap_or(default_temperature),
+            self.top_k,
+            self.top_p,
+            seed,
+        )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sampling: SamplingArgs,
+    }
+
+    #[test]
+    fn negative_values_get_the_real_error() {
+        let cli = Cli::try_parse_from(["x", "--temperature", "-1"]).unwrap();
+        let e = cli.sampling.params(0.0, 0).unwrap_err().to_string();
+        assert!(e.contains("--temperature -1") && e.contains(">= 0"), "{e}");
+        let cli = Cli::try_parse_from(["x", "--top-k", "-3"]).unwrap();
+        assert!(cli.sampling.params(1.0, 0).is_err());
+    }
+
+    #[test]
+    fn zero_top_k_and_unit_top_p_turn_the_filters_off() {
+        let cli = Cli::try_parse_from(["x", "--top-k", "0", "--top-p", "1"]).unwrap();
+        let p = cli.sampling.params(0.7, 5).unwrap();
+        assert_eq!(
+            (p.top_k, p.top_p, p.temperature, p.seed),
+            (None, None, 0.7, 5)
+        );
+        let cli = Cli::try_parse_from(["x", "--top-p", "2"]).unwrap();
+        let e = cli.sampling.params(1.0, 0).unwrap_err().to_string();
+        assert!(e.contains("--top-p 2"), "{e}");
+    }
+}
