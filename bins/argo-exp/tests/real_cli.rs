@@ -28,6 +28,16 @@ fn ingest_query_compare_and_resume_on_tiny_fixtures() {
         "2",
     ]));
     assert_eq!(out.lines().count(), 2, "{out}");
+    // Without --embedder the index's own embedder is used (it used to try the hub's MiniLM).
+    let same = ok(&argo_exp(&[
+        "query",
+        "E2 interface",
+        "--index",
+        index_s,
+        "--top-k",
+        "2",
+    ]));
+    assert_eq!(same, out);
 
     let out_dir = tmp.path().join("real");
     let model = run.model.clone();
