@@ -11,11 +11,19 @@
 #   1. fleet devices
 #   2. parity: parity_bf16.py make (Qwen2.5-0.5B shape, random bf16 weights, HF logits)
 #              -> fleet logits -> parity_bf16.py compare            (scratch under /tmp)
-#   3. fleet bench generate   (Qwen2.5-7B shape, bf16, prompt 512, 128 new, batch 1,32)
-#   4. benches/transformers_generate.py with the same arguments
+#   3. fleet bench generate   (Qwen2.5-7B shape, bf16, prompt 512, 128 new, BATCHES)
+#   4. benches/transformers_generate.py with the same arguments and the same BATCHES
+#   5. with BEST=1: each engine's best batch that fits, searched in this call: batches doubling
+#      from BEST_FROM (default twice the largest of BATCHES) to BEST_MAX (default 512); fleet
+#      one process per batch until one fails, transformers one process over the list (it
+#      records an out-of-memory batch and goes on); outcomes in search.tsv
+#   6. scripts/gpu/pair_results.py generate: fleet and transformers rows paired by batch, each
+#      engine's best batch, and the limit of the work (scripts/gpu/limits.py)
 #
-# Results, all directly under $OUT (5 files, each far below 16 MiB):
-#   log.txt  env.json  parity.json  bench_fleet.json  bench_transformers.json
+# Results, all directly under $OUT (each far below 16 MiB):
+#   log.txt  env.json  parity.json  bench_fleet.json  bench_transformers.json  pairs.md
+#   pairs.json  (with BEST=1: bench_fleet-best-b<B>.json, bench_transformers-best.json,
+#   search.tsv)
 #
 # There is a global time budget (BUDGET_S, default 530 s). Each step's `timeout` is the
 # smaller of its own cap and the time that is left, so the script ends before a 600 s
@@ -25,7 +33,12 @@
 # FLEET [dist/cuda/fleet], PYTHON [python3], DEVICE [cuda], FLEET_DEVICE [cuda:0],
 # SCRATCH [/tmp/fleet_foundation], BUDGET_S [530],
 # PARITY_CONFIG [configs/models/qwen2.5-0.5b.json], BENCH_CONFIG [configs/models/qwen2.5-7b.json],
-# PROMPT_LEN [512], NEW_TOKENS [128], BATCH [1,32], N_SEQS [4], SEQ_LEN [128].
+# PROMPT_LEN [512], NEW_TOKENS [128], BATCHES ["1 32"; commas or spaces; BATCH is an alias],
+# N_SEQS [4], SEQ_LEN [128], PARITY [1; 0 skips the parity steps, e.g. to leave the call's time
+# to BEST=1], BEST [0], BEST_FROM, BEST_MAX [512].
+#
+#   BATCHES="1 8 32" bash scripts/gpu/run_foundation.sh            # one comparison, same batches
+#   PARITY=0 BEST=1 BATCHES="32" bash scripts/gpu/run_foundation.sh # and each engine's best batch
 set -u
 
 ORIG_LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
@@ -47,7 +60,11 @@ PARITY_CONFIG="${PARITY_CONFIG:-configs/models/qwen2.5-0.5b.json}"
 BENCH_CONFIG="${BENCH_CONFIG:-configs/models/qwen2.5-7b.json}"
 PROMPT_LEN="${PROMPT_LEN:-512}"
 NEW_TOKENS="${NEW_TOKENS:-128}"
-BATCH="${BATCH:-1,32}"
+BATCHES="${BATCHES:-${BATCH:-1 32}}"
+BATCH=$(echo "$BATCHES" | tr ' ' ',' | tr -s ',' | sed 's/^,//; s/,$//')   # both engines take a comma list
+PARITY="${PARITY:-1}"
+BEST="${BEST:-0}"
+BEST_MAX="${BEST_MAX:-512}"
 N_SEQS="${N_SEQS:-4}"
 SEQ_LEN="${SEQ_LEN:-128}"
 
@@ -176,6 +193,7 @@ run_step fleet_devices 30 "$FLEET" devices
 
 # ------------------------------------------------------------------ 2. parity
 PDIR="$SCRATCH/parity"
+if [ "$PARITY" = 1 ]; then
 run_step parity_make 110 "${PYRUN[@]}" scripts/gpu/parity_bf16.py make --config "$PARITY_CONFIG" --out "$PDIR" \
     --device "$DEVICE" --seed 0 --n-seqs "$N_SEQS" --seq-len "$SEQ_LEN"
 if [ -f "$PDIR/ids.json" ] && [ -d "$PDIR/model" ]; then
@@ -193,6 +211,7 @@ else
     say "### [parity_compare] SKIPPED: no HF reference logits"
     printf '%s\t%s\t%s\t%s\n' "parity_compare" "skipped" "0" "0" >> "$STEPS_TSV"
 fi
+fi  # PARITY
 write_env_json partial
 
 # ------------------------------------------------------------------ 3. fleet bench
@@ -203,6 +222,57 @@ run_step bench_fleet 130 "$FLEET" bench generate --config "$BENCH_CONFIG" --dtyp
 run_step bench_transformers 130 "${PYRUN[@]}" benches/transformers_generate.py --config "$BENCH_CONFIG" --dtype bf16 \
     --prompt-len "$PROMPT_LEN" --new-tokens "$NEW_TOKENS" --batch "$BATCH" --device "$DEVICE" --seed 0 \
     --json "$OUT/bench_transformers.json"
+
+# ------------------------------------------------------------------ 5. best batch per engine
+SEARCH_TSV="$OUT/search.tsv"
+if [ "$BEST" = 1 ]; then
+    : > "$SEARCH_TSV"
+    largest=$(echo "$BATCH" | tr ',' '\n' | sort -n | tail -1)
+    b="${BEST_FROM:-$((largest * 2))}"
+    BEST_LIST=""
+    while [ "$b" -le "$BEST_MAX" ]; do BEST_LIST="$BEST_LIST $b"; b=$((b * 2)); done
+    say "best-batch search over:$BEST_LIST"
+    for b in $BEST_LIST; do   # fleet: one process per batch, until one fails
+        run_step "best_fleet_b$b" 150 "$FLEET" bench generate --config "$BENCH_CONFIG" --dtype bf16 \
+            --prompt-len "$PROMPT_LEN" --new-tokens "$NEW_TOKENS" --batch "$b" \
+            --json "$OUT/bench_fleet-best-b$b.json"
+        rc=$?
+        if [ "$rc" = 0 ]; then status=ok; note=""
+        elif [ "$rc" = 125 ]; then status=skipped; note="time budget used up"
+        elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status=timeout; note="step timeout"
+        elif grep -qiE 'out of memory|OUT_OF_MEMORY' "$SCRATCH/steps/best_fleet_b$b.txt"; then
+            status=oom; note=$(grep -iE -m1 'out of memory|OUT_OF_MEMORY' "$SCRATCH/steps/best_fleet_b$b.txt" | cut -c1-160)
+        else status=error; note="exit $rc"; fi
+        printf 'fleet\tbest\t%s\t%s\t%s\n' "$b" "$status" "$note" >> "$SEARCH_TSV"
+        [ "$status" = ok ] || break
+    done
+    # transformers: one process over the list (an out-of-memory batch is recorded, the rest run)
+    run_step best_transformers 300 "${PYRUN[@]}" benches/transformers_generate.py --config "$BENCH_CONFIG" \
+        --dtype bf16 --prompt-len "$PROMPT_LEN" --new-tokens "$NEW_TOKENS" \
+        --batch "$(echo "$BEST_LIST" | sed 's/^ *//' | tr ' ' ',')" --device "$DEVICE" --seed 0 \
+        --json "$OUT/bench_transformers-best.json"
+    rc=$?
+    env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" "$PY" - "$OUT/bench_transformers-best.json" "$rc" "$BEST_LIST" >> "$SEARCH_TSV" <<'PYEOF'
+import json, sys
+path, rc, wanted = sys.argv[1], sys.argv[2], sys.argv[3].split()
+try:
+    runs = {r["batch"]: r for r in json.load(open(path))["runs"]}
+except (OSError, ValueError, KeyError):
+    runs = {}
+for b in map(int, wanted):
+    r = runs.get(b)
+    if r is None:
+        status = "timeout" if rc in ("124", "137") else ("skipped" if rc == "125" else "error")
+        print(f"transformers	best	{b}	{status}	exit {rc}, no result")
+    elif "error" in r:
+        print(f"transformers	best	{b}	{'oom' if r['error'].startswith('OOM') else 'error'}	{r['error'][:160]}")
+    else:
+        print(f"transformers	best	{b}	ok	")
+PYEOF
+fi
+
+# ------------------------------------------------------------------ 6. pairs
+env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" "$PY" scripts/gpu/pair_results.py generate "$OUT" 2>&1 | tee -a "$LOG"
 
 # ------------------------------------------------------------------ summary
 write_env_json final
@@ -216,7 +286,8 @@ if [ "$(stat -c %s "$LOG")" -gt 15000000 ]; then
     { head -c 2000000 "$LOG"; printf '\n\n...[log truncated]...\n\n'; tail -c 12000000 "$LOG"; } > "$SCRATCH/log.trunc"
     mv "$SCRATCH/log.trunc" "$LOG"
 fi
-if awk -F'\t' '$2 != "0" { bad = 1 } END { exit bad ? 0 : 1 }' "$STEPS_TSV"; then
+# A best-batch step that fails is how the search ends (search.tsv says how), not a failure.
+if awk -F'\t' '$1 !~ /^best_/ && $2 != "0" { bad = 1 } END { exit bad ? 0 : 1 }' "$STEPS_TSV"; then
     exit 1
 fi
 exit 0

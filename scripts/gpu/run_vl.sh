@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
 # Qwen3-VL on the GPU machine: bf16 parity with transformers on real shapes, and judge speed of
-# fleet and transformers in the same call. Carried: dist/carry/edit-score.xz (CUDA build).
+# fleet and transformers in the same call at the same batches. Carried: dist/carry/edit-score.xz
+# (CUDA build).
 #
 #   WHAT=parity bash scripts/gpu/run_vl.sh      # 8B shape, and 30B-A3B shape with LAYERS30 layers
-#   WHAT=speed8b bash scripts/gpu/run_vl.sh     # 8B: 512px batch 1 and 1024px batch 2, both engines
-#   WHAT=speed30b bash scripts/gpu/run_vl.sh    # 30B-A3B: fleet batches, transformers batch 1
+#   WHAT=speed SHAPES="8b" SIZES="1024" BATCHES="8 16 32" bash scripts/gpu/run_vl.sh
+#                                               # both engines at every batch of BATCHES, in this
+#                                               # call; pairs.md / pairs.json pair them by batch
+#                                               # with the limit of the work (limits.py)
+#   BEST=1 WHAT=speed ...                       # and each engine's best batch that fits: batches
+#                                               # doubling from BEST_FROM (default: twice the
+#                                               # largest of BATCHES) to BEST_MAX (256) until one
+#                                               # fails; how each search ended is in search.tsv
+#   WHAT=speed8b bash scripts/gpu/run_vl.sh     # = WHAT=speed SHAPES=8b SIZES="512 1024"
+#   WHAT=speed30b bash scripts/gpu/run_vl.sh    # = WHAT=speed SHAPES=30b SIZES=1024
 #   WHAT=kernels bash scripts/gpu/run_vl.sh     # fleet-models' GPU tests (carried test binary
 #                                               # dist/carry/fleet-models-tests.xz): fused
 #                                               # attention and MoE paths against references
 #   WHAT=fleet RUNS="8b:1024:8:16:0 30b:1024:8:8:1" bash scripts/gpu/run_vl.sh
 #                                               # fleet only: shape:size:batch:samples:profile
-#   WHAT=hf HF_RUNS="8b:1024:2:4 30b:1024:1:2" bash scripts/gpu/run_vl.sh
-#                                               # transformers only: shape:size:batch:samples
+#   WHAT=hf HF_RUNS="8b:1024:8,16:16 30b:1024:8:16" bash scripts/gpu/run_vl.sh
+#                                               # transformers only: shape:size:batches:samples
+#                                               # (fleet-only or transformers-only figures are
+#                                               # not comparisons: use WHAT=speed for those)
 #
-# Everything lands in $OUT/vl_$WHAT.tgz (logs, JSON reports, nvidia-smi).
+# Speed settings: SAMPLES_PER_BATCH timed batches per batch size after one warm-up batch
+# (default 2), 128 greedy new tokens, two images per sample; FLEET_TIMEOUT (per fleet batch,
+# default 240 s), HF_TIMEOUT (per transformers process, default 420 s) and BUDGET_S (the whole
+# call, default 570 s): a step that would start with less than 30 s left is skipped and recorded.
+# Everything lands in $OUT/vl_$WHAT.tgz (logs, JSON reports, nvidia-smi); pairs.md and
+# pairs.json are also copied to $OUT.
 set -u
-WHAT="${WHAT:?parity, speed8b or speed30b}"
+WHAT="${WHAT:?parity, speed, speed8b, speed30b, kernels, fleet or hf}"
+START=$(date +%s)
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 R="$OUT/vl_$WHAT"
@@ -24,7 +41,8 @@ W=/tmp/vl_work
 mkdir -p "$W"
 BIN="$W/edit-score"
 [ -x "$BIN" ] || { xz -dc dist/carry/edit-score.xz > "$BIN" && chmod +x "$BIN"; }
-export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
+FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
+export FLEET_COMMIT
 nvidia-smi > "$R/nvidia-smi.txt" 2>&1
 python3 -c "import transformers, torch; print(transformers.__version__, torch.__version__)" > "$R/versions.txt" 2>&1
 
@@ -47,14 +65,14 @@ fleet)
   done
   ;;
 hf)
-  for run in ${HF_RUNS:?shape:size:batch:samples ...}; do
+  for run in ${HF_RUNS:?shape:size:batches:samples ...}; do
     IFS=: read -r shape size batch samples <<< "$run"
     case "$shape" in 8b) C=configs/models/qwen3-vl-8b.json ;; *) C=configs/models/qwen3-vl-30b-a3b.json ;; esac
-    tag="hf-$shape-$size-b$batch"
+    tag="hf-$shape-$size-b${batch//,/_}"
     timeout "${HF_TIMEOUT:-240}" python3 scripts/gpu/vl_bench_transformers.py --config "$C" --image-size "$size" \
         --batch "$batch" --samples "$samples" --new-tokens 128 --json "$R/$tag.json" > "$R/$tag.log" 2>&1 \
         || tail -20 "$R/$tag.log"
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], round(d['samples_per_s'],3), 'samples/s')" "$R/$tag.json" "$tag" || true
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(sys.argv[2], r['batch'], round(r['samples_per_s'],3) if 'samples_per_s' in r else r.get('error'), 'samples/s') for r in d['runs']]" "$R/$tag.json" "$tag" || true
   done
   ;;
 parity)
@@ -84,34 +102,100 @@ print({k:v['shape'] for k,v in h.items() if 'layers.0.mlp' in k})" "$(ls "$D"/mo
     rm -rf "$D/model"
   done
   ;;
-speed8b)
-  C=configs/models/qwen3-vl-8b.json
-  for run in "512:1:${S512:-4}" "1024:2:${S1024:-4}"; do
-    IFS=: read -r size batch samples <<< "$run"
-    FLEET_PROFILE=1 "$BIN" bench --config "$C" --image-size "$size" --batch "$batch" --samples "$samples" \
-        --new-tokens 128 --json "$R/fleet-8b-$size-b$batch.json" > "$R/fleet-8b-$size-b$batch.log" 2>&1 \
-        || tail -20 "$R/fleet-8b-$size-b$batch.log"
-    "$BIN" bench --config "$C" --image-size "$size" --batch "${FLEET_BATCH:-8}" --samples "${FLEET_SAMPLES:-16}" \
-        --new-tokens 128 --json "$R/fleet-8b-$size-b${FLEET_BATCH:-8}.json" > "$R/fleet-8b-$size-bbig.log" 2>&1 \
-        || tail -20 "$R/fleet-8b-$size-bbig.log"
-    python3 scripts/gpu/vl_bench_transformers.py --config "$C" --image-size "$size" --batch "$batch" \
-        --samples "$samples" --new-tokens 128 --json "$R/hf-8b-$size-b$batch.json" > "$R/hf-8b-$size-b$batch.log" 2>&1 \
-        || tail -20 "$R/hf-8b-$size-b$batch.log"
+speed|speed8b|speed30b)
+  case "$WHAT" in
+    speed8b) SHAPES="${SHAPES:-8b}"; SIZES="${SIZES:-512 1024}" ;;
+    speed30b) SHAPES="${SHAPES:-30b}"; SIZES="${SIZES:-1024}" ;;
+  esac
+  SPB="${SAMPLES_PER_BATCH:-2}"
+  BATCHES="${BATCHES:-8 16 32}"
+  BUDGET_S="${BUDGET_S:-570}"
+  TSV="$R/search.tsv"
+  : > "$TSV"
+  left() { echo $((START + BUDGET_S - $(date +%s))); }
+  # cap SECONDS: the smaller of SECONDS and what is left of the budget (0 if under 30 s)
+  cap() { local l; l=$(left); if [ "$l" -lt 30 ]; then echo 0; elif [ "$l" -lt "$1" ]; then echo "$l"; else echo "$1"; fi; }
+  largest=$(for b in $BATCHES; do echo "$b"; done | sort -n | tail -1)
+  best_list() {  # the doubling batches of the search: BEST_FROM, 2x, ... up to BEST_MAX
+    local b="${BEST_FROM:-$((largest * 2))}" out=""
+    while [ "$b" -le "${BEST_MAX:-256}" ]; do out="$out $b"; b=$((b * 2)); done
+    echo "$out"
+  }
+  # fleet_at KEY CONFIG SIZE BATCH MODE: one edit-score bench process; records the outcome in
+  # search.tsv (oom only where the log says so); returns non-zero when the batch did not run.
+  fleet_at() {
+    local key=$1 C=$2 size=$3 b=$4 mode=$5 t tag rc status note
+    tag="fleet-$(basename "$C" .json)-$size-b$b"
+    t=$(cap "${FLEET_TIMEOUT:-240}")
+    if [ "$t" = 0 ]; then printf 'fleet\t%s:%s\t%s\tskipped\ttime budget used up\n' "$mode" "$key" "$b" >> "$TSV"; return 1; fi
+    timeout "$t" "$BIN" bench --config "$C" --image-size "$size" --batch "$b" --samples "$((b * SPB))" \
+        --new-tokens 128 --json "$R/$tag.json" > "$R/$tag.log" 2>&1
+    rc=$?
+    if [ "$rc" = 0 ]; then status=ok; note=""
+    elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status=timeout; note="killed after ${t}s"
+    elif grep -qiE 'out of memory|OUT_OF_MEMORY' "$R/$tag.log"; then status=oom; note="$(grep -iE -m1 'out of memory|OUT_OF_MEMORY' "$R/$tag.log" | cut -c1-160)"
+    else status=error; note="exit $rc: $(tail -1 "$R/$tag.log" | cut -c1-160)"; fi
+    printf 'fleet\t%s:%s\t%s\t%s\t%s\n' "$mode" "$key" "$b" "$status" "$note" >> "$TSV"
+    echo "fleet $key batch $b: $status $( [ "$status" = ok ] && python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['samples_per_s'],3), 'samples/s')" "$R/$tag.json")"
+    [ "$status" = ok ]
+  }
+  # hf_at KEY CONFIG SIZE "B1 B2 ..." MODE: one transformers process over the batches.
+  hf_at() {
+    local key=$1 C=$2 size=$3 list=$4 mode=$5 t tag rc extra=""
+    tag="hf-$(basename "$C" .json)-$size-$mode"
+    t=$(cap "${HF_TIMEOUT:-420}")
+    if [ "$t" = 0 ]; then
+      for b in $list; do printf 'transformers\t%s:%s\t%s\tskipped\ttime budget used up\n' "$mode" "$key" "$b" >> "$TSV"; done
+      return
+    fi
+    [ "$mode" = best ] && extra="--stop-at-oom"
+    # shellcheck disable=SC2086
+    timeout "$t" python3 scripts/gpu/vl_bench_transformers.py --config "$C" --image-size "$size" \
+        --batch "$(echo $list | tr ' ' ,)" --samples-per-batch "$SPB" --new-tokens 128 $extra \
+        --json "$R/$tag.json" > "$R/$tag.log" 2>&1
+    rc=$?
+    python3 - "$R/$tag.json" "$key" "$mode" "$rc" "$t" "$list" >> "$TSV" <<'PY'
+import json, sys
+path, key, mode, rc, t, wanted = sys.argv[1:7]
+try:
+    runs = {r["batch"]: r for r in json.load(open(path))["runs"]}
+except (OSError, ValueError, KeyError):
+    runs = {}
+stopped = False
+for b in map(int, wanted.split()):
+    r = runs.get(b)
+    if r is None:
+        if stopped:
+            continue  # not tried after a failure (--stop-at-oom)
+        why = ("timeout", f"killed after {t}s") if rc in ("124", "137") else ("error", f"exit {rc}, no result")
+        print(f"transformers	{mode}:{key}	{b}	{why[0]}	{why[1]}")
+        stopped = True
+    elif "error" in r:
+        status = "oom" if r["error"].startswith("OOM") else "error"
+        print(f"transformers	{mode}:{key}	{b}	{status}	{r['error'][:160]}")
+        stopped = mode == "best"
+    else:
+        print(f"transformers	{mode}:{key}	{b}	ok	")
+PY
+    grep -E 'samples/s|OOM|Error' "$R/$tag.log" | grep -v '^ ' | tail -8
+  }
+  for shape in $SHAPES; do
+    case "$shape" in 8b) C=configs/models/qwen3-vl-8b.json ;; *) C=configs/models/qwen3-vl-30b-a3b.json ;; esac
+    for size in $SIZES; do
+      key="$(basename "$C" .json)@${size}px"
+      # The same batches for both engines, in this call.
+      for b in $BATCHES; do fleet_at "$key" "$C" "$size" "$b" list || true; done
+      hf_at "$key" "$C" "$size" "$BATCHES" list
+      if [ "${BEST:-0}" = 1 ]; then
+        # Each engine's best batch that fits: larger batches until one fails.
+        for b in $(best_list); do fleet_at "$key" "$C" "$size" "$b" best || break; done
+        hf_at "$key" "$C" "$size" "$(best_list)" best
+      fi
+    done
   done
-  ;;
-speed30b)
-  C=configs/models/qwen3-vl-30b-a3b.json
-  size="${IMAGE_SIZE:-1024}"
-  for batch in ${FLEET_BATCHES:-8 32}; do
-    FLEET_PROFILE="${PROFILE:-0}" "$BIN" bench --config "$C" --image-size "$size" --batch "$batch" \
-        --samples "$((batch * ${BATCHES:-2}))" --new-tokens 128 --json "$R/fleet-30b-$size-b$batch.json" \
-        > "$R/fleet-30b-$size-b$batch.log" 2>&1 || tail -20 "$R/fleet-30b-$size-b$batch.log"
-  done
-  if [ "${HF:-1}" = 1 ]; then
-    timeout "${HF_TIMEOUT:-240}" python3 scripts/gpu/vl_bench_transformers.py --config "$C" --image-size "$size" \
-        --batch 1 --samples "${HF_SAMPLES:-2}" --new-tokens 128 --json "$R/hf-30b-$size-b1.json" \
-        > "$R/hf-30b-$size-b1.log" 2>&1 || tail -20 "$R/hf-30b-$size-b1.log"
-  fi
+  python3 scripts/gpu/pair_results.py judge "$R" > "$R/pairs.log" 2>&1 || tail -20 "$R/pairs.log"
+  cat "$R/pairs.md" 2>/dev/null
+  cp "$R/pairs.md" "$R/pairs.json" "$OUT/" 2>/dev/null
   ;;
 esac
 tar -C "$OUT" -czf "$OUT/vl_$WHAT.tgz" "vl_$WHAT"

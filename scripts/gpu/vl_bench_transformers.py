@@ -6,7 +6,15 @@ greedily decoded for exactly NEW_TOKENS tokens, in batches; samples/s over the t
 after one warm-up batch.
 
   python3 scripts/gpu/vl_bench_transformers.py --config configs/models/qwen3-vl-8b.json \
-      --image-size 512 --batch 1 --samples 4 --new-tokens 128 --json out.json
+      --image-size 512 --batch 8,16,32 --samples-per-batch 2 --new-tokens 128 --json out.json
+
+--batch takes a comma list: the model is built once and every batch size is measured in turn
+(warm-up batch, then the timed batches), each with the peak memory reset. A batch that runs out
+of memory is recorded as {"batch": B, "error": "OOM: ..."} (any other failure with its own
+message, never as OOM); with --stop-at-oom the ones after the first failure are not tried
+(the search for the best batch that fits: run_vl.sh BEST=1). The report
+has the settings at the top level and one entry per batch in "runs"; with a single batch its
+figures are also copied to the top level, as before.
 """
 
 from __future__ import annotations
@@ -57,8 +65,13 @@ def main() -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--images-per-sample", type=int, default=2)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--batch", default="1", help="batch sizes, comma-separated")
+    p.add_argument("--samples", type=int, default=None,
+                   help="timed samples per batch size (default: --samples-per-batch batches)")
+    p.add_argument("--samples-per-batch", type=int, default=2,
+                   help="timed batches per batch size when --samples is not given")
+    p.add_argument("--stop-at-oom", action="store_true",
+                   help="stop at the first batch size that fails (out of memory or otherwise)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--json")
@@ -78,16 +91,16 @@ def main() -> None:
     Path(d, "preprocessor_config.json").write_text(json.dumps(RELEASED_PROCESSOR))
     ip = AutoImageProcessor.from_pretrained(d)  # transformers' default backend
 
-    def batch(first: int):
+    def batch(first: int, bsz: int):
         # The images are drawn before the clock starts (a judge reads them from files), as in
         # fleet's bench.
-        imgs = [image(a.image_size, s, k) for s in range(first, first + a.batch)
+        imgs = [image(a.image_size, s, k) for s in range(first, first + bsz)
                 for k in range(a.images_per_sample)]
         t = time.time()
         px = ip(images=imgs, return_tensors="pt")
         grid = px["image_grid_thw"].tolist()
         rows = []
-        for s in range(a.batch):
+        for s in range(bsz):
             g = grid[s * a.images_per_sample:(s + 1) * a.images_per_sample]
             rows.append(prompt_ids(cfg, [t_ * h * w // 4 for t_, h, w in g], first + s))
         L = max(len(r) for r in rows)
@@ -107,32 +120,66 @@ def main() -> None:
         assert out.shape[1] - kw["input_ids"].shape[1] == a.new_tokens
         return out
 
-    kw, _, prompt_len, image_tokens = batch(1_000_000)
-    run(kw)
-    torch.cuda.reset_peak_memory_stats()
-    batches = -(-a.samples // a.batch)
-    t_all = time.time()
-    pre = 0.0
-    for b in range(batches):
-        kw, tp, _, _ = batch(b * a.batch)
-        t = time.time()
-        run(kw)
-        pre += tp
-        print(f"batch {b + 1}/{batches}: preprocess {tp:.3f}s generate {time.time() - t:.3f}s", flush=True)
-    total = time.time() - t_all
+    def measure(bsz: int) -> dict:
+        kw, _, prompt_len, image_tokens = batch(1_000_000, bsz)
+        run(kw)  # warm-up
+        del kw
+        torch.cuda.reset_peak_memory_stats()
+        samples = a.samples if a.samples else bsz * a.samples_per_batch
+        batches = -(-samples // bsz)
+        t_all = time.time()
+        pre = 0.0
+        for b in range(batches):
+            kw, tp, _, _ = batch(b * bsz, bsz)
+            t = time.time()
+            run(kw)
+            del kw
+            pre += tp
+            print(f"batch size {bsz}: batch {b + 1}/{batches}: preprocess {tp:.3f}s "
+                  f"generate {time.time() - t:.3f}s", flush=True)
+        total = time.time() - t_all
+        return {"batch": bsz, "samples": batches * bsz, "total_s": total,
+                "samples_per_s": batches * bsz / total, "preprocess_s": pre / batches,
+                "image_tokens_per_sample": image_tokens, "prompt_tokens_per_sample": prompt_len,
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved()}
+
+    runs = []
+    for bsz in [int(x) for x in str(a.batch).split(",") if x.strip()]:
+        try:
+            r = measure(bsz)
+            print(f"batch size {bsz}: {r['samples_per_s']:.3f} samples/s", flush=True)
+        except torch.cuda.OutOfMemoryError as e:
+            r = {"batch": bsz, "error": f"OOM: {str(e).splitlines()[0]}"}
+            print(f"batch size {bsz}: {r['error']}", flush=True)
+        except Exception as e:  # recorded, not hidden: a failure is not an out-of-memory
+            r = {"batch": bsz, "error": f"{type(e).__name__}: {e}"}
+            print(f"batch size {bsz}: {r['error']}", flush=True)
+        runs.append(r)
+        if a.json:  # after every batch size: a later one that hangs or is killed loses nothing
+            Path(a.json).write_text(json.dumps({"partial": True, "config": a.config,
+                                                "image_size": a.image_size,
+                                                "images_per_sample": a.images_per_sample,
+                                                "new_tokens": a.new_tokens, "runs": runs}, indent=2))
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+        if "error" in r and a.stop_at_oom:
+            break
     rep = {
         "engine": "transformers", "transformers": transformers.__version__, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0), "config": a.config, "attn": a.attn,
         "image_processor": type(ip).__name__, "dtype": "bf16", "image_size": a.image_size,
-        "images_per_sample": a.images_per_sample, "image_tokens_per_sample": image_tokens,
-        "prompt_tokens_per_sample": prompt_len, "batch": a.batch, "samples": batches * a.batch,
-        "new_tokens": a.new_tokens, "load_s": load_s, "total_s": total,
-        "samples_per_s": batches * a.batch / total, "preprocess_s": pre / batches,
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "images_per_sample": a.images_per_sample, "new_tokens": a.new_tokens, "load_s": load_s,
+        "runs": runs,
     }
+    if len(runs) == 1 and "error" not in runs[0]:
+        rep.update(runs[0])
     print(json.dumps(rep, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=2))
+    if any("error" in r for r in runs):
+        raise SystemExit(3)
 
 
 if __name__ == "__main__":
