@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use fleet_models::qwen3_vl::{rope_index, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
-use fleet_models::vision::{preprocess, ImageProcessorConfig};
+use fleet_models::vision::{preprocess, ImageProcessorConfig, ResizeBackend};
 use fleet_models::{
     DType, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions, VisionLanguageModel, Weights,
 };
@@ -47,7 +47,12 @@ fn fixture(name: &str) -> Fixture {
         &Device::Cpu,
     )
     .unwrap();
-    let processor = ImageProcessorConfig::from_file(dir.join("preprocessor_config.json")).unwrap();
+    // These goldens were made with transformers' PIL backend (make_qwen3_vl_fixtures.py runs in
+    // the venv without torchvision), so they are reproduced with fleet's Pillow backend, not
+    // with the default (torchvision, transformers' default; see tests/vision_preprocess.rs).
+    let processor = ImageProcessorConfig::from_file(dir.join("preprocessor_config.json"))
+        .unwrap()
+        .with_resize_backend(ResizeBackend::Pillow);
     Fixture {
         model,
         golden,
@@ -116,7 +121,8 @@ fn check_checkpoint(name: &str) {
         let cname = case["name"].as_str().unwrap();
         let p = prompt(&f, case);
 
-        // Preprocessing is bit-exact (tests/vision_preprocess.rs); here it feeds the model.
+        // Preprocessing is bit-exact (tests/vision_preprocess.rs; Pillow backend here, as the
+        // goldens were made); here it feeds the model.
         if let Some(img) = &p.images {
             let golden = &f.tensors[&format!("{cname}.pixel_values")];
             let ours = img.pixel_values_tensor(&Device::Cpu).unwrap();
@@ -268,7 +274,7 @@ fn prompts_match_the_processor() {
                 .map(|p| image::open(p).unwrap())
                 .collect();
             let text = vlm
-                .chat_template
+                .processor.chat_template
                 .render_json(case["messages"].clone(), true, &Default::default())
                 .unwrap();
             assert_eq!(

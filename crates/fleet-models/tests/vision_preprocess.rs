@@ -1,14 +1,21 @@
-//! Qwen3-VL image preprocessing against transformers 5.17's `Qwen2VLImageProcessorPil` (PIL
-//! backend, Pillow 13.0.0). Goldens in tests/fixtures/vision, made by
-//! scripts/fixtures/make_vision_fixtures.py; no Python needed here.
+//! Qwen3-VL image preprocessing against transformers 5.17's two Qwen2-VL image processors, with
+//! no Python needed here:
 //!
-//! Everything is compared exactly: the resize reproduces Pillow's fixed-point bicubic, and
-//! rescale/normalise use the same f64-then-f32 steps as transformers, so the tolerance is 0.
+//! - the default backend, `ResizeBackend::Torchvision` = `Qwen2VLImageProcessor` (torch 2.11.0,
+//!   torchvision 0.26.0): goldens in tests/fixtures/vision/torchvision, made by
+//!   `scripts/fixtures/make_vision_fixtures.py --backend torchvision` in `.venv-torchvision`;
+//! - `ResizeBackend::Pillow` = `Qwen2VLImageProcessorPil` (Pillow 13.0.0): goldens in
+//!   tests/fixtures/vision, made by the same script with `--backend pil`.
+//!
+//! Everything is compared exactly (bit patterns of the f32 values): both resizes reproduce their
+//! library's fixed-point bicubic, and rescale/normalise use each backend's own float steps, so
+//! the tolerance is 0.
 
 use std::path::PathBuf;
 
 use fleet_models::vision::{
-    image_pad_tokens, preprocess, smart_resize, ImageProcessorConfig, VisionError,
+    image_pad_tokens, preprocess, resize_bicubic_rgb8, resize_bicubic_rgb8_torchvision,
+    smart_resize, ImageProcessorConfig, ResizeBackend, UnknownResizeBackend, VisionError,
 };
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
@@ -21,8 +28,22 @@ fn golden_json() -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir().join("golden.json")).unwrap()).unwrap()
 }
 
+/// The fixtures' preprocessor_config.json as parsed: the default (torchvision) backend.
 fn config() -> ImageProcessorConfig {
     ImageProcessorConfig::from_file(dir().join("preprocessor_config.json")).unwrap()
+}
+
+/// The same config on the Pillow backend, which tests/fixtures/vision's own goldens are for.
+fn pillow_config() -> ImageProcessorConfig {
+    config().with_resize_backend(ResizeBackend::Pillow)
+}
+
+fn tv_dir() -> PathBuf {
+    dir().join("torchvision")
+}
+
+fn tv_golden_json() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(tv_dir().join("golden.json")).unwrap()).unwrap()
 }
 
 fn load(name: &str) -> image::DynamicImage {
@@ -34,9 +55,17 @@ struct Golden {
 }
 
 impl Golden {
+    /// tests/fixtures/vision/golden.safetensors (Pillow backend).
     fn open() -> Self {
+        Self::at(dir().join("golden.safetensors"))
+    }
+    /// tests/fixtures/vision/torchvision/golden.safetensors (default backend).
+    fn torchvision() -> Self {
+        Self::at(tv_dir().join("golden.safetensors"))
+    }
+    fn at(path: PathBuf) -> Self {
         Self {
-            bytes: std::fs::read(dir().join("golden.safetensors")).unwrap(),
+            bytes: std::fs::read(path).unwrap(),
         }
     }
     fn tensor(&self, name: &str) -> (Dtype, Vec<usize>, Vec<u8>) {
@@ -141,8 +170,8 @@ fn grid_and_pad_tokens_exact() {
 }
 
 #[test]
-fn pixel_values_exact() {
-    let cfg = config();
+fn pillow_pixel_values_exact() {
+    let cfg = pillow_config();
     assert_eq!(cfg.patch_dim(), 1536);
     let golden = Golden::open();
     let (shape, want) = golden.f32s("pixel_values");
@@ -166,11 +195,12 @@ fn pixel_values_exact() {
     assert_eq!(t.dims(), &[20, 1536]);
 }
 
-/// All five images (upscale, downscale, one side only, vertical pass first) in the raw patch layout: the resized
-/// uint8 pixels must be Pillow's exactly, and each row must hold the frame twice.
+/// All five images (upscale, downscale, one side only, vertical pass first) in the raw patch
+/// layout: the resized uint8 pixels must be Pillow's exactly, and each row must hold the frame
+/// twice.
 #[test]
-fn resized_pixels_exact_in_patch_layout() {
-    let mut cfg = config();
+fn pillow_resized_pixels_exact_in_patch_layout() {
+    let mut cfg = pillow_config();
     cfg.do_rescale = false;
     cfg.do_normalize = false;
     let g = golden_json();
@@ -310,4 +340,283 @@ fn bad_images_give_clear_errors() {
     let e = preprocess(&[image::DynamicImage::new_rgb8(10, 10)], &tiny).unwrap_err();
     assert!(matches!(e, VisionError::ResizedToNothing { .. }), "{e}");
     assert!(e.to_string().contains("raise min_pixels"), "{e}");
+}
+
+// ---- backend choice --------------------------------------------------------------------------
+
+/// fleet's default is transformers' default: the torchvision backend (`Qwen2VLImageProcessor`),
+/// for a parsed preprocessor_config.json as for the enum itself.
+#[test]
+fn default_backend_is_torchvision() {
+    assert_eq!(ResizeBackend::default(), ResizeBackend::Torchvision);
+    assert_eq!(ResizeBackend::ALL[0], ResizeBackend::Torchvision);
+    assert_eq!(config().resize_backend, ResizeBackend::Torchvision);
+    let qwen3 = r#"{"size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast"}"#;
+    let c = ImageProcessorConfig::from_json_str(qwen3).unwrap();
+    assert_eq!(c.resize_backend, ResizeBackend::Torchvision);
+    assert_eq!(
+        c.with_resize_backend(ResizeBackend::Pillow).resize_backend,
+        ResizeBackend::Pillow
+    );
+    // The goldens say which class transformers picked by default, and that it is torchvision's.
+    let g = tv_golden_json();
+    assert_eq!(g["processor_class"], "Qwen2VLImageProcessor");
+    assert_eq!(g["backend"], "torchvision");
+    for (_, class) in g["resolved_by_default"].as_object().unwrap() {
+        assert!(
+            class == "Qwen2VLImageProcessor" || class == "torchvision",
+            "{class}"
+        );
+    }
+}
+
+/// The short names are stable (record keys, CLI flags): "torchvision" and "pillow".
+#[test]
+fn backend_names_are_stable() {
+    for (b, name) in [
+        (ResizeBackend::Torchvision, "torchvision"),
+        (ResizeBackend::Pillow, "pillow"),
+    ] {
+        assert_eq!(b.as_str(), name);
+        assert_eq!(b.to_string(), name);
+        assert_eq!(name.parse::<ResizeBackend>().unwrap(), b);
+        assert_eq!(serde_json::to_string(&b).unwrap(), format!("\"{name}\""));
+        assert_eq!(
+            serde_json::from_str::<ResizeBackend>(&format!("\"{name}\"")).unwrap(),
+            b
+        );
+    }
+    // transformers' own name for the PIL backend is accepted on input, never written.
+    assert_eq!(
+        " PIL ".parse::<ResizeBackend>().unwrap(),
+        ResizeBackend::Pillow
+    );
+    assert_eq!(
+        serde_json::from_str::<ResizeBackend>("\"pil\"").unwrap(),
+        ResizeBackend::Pillow
+    );
+    let e = "opencv".parse::<ResizeBackend>().unwrap_err();
+    assert_eq!(e, UnknownResizeBackend("opencv".into()));
+    let msg = e.to_string();
+    assert!(
+        msg.contains("`opencv`") && msg.contains("torchvision") && msg.contains("pillow"),
+        "{msg}"
+    );
+    assert!(serde_json::from_str::<ResizeBackend>("\"Torch\"").is_err());
+}
+
+// ---- torchvision backend (the default) against transformers' default processor ------------------
+
+fn rgb8(img: &image::DynamicImage) -> (Vec<u8>, usize, usize) {
+    let rgb = img.to_rgb8();
+    let (w, h) = (rgb.width() as usize, rgb.height() as usize);
+    (rgb.into_raw(), w, h)
+}
+
+fn stem(file: &str) -> String {
+    std::path::Path::new(file)
+        .file_stem()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+/// The resized uint8 pixels of all seven images (rounded, shrunk on one side or both, a 3.75x
+/// shrink, grown 3x, vertical-heavy, and one already on the grid that is not resized) equal
+/// `tvF.resize(BICUBIC, antialias=True)`'s as transformers' default processor ran it, exactly.
+#[test]
+fn torchvision_resized_pixels_exact() {
+    let g = tv_golden_json();
+    let golden = Golden::torchvision();
+    let cfg = config();
+    let images = g["images"].as_array().unwrap();
+    assert_eq!(images.len(), 7);
+    let (mut resized, mut unchanged) = (0, 0);
+    for img in images {
+        let file = img["file"].as_str().unwrap();
+        let (src, w, h) = rgb8(&load(file));
+        assert_eq!(
+            (h, w),
+            (
+                img["height"].as_u64().unwrap() as usize,
+                img["width"].as_u64().unwrap() as usize
+            )
+        );
+        let (rh, rw) = cfg.resized_size(h, w).unwrap();
+        let (dt, shape, want) = golden.tensor(&format!("resized.{}", stem(file)));
+        assert_eq!(dt, Dtype::U8);
+        assert_eq!(shape, vec![rh, rw, 3], "{file}");
+        let got = ResizeBackend::Torchvision.resize_rgb8(&src, w, h, rw, rh);
+        assert_eq!(got, resize_bicubic_rgb8_torchvision(&src, w, h, rw, rh));
+        let mismatches = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            mismatches,
+            0,
+            "{file}: {mismatches} of {} values differ",
+            want.len()
+        );
+        if img["resize_called"].as_bool().unwrap() {
+            resized += 1;
+        } else {
+            assert_eq!(got, src, "{file}: equal sizes are not resampled");
+            unchanged += 1;
+        }
+    }
+    assert_eq!((resized, unchanged), (6, 1));
+}
+
+/// The two backends differ exactly where transformers' two processors differ: per image, the
+/// number of uint8 values in which fleet's torchvision and Pillow resizes disagree is the number
+/// the script counted between `Qwen2VLImageProcessor` and `Qwen2VLImageProcessorPil`. The new
+/// images' Pillow resize is also compared exactly.
+#[test]
+fn backends_differ_as_transformers_backends_do() {
+    let g = tv_golden_json();
+    let golden = Golden::torchvision();
+    let cfg = config();
+    let mut total_diff = 0;
+    for img in g["images"].as_array().unwrap() {
+        let file = img["file"].as_str().unwrap();
+        let (src, w, h) = rgb8(&load(file));
+        let (rh, rw) = cfg.resized_size(h, w).unwrap();
+        let tv = ResizeBackend::Torchvision.resize_rgb8(&src, w, h, rw, rh);
+        let pil = ResizeBackend::Pillow.resize_rgb8(&src, w, h, rw, rh);
+        assert_eq!(pil, resize_bicubic_rgb8(&src, w, h, rw, rh));
+        let diff = tv.iter().zip(&pil).filter(|(a, b)| a != b).count();
+        let want = img["values_differing_from_pil"].as_u64().unwrap() as usize;
+        assert_eq!(diff, want, "{file}");
+        // With one pass or the same pass order (Pillow 13 runs the vertical pass first only when
+        // the height shrinks by more than twice what the width does) only the weights'
+        // precision differs: one level at most. With the other order the uint8 rounding and
+        // clipping between the passes differs too: e_100x33 differs by up to 20 levels at its
+        // sharp edges.
+        let max_diff = tv
+            .iter()
+            .zip(&pil)
+            .map(|(a, b)| a.abs_diff(*b))
+            .max()
+            .unwrap();
+        let (dh, dw) = (h as i64 - rh as i64, w as i64 - rw as i64);
+        if dw != 0 && dh > 0 && dh > 2 * dw {
+            assert_eq!((file, max_diff), ("e_100x33.png", 20));
+        } else {
+            assert!(max_diff <= 1, "{file}: {max_diff}");
+        }
+        total_diff += diff;
+        if file.starts_with("torchvision/") {
+            let (dt, shape, want) = golden.tensor(&format!("pil_resized.{}", stem(file)));
+            assert_eq!((dt, shape), (Dtype::U8, vec![rh, rw, 3]));
+            assert_eq!(pil, want, "{file}: Pillow resize");
+        }
+    }
+    assert!(total_diff > 1000, "{total_diff}");
+}
+
+/// The full default pipeline (resize, fused rescale + normalise in f32, patchify, two images of
+/// different shapes in order) gives transformers' default `pixel_values` bit for bit.
+#[test]
+fn torchvision_pixel_values_exact() {
+    let g = tv_golden_json();
+    let golden = Golden::torchvision();
+    let batch: Vec<_> = g["pixel_values_batch"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| load(f.as_str().unwrap()))
+        .collect();
+    assert_eq!(batch.len(), 2);
+    let cfg = config();
+    assert_eq!(cfg.resize_backend, ResizeBackend::Torchvision);
+    let out = preprocess(&batch, &cfg).unwrap();
+    let (shape, want) = golden.f32s("pixel_values");
+    assert_eq!(vec![out.num_patches, out.patch_dim], shape);
+    assert_eq!(out.image_grid_thw, golden.grid("image_grid_thw"));
+    let bits_differ = out
+        .pixel_values
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(bits_differ, 0, "{bits_differ} of {} values", want.len());
+
+    // The Pillow backend on the same batch is not this (resize and arithmetic both differ).
+    let pil = preprocess(&batch, &pillow_config()).unwrap();
+    assert_ne!(pil.pixel_values, out.pixel_values);
+}
+
+/// The 32x32 image the script's value tables were made from: every uint8 value four times in
+/// each channel.
+fn value_image() -> image::DynamicImage {
+    let mut buf = Vec::with_capacity(32 * 32 * 3);
+    for i in 0..1024usize {
+        buf.push((i % 256) as u8);
+        buf.push(((7 * i + 3) % 256) as u8);
+        buf.push(((201 * i + 100) % 256) as u8);
+    }
+    image::DynamicImage::ImageRgb8(image::RgbImage::from_raw(32, 32, buf).unwrap())
+}
+
+/// Rescale and normalise, per channel and uint8 value, in each backend's float arithmetic:
+/// Qwen3-VL's mean = std = 0.5, CLIP's mean/std, an odd rescale factor (0.007, where
+/// `1 / rescale_factor` is not exact), rescale only and normalise only. Bit patterns must equal
+/// the tables transformers' two processors produced.
+#[test]
+fn rescale_normalize_exact_for_both_backends() {
+    let g = tv_golden_json();
+    let golden = Golden::torchvision();
+    let img = value_image();
+    let cases = g["value_cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 5);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let three = |k: &str| -> [f64; 3] {
+            let v: Vec<f64> = serde_json::from_value(case[k].clone()).unwrap();
+            [v[0], v[1], v[2]]
+        };
+        let mut cfg = config();
+        cfg.do_resize = false;
+        cfg.image_mean = three("image_mean");
+        cfg.image_std = three("image_std");
+        cfg.rescale_factor = case["rescale_factor"].as_f64().unwrap();
+        cfg.do_rescale = case["do_rescale"].as_bool().unwrap();
+        cfg.do_normalize = case["do_normalize"].as_bool().unwrap();
+        let mut tables = Vec::new();
+        for backend in ResizeBackend::ALL {
+            let key = match backend {
+                ResizeBackend::Torchvision => "torchvision",
+                ResizeBackend::Pillow => "pil",
+            };
+            let (shape, table) = golden.f32s(&format!("values.{key}.{name}"));
+            assert_eq!(shape, vec![3, 256]);
+            let cfg = cfg.clone().with_resize_backend(backend);
+            let mut raw_cfg = cfg.clone();
+            raw_cfg.do_rescale = false;
+            raw_cfg.do_normalize = false;
+            let raw = preprocess(std::slice::from_ref(&img), &raw_cfg).unwrap();
+            let out = preprocess(std::slice::from_ref(&img), &cfg).unwrap();
+            assert_eq!(out.pixel_values.len(), 4 * 1536);
+            let mut seen = [[false; 256]; 3];
+            for (k, (&v, &got)) in raw.pixel_values.iter().zip(&out.pixel_values).enumerate() {
+                let ch = (k % 1536) / 512;
+                let v = v as usize;
+                seen[ch][v] = true;
+                assert_eq!(
+                    got.to_bits(),
+                    table[ch * 256 + v].to_bits(),
+                    "{backend} {name}: channel {ch} value {v}: {got} vs {}",
+                    table[ch * 256 + v]
+                );
+            }
+            assert!(seen.iter().all(|c| c.iter().all(|&s| s)));
+            tables.push(table);
+        }
+        // With rescaling, the two backends' arithmetic really differs somewhere.
+        if cfg.do_rescale {
+            assert_ne!(tables[0], tables[1], "{name}");
+        }
+    }
 }

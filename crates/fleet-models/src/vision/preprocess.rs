@@ -1,32 +1,163 @@
 //! Qwen3-VL image preprocessing: smart resize, rescale, normalise, patchify.
 //!
 //! Reproduces transformers' (5.17) Qwen2-VL image processor, which Qwen3-VL checkpoints use
-//! (`image_processor_type: Qwen2VLImageProcessorFast`):
+//! (`image_processor_type: Qwen2VLImageProcessorFast`). transformers has two backends for it and
+//! fleet reproduces both, bit for bit; [`ResizeBackend`] (the field
+//! [`ImageProcessorConfig::resize_backend`]) picks one:
+//!
+//! - [`ResizeBackend::Torchvision`], **the default**, as transformers' default:
+//!   `AutoImageProcessor` / `AutoProcessor` resolve the backend to `"torchvision"` whenever
+//!   torchvision is importable (`models/auto/image_processing_auto.py`, `_resolve_backend`) and
+//!   load `Qwen2VLImageProcessor` (`models/qwen2_vl/image_processing_qwen2_vl.py`, a
+//!   `TorchvisionBackend` from `image_processing_backends.py`);
+//! - [`ResizeBackend::Pillow`]: `Qwen2VLImageProcessorPil` (`image_processing_pil_qwen2_vl.py`),
+//!   what transformers uses without torchvision or with `backend="pil"`.
+//!
+//! The steps:
 //!
 //! 1. each image is converted to 8-bit RGB (an alpha channel is dropped, as PIL's
-//!    `convert("RGB")` does; greyscale is replicated);
+//!    `convert("RGB")` does; greyscale is replicated); the torchvision backend then takes it as a
+//!    uint8 CHW tensor (`pil_to_tensor`);
 //! 2. resized to [`smart_resize`]'s size: both sides multiples of `patch_size * merge_size`,
-//!    the area within `[min_pixels, max_pixels]`, the aspect ratio kept. The resampling is
-//!    bicubic. transformers has two backends: with torchvision installed (its default) it uses
-//!    `torchvision.transforms.v2.functional.resize(BICUBIC, antialias=True)` on the uint8
-//!    tensor; without it, the PIL backend (`Qwen2VLImageProcessorPil`) uses
-//!    `PIL.Image.resize(BICUBIC)`. This module reproduces the **PIL** one (Pillow 13) bit for
-//!    bit (see [`super::resize_bicubic_rgb8`]; the goldens of `tests/vision_preprocess.rs`
-//!    agree exactly). torchvision's antialiased bicubic is written to mimic Pillow's; the fact
-//!    sheet (`docs/reference/qwen3-vl-verified.md` section 4) expects differences of about one
-//!    uint8 level (1/255 before normalising, 2/255 after it with std 0.5) where they differ;
-//!    that is not measured here (no torchvision on the machine that made the goldens);
-//! 3. rescaled (`x as f64 * rescale_factor`, then to f32) and normalised
-//!    (`(x - mean) / std` in f32), per channel, exactly as the PIL backend computes it;
+//!    the area within `[min_pixels, max_pixels]`, the aspect ratio kept, with antialiased
+//!    bicubic resampling on uint8 pixels:
+//!    - torchvision: `tvF.resize(chw, [h, w], BICUBIC, antialias=True)`, on the CPU ATen's
+//!      native uint8 kernel (int16 weights of per-axis precision, horizontal pass first):
+//!      [`super::resize_bicubic_rgb8_torchvision`];
+//!    - Pillow: `PIL.Image.resize((w, h), BICUBIC)` (Pillow 13: 22-bit weights, vertical pass
+//!      first when the height shrinks much more): [`super::resize_bicubic_rgb8`].
+//!
+//!    Where both run the horizontal pass first they differ by at most one uint8 level, on a
+//!    few pixels (the weights' precision; on the goldens' synthetic images 0 to 1.1% of the
+//!    values); where Pillow runs the vertical pass first, the rounding and clipping between the
+//!    passes differ too (on the goldens' `e_100x33.png`: 12% of the values, up to 20 levels at
+//!    sharp edges);
+//! 3. rescaled by `rescale_factor` and normalised with `image_mean` / `image_std`, per channel,
+//!    in each backend's own float arithmetic (the results differ in the last bits of f32, so
+//!    this is part of the backend too):
+//!    - torchvision (`TorchvisionBackend.rescale_and_normalize`): with both steps on, mean and
+//!      std are fused first, `m = f32(mean) * f32(1 / rescale_factor)` and the same for `s`
+//!      (f32 products), then `(f32(x) - m) / s` in f32 (`tvF.normalize`); rescale alone is
+//!      `f32(x) * f32(rescale_factor)`; normalise alone `(f32(x) - f32(mean)) / f32(std)`;
+//!    - Pillow (numpy): `f32(x as f64 * rescale_factor)`, then `(x - f32(mean)) / f32(std)` in
+//!      f32;
+//!
+//!    `pixel_values` are f32 in both (with neither step, transformers' torchvision backend
+//!    returns uint8; here they are the same integers as f32);
 //! 4. cut into `patch_size`² patches, the still image repeated to `temporal_patch_size` frames,
 //!    in transformers' order: rows by (block row, block column, row in block, column in block)
 //!    for blocks of `merge_size`² patches, each row `(channel, frame, y, x)`.
+//!
+//! `tests/vision_preprocess.rs` checks both backends exactly (tolerance 0, bit patterns) against
+//! goldens made by `scripts/fixtures/make_vision_fixtures.py` with transformers 5.17.0, torch
+//! 2.11.0, torchvision 0.26.0 and Pillow 13.0.0.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::resample::resize_bicubic_rgb8;
+use super::resample_torchvision::resize_bicubic_rgb8_torchvision;
+
+/// Which of transformers' two Qwen2-VL image-processor backends [`preprocess()`] reproduces: the
+/// resize and the rescale/normalise arithmetic of that backend (module docs).
+///
+/// The default is [`ResizeBackend::Torchvision`], transformers' own default. Its stable short
+/// names, for record keys, config files and command-line flags, are `"torchvision"` and
+/// `"pillow"`: [`ResizeBackend::as_str`], [`fmt::Display`], serde (lowercase) and [`FromStr`]
+/// all use them (`FromStr` and serde also take transformers' name `"pil"` for
+/// [`ResizeBackend::Pillow`]).
+///
+/// ```
+/// use fleet_models::vision::{ImageProcessorConfig, ResizeBackend};
+/// assert_eq!(ResizeBackend::default(), ResizeBackend::Torchvision);
+/// assert_eq!(ResizeBackend::Pillow.to_string(), "pillow");
+/// assert_eq!("torchvision".parse::<ResizeBackend>().unwrap(), ResizeBackend::Torchvision);
+/// # let json = r#"{"size": {"longest_edge": 16777216, "shortest_edge": 65536},
+/// #   "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+/// #   "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}"#;
+/// let cfg = ImageProcessorConfig::from_json_str(json)?.with_resize_backend(ResizeBackend::Pillow);
+/// assert_eq!(cfg.resize_backend, ResizeBackend::Pillow);
+/// # Ok::<(), fleet_models::vision::VisionError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResizeBackend {
+    /// transformers' default `Qwen2VLImageProcessor` (torchvision backend): torchvision 0.26 /
+    /// torch 2.11's antialiased bicubic on uint8 CPU tensors
+    /// ([`super::resize_bicubic_rgb8_torchvision`]) and the fused f32 rescale/normalise.
+    #[default]
+    Torchvision,
+    /// `Qwen2VLImageProcessorPil` (transformers' PIL backend): Pillow 13's bicubic
+    /// ([`super::resize_bicubic_rgb8`]) and numpy's f64-then-f32 rescale, f32 normalise.
+    #[serde(alias = "pil")]
+    Pillow,
+}
+
+impl ResizeBackend {
+    /// Every backend, the default first.
+    pub const ALL: [ResizeBackend; 2] = [ResizeBackend::Torchvision, ResizeBackend::Pillow];
+
+    /// The stable short name: `"torchvision"` or `"pillow"`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ResizeBackend::Torchvision => "torchvision",
+            ResizeBackend::Pillow => "pillow",
+        }
+    }
+
+    /// Resizes an interleaved RGB8 buffer (`height` rows of `width` pixels) to `new_width` x
+    /// `new_height` as this backend does (equal sizes give a copy).
+    ///
+    /// # Panics
+    /// If `src.len() != width * height * 3` or a size is zero.
+    pub fn resize_rgb8(
+        self,
+        src: &[u8],
+        width: usize,
+        height: usize,
+        new_width: usize,
+        new_height: usize,
+    ) -> Vec<u8> {
+        match self {
+            ResizeBackend::Torchvision => {
+                resize_bicubic_rgb8_torchvision(src, width, height, new_width, new_height)
+            }
+            ResizeBackend::Pillow => resize_bicubic_rgb8(src, width, height, new_width, new_height),
+        }
+    }
+}
+
+impl fmt::Display for ResizeBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A resize backend name that is neither `"torchvision"` nor `"pillow"` (nor `"pil"`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown image resize backend `{0}`: use `torchvision` (transformers' default) or `pillow`"
+)]
+pub struct UnknownResizeBackend(
+    /// The name as given.
+    pub String,
+);
+
+impl FromStr for ResizeBackend {
+    type Err = UnknownResizeBackend;
+
+    /// `"torchvision"`, `"pillow"` or `"pil"`, in any letter case, surrounding spaces ignored.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "torchvision" => Ok(ResizeBackend::Torchvision),
+            "pillow" | "pil" => Ok(ResizeBackend::Pillow),
+            _ => Err(UnknownResizeBackend(s.to_string())),
+        }
+    }
+}
 
 /// Errors of the image preprocessing. Each names the value at fault and the way out.
 #[derive(Debug, thiserror::Error)]
@@ -198,7 +329,8 @@ pub fn image_pad_tokens(grid_thw: [usize; 3], merge_size: usize) -> usize {
 /// transformers). These are required because transformers' class defaults are Qwen2-VL's
 /// (patch 14, CLIP mean/std), wrong for Qwen3-VL. Optional with transformers' defaults:
 /// `do_resize`, `do_rescale`, `do_normalize` (true), `rescale_factor` (1/255); `resample`
-/// must be 3 (bicubic) when given.
+/// must be 3 (bicubic) when given. [`Self::resize_backend`] is fleet's choice of transformers
+/// backend, [`ResizeBackend::Torchvision`] after parsing.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImageProcessorConfig {
     /// Side of a square patch in pixels (Qwen3-VL: 16).
@@ -223,6 +355,11 @@ pub struct ImageProcessorConfig {
     pub rescale_factor: f64,
     /// Normalise with `image_mean` / `image_std`.
     pub do_normalize: bool,
+    /// Which transformers backend to reproduce: the resize and the rescale/normalise arithmetic
+    /// ([`ResizeBackend`]). Not part of preprocessor_config.json: [`ResizeBackend::default`]
+    /// (torchvision, transformers' default) unless set, e.g. with
+    /// [`ImageProcessorConfig::with_resize_backend`].
+    pub resize_backend: ResizeBackend,
 }
 
 #[derive(Deserialize)]
@@ -422,7 +559,14 @@ impl ImageProcessorConfig {
             do_rescale: raw.do_rescale.unwrap_or(true),
             rescale_factor,
             do_normalize: raw.do_normalize.unwrap_or(true),
+            resize_backend: ResizeBackend::default(),
         })
+    }
+
+    /// The same config with `backend` as [`Self::resize_backend`].
+    pub fn with_resize_backend(mut self, backend: ResizeBackend) -> Self {
+        self.resize_backend = backend;
+        self
     }
 
     /// `patch_size * merge_size`: the multiple both resized sides are.
@@ -511,9 +655,10 @@ impl PreprocessedImages {
     }
 }
 
-/// Preprocesses still images for Qwen3-VL as transformers' Qwen2-VL image processor (PIL
-/// backend) does: convert to RGB8, bicubic resize to [`smart_resize`]'s size, rescale,
-/// normalise, patchify with each image repeated to `temporal_patch_size` frames (module docs).
+/// Preprocesses still images for Qwen3-VL as transformers' Qwen2-VL image processor does, with
+/// the backend `cfg.resize_backend` names (default: torchvision, transformers' default):
+/// convert to RGB8, bicubic resize to [`smart_resize`]'s size, rescale, normalise, patchify
+/// with each image repeated to `temporal_patch_size` frames (module docs).
 ///
 /// # Errors
 /// Per image, those of [`ImageProcessorConfig::resized_size`].
@@ -556,28 +701,16 @@ fn preprocess_one(
     let m = cfg.merge_size;
     let t = cfg.temporal_patch_size;
     let patch_dim = cfg.patch_dim();
-    let mean = cfg.image_mean.map(|v| v as f32);
-    let std = cfg.image_std.map(|v| v as f32);
     let rgb = img.to_rgb8();
     let (width, height) = (rgb.width() as usize, rgb.height() as usize);
     let (h, w) = cfg.resized_size(height, width)?;
     let pixels = if cfg.do_resize {
-        resize_bicubic_rgb8(rgb.as_raw(), width, height, w, h)
+        cfg.resize_backend
+            .resize_rgb8(rgb.as_raw(), width, height, w, h)
     } else {
         rgb.into_raw()
     };
-    // The value of one u8 after rescale and normalise, in transformers' precision.
-    let value = |v: u8, ch: usize| -> f32 {
-        let mut x = if cfg.do_rescale {
-            (f64::from(v) * cfg.rescale_factor) as f32
-        } else {
-            f32::from(v)
-        };
-        if cfg.do_normalize {
-            x = (x - mean[ch]) / std[ch];
-        }
-        x
-    };
+    let table = value_table(cfg);
     let (gh, gw) = (h / p, w / p);
     let mut values = Vec::with_capacity(gh * gw * patch_dim);
     for bh in 0..gh / m {
@@ -592,7 +725,7 @@ fn preprocess_one(
                                 let row = (y0 + py) * w;
                                 for px in 0..p {
                                     let v = pixels[(row + x0 + px) * 3 + ch];
-                                    values.push(value(v, ch));
+                                    values.push(table[ch][usize::from(v)]);
                                 }
                             }
                         }
@@ -602,4 +735,37 @@ fn preprocess_one(
         }
     }
     Ok((values, [1, gh, gw], (h, w)))
+}
+
+/// Per channel, the f32 `pixel_values` entry of each uint8 value after rescale and normalise, in
+/// the arithmetic of `cfg.resize_backend`'s transformers backend (module docs, step 3).
+fn value_table(cfg: &ImageProcessorConfig) -> [[f32; 256]; 3] {
+    let mut table = [[0f32; 256]; 3];
+    for (ch, row) in table.iter_mut().enumerate() {
+        let mean = cfg.image_mean[ch] as f32;
+        let std = cfg.image_std[ch] as f32;
+        for (v, out) in row.iter_mut().enumerate() {
+            let x = v as f32;
+            *out = match (cfg.resize_backend, cfg.do_rescale, cfg.do_normalize) {
+                // TorchvisionBackend._fuse_mean_std_and_rescale_factor: f32 tensors times the
+                // Python float 1 / rescale_factor, which torch casts to f32 first.
+                (ResizeBackend::Torchvision, true, true) => {
+                    let inv = (1.0 / cfg.rescale_factor) as f32;
+                    (x - mean * inv) / (std * inv)
+                }
+                (ResizeBackend::Torchvision, true, false) => x * cfg.rescale_factor as f32,
+                (ResizeBackend::Pillow, true, _) => {
+                    let y = (v as f64 * cfg.rescale_factor) as f32;
+                    if cfg.do_normalize {
+                        (y - mean) / std
+                    } else {
+                        y
+                    }
+                }
+                (_, false, true) => (x - mean) / std,
+                (_, false, false) => x,
+            };
+        }
+    }
+    table
 }

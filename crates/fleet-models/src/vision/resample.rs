@@ -1,5 +1,8 @@
 //! Pillow's bicubic resampling of 8-bit images, reproduced bit for bit.
 //!
+//! This is the resize of [`super::ResizeBackend::Pillow`]; fleet's default backend is
+//! torchvision's (`resample_torchvision.rs`, as transformers' default processor).
+//!
 //! transformers' PIL backend resizes with `PIL.Image.resize(size, BICUBIC)`, which runs Pillow's
 //! `ImagingResample` (`src/libImaging/Resample.c`): a separable, antialiased convolution with the
 //! cubic kernel of `a = -0.5` (support 2, widened by the scale factor when downscaling), one
@@ -94,6 +97,10 @@ fn clip8(acc: i32) -> u8 {
 /// Resizes an interleaved RGB8 buffer (`height` rows of `width` pixels) to `new_width` x
 /// `new_height` exactly as Pillow's `Image.resize((new_width, new_height), Image.BICUBIC)`
 /// does for an `RGB` image (no `reducing_gap`, no box). Equal sizes return a copy.
+///
+/// This is the resize of transformers' PIL backend (`Qwen2VLImageProcessorPil`,
+/// [`super::ResizeBackend::Pillow`]); transformers' default processor resizes with torchvision
+/// ([`super::resize_bicubic_rgb8_torchvision`]).
 ///
 /// # Panics
 /// If `src.len() != width * height * 3` or a size is zero.
