@@ -313,7 +313,8 @@ pub struct GspoConfig {
     /// Upper clip range: the ratio is clipped above at 1 + epsilon_high. Default 4e-4.
     pub epsilon_high: f64,
     /// KL coefficient (k3 estimator against the reference model). Default 0: no reference
-    /// model is needed.
+    /// model is needed. The k3 term is TRL's with `use_bias_correction_kl = False` (TRL
+    /// 1.16.0's default `True` weighs it by the importance ratio; the same on-policy).
     pub beta: f64,
     /// `sequence` (GSPO, default), `sequence_token` (GSPO-token) or `token` (GRPO).
     pub importance_sampling_level: ImportanceSamplingLevel,

@@ -1,5 +1,6 @@
-//! The GSPO policy loss from per-token log-probabilities, as TRL's `_compute_loss` computes it
-//! for `loss_type = "grpo"` (fact sheet B3, M1-M5), with one documented difference (below).
+//! The GSPO policy loss from per-token log-probabilities, as TRL 1.16.0's `_compute_loss`
+//! computes it for `loss_type = "grpo"` (`trl/trainer/grpo_trainer.py` L3083-3095 and L3153-3157),
+//! with one documented difference (below), and the metrics TRL logs about it.
 //!
 //! # Inputs
 //!
@@ -27,11 +28,13 @@
 //! loss     = Σ_i L_i / max(#{i : Σ_t mask_i > 0}, 1)            (mean over non-empty sequences)
 //! ```
 //!
-//! - `"sequence_token"` (GSPO-token, TRL's experimental trainer and verl's form):
-//!   `log s_it = logp − sg[logp] + sg[log s_i]`, a per-token ratio whose value is `s_i`; with one
-//!   advantage per sequence it gives the same loss and the same gradient as GSPO. verl also
-//!   clamps `log s_it` at 10 (upper only); TRL does not, and neither does this.
-//! - `"token"` (GRPO): `log s_it = logp − old`, clipped per token.
+//! - `"sequence_token"` (GSPO-token): `log s_it = logp − sg[logp] + sg[log s_i]`, a per-token
+//!   ratio whose value is `s_i`; with one advantage per sequence it gives the same loss and the
+//!   same gradient as GSPO. **TRL 1.16.0 has no such level** (its `_compute_loss` raises for
+//!   anything but `"token"` and `"sequence"`, L3084-3093); this is the form of TRL 0.24's
+//!   experimental `GSPOTokenTrainer` (`trl/experimental/gspo_token/grpo_trainer.py` L75-79) and
+//!   of verl. verl also clamps `log s_it` at 10 (upper only); TRL did not, and neither does this.
+//! - `"token"` (GRPO): `log s_it = logp − old`, clipped per token (TRL L3084-3085).
 //!
 //! The clip is applied with torch's `clamp` semantics: the gradient passes for
 //! `1 − epsilon <= s <= 1 + epsilon_high`, boundaries included, and is 0 outside. The min of
@@ -39,22 +42,39 @@
 //!
 //! # Where TRL and verl differ: fully masked rows
 //!
-//! A row whose mask is all zero (a truncated completion masked out, or padding rows) has no
-//! tokens. **This implementation leaves it out of the denominator of the mean over sequences**,
-//! as verl's `agg_loss("seq-mean-token-mean")` does. TRL's `grpo` loss keeps it in (`.mean()`
-//! over all B rows, the row contributing 0), which shrinks the loss of a micro-batch with masked
-//! rows. The clip metrics follow the same rule: fractions of non-empty sequences (TRL counts the
-//! empty rows as "not clipped"). With no masked rows both give the same numbers.
+//! A row whose mask is all zero (a truncated completion masked out by
+//! `mask_truncated_completions`) has no tokens. **This implementation leaves it out of the
+//! denominator of the mean over sequences**, as verl's `agg_loss("seq-mean-token-mean")` does.
+//! TRL's `grpo` loss keeps it in (`.mean()` over all B rows, L3154, the row contributing 0),
+//! which shrinks the loss of a micro-batch with masked rows. With no masked rows both give the
+//! same numbers. The *metrics* do not follow this choice: they are TRL's (below), and the loss
+//! fleet optimises is logged under its own name, `loss_nonempty_mean`.
 //!
 //! The loss is the mean over one micro-batch; with gradient accumulation the trainer divides it
 //! by `gradient_accumulation_steps`, as TRL does.
 //!
-//! # Metrics
+//! # Metrics: TRL 1.16.0's definitions
 //!
-//! [`LossMetrics`] holds counts, so that micro-batches (and ranks) can be merged exactly before
-//! taking fractions, as TRL's `global_masked_mean` does: at the sequence levels the clip ratios
-//! count sequences (low: `s < 1 − epsilon` and `A < 0`; high: `s > 1 + epsilon_high` and
-//! `A > 0`); at the token level they count masked tokens. `kl` is the token-masked mean of k3.
+//! [`LossMetrics`] holds one micro-batch's counts and sums, so that the ranks' shares of a
+//! micro-batch (and the parts of a micro-batch split to fit memory) merge exactly, as TRL's
+//! `global_masked_mean` (L3259-3265) sums numerator and denominator over the ranks before
+//! dividing. [`StepLossMetrics`] keeps one [`LossMetrics`] per micro-batch of an optimizer step
+//! and averages the micro-batches' values with equal weight, as TRL's `log` (L3302-3312) averages
+//! the list `_metrics[key]` that each micro-batch appended to.
+//!
+//! | key | one micro-batch (all ranks) |
+//! |---|---|
+//! | `clip_ratio/low_mean` | `"token"`: masked tokens with `s_it < 1 − epsilon` and `A < 0` / masked tokens. `"sequence"`: rows with `s_i < 1 − epsilon` and `A < 0` / **all rows**, empty ones included (TRL's `x.shape[0]`; an empty row has `s_i = exp(0) = 1` and never clips). `"sequence_token"`: the same over masked tokens, each token carrying its sequence's `s_i`, so a sequence counts with its length (1.16.0's `global_masked_mean` over a `[B, T]` ratio, pooled over the ranks; TRL 0.24's `masked_batch_mean` gives the same on one rank but averages the ranks' means). |
+//! | `clip_ratio/high_mean` | the same with `s > 1 + epsilon_high` and `A > 0` |
+//! | `clip_ratio/region_mean` | low or high (disjoint) |
+//! | `kl` | Σ masked k3 / max(masked tokens, 1), at every level (only with `beta > 0`). TRL 1.16.0 with `use_bias_correction_kl = False`; its default `True` (grpo:L3104-3105) multiplies each token's k3 by the importance ratio in the loss and in `kl`, which fleet does not do (its loss is the GSPO paper's and TRL's plain k3 form) |
+//! | `entropy` | Σ masked entropy / max(masked tokens, 1) (the trainer adds the entropies, [`masked_sum`]) |
+//! | `loss` | Σ_i L_i / rows: TRL's `grpo` loss, empty rows in the denominator |
+//!
+//! A denominator of 0 gives 0, as TRL's `clamp(min=1.0)` does. fleet's own:
+//! `loss_nonempty_mean` (Σ_i L_i / non-empty rows, the loss optimised, averaged over the
+//! configured micro-batches) and `ratio_mean` (the mean importance ratio over non-empty sequences
+//! at the sequence levels, over masked tokens at `"token"`, pooled over the step).
 
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -192,18 +212,20 @@ pub struct LossInputs<'a> {
     pub advantages: &'a Tensor,
 }
 
-/// What the clip counts count.
+/// What the clip counts of [`LossMetrics`] count (TRL's `global_masked_mean` denominators).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ClipUnit {
-    /// Sequences (`sequence`, `sequence_token`).
+    /// Rows of the micro-batch, empty ones included (`sequence`: TRL's ratio is `[B, 1]`).
     #[default]
-    Sequences,
-    /// Masked tokens (`token`).
+    Rows,
+    /// Masked tokens (`token`, and `sequence_token`, whose ratio is `[B, T]`).
     Tokens,
 }
 
-/// Loss statistics as counts and sums, mergeable across micro-batches and ranks.
+/// One micro-batch's loss statistics as counts and sums: the ranks' shares of a micro-batch,
+/// and the parts of one split to fit memory, [`merge`](LossMetrics::merge) into the micro-batch's
+/// exactly. The fractions are TRL's per-micro-batch values (module docs).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LossMetrics {
     /// What the clip counts count.
@@ -212,70 +234,210 @@ pub struct LossMetrics {
     pub clip_low: u64,
     /// Units with `s > 1 + epsilon_high` and `A > 0`.
     pub clip_high: u64,
-    /// Units counted (non-empty sequences, or masked tokens).
+    /// Units counted: all rows (`sequence`) or masked tokens (`token`, `sequence_token`).
     pub clip_total: u64,
-    /// Sum of the importance ratios over the counted units.
+    /// Sum of the importance ratios over non-empty sequences (sequence levels) or masked tokens
+    /// (`token`): fleet's `ratio_mean`.
     pub ratio_sum: f64,
+    /// Ratios in `ratio_sum`.
+    pub ratio_count: u64,
     /// Sum of k3 over masked tokens (`None` when `beta = 0`).
     pub kl_sum: Option<f64>,
-    /// Rows of the micro-batch(es).
+    /// Sum of the policy's entropy over masked tokens, when the caller added it
+    /// ([`masked_sum`]); [`policy_loss`] leaves it `None`.
+    pub entropy_sum: Option<f64>,
+    /// Sum of the per-sequence losses `L_i` over all rows (an empty row's is 0).
+    pub loss_sum: f64,
+    /// Rows of the micro-batch (empty ones included).
     pub num_rows: u64,
-    /// Non-empty rows: the sequences in the loss's denominator.
+    /// Non-empty rows: the sequences in the denominator of the loss fleet optimises.
     pub num_sequences: u64,
     /// Masked (completion) tokens.
     pub num_tokens: u64,
 }
 
-fn frac(n: u64, d: u64) -> f64 {
-    if d == 0 {
-        0.0
-    } else {
-        n as f64 / d as f64
-    }
+/// `n / max(d, 1)`: TRL's `clamp(min=1.0)` denominators (0 when there is nothing to count).
+fn frac(n: f64, d: u64) -> f64 {
+    n / d.max(1) as f64
 }
 
 impl LossMetrics {
-    /// TRL `clip_ratio/low_mean`.
+    /// TRL `clip_ratio/low_mean` of this micro-batch.
     pub fn low_mean(&self) -> f64 {
-        frac(self.clip_low, self.clip_total)
+        frac(self.clip_low as f64, self.clip_total)
     }
 
-    /// TRL `clip_ratio/high_mean`.
+    /// TRL `clip_ratio/high_mean` of this micro-batch.
     pub fn high_mean(&self) -> f64 {
-        frac(self.clip_high, self.clip_total)
+        frac(self.clip_high as f64, self.clip_total)
     }
 
-    /// TRL `clip_ratio/region_mean` (low and high are disjoint).
+    /// TRL `clip_ratio/region_mean` of this micro-batch (low and high are disjoint).
     pub fn region_mean(&self) -> f64 {
-        frac(self.clip_low + self.clip_high, self.clip_total)
+        frac((self.clip_low + self.clip_high) as f64, self.clip_total)
     }
 
-    /// Mean importance ratio over the counted units (1 on-policy); `None` when nothing counted.
+    /// fleet's `ratio_mean`: the mean importance ratio (1 on-policy); `None` when nothing
+    /// counted.
     pub fn mean_ratio(&self) -> Option<f64> {
-        (self.clip_total > 0).then(|| self.ratio_sum / self.clip_total as f64)
+        (self.ratio_count > 0).then(|| self.ratio_sum / self.ratio_count as f64)
     }
 
-    /// TRL `kl`: the token-masked mean of k3; `None` when `beta = 0` or no tokens.
+    /// TRL `kl` of this micro-batch: the token-masked mean of k3 (0 without tokens); `None`
+    /// when `beta = 0`.
     pub fn kl_mean(&self) -> Option<f64> {
-        self.kl_sum
-            .filter(|_| self.num_tokens > 0)
-            .map(|s| s / self.num_tokens as f64)
+        self.kl_sum.map(|s| frac(s, self.num_tokens))
     }
 
-    /// Adds another micro-batch's counts.
+    /// TRL `entropy` of this micro-batch: the token-masked mean entropy (0 without tokens);
+    /// `None` when no entropy was added.
+    pub fn entropy_mean(&self) -> Option<f64> {
+        self.entropy_sum.map(|s| frac(s, self.num_tokens))
+    }
+
+    /// TRL's `grpo` loss of this micro-batch: `Σ_i L_i / rows`, empty rows in the denominator.
+    pub fn trl_loss(&self) -> f64 {
+        frac(self.loss_sum, self.num_rows)
+    }
+
+    /// The loss fleet optimises for this micro-batch: `Σ_i L_i / non-empty rows`.
+    pub fn nonempty_loss(&self) -> f64 {
+        frac(self.loss_sum, self.num_sequences)
+    }
+
+    /// Adds the counts of another share of the same micro-batch (another rank's rows, or
+    /// another part of a micro-batch split to fit memory).
     pub fn merge(&mut self, other: &LossMetrics) {
         self.clip_unit = other.clip_unit;
         self.clip_low += other.clip_low;
         self.clip_high += other.clip_high;
         self.clip_total += other.clip_total;
         self.ratio_sum += other.ratio_sum;
-        self.kl_sum = match (self.kl_sum, other.kl_sum) {
+        self.ratio_count += other.ratio_count;
+        let add = |a: Option<f64>, b: Option<f64>| match (a, b) {
             (Some(a), Some(b)) => Some(a + b),
             (a, b) => a.or(b),
         };
+        self.kl_sum = add(self.kl_sum, other.kl_sum);
+        self.entropy_sum = add(self.entropy_sum, other.entropy_sum);
+        self.loss_sum += other.loss_sum;
         self.num_rows += other.num_rows;
         self.num_sequences += other.num_sequences;
         self.num_tokens += other.num_tokens;
+    }
+}
+
+/// The loss metrics of one optimizer step: one [`LossMetrics`] per micro-batch (over all ranks)
+/// in the order they ran, `num_iterations` passes included. TRL appends one value per
+/// micro-batch to `_metrics[key]` and logs their unweighted mean; so do the methods here (a
+/// micro-batch of few tokens weighs as much as one of many).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepLossMetrics {
+    /// The step's micro-batches.
+    pub micro_batches: Vec<LossMetrics>,
+}
+
+/// Two ranks reported different numbers of micro-batches for one optimizer step (a bug).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("loss metrics of {ours} micro-batches cannot merge with another rank's {theirs}: every rank runs every micro-batch of a step")]
+pub struct MicroBatchCountMismatch {
+    /// This rank's micro-batches.
+    pub ours: usize,
+    /// The other rank's.
+    pub theirs: usize,
+}
+
+impl StepLossMetrics {
+    /// Appends the next micro-batch's metrics.
+    pub fn push(&mut self, m: LossMetrics) {
+        self.micro_batches.push(m);
+    }
+
+    /// Merges `m` into the last micro-batch: another part of a configured micro-batch that
+    /// `auto_find_batch_size` split to fit memory (TRL ran it as one, so it is one value of
+    /// each metric). With no micro-batch yet it is the first.
+    pub fn push_part(&mut self, m: LossMetrics) {
+        match self.micro_batches.last_mut() {
+            Some(last) => last.merge(&m),
+            None => self.micro_batches.push(m),
+        }
+    }
+
+    /// Merges another rank's metrics of the same step, micro-batch by micro-batch.
+    pub fn merge_rank(&mut self, other: &StepLossMetrics) -> Result<(), MicroBatchCountMismatch> {
+        if self.micro_batches.len() != other.micro_batches.len() {
+            return Err(MicroBatchCountMismatch {
+                ours: self.micro_batches.len(),
+                theirs: other.micro_batches.len(),
+            });
+        }
+        for (a, b) in self.micro_batches.iter_mut().zip(&other.micro_batches) {
+            a.merge(b);
+        }
+        Ok(())
+    }
+
+    /// The unweighted mean of `f` over the micro-batches; 0 for a step without any.
+    fn mean(&self, f: impl Fn(&LossMetrics) -> f64) -> f64 {
+        let n = self.micro_batches.len();
+        self.micro_batches.iter().map(f).sum::<f64>() / n.max(1) as f64
+    }
+
+    /// The mean of `f` over the micro-batches where it is defined; `None` if nowhere (TRL's
+    /// `log` skips keys that no micro-batch appended to).
+    fn mean_of_some(&self, f: impl Fn(&LossMetrics) -> Option<f64>) -> Option<f64> {
+        let v: Vec<f64> = self.micro_batches.iter().filter_map(f).collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    }
+
+    /// TRL `loss`: the mean over the micro-batches of `Σ_i L_i / rows`.
+    pub fn loss(&self) -> f64 {
+        self.mean(LossMetrics::trl_loss)
+    }
+
+    /// fleet's `loss_nonempty_mean`, the loss the gradient is of: per micro-batch
+    /// `Σ_i L_i / non-empty rows`, averaged over the micro-batches.
+    pub fn nonempty_loss(&self) -> f64 {
+        self.mean(LossMetrics::nonempty_loss)
+    }
+
+    /// TRL `clip_ratio/low_mean`.
+    pub fn low_mean(&self) -> f64 {
+        self.mean(LossMetrics::low_mean)
+    }
+
+    /// TRL `clip_ratio/high_mean`.
+    pub fn high_mean(&self) -> f64 {
+        self.mean(LossMetrics::high_mean)
+    }
+
+    /// TRL `clip_ratio/region_mean`.
+    pub fn region_mean(&self) -> f64 {
+        self.mean(LossMetrics::region_mean)
+    }
+
+    /// TRL `kl` (`None` when `beta = 0`).
+    pub fn kl(&self) -> Option<f64> {
+        self.mean_of_some(LossMetrics::kl_mean)
+    }
+
+    /// TRL `entropy` (`None` when no entropies were added).
+    pub fn entropy(&self) -> Option<f64> {
+        self.mean_of_some(LossMetrics::entropy_mean)
+    }
+
+    /// All micro-batches' counts together.
+    pub fn total(&self) -> LossMetrics {
+        let mut m = LossMetrics::default();
+        for c in &self.micro_batches {
+            m.merge(c);
+        }
+        m
+    }
+
+    /// fleet's `ratio_mean`: pooled over the step's micro-batches.
+    pub fn ratio_mean(&self) -> Option<f64> {
+        self.total().mean_ratio()
     }
 }
 
@@ -474,9 +636,10 @@ pub fn policy_loss(inputs: &LossInputs<'_>, config: &LossConfig) -> Result<Polic
     let per_seq = (per_token * &mask)?
         .sum_keepdim(1)?
         .broadcast_div(&len_clamped)?; // [B, 1]
-    let loss = (per_seq.sum_all()? / (num_sequences.max(1) as f64))?;
+    let per_seq_sum = per_seq.sum_all()?;
+    let loss = (&per_seq_sum / (num_sequences.max(1) as f64))?;
 
-    // Metrics, on the host.
+    // Metrics, on the host (module docs: TRL's definitions).
     let lo32 = lo as f32;
     let hi32 = hi as f32;
     let adv = advantages.to_dtype(DType::F32)?.to_vec1::<f32>()?;
@@ -484,27 +647,40 @@ pub fn policy_loss(inputs: &LossInputs<'_>, config: &LossConfig) -> Result<Polic
         num_rows: b as u64,
         num_sequences,
         num_tokens,
+        loss_sum: per_seq_sum.to_dtype(DType::F64)?.to_scalar::<f64>()?,
         ..LossMetrics::default()
     };
-    let count = |s: f32, a: f32, m: &mut LossMetrics| {
-        m.clip_total += 1;
-        m.ratio_sum += f64::from(s);
+    // `weight` units with ratio `s` and advantage `a`.
+    let count = |s: f32, a: f32, weight: u64, m: &mut LossMetrics| {
+        m.clip_total += weight;
         if s < lo32 && a < 0.0 {
-            m.clip_low += 1;
+            m.clip_low += weight;
         } else if s > hi32 && a > 0.0 {
-            m.clip_high += 1;
+            m.clip_high += weight;
         }
     };
     match config.importance_sampling_level {
         ImportanceSamplingLevel::Sequence | ImportanceSamplingLevel::SequenceToken => {
-            m.clip_unit = ClipUnit::Sequences;
+            let token_weighted =
+                config.importance_sampling_level == ImportanceSamplingLevel::SequenceToken;
+            m.clip_unit = if token_weighted {
+                ClipUnit::Tokens
+            } else {
+                ClipUnit::Rows
+            };
             let s = seq_log_ratio
                 .exp()?
                 .to_dtype(DType::F32)?
                 .to_vec2::<f32>()?;
             for i in 0..b {
+                let s_i = s[i][0];
+                // "sequence": every row counts once, an empty one too (its ratio is exp(0) = 1);
+                // "sequence_token": every masked token, with its sequence's ratio.
+                let weight = if token_weighted { lens[i] } else { 1 };
+                count(s_i, adv[i], weight, &mut m);
                 if lens[i] > 0 {
-                    count(s[i][0], adv[i], &mut m);
+                    m.ratio_sum += f64::from(s_i);
+                    m.ratio_count += 1;
                 }
             }
         }
@@ -514,7 +690,9 @@ pub fn policy_loss(inputs: &LossInputs<'_>, config: &LossConfig) -> Result<Polic
             for i in 0..b {
                 for j in 0..t {
                     if mask_rows[i][j] == 1.0 {
-                        count(s[i][j], adv[i], &mut m);
+                        count(s[i][j], adv[i], 1, &mut m);
+                        m.ratio_sum += f64::from(s[i][j]);
+                        m.ratio_count += 1;
                     }
                 }
             }
@@ -528,6 +706,23 @@ pub fn policy_loss(inputs: &LossInputs<'_>, config: &LossConfig) -> Result<Polic
         m.kl_sum = Some(k3);
     }
     Ok(PolicyLoss { loss, metrics: m })
+}
+
+/// `Σ mask·values` in f64, with the values at masked-out positions replaced by 0 first (so NaN
+/// or ±inf there cannot leak in): what the trainer adds to [`LossMetrics::entropy_sum`] from the
+/// policy's per-token entropies. `values` and `mask` are `[B, T]`.
+pub fn masked_sum(values: &Tensor, mask: &Tensor) -> Result<f64, LossError> {
+    if values.dims() != mask.dims() {
+        return Err(LossError::Shape {
+            name: "values",
+            got: values.dims().to_vec(),
+            expected: format!("{:?} like the mask", mask.dims()),
+        });
+    }
+    let values = values.to_dtype(DType::F64)?;
+    let mask = mask.to_dtype(DType::F64)?;
+    let kept = mask.ne(0.0)?.where_cond(&values, &values.zeros_like()?)?;
+    Ok((kept * mask)?.sum_all()?.to_scalar::<f64>()?)
 }
 
 #[cfg(test)]
@@ -648,7 +843,7 @@ mod tests {
             let (loss_same, m_same, g_same) = run(&logp, Some(&logp), None, &mask, &adv, &c);
             for (loss, m) in [(loss_none, &m_none), (loss_same, &m_same)] {
                 assert_eq!(
-                    m.ratio_sum, m.clip_total as f64,
+                    m.ratio_sum, m.ratio_count as f64,
                     "{level}: every ratio is exactly 1"
                 );
                 assert_eq!((m.clip_low, m.clip_high), (0, 0), "{level}");
@@ -710,7 +905,19 @@ mod tests {
             &cfg(ImportanceSamplingLevel::SequenceToken, 0.0),
         );
         assert!(close(lt, f64::from(ls), 1e-6), "{ls} vs {lt}");
-        assert_eq!(ms, mt);
+        // The same flags; TRL's clip ratios weigh a sequence by its tokens at "sequence_token"
+        // (its ratio is [B, T]) and count rows at "sequence".
+        assert_eq!(
+            (ms.clip_unit, mt.clip_unit),
+            (ClipUnit::Rows, ClipUnit::Tokens)
+        );
+        assert_eq!(ms.clip_total, 4);
+        assert_eq!(mt.clip_total, 3 + 4 + 2 + 4);
+        assert_eq!(
+            (ms.ratio_sum, ms.ratio_count),
+            (mt.ratio_sum, mt.ratio_count)
+        );
+        assert_eq!(ms.loss_sum.to_bits(), mt.loss_sum.to_bits());
         assert!(
             ms.clip_high + ms.clip_low > 0,
             "the example clips something"
@@ -807,7 +1014,7 @@ mod tests {
         assert!((f64::from(seq) - f64::from(tok)).abs() > 0.01);
         assert_eq!(
             (ms.clip_unit, ms.clip_total, ms.clip_high),
-            (ClipUnit::Sequences, 1, 0)
+            (ClipUnit::Rows, 1, 0)
         );
         assert_eq!(
             (mt.clip_unit, mt.clip_total, mt.clip_high),
@@ -835,11 +1042,12 @@ mod tests {
         let adv = t1(&[-1.0, 1.0, -1.0, 1.0, 1.0]);
         let c = cfg(ImportanceSamplingLevel::Sequence, 0.0);
         let (loss, m, grad) = run(&logp, Some(&old), None, &mask, &adv, &c);
-        assert_eq!((m.clip_low, m.clip_high, m.clip_total), (1, 1, 4));
+        // TRL counts the empty row (its ratio is exp(0) = 1, not clipped): 5 rows.
+        assert_eq!((m.clip_low, m.clip_high, m.clip_total), (1, 1, 5));
         assert_eq!((m.num_rows, m.num_sequences, m.num_tokens), (5, 4, 8));
-        assert_eq!(m.low_mean(), 0.25);
-        assert_eq!(m.high_mean(), 0.25);
-        assert_eq!(m.region_mean(), 0.5);
+        assert_eq!(m.low_mean(), 0.2);
+        assert_eq!(m.high_mean(), 0.2);
+        assert_eq!(m.region_mean(), 0.4);
         // The masked row leaves the denominator: 4 sequences, not 5 (TRL would divide by 5).
         let lr = |a: f32, b: f32| f64::from(((a - -1.0f32) + (b - -1.0f32)) / 2.0);
         let s = [
@@ -1000,6 +1208,7 @@ mod tests {
             clip_low: 1,
             clip_total: 4,
             ratio_sum: 4.0,
+            ratio_count: 4,
             num_rows: 4,
             num_sequences: 4,
             num_tokens: 10,
@@ -1009,6 +1218,7 @@ mod tests {
             clip_high: 2,
             clip_total: 4,
             ratio_sum: 4.4,
+            ratio_count: 4,
             num_rows: 5,
             num_sequences: 4,
             num_tokens: 7,

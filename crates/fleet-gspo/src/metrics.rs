@@ -1,27 +1,64 @@
 //! Per-step training metrics: one JSON line per optimizer step, with TRL's names where they
-//! exist (fact sheet B5), written through [`fleet_dist::JsonlLog`]; and the training plots.
+//! exist, written through [`fleet_dist::JsonlLog`]; and the training plots.
 //!
 //! # Record
 //!
-//! [`StepMetrics`] serialises to one flat JSON object. TRL's keys: `step`, `epoch`, `loss`,
-//! `reward`, `reward_std`, `rewards/<fn>/mean`, `rewards/<fn>/std`, `frac_reward_zero_std`,
-//! `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`, `kl` (only with
-//! `beta > 0`), `entropy`, `completions/mean_length`, `completions/min_length`,
-//! `completions/max_length`, `completions/clipped_ratio`,
-//! `completions/mean_terminated_length` (and min/max), `grad_norm`, `learning_rate`,
-//! `num_tokens` (prompt + completion tokens seen so far, TRL's cumulative count), `step_time`.
-//! fleet's own: `generation_batch`, `ratio_mean`, `tokens_per_second`, `generation_seconds`,
-//! `scoring_seconds`, `update_seconds`, `peak_memory_bytes` (per device), `failed_rewards`,
-//! `groups_too_small`, `unparsed_answers`, `num_sequences`.
+//! [`StepMetrics`] serialises to one flat JSON object. A key that TRL 1.16.0's `GRPOTrainer`
+//! (with transformers 5.17.0's `Trainer`) also logs has TRL's definition, checked against
+//! `trl/trainer/grpo_trainer.py` (cited `grpo:L…`) and `transformers/trainer.py` (`hf:L…`);
+//! where fleet differs on purpose the value has its own key. TRL's keys:
 //!
-//! Differences from TRL's log, by design:
-//! - every optimizer step gets a line (TRL averages over `logging_steps`);
-//! - the reward and completion fields describe the generation batch the step trained on, so the
-//!   `steps_per_generation × num_iterations / gradient_accumulation_steps` steps that share one
-//!   batch repeat them; `generation_batch` says which batch it was (TRL logs them once per
-//!   generation);
-//! - `learning_rate` is the rate the step used (HF logs the scheduler's next rate);
-//! - a NaN or infinite float is written as `null` (JSON has no NaN) and read back as NaN.
+//! | key | definition |
+//! |---|---|
+//! | `step` | optimizer steps done, this one included (HF `global_step`) |
+//! | `epoch` | HF's `state.epoch` (hf:L1881): `epochs done + micro-steps of this epoch / micro-steps per epoch`, an epoch being `floor(prompts / prompts per generation batch)` generation batches ([`trainer_epoch`]) |
+//! | `loss` | TRL's `grpo` loss (grpo:L3154; hf:L2175-2180): per micro-batch `Σ_i L_i / rows`, **empty rows in the denominator**, then the mean over the step's micro-batches (and ranks) |
+//! | `reward` | `nanmean` over the generation batch (all ranks) of the per-completion `nansum_k w_k·r_k` over the functions that scored it; a completion no function scored is left out (grpo:L2826-2828) |
+//! | `reward_std` | `nanstd` (Bessel) of the same (grpo:L2829); `null` with fewer than 2 |
+//! | `rewards/<fn>/mean`, `/std` | `nanmean` / `nanstd` of one function's scores over the completions it scored (grpo:L2820-2825) |
+//! | `frac_reward_zero_std` | fraction of groups whose `nanstd` of the same totals `isclose` 0 (`scale_rewards = "batch"`: the batch's, so 0 or 1); a group with fewer than 2 scored completions has a NaN std and does not count (grpo:L2765-2788, L2830) |
+//! | `clip_ratio/low_mean`, `/high_mean`, `/region_mean` | per micro-batch over all ranks, tokens (`token`, `sequence_token`) or all rows (`sequence`, empty rows included), then the mean over the micro-batches ([`crate::loss`] module docs; grpo:L3259-3279) |
+//! | `kl` | per micro-batch the token-masked mean of k3, then the mean over micro-batches; only with `beta > 0` (grpo:L3267-3268). TRL's value with `use_bias_correction_kl = False`: TRL 1.16.0 defaults to `True` (grpo:L3104-3105), which weighs each k3 by the importance ratio in the loss and in `kl`; fleet has no such option (equal on-policy, where the ratio is 1) |
+//! | `entropy` | the same for the policy's entropy at the sampling temperature (grpo:L3270) |
+//! | `completions/mean_length`, `/min_length`, `/max_length` | over every completion of the generation batch (masked ones too), EOS included (grpo:L2294-2298) |
+//! | `completions/clipped_ratio` | fraction without EOS within `max_completion_length`, masked or not (grpo:L2300-2304) |
+//! | `completions/mean_terminated_length`, `/min…`, `/max…` | over the completions that ended with EOS; **0 when none did** (grpo:L2305-2310; a terminated completion has at least its EOS, so 0 is unambiguous, and `clipped_ratio` is then 1) |
+//! | `grad_norm` | the global 2-norm of the accumulated gradient before clipping (hf:L1862-1865) |
+//! | `learning_rate` | the rate this optimizer step used (hf:L1871-1872: read after the optimizer step, before the scheduler steps) |
+//! | `num_tokens` | prompt + completion tokens of all generation batches so far, masked completions included (grpo:L2290-2293) |
+//! | `step_time` | seconds of the step's micro-steps: generation and scoring when they happened in it, forward and backward, the gradient all-reduce (grpo:L1510-1518); **not** the gradient clipping and optimizer update that follow them (hf:L1862-1877) |
+//!
+//! fleet's own keys:
+//!
+//! | key | definition |
+//! |---|---|
+//! | `loss_nonempty_mean` | the loss fleet optimises: per configured micro-batch `Σ_i L_i / non-empty rows` (verl's seq-mean-token-mean), averaged over them. Equals `loss` unless `mask_truncated_completions` masked whole rows; kept apart because TRL divides by all rows ([`crate::loss`]) |
+//! | `reward_fully_scored`, `reward_fully_scored_std` | mean and std of the totals of the completions that *every* function scored: the rewards the advantages use. TRL's `reward` also counts a completion that only some functions scored, the others as 0; fleet does not train on such a completion ([`crate::rewards`]) |
+//! | `generation_batch` | which generation batch the step trained on: **1** for the run's first, counting on across resumes |
+//! | `ratio_mean` | the mean importance ratio (1 on-policy) over the step: non-empty sequences at the sequence levels, masked tokens at `token` |
+//! | `num_sequences` | non-empty rows trained on in the step, over all micro-batches (`num_iterations` passes count each time) |
+//! | `tokens_per_second` | completion tokens trained on in the step / its wall time |
+//! | `generation_seconds`, `scoring_seconds`, `update_seconds` | the step's phases ([`StepTimings`]), adding up to its wall time; `update_seconds` includes the gradient clipping and AdamW update that `step_time` leaves out, which took `generation_seconds + scoring_seconds + update_seconds − step_time` |
+//! | `peak_memory_bytes` | peak memory per device so far |
+//! | `failed_rewards` | completions of the generation batch without a total reward (some function gave `None` or failed) |
+//! | `groups_too_small` | groups with fewer than 2 fully scored completions (their advantages are 0) |
+//! | `unparsed_answers` | completions of the generation batch whose answer a function could not read (scored 0), summed over the functions |
+//!
+//! # One line per optimizer step; per-generation-batch values repeat
+//!
+//! Every optimizer step gets a line (TRL writes one per `logging_steps`; with
+//! `logging_steps = 1` the same steps). A generation batch feeds
+//! `steps_per_generation × num_iterations / gradient_accumulation_steps` optimizer steps. The
+//! values that describe the generation batch — `reward`, `reward_std`, `rewards/*`,
+//! `frac_reward_zero_std`, `reward_fully_scored*`, `completions/*`, `num_tokens`,
+//! `failed_rewards`, `groups_too_small`, `unparsed_answers` — are **repeated on each of its
+//! steps** (same `generation_batch`); TRL logs them only on the step whose first micro-step
+//! generated the batch (its `_metrics` lists get one value per generation, grpo:L1537-1546).
+//! So a mean over the lines weighs every batch equally (as TRL's does), but a *sum* over lines
+//! counts a batch once per step: to total `unparsed_answers` or `failed_rewards`, take one line
+//! per `generation_batch`. The other keys describe the step itself.
+//!
+//! A NaN or infinite float is written as `null` (JSON has no NaN) and read back as NaN.
 //!
 //! # Resume
 //!
@@ -31,13 +68,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use fleet_argo::plot::{write_chart, LineChart, Series};
+use fleet_argo::plot::{write_chart, LineChart, LineStyle, Marker, MarkerShape, Series};
 use fleet_dist::{JsonlContents, JsonlLog};
 use plotters::style::RGBColor;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::advantage::GroupAdvantages;
-use crate::loss::LossMetrics;
+use crate::advantage::{nan_mean_std, GroupAdvantages};
+use crate::config::ScaleRewards;
+use crate::loss::StepLossMetrics;
 use crate::rewards::BatchRewards;
 
 /// Errors of the metrics file and plots.
@@ -80,7 +118,12 @@ mod nan_as_null {
     }
 }
 
-/// Completion lengths of a generation batch (TRL's `completions/*`).
+/// Reads `null` (how files written before TRL's 0 said "no terminated completion") as 0.
+fn null_as_zero<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(0.0))
+}
+
+/// Completion lengths of a generation batch (TRL's `completions/*`, grpo:L2294-2310).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CompletionStats {
     /// Mean completion length in tokens.
@@ -96,20 +139,30 @@ pub struct CompletionStats {
     /// masked.
     #[serde(rename = "completions/clipped_ratio")]
     pub clipped_ratio: f64,
-    /// Mean length of the completions that ended with EOS; `None` if none did.
-    #[serde(rename = "completions/mean_terminated_length")]
-    pub mean_terminated_length: Option<f64>,
-    /// Shortest terminated completion.
-    #[serde(rename = "completions/min_terminated_length")]
-    pub min_terminated_length: Option<f64>,
-    /// Longest terminated completion.
-    #[serde(rename = "completions/max_terminated_length")]
-    pub max_terminated_length: Option<f64>,
+    /// Mean length of the completions that ended with EOS; 0 if none did (TRL's value).
+    #[serde(
+        rename = "completions/mean_terminated_length",
+        deserialize_with = "null_as_zero"
+    )]
+    pub mean_terminated_length: f64,
+    /// Shortest terminated completion; 0 if none.
+    #[serde(
+        rename = "completions/min_terminated_length",
+        deserialize_with = "null_as_zero"
+    )]
+    pub min_terminated_length: f64,
+    /// Longest terminated completion; 0 if none.
+    #[serde(
+        rename = "completions/max_terminated_length",
+        deserialize_with = "null_as_zero"
+    )]
+    pub max_terminated_length: f64,
 }
 
 impl CompletionStats {
     /// Statistics of `lengths` (tokens, EOS included) with `truncated[i]` true for a
     /// completion that hit the length limit. `None` for an empty batch or mismatched lengths.
+    /// The terminated statistics are 0 when every completion was truncated, as in TRL.
     pub fn from_lengths(lengths: &[usize], truncated: &[bool]) -> Option<CompletionStats> {
         if lengths.is_empty() || lengths.len() != truncated.len() {
             return None;
@@ -131,17 +184,107 @@ impl CompletionStats {
             .map(|(&l, _)| l as f64)
             .collect();
         let (mean_length, min_length, max_length) = stats(&all)?;
-        let term = stats(&done);
+        // TRL: `term_completion_lengths = torch.zeros(1)` when none terminated.
+        let term = stats(&done).unwrap_or((0.0, 0.0, 0.0));
         Some(CompletionStats {
             mean_length,
             min_length,
             max_length,
             clipped_ratio: truncated.iter().filter(|&&t| t).count() as f64 / lengths.len() as f64,
-            mean_terminated_length: term.map(|t| t.0),
-            min_terminated_length: term.map(|t| t.1),
-            max_terminated_length: term.map(|t| t.2),
+            mean_terminated_length: term.0,
+            min_terminated_length: term.1,
+            max_terminated_length: term.2,
         })
     }
+}
+
+/// The reward statistics TRL logs for a generation batch (grpo:L2759-2830), from each
+/// function's scores: TRL sums the functions that scored a completion (`nansum`), so they can
+/// differ from fleet's totals, which need every function ([`crate::rewards`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrlRewardStats {
+    /// `reward`: `nanmean` of the per-completion totals; `None` if no completion was scored.
+    pub reward: Option<f64>,
+    /// `reward_std`: `nanstd` (Bessel's correction) of the same; `None` with fewer than 2.
+    pub reward_std: Option<f64>,
+    /// `frac_reward_zero_std`.
+    pub frac_reward_zero_std: f64,
+}
+
+/// `torch.isclose(std, 0)` with the default tolerances: `|std| <= 1e-8`; NaN (no std) is not.
+fn is_zero_std(std: Option<f64>) -> bool {
+    std.is_some_and(|s| s.abs() <= 1e-8)
+}
+
+/// TRL's per-completion total: `Σ_k w_k·r_k` over the functions that scored it (`nansum`),
+/// `None` when none did (grpo:L2759, L2826-2827).
+pub fn trl_reward_totals(rewards: &BatchRewards) -> Vec<Option<f64>> {
+    let n = rewards.totals.len();
+    (0..n)
+        .map(|i| {
+            let scored: Vec<f64> = rewards
+                .per_func
+                .iter()
+                .filter_map(|f| f.values.get(i).copied().flatten().map(|v| f.weight * v))
+                .collect();
+            (!scored.is_empty()).then(|| scored.iter().sum())
+        })
+        .collect()
+}
+
+/// TRL's `reward`, `reward_std` and `frac_reward_zero_std` of a generation batch of groups of
+/// `num_generations` consecutive completions, with `scale_rewards` as configured.
+pub fn trl_reward_stats(
+    rewards: &BatchRewards,
+    num_generations: usize,
+    scale_rewards: ScaleRewards,
+) -> TrlRewardStats {
+    let totals = trl_reward_totals(rewards);
+    let (reward, reward_std) = nan_mean_std(&totals);
+    let g = num_generations.max(1);
+    let groups = totals.len().div_ceil(g);
+    let frac_reward_zero_std = match scale_rewards {
+        // One batch std for every completion: all of them zero-std, or none.
+        ScaleRewards::Batch => {
+            if is_zero_std(reward_std) {
+                1.0
+            } else {
+                0.0
+            }
+        }
+        ScaleRewards::Group | ScaleRewards::None => {
+            let zero = totals
+                .chunks(g)
+                .filter(|group| is_zero_std(nan_mean_std(group).1))
+                .count();
+            zero as f64 / groups.max(1) as f64
+        }
+    };
+    TrlRewardStats {
+        reward,
+        reward_std,
+        frac_reward_zero_std,
+    }
+}
+
+/// HF `Trainer`'s `state.epoch` after optimizer step `step_in_batch` (1-based) of the
+/// generation batch just drawn (hf:L1881: `epoch + (step + 1) / steps_in_epoch`, counted in
+/// micro-steps; TRL's `RepeatSampler` makes an epoch `floor(prompts / prompts per generation
+/// batch)` generation batches of `steps_per_batch` optimizer steps each). `cursor_epoch` is the
+/// 0-based epoch the batch came from and `batches_in_epoch` how many batches of that epoch have
+/// been drawn, this one included. `None` when the layout has no whole batch per epoch.
+pub fn trainer_epoch(
+    cursor_epoch: u64,
+    batches_in_epoch: u64,
+    step_in_batch: u64,
+    steps_per_batch: u64,
+    batches_per_epoch: u64,
+) -> Option<f64> {
+    if steps_per_batch == 0 || batches_per_epoch == 0 || batches_in_epoch == 0 {
+        return None;
+    }
+    let done = (batches_in_epoch - 1) * steps_per_batch + step_in_batch;
+    Some(cursor_epoch as f64 + done as f64 / (batches_per_epoch * steps_per_batch) as f64)
 }
 
 /// Wall-clock seconds of one optimizer step's phases.
@@ -149,41 +292,65 @@ impl CompletionStats {
 pub struct StepTimings {
     /// Sampling completions (0 for a step that reused a buffered generation batch).
     pub generation_seconds: f64,
-    /// Reward functions, advantages, old / reference log-probs.
+    /// Reward functions, advantages, old / reference log-probs (0 likewise).
     pub scoring_seconds: f64,
-    /// Forward, backward and optimizer step.
+    /// Forward and backward of the step's micro-batches, the ranks' gradient all-reduce,
+    /// gradient clipping and the AdamW update.
     pub update_seconds: f64,
 }
 
-/// One optimizer step's line in `metrics.jsonl` (keys in the module docs).
+impl StepTimings {
+    /// The step's wall time: generation, scoring, update.
+    pub fn wall_seconds(&self) -> f64 {
+        self.generation_seconds + self.scoring_seconds + self.update_seconds
+    }
+
+    /// TRL's `step_time`: the wall time less `optimizer_seconds` spent clipping the gradient
+    /// and updating the weights (part of `update_seconds`).
+    pub fn trl_step_time(&self, optimizer_seconds: f64) -> f64 {
+        self.wall_seconds() - optimizer_seconds
+    }
+}
+
+/// One optimizer step's line in `metrics.jsonl` (keys and definitions in the module docs).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
     /// Optimizer steps done, this one included (1-based).
     pub step: u64,
-    /// Fractional epoch over the prompt dataset.
+    /// HF's fractional epoch.
     pub epoch: f64,
-    /// Mean policy loss over the step's micro-batches.
+    /// TRL's loss: per micro-batch `Σ_i L_i / rows`, mean over the step's micro-batches.
     #[serde(with = "nan_as_null")]
     pub loss: f64,
-    /// Mean total reward of the generation batch (valid rewards only).
+    /// The loss fleet optimises: `Σ_i L_i / non-empty rows` per configured micro-batch, mean
+    /// over them. Files written before it have no such key (`None`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_nonempty_mean: Option<f64>,
+    /// TRL's `reward` of the generation batch.
     pub reward: Option<f64>,
-    /// Std of the total reward over the whole generation batch.
+    /// TRL's `reward_std` of the generation batch.
     pub reward_std: Option<f64>,
-    /// Fraction of groups whose reward std is 0.
+    /// TRL's `frac_reward_zero_std` of the generation batch.
     pub frac_reward_zero_std: f64,
-    /// Fraction of sequences (tokens at token level) clipped below.
+    /// Mean total reward of the completions every function scored (what the advantages use).
+    #[serde(default)]
+    pub reward_fully_scored: Option<f64>,
+    /// Unbiased std of the same.
+    #[serde(default)]
+    pub reward_fully_scored_std: Option<f64>,
+    /// TRL's `clip_ratio/low_mean`.
     #[serde(rename = "clip_ratio/low_mean")]
     pub clip_ratio_low_mean: f64,
-    /// Fraction clipped above.
+    /// TRL's `clip_ratio/high_mean`.
     #[serde(rename = "clip_ratio/high_mean")]
     pub clip_ratio_high_mean: f64,
-    /// Fraction clipped either way.
+    /// TRL's `clip_ratio/region_mean`.
     #[serde(rename = "clip_ratio/region_mean")]
     pub clip_ratio_region_mean: f64,
-    /// Token-masked mean of k3 (only with `beta > 0`).
+    /// TRL's `kl` (only with `beta > 0`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kl: Option<f64>,
-    /// Token-masked mean entropy of the policy, if the trainer computed it.
+    /// TRL's `entropy`, if the trainer computed it.
     pub entropy: Option<f64>,
     /// Completion lengths of the generation batch.
     #[serde(flatten)]
@@ -193,28 +360,32 @@ pub struct StepMetrics {
     pub grad_norm: f64,
     /// The learning rate this step used.
     pub learning_rate: f64,
-    /// Prompt + completion tokens seen so far (cumulative).
+    /// Prompt + completion tokens of all generation batches so far (cumulative).
     pub num_tokens: u64,
-    /// Seconds of this step, generation included when it happened in it.
+    /// TRL's `step_time`: the step's seconds without clipping and the optimizer update (the
+    /// wall time is `generation_seconds + scoring_seconds + update_seconds`).
     pub step_time: f64,
-    /// Which generation batch the step trained on (0-based).
+    /// Which generation batch the step trained on: 1 for the run's first, counting on across
+    /// resumes.
     pub generation_batch: u64,
     /// Mean importance ratio (1 on-policy).
     pub ratio_mean: Option<f64>,
-    /// Tokens trained on in this step / `step_time`.
+    /// Completion tokens trained on in this step / its wall time.
     pub tokens_per_second: f64,
     /// Phases of the step.
     #[serde(flatten)]
     pub timings: StepTimings,
     /// Peak memory per device (`cuda:0` → bytes); empty on CPU.
     pub peak_memory_bytes: BTreeMap<String, u64>,
-    /// Completions of the generation batch without a reward.
+    /// Completions of the generation batch without a total reward (repeated on each of its
+    /// steps).
     pub failed_rewards: u64,
-    /// Groups with fewer than 2 valid rewards.
+    /// Groups with fewer than 2 fully scored completions (repeated on each of its steps).
     pub groups_too_small: u64,
-    /// Completions whose answer could not be read (scored 0).
+    /// Completions of the generation batch whose answer could not be read (scored 0), summed
+    /// over the functions; per generation batch, repeated on each of its steps.
     pub unparsed_answers: u64,
-    /// Sequences in the loss (non-empty rows) over the step's micro-batches.
+    /// Non-empty rows trained on in this step, over its micro-batches.
     pub num_sequences: u64,
     /// `rewards/<fn>/mean` and `rewards/<fn>/std`. Declared last: when reading, this map takes
     /// the keys no other field claimed.
@@ -227,34 +398,35 @@ pub struct StepMetrics {
 pub struct StepParts<'a> {
     /// Optimizer steps done, this one included.
     pub step: u64,
-    /// Fractional epoch.
+    /// Fractional epoch ([`trainer_epoch`]).
     pub epoch: f64,
-    /// Mean loss over the step's micro-batches.
-    pub loss: f64,
     /// Advantages of the generation batch.
     pub advantages: &'a GroupAdvantages,
     /// Rewards of the generation batch.
     pub rewards: &'a BatchRewards,
-    /// Loss metrics merged over the step's micro-batches.
-    pub loss_metrics: &'a LossMetrics,
+    /// Completions per prompt.
+    pub num_generations: usize,
+    /// How advantages are scaled (TRL's `frac_reward_zero_std` follows it).
+    pub scale_rewards: ScaleRewards,
+    /// The loss metrics of the step's micro-batches, merged over the ranks.
+    pub loss_metrics: &'a StepLossMetrics,
     /// Completion lengths of the generation batch.
     pub completions: CompletionStats,
-    /// Mean entropy, if computed.
-    pub entropy: Option<f64>,
     /// Gradient norm before clipping.
     pub grad_norm: f64,
     /// Learning rate used.
     pub learning_rate: f64,
     /// Cumulative prompt + completion tokens.
     pub num_tokens: u64,
-    /// Tokens trained on in this step.
+    /// Completion tokens trained on in this step.
     pub step_tokens: u64,
-    /// Seconds of the step.
-    pub step_time: f64,
-    /// Which generation batch.
+    /// Which generation batch (1-based).
     pub generation_batch: u64,
     /// Phases of the step.
     pub timings: StepTimings,
+    /// Seconds of gradient clipping and the AdamW update (part of `timings.update_seconds`;
+    /// TRL's `step_time` leaves them out).
+    pub optimizer_seconds: f64,
     /// Peak memory per device.
     pub peak_memory_bytes: &'a BTreeMap<String, u64>,
 }
@@ -263,28 +435,33 @@ impl StepMetrics {
     /// Assembles a record from the step's pieces.
     pub fn from_parts(p: &StepParts<'_>) -> StepMetrics {
         let lm = p.loss_metrics;
+        let trl = trl_reward_stats(p.rewards, p.num_generations, p.scale_rewards);
+        let wall = p.timings.wall_seconds();
         StepMetrics {
             step: p.step,
             epoch: p.epoch,
-            loss: p.loss,
-            reward: p.advantages.reward_mean,
-            reward_std: p.advantages.reward_std,
+            loss: lm.loss(),
+            loss_nonempty_mean: Some(lm.nonempty_loss()),
+            reward: trl.reward,
+            reward_std: trl.reward_std,
+            frac_reward_zero_std: trl.frac_reward_zero_std,
+            reward_fully_scored: p.advantages.reward_mean,
+            reward_fully_scored_std: p.advantages.reward_std,
             reward_funcs: p.rewards.metrics(),
-            frac_reward_zero_std: p.advantages.frac_reward_zero_std,
             clip_ratio_low_mean: lm.low_mean(),
             clip_ratio_high_mean: lm.high_mean(),
             clip_ratio_region_mean: lm.region_mean(),
-            kl: lm.kl_mean(),
-            entropy: p.entropy,
+            kl: lm.kl(),
+            entropy: lm.entropy(),
             completions: p.completions,
             grad_norm: p.grad_norm,
             learning_rate: p.learning_rate,
             num_tokens: p.num_tokens,
-            step_time: p.step_time,
+            step_time: p.timings.trl_step_time(p.optimizer_seconds),
             generation_batch: p.generation_batch,
-            ratio_mean: lm.mean_ratio(),
-            tokens_per_second: if p.step_time > 0.0 {
-                p.step_tokens as f64 / p.step_time
+            ratio_mean: lm.ratio_mean(),
+            tokens_per_second: if wall > 0.0 {
+                p.step_tokens as f64 / wall
             } else {
                 0.0
             },
@@ -293,7 +470,7 @@ impl StepMetrics {
             failed_rewards: p.advantages.failed_rewards as u64,
             groups_too_small: p.advantages.groups_too_small as u64,
             unparsed_answers: p.rewards.unparsed(),
-            num_sequences: lm.num_sequences,
+            num_sequences: lm.total().num_sequences,
         }
     }
 }
@@ -414,10 +591,50 @@ fn moving_average(points: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// Draws `reward.{png,svg}` (the mean reward of each generation batch, and its moving average
-/// over a twentieth of the run) and `loss.{png,svg}` (per step, and its moving average) into
-/// `dir`, from the last record of each step. `subtitle` names the model, dataset and settings.
-/// Returns the files written.
+/// The moving-average window of a curve of `points` points: a twentieth of it (1: no average).
+pub fn trend_window(points: usize) -> usize {
+    (points / 20).max(1)
+}
+
+/// The raw points of a curve, and (with [`trend_window`] > 1) their moving average, labelled
+/// with its window in `unit`s (`"steps"`, `"generation batches"`).
+fn with_trend(
+    points: Vec<(f64, f64)>,
+    name: &str,
+    unit: &str,
+    (color, light): (RGBColor, RGBColor),
+) -> Vec<Series> {
+    let window = trend_window(points.len());
+    let mut out = vec![Series {
+        label: name.to_string(),
+        color: light,
+        line: LineStyle::solid(1),
+        marker: Some(Marker {
+            shape: MarkerShape::Circle,
+            size: 3,
+            filled: true,
+        }),
+        points: points.clone(),
+        intervals: None,
+    }];
+    if window > 1 {
+        out.push(Series {
+            label: format!("moving average over {window} {unit}"),
+            color,
+            line: LineStyle::solid(3),
+            marker: None,
+            points: moving_average(&points, window),
+            intervals: None,
+        });
+    }
+    out
+}
+
+/// Draws `reward.{png,svg}` (TRL's `reward` of each generation batch, at its first step, and
+/// its moving average over a twentieth of the batches) and `loss.{png,svg}` (TRL's `loss` per
+/// step, and its moving average) into `dir`, from the last record of each step; the legends
+/// say the windows. `subtitle` names the model, dataset and settings. Returns the files
+/// written.
 pub fn plot_training(
     dir: &Path,
     records: &[StepMetrics],
@@ -449,39 +666,26 @@ pub fn plot_training(
         .iter()
         .filter_map(|r| Some((r.step as f64, finite(r.loss)?)))
         .collect();
-    let series = |label: String, color, emphasis, points| Series {
-        label,
-        color,
-        emphasis,
-        points,
-        intervals: None,
-    };
-    let with_trend = |points: Vec<(f64, f64)>, name: &str, color, light| {
-        let window = (points.len() / 20).max(1);
-        let mut out = vec![series(name.to_string(), light, false, points.clone())];
-        if window > 1 {
-            out.push(series(
-                format!("mean of {window}"),
-                color,
-                true,
-                moving_average(&points, window),
-            ));
-        }
-        out
-    };
     let reward = LineChart {
         title: "GSPO training: reward".into(),
         subtitle: subtitle.to_string(),
         x_label: "optimizer step".into(),
         y_label: "reward (mean over the generation batch)".into(),
-        series: with_trend(per_batch, "reward", BLUE, LIGHT_BLUE),
+        series: with_trend(
+            per_batch,
+            "reward of each generation batch",
+            "generation batches",
+            (BLUE, LIGHT_BLUE),
+        ),
+        x_integer: true,
     };
     let loss = LineChart {
         title: "GSPO training: loss".into(),
         subtitle: subtitle.to_string(),
         x_label: "optimizer step".into(),
         y_label: "policy loss".into(),
-        series: with_trend(loss_points, "loss", RED, LIGHT_RED),
+        series: with_trend(loss_points, "loss of each step", "steps", (RED, LIGHT_RED)),
+        x_integer: true,
     };
     let mut written = write_chart(dir, stems::REWARD, &reward, false)?;
     written.extend(write_chart(dir, stems::LOSS, &loss, false)?);
@@ -492,61 +696,62 @@ pub fn plot_training(
 mod tests {
     use super::*;
     use crate::advantage::group_advantages;
-    use crate::config::ScaleRewards;
+    use crate::loss::LossMetrics;
     use crate::rewards::FuncScores;
 
     fn record(step: u64, reward: f64, loss: f64) -> StepMetrics {
-        let adv = group_advantages(
-            &[Some(reward - 0.5), Some(reward + 0.5), None, Some(reward)],
-            2,
-            ScaleRewards::Group,
-        )
-        .unwrap();
+        let totals = vec![Some(reward - 0.5), Some(reward + 0.5), None, Some(reward)];
+        let adv = group_advantages(&totals, 2, ScaleRewards::Group).unwrap();
         let rewards = BatchRewards {
-            totals: vec![Some(reward - 0.5), Some(reward + 0.5), None, Some(reward)],
+            totals: totals.clone(),
             per_func: vec![FuncScores {
                 name: "gsm8k_exact".into(),
                 weight: 1.0,
-                values: vec![Some(0.0), Some(1.0), None, Some(1.0)],
+                values: totals,
                 failed: 1,
                 errors: vec![],
                 unparsed: 2,
             }],
         };
-        let lm = LossMetrics {
-            clip_high: 1,
-            clip_total: 4,
-            ratio_sum: 4.0,
-            num_rows: 4,
-            num_sequences: 4,
-            num_tokens: 40,
-            ..LossMetrics::default()
+        let lm = StepLossMetrics {
+            micro_batches: vec![LossMetrics {
+                clip_high: 1,
+                clip_total: 4,
+                ratio_sum: 4.0,
+                ratio_count: 4,
+                entropy_sum: Some(28.0),
+                loss_sum: 4.0 * loss,
+                num_rows: 4,
+                num_sequences: 4,
+                num_tokens: 40,
+                ..LossMetrics::default()
+            }],
         };
         let mem = BTreeMap::from([("cuda:0".to_string(), 1u64 << 30)]);
         StepMetrics::from_parts(&StepParts {
             step,
             epoch: step as f64 / 10.0,
-            loss,
             advantages: &adv,
             rewards: &rewards,
+            num_generations: 2,
+            scale_rewards: ScaleRewards::Group,
             loss_metrics: &lm,
             completions: CompletionStats::from_lengths(
                 &[10, 20, 30, 40],
                 &[false, false, true, false],
             )
             .unwrap(),
-            entropy: Some(0.7),
             grad_norm: 0.25,
             learning_rate: 1e-6,
             num_tokens: 1000 * step,
             step_tokens: 200,
-            step_time: 2.0,
-            generation_batch: (step - 1) / 4,
+            generation_batch: (step - 1) / 4 + 1,
             timings: StepTimings {
                 generation_seconds: 1.0,
                 scoring_seconds: 0.25,
                 update_seconds: 0.75,
             },
+            optimizer_seconds: 0.5,
             peak_memory_bytes: &mem,
         })
     }
@@ -591,7 +796,12 @@ mod tests {
         assert_eq!(v["clip_ratio/high_mean"], 0.25);
         assert_eq!(v["completions/clipped_ratio"], 0.25);
         assert_eq!(v["completions/mean_terminated_length"], 70.0 / 3.0);
+        // 200 tokens over the wall time 1 + 0.25 + 0.75 s; TRL's step_time leaves out the
+        // 0.5 s of clipping and AdamW.
         assert_eq!(v["tokens_per_second"], 100.0);
+        assert_eq!(v["step_time"], 1.5);
+        assert_eq!(v["entropy"], 0.7);
+        assert_eq!(v["generation_batch"], 1);
         assert_eq!(v["failed_rewards"], 1);
         assert_eq!(v["groups_too_small"], 1);
         assert_eq!(v["unparsed_answers"], 2);
@@ -668,7 +878,15 @@ mod tests {
             (s.mean_length, s.min_length, s.max_length, s.clipped_ratio),
             (6.0, 5.0, 7.0, 1.0)
         );
-        assert_eq!(s.mean_terminated_length, None);
+        // TRL: 0 when no completion terminated.
+        assert_eq!(
+            (
+                s.mean_terminated_length,
+                s.min_terminated_length,
+                s.max_terminated_length
+            ),
+            (0.0, 0.0, 0.0)
+        );
         assert!(CompletionStats::from_lengths(&[], &[]).is_none());
         assert!(CompletionStats::from_lengths(&[1], &[]).is_none());
     }

@@ -33,8 +33,12 @@ use crate::checkpoint::{self, CheckpointContents, TrainerState};
 use crate::config::GspoConfig;
 use crate::dataset::{PromptDataset, PromptSampler, Sample};
 use crate::dist::{BatchLayout, DataParallel, Shares};
-use crate::loss::{completion_mask, policy_loss, LossConfig, LossInputs, LossMetrics};
-use crate::metrics::{CompletionStats, MetricsLog, StepMetrics, StepParts, StepTimings};
+use crate::loss::{
+    completion_mask, masked_sum, policy_loss, LossConfig, LossInputs, LossMetrics, StepLossMetrics,
+};
+use crate::metrics::{
+    trainer_epoch, CompletionStats, MetricsLog, StepMetrics, StepParts, StepTimings,
+};
 use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule, OptimError};
 use crate::prompt::RenderedPrompt;
 use crate::rewards::{BatchRewards, WeightedSum};
@@ -143,6 +147,7 @@ impl Trainer {
 
     /// Draws, scores and trains on one generation batch.
     pub fn generation_batch(&mut self, on_step: &mut OnStep<'_>) -> Result<(), TrainError> {
+        let step_before = self.state.step;
         let rollouts = self.rollouts()?;
         self.state.generation_batch += 1;
         self.state.cursor = self.sampler.cursor();
@@ -155,12 +160,13 @@ impl Trainer {
 
         let mut grads = ParamGrads::new();
         let mut step_loss = 0.0;
-        let mut step_metrics = LossMetrics::default();
-        let mut entropy = (0.0f64, 0.0f64);
+        // One entry per micro-batch of the step (TRL logs the mean of per-micro-batch values).
+        let mut step_metrics = StepLossMetrics::default();
         let mut step_tokens = 0u64;
         let mut micro_in_step = 0;
         let mut step_started = Instant::now();
         let mut first_step = true;
+        let mut step_in_batch = 0u64;
         // A micro-batch fitted to memory (auto_find_batch_size) runs as `split` smaller ones;
         // the loss is still normalised over the configured micro-batch (its sequences, and
         // gradient_accumulation_steps / split of them per step), as TRL computes it.
@@ -181,12 +187,16 @@ impl Trainer {
                     .filter(|&&i| rollouts.row_tokens[i] > 0)
                     .count() as u64;
                 let rows = shares.of(micro);
-                let (loss, metrics, ent, tokens) =
+                let (loss, metrics, tokens) =
                     self.micro_step(&rollouts, rows, global_sequences, &loss_config, &mut grads)?;
                 step_loss += loss / configured_gas;
-                step_metrics.merge(&metrics);
-                entropy.0 += ent.0;
-                entropy.1 += ent.1;
+                // The parts of a split micro-batch are one micro-batch of TRL's (one value
+                // of each metric).
+                if m % split == 0 {
+                    step_metrics.push(metrics);
+                } else {
+                    step_metrics.push_part(metrics);
+                }
                 step_tokens += tokens;
                 micro_in_step += 1;
                 if micro_in_step < gas {
@@ -202,22 +212,30 @@ impl Trainer {
                         .map(|(_, v)| v.clone())
                         .collect();
                     dp.collective.all_reduce_grads(&mut grads, &params)?;
-                    let mut sums = [step_loss, entropy.0, entropy.1, step_tokens as f64];
+                    let mut sums = [step_loss, step_tokens as f64];
                     dp.collective.all_reduce_f64(&mut sums)?;
-                    [step_loss, entropy.0, entropy.1] = [sums[0], sums[1], sums[2]];
-                    step_tokens = sums[3] as u64;
+                    step_loss = sums[0];
+                    step_tokens = sums[1] as u64;
+                    // Each micro-batch's counts summed over the ranks (TRL's
+                    // `global_masked_mean` reduces each micro-batch's sums over the processes).
                     let mine = serde_json::to_vec(&step_metrics)
                         .map_err(|e| TrainError::Setup(format!("loss metrics: {e}")))?;
-                    let mut all = LossMetrics::default();
+                    let mut all: Option<StepLossMetrics> = None;
                     for bytes in dp.collective.all_gather_bytes(mine)? {
-                        let m: LossMetrics = serde_json::from_slice(&bytes).map_err(|e| {
+                        let m: StepLossMetrics = serde_json::from_slice(&bytes).map_err(|e| {
                             TrainError::Setup(format!("loss metrics from another rank: {e}"))
                         })?;
-                        all.merge(&m);
+                        match &mut all {
+                            None => all = Some(m),
+                            Some(a) => a
+                                .merge_rank(&m)
+                                .map_err(|e| TrainError::Setup(e.to_string()))?,
+                        }
                     }
-                    step_metrics = all;
+                    step_metrics = all.unwrap_or_default();
                 }
                 timer.stop(self)?;
+                let optimizer_started = Instant::now();
                 let timer = Stage::start(self, "optim.2_clip");
                 let mut g = Gradients::new(std::mem::take(&mut grads).into_vec());
                 let norm = if cfg.max_grad_norm > 0.0 {
@@ -250,6 +268,8 @@ impl Trainer {
                 self.optimizer.step(&g, lr)?;
                 timer.stop(self)?;
                 self.state.step += 1;
+                step_in_batch += 1;
+                let optimizer_seconds = optimizer_started.elapsed().as_secs_f64();
                 let update_seconds = step_started.elapsed().as_secs_f64();
                 let timings = StepTimings {
                     generation_seconds: if first_step {
@@ -267,22 +287,20 @@ impl Trainer {
                 let peak = self.peak_memory();
                 let record = StepMetrics::from_parts(&StepParts {
                     step: self.state.step,
-                    epoch: self.epoch(),
-                    loss: step_loss,
+                    epoch: self.epoch(step_in_batch),
                     advantages: &rollouts.advantages,
                     rewards: &rollouts.rewards,
+                    num_generations: cfg.num_generations,
+                    scale_rewards: cfg.scale_rewards,
                     loss_metrics: &step_metrics,
                     completions: rollouts.stats,
-                    entropy: (entropy.1 > 0.0).then(|| entropy.0 / entropy.1),
                     grad_norm,
                     learning_rate: lr,
                     num_tokens: self.state.num_tokens,
                     step_tokens,
-                    step_time: timings.generation_seconds
-                        + timings.scoring_seconds
-                        + timings.update_seconds,
                     generation_batch: self.state.generation_batch,
                     timings,
+                    optimizer_seconds,
                     peak_memory_bytes: &peak,
                 });
                 if let Some(metrics) = &mut self.metrics {
@@ -290,30 +308,25 @@ impl Trainer {
                 }
                 on_step(&record);
                 step_loss = 0.0;
-                step_metrics = LossMetrics::default();
-                entropy = (0.0, 0.0);
+                step_metrics = StepLossMetrics::default();
                 step_tokens = 0;
                 micro_in_step = 0;
                 first_step = false;
                 step_started = Instant::now();
             }
         }
-        // Checkpoints only between generation batches: a resume starts a fresh one. Rank 0
-        // writes them; the ranks hold the same weights.
+        // Checkpoints only between generation batches: a resume starts a fresh one. One is
+        // written after the generation batch in which a multiple of save_steps falls (TRL's
+        // steps when save_steps is a multiple of the optimizer steps per generation batch;
+        // otherwise the next batch end, never drifting further). Rank 0 writes them; the
+        // ranks hold the same weights.
         let save_every = self.config.save_steps;
         let last = self.state.step >= self.total_steps;
-        if self.is_main() && save_every > 0 && (last || self.steps_since_save() >= save_every) {
+        let crossed = save_every > 0 && self.state.step / save_every > step_before / save_every;
+        if self.is_main() && save_every > 0 && (last || crossed) {
             self.save()?;
         }
         Ok(())
-    }
-
-    /// Steps since the newest checkpoint in the output directory.
-    fn steps_since_save(&self) -> u64 {
-        let newest = checkpoint::list(&self.config.output_dir)
-            .last()
-            .map_or(0, |(s, _)| *s);
-        self.state.step.saturating_sub(newest)
     }
 
     /// Writes a checkpoint of the current step.
@@ -357,8 +370,24 @@ impl Trainer {
             .map_or(Shares::SINGLE, DataParallel::shares)
     }
 
-    fn epoch(&self) -> f64 {
-        self.sampler.epoch_progress()
+    /// HF's `state.epoch` after the `step_in_batch`-th optimizer step (1-based) on the
+    /// generation batch just drawn ([`trainer_epoch`]); the sampler's position when the layout
+    /// has no whole batch per epoch.
+    fn epoch(&self, step_in_batch: u64) -> f64 {
+        let cursor = self.sampler.cursor();
+        let per_batch = self.layout.steps_per_generation_batch as u64;
+        let prompts = self.layout.prompts_per_generation.max(1);
+        trainer_epoch(
+            cursor.epoch,
+            (cursor.position / prompts) as u64,
+            step_in_batch,
+            per_batch,
+            self.layout
+                .steps_per_epoch
+                .checked_div(per_batch)
+                .unwrap_or(0),
+        )
+        .unwrap_or_else(|| self.sampler.epoch_progress())
     }
 
     /// Peak memory seen so far per device (each GPU's most in use; the CPU's resident
@@ -580,7 +609,7 @@ impl Trainer {
     /// One micro-batch (this rank's share of it): forward, GSPO loss, backward into `grads`.
     /// The share's loss is its sum over `global_sequences`, the micro-batch's sequences over
     /// all ranks, so that summing the ranks' gradients gives the whole micro-batch's. Returns
-    /// the loss, the clip statistics, (entropy sum, token count) and the tokens trained on.
+    /// the loss, this share's metrics (the policy's entropy added) and the tokens trained on.
     fn micro_step(
         &self,
         r: &Rollouts,
@@ -588,7 +617,7 @@ impl Trainer {
         global_sequences: u64,
         loss_config: &LossConfig,
         grads: &mut ParamGrads,
-    ) -> Result<(f64, LossMetrics, (f64, f64), u64), TrainError> {
+    ) -> Result<(f64, LossMetrics, u64), TrainError> {
         let cfg = &self.config;
         let width = cfg.max_completion_length.max(1);
         let batch = self.token_batch(r, rows, width)?;
@@ -654,14 +683,13 @@ impl Trainer {
             },
             grads,
         )?;
-        let ent_sum = (lp.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
-        let tokens = mask.sum_all()?.to_scalar::<f32>()? as f64;
-        Ok((
-            loss,
-            metrics.unwrap_or_default(),
-            (ent_sum, tokens),
-            tokens as u64,
-        ))
+        let mut metrics = metrics.unwrap_or_default();
+        metrics.entropy_sum = Some(
+            masked_sum(&lp.entropy, &mask)
+                .map_err(|e| fleet_models::ModelError::BadInput(e.to_string()))?,
+        );
+        let tokens = metrics.num_tokens;
+        Ok((loss, metrics, tokens))
     }
 }
 
