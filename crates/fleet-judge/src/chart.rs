@@ -47,18 +47,38 @@ fn metric_color(metric: &str, i: usize) -> RGBColor {
     }
 }
 
+/// `"a"`, `"a and b"`, `"a, b and c"`.
+fn list(names: &[String]) -> String {
+    match names {
+        [] => String::new(),
+        [one] => one.clone(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+    }
+}
+
+/// The chart's title: the prompt set, its scheme, and every metric the bars draw (`mean SC, PQ
+/// and O per category`), not only the primary one.
+pub fn chart_title(report: &Report) -> String {
+    let c = &report.config;
+    let drawn = if report.metrics.is_empty() {
+        list(std::slice::from_ref(&report.primary))
+    } else {
+        list(&report.metrics)
+    };
+    format!(
+        "edit-score: {} v{} ({}), mean {drawn} per category",
+        c.prompt_set.name, c.prompt_set.version, c.scheme
+    )
+}
+
 fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report) -> Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(err)?;
     let (title_area, rest) = root.split_vertically(TITLE_HEIGHT);
     let (body, labels_area) = rest.split_vertically(SIZE.1 - TITLE_HEIGHT - LABEL_HEIGHT);
-    let c = &report.config;
     title_area
         .draw_text(
-            &format!(
-                "edit-score: {} v{} ({}), mean {} per category",
-                c.prompt_set.name, c.prompt_set.version, c.scheme, report.primary
-            ),
+            &chart_title(report),
             &TextStyle::from((FAMILY, 22).into_font()).color(&BLACK),
             (20, 8),
         )
@@ -66,7 +86,7 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report) -> R
     let grey = RGBColor(0x44, 0x44, 0x44);
     let commit: String = report.commit.chars().take(12).collect();
     let subtitle = [
-        format!("model {} | {}", report.model_id, c.decoding_text),
+        format!("model {} | {}", report.model_id, report.config.decoding_text),
         format!(
             "bars: mean; whiskers: +/-1 std (population); n: items with a value of {} | {} items, {} parse failures, {} not scored | commit {commit}",
             report.primary, report.items, report.parse_failed, report.not_scored
@@ -206,4 +226,17 @@ pub fn write_chart(dir: &Path, report: &Report) -> Result<Vec<PathBuf>, ReportEr
         std::fs::rename(tmp, path).map_err(|e| plot_err(path, e.to_string()))?;
     }
     Ok(vec![png, svg])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_lists_read_as_english() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(list(&names(&["score"])), "score");
+        assert_eq!(list(&names(&["SC", "O"])), "SC and O");
+        assert_eq!(list(&names(&["SC", "PQ", "O"])), "SC, PQ and O");
+    }
 }

@@ -534,6 +534,12 @@ fn viescore_sends_sc_and_pq_and_reports_sc_pq_and_o() {
     assert_eq!(report.primary, "O");
     assert_eq!(report.items_scored, 2);
     report.write(&out).unwrap();
+    // Issue 23: the chart draws SC, PQ and O, and its title says so (not only the primary O).
+    let svg = std::fs::read_to_string(out.join("chart.svg")).unwrap();
+    assert!(
+        svg.contains("mean SC, PQ and O per category"),
+        "title in the svg"
+    );
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("| color_alter | 2 | 5.500 |"), "{md}");
     assert!(md.contains("| 1 (1/0) | 0 |"), "{md}");
