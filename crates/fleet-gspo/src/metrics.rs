@@ -871,6 +871,116 @@ mod tests {
         ));
     }
 
+    /// The `<text>` elements of an SVG plotters wrote: (x, text-anchor, dy, rotated, content).
+    fn svg_texts(svg: &str) -> Vec<(i32, String, String, bool, String)> {
+        let attr = |tag: &str, name: &str| -> Option<String> {
+            let key = format!(" {name}=\"");
+            let start = tag.find(&key)? + key.len();
+            let len = tag[start..].find('"')?;
+            Some(tag[start..start + len].to_string())
+        };
+        svg.match_indices("<text ")
+            .map(|(i, _)| {
+                let end = i + svg[i..].find('>').unwrap();
+                let tag = &svg[i..=end];
+                let rest = &svg[end + 1..];
+                (
+                    attr(tag, "x").unwrap().parse().unwrap(),
+                    attr(tag, "text-anchor").unwrap(),
+                    attr(tag, "dy").unwrap(),
+                    attr(tag, "transform").is_some(),
+                    rest[..rest.find("</text>").unwrap()].trim().to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// The legend's text (the column right of x = 850), its wrapped lines joined by spaces.
+    fn svg_legend(svg: &str) -> String {
+        svg_texts(svg)
+            .into_iter()
+            .filter(|t| t.0 >= 850)
+            .map(|t| t.4)
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// The x axis' tick labels (centred under the axis, not rotated).
+    fn svg_x_ticks(svg: &str) -> Vec<String> {
+        svg_texts(svg)
+            .into_iter()
+            .filter(|t| t.1 == "middle" && t.2 == "0.76em" && !t.3)
+            .map(|t| t.4)
+            .collect()
+    }
+
+    #[test]
+    fn training_plots_name_the_moving_average_window_and_label_steps_as_whole_numbers() {
+        assert_eq!(
+            (trend_window(10), trend_window(39), trend_window(40)),
+            (1, 1, 2)
+        );
+        assert_eq!((trend_window(50), trend_window(200)), (2, 10));
+        // 200 steps (50 generation batches of 4 steps), the loss either side of 0.
+        let records: Vec<StepMetrics> = (1..=200)
+            .map(|s| {
+                let x = s as f64;
+                record(s, 0.2 + 0.003 * x, 0.3 * (0.7 * x).sin())
+            })
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let files = plot_training(dir.path(), &records, "synthetic run").unwrap();
+        assert_eq!(files.len(), 4);
+        let loss = std::fs::read_to_string(dir.path().join("loss.svg")).unwrap();
+        let reward = std::fs::read_to_string(dir.path().join("reward.svg")).unwrap();
+        let legend = svg_legend(&loss);
+        assert!(legend.contains("loss of each step"), "{legend}");
+        assert!(legend.contains("moving average over 10 steps"), "{legend}");
+        let legend = svg_legend(&reward);
+        assert!(
+            legend.contains("moving average over 2 generation batches"),
+            "{legend}"
+        );
+        for svg in [&loss, &reward] {
+            let ticks = svg_x_ticks(svg);
+            assert!(ticks.len() >= 3, "{ticks:?}");
+            assert!(ticks.contains(&"200".to_string()), "{ticks:?}");
+            for t in &ticks {
+                assert!(
+                    !t.contains('.') && !t.starts_with("-0") && t.parse::<i64>().is_ok(),
+                    "x tick {t:?}"
+                );
+            }
+            // No tick label anywhere reads -0.
+            for t in svg_texts(svg) {
+                let text = t.4;
+                assert!(
+                    !(text.starts_with("-0") && text.parse::<f64>() == Ok(0.0)),
+                    "{text:?}"
+                );
+            }
+        }
+        // 200 points are a line: no markers on them, and none in the legend.
+        assert!(!loss.contains("<circle"), "markers on 200 points");
+
+        // A short run has no moving average, and its points carry markers.
+        let short: Vec<StepMetrics> = (1..=10).map(|s| record(s, 0.5, 0.1)).collect();
+        let dir = tempfile::tempdir().unwrap();
+        plot_training(dir.path(), &short, "short run").unwrap();
+        for stem in [stems::LOSS, stems::REWARD] {
+            let svg = std::fs::read_to_string(dir.path().join(format!("{stem}.svg"))).unwrap();
+            let legend = svg_legend(&svg);
+            assert!(!legend.contains("moving average"), "{stem}: {legend}");
+            assert!(svg.contains("<circle"), "{stem}: no markers");
+            for t in svg_x_ticks(&svg) {
+                assert!(
+                    t.parse::<i64>().is_ok() && t != "-0",
+                    "{stem}: x tick {t:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn completion_stats() {
         let s = CompletionStats::from_lengths(&[5, 7], &[true, true]).unwrap();
