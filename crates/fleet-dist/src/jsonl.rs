@@ -197,16 +197,25 @@ impl JsonlLog {
         ))
     }
 
-    /// Appends one record as one line, in a single write (a kill tears at most this line).
+    /// Appends one record as one line, in a single write (a kill tears at most this line; a
+    /// failed write is cut back off).
     pub fn append<T: Serialize + ?Sized>(&mut self, record: &T) -> Result<()> {
         let mut line = serde_json::to_vec(record).map_err(|source| DistError::Json {
             what: format!("a record for {}", self.path.display()),
             source,
         })?;
         line.push(b'\n');
-        self.file
-            .write_all(&line)
-            .map_err(|e| DistError::io("append to", &self.path, e))
+        let before = self
+            .file
+            .metadata()
+            .map_err(|e| DistError::io("append to", &self.path, e))?
+            .len();
+        self.file.write_all(&line).map_err(|e| {
+            // A write cut short (a full disk) leaves part of the line: cut the file back so it
+            // holds whole records only. If even that fails, the next open repairs the tail.
+            let _ = self.file.set_len(before);
+            DistError::io("append to", &self.path, e)
+        })
     }
 
     /// The file.

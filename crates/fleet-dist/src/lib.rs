@@ -64,7 +64,7 @@ pub use merge::{
 };
 pub use pool::{
     BoxError, FailureRecord, ItemError, ItemResult, PoolOptions, PoolOutput, PoolReport,
-    ReplicaPool, Worker, WorkerReport,
+    ReplicaPool, StopRun, Worker, WorkerReport,
 };
 pub use rendezvous::{
     rendezvous, RendezvousFault, RendezvousOptions, DEFAULT_FAILURE_TIMEOUT,
@@ -87,6 +87,17 @@ pub enum DistError {
     NoWorkers {
         /// Number of items that would have run.
         items: usize,
+    },
+    /// A worker ended the whole run with a [`StopRun`] error (e.g. its results file cannot be
+    /// written); the items not yet run were not run.
+    #[error("the run stopped: {worker} failed on item {item} with an error that ends the run: {message}")]
+    RunStopped {
+        /// The worker's name.
+        worker: String,
+        /// The item it failed on (input index).
+        item: usize,
+        /// The cause.
+        message: String,
     },
     /// `PoolOptions::max_attempts` was zero.
     #[error("max_attempts = 0 would never run an item: use at least 1, or None for one attempt per worker")]

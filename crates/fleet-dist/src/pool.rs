@@ -1,4 +1,8 @@
 //! The in-process replica pool: one OS thread per worker, a shared work queue, ordered results.
+//!
+//! A worker's error fails one item (it goes to another worker), unless the error is a
+//! [`StopRun`]: then the whole run ends (a results file that cannot be written makes every
+//! further item wasted work).
 
 use std::collections::VecDeque;
 use std::io::IsTerminal;
@@ -14,6 +18,46 @@ use crate::{DistError, Result};
 /// do `String` and `&str` (`Err("out of memory".into())`).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// An error that ends the whole run, not one item: a worker returns it (boxed, as its
+/// [`Worker::process`] error: `Err(StopRun::new(e).into())`) when going on would only waste
+/// work — the file its results go to cannot be written (a full disk), so every further item
+/// would be computed and lost.
+///
+/// The pool recognises it by downcasting the returned [`BoxError`] (it must be the error
+/// itself, not wrapped in another): the item fails with this reason, no worker is handed
+/// another item, the items still queued fail with "the run stopped", items in flight on other
+/// workers finish, and [`ReplicaPool::run`] returns [`DistError::RunStopped`].
+#[derive(Debug)]
+pub struct StopRun {
+    cause: BoxError,
+}
+
+impl StopRun {
+    /// A stop caused by `cause` (its message is the run's error message).
+    pub fn new(cause: impl Into<BoxError>) -> Self {
+        StopRun {
+            cause: cause.into(),
+        }
+    }
+
+    /// The cause.
+    pub fn cause(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self.cause.as_ref()
+    }
+}
+
+impl std::fmt::Display for StopRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.cause.fmt(f)
+    }
+}
+
+impl std::error::Error for StopRun {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.cause.as_ref())
+    }
+}
+
 /// One replica: owns its device and model and processes one item at a time.
 ///
 /// The pool moves each worker onto its own OS thread, so workers must be `Send`. Because the pool
@@ -22,7 +66,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub trait Worker<I, O>: Send {
     /// A name for logs, reports and the progress bar, e.g. `"GPU 0"`.
     fn name(&self) -> String;
-    /// Processes one item. An error (or a panic) makes the pool retry the item on another worker.
+    /// Processes one item. An error (or a panic) makes the pool retry the item on another worker;
+    /// a [`StopRun`] error ends the whole run.
     fn process(&mut self, item: &I) -> Result<O, BoxError>;
 }
 
@@ -178,6 +223,8 @@ struct State<O> {
     failures: Vec<FailureRecord>,
     done: usize,
     failed: usize,
+    /// Set when a worker returned [`StopRun`]: (worker name, item, message).
+    stopped: Option<(String, usize, String)>,
 }
 
 impl<O> State<O> {
@@ -207,6 +254,22 @@ impl<O> State<O> {
         }
         self.results[item] = Some(ItemResult::Failed { errors });
         self.failed += 1;
+    }
+
+    /// Fails every queued item: the run stopped (`reason`).
+    fn stop_all(&mut self, reason: &str) -> usize {
+        let queued: Vec<usize> = self.queue.drain(..).collect();
+        for &item in &queued {
+            let mut errors = std::mem::take(&mut self.errors[item]);
+            errors.push(ItemError {
+                worker: None,
+                worker_name: "pool".to_string(),
+                message: format!("not run: the run stopped: {reason}"),
+            });
+            self.results[item] = Some(ItemResult::Failed { errors });
+            self.failed += 1;
+        }
+        queued.len()
     }
 
     /// Fails every queued item that no running worker may take any more.
@@ -294,8 +357,13 @@ impl ReplicaPool {
     /// could process comes back as [`ItemResult::Failed`] with every error; when all workers have
     /// stopped, the items still queued come back as `Failed` with that reason.
     ///
+    /// A worker that returns a [`StopRun`] ends the run: no more items are handed out, the
+    /// queued ones fail, and once the items in flight are finished the call returns
+    /// [`DistError::RunStopped`] naming the worker, the item and the cause.
+    ///
     /// Errors: [`DistError::NoWorkers`] when there are items but no workers,
-    /// [`DistError::ZeroAttempts`] when `max_attempts` is `Some(0)`.
+    /// [`DistError::ZeroAttempts`] when `max_attempts` is `Some(0)`,
+    /// [`DistError::RunStopped`].
     pub fn run<I, O, W>(workers: Vec<W>, items: Vec<I>, opts: &PoolOptions) -> Result<PoolOutput<O>>
     where
         I: Sync,
@@ -342,6 +410,7 @@ impl ReplicaPool {
             failures: Vec::new(),
             done: 0,
             failed: 0,
+            stopped: None,
         });
         let cvar = Condvar::new();
         let progress = Progress::new(&names, n_items, opts);
@@ -375,6 +444,14 @@ impl ReplicaPool {
         });
 
         let st = state.into_inner().unwrap_or_else(PoisonError::into_inner);
+        if let Some((worker, item, message)) = st.stopped {
+            progress.total.abandon();
+            return Err(DistError::RunStopped {
+                worker,
+                item,
+                message,
+            });
+        }
         progress.total.finish();
         let results: Vec<ItemResult<O>> = st
             .results
@@ -432,7 +509,7 @@ impl<O> WorkerCtx<'_, O> {
     fn next_item(&self) -> Option<usize> {
         let mut st = lock(self.state);
         loop {
-            if !st.alive[self.w] {
+            if !st.alive[self.w] || st.stopped.is_some() {
                 return None;
             }
             if let Some(pos) = st.queue.iter().position(|&i| st.eligible(i, self.w)) {
@@ -456,7 +533,7 @@ impl<O> WorkerCtx<'_, O> {
             let mut st = lock(self.state);
             st.in_flight -= 1;
             st.workers[self.w].busy += busy;
-            let (message, panicked) = match outcome {
+            let (message, panicked, stop_run) = match outcome {
                 Ok(Ok(output)) => {
                     st.results[item] = Some(ItemResult::Done {
                         output,
@@ -469,8 +546,8 @@ impl<O> WorkerCtx<'_, O> {
                     self.cvar.notify_all();
                     continue;
                 }
-                Ok(Err(e)) => (e.to_string(), false),
-                Err(payload) => (panic_message(payload.as_ref()), true),
+                Ok(Err(e)) => (e.to_string(), false, e.downcast_ref::<StopRun>().is_some()),
+                Err(payload) => (panic_message(payload.as_ref()), true, false),
             };
             st.workers[self.w].items_failed += 1;
             st.errors[item].push(ItemError {
@@ -478,12 +555,34 @@ impl<O> WorkerCtx<'_, O> {
                 worker_name: self.name.clone(),
                 message: message.clone(),
             });
+            if stop_run {
+                st.failures.push(FailureRecord {
+                    item,
+                    worker: self.w,
+                    worker_name: self.name.clone(),
+                    message: message.clone(),
+                    requeued: false,
+                });
+                st.workers[self.w].stopped =
+                    Some(format!("item {item} stopped the run: {message}"));
+                st.finalize_failed(item, 0);
+                if st.stopped.is_none() {
+                    st.stopped = Some((self.name.clone(), item, message.clone()));
+                }
+                let swept = st.stop_all(&message);
+                tracing::error!(worker = %self.name, item, "the run stops: {message}");
+                bar.abandon_with_message(format!("stopped the run: {message}"));
+                self.progress.total.inc(1 + swept as u64);
+                self.cvar.notify_all();
+                return;
+            }
             let stop = self.stop_on_error || panicked;
             if stop {
                 st.alive[self.w] = false;
                 st.workers[self.w].stopped = Some(format!("item {item} failed: {message}"));
             }
-            let requeued = st.can_run(item, self.max_attempts);
+            // After a stop nothing goes back to the queue: no worker will take it.
+            let requeued = st.stopped.is_none() && st.can_run(item, self.max_attempts);
             tracing::warn!(
                 worker = %self.name,
                 item,
@@ -516,5 +615,111 @@ impl<O> WorkerCtx<'_, O> {
             }
         }
         bar.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// Doubles items; from item `stop_from` on it returns a [`StopRun`] (as a worker whose
+    /// results file cannot be written does); at `fail_at` an ordinary error.
+    struct Doubler {
+        id: usize,
+        stop_from: Option<u64>,
+        fail_at: Option<u64>,
+        processed: Arc<AtomicUsize>,
+    }
+
+    impl Worker<u64, u64> for Doubler {
+        fn name(&self) -> String {
+            format!("w{}", self.id)
+        }
+
+        fn process(&mut self, item: &u64) -> Result<u64, BoxError> {
+            self.processed.fetch_add(1, Ordering::SeqCst);
+            if self.stop_from.is_some_and(|s| *item >= s) {
+                let cause = std::io::Error::other("cannot append to out.jsonl: No space left");
+                return Err(StopRun::new(cause).into());
+            }
+            if self.fail_at == Some(*item) {
+                return Err("an ordinary failure".into());
+            }
+            Ok(item * 2)
+        }
+    }
+
+    fn quiet() -> PoolOptions {
+        PoolOptions {
+            progress: false,
+            stop_worker_on_error: false,
+            ..PoolOptions::default()
+        }
+    }
+
+    #[test]
+    fn a_stop_run_error_ends_the_whole_run() {
+        let processed = Arc::new(AtomicUsize::new(0));
+        let worker = Doubler {
+            id: 0,
+            stop_from: Some(3),
+            fail_at: None,
+            processed: processed.clone(),
+        };
+        let err = ReplicaPool::run(vec![worker], (0..100u64).collect(), &quiet()).unwrap_err();
+        // One worker takes items in order: 0, 1, 2 done, 3 stops the run, 4..100 never run.
+        assert_eq!(processed.load(Ordering::SeqCst), 4);
+        match &err {
+            DistError::RunStopped {
+                worker,
+                item,
+                message,
+            } => {
+                assert_eq!((worker.as_str(), *item), ("w0", 3));
+                assert!(message.contains("No space left"), "{message}");
+            }
+            other => panic!("expected RunStopped, got {other}"),
+        }
+        let text = err.to_string();
+        assert!(text.contains("out.jsonl") && text.contains("w0"), "{text}");
+    }
+
+    #[test]
+    fn with_several_workers_no_item_is_handed_out_after_a_stop() {
+        let processed = Arc::new(AtomicUsize::new(0));
+        // Every worker stops the run at the first item it takes: the first stop ends the run,
+        // the others finish what they hold and are handed nothing more.
+        let workers: Vec<Doubler> = (0..3)
+            .map(|id| Doubler {
+                id,
+                stop_from: Some(0),
+                fail_at: None,
+                processed: processed.clone(),
+            })
+            .collect();
+        let out = ReplicaPool::run(workers, (0..1000u64).collect(), &quiet());
+        let Err(DistError::RunStopped { item, .. }) = out else {
+            panic!("expected RunStopped");
+        };
+        assert!(item < 3, "one of the first items stopped it: {item}");
+        assert!(processed.load(Ordering::SeqCst) <= 3, "{processed:?}");
+    }
+
+    #[test]
+    fn an_ordinary_error_still_fails_only_its_item() {
+        let processed = Arc::new(AtomicUsize::new(0));
+        let worker = Doubler {
+            id: 0,
+            stop_from: None,
+            fail_at: Some(3),
+            processed: processed.clone(),
+        };
+        let out = ReplicaPool::run(vec![worker], (0..10u64).collect(), &quiet()).unwrap();
+        assert_eq!(processed.load(Ordering::SeqCst), 10);
+        assert_eq!(out.report.items_done, 9);
+        assert!(!out.results[3].is_done());
+        assert_eq!(out.results[4].output(), Some(&8));
     }
 }
