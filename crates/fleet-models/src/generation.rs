@@ -75,7 +75,7 @@ impl SamplingParams {
                     "--top-p {p}: must lie in (0, 1] (1 turns the filter off)"
                 )))
             }
-            Some(p) if p == 1.0 => None,
+            Some(1.0) => None,
             p => p,
         };
         Ok(SamplingParams {

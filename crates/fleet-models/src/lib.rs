@@ -64,6 +64,10 @@ pub struct LoadOptions {
     pub revision: Option<String>,
     /// Hub cache and offline mode.
     pub hub: HubOptions,
+    /// Which of transformers' image-processor backends a vision checkpoint's images are
+    /// prepared with: torchvision (transformers' default) or Pillow
+    /// ([`vision::ResizeBackend`]). Text checkpoints ignore it.
+    pub image_backend: vision::ResizeBackend,
 }
 
 impl Default for LoadOptions {
@@ -73,6 +77,7 @@ impl Default for LoadOptions {
             device_map: None,
             revision: None,
             hub: HubOptions::from_env(),
+            image_backend: vision::ResizeBackend::default(),
         }
     }
 }

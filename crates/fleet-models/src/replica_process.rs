@@ -68,6 +68,8 @@ struct WorkerSpec {
     device_map: DeviceMap,
     hub_cache_dir: Option<std::path::PathBuf>,
     hub_offline: bool,
+    #[serde(default)]
+    image_backend: crate::vision::ResizeBackend,
 }
 
 /// One line from a worker.
@@ -232,6 +234,7 @@ fn load(spec_json: &str) -> Result<Served> {
             cache_dir: spec.hub_cache_dir,
             offline: spec.hub_offline,
         },
+        image_backend: spec.image_backend,
     };
     Ok(match spec.kind {
         ReplicaKind::Text => Served::Text(Box::new(TextModel::load(&spec.model, &opts)?)),
@@ -267,6 +270,7 @@ impl ReplicaProcess {
             device_map: map.clone(),
             hub_cache_dir: opts.hub.cache_dir.clone(),
             hub_offline: opts.hub.offline,
+            image_backend: opts.image_backend,
         };
         let exe = std::env::current_exe()
             .map_err(|e| ModelError::Replicas(format!("cannot find this program: {e}")))?;

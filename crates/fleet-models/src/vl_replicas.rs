@@ -72,10 +72,12 @@ impl VlRequest {
 /// could not be built, it is too long for the model).
 pub type VlOutcome = std::result::Result<GenerationOutput, String>;
 
-/// Generates a batch on a model of this process: each request's prompt is built (chat
-/// template, image preprocessing), the ones that build and fit are generated as one
-/// left-padded batch. One outcome per request, in order; `Err` when the batch as a whole
-/// failed.
+/// Generates a batch on a model of this process: each request is checked to fit the model
+/// ([`crate::qwen3_vl::VlProcessor::length`]: its M-RoPE positions from the images' sizes, the
+/// computation a job can run up front without weights) and its prompt built (chat template,
+/// image preprocessing); the ones that fit and build are generated as one left-padded batch.
+/// One outcome per request, in order (`Err` for a request that cannot be judged); `Err` when
+/// the batch as a whole failed.
 pub fn generate_vl(model: &VisionLanguageModel, batch: &[VlRequest]) -> Result<Vec<VlOutcome>> {
     use rayon::prelude::*;
     let mut outcomes: Vec<Option<VlOutcome>> = vec![None; batch.len()];
@@ -86,19 +88,20 @@ pub fn generate_vl(model: &VisionLanguageModel, batch: &[VlRequest]) -> Result<V
     // milliseconds of one core, and a batch holds dozens of images.
     let built: Vec<Result<crate::VlPrompt>> = batch
         .par_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let images: Vec<DynamicImage> = r.images.iter().map(|a| (**a).clone()).collect();
-            let p = model.prompt(&r.messages, &images)?;
-            // The limit is on M-RoPE positions, which an image uses fewer of than tokens:
-            // rope_delta (<= 0) is the difference.
-            let (_, delta) = model.model.rope_index(&p)?;
-            let positions = (p.ids.len() as i64 + delta).max(0) as usize + r.max_new_tokens;
+        .map(|r| {
+            // The length first, from the images' sizes: a request too long for the model is
+            // refused before its pixels are preprocessed.
+            let sizes: Vec<(usize, usize)> = r
+                .images
+                .iter()
+                .map(|img| (img.height() as usize, img.width() as usize))
+                .collect();
             model
-                .model
-                .text()
-                .check_length(positions, &format!("request {i}"))?;
-            Ok(p)
+                .processor
+                .length(&r.messages, &sizes, r.max_new_tokens)?
+                .check()?;
+            let images: Vec<DynamicImage> = r.images.iter().map(|a| (**a).clone()).collect();
+            model.prompt(&r.messages, &images)
         })
         .collect();
     for ((i, r), built) in batch.iter().enumerate().zip(built) {

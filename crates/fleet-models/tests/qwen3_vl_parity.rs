@@ -274,6 +274,7 @@ fn prompts_match_the_processor() {
                 .map(|p| image::open(p).unwrap())
                 .collect();
             let text = vlm
+                .processor
                 .chat_template
                 .render_json(case["messages"].clone(), true, &Default::default())
                 .unwrap();

@@ -1,5 +1,12 @@
-//! A loaded Qwen3-VL checkpoint: model, tokenizer, chat template, image processor and
-//! generation defaults, with prompts built as transformers' `Qwen3VLProcessor` builds them.
+//! A Qwen3-VL checkpoint: [`VlProcessor`] — transformers' `Qwen3VLProcessor` without weights
+//! (tokenizer, chat template, image processor settings, generation defaults, and the
+//! config.json facts prompts depend on) — and [`VisionLanguageModel`], the model with its
+//! processor.
+//!
+//! The processor builds prompts as `Qwen3VLProcessor` builds them and tells how many M-RoPE
+//! positions a prompt takes from its images' sizes alone ([`VlProcessor::length`]), so a job
+//! can refuse a request that can never fit the model before any weights are loaded, with the
+//! same computation the model's generate uses.
 
 use std::path::Path;
 
@@ -15,48 +22,102 @@ use crate::vision::{preprocess, ImageProcessorConfig};
 use crate::weights::Weights;
 use crate::LoadOptions;
 
-use super::{expand_image_pads, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
+use super::{expand_image_pads, rope_index, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
 
-/// A Qwen3-VL checkpoint ready to answer prompts with images.
-pub struct VisionLanguageModel {
-    /// Where it came from.
-    pub source: ModelSource,
-    /// The files that were loaded.
-    pub files: CheckpointFiles,
-    /// The model.
-    pub model: Qwen3VlModel,
+/// How many positions one request takes, against how many the model has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptLength {
+    /// M-RoPE positions of the prompt (its largest position + 1): one per text token, and per
+    /// image the largest side of its merged grid (fewer than the image's tokens).
+    pub prompt: usize,
+    /// Positions the reply may take.
+    pub max_new_tokens: usize,
+    /// The model's `max_position_embeddings`.
+    pub max_positions: usize,
+}
+
+impl PromptLength {
+    /// `prompt + max_new_tokens`.
+    pub fn total(&self) -> usize {
+        self.prompt + self.max_new_tokens
+    }
+
+    /// Whether the request fits the model.
+    pub fn fits(&self) -> bool {
+        self.total() <= self.max_positions
+    }
+
+    /// `Ok` when it fits; otherwise an error naming the numbers and the fix.
+    pub fn check(&self) -> Result<()> {
+        if self.fits() {
+            return Ok(());
+        }
+        Err(ModelError::BadInput(format!(
+            "{} positions (prompt {} + max_new_tokens {}) exceed \
+             max_position_embeddings = {} of this model; shorten the prompt or lower \
+             max_new_tokens",
+            self.total(),
+            self.prompt,
+            self.max_new_tokens,
+            self.max_positions
+        )))
+    }
+}
+
+/// transformers' `Qwen3VLProcessor` for one checkpoint, without weights: the tokenizer, the
+/// processor's chat template, the image processor's settings (preprocessor_config.json), the
+/// generation defaults (generation_config.json) and the checkpoint's config.json, checked
+/// against each other when loaded (vocabulary, `<|image_pad|>` id, patch sizes).
+pub struct VlProcessor {
+    /// config.json (special token ids, the vision merge size, `max_position_embeddings`).
+    pub config: Qwen3VlConfig,
     /// tokenizer.json.
     pub tokenizer: TextTokenizer,
     /// The processor's chat template.
     pub chat_template: ChatTemplate,
+    /// preprocessor_config.json.
+    pub image_processor: ImageProcessorConfig,
     /// generation_config.json (defaults when absent).
     pub generation_config: GenerationConfig,
-    /// preprocessor_config.json.
-    pub processor: ImageProcessorConfig,
 }
 
-impl VisionLanguageModel {
-    /// Loads a local directory or hub id with the given options.
+impl std::fmt::Debug for VlProcessor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VlProcessor")
+            .field("model_type", &self.config.model_type)
+            .field("vocab", &self.tokenizer.vocab_size())
+            .field("image_processor", &self.image_processor)
+            .field("max_positions", &self.max_positions())
+            .finish_non_exhaustive()
+    }
+}
+
+impl VlProcessor {
+    /// The processor of a local directory or hub id: its config, tokenizer and processor
+    /// files only (no weights are read or downloaded).
+    /// `opts.image_backend` picks transformers' image-processor backend.
     pub fn load(spec: &str, opts: &LoadOptions) -> Result<Self> {
         let source = ModelSource::parse(spec, opts.revision.as_deref())?;
-        let files = source.resolve(&opts.hub)?;
-        let cfg = Qwen3VlConfig::from_file(&files.config)?;
-        let map = opts
-            .device_map
-            .clone()
-            .unwrap_or_else(|| DeviceMap::single(DeviceLocation::Cpu, cfg.text.num_hidden_layers));
-        let weights = Weights::from_safetensors(&files.weights)?;
-        let model = Qwen3VlModel::new(&cfg, &weights, opts.dtype, &map)?;
-        Self::with_model(source, files, model)
+        Ok(Self::from_files(&source.resolve_for_plan(&opts.hub)?)?
+            .with_image_backend(opts.image_backend))
     }
 
-    /// The checkpoint's tokenizer, template, processor and generation defaults around a model
-    /// built elsewhere (random weights of its shape, for benchmarks).
-    pub fn with_model(
-        source: ModelSource,
-        files: CheckpointFiles,
-        model: Qwen3VlModel,
-    ) -> Result<Self> {
+    /// The same processor with images prepared by transformers' `backend` (torchvision, its
+    /// default, or Pillow).
+    pub fn with_image_backend(mut self, backend: crate::vision::ResizeBackend) -> Self {
+        self.image_processor = self.image_processor.with_resize_backend(backend);
+        self
+    }
+
+    /// The processor of resolved checkpoint files (config.json read here).
+    pub fn from_files(files: &CheckpointFiles) -> Result<Self> {
+        Self::with_config(files, Qwen3VlConfig::from_file(&files.config)?)
+    }
+
+    /// The processor of checkpoint files whose config.json was read already; the files are
+    /// checked against `config` (tokenizer vocabulary and `<|image_pad|>` id, the image
+    /// processor's patch sizes).
+    pub fn with_config(files: &CheckpointFiles, config: Qwen3VlConfig) -> Result<Self> {
         let origin = Path::new(&files.origin).to_path_buf();
         let missing = |name: &str, hint: &str| ModelError::MissingFile {
             path: origin.join(name),
@@ -68,7 +129,7 @@ impl VisionLanguageModel {
                 "a Qwen3-VL checkpoint ships its tokenizer; download the complete checkpoint",
             )
         })?)?;
-        let vocab = model.config().text.vocab_size;
+        let vocab = config.text.vocab_size;
         if tokenizer.vocab_size() > vocab {
             return Err(ModelError::Tokenizer {
                 path: files.tokenizer.clone().unwrap_or_default(),
@@ -80,13 +141,13 @@ impl VisionLanguageModel {
             });
         }
         let image_pad = tokenizer.token_id("<|image_pad|>");
-        if image_pad != Some(model.config().image_token_id) {
+        if image_pad != Some(config.image_token_id) {
             return Err(ModelError::Tokenizer {
                 path: files.tokenizer.clone().unwrap_or_default(),
                 message: format!(
                     "<|image_pad|> is {image_pad:?} in the tokenizer but image_token_id is {} in \
                      config.json; tokenizer and config are from different models",
-                    model.config().image_token_id
+                    config.image_token_id
                 ),
             });
         }
@@ -113,7 +174,7 @@ impl VisionLanguageModel {
                  download the complete checkpoint",
             )
         })?;
-        let processor = ImageProcessorConfig::from_file(&processor_path).map_err(|e| {
+        let image_processor = ImageProcessorConfig::from_file(&processor_path).map_err(|e| {
             ModelError::BadConfig {
                 path: processor_path.clone(),
                 field: "preprocessor_config".into(),
@@ -121,16 +182,18 @@ impl VisionLanguageModel {
                 hint: e.to_string(),
             }
         })?;
-        let vision = &model.config().vision;
-        if processor.patch_dim() != vision.patch_dim()
-            || processor.merge_size != vision.spatial_merge_size
+        let vision = &config.vision;
+        if image_processor.patch_dim() != vision.patch_dim()
+            || image_processor.merge_size != vision.spatial_merge_size
         {
             return Err(ModelError::BadConfig {
                 path: processor_path,
                 field: "patch_size / temporal_patch_size / merge_size".into(),
                 value: format!(
                     "{} / {} / {}",
-                    processor.patch_size, processor.temporal_patch_size, processor.merge_size
+                    image_processor.patch_size,
+                    image_processor.temporal_patch_size,
+                    image_processor.merge_size
                 ),
                 hint: format!(
                     "config.json's vision_config has patch_size {}, temporal_patch_size {}, \
@@ -143,37 +206,38 @@ impl VisionLanguageModel {
             Some(p) => GenerationConfig::from_file(p)?,
             None => GenerationConfig::default(),
         };
-        Ok(VisionLanguageModel {
-            source,
-            files,
-            model,
+        Ok(VlProcessor {
+            config,
             tokenizer,
             chat_template,
+            image_processor,
             generation_config,
-            processor,
         })
     }
 
     /// The chat `messages` (transformers' format: `content` a string or a list of
-    /// `{"type": "image"}` / `{"type": "text", "text": …}` parts) rendered with the generation
-    /// prompt, tokenized, each image's pad token expanded; `images` are the image parts' images
-    /// in order.
+    /// `{"type": "image"}` / `{"type": "text", "text": …}` parts) rendered by the chat
+    /// template with the generation prompt.
+    pub fn render(&self, messages: &Value) -> Result<String> {
+        self.chat_template
+            .render_json(messages.clone(), true, &serde_json::Map::new())
+    }
+
+    /// The chat `messages` rendered ([`Self::render`]), tokenized, each image's pad token
+    /// expanded; `images` are the image parts' images in order.
     pub fn prompt(&self, messages: &Value, images: &[image::DynamicImage]) -> Result<VlPrompt> {
-        let text =
-            self.chat_template
-                .render_json(messages.clone(), true, &serde_json::Map::new())?;
-        self.prompt_from_text(&text, images)
+        self.prompt_from_text(&self.render(messages)?, images)
     }
 
     /// A prompt from already rendered text holding one `<|image_pad|>` per image.
     pub fn prompt_from_text(&self, text: &str, images: &[image::DynamicImage]) -> Result<VlPrompt> {
         let ids = self.tokenizer.encode(text)?;
-        let cfg = self.model.config();
+        let cfg = &self.config;
         if images.is_empty() {
             expand_image_pads(&ids, cfg.image_token_id, &[])?;
             return Ok(VlPrompt { ids, images: None });
         }
-        let pre = preprocess(images, &self.processor)
+        let pre = preprocess(images, &self.image_processor)
             .map_err(|e| ModelError::BadInput(format!("preprocessing the images: {e}")))?;
         let counts = pre.pad_tokens(cfg.vision.spatial_merge_size);
         let ids = expand_image_pads(&ids, cfg.image_token_id, &counts)?;
@@ -183,12 +247,70 @@ impl VisionLanguageModel {
         })
     }
 
+    /// The patch grid `[t, h, w]` of a still image of `height` x `width` pixels: its size after
+    /// the image processor's resize ([`ImageProcessorConfig::resized_size`]) in patches, as
+    /// [`preprocess`] makes it, without touching a pixel.
+    pub fn image_grid(&self, height: usize, width: usize) -> Result<[usize; 3]> {
+        let (h, w) = self
+            .image_processor
+            .resized_size(height, width)
+            .map_err(|e| ModelError::BadInput(format!("an image of {width}x{height}: {e}")))?;
+        let p = self.image_processor.patch_size;
+        Ok([1, h / p, w / p])
+    }
+
+    /// The M-RoPE positions (largest position + 1) of the prompt of `messages` whose images
+    /// are `image_sizes` (`(height, width)` each, in order): the template rendered, the text
+    /// tokenized, each image's pads expanded by its grid ([`Self::image_grid`]) and the
+    /// positions counted by [`rope_index`], the function the model's prefill uses.
+    pub fn positions(&self, messages: &Value, image_sizes: &[(usize, usize)]) -> Result<usize> {
+        self.positions_from_text(&self.render(messages)?, image_sizes)
+    }
+
+    /// [`Self::positions`] of already rendered text.
+    pub fn positions_from_text(&self, text: &str, image_sizes: &[(usize, usize)]) -> Result<usize> {
+        let ids = self.tokenizer.encode(text)?;
+        let cfg = &self.config;
+        let merge = cfg.vision.spatial_merge_size;
+        let grids = image_sizes
+            .iter()
+            .map(|&(h, w)| self.image_grid(h, w))
+            .collect::<Result<Vec<_>>>()?;
+        let counts: Vec<usize> = grids
+            .iter()
+            .map(|&g| crate::vision::image_pad_tokens(g, merge))
+            .collect();
+        let ids = expand_image_pads(&ids, cfg.image_token_id, &counts)?;
+        let (_, delta) = rope_index(&ids, &grids, merge, cfg.image_token_id, cfg.video_token_id)?;
+        Ok((ids.len() as i64 + delta).max(0) as usize)
+    }
+
+    /// How many positions a request of `messages` with images of `image_sizes` (`(height,
+    /// width)`) and `max_new_tokens` takes, against the model's `max_position_embeddings`.
+    pub fn length(
+        &self,
+        messages: &Value,
+        image_sizes: &[(usize, usize)],
+        max_new_tokens: usize,
+    ) -> Result<PromptLength> {
+        Ok(PromptLength {
+            prompt: self.positions(messages, image_sizes)?,
+            max_new_tokens,
+            max_positions: self.max_positions(),
+        })
+    }
+
+    /// The model's `max_position_embeddings`.
+    pub fn max_positions(&self) -> usize {
+        self.config.text.max_position_embeddings
+    }
+
     /// EOS ids: generation_config.json's, else config.json's text_config, else `<|im_end|>` /
     /// `<|endoftext|>`.
     pub fn eos_ids(&self) -> Vec<u32> {
         crate::stop_ids(
             &self.generation_config,
-            &self.model.config().text,
+            &self.config.text,
             Some(&self.tokenizer),
         )
     }
@@ -196,6 +318,73 @@ impl VisionLanguageModel {
     /// The padding id (masked; Qwen uses `<|endoftext|>`).
     pub fn pad_id(&self) -> u32 {
         crate::padding_id(&self.generation_config, &self.eos_ids())
+    }
+}
+
+/// A Qwen3-VL checkpoint ready to answer prompts with images: the model and its
+/// [`VlProcessor`].
+pub struct VisionLanguageModel {
+    /// Where it came from.
+    pub source: ModelSource,
+    /// The files that were loaded.
+    pub files: CheckpointFiles,
+    /// The model.
+    pub model: Qwen3VlModel,
+    /// The tokenizer, chat template, image processor settings and generation defaults.
+    pub processor: VlProcessor,
+}
+
+impl VisionLanguageModel {
+    /// Loads a local directory or hub id with the given options.
+    pub fn load(spec: &str, opts: &LoadOptions) -> Result<Self> {
+        let source = ModelSource::parse(spec, opts.revision.as_deref())?;
+        let files = source.resolve(&opts.hub)?;
+        let cfg = Qwen3VlConfig::from_file(&files.config)?;
+        let map = opts
+            .device_map
+            .clone()
+            .unwrap_or_else(|| DeviceMap::single(DeviceLocation::Cpu, cfg.text.num_hidden_layers));
+        let weights = Weights::from_safetensors(&files.weights)?;
+        let model = Qwen3VlModel::new(&cfg, &weights, opts.dtype, &map)?;
+        let mut vlm = Self::with_model(source, files, model)?;
+        vlm.processor = vlm.processor.with_image_backend(opts.image_backend);
+        Ok(vlm)
+    }
+
+    /// The checkpoint's processor ([`VlProcessor::with_config`], checked against the model's
+    /// config) around a model built elsewhere (random weights of its shape, for benchmarks).
+    pub fn with_model(
+        source: ModelSource,
+        files: CheckpointFiles,
+        model: Qwen3VlModel,
+    ) -> Result<Self> {
+        let processor = VlProcessor::with_config(&files, model.config().clone())?;
+        Ok(VisionLanguageModel {
+            source,
+            files,
+            model,
+            processor,
+        })
+    }
+
+    /// [`VlProcessor::prompt`].
+    pub fn prompt(&self, messages: &Value, images: &[image::DynamicImage]) -> Result<VlPrompt> {
+        self.processor.prompt(messages, images)
+    }
+
+    /// [`VlProcessor::prompt_from_text`].
+    pub fn prompt_from_text(&self, text: &str, images: &[image::DynamicImage]) -> Result<VlPrompt> {
+        self.processor.prompt_from_text(text, images)
+    }
+
+    /// [`VlProcessor::eos_ids`].
+    pub fn eos_ids(&self) -> Vec<u32> {
+        self.processor.eos_ids()
+    }
+
+    /// [`VlProcessor::pad_id`].
+    pub fn pad_id(&self) -> u32 {
+        self.processor.pad_id()
     }
 
     /// Generates continuations of `prompts` (one left-padded batch); `requests[r]` holds
@@ -207,12 +396,112 @@ impl VisionLanguageModel {
         on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
     ) -> Result<Vec<GenerationOutput>> {
         self.model.generate(
-            Some(&self.tokenizer),
+            Some(&self.processor.tokenizer),
             self.eos_ids(),
             self.pad_id(),
             prompts,
             requests,
             on_token,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn tiny() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3-vl-tiny")
+    }
+
+    fn picture(w: u32, h: u32) -> image::DynamicImage {
+        image::DynamicImage::ImageRgb8(image::RgbImage::from_fn(w, h, |x, y| {
+            image::Rgb([(x * 3) as u8, (y * 5) as u8, 77])
+        }))
+    }
+
+    fn messages(text: &str, images: usize) -> Value {
+        let mut content: Vec<Value> = (0..images)
+            .map(|_| serde_json::json!({"type": "image"}))
+            .collect();
+        content.push(serde_json::json!({"type": "text", "text": text}));
+        serde_json::json!([
+            {"role": "system", "content": "You judge image edits."},
+            {"role": "user", "content": content}
+        ])
+    }
+
+    /// Without weights: a copy of the checkpoint with no safetensors loads its processor.
+    fn processor_without_weights() -> (tempfile::TempDir, VlProcessor) {
+        let tmp = tempfile::tempdir().unwrap();
+        for f in std::fs::read_dir(tiny()).unwrap() {
+            let f = f.unwrap().path();
+            if f.extension().is_some_and(|e| e != "safetensors") {
+                std::fs::copy(&f, tmp.path().join(f.file_name().unwrap())).unwrap();
+            }
+        }
+        let p = VlProcessor::load(tmp.path().to_str().unwrap(), &LoadOptions::default()).unwrap();
+        (tmp, p)
+    }
+
+    #[test]
+    fn positions_from_sizes_equal_the_built_prompts_positions() {
+        let (_tmp, proc) = processor_without_weights();
+        // Sizes that smart_resize rounds in different ways, and a text-only prompt.
+        let cases: Vec<Vec<(u32, u32)>> = vec![
+            vec![(48, 64), (37, 100)],
+            vec![(90, 33)],
+            vec![(300, 17), (64, 64), (129, 257)],
+            vec![],
+        ];
+        for sizes in cases {
+            let images: Vec<_> = sizes.iter().map(|&(w, h)| picture(w, h)).collect();
+            let m = messages("Make the sky red. Reply `Score: X`.", images.len());
+            let prompt = proc.prompt(&m, &images).unwrap();
+            let grids = prompt
+                .images
+                .as_ref()
+                .map_or(Vec::new(), |i| i.image_grid_thw.clone());
+            let (_, delta) = rope_index(
+                &prompt.ids,
+                &grids,
+                proc.config.vision.spatial_merge_size,
+                proc.config.image_token_id,
+                proc.config.video_token_id,
+            )
+            .unwrap();
+            let hw: Vec<(usize, usize)> = sizes
+                .iter()
+                .map(|&(w, h)| (h as usize, w as usize))
+                .collect();
+            let expected = (prompt.ids.len() as i64 + delta) as usize;
+            assert_eq!(proc.positions(&m, &hw).unwrap(), expected, "{sizes:?}");
+            for (k, &(h, w)) in hw.iter().enumerate() {
+                assert_eq!(proc.image_grid(h, w).unwrap(), grids[k]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_prompt_beyond_the_context_is_named_with_its_numbers() {
+        let (_tmp, proc) = processor_without_weights();
+        assert_eq!(proc.max_positions(), 2048);
+        let short = proc
+            .length(&messages("Rate it.", 1), &[(64, 48)], 128)
+            .unwrap();
+        assert!(short.fits() && short.check().is_ok(), "{short:?}");
+        let long = "make every pixel of the sky a deeper red ".repeat(400);
+        let len = proc.length(&messages(&long, 1), &[(64, 48)], 128).unwrap();
+        assert!(!len.fits(), "{len:?}");
+        assert_eq!(len.total(), len.prompt + 128);
+        let err = len.check().unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("{} positions", len.total()))
+                && err.contains("max_position_embeddings = 2048"),
+            "{err}"
+        );
+        // An image the processor refuses (200:1 at most) is an error, not a length.
+        assert!(proc.length(&messages("x", 1), &[(1, 500)], 8).is_err());
     }
 }

@@ -30,7 +30,7 @@ use crate::tokenizer::TextTokenizer;
 use crate::vision::PreprocessedImages;
 use crate::weights::Weights;
 
-pub use checkpoint::VisionLanguageModel;
+pub use checkpoint::{PromptLength, VisionLanguageModel, VlProcessor};
 pub use vision::{VisionConfig, VisionEncoder, VisionOutput};
 
 /// A Qwen3-VL `config.json`: the text decoder's and the vision encoder's configs and the
