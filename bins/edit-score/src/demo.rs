@@ -232,7 +232,7 @@ pub fn run(args: &ScoreArgs) -> Result<()> {
         None => tempfile::Builder::new()
             .prefix("edit-score-demo-")
             .tempdir()
-            .context("making a directory for the demo's output (or give --output DIR)")?
+            .context("making a directory for the demo's output (or give --output-dir DIR)")?
             .keep(),
     };
     std::fs::create_dir_all(&output)
@@ -284,7 +284,7 @@ pub fn run(args: &ScoreArgs) -> Result<()> {
     }
     result?;
     eprintln!(
-        "the demo's benchmark is in {}; rerun with --output {} to resume (nothing is judged twice)",
+        "the demo's benchmark is in {}; rerun with --output-dir {} to resume (nothing is judged twice)",
         bench_dir.display(),
         output.display()
     );

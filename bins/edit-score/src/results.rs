@@ -11,7 +11,12 @@ use fleet_judge::report::Report;
 #[derive(Args, Debug)]
 pub struct MergeArgs {
     /// The merged run's directory (scores.jsonl, run.json and the report).
-    #[arg(long, value_name = "DIR")]
+    #[arg(
+        long = "output-dir",
+        visible_alias = "output",
+        alias = "out",
+        value_name = "DIR"
+    )]
     pub output: PathBuf,
     /// The shards' output directories (every shard 0..N of one split, same settings).
     #[arg(required = true, value_name = "SHARD_DIR")]
@@ -19,7 +24,7 @@ pub struct MergeArgs {
     /// Merge even when a shard has calls without a record (they count as not scored).
     #[arg(long)]
     pub allow_incomplete: bool,
-    /// Replace an earlier merge in --output.
+    /// Replace an earlier merge in --output-dir.
     #[arg(long)]
     pub overwrite: bool,
 }
@@ -82,20 +87,22 @@ fn fmt_mean(stats: Option<&fleet_judge::report::Stats>) -> String {
 pub fn print_report(report: &Report) -> Result<()> {
     let primary = report.primary.as_str();
     outln!(
-        "{:<28} {:>6} {:>10} {:>13} {:>11}",
+        "{:<28} {:>6} {:>10} {:>13} {:>13} {:>11}",
         "category",
         "items",
         format!("mean {primary}"),
         "parse failed",
+        "judge failed",
         "not scored"
     )?;
     for c in &report.categories {
         outln!(
-            "{:<28} {:>6} {:>10} {:>13} {:>11}",
+            "{:<28} {:>6} {:>10} {:>13} {:>13} {:>11}",
             c.label,
             c.items,
             fmt_mean(c.stats.get(primary)),
             c.parse_failed,
+            c.judge_failed,
             c.not_scored
         )?;
     }
@@ -113,10 +120,12 @@ pub fn print_report(report: &Report) -> Result<()> {
     }
     outln!(
         "{} item(s): {} scored, {} with a reply that did not parse (counted, never given a \
-         score), {} not scored, {} skipped at load",
+         score), {} the judge failed on (--retry-failed judges them again), {} not scored, {} \
+         skipped at load",
         report.items,
         report.items_scored,
         report.parse_failed,
+        report.judge_failed,
         report.not_scored,
         report.skipped_total
     )?;

@@ -19,11 +19,13 @@ use fleet_dist::{RunDirState, ShardSpec};
 use fleet_judge::benchmark::{load_gedit, load_jsonl, load_scorer_json, Loaded};
 use fleet_judge::judge::{Decoding, Sampling};
 use fleet_judge::prompts::{ImageRole, PromptSet, DEFAULT_TEMPLATE};
-use fleet_judge::qwen::{judge_model_id, load_judges, load_judges_on, Qwen3VlJudge};
+use fleet_judge::qwen::{judge_model_id, load_judges, load_judges_on, skip_too_long, Qwen3VlJudge};
 use fleet_judge::records::RunInfo;
 use fleet_judge::report::Report;
 use fleet_judge::run::{RunOptions, ScoringSpec, Session, SessionOptions};
 use fleet_models::placement::{plan_on_this_machine, PlacementRequest, Workload};
+use fleet_models::qwen3_vl::VlProcessor;
+use fleet_models::vision::ResizeBackend;
 use fleet_models::{
     DType, DeviceLocation, DeviceMap, GenerationConfig, LoadOptions, ModelSource, Qwen3VlConfig,
 };
@@ -112,9 +114,20 @@ pub struct ScoreArgs {
     /// Compute dtype: bf16, f16 or f32 (default: bf16 with GPUs, f32 on the CPU).
     #[arg(long)]
     pub dtype: Option<String>,
+    /// Prepare images as this transformers image-processor backend does: torchvision
+    /// (transformers' default whenever torchvision is installed) or pillow (`backend="pil"`,
+    /// transformers without torchvision); they differ by one level in a few pixels. Part of
+    /// every record's key.
+    #[arg(long, default_value = "torchvision", value_name = "torchvision|pillow")]
+    pub image_backend: ResizeBackend,
     /// The output directory: records.jsonl (append-only, resumable), scores.jsonl, run.json,
     /// report.json, report.md, chart.png/.svg, skipped.json. One run at a time.
-    #[arg(long, value_name = "DIR")]
+    #[arg(
+        long = "output-dir",
+        visible_alias = "output",
+        alias = "out",
+        value_name = "DIR"
+    )]
     pub output: Option<PathBuf>,
     /// Requests per judge call (one left-padded batch on one replica; replicas take batches
     /// from a shared queue). Default on GPUs: the largest of 32, 16, 8, 4, 2, 1 that the memory
@@ -166,10 +179,14 @@ pub struct ScoreArgs {
     /// This job's shard, 0-based.
     #[arg(long)]
     pub shard_index: Option<usize>,
-    /// Remove an earlier run's files in --output (another model, prompt set or decoding) and
-    /// start over; without it such a resume is refused.
+    /// Remove an earlier run's files in --output-dir (another model, prompt set or decoding)
+    /// and start over; without it such a resume is refused.
     #[arg(long)]
     pub overwrite: bool,
+    /// Judge again the calls an earlier run recorded as failed (the judge failed on them; the
+    /// report counts them). Without it a rerun leaves them as recorded.
+    #[arg(long)]
+    pub retry_failed: bool,
     /// No progress bars.
     #[arg(long)]
     pub no_progress: bool,
@@ -277,7 +294,7 @@ fn job_from_flags(args: &ScoreArgs) -> Result<Job> {
         "--model",
         "a Qwen3-VL checkpoint, e.g. Qwen/Qwen3-VL-8B-Instruct",
     )?;
-    let output = require(&args.output, "--output", "the results directory")?;
+    let output = require(&args.output, "--output-dir", "the results directory")?;
     let prompts = prompt_set(prompts_path, &args.images)?;
     if format != Format::Gedit && args.gedit_rows.is_some() {
         bail!("--gedit-rows applies to --format gedit only");
@@ -387,7 +404,7 @@ fn sampling(args: &ScoreArgs, gen: &GenerationConfig, seed: u64) -> (Sampling, S
 /// Scores `job` (see the module docs); returns the run's summary.
 pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
     let Job {
-        loaded,
+        mut loaded,
         benchmark,
         format,
         prompts,
@@ -427,6 +444,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
     let opts = LoadOptions {
         dtype,
         revision: args.revision.clone(),
+        image_backend: args.image_backend,
         ..LoadOptions::default()
     };
     let files = ModelSource::parse(&model, opts.revision.as_deref())
@@ -446,6 +464,40 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
         .max_new_tokens
         .or(prompts.max_new_tokens)
         .unwrap_or(128);
+
+    // Every call's length, by the checkpoint's processor (no weights): an item too long for
+    // the judge is skipped now rather than failing at judge time.
+    let processor = VlProcessor::with_config(&files, judge_cfg.clone())
+        .with_context(|| format!("--model {model}: its processor files"))?
+        .with_image_backend(args.image_backend);
+    let too_long = skip_too_long(
+        &mut loaded,
+        &prompts,
+        &processor,
+        max_new_tokens,
+        resize_edited_to_source,
+    )?;
+    if too_long > 0 {
+        eprintln!(
+            "{too_long} item(s) too long for the judge (max_position_embeddings {}), skipped:",
+            processor.max_positions()
+        );
+        for s in loaded
+            .skipped
+            .iter()
+            .rev()
+            .take(too_long.min(SKIPPED_SHOWN))
+        {
+            eprintln!("  skipped {}: {}", s.id, s.reason);
+        }
+        if loaded.items.is_empty() {
+            bail!(
+                "no item of {benchmark} fits the judge: every one is too long (above); \
+                 shorten the instructions, shrink the images or lower --max-new-tokens"
+            );
+        }
+    }
+    drop(processor);
     let mut notes = Vec::new();
     let decoding = if args.do_sample {
         let (s, from) = sampling(args, &generation, args.seed.unwrap_or(0));
@@ -469,6 +521,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
         decoding,
         retry,
         resize_edited_to_source,
+        image_backend: args.image_backend,
     };
     let mut about = BTreeMap::new();
     about.insert("benchmark".to_string(), json!(benchmark));
@@ -511,7 +564,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
 
     let shard = ShardSpec::from_process_env(args.num_shards, args.shard_index)?;
     let plan = session.plan(&loaded, shard)?;
-    let pending = plan.pending(session.store()).len();
+    let pending = plan.pending(session.store(), args.retry_failed).len();
     let set = &session.spec().prompts;
     let shows: Vec<String> = set
         .calls
@@ -621,6 +674,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
             progress: !args.no_progress,
             worker_names,
             stop_failed_judge: None,
+            retry_failed: args.retry_failed,
         },
     )?;
     drop(session);
@@ -630,10 +684,11 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
     print_summary(&info, &report, &output, &written)?;
     if !info.failed.is_empty() {
         bail!(
-            "{} call(s) have no record (the judge failed on them; errors above and in {}/run.json); \
-             run the same command again to judge them",
+            "the judge failed on {} call(s) in this run: each is recorded as failed with its \
+             errors (above, and in {dir}/records.jsonl and {dir}/run.json) and counted in the \
+             report; a rerun leaves them as they are: add --retry-failed to judge them again",
             info.failed.len(),
-            output.display()
+            dir = output.display()
         );
     }
     Ok(info)
@@ -652,7 +707,7 @@ fn print_summary(info: &RunInfo, report: &Report, out: &Path, written: &[PathBuf
     }
     for f in &info.failed {
         eprintln!(
-            "no record for {} ({}): {}",
+            "the judge failed on {} ({}): {}",
             f.id,
             f.call,
             f.errors.join(" | ")

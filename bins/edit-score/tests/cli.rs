@@ -615,3 +615,75 @@ fn missing_flags_and_sampling_flags_without_sampling_are_explained() {
     let err = fails(&run(&args));
     assert!(err.contains("--do-sample"), "{err}");
 }
+
+/// Issue 23: items that pass a header check but can never be judged — a PNG cut short, an
+/// instruction beyond the judge's context, a line that is not UTF-8 — are skipped when the
+/// benchmark is loaded, listed in skipped.json and counted in the report, and the run succeeds
+/// (they made every run exit 1 with "run the same command again"); a rerun has nothing to do.
+#[test]
+fn items_that_can_never_be_judged_are_skipped_up_front_and_the_run_succeeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bench = jsonl_benchmark(&tmp.path().join("bench"), 2);
+    let dir = bench.parent().unwrap();
+    // A PNG whose header reads but whose data is cut short.
+    let whole = std::fs::read(dir.join("img/1_edit.png")).unwrap();
+    std::fs::write(dir.join("img/cut.png"), &whole[..whole.len() * 6 / 10]).unwrap();
+    let mut text = std::fs::read(&bench).unwrap();
+    let item = |id: &str, instruction: &str, edited: &str| {
+        json!({"id": id, "category": "color_alter", "instruction": instruction,
+               "source": "img/0_src.png", "edited": edited})
+        .to_string()
+    };
+    text.extend_from_slice(item("cut", "Add a red line.", "img/cut.png").as_bytes());
+    text.push(b'\n');
+    let long = "paint the sky a deep red ".repeat(600);
+    text.extend_from_slice(item("long", long.trim(), "img/0_edit.png").as_bytes());
+    text.push(b'\n');
+    text.extend_from_slice(b"{\"id\": \"bad\xff\"}\n");
+    std::fs::write(&bench, text).unwrap();
+
+    let out = tmp.path().join("out");
+    let (b, o) = (bench.to_str().unwrap(), out.to_str().unwrap());
+    let prompts = viescore();
+    let judge = tiny_judge();
+    let mut args = score_args(b, o);
+    // transformers' name for the flag (--output stays an alias).
+    let i = args.iter().position(|a| *a == "--output").unwrap();
+    args[i] = "--output-dir";
+    args.extend(["--prompts", &prompts, "--model", &judge]);
+    let (_, stderr) = ok(&run(&args));
+    assert!(
+        stderr.contains("1 item(s) too long for the judge"),
+        "{stderr}"
+    );
+    let skipped = read_json(&out.join("skipped.json"));
+    let kinds: BTreeSet<(String, String)> = skipped
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["id"].as_str().unwrap().to_string(),
+                s["kind"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let expected: BTreeSet<(String, String)> = [
+        ("cut", "unreadable image"),
+        ("long", "prompt too long"),
+        ("line 5", "not UTF-8"),
+    ]
+    .iter()
+    .map(|(a, b)| (a.to_string(), b.to_string()))
+    .collect();
+    assert_eq!(kinds, expected);
+    let report = read_json(&out.join("report.json"));
+    assert_eq!(report["skipped_total"], 3);
+    assert_eq!(report["items"], 2);
+    assert_eq!(report["judge_failed"], 0);
+    // Two calls (SC, PQ) for each of the two good items.
+    assert_eq!(lines(&out.join("records.jsonl")).len(), 4);
+    // Again: nothing to judge, nothing fails.
+    let (_, stderr) = ok(&run(&args));
+    assert!(stderr.contains("4 recorded, 0 to judge"), "{stderr}");
+}

@@ -11,11 +11,19 @@
 //!   edit before judging.
 //! - [`load_jsonl`] — a plain JSONL of `{id, category, instruction, source, edited}`.
 //!
-//! Every item is validated up front: a bad item (missing image, base64 that does not decode or is
-//! not an image, unknown category, a line that is not JSON or lacks a field, a duplicate) is
-//! listed in [`Loaded::skipped`] with its reason and the rest runs. Only whole-file problems (the
-//! file cannot be read, is not the expected shape, duplicate ids in a JSONL, nothing left) are
+//! Every item is validated up front: a bad item (missing image, an image that does not decode
+//! fully, base64 that does not decode or is not an image, unknown category, a line that is not
+//! UTF-8, is not JSON or lacks a field, a duplicate) is listed in [`Loaded::skipped`] with its
+//! reason and the rest runs. Only whole-file problems (the file cannot be read, is not the
+//! expected shape, the scorer's JSON is not UTF-8, duplicate ids in a JSONL, nothing left) are
 //! errors.
+//!
+//! Every image is decoded in full at load time, not only its header, so a file cut short (a
+//! valid header, data missing) is skipped here rather than failing at judge time on every rerun;
+//! the items' images are decoded in parallel on all cores, the pixels are dropped after the check,
+//! and items and skip reasons stay in file order. JSONL files (and GEdit-Bench's rows) are read
+//! as bytes: a line that is not UTF-8 is skipped as `line N`, naming the offset of its first bad
+//! byte, and the other lines load.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -71,6 +79,23 @@ pub enum Error {
         path: PathBuf,
         /// The parser's message (line and column).
         source: serde_json::Error,
+    },
+    /// The scorer JSON holds a byte that is not UTF-8 (JSON is UTF-8 text).
+    #[error(
+        "{path}: byte 0x{byte:02X} at byte offset {offset} (line {line}, column {column}) is not \
+         UTF-8; the scorer's data file is one UTF-8 JSON document: re-save the file as UTF-8"
+    )]
+    NotUtf8 {
+        /// The file.
+        path: PathBuf,
+        /// The first bad byte's offset in the file (0-based).
+        offset: usize,
+        /// Its line (1-based).
+        line: usize,
+        /// Its column in bytes (1-based).
+        column: usize,
+        /// The byte.
+        byte: u8,
     },
     /// The scorer JSON is JSON but not a list.
     #[error(
@@ -136,13 +161,25 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// An image: a file, or bytes decoded from base64 (checked to be a readable image).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ImageRef {
-    /// An image file (checked to exist and to have a readable image header).
+    /// An image file (checked at load time to exist and to decode in full).
     Path(PathBuf),
     /// Encoded image bytes (PNG, JPEG, ...) decoded from base64.
     Bytes(Vec<u8>),
 }
 
 impl ImageRef {
+    /// `(width, height)` from the image's header (nothing decoded).
+    pub fn dimensions(&self) -> image::ImageResult<(u32, u32)> {
+        match self {
+            ImageRef::Path(p) => image::io::Reader::open(p)?
+                .with_guessed_format()?
+                .into_dimensions(),
+            ImageRef::Bytes(b) => image::io::Reader::new(std::io::Cursor::new(b))
+                .with_guessed_format()?
+                .into_dimensions(),
+        }
+    }
+
     /// Decodes the image.
     pub fn load(&self) -> image::ImageResult<DynamicImage> {
         match self {
@@ -186,7 +223,8 @@ pub enum SkipKind {
     MissingSource,
     /// The edited image file is missing.
     MissingEdited,
-    /// An image file exists but its header cannot be read as an image.
+    /// An image file exists but does not decode in full as an image (an unreadable header, or
+    /// data that is cut short or corrupt).
     UnreadableImage,
     /// The base64 does not decode.
     BadBase64,
@@ -195,6 +233,11 @@ pub enum SkipKind {
     /// The image is empty or more than 200 times longer than wide (or the reverse): the
     /// judge's image processor cannot take it.
     ExtremeAspectRatio,
+    /// A line of a JSONL (or of GEdit-Bench's rows) holds a byte that is not UTF-8.
+    NotUtf8,
+    /// The item's prompt (its images and text) with max_new_tokens takes more positions than the
+    /// judge model has (checked up front with the checkpoint's processor).
+    PromptTooLong,
 }
 
 impl fmt::Display for SkipKind {
@@ -210,6 +253,8 @@ impl fmt::Display for SkipKind {
             SkipKind::BadBase64 => "bad base64",
             SkipKind::Base64NotImage => "base64 not an image",
             SkipKind::ExtremeAspectRatio => "extreme aspect ratio",
+            SkipKind::NotUtf8 => "not UTF-8",
+            SkipKind::PromptTooLong => "prompt too long",
         })
     }
 }
@@ -264,7 +309,8 @@ impl fmt::Display for Loaded {
 }
 
 impl Skipped {
-    fn new(id: impl Into<String>, kind: SkipKind, reason: impl Into<String>) -> Self {
+    /// An item left out for `kind`, with the full `reason`.
+    pub fn new(id: impl Into<String>, kind: SkipKind, reason: impl Into<String>) -> Self {
         Skipped {
             id: id.into(),
             kind,
@@ -296,11 +342,64 @@ fn finish(path: &Path, loaded: Loaded) -> Result<Loaded> {
     Ok(loaded)
 }
 
-fn read_to_string(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| Error::Io {
+fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// The lines of a file's bytes with their 1-based numbers: split on `\n`, a trailing `\r`
+/// dropped (CRLF files read as `str::lines` reads them).
+fn byte_lines(bytes: &[u8]) -> impl Iterator<Item = (usize, &[u8])> {
+    bytes
+        .split(|&b| b == b'\n')
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
+        .enumerate()
+        .map(|(i, l)| (i + 1, l))
+}
+
+/// Line `n` of `file` as text, or the [`SkipKind::NotUtf8`] entry naming its first bad byte.
+fn line_text<'a>(file: &Path, n: usize, line: &'a [u8]) -> std::result::Result<&'a str, Skipped> {
+    std::str::from_utf8(line).map_err(|e| {
+        let offset = e.valid_up_to();
+        Skipped::new(
+            format!("line {n}"),
+            SkipKind::NotUtf8,
+            format!(
+                "{}: line {n} is not UTF-8: byte 0x{:02X} at byte offset {offset} of the line \
+                 (counting from 0) is not valid UTF-8; re-save the file as UTF-8",
+                file.display(),
+                line[offset]
+            ),
+        )
+    })
+}
+
+/// [`Error::NotUtf8`] for a whole-file document whose bytes are not UTF-8, with the line and
+/// column of the first bad byte.
+fn utf8_document<'a>(path: &Path, bytes: &'a [u8]) -> Result<&'a str> {
+    std::str::from_utf8(bytes).map_err(|e| {
+        let offset = e.valid_up_to();
+        let before = &bytes[..offset];
+        let line_start = before
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
+        Error::NotUtf8 {
+            path: path.to_path_buf(),
+            offset,
+            line: before.iter().filter(|&&b| b == b'\n').count() + 1,
+            column: offset - line_start + 1,
+            byte: bytes[offset],
+        }
+    })
+}
+
+/// `f` over `inputs` on rayon's threads, results in input order.
+fn par_map<T: Sync, R: Send>(inputs: &[T], f: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
+    use rayon::prelude::*;
+    inputs.par_iter().map(f).collect()
 }
 
 fn require_dir(path: &Path, what: &'static str) -> Result<()> {
@@ -335,7 +434,8 @@ fn str_field<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a str> {
         .filter(|s| !s.trim().is_empty())
 }
 
-/// Checks that an image file exists and its header reads; `Err((kind, reason))` otherwise.
+/// Checks that an image file exists and decodes in full (its pixels are dropped at once), and
+/// that its size suits the judge; `Err((kind, reason))` otherwise.
 fn check_image_file(
     path: &Path,
     role: &str,
@@ -353,17 +453,25 @@ fn check_image_file(
     let dims = image::io::Reader::open(path)
         .map_err(image::ImageError::IoError)
         .and_then(|r| r.with_guessed_format().map_err(image::ImageError::IoError))
-        .and_then(|r| r.into_dimensions());
+        .and_then(|r| r.decode())
+        .map(|img| (img.width(), img.height()));
     match dims {
         Ok((w, h)) => check_aspect(w, h, &format!("{role} image {}", path.display())),
         Err(e) => Err((
             SkipKind::UnreadableImage,
             format!(
-                "{role} image {} is not a readable PNG/JPEG image ({e}); re-save it as PNG",
+                "{role} image {} does not decode as a PNG/JPEG image ({e}); the file may be cut \
+                 short (an interrupted write or copy) or not an image; re-save it as PNG",
                 path.display()
             ),
         )),
     }
+}
+
+/// Checks an item's source and edited image files, the source first.
+fn check_image_pair(source: &Path, edited: &Path) -> std::result::Result<(), (SkipKind, String)> {
+    check_image_file(source, "source", SkipKind::MissingSource)?;
+    check_image_file(edited, "edited", SkipKind::MissingEdited)
 }
 
 /// Refuses an image the judge's processor cannot take: a zero side, or one side more than
@@ -481,11 +589,14 @@ pub fn load_scorer_json(
     categories: Option<&[&str]>,
 ) -> Result<Loaded> {
     require_dir(edited_dir, "edited images")?;
-    let text = read_to_string(json)?;
-    let value: Value = serde_json::from_str(&text).map_err(|source| Error::Json {
-        path: json.to_path_buf(),
-        source,
-    })?;
+    let value: Value = {
+        let bytes = read_bytes(json)?;
+        let text = utf8_document(json, &bytes)?;
+        serde_json::from_str(text).map_err(|source| Error::Json {
+            path: json.to_path_buf(),
+            source,
+        })?
+    };
     let list = match value {
         Value::Array(list) => list,
         other => {
@@ -495,16 +606,26 @@ pub fn load_scorer_json(
             })
         }
     };
-    let mut loaded = Loaded::default();
-    let mut seen: HashMap<(String, String), usize> = HashMap::new();
+    // First the checks that need no image, in file order; the images of the items that pass are
+    // then decoded in parallel, and the results are taken in file order again.
+    struct Pending {
+        n: usize,
+        id: String,
+        subset: String,
+        instruction: String,
+        language: Option<String>,
+        b64: Option<String>,
+        obj: Map<String, Value>,
+    }
+    let mut entries: Vec<std::result::Result<Pending, Skipped>> = Vec::new();
     for (index, entry) in list.into_iter().enumerate() {
         let n = index + 1;
         let Value::Object(mut obj) = entry else {
-            loaded.skipped.push(Skipped::new(
+            entries.push(Err(Skipped::new(
                 format!("item {n}"),
                 SkipKind::NotJson,
                 format!("item {n} is {} not an object; each item is an object with subset, src_img_b64, ...", json_kind(&entry)),
-            ));
+            )));
             continue;
         };
         let subset = str_field(&obj, "subset").map(str::to_string);
@@ -516,18 +637,18 @@ pub fn load_scorer_json(
         let skip =
             |kind, reason: String| Skipped::new(id.clone(), kind, format!("item {n}: {reason}"));
         let Some(subset) = subset else {
-            loaded.skipped.push(skip(
+            entries.push(Err(skip(
                 SkipKind::MissingField,
                 "field subset (the category) is missing or empty; add it".into(),
-            ));
+            )));
             continue;
         };
         if let Some(cats) = categories {
             if !cats.contains(&subset.as_str()) {
-                loaded.skipped.push(skip(
+                entries.push(Err(skip(
                     SkipKind::UnknownCategory,
                     format!("subset {subset:?} is not one of {cats:?}; fix the subset or add it to the categories"),
-                ));
+                )));
                 continue;
             }
         }
@@ -538,13 +659,53 @@ pub fn load_scorer_json(
             (Some(en), _) => (en.to_string(), Some("en".to_string())),
             (None, Some(plain)) => (plain.to_string(), None),
             (None, None) => {
-                loaded.skipped.push(skip(
+                entries.push(Err(skip(
                     SkipKind::MissingField,
                     "fields edit_instruction_en and edit_instruction are both missing or empty; add one".into(),
-                ));
+                )));
                 continue;
             }
         };
+        let b64 = match obj.remove("src_img_b64") {
+            Some(Value::String(s)) if !s.is_empty() => Some(s),
+            _ => None,
+        };
+        entries.push(Ok(Pending {
+            n,
+            id,
+            subset,
+            instruction,
+            language,
+            b64,
+            obj,
+        }));
+    }
+    let images = par_map(&entries, |entry| {
+        entry
+            .as_ref()
+            .ok()
+            .map(|p| scorer_images(p.b64.as_deref(), edited_dir, &p.subset, &p.id))
+    });
+    let mut loaded = Loaded::default();
+    let mut seen: HashMap<(String, String), usize> = HashMap::new();
+    for (entry, images) in entries.into_iter().zip(images) {
+        let Pending {
+            n,
+            id,
+            subset,
+            instruction,
+            language,
+            b64: _,
+            mut obj,
+        } = match entry {
+            Ok(pending) => pending,
+            Err(skipped) => {
+                loaded.skipped.push(skipped);
+                continue;
+            }
+        };
+        let skip =
+            |kind, reason: String| Skipped::new(id.clone(), kind, format!("item {n}: {reason}"));
         if let Some(first) = seen.get(&(subset.clone(), id.clone())) {
             loaded.skipped.push(skip(
                 SkipKind::DuplicateId,
@@ -555,42 +716,14 @@ pub fn load_scorer_json(
             ));
             continue;
         }
-        let Some(b64) = obj
-            .get("src_img_b64")
-            .and_then(Value::as_str)
-            .filter(|s| !s.is_empty())
-        else {
-            loaded.skipped.push(skip(
-                SkipKind::MissingField,
-                "field src_img_b64 is missing or empty; add the source image".into(),
-            ));
-            continue;
-        };
-        let source = match decode_b64_image(b64) {
-            Ok(bytes) => bytes,
+        let (source, edited) = match images.expect("every pending item is checked") {
+            Ok(images) => images,
             Err((kind, reason)) => {
                 loaded.skipped.push(skip(kind, reason));
                 continue;
             }
         };
-        let candidates = scorer_edited_candidates(edited_dir, &subset, &id);
-        let Some(edited) = candidates.iter().find(|p| p.is_file()).cloned() else {
-            loaded.skipped.push(skip(
-                SkipKind::MissingEdited,
-                format!(
-                    "no edited image for pair id {id:?}: looked for {} and {} (also .jpg/.jpeg); add the edit",
-                    candidates[0].display(),
-                    edited_dir.join(&id).display()
-                ),
-            ));
-            continue;
-        };
-        if let Err((kind, reason)) = check_image_file(&edited, "edited", SkipKind::MissingEdited) {
-            loaded.skipped.push(skip(kind, reason));
-            continue;
-        }
         seen.insert((subset.clone(), id.clone()), n);
-        obj.remove("src_img_b64");
         let description = str_field(&obj, "original_description_en")
             .or_else(|| str_field(&obj, "original_description"))
             .map(|s| Value::String(s.to_string()));
@@ -608,6 +741,37 @@ pub fn load_scorer_json(
         });
     }
     finish(json, loaded)
+}
+
+/// A scorer item's images, checked in the loader's order: `src_img_b64` present, decoded and a
+/// readable image; the edited file found among [`scorer_edited_candidates`] and decoded in full.
+/// Returns the source's encoded bytes and the edited image's path.
+fn scorer_images(
+    b64: Option<&str>,
+    edited_dir: &Path,
+    subset: &str,
+    id: &str,
+) -> std::result::Result<(Vec<u8>, PathBuf), (SkipKind, String)> {
+    let Some(b64) = b64 else {
+        return Err((
+            SkipKind::MissingField,
+            "field src_img_b64 is missing or empty; add the source image".into(),
+        ));
+    };
+    let source = decode_b64_image(b64)?;
+    let candidates = scorer_edited_candidates(edited_dir, subset, id);
+    let Some(edited) = candidates.iter().find(|p| p.is_file()).cloned() else {
+        return Err((
+            SkipKind::MissingEdited,
+            format!(
+                "no edited image for pair id {id:?}: looked for {} and {} (also .jpg/.jpeg); add the edit",
+                candidates[0].display(),
+                edited_dir.join(id).display()
+            ),
+        ));
+    };
+    check_image_file(&edited, "edited", SkipKind::MissingEdited)?;
+    Ok((source, edited))
 }
 
 /// Loads GEdit-Bench (stepfun-ai/Step1X-Edit `GEdit-Bench/`, HEAD `570eba6`) for one language.
@@ -628,7 +792,9 @@ pub fn load_scorer_json(
 /// Rows of the other language are left out (not skipped). Per row: category = `task_type` (one of
 /// [`GEDIT_GROUPS`], else skipped as unknown), id = `key`, `language` = `Some(language)`, extra =
 /// the row's other fields except `input_image` / `input_image_raw`. A repeated
-/// (`task_type`, `key`) is skipped. Judge with [`resize_to_source`] applied to the edit.
+/// (`task_type`, `key`) is skipped. A rows line that is not UTF-8, not JSON or lacks a field is
+/// skipped as `line N` (whatever its language: it cannot be read to tell). Both images are
+/// decoded in full up front. Judge with [`resize_to_source`] applied to the edit.
 pub fn load_gedit(
     root: &Path,
     language: &str,
@@ -657,19 +823,35 @@ pub fn load_gedit(
         }
         None => root.clone(),
     };
-    let text = read_to_string(rows)?;
-    let mut loaded = Loaded::default();
-    let mut seen: HashMap<(String, String), usize> = HashMap::new();
-    for (i, line) in text.lines().enumerate() {
-        let n = i + 1;
+    let bytes = read_bytes(rows)?;
+    // First the checks that need no image, in file order; the images of the rows that pass are
+    // then decoded in parallel, and the results are taken in file order again.
+    struct Pending {
+        n: usize,
+        task: String,
+        key: String,
+        instruction: String,
+        source: PathBuf,
+        edited: PathBuf,
+        obj: Map<String, Value>,
+    }
+    let mut entries: Vec<std::result::Result<Pending, Skipped>> = Vec::new();
+    for (n, line) in byte_lines(&bytes) {
+        let line = match line_text(rows, n, line) {
+            Ok(line) => line,
+            Err(s) => {
+                entries.push(Err(s));
+                continue;
+            }
+        };
         if line.trim().is_empty() {
             continue;
         }
         let label = format!("line {n}");
-        let mut obj = match parse_object(line, n) {
+        let obj = match parse_object(line, n) {
             Ok(obj) => obj,
             Err(s) => {
-                loaded.skipped.push(s);
+                entries.push(Err(s));
                 continue;
             }
         };
@@ -689,30 +871,22 @@ pub fn load_gedit(
         );
         let (Some(task), Some(key), Some(instruction), Some(lang)) = (task, key, instruction, lang)
         else {
-            loaded.skipped.push(Skipped::new(
+            entries.push(Err(Skipped::new(
                 label,
                 SkipKind::MissingField,
                 format!("line {n}: field(s) {} missing or empty; each row needs task_type, key, instruction, instruction_language", missing.join(", ")),
-            ));
+            )));
             continue;
         };
         if lang != language {
             continue;
         }
-        let skip =
-            |kind, reason: String| Skipped::new(key.clone(), kind, format!("line {n}: {reason}"));
         if !GEDIT_GROUPS.contains(&task.as_str()) {
-            loaded.skipped.push(skip(
+            entries.push(Err(Skipped::new(
+                key,
                 SkipKind::UnknownCategory,
-                format!("task_type {task:?} is not one of GEdit-Bench's 11 groups {GEDIT_GROUPS:?}; fix the row"),
-            ));
-            continue;
-        }
-        if let Some(first) = seen.get(&(task.clone(), key.clone())) {
-            loaded.skipped.push(skip(
-                SkipKind::DuplicateId,
-                format!("key {key:?} in {task} repeats line {first}; keys are unique per task group and language"),
-            ));
+                format!("line {n}: task_type {task:?} is not one of GEdit-Bench's 11 groups {GEDIT_GROUPS:?}; fix the row"),
+            )));
             continue;
         }
         let source = root
@@ -723,9 +897,50 @@ pub fn load_gedit(
             .join(&task)
             .join(language)
             .join(format!("{key}.png"));
-        if let Err((kind, reason)) = check_image_file(&source, "source", SkipKind::MissingSource)
-            .and_then(|_| check_image_file(&edited, "edited", SkipKind::MissingEdited))
-        {
+        entries.push(Ok(Pending {
+            n,
+            task,
+            key,
+            instruction,
+            source,
+            edited,
+            obj,
+        }));
+    }
+    let checks = par_map(&entries, |entry| {
+        entry
+            .as_ref()
+            .ok()
+            .map(|p| check_image_pair(&p.source, &p.edited))
+    });
+    let mut loaded = Loaded::default();
+    let mut seen: HashMap<(String, String), usize> = HashMap::new();
+    for (entry, check) in entries.into_iter().zip(checks) {
+        let Pending {
+            n,
+            task,
+            key,
+            instruction,
+            source,
+            edited,
+            mut obj,
+        } = match entry {
+            Ok(pending) => pending,
+            Err(skipped) => {
+                loaded.skipped.push(skipped);
+                continue;
+            }
+        };
+        let skip =
+            |kind, reason: String| Skipped::new(key.clone(), kind, format!("line {n}: {reason}"));
+        if let Some(first) = seen.get(&(task.clone(), key.clone())) {
+            loaded.skipped.push(skip(
+                SkipKind::DuplicateId,
+                format!("key {key:?} in {task} repeats line {first}; keys are unique per task group and language"),
+            ));
+            continue;
+        }
+        if let Err((kind, reason)) = check.expect("every pending row is checked") {
             loaded.skipped.push(skip(kind, reason));
             continue;
         }
@@ -796,22 +1011,31 @@ fn parse_object(line: &str, n: usize) -> std::result::Result<Map<String, Value>,
 /// `instruction`, `source` and `edited` (image paths, absolute or relative to `base`); an
 /// optional string `language`; other fields go to [`Item::extra`].
 ///
-/// Blank lines are ignored. A line that is not JSON or lacks a field is skipped as `line N` with
-/// the reason; a missing or unreadable image skips the item. Two lines with the same `id` are an
+/// Blank lines are ignored. A line that is not UTF-8 (named with the offset of its first bad
+/// byte), is not JSON or lacks a field is skipped as `line N` with the reason; a missing image,
+/// or one that does not decode in full, skips the item. Two lines with the same `id` are an
 /// error naming both lines (checked before any other validation of the second line).
 pub fn load_jsonl(path: &Path, base: &Path) -> Result<Loaded> {
-    let text = read_to_string(path)?;
-    let mut loaded = Loaded::default();
+    let bytes = read_bytes(path)?;
+    // First the checks that need no image, in file order; the images of the lines that pass are
+    // then decoded in parallel, and the results are taken in file order again.
+    let mut entries: Vec<std::result::Result<(usize, Item), Skipped>> = Vec::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
-    for (i, line) in text.lines().enumerate() {
-        let n = i + 1;
+    for (n, line) in byte_lines(&bytes) {
+        let line = match line_text(path, n, line) {
+            Ok(line) => line,
+            Err(s) => {
+                entries.push(Err(s));
+                continue;
+            }
+        };
         if line.trim().is_empty() {
             continue;
         }
         let mut obj = match parse_object(line, n) {
             Ok(obj) => obj,
             Err(s) => {
-                loaded.skipped.push(s);
+                entries.push(Err(s));
                 continue;
             }
         };
@@ -833,7 +1057,7 @@ pub fn load_jsonl(path: &Path, base: &Path) -> Result<Loaded> {
             .filter(|f| str_field(&obj, f).is_none())
             .collect();
         if !missing.is_empty() {
-            loaded.skipped.push(Skipped::new(
+            entries.push(Err(Skipped::new(
                 format!("line {n}"),
                 SkipKind::MissingField,
                 format!(
@@ -841,7 +1065,7 @@ pub fn load_jsonl(path: &Path, base: &Path) -> Result<Loaded> {
                     missing.join(", "),
                     fields.join(", ")
                 ),
-            ));
+            )));
             continue;
         }
         let mut take = |name: &str| match obj.remove(name) {
@@ -863,25 +1087,67 @@ pub fn load_jsonl(path: &Path, base: &Path) -> Result<Loaded> {
             }
             _ => None,
         };
-        let source = base.join(source);
-        let edited = base.join(edited);
-        if let Err((kind, reason)) = check_image_file(&source, "source", SkipKind::MissingSource)
-            .and_then(|_| check_image_file(&edited, "edited", SkipKind::MissingEdited))
-        {
-            loaded
-                .skipped
-                .push(Skipped::new(id, kind, format!("line {n}: {reason}")));
-            continue;
+        entries.push(Ok((
+            n,
+            Item {
+                id,
+                category,
+                instruction,
+                source: ImageRef::Path(base.join(source)),
+                edited: ImageRef::Path(base.join(edited)),
+                language,
+                extra: obj,
+            },
+        )));
+    }
+    let checks = par_map(&entries, |entry| match entry {
+        Ok((_, item)) => match (&item.source, &item.edited) {
+            (ImageRef::Path(source), ImageRef::Path(edited)) => check_image_pair(source, edited),
+            _ => unreachable!("JSONL images are paths"),
+        },
+        Err(_) => Ok(()),
+    });
+    let mut loaded = Loaded::default();
+    for (entry, check) in entries.into_iter().zip(checks) {
+        match (entry, check) {
+            (Err(skipped), _) => loaded.skipped.push(skipped),
+            (Ok((_, item)), Ok(())) => loaded.items.push(item),
+            (Ok((n, item)), Err((kind, reason))) => {
+                loaded
+                    .skipped
+                    .push(Skipped::new(item.id, kind, format!("line {n}: {reason}")));
+            }
         }
-        loaded.items.push(Item {
-            id,
-            category,
-            instruction,
-            source: ImageRef::Path(source),
-            edited: ImageRef::Path(edited),
-            language,
-            extra: obj,
-        });
     }
     finish(path, loaded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_lines_drop_crlf_and_number_from_one() {
+        let lines: Vec<(usize, &[u8])> = byte_lines(b"a\r\n\nb\xFF\nc").collect();
+        assert_eq!(lines, [(1, &b"a"[..]), (2, b""), (3, b"b\xFF"), (4, b"c")]);
+        let s = line_text(Path::new("f.jsonl"), 3, lines[2].1).unwrap_err();
+        assert_eq!((s.id.as_str(), s.kind), ("line 3", SkipKind::NotUtf8));
+        assert!(s.reason.contains("0xFF at byte offset 1"), "{}", s.reason);
+    }
+
+    #[test]
+    fn utf8_document_names_line_and_column() {
+        let err = utf8_document(Path::new("x.json"), b"[\n  \"ab\xC3(\"\n]").unwrap_err();
+        match err {
+            Error::NotUtf8 {
+                offset,
+                line,
+                column,
+                byte,
+                ..
+            } => assert_eq!((offset, line, column, byte), (7, 2, 6, 0xC3)),
+            other => panic!("expected NotUtf8, got {other}"),
+        }
+        assert_eq!(utf8_document(Path::new("x.json"), b"[1]").unwrap(), "[1]");
+    }
 }

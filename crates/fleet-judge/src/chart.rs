@@ -88,8 +88,8 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, report: &Report) -> R
     let subtitle = [
         format!("model {} | {}", report.model_id, report.config.decoding_text),
         format!(
-            "bars: mean; whiskers: +/-1 std (population); n: items with a value of {} | {} items, {} parse failures, {} not scored | commit {commit}",
-            report.primary, report.items, report.parse_failed, report.not_scored
+            "bars: mean; whiskers: +/-1 std (population); n: items with a value of {} | {} items, {} parse failures, {} judge failures, {} not scored | commit {commit}",
+            report.primary, report.items, report.parse_failed, report.judge_failed, report.not_scored
         ),
     ];
     for (i, line) in subtitle.iter().enumerate() {

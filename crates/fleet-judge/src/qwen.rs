@@ -38,28 +38,128 @@ use fleet_models::{DeviceMap, FinishReason, LoadOptions, ModelSource, SamplingPa
 use image::DynamicImage;
 use serde_json::{json, Value};
 
+use crate::benchmark::{ImageRef, Item, Loaded, SkipKind, Skipped};
 use crate::judge::{Decoding, Judge, JudgeReply, JudgeRequest, Part};
+use crate::prompts::{ImageRole, PromptError, PromptSet};
+use fleet_models::qwen3_vl::VlProcessor;
 
 /// transformers' message list for a request, and the images of its image parts in order.
 pub fn messages(request: &JudgeRequest) -> (Value, Vec<Arc<DynamicImage>>) {
+    let mut images = Vec::with_capacity(request.image_count());
+    let parts = request.user.iter().map(|part| match part {
+        Part::Image(img) => {
+            images.push(img.clone());
+            None
+        }
+        Part::Text(text) => Some(text.as_str()),
+    });
+    let m = message_list(request.system.as_deref(), parts);
+    (m, images)
+}
+
+/// transformers' message list: the system text, then one user message whose parts are images
+/// (`None`) and texts in order.
+fn message_list<'a>(system: Option<&str>, user: impl Iterator<Item = Option<&'a str>>) -> Value {
     let mut out = Vec::with_capacity(2);
-    if let Some(system) = &request.system {
+    if let Some(system) = system {
         out.push(json!({"role": "system", "content": system}));
     }
-    let mut images = Vec::with_capacity(request.image_count());
-    let content: Vec<Value> = request
-        .user
-        .iter()
+    let content: Vec<Value> = user
         .map(|part| match part {
-            Part::Image(img) => {
-                images.push(img.clone());
-                json!({"type": "image"})
-            }
-            Part::Text(text) => json!({"type": "text", "text": text}),
+            None => json!({"type": "image"}),
+            Some(text) => json!({"type": "text", "text": text}),
         })
         .collect();
     out.push(json!({"role": "user", "content": content}));
-    (Value::Array(out), images)
+    Value::Array(out)
+}
+
+/// Moves to `loaded.skipped` ([`SkipKind::PromptTooLong`], with the numbers) every item one of
+/// whose calls cannot fit the judge: the call as the run will send it (its images at their
+/// sizes — the edit at the source's when `resize_edited_to_source` — then the rendered text)
+/// takes, with `max_new_tokens`, more positions than the checkpoint has. Counted by the
+/// checkpoint's processor ([`VlProcessor::length`], the model's own computation), without
+/// weights, so that such an item is refused before anything loads instead of failing at judge
+/// time. Returns how many items were moved.
+pub fn skip_too_long(
+    loaded: &mut Loaded,
+    prompts: &PromptSet,
+    processor: &VlProcessor,
+    max_new_tokens: usize,
+    resize_edited_to_source: bool,
+) -> Result<usize, PromptError> {
+    let mut kept = Vec::with_capacity(loaded.items.len());
+    let mut moved = 0;
+    for item in std::mem::take(&mut loaded.items) {
+        match too_long(
+            &item,
+            prompts,
+            processor,
+            max_new_tokens,
+            resize_edited_to_source,
+        )? {
+            None => kept.push(item),
+            Some(reason) => {
+                moved += 1;
+                loaded
+                    .skipped
+                    .push(Skipped::new(item.id, SkipKind::PromptTooLong, reason));
+            }
+        }
+    }
+    loaded.items = kept;
+    Ok(moved)
+}
+
+/// Why `item` cannot be judged for its length (or its images' headers), if it cannot.
+fn too_long(
+    item: &Item,
+    prompts: &PromptSet,
+    processor: &VlProcessor,
+    max_new_tokens: usize,
+    resize_edited_to_source: bool,
+) -> Result<Option<String>, PromptError> {
+    let size = |r: &ImageRef| r.dimensions().map(|(w, h)| (h as usize, w as usize));
+    let (source, edited) = match (size(&item.source), size(&item.edited)) {
+        (Ok(s), Ok(e)) => (s, if resize_edited_to_source { s } else { e }),
+        (Err(e), _) | (_, Err(e)) => {
+            return Ok(Some(format!("an image's header cannot be read: {e}")))
+        }
+    };
+    for call in &prompts.calls {
+        let (system, user) = prompts.render(call, item)?;
+        let sizes: Vec<(usize, usize)> = call
+            .images
+            .iter()
+            .map(|role| match role {
+                ImageRole::Source => source,
+                ImageRole::Edited => edited,
+            })
+            .collect();
+        let parts = call
+            .images
+            .iter()
+            .map(|_| None)
+            .chain(std::iter::once(Some(user.as_str())));
+        let m = message_list(system.as_deref(), parts);
+        let length = match processor.length(&m, &sizes, max_new_tokens) {
+            Ok(l) => l,
+            Err(e) => return Ok(Some(format!("call {}: {e}", call.name))),
+        };
+        if !length.fits() {
+            return Ok(Some(format!(
+                "call {} takes {} positions (prompt {} with its images + max_new_tokens {}) \
+                 but the judge has max_position_embeddings = {}; shorten the instruction, \
+                 shrink the images or lower --max-new-tokens",
+                call.name,
+                length.total(),
+                length.prompt,
+                length.max_new_tokens,
+                length.max_positions
+            )));
+        }
+    }
+    Ok(None)
 }
 
 /// fleet-models' sampling for a decoding: greedy (`temperature` 0) unless it samples, then

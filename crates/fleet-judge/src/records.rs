@@ -176,12 +176,22 @@ pub struct Record {
     pub prompt_set: PromptSetId,
     /// Timings.
     pub timing: Timing,
+    /// Why the judge could not judge this call (its errors, in order), when it could not: such
+    /// a record has no reply and no score, counts as failed in the report, and is not judged
+    /// again by a rerun unless asked (`--retry-failed`). `None` for a judged call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
 }
 
 impl Record {
     /// Whether the reply parsed.
     pub fn parsed(&self) -> bool {
-        self.parse_failed.is_none() && self.score.is_some()
+        self.failed.is_none() && self.parse_failed.is_none() && self.score.is_some()
+    }
+
+    /// Whether the judge failed on the call (no reply).
+    pub fn judge_failed(&self) -> bool {
+        self.failed.is_some()
     }
 }
 
@@ -201,6 +211,9 @@ pub struct KeyParts<'a> {
     pub edited_sha256: &'a str,
     /// Whether the edit is resized to the source before judging (GEdit-Bench).
     pub resize_edited_to_source: bool,
+    /// transformers' image-processor backend the judge's images are prepared with
+    /// (`torchvision` or `pillow`: they differ in the last level of some pixels).
+    pub image_backend: &'a str,
     /// The prompt set's hash.
     pub prompt_set_hash: &'a str,
     /// sha256 (hex) of the rendered prompt (system and user text, the item's instruction,
@@ -219,8 +232,8 @@ pub struct KeyParts<'a> {
 /// The key of a record: sha256 (hex) over the length-prefixed [`KeyParts`].
 pub fn record_key(parts: &KeyParts<'_>) -> String {
     let decoding = serde_json::to_string(&(parts.decoding, parts.retry)).unwrap_or_default();
-    let fields: [&[u8]; 10] = [
-        b"fleet-judge record v1",
+    let fields: [&[u8]; 11] = [
+        b"fleet-judge record v2",
         parts.pair_id.as_bytes(),
         parts.source_sha256.as_bytes(),
         parts.edited_sha256.as_bytes(),
@@ -229,6 +242,7 @@ pub fn record_key(parts: &KeyParts<'_>) -> String {
         } else {
             b"as-is"
         },
+        parts.image_backend.as_bytes(),
         parts.prompt_set_hash.as_bytes(),
         parts.prompt_sha256.as_bytes(),
         parts.call.as_bytes(),
@@ -313,6 +327,23 @@ impl RecordStore {
         lock(&self.inner).done.contains_key(key)
     }
 
+    /// Whether the call of this key needs no judging: it has a record, and that record is
+    /// not a judge failure to be retried (`retry_failed`).
+    pub fn is_done(&self, key: &str, retry_failed: bool) -> bool {
+        lock(&self.inner)
+            .done
+            .get(key)
+            .is_some_and(|r| !(retry_failed && r.judge_failed()))
+    }
+
+    /// Whether this key has a record with a reply (not a judge failure).
+    pub fn is_judged(&self, key: &str) -> bool {
+        lock(&self.inner)
+            .done
+            .get(key)
+            .is_some_and(|r| !r.judge_failed())
+    }
+
     /// The record of a key.
     pub fn get(&self, key: &str) -> Option<Record> {
         lock(&self.inner).done.get(key).cloned()
@@ -342,8 +373,8 @@ impl RecordStore {
     }
 }
 
-/// A call that ended the run without a record (the judge failed on it, or its image could not
-/// be read); it runs again next time.
+/// A call the judge failed on in a run (or whose image could not be read): recorded with its
+/// errors as a failed [`Record`], and judged again only with `--retry-failed`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FailedCall {
     /// The call's global index.
@@ -390,6 +421,10 @@ pub struct RunInfo {
     pub retry: Option<Sampling>,
     /// Whether edits were resized to their source (GEdit-Bench).
     pub resize_edited_to_source: bool,
+    /// transformers' image-processor backend the images were prepared with (`None` in
+    /// summaries written before fleet recorded it).
+    #[serde(default)]
+    pub image_backend: Option<String>,
     /// Items in the whole benchmark (all shards).
     pub benchmark_items: usize,
     /// Items of this shard (or of all merged shards).
@@ -695,6 +730,7 @@ mod tests {
             source_sha256: "aa",
             edited_sha256: edited,
             resize_edited_to_source: false,
+            image_backend: "torchvision",
             prompt_set_hash: "hh",
             prompt_sha256: "pp",
             call: "score",
@@ -729,6 +765,10 @@ mod tests {
         assert_ne!(s1, record_key(&parts(&seed2, "bb")));
         let mut p = parts(&g, "bb");
         p.prompt_sha256 = "pq";
+        assert_ne!(base, record_key(&p));
+        // transformers' Pillow backend differs from torchvision in some pixels: another key.
+        let mut p = parts(&g, "bb");
+        p.image_backend = "pillow";
         assert_ne!(base, record_key(&p));
         let mut p = parts(&g, "bb");
         p.call = "sc";

@@ -9,8 +9,9 @@
 //!
 //! A call whose reply did not parse contributes nothing to any mean: its metric (and `O`,
 //! which needs both) is left out for that item, and the item is counted in `parse_failed`.
-//! An item with a call that has no record (the run did not finish, or the judge failed on it)
-//! is counted in `not_scored`. Per category and metric: n, mean, std, median, min, max. The
+//! An item with a call the judge failed on (recorded as failed, with the reason: no reply) is
+//! counted in `judge_failed`; one with a call that has no record (the run did not finish) in
+//! `not_scored`. Per category and metric: n, mean, std, median, min, max. The
 //! std is the **population** standard deviation (divide by n), as `np.std` with its default
 //! `ddof=0` in the original scorer (`src/evaluation/scorer.py:55`, Thomas-uestc/
 //! image_edit_benchmark at 0299191); the median is the middle value, or the mean of the two
@@ -131,6 +132,9 @@ pub struct CategoryReport {
     pub parse_failed_calls: BTreeMap<String, usize>,
     /// Items with a call that has no record.
     pub not_scored: usize,
+    /// Items with a call the judge failed on (recorded as failed; no reply).
+    #[serde(default)]
+    pub judge_failed: usize,
     /// Calls that were retried after a reply that did not parse.
     pub retried: usize,
 }
@@ -176,6 +180,9 @@ pub struct ReportConfig {
     pub retry: Option<Sampling>,
     /// Whether edits were resized to their source.
     pub resize_edited_to_source: bool,
+    /// transformers' image-processor backend (`None`: not recorded by the run).
+    #[serde(default)]
+    pub image_backend: Option<String>,
     /// The shard (`0/1` for a whole run or a merge).
     pub shard: ShardSpec,
     /// Items in the whole benchmark.
@@ -205,6 +212,10 @@ pub struct Report {
     pub parse_failed: usize,
     /// Items with a call without a record.
     pub not_scored: usize,
+    /// Items with a call the judge failed on (recorded as failed; `--retry-failed` judges them
+    /// again).
+    #[serde(default)]
+    pub judge_failed: usize,
     /// Calls retried.
     pub retried: usize,
     /// Benchmark items skipped at load, by kind.
@@ -269,6 +280,7 @@ impl Report {
         let mut values: BTreeMap<&str, BTreeMap<&str, Vec<f64>>> = BTreeMap::new();
         let mut complete: BTreeMap<&str, usize> = BTreeMap::new();
         let mut failed_items: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut judge_failed: BTreeMap<&str, usize> = BTreeMap::new();
         let mut failed_calls: BTreeMap<&str, BTreeMap<String, usize>> = BTreeMap::new();
         let mut retried: BTreeMap<&str, usize> = BTreeMap::new();
         let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
@@ -277,8 +289,11 @@ impl Report {
             *seen.entry(cat).or_insert(0) += 1;
             let all_recorded = info.calls.iter().all(|c| it.calls.contains_key(c.as_str()));
             let mut any_failed = false;
+            let mut any_judge_failed = false;
             for r in it.calls.values() {
-                if !r.parsed() {
+                if r.judge_failed() {
+                    any_judge_failed = true;
+                } else if !r.parsed() {
                     any_failed = true;
                     *failed_calls
                         .entry(cat)
@@ -292,7 +307,9 @@ impl Report {
             }
             if all_recorded {
                 *complete.entry(cat).or_insert(0) += 1;
-                if any_failed {
+                if any_judge_failed {
+                    *judge_failed.entry(cat).or_insert(0) += 1;
+                } else if any_failed {
                     *failed_items.entry(cat).or_insert(0) += 1;
                 }
             }
@@ -360,6 +377,7 @@ impl Report {
                 parse_failed: failed_items.get(cat).copied().unwrap_or(0),
                 parse_failed_calls: failed_calls.get(cat).cloned().unwrap_or_default(),
                 not_scored: n_items - complete.get(cat).copied().unwrap_or(0).min(n_items),
+                judge_failed: judge_failed.get(cat).copied().unwrap_or(0),
                 retried: retried.get(cat).copied().unwrap_or(0),
             });
         }
@@ -417,6 +435,7 @@ impl Report {
             items_scored,
             parse_failed: categories.iter().map(|c| c.parse_failed).sum(),
             not_scored: categories.iter().map(|c| c.not_scored).sum(),
+            judge_failed: categories.iter().map(|c| c.judge_failed).sum(),
             retried: categories.iter().map(|c| c.retried).sum(),
             categories,
             overall,
@@ -434,6 +453,7 @@ impl Report {
                 decoding_text: info.decoding.describe(),
                 retry: info.retry,
                 resize_edited_to_source: info.resize_edited_to_source,
+                image_backend: info.image_backend.clone(),
                 shard: info.shard,
                 benchmark_items: info.benchmark_items,
             },
@@ -507,10 +527,16 @@ impl Report {
                 "- edited images resized to the source size (bicubic), as GEdit-Bench's scorer does"
             );
         }
+        if let Some(b) = &c.image_backend {
+            let _ = writeln!(
+                s,
+                "- images prepared as transformers' `{b}` image-processor backend does"
+            );
+        }
         let _ = writeln!(s, "- commit: `{}`", self.commit);
         let _ = writeln!(
             s,
-            "- items: {} in this report ({}; benchmark of {}), {} with a value of {}, {} with a reply that did not parse (left out of the means), {} not scored; {} call(s) retried",
+            "- items: {} in this report ({}; benchmark of {}), {} with a value of {}, {} with a reply that did not parse (left out of the means), {} the judge failed on (recorded with the reason; `--retry-failed` judges them again), {} not scored; {} call(s) retried",
             self.items,
             if c.shard.is_single() {
                 "whole run".to_string()
@@ -521,6 +547,7 @@ impl Report {
             self.items_scored,
             self.primary,
             self.parse_failed,
+            self.judge_failed,
             self.not_scored,
             self.retried
         );
@@ -553,28 +580,29 @@ impl Report {
             Scheme::Single => {
                 let _ = writeln!(
                     s,
-                    "| category | n | mean | std | median | min | max | parse failures | not scored |"
+                    "| category | n | mean | std | median | min | max | parse failures | not scored | judge failed |"
                 );
-                let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+                let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
                 for cat in &self.categories {
                     let _ = writeln!(
                         s,
-                        "| {} | {} | {} | {} |",
+                        "| {} | {} | {} | {} | {} |",
                         cat.label,
                         stats_cells(cat.stats.get("score")),
                         cat.parse_failed,
-                        cat.not_scored
+                        cat.not_scored,
+                        cat.judge_failed
                     );
                 }
             }
             Scheme::Viescore => {
                 let _ = writeln!(
                     s,
-                    "| category | n (O) | SC mean | SC std | PQ mean | PQ std | O mean | O std | O median | O min | O max | parse failures (sc/pq) | not scored |"
+                    "| category | n (O) | SC mean | SC std | PQ mean | PQ std | O mean | O std | O median | O min | O max | parse failures (sc/pq) | not scored | judge failed |"
                 );
                 let _ = writeln!(
                     s,
-                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
                 );
                 for cat in &self.categories {
                     let get = |m: &str, g: fn(&Stats) -> f64| {
@@ -583,7 +611,7 @@ impl Report {
                     let pf = |call: &str| cat.parse_failed_calls.get(call).copied().unwrap_or(0);
                     let _ = writeln!(
                         s,
-                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({}/{}) | {} |",
+                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} ({}/{}) | {} | {} |",
                         cat.label,
                         cat.stats.get("O").map_or(0, |s| s.n),
                         get("SC", |s| s.mean),
@@ -598,7 +626,8 @@ impl Report {
                         cat.parse_failed,
                         pf("sc"),
                         pf("pq"),
-                        cat.not_scored
+                        cat.not_scored,
+                        cat.judge_failed
                     );
                 }
             }

@@ -23,9 +23,13 @@
 //!   configured, judges those requests once more with the retry's fixed seed (recorded as a
 //!   retry). A judge that fails a whole batch (or breaks the one-reply-per-request contract)
 //!   fails the pool item: the batch goes back to the queue for another judge, which skips what
-//!   was already recorded, and the failure is reported in [`RunInfo::workers`]. A request that
-//!   fails alone, or whose image cannot be read, is listed in [`RunInfo::failed`] and runs
-//!   again next time. Nothing is ever given a substitute score.
+//!   was already recorded, and the failure is reported in [`RunInfo::workers`]. A call that
+//!   has no reply at the end (a request that failed alone, an image that cannot be read, a
+//!   batch every judge failed) is listed in [`RunInfo::failed`] and recorded as failed with
+//!   its errors ([`Record::failed`]): the report counts it, and a rerun leaves it unless
+//!   [`RunOptions::retry_failed`]. Nothing is ever given a substitute score.
+//! - A record that cannot be written (a full disk) ends the run at once ([`StopRun`]): no
+//!   further call is judged, and [`Session::run`] returns the error naming the file.
 //! - At the end the run writes `scores.jsonl` (this benchmark's records, by index) and
 //!   `run.json` ([`RunInfo`]) atomically.
 
@@ -37,8 +41,9 @@ use std::time::Instant;
 
 use fleet_dist::{
     DistError, ItemResult, Manifest, PoolOptions, ReplicaPool, RunDir, RunDirOptions, RunDirState,
-    ShardSpec, Worker,
+    ShardSpec, StopRun, Worker,
 };
+use fleet_models::vision::ResizeBackend;
 use image::DynamicImage;
 use serde_json::Value;
 
@@ -135,6 +140,9 @@ pub struct ScoringSpec {
     /// Resize the edit to the source's size before judging, as GEdit-Bench's scorer does
     /// ([`resize_to_source`]).
     pub resize_edited_to_source: bool,
+    /// transformers' image-processor backend the judge prepares images with (the judges must
+    /// be loaded with it: `LoadOptions::image_backend`).
+    pub image_backend: ResizeBackend,
 }
 
 /// Checks a sampling setting; `fields` names its temperature, top_p and top_k in messages.
@@ -217,6 +225,7 @@ impl ScoringSpec {
             .with("decoding", self.decoding)
             .with("retry", self.retry)
             .with("resize_edited_to_source", self.resize_edited_to_source)
+            .with("image_backend", self.image_backend.as_str())
     }
 }
 
@@ -252,6 +261,9 @@ pub struct RunOptions {
     /// A judge that fails a batch stops taking batches. Default: yes when there are several
     /// judges (the others take its work), no with one (it keeps going with the next batch).
     pub stop_failed_judge: Option<bool>,
+    /// Judge again the calls recorded as failed by an earlier run (`--retry-failed`); without
+    /// it they are left as recorded.
+    pub retry_failed: bool,
 }
 
 impl Default for RunOptions {
@@ -261,6 +273,7 @@ impl Default for RunOptions {
             progress: true,
             worker_names: None,
             stop_failed_judge: None,
+            retry_failed: false,
         }
     }
 }
@@ -299,10 +312,11 @@ pub struct Plan<'a> {
 }
 
 impl Plan<'_> {
-    /// Tasks whose key has no record in `store`.
-    pub fn pending(&self, store: &RecordStore) -> Vec<usize> {
+    /// Tasks to judge: those whose key has no record in `store`, and with `retry_failed` those
+    /// recorded as judge failures ([`RecordStore::is_done`]).
+    pub fn pending(&self, store: &RecordStore, retry_failed: bool) -> Vec<usize> {
         (0..self.tasks.len())
-            .filter(|&t| !store.contains(&self.tasks[t].key))
+            .filter(|&t| !store.is_done(&self.tasks[t].key, retry_failed))
             .collect()
     }
 }
@@ -412,6 +426,7 @@ impl Session {
                     source_sha256: &src,
                     edited_sha256: &edt,
                     resize_edited_to_source: self.spec.resize_edited_to_source,
+                    image_backend: self.spec.image_backend.as_str(),
                     prompt_set_hash: prompts.hash(),
                     prompt_sha256: &sha256_hex(&prompt),
                     call: &call.name,
@@ -455,7 +470,8 @@ impl Session {
         plan: &Plan<'_>,
         options: &RunOptions,
     ) -> Result<RunInfo> {
-        if judges.is_empty() && !plan.pending(&self.store).is_empty() {
+        let retry_failed = options.retry_failed;
+        if judges.is_empty() && !plan.pending(&self.store, retry_failed).is_empty() {
             return Err(RunError::NoJudges);
         }
         if options.batch_size == 0 {
@@ -481,7 +497,7 @@ impl Session {
             Some(n) => n.clone(),
             None => (0..judges.len()).map(|i| format!("judge {i}")).collect(),
         };
-        let pending = plan.pending(&self.store);
+        let pending = plan.pending(&self.store, retry_failed);
         let resumed = plan.tasks.len() - pending.len();
         tracing::info!(
             calls = plan.tasks.len(),
@@ -498,6 +514,7 @@ impl Session {
             spec: &self.spec,
             plan,
             store: &self.store,
+            retry_failed,
         };
         let n_judges = judges.len();
         let workers: Vec<JudgeWorker<'_, J>> = judges
@@ -528,7 +545,7 @@ impl Session {
                 }
                 ItemResult::Failed { errors } => {
                     for &t in batch {
-                        if !self.store.contains(&plan.tasks[t].key) {
+                        if !self.store.is_done(&plan.tasks[t].key, retry_failed) {
                             failed
                                 .entry(t)
                                 .or_default()
@@ -542,7 +559,11 @@ impl Session {
         // (and went to another judge) has records too.
         let (mut judged, mut parse_failed, mut retried) = (0, 0, 0);
         for &t in &pending {
-            if let Some(r) = self.store.get(&plan.tasks[t].key) {
+            if let Some(r) = self
+                .store
+                .get(&plan.tasks[t].key)
+                .filter(|r| !r.judge_failed())
+            {
                 judged += 1;
                 parse_failed += usize::from(!r.parsed());
                 retried += usize::from(r.retry.is_some());
@@ -562,7 +583,7 @@ impl Session {
             .collect();
         let failed_calls: Vec<FailedCall> = failed
             .into_iter()
-            .filter(|(t, _)| !self.store.contains(&plan.tasks[*t].key))
+            .filter(|(t, _)| !self.store.is_judged(&plan.tasks[*t].key))
             .map(|(t, errors)| {
                 let task = &plan.tasks[t];
                 FailedCall {
@@ -573,6 +594,16 @@ impl Session {
                 }
             })
             .collect();
+        // Each failure is recorded, so that a rerun does not judge it again unless asked.
+        for f in &failed_calls {
+            let task = plan
+                .tasks
+                .iter()
+                .find(|t| t.index == f.index)
+                .expect("a failed call is one of the plan's tasks");
+            self.store
+                .append(self.failed_record(plan, task, f.errors.join(" | ")))?;
+        }
         let info = self.finish(
             plan,
             Counts {
@@ -586,6 +617,36 @@ impl Session {
             },
         )?;
         Ok(info)
+    }
+
+    /// The record of a call the judge failed on: no reply, no score, the errors.
+    fn failed_record(&self, plan: &Plan<'_>, task: &Task, errors: String) -> Record {
+        let item = &plan.items[task.item];
+        Record {
+            index: task.index,
+            key: task.key.clone(),
+            id: item.id.clone(),
+            category: item.category.clone(),
+            call: self.spec.prompts.calls[task.call].name.clone(),
+            scores: None,
+            score: None,
+            parse_failed: None,
+            raw: String::new(),
+            new_tokens: 0,
+            stopped_at_eos: false,
+            retry: None,
+            decoding: self.spec.decoding,
+            model_id: self.spec.model_id.clone(),
+            prompt_set: self.spec.prompts.id(),
+            timing: Timing {
+                batch_ms: 0.0,
+                batch_size: 0,
+                retry_ms: None,
+                worker: String::new(),
+                unix_time: unix_now(),
+            },
+            failed: Some(errors),
+        }
     }
 
     /// Writes `scores.jsonl` (this plan's records by index) and `run.json`.
@@ -631,6 +692,7 @@ impl Session {
             decoding: self.spec.decoding,
             retry: self.spec.retry,
             resize_edited_to_source: self.spec.resize_edited_to_source,
+            image_backend: Some(self.spec.image_backend.as_str().to_string()),
             benchmark_items: plan.items.len(),
             items: plan.range.len(),
             items_by_category,
@@ -667,6 +729,21 @@ struct RunCtx<'a> {
     spec: &'a ScoringSpec,
     plan: &'a Plan<'a>,
     store: &'a RecordStore,
+    retry_failed: bool,
+}
+
+/// Seconds since the Unix epoch.
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Appends a record; a failed write ends the whole run ([`StopRun`]): every further call would
+/// be judged and lost (a full disk).
+fn append(store: &RecordStore, record: Record) -> std::result::Result<(), fleet_dist::BoxError> {
+    store.append(record).map_err(|e| StopRun::new(e).into())
 }
 
 /// What one batch came to.
@@ -768,11 +845,9 @@ impl<J> JudgeWorker<'_, J> {
                 batch_size,
                 retry_ms,
                 worker: self.name.clone(),
-                unix_time: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_secs())
-                    .unwrap_or(0),
+                unix_time: unix_now(),
             },
+            failed: None,
         }
     }
 }
@@ -804,7 +879,7 @@ impl<J: Judge + Send> Worker<Vec<usize>, BatchOutcome> for JudgeWorker<'_, J> {
         for &t in batch {
             let task = &ctx.plan.tasks[t];
             // Recorded already: by an earlier attempt at this batch that failed part-way.
-            if ctx.store.contains(&task.key) {
+            if ctx.store.is_done(&task.key, ctx.retry_failed) {
                 continue;
             }
             let pair = images
@@ -872,7 +947,7 @@ impl<J: Judge + Send> Worker<Vec<usize>, BatchOutcome> for JudgeWorker<'_, J> {
                         let failed = parsed.is_err();
                         let rec =
                             self.record(task, &reply, parsed, None, batch_ms, requests.len(), None);
-                        ctx.store.append(rec)?;
+                        append(ctx.store, rec)?;
                         outcome.recorded += 1;
                         outcome.parse_failed += usize::from(failed);
                     }
@@ -935,7 +1010,7 @@ impl<J: Judge + Send> Worker<Vec<usize>, BatchOutcome> for JudgeWorker<'_, J> {
                         requests.len(),
                         Some(retry_ms),
                     );
-                    ctx.store.append(rec)?;
+                    append(ctx.store, rec)?;
                     outcome.recorded += 1;
                     outcome.retried += 1;
                     outcome.parse_failed += usize::from(failed);

@@ -383,3 +383,193 @@ fn extreme_aspect_ratios_are_skipped_with_the_size() {
         .to_string();
     assert!(err.contains("1x300") && err.contains("200:1"), "{err}");
 }
+
+/// A PNG whose header is intact but whose data is cut to 60% of its bytes: the header still
+/// reads (so a header-only check passes), the full decode fails.
+fn write_truncated_png(path: &Path) {
+    let full = png_bytes(64, 64);
+    let cut = &full[..full.len() * 6 / 10];
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, cut).unwrap();
+    let dims = image::io::Reader::open(path)
+        .unwrap()
+        .with_guessed_format()
+        .unwrap()
+        .into_dimensions();
+    assert_eq!(
+        dims.unwrap(),
+        (64, 64),
+        "the header of the cut PNG still reads"
+    );
+}
+
+/// Images are decoded fully up front: a truncated PNG (valid header, data cut off) skips its
+/// item as unreadable, naming the file, instead of failing at judge time.
+#[test]
+fn jsonl_truncated_png_is_skipped_as_unreadable() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path();
+    write_png(&base.join("src.png"), 64, 64);
+    write_png(&base.join("edit.png"), 64, 64);
+    let cut = base.join("cut.png");
+    write_truncated_png(&cut);
+    let lines = [
+        json!({"id": "a", "category": "c", "instruction": "i", "source": "src.png", "edited": "edit.png"}),
+        json!({"id": "b", "category": "c", "instruction": "i", "source": "src.png", "edited": "cut.png"}),
+        json!({"id": "c", "category": "c", "instruction": "i", "source": "cut.png", "edited": "edit.png"}),
+        json!({"id": "d", "category": "c", "instruction": "i", "source": "src.png", "edited": "edit.png"}),
+    ];
+    let path = base.join("bench.jsonl");
+    std::fs::write(
+        &path,
+        lines.iter().map(|l| format!("{l}\n")).collect::<String>(),
+    )
+    .unwrap();
+    let loaded = load_jsonl(&path, base).unwrap();
+    let ids: Vec<&str> = loaded.items.iter().map(|i| i.id.as_str()).collect();
+    assert_eq!(ids, ["a", "d"], "{loaded}: {:?}", loaded.skipped);
+    let got: Vec<(&str, SkipKind)> = loaded
+        .skipped
+        .iter()
+        .map(|s| (s.id.as_str(), s.kind))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("b", SkipKind::UnreadableImage),
+            ("c", SkipKind::UnreadableImage)
+        ]
+    );
+    for (s, role) in loaded.skipped.iter().zip(["edited", "source"]) {
+        let r = &s.reason;
+        assert!(r.contains(&cut.display().to_string()), "{r}");
+        assert!(r.contains(role) && r.contains("cut short"), "{r}");
+        assert!(r.contains("re-save it as PNG"), "{r}");
+    }
+}
+
+#[test]
+fn gedit_truncated_png_is_skipped_as_unreadable() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = dir.path().join("fullset");
+    write_png(&full.join("color_alter/en/k1_SRCIMG.png"), 16, 16);
+    write_png(&full.join("color_alter/en/k1.png"), 16, 16);
+    write_truncated_png(&full.join("color_alter/en/k2_SRCIMG.png"));
+    write_png(&full.join("color_alter/en/k2.png"), 16, 16);
+    let rows = [
+        json!({"task_type": "color_alter", "key": "k1", "instruction": "red", "instruction_language": "en"}),
+        json!({"task_type": "color_alter", "key": "k2", "instruction": "blue", "instruction_language": "en"}),
+    ];
+    let rows_path = dir.path().join("rows.jsonl");
+    std::fs::write(
+        &rows_path,
+        rows.iter().map(|r| format!("{r}\n")).collect::<String>(),
+    )
+    .unwrap();
+    let loaded = load_gedit(dir.path(), "en", None, &rows_path).unwrap();
+    assert_eq!(loaded.items.len(), 1, "{loaded}: {:?}", loaded.skipped);
+    assert_eq!(loaded.items[0].id, "k1");
+    assert_eq!(loaded.skipped.len(), 1);
+    let s = &loaded.skipped[0];
+    assert_eq!((s.id.as_str(), s.kind), ("k2", SkipKind::UnreadableImage));
+    assert!(
+        s.reason.contains("k2_SRCIMG.png") && s.reason.contains("line 2"),
+        "{}",
+        s.reason
+    );
+}
+
+/// A JSONL line with a byte that is not UTF-8 is skipped as `line N` naming the line and the
+/// byte's offset; the other lines (CRLF endings included) load.
+#[test]
+fn jsonl_non_utf8_line_is_skipped_with_its_line_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path();
+    write_png(&base.join("a.png"), 4, 4);
+    let good = |id: &str| {
+        json!({"id": id, "category": "c", "instruction": "i", "source": "a.png", "edited": "a.png"})
+            .to_string()
+    };
+    let prefix = br#"{"id": "b", "category": "c", "instruction": "bl"#;
+    let mut bytes = Vec::new();
+    bytes.extend_from_slice(good("a").as_bytes());
+    bytes.extend_from_slice(b"\r\n\r\n");
+    bytes.extend_from_slice(prefix);
+    bytes.push(0xFF);
+    bytes.extend_from_slice(br#"ue", "source": "a.png", "edited": "a.png"}"#);
+    bytes.extend_from_slice(b"\r\n");
+    bytes.extend_from_slice(good("c").as_bytes());
+    bytes.extend_from_slice(b"\r\n");
+    let path = base.join("bench.jsonl");
+    std::fs::write(&path, bytes).unwrap();
+
+    let loaded = load_jsonl(&path, base).unwrap();
+    let ids: Vec<&str> = loaded.items.iter().map(|i| i.id.as_str()).collect();
+    assert_eq!(ids, ["a", "c"], "{loaded}: {:?}", loaded.skipped);
+    assert_eq!(loaded.skipped.len(), 1);
+    let s = &loaded.skipped[0];
+    assert_eq!((s.id.as_str(), s.kind), ("line 3", SkipKind::NotUtf8));
+    for part in [
+        "bench.jsonl",
+        "line 3",
+        &format!("byte offset {}", prefix.len()),
+        "re-save the file as UTF-8",
+    ] {
+        assert!(s.reason.contains(part), "{part:?} not in {}", s.reason);
+    }
+    assert_eq!(loaded.to_string(), "2 items loaded, 1 skipped: 1 not UTF-8");
+}
+
+#[test]
+fn gedit_non_utf8_row_is_skipped_with_its_line_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = dir.path().join("fullset");
+    write_png(&full.join("color_alter/en/k1_SRCIMG.png"), 4, 4);
+    write_png(&full.join("color_alter/en/k1.png"), 4, 4);
+    let good = json!({"task_type": "color_alter", "key": "k1", "instruction": "red", "instruction_language": "en"});
+    let mut bytes = format!("{good}\n").into_bytes();
+    bytes.extend_from_slice(
+        b"{\"task_type\": \"color_alter\", \"key\": \"k2\", \"instruction\": \"caf\xE9\"}\n",
+    );
+    let rows_path = dir.path().join("rows.jsonl");
+    std::fs::write(&rows_path, bytes).unwrap();
+    let loaded = load_gedit(dir.path(), "en", None, &rows_path).unwrap();
+    assert_eq!(loaded.items.len(), 1, "{loaded}: {:?}", loaded.skipped);
+    assert_eq!(loaded.skipped.len(), 1);
+    let s = &loaded.skipped[0];
+    assert_eq!((s.id.as_str(), s.kind), ("line 2", SkipKind::NotUtf8));
+    assert!(
+        s.reason.contains("rows.jsonl") && s.reason.contains("line 2"),
+        "{}",
+        s.reason
+    );
+}
+
+/// The scorer's JSON is one document, so a byte that is not UTF-8 refuses the file, with the
+/// line and byte offset of that byte.
+#[test]
+fn scorer_json_non_utf8_byte_is_an_error_naming_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let edited = dir.path().join("edited");
+    write_png(&edited.join("p1.png"), 4, 4);
+    let items = json!([scorer_item("物理", "p1.png", &b64(&png_bytes(4, 4)))]);
+    let text = serde_json::to_string_pretty(&items).unwrap();
+    let at = text.find("a red car").unwrap() + "a red ".len();
+    let line = text[..at].matches('\n').count() + 1;
+    assert!(line > 1);
+    let mut bytes = text.into_bytes();
+    bytes.insert(at, 0xFF);
+    let json_path = dir.path().join("bench.json");
+    std::fs::write(&json_path, bytes).unwrap();
+    let err = load_scorer_json(&json_path, &edited, None).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::NotUtf8 { .. }), "{msg}");
+    for part in [
+        "bench.json".to_string(),
+        format!("line {line}"),
+        format!("byte offset {at}"),
+        "UTF-8".to_string(),
+    ] {
+        assert!(msg.contains(&part), "{part:?} not in {msg}");
+    }
+}

@@ -66,6 +66,7 @@ fn a_request_is_the_prompt_the_checkpoint_template_makes() {
     let r = &requests()[0];
     let (m, images) = messages(r);
     let text = vlm
+        .processor
         .chat_template
         .render_json(m, true, &Default::default())
         .unwrap();
@@ -222,4 +223,59 @@ fn random_weights_give_recorded_and_counted_parse_failures() {
         let info = session.run(judges, &plan, &options).unwrap();
         assert_eq!((info.calls_resumed, info.calls_judged), (5 * calls, 0));
     }
+}
+
+/// Issue 23: an item whose call can never fit the judge is skipped before anything loads, by
+/// the checkpoint's processor (no weights), instead of failing at judge time on every rerun.
+#[test]
+fn items_too_long_for_the_judge_are_skipped_up_front() {
+    use fleet_judge::benchmark::SkipKind;
+    use fleet_judge::qwen::skip_too_long;
+    use fleet_models::qwen3_vl::VlProcessor;
+
+    let dir = tempfile::tempdir().unwrap();
+    let items: Vec<GenItem> = (1..=3).map(|n| GenItem { n, category: "A" }).collect();
+    let bench = write_benchmark(dir.path(), &items);
+    // Item 2's instruction alone is longer than the tiny judge's 2048 positions.
+    let text = std::fs::read_to_string(&bench).unwrap();
+    let long = "paint the sky a deep red ".repeat(600);
+    std::fs::write(&bench, text.replace("edit number 2", long.trim())).unwrap();
+    let prompts = prompt_set(dir.path(), "single.toml", SINGLE_SET);
+    let processor = VlProcessor::load(
+        fixture("qwen3-vl-tiny").to_str().unwrap(),
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(processor.max_positions(), 2048);
+
+    let mut loaded = load(dir.path());
+    assert_eq!(
+        skip_too_long(&mut loaded, &prompts, &processor, 64, false).unwrap(),
+        1
+    );
+    let ids: Vec<&str> = loaded.items.iter().map(|i| i.id.as_str()).collect();
+    assert_eq!(ids, ["pair-1", "pair-3"]);
+    let s = &loaded.skipped[0];
+    assert_eq!((s.id.as_str(), s.kind), ("pair-2", SkipKind::PromptTooLong));
+    assert!(
+        s.reason.contains("max_position_embeddings = 2048"),
+        "{}",
+        s.reason
+    );
+    assert!(s.reason.contains("call score"), "{}", s.reason);
+
+    // The reply's room counts too: with max_new_tokens near the limit nothing fits.
+    let mut loaded = load(dir.path());
+    assert_eq!(
+        skip_too_long(&mut loaded, &prompts, &processor, 2040, false).unwrap(),
+        3
+    );
+    assert!(loaded.items.is_empty());
+    // A short prompt with a modest reply fits (the same count the model's prefill uses).
+    let mut loaded = load(dir.path());
+    loaded.items.retain(|i| i.id != "pair-2");
+    assert_eq!(
+        skip_too_long(&mut loaded, &prompts, &processor, 1024, true).unwrap(),
+        0
+    );
 }

@@ -760,7 +760,8 @@ fn a_failing_judge_in_a_pool_hands_its_batches_to_the_other_and_is_reported() {
     assert!(records.iter().all(|r| r.timing.worker == "GPU 1"));
     assert_eq!(records.len(), 6);
 
-    // A request that fails alone is listed and runs again next time.
+    // A request that fails alone is listed, recorded as failed and counted; a rerun leaves it
+    // unless asked to retry failures (issue 23: it never succeeded and every run exited 1).
     let dir2 = tempfile::tempdir().unwrap();
     write_benchmark(dir2.path(), &single_items()[..2]);
     let mut t = single_table();
@@ -775,17 +776,75 @@ fn a_failing_judge_in_a_pool_hands_its_batches_to_the_other_and_is_reported() {
         dir2.path(),
         &out2,
         &prompts,
-        vec![Scripted::new("j", MODEL, table, seen.clone())],
+        vec![Scripted::new("j", MODEL, table.clone(), seen.clone())],
         ShardSpec::single(),
         2,
     );
-    assert_eq!(info.calls_recorded, 1);
+    assert_eq!(info.calls_judged, 1);
     assert_eq!(info.failed.len(), 1);
     assert_eq!(info.failed[0].id, "pair-2");
     assert!(info.failed[0].errors[0].contains("does not fit"));
-    assert!(!info.complete());
+    let (records, _) = read_records(&out2.join(SCORES_FILE)).unwrap();
+    let failed: Vec<&Record> = records.iter().filter(|r| r.judge_failed()).collect();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].id, "pair-2");
+    assert!(failed[0]
+        .failed
+        .as_deref()
+        .unwrap()
+        .contains("does not fit"));
+    assert!((failed[0].score, failed[0].parse_failed.as_deref()) == (None, None));
     let report = Report::from_dir(&out2, "c").unwrap();
-    assert_eq!((report.not_scored, report.items_scored), (1, 1));
+    assert_eq!(
+        (
+            report.judge_failed,
+            report.not_scored,
+            report.items_scored,
+            report.parse_failed
+        ),
+        (1, 0, 1, 0)
+    );
+    assert!(report.to_markdown().contains("1 the judge failed on"));
+
+    // A rerun judges nothing: the failure is recorded.
+    let calls_before = seen.lock().unwrap().len();
+    let rerun = |retry_failed: bool, table: Arc<Table>| {
+        let loaded = load(dir2.path());
+        let session = Session::open(
+            &out2,
+            spec(prompts.clone(), MODEL),
+            &SessionOptions::default(),
+        )
+        .unwrap();
+        let plan = session.plan(&loaded, ShardSpec::single()).unwrap();
+        let options = RunOptions {
+            retry_failed,
+            ..quiet(2)
+        };
+        assert_eq!(
+            plan.pending(session.store(), retry_failed).len(),
+            usize::from(retry_failed)
+        );
+        session
+            .run(
+                vec![Scripted::new("j", MODEL, table, seen.clone())],
+                &plan,
+                &options,
+            )
+            .unwrap()
+    };
+    let again = rerun(false, table.clone());
+    assert_eq!((again.calls_judged, again.failed.len()), (0, 0));
+    assert_eq!(seen.lock().unwrap().len(), calls_before);
+    assert_eq!(Report::from_dir(&out2, "c").unwrap().judge_failed, 1);
+    // --retry-failed judges it again; now it answers.
+    let mut fixed = (*table).clone();
+    fixed.insert((2, "score", false), ok("Score: 3"));
+    let retried = rerun(true, Arc::new(fixed));
+    assert_eq!((retried.calls_judged, retried.failed.len()), (1, 0));
+    assert_eq!(seen.lock().unwrap().len(), calls_before + 1);
+    let report = Report::from_dir(&out2, "c").unwrap();
+    assert_eq!((report.judge_failed, report.items_scored), (0, 2));
 }
 
 #[test]
@@ -855,8 +914,7 @@ fn shards_merged_equal_one_run() {
     let err = merge_shards(&shards, &shards[0], MergeOptions::default()).unwrap_err();
     assert!(err.to_string().contains("is one of the shards"), "{err}");
 
-    // A shard with a call left without a record is refused, unless allowed; then the item
-    // counts as not scored.
+    // Shards where the judge failed on a call.
     let mut gap = (*table).clone();
     gap.remove(&(7, "score", false));
     let gap = Arc::new(gap);
@@ -873,6 +931,22 @@ fn shards_merged_equal_one_run() {
             2,
         );
     }
+    // The judge failed on item 7: recorded as failed, so the shards are finished and merge;
+    // the merged report counts the failure.
+    let m2 = dir.path().join("m2");
+    let outcome = merge_shards(&halves, &m2, MergeOptions::default()).unwrap();
+    assert_eq!(outcome.info.failed.len(), 1);
+    assert_eq!(outcome.info.failed[0].id, "pair-7");
+    let r = Report::from_dir(&m2, "c").unwrap();
+    assert_eq!((r.items, r.judge_failed, r.items_scored), (7, 1, 5));
+    assert_eq!(r.category("C").unwrap().judge_failed, 1);
+    // A shard whose summary says calls have no record (a summary of an older fleet, which
+    // left judge failures unrecorded) is refused unless allowed.
+    let half1 = halves[1].join(RUN_FILE);
+    let mut info: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&half1).unwrap()).unwrap();
+    info["calls_recorded"] = serde_json::json!(2);
+    std::fs::write(&half1, info.to_string()).unwrap();
     let m3 = dir.path().join("m3");
     let err = merge_shards(&halves, &m3, MergeOptions::default()).unwrap_err();
     assert!(matches!(err, RecordsError::Incomplete { .. }), "{err}");
@@ -886,10 +960,6 @@ fn shards_merged_equal_one_run() {
     };
     let outcome = merge_shards(&halves, &m3, allow).unwrap();
     assert_eq!(outcome.info.failed.len(), 1);
-    assert_eq!(outcome.info.failed[0].id, "pair-7");
-    let r = Report::from_dir(&m3, "c").unwrap();
-    assert_eq!((r.items, r.not_scored, r.items_scored), (7, 1, 5));
-    assert_eq!(r.category("C").unwrap().not_scored, 1);
 
     // A shard made with another prompt set is refused.
     let other = prompt_set(
@@ -910,4 +980,32 @@ fn shards_merged_equal_one_run() {
     let err = merge_shards(&mixed, &dir.path().join("m2"), MergeOptions::default()).unwrap_err();
     assert!(matches!(err, RecordsError::ShardMismatch { .. }), "{err}");
     assert!(err.to_string().contains("prompt_set.hash"), "{err}");
+}
+
+/// Issue 23: transformers' two image-processor backends differ in a few pixels, so the backend
+/// is part of the output directory's manifest (a resume with the other is refused) and of
+/// every record's key.
+#[test]
+fn the_image_backend_is_part_of_the_manifest_and_the_keys() {
+    use fleet_models::vision::ResizeBackend;
+    let dir = tempfile::tempdir().unwrap();
+    write_benchmark(dir.path(), &single_items()[..1]);
+    let prompts = prompt_set(dir.path(), "single.toml", SINGLE_SET);
+    let out = dir.path().join("out");
+    let loaded = load(dir.path());
+    let default = spec(prompts.clone(), MODEL);
+    assert_eq!(default.image_backend, ResizeBackend::Torchvision);
+    let key = {
+        let s = Session::open(&out, default, &SessionOptions::default()).unwrap();
+        let plan = s.plan(&loaded, ShardSpec::single()).unwrap();
+        plan.tasks[0].key.clone()
+    };
+    let mut pillow = spec(prompts, MODEL);
+    pillow.image_backend = ResizeBackend::Pillow;
+    let err = Session::open(&out, pillow.clone(), &SessionOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("image_backend"), "{err}");
+    let other = dir.path().join("pillow");
+    let s = Session::open(&other, pillow, &SessionOptions::default()).unwrap();
+    let plan = s.plan(&loaded, ShardSpec::single()).unwrap();
+    assert_ne!(plan.tasks[0].key, key);
 }

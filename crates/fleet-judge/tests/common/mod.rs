@@ -121,6 +121,7 @@ pub fn spec(prompts: PromptSet, model: &str) -> ScoringSpec {
         decoding: Decoding::greedy(64),
         retry: None,
         resize_edited_to_source: false,
+        image_backend: Default::default(),
     }
 }
 
