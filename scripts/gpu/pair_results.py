@@ -100,12 +100,27 @@ def best_lines(best: dict, unit: str) -> list[str]:
     return out
 
 
+def gpu_of(d: Path) -> dict:
+    """The GPU the call ran on, from the nvidia-smi output the scripts save beside their
+    results (H100 or H200; H200 when it cannot be told, as the scripts' default machine)."""
+    for f in sorted(d.glob("nvidia-smi*.txt")):
+        text = f.read_text(errors="replace")
+        if "H100" in text:
+            return limits.GPUS["h100"]
+        if "H200" in text:
+            return limits.GPUS["h200"]
+    return limits.GPUS["h200"]
+
+
 def finish(d: Path, kind: str, metric: str, unit: str, rows: list, best: dict, meta: dict,
            about: str = "") -> None:
+    g = gpu_of(d)
     md = [f"# {kind}: fleet and the reference at the same batch ({d.name})", "",
           f"Throughput in {unit}{'; ' + about if about else ''}. Limits from "
-          "scripts/gpu/limits.py (spec: HBM bandwidth and dense bf16 peak; practical: 4.3 TB/s "
-          "and 650 TFLOP/s on an H200).", ""]
+          f"scripts/gpu/limits.py for the {g['name']} this call ran on (spec: HBM bandwidth "
+          f"{g['bw_spec'] / 1e12:.2f} TB/s and dense bf16 {g['flops_spec'] / 1e12:.0f} TFLOP/s; "
+          f"practical: {g['bw_practical'] / 1e12:.1f} TB/s and "
+          f"{g['flops_practical'] / 1e12:.0f} TFLOP/s).", ""]
     md += pairs_table(rows, metric, unit) + ["", "Each engine's best batch in this call:", ""]
     md += best_lines(best, unit)
     failed = [r for r in read_search(d) if r["status"] != "ok"]
@@ -115,7 +130,8 @@ def finish(d: Path, kind: str, metric: str, unit: str, rows: list, best: dict, m
         md += [f"| {r['engine']} | {r['key']} | {r['batch']} | {r['status']} | {r['note']} |"
                for r in failed]
     meta = {**meta, "not_run": failed}
-    (d / "pairs.json").write_text(json.dumps({"kind": kind, "metric": metric, "unit": unit, **meta,
+    (d / "pairs.json").write_text(json.dumps({"kind": kind, "metric": metric, "unit": unit,
+                                              "gpu": g["name"], **meta,
                                               "pairs": rows, "best": best}, indent=1))
     (d / "pairs.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
@@ -152,7 +168,7 @@ def generate(d: Path) -> None:
     if not cfg:
         sys.exit(f"no bench_fleet*.json or bench_transformers*.json in {d}")
     c = limits.load(cfg)
-    gpu = limits.GPUS["h200"]
+    gpu = gpu_of(d)
     P, N = meta.get("prompt_len") or 512, meta.get("new_tokens") or 128
     rows = []
     for metric in ("decode_tok_s", "prefill_tok_s"):
@@ -198,7 +214,7 @@ def judge(d: Path) -> None:
             if "error" in r or "samples_per_s" not in r:
                 continue
             runs.setdefault((key, "transformers"), {})[r["batch"]] = r
-    gpu = limits.GPUS["h200"]
+    gpu = gpu_of(d)
     rows, best = [], {}
     for key, j in sorted(cfgs.items()):
         c = limits.load(j["config"])
@@ -231,7 +247,7 @@ def gspo(d: Path) -> None:
     search = read_search(d)
     per_gen = int(os.environ.get("STEPS_PER_GENERATION", "4"))
     report, rows, best = {}, [], {}
-    gpu = limits.GPUS["h200"]
+    gpu = gpu_of(d)
     table = {}
     for n in sorted(glob.glob(str(d / "*.metrics.jsonl"))):
         name = Path(n).name[: -len(".metrics.jsonl")]
