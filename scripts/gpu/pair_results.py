@@ -102,8 +102,9 @@ def best_lines(best: dict, unit: str) -> list[str]:
 
 def gpu_of(d: Path) -> dict:
     """The GPU the call ran on, from the nvidia-smi output the scripts save beside their
-    results (H100 or H200; H200 when it cannot be told, as the scripts' default machine)."""
-    for f in sorted(d.glob("nvidia-smi*.txt")):
+    results (nvidia-smi*.txt, or run_foundation.sh's env.json): H100 or H200; H200 when it
+    cannot be told, as the scripts' default machine."""
+    for f in sorted(d.glob("nvidia-smi*.txt")) + sorted(d.glob("env.json")):
         text = f.read_text(errors="replace")
         if "H100" in text:
             return limits.GPUS["h100"]
