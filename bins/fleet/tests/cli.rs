@@ -689,3 +689,25 @@ fn plan_ways_out_name_flags_that_plan_accepts() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("1 replica(s) of 2 GPU(s)"));
 }
+
+/// Issue 24: logical devices that cannot be had are refused before anything loads, naming the
+/// flag and the fix: no GPU here (this CPU machine), a flag that does not parse, caps of 0.
+#[test]
+fn logical_gpus_that_cannot_be_had_are_refused_with_the_fix() {
+    if candle_core::utils::cuda_is_available() {
+        return;
+    }
+    let err = fails_with(&["--logical-gpus", "2:8GiB", "devices"]);
+    assert!(
+        err.contains("--logical-gpus 2:8GiB") && err.contains("sees none"),
+        "{err}"
+    );
+    // The flag is global: after the subcommand too.
+    let err = fails_with(&["devices", "--logical-gpus", "two"]);
+    assert!(
+        err.contains("not a number of devices") && err.contains("8:12GiB"),
+        "{err}"
+    );
+    let err = fails_with(&["devices", "--logical-gpus", "2:0GiB"]);
+    assert!(err.contains("larger than zero"), "{err}");
+}

@@ -127,3 +127,29 @@ mod tests {
         assert!(!BUILD_COMMIT.is_empty());
     }
 }
+
+/// `--logical-gpus N[:MEM][@GPU]` (every binary's flag): presents N logical devices on one
+/// physical GPU, each with its own stream and memory cap (`fleet_topology::logical`), so that
+/// multi-GPU placements run on one GPU. Checked against the GPUs this process sees before
+/// anything loads (no GPU, a GPU index that does not exist, caps beyond the GPU's memory: an
+/// error naming the flag and the fix); then every device list, plan and log line says
+/// "logical devices on one GPU". `None` leaves the physical GPUs.
+pub fn logical_gpus(spec: Option<&str>) -> anyhow::Result<()> {
+    let Some(spec) = spec else {
+        return Ok(());
+    };
+    let logical = fleet_topology::logical::LogicalGpus::parse_flag(spec)?;
+    fleet_topology::logical::install(logical)?;
+    let devices = fleet_topology::discover()?;
+    tracing::warn!(
+        "{} {}: {}",
+        devices.len(),
+        fleet_topology::logical::LABEL,
+        devices
+            .iter()
+            .map(|d| d.location.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}

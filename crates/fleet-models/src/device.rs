@@ -49,6 +49,11 @@ impl Devices {
 }
 
 /// Opens one device with an error that says what to do when it is not there.
+///
+/// With logical devices installed ([`fleet_topology::logical`]), `cuda:N` is logical device N:
+/// a stream of its own on its physical GPU (`Device::new_cuda_with_stream`), so that work on
+/// two logical devices is ordered only as work on two GPUs is. Call it once per device and
+/// share the result ([`Devices`]): every call makes a new stream.
 pub fn open_device(loc: DeviceLocation) -> Result<Device> {
     match loc {
         DeviceLocation::Cpu => Ok(Device::Cpu),
@@ -59,10 +64,34 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
                     hint: "this build has no GPU support: rebuild with `--features cuda` (docs/gpu.md), or use --device cpu".into(),
                 });
             }
-            let dev = Device::new_cuda(n).map_err(|e| ModelError::DeviceUnavailable {
+            let unavailable = |e: candle_core::Error| {
+                ModelError::DeviceUnavailable {
                 device: loc.to_string(),
                 hint: format!("{e}; `fleet devices` lists the GPUs this process can see (CUDA_VISIBLE_DEVICES applies)"),
-            })?;
+            }
+            };
+            let dev = match fleet_topology::logical::installed() {
+                None => Device::new_cuda(n).map_err(unavailable)?,
+                Some(logical) => {
+                    let physical =
+                        logical
+                            .physical_of(n)
+                            .ok_or_else(|| ModelError::DeviceUnavailable {
+                                device: loc.to_string(),
+                                hint: format!(
+                                    "there are {} logical devices ({}): use cuda:0..cuda:{}",
+                                    logical.devices.len(),
+                                    logical.source,
+                                    logical.devices.len().saturating_sub(1)
+                                ),
+                            })?;
+                    tracing::info!(
+                        "{loc}: a stream of its own on GPU {physical} ({})",
+                        fleet_topology::logical::LABEL
+                    );
+                    Device::new_cuda_with_stream(physical).map_err(unavailable)?
+                }
+            };
             skip_event_tracking(&dev);
             Ok(dev)
         }
@@ -93,27 +122,63 @@ fn skip_event_tracking(dev: &Device) {
     let _ = dev;
 }
 
-/// `t` on `dev`, safe to use while the caller runs ahead of the GPUs.
+/// Which of [`transfer`]'s two waits run: both, except where a test turns one off
+/// (`FLEET_TRANSFER_WAITS=no-destination-wait` or `no-source-wait`) to show that the stand-in
+/// for several GPUs (logical devices on one) catches the race that wait prevents.
+#[cfg(feature = "cuda")]
+fn transfer_waits() -> (bool, bool) {
+    static WAITS: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+    *WAITS.get_or_init(|| match std::env::var("FLEET_TRANSFER_WAITS").as_deref() {
+        Ok("no-destination-wait") => {
+            tracing::warn!("FLEET_TRANSFER_WAITS: copies between devices do not wait for their source (a test of the race)");
+            (false, true)
+        }
+        Ok("no-source-wait") => {
+            tracing::warn!("FLEET_TRANSFER_WAITS: a copy's source buffer may be reused before the copy (a test of the race)");
+            (true, false)
+        }
+        _ => (true, true),
+    })
+}
+
+/// `t` on `dev`, safe to use while the caller runs ahead of the GPUs. It orders both ways,
+/// whatever the devices (two GPUs, or two logical devices of one GPU: DESIGN's invariant 7):
 ///
-/// Between two GPUs candle copies on the destination's stream, after an event of the source's
-/// stream, but frees the source buffer on the source's stream as soon as the tensor is dropped.
-/// Work queued later on the source GPU (the next micro-batch, the next chunk of the head) can
-/// then be given that memory and overwrite it before the destination's stream, still busy with
-/// earlier work, performs the copy: a sharded policy's gradients came back NaN. Here the source
-/// stream also waits for the copy, so the buffer's reuse is ordered after it. No host sync.
+/// - the destination's stream waits for the source's stream before it copies: between two GPUs
+///   cudarc waits for the source's writes itself, but between two streams of one context
+///   (logical devices; cudarc's event tracking is off, [`skip_event_tracking`]) nothing would,
+///   and the copy could read the source before it is written;
+/// - the source's stream waits for the copy: candle frees the source buffer on the source's
+///   stream as soon as the tensor is dropped, and work queued later there (the next
+///   micro-batch, the next chunk of the head) could be given that memory and overwrite it before
+///   the destination's stream, still busy with earlier work, performs the copy (a sharded
+///   policy's gradients came back NaN).
+///
+/// No host sync.
 pub fn transfer(t: &Tensor, dev: &Device) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    let cuda_pair = match (t.device(), dev) {
+        (Device::Cuda(src), Device::Cuda(dst)) if !t.device().same_device(dev) => {
+            Some((src.clone(), dst.clone()))
+        }
+        _ => None,
+    };
+    #[cfg(feature = "cuda")]
+    let (wait_for_source, wait_for_copy) = transfer_waits();
+    #[cfg(feature = "cuda")]
+    let cuda_err = |e: candle_core::cuda_backend::cudarc::driver::DriverError| {
+        candle_core::Error::Cuda(Box::new(e))
+    };
+    #[cfg(feature = "cuda")]
+    if let (Some((src, dst)), true) = (&cuda_pair, wait_for_source) {
+        let written = src.cuda_stream().record_event(None).map_err(cuda_err)?;
+        dst.cuda_stream().wait(&written).map_err(cuda_err)?;
+    }
     let out = t.to_device(dev)?;
     #[cfg(feature = "cuda")]
-    if let (Device::Cuda(src), Device::Cuda(dst)) = (t.device(), dev) {
-        if !t.device().same_device(dev) {
-            let copied = dst
-                .cuda_stream()
-                .record_event(None)
-                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
-            src.cuda_stream()
-                .wait(&copied)
-                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
-        }
+    if let (Some((src, dst)), true) = (&cuda_pair, wait_for_copy) {
+        let copied = dst.cuda_stream().record_event(None).map_err(cuda_err)?;
+        src.cuda_stream().wait(&copied).map_err(cuda_err)?;
     }
     Ok(out)
 }

@@ -26,8 +26,15 @@ pub struct DeviceInfo {
 
 /// The GPUs the CUDA driver reports (honouring `CUDA_VISIBLE_DEVICES`), or, when none is
 /// visible or the build has no `cuda` feature, the host CPU alone.
+///
+/// With logical devices installed ([`crate::logical::install`]), the GPUs are the logical
+/// devices (`cuda:0..N`, each named with its physical GPU and "logical devices on one GPU");
+/// an installed mapping the GPUs cannot serve is an error naming it.
 pub fn discover() -> Result<Vec<DeviceInfo>, TopologyError> {
     let gpus = discover_gpus()?;
+    if let Some(logical) = crate::logical::installed() {
+        return logical.device_infos(&gpus);
+    }
     if gpus.is_empty() {
         Ok(vec![cpu_info()])
     } else {
@@ -135,8 +142,29 @@ fn discover_gpus() -> Result<Vec<DeviceInfo>, TopologyError> {
     Ok(out)
 }
 
-/// `(free, total)` bytes of GPU `ordinal` right now; `None` in a build without CUDA.
+/// `(free, total)` bytes of GPU `ordinal` right now; `None` in a build without CUDA. For a
+/// logical device: its cap as the total and its share of the physical GPU's free memory (at
+/// most the cap) as free.
 pub fn gpu_memory_info(ordinal: usize) -> Result<Option<(u64, u64)>, TopologyError> {
+    if let Some(logical) = crate::logical::installed() {
+        if logical.physical_of(ordinal).is_none() {
+            return Err(TopologyError::LogicalDevices {
+                request: logical.source.clone(),
+                message: format!(
+                    "cuda:{ordinal} is not one of the {} logical devices",
+                    logical.devices.len()
+                ),
+            });
+        }
+        let infos = logical.device_infos(&discover_gpus()?)?;
+        return Ok(infos
+            .get(ordinal)
+            .and_then(|d| Some((d.free_bytes?, d.total_bytes?))));
+    }
+    physical_memory_info(ordinal)
+}
+
+fn physical_memory_info(ordinal: usize) -> Result<Option<(u64, u64)>, TopologyError> {
     #[cfg(feature = "cuda")]
     {
         let err = |e: cudarc::driver::DriverError| TopologyError::Driver {
@@ -158,7 +186,24 @@ pub fn gpu_memory_info(ordinal: usize) -> Result<Option<(u64, u64)>, TopologyErr
 /// supports it, and returns those pairs. Copies between GPUs of a pair then go over NVLink or
 /// PCIe directly instead of through host memory (candle never enables this itself). A build
 /// without CUDA, or fewer than two GPUs, enables nothing.
+///
+/// Logical devices ([`crate::logical`]) are mapped to their physical GPUs first: logical
+/// devices of one GPU need no peer access (their memory is one GPU's).
 pub fn enable_peer_access(ordinals: &[usize]) -> Result<Vec<(usize, usize)>, TopologyError> {
+    let mapped: Vec<usize>;
+    let ordinals = match crate::logical::installed() {
+        Some(logical) => {
+            let mut physical: Vec<usize> = ordinals
+                .iter()
+                .filter_map(|&o| logical.physical_of(o))
+                .collect();
+            physical.sort_unstable();
+            physical.dedup();
+            mapped = physical;
+            &mapped[..]
+        }
+        None => ordinals,
+    };
     #[cfg(feature = "cuda")]
     {
         use cudarc::driver::{sys, CudaContext};

@@ -12,6 +12,10 @@
 //!   access; [`enable_peer_access`].
 //! * `topology` — [`Topology`]: GPUs to plan on, from TOML (`configs/topologies/`) or from
 //!   discovery; `--gpu-ids` selection.
+//! * [`logical`] — logical devices: several `cuda:N` on one physical GPU, each with its own
+//!   stream and memory cap ([`logical::LogicalGpus`], from `--logical-gpus` or a topology
+//!   file's `[[logical]]` entries), always labelled as such; [`discover`] reports them once
+//!   installed.
 //! * `checkpoint` — [`CheckpointParams`]: exact parameter counts per part from safetensors
 //!   headers.
 //! * `memory` — [`ModelShape`] from config.json (dense, MoE, vision towers, classification
@@ -32,6 +36,7 @@ mod budget;
 mod checkpoint;
 mod device_map;
 mod discover;
+pub mod logical;
 mod memory;
 mod memory_watch;
 mod planner;
@@ -105,6 +110,15 @@ pub enum TopologyError {
         /// The path.
         file: String,
         /// The OS error.
+        message: String,
+    },
+    /// Logical devices that cannot be had: no GPU, a GPU index that does not exist, caps the
+    /// GPU cannot hold, a flag that does not parse.
+    #[error("logical devices ({request}): {message}")]
+    LogicalDevices {
+        /// The request: `--logical-gpus ...` or the topology file.
+        request: String,
+        /// What is wrong and what to do.
         message: String,
     },
     /// A topology TOML file is malformed.

@@ -16,12 +16,29 @@
 //! ```
 //!
 //! GPUs are numbered `cuda:0`, `cuda:1`, ... in the order of the `[[gpu]]` entries.
+//!
+//! With `[[logical]]` entries the file describes logical devices on those GPUs
+//! ([`crate::logical`]): the topology's devices are the logical ones, `cuda:0`, `cuda:1`, ... in
+//! the order of the entries, each with its cap as its memory, and its name says "logical devices
+//! on one GPU":
+//!
+//! ```toml
+//! name = "the seed's 8x RTX 3060 12 GB, as logical devices on one H200"
+//! [[gpu]]
+//! name = "NVIDIA H200"
+//! memory = "140GiB"
+//! [[logical]]
+//! gpu = 0                      # the physical GPU (default 0)
+//! memory = "12GiB"             # each one's cap (default: an equal share)
+//! count = 8
+//! ```
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use crate::budget::parse_bytes;
+use crate::logical::{LogicalEntry, LogicalGpus, LABEL as LOGICAL_LABEL};
 use crate::{DeviceInfo, DeviceLocation, TopologyError};
 
 /// One GPU of a topology.
@@ -116,6 +133,9 @@ pub struct Topology {
     pub peer_access: PeerAccess,
     /// Host memory in bytes, when known (the ceiling of a `cpu` budget).
     pub cpu_bytes: Option<u64>,
+    /// The logical devices these GPUs are, when they are ([`crate::logical`]); `None` for
+    /// physical GPUs.
+    pub logical: Option<LogicalGpus>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -127,6 +147,8 @@ struct RawTopology {
     cpu_memory: Option<String>,
     #[serde(default)]
     gpu: Vec<RawGpu>,
+    #[serde(default)]
+    logical: Vec<LogicalEntry>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -226,14 +248,49 @@ impl Topology {
             Some(m) => Some(parse_bytes(m).map_err(|e| err("cpu_memory", e.to_string()))?),
             None => None,
         };
-        Ok(Topology {
+        let topology = Topology {
             name: raw
                 .name
                 .unwrap_or_else(|| format!("{}x {}", gpus.len(), gpus[0].name)),
             gpus,
             peer_access,
             cpu_bytes,
-        })
+            logical: None,
+        };
+        if raw.logical.is_empty() {
+            return Ok(topology);
+        }
+        let logical = LogicalGpus::from_entries(&raw.logical, source)?;
+        topology.with_logical(logical)
+    }
+
+    /// The logical devices `logical` on this topology's GPUs (checked: each physical GPU
+    /// exists and holds its devices' caps): every device `cuda:i` a logical one, its cap as its
+    /// memory, all of one GPU peers of each other, the name saying [`LOGICAL_LABEL`].
+    pub fn with_logical(&self, logical: LogicalGpus) -> Result<Topology, TopologyError> {
+        let physical: Vec<DeviceInfo> = self
+            .gpus
+            .iter()
+            .map(|g| DeviceInfo {
+                location: g.location,
+                name: g.name.clone(),
+                compute_capability: None,
+                total_bytes: Some(g.total_bytes),
+                free_bytes: Some(g.total_bytes),
+                pci_bus_id: None,
+                peers: Vec::new(),
+            })
+            .collect();
+        let infos = logical.device_infos(&physical)?;
+        let mut topology = Topology::from_devices(&infos);
+        topology.name = if self.name.contains(LOGICAL_LABEL) {
+            self.name.clone()
+        } else {
+            format!("{} ({LOGICAL_LABEL})", self.name)
+        };
+        topology.cpu_bytes = self.cpu_bytes;
+        topology.logical = Some(logical);
+        Ok(topology)
     }
 
     /// A topology of `count` identical GPUs.
@@ -253,6 +310,7 @@ impl Topology {
                 PeerAccess::None
             },
             cpu_bytes: None,
+            logical: None,
         }
     }
 
@@ -271,15 +329,19 @@ impl Topology {
                 DeviceLocation::Cpu => cpu_bytes = d.total_bytes,
             }
         }
+        let logical = crate::logical::installed().cloned();
         Topology {
             name: if gpus.is_empty() {
                 "cpu only".into()
+            } else if logical.is_some() {
+                format!("{}x {LOGICAL_LABEL}", gpus.len())
             } else {
                 format!("{}x {}", gpus.len(), gpus[0].name)
             },
             peer_access: PeerAccess::from_reported(devices),
             gpus,
             cpu_bytes,
+            logical,
         }
     }
 
@@ -308,6 +370,7 @@ impl Topology {
             gpus,
             peer_access: self.peer_access.clone(),
             cpu_bytes: self.cpu_bytes,
+            logical: self.logical.clone(),
         })
     }
 

@@ -704,3 +704,60 @@ fn budgets_for_gpus_not_planned_on_are_errors() {
     );
     assert!(err.to_string().contains("--gpu-ids"), "{err}");
 }
+
+/// Issue 24: the seed's 8 x 12 GB machine as logical devices on one H200 plans as the real one
+/// does (the same replicas and layers), and the plan says it is on logical devices.
+#[test]
+fn the_seeds_machine_as_logical_devices_plans_like_the_machine_and_says_so() {
+    let logical = topo("rtx3060-8x-on-h200");
+    assert_eq!(logical.gpus.len(), 8);
+    assert!(logical.gpus.iter().all(|g| g.total_bytes == 12 * GIB));
+    assert!(logical.name.contains(logical::LABEL), "{}", logical.name);
+    let l = logical
+        .logical
+        .as_ref()
+        .expect("the file's logical devices");
+    assert_eq!((l.devices.len(), l.physical_of(7)), (8, Some(0)));
+    let s = qwen25("7b");
+    let on_logical = plan(&s, &logical, &auto()).unwrap();
+    let on_real = plan(&s, &topo("rtx3060-8x"), &auto()).unwrap();
+    check(&on_logical, &s);
+    assert_eq!(on_logical.replicas.len(), on_real.replicas.len());
+    for (a, b) in on_logical.replicas.iter().zip(&on_real.replicas) {
+        assert_eq!(a.device_map, b.device_map);
+    }
+    assert!(
+        on_logical.to_string().contains(logical::LABEL),
+        "{on_logical}"
+    );
+}
+
+/// Issue 24: a topology file whose logical devices its GPU cannot hold is refused, naming the
+/// file and the fix.
+#[test]
+fn logical_devices_beyond_the_gpu_are_refused_in_the_file() {
+    let text = r#"
+[[gpu]]
+name = "NVIDIA H100"
+memory = "80GiB"
+[[logical]]
+memory = "12GiB"
+count = 8
+"#;
+    let e = Topology::from_toml_str(text, "seed.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("seed.toml")
+            && e.contains("8 logical devices on GPU 0")
+            && e.contains("less memory"),
+        "{e}"
+    );
+    let e = Topology::from_toml_str(
+        &text.replace("memory = \"12GiB\"\ncount", "gpu = 2\ncount"),
+        "seed.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("GPU 2"), "{e}");
+}

@@ -1,0 +1,442 @@
+//! Logical devices: several devices presented on one physical GPU, so that the code paths of
+//! several GPUs (layer sharding, a reference model on its own device, copies between devices)
+//! run and are checked on a machine with one.
+//!
+//! A logical device is `cuda:N` to everything above this module: device maps, plans, the
+//! loaders. Underneath, `cuda:N` is a stream of its own on physical GPU `P` with a memory cap
+//! of its own (fleet-models opens it; the cap is a CUDA memory pool with that maximum size).
+//! Logical devices test ordering and placement, not the interconnect or NCCL: every copy
+//! between them stays in one GPU's memory, and they share its bandwidth and compute.
+//!
+//! Two ways to ask for them, both checked against the GPUs the process sees before anything
+//! loads ([`LogicalGpus::resolve`]):
+//!
+//! - `--logical-gpus N[:MEM][@P]` ([`LogicalGpus::parse_flag`]): N logical devices on physical
+//!   GPU P (default 0), each capped at MEM (default: an equal share of the GPU's memory);
+//! - a topology file's `[[logical]]` entries ([`LogicalGpus::from_entries`], read by
+//!   [`crate::Topology::from_toml_str`]): `gpu = P`, `memory = "12GiB"`, `count = 8`, so the
+//!   seeds' machines (8 x 12 GB, 3 x 16 GB, ...) can be simulated on one large GPU.
+//!
+//! It is never silent: every logical device's name says so ([`LABEL`]), and so does every
+//! plan made on them. [`install`] makes a mapping the process's own and passes it to child
+//! processes (replicas) through [`LOGICAL_GPUS_ENV`].
+
+use std::sync::OnceLock;
+
+use serde::{Deserialize, Serialize};
+
+use crate::budget::parse_bytes;
+use crate::memory::format_bytes;
+use crate::{DeviceInfo, DeviceLocation, TopologyError};
+
+/// What every logical device's name, and every plan on them, says.
+pub const LABEL: &str = "logical devices on one GPU";
+
+/// The environment variable that carries an installed mapping to child processes (JSON).
+pub const LOGICAL_GPUS_ENV: &str = "FLEET_LOGICAL_GPUS";
+
+/// One logical device: which physical GPU it lives on and how much of its memory it may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogicalDevice {
+    /// The physical GPU's CUDA index (after `CUDA_VISIBLE_DEVICES`).
+    pub physical: usize,
+    /// The cap in bytes; `None`: an equal share of the physical GPU among its logical devices.
+    pub max_memory: Option<u64>,
+}
+
+/// Logical devices `cuda:0`, `cuda:1`, ... in order, and where the request came from (a flag or
+/// a file, for error messages).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogicalGpus {
+    /// The logical devices; logical `cuda:i` is `devices[i]`.
+    pub devices: Vec<LogicalDevice>,
+    /// `--logical-gpus 8:12GiB`, or the topology file's path.
+    pub source: String,
+}
+
+/// One logical device with its cap settled against the physical GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ResolvedDevice {
+    /// Its logical location, `cuda:i`.
+    pub location: DeviceLocation,
+    /// The physical GPU's CUDA index.
+    pub physical: usize,
+    /// Its cap in bytes.
+    pub max_memory: u64,
+    /// The physical GPU's name.
+    pub physical_name: String,
+}
+
+fn bad(source: &str, message: String) -> TopologyError {
+    TopologyError::LogicalDevices {
+        request: source.to_string(),
+        message,
+    }
+}
+
+impl LogicalGpus {
+    /// Parses `--logical-gpus`: `N` (N devices on GPU 0, an equal share each), `N:MEM` (each
+    /// capped at MEM: `12GiB`, `12000MB`, ...) and either with `@P` for physical GPU P
+    /// (`3:16GiB@1`).
+    pub fn parse_flag(spec: &str) -> Result<Self, TopologyError> {
+        let source = format!("--logical-gpus {spec}");
+        let usage =
+            "write N, N:MEM or N:MEM@GPU (e.g. 8:12GiB: eight logical devices of 12 GiB on GPU 0)";
+        let (rest, physical) = match spec.trim().split_once('@') {
+            Some((r, p)) => (
+                r,
+                p.trim().parse::<usize>().map_err(|_| {
+                    bad(
+                        &source,
+                        format!("`{p}` after @ is not a GPU index; {usage}"),
+                    )
+                })?,
+            ),
+            None => (spec.trim(), 0),
+        };
+        let (count, memory) = match rest.split_once(':') {
+            Some((n, m)) => (n, Some(m)),
+            None => (rest, None),
+        };
+        let count: usize = count.trim().parse().map_err(|_| {
+            bad(
+                &source,
+                format!("`{count}` is not a number of devices; {usage}"),
+            )
+        })?;
+        let max_memory = memory
+            .map(|m| parse_bytes(m).map_err(|e| bad(&source, format!("{e}; {usage}"))))
+            .transpose()?;
+        Self::uniform(count, physical, max_memory, source)
+    }
+
+    /// `count` logical devices on physical GPU `physical`, each capped at `max_memory`.
+    pub fn uniform(
+        count: usize,
+        physical: usize,
+        max_memory: Option<u64>,
+        source: String,
+    ) -> Result<Self, TopologyError> {
+        if count < 1 {
+            return Err(bad(
+                &source,
+                "0 logical devices: ask for at least 1 (2 or more to exercise several devices)"
+                    .into(),
+            ));
+        }
+        if max_memory == Some(0) {
+            return Err(bad(
+                &source,
+                "a cap of 0 bytes leaves no room: give each logical device some memory".into(),
+            ));
+        }
+        Ok(LogicalGpus {
+            devices: vec![
+                LogicalDevice {
+                    physical,
+                    max_memory
+                };
+                count
+            ],
+            source,
+        })
+    }
+
+    /// The logical devices of a topology file's `[[logical]]` entries (`gpu`, `memory`, `count`),
+    /// in order.
+    pub fn from_entries(entries: &[LogicalEntry], source: &str) -> Result<Self, TopologyError> {
+        let mut devices = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            let field = |f: &str| format!("logical[{i}].{f}");
+            let max_memory = e
+                .memory
+                .as_deref()
+                .map(|m| {
+                    parse_bytes(m).map_err(|err| TopologyError::TopologyFile {
+                        file: source.to_string(),
+                        field: field("memory"),
+                        message: err.to_string(),
+                    })
+                })
+                .transpose()?;
+            let count = e.count.unwrap_or(1);
+            if count == 0 || max_memory == Some(0) {
+                return Err(TopologyError::TopologyFile {
+                    file: source.to_string(),
+                    field: field(if count == 0 { "count" } else { "memory" }),
+                    message: "is 0: give at least 1 device of some memory, or remove the entry"
+                        .into(),
+                });
+            }
+            for _ in 0..count {
+                devices.push(LogicalDevice {
+                    physical: e.gpu.unwrap_or(0),
+                    max_memory,
+                });
+            }
+        }
+        Ok(LogicalGpus {
+            devices,
+            source: source.to_string(),
+        })
+    }
+
+    /// The physical GPU of logical `cuda:logical`.
+    pub fn physical_of(&self, logical: usize) -> Option<usize> {
+        self.devices.get(logical).map(|d| d.physical)
+    }
+
+    /// Settles every cap against the physical GPUs this process sees (`physical`, as
+    /// [`crate::discover`] reports them): each physical index must exist, an unset cap is an
+    /// equal share of its GPU's total memory, and the caps on one GPU must fit its total.
+    /// Errors name the request ([`LogicalGpus::source`]) and the fix.
+    pub fn resolve(&self, physical: &[DeviceInfo]) -> Result<Vec<ResolvedDevice>, TopologyError> {
+        let gpus: Vec<&DeviceInfo> = physical
+            .iter()
+            .filter(|d| d.location.cuda_ordinal().is_some())
+            .collect();
+        if gpus.is_empty() {
+            return Err(bad(
+                &self.source,
+                "logical devices live on a GPU, and this process sees none (a build without \
+                 the `cuda` feature, or CUDA_VISIBLE_DEVICES hides them): run on a GPU machine \
+                 with a CUDA build, or drop the logical devices to plan on the CPU"
+                    .into(),
+            ));
+        }
+        let gpu = |p: usize| gpus.iter().find(|d| d.location == DeviceLocation::Cuda(p));
+        let mut out = Vec::with_capacity(self.devices.len());
+        for (i, d) in self.devices.iter().enumerate() {
+            let Some(info) = gpu(d.physical) else {
+                let ids: Vec<String> = gpus.iter().map(|g| g.location.to_string()).collect();
+                return Err(bad(
+                    &self.source,
+                    format!(
+                        "logical cuda:{i} is on GPU {} but this process sees {} ({}): use one \
+                         of those indices",
+                        d.physical,
+                        ids.len(),
+                        ids.join(", ")
+                    ),
+                ));
+            };
+            let total = info.total_bytes.unwrap_or(0);
+            let sharing = self
+                .devices
+                .iter()
+                .filter(|o| o.physical == d.physical)
+                .count() as u64;
+            out.push(ResolvedDevice {
+                location: DeviceLocation::Cuda(i),
+                physical: d.physical,
+                max_memory: d.max_memory.unwrap_or(total / sharing.max(1)),
+                physical_name: info.name.clone(),
+            });
+        }
+        for info in &gpus {
+            let Some(p) = info.location.cuda_ordinal() else {
+                continue;
+            };
+            let on_it: Vec<&ResolvedDevice> = out.iter().filter(|r| r.physical == p).collect();
+            let sum: u64 = on_it.iter().map(|r| r.max_memory).sum();
+            let total = info.total_bytes.unwrap_or(0);
+            if !on_it.is_empty() && sum > total {
+                return Err(bad(
+                    &self.source,
+                    format!(
+                        "{} logical devices on GPU {p} ask for {} in all, more than its {} \
+                         ({}): ask for fewer devices or less memory each",
+                        on_it.len(),
+                        format_bytes(sum),
+                        format_bytes(total),
+                        info.name
+                    ),
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The logical devices as the devices a process sees: each named with its physical GPU and
+    /// [`LABEL`], its cap as its total memory and its share of the GPU's free memory as free,
+    /// every other logical device of the same GPU as a peer.
+    pub fn device_infos(&self, physical: &[DeviceInfo]) -> Result<Vec<DeviceInfo>, TopologyError> {
+        let resolved = self.resolve(physical)?;
+        Ok(resolved
+            .iter()
+            .map(|r| {
+                let info = physical
+                    .iter()
+                    .find(|d| d.location == DeviceLocation::Cuda(r.physical))
+                    .expect("resolve checked the physical GPU");
+                let free = info.free_bytes.map(|f| {
+                    let sharing =
+                        resolved.iter().filter(|o| o.physical == r.physical).count() as u64;
+                    (f / sharing.max(1)).min(r.max_memory)
+                });
+                DeviceInfo {
+                    location: r.location,
+                    name: format!(
+                        "{} (logical {} of GPU {}, capped at {}: {LABEL})",
+                        r.physical_name,
+                        r.location,
+                        r.physical,
+                        format_bytes(r.max_memory)
+                    ),
+                    compute_capability: info.compute_capability,
+                    total_bytes: Some(r.max_memory),
+                    free_bytes: free,
+                    pci_bus_id: info.pci_bus_id.clone(),
+                    peers: resolved
+                        .iter()
+                        .filter(|o| o.physical == r.physical && o.location != r.location)
+                        .filter_map(|o| o.location.cuda_ordinal())
+                        .collect(),
+                }
+            })
+            .collect())
+    }
+}
+
+/// One `[[logical]]` entry of a topology file.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogicalEntry {
+    /// The physical GPU (default 0).
+    pub gpu: Option<usize>,
+    /// Each device's cap (default: an equal share of the GPU).
+    pub memory: Option<String>,
+    /// How many (default 1).
+    pub count: Option<usize>,
+}
+
+static INSTALLED: OnceLock<Option<LogicalGpus>> = OnceLock::new();
+
+/// Makes `logical` this process's devices (what [`crate::discover`] reports and what `cuda:N`
+/// opens) and passes it to child processes through [`LOGICAL_GPUS_ENV`]. Once per process: a
+/// second, different mapping is an error.
+pub fn install(logical: LogicalGpus) -> Result<(), TopologyError> {
+    let json = serde_json::to_string(&logical).expect("the mapping serializes");
+    let got = INSTALLED.get_or_init(|| Some(logical.clone()));
+    if got.as_ref() != Some(&logical) {
+        return Err(bad(
+            &logical.source,
+            format!(
+                "this process already uses other logical devices ({}); give one mapping",
+                got.as_ref().map_or("none", |l| l.source.as_str())
+            ),
+        ));
+    }
+    // SAFETY (set_var): called while the process sets itself up, before it starts the threads
+    // and child processes that read the environment.
+    std::env::set_var(LOGICAL_GPUS_ENV, json);
+    Ok(())
+}
+
+/// The process's logical devices: the installed mapping, else one passed by a parent process
+/// through [`LOGICAL_GPUS_ENV`], else `None` (physical GPUs).
+pub fn installed() -> Option<&'static LogicalGpus> {
+    INSTALLED
+        .get_or_init(|| {
+            let text = std::env::var(LOGICAL_GPUS_ENV).ok()?;
+            match serde_json::from_str(&text) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    tracing::error!("{LOGICAL_GPUS_ENV} does not parse ({e}); ignoring it");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GIB;
+
+    fn h200(ordinal: usize) -> DeviceInfo {
+        DeviceInfo {
+            location: DeviceLocation::Cuda(ordinal),
+            name: "NVIDIA H200".into(),
+            compute_capability: Some((9, 0)),
+            total_bytes: Some(140 * GIB),
+            free_bytes: Some(139 * GIB),
+            pci_bus_id: Some(format!("0000:0{ordinal}:00.0")),
+            peers: vec![],
+        }
+    }
+
+    #[test]
+    fn the_flag_reads_count_cap_and_gpu() {
+        let l = LogicalGpus::parse_flag("8:12GiB").unwrap();
+        assert_eq!(l.devices.len(), 8);
+        assert!(l
+            .devices
+            .iter()
+            .all(|d| d.physical == 0 && d.max_memory == Some(12 * GIB)));
+        let l = LogicalGpus::parse_flag("3:16GiB@1").unwrap();
+        assert_eq!((l.devices.len(), l.physical_of(2)), (3, Some(1)));
+        let l = LogicalGpus::parse_flag("2").unwrap();
+        assert_eq!(l.devices[1].max_memory, None);
+        for bad in ["0", "x", "2:lots", "2:12GiB@gpu1", "2:0GiB"] {
+            let e = LogicalGpus::parse_flag(bad).unwrap_err().to_string();
+            assert!(e.contains("--logical-gpus"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn caps_are_settled_against_the_gpu_and_named() {
+        let phys = vec![h200(0)];
+        let r = LogicalGpus::parse_flag("2")
+            .unwrap()
+            .resolve(&phys)
+            .unwrap();
+        assert_eq!(r[0].max_memory, 70 * GIB);
+        let infos = LogicalGpus::parse_flag("3:16GiB")
+            .unwrap()
+            .device_infos(&phys)
+            .unwrap();
+        assert_eq!(infos.len(), 3);
+        assert_eq!(infos[1].location, DeviceLocation::Cuda(1));
+        assert_eq!(infos[1].total_bytes, Some(16 * GIB));
+        assert!(infos[1].name.contains(LABEL), "{}", infos[1].name);
+        assert!(infos[1].name.contains("NVIDIA H200"), "{}", infos[1].name);
+        assert_eq!(infos[1].peers, vec![0, 2]);
+    }
+
+    #[test]
+    fn requests_the_gpu_cannot_hold_are_refused_with_the_fix() {
+        let phys = vec![h200(0)];
+        let e = LogicalGpus::parse_flag("8:20GiB")
+            .unwrap()
+            .resolve(&phys)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--logical-gpus 8:20GiB") && e.contains("more than its"),
+            "{e}"
+        );
+        let e = LogicalGpus::parse_flag("2:10GiB@3")
+            .unwrap()
+            .resolve(&phys)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GPU 3") && e.contains("cuda:0"), "{e}");
+        let cpu_only = vec![DeviceInfo {
+            location: DeviceLocation::Cpu,
+            name: "cpu".into(),
+            compute_capability: None,
+            total_bytes: Some(24 * GIB),
+            free_bytes: None,
+            pci_bus_id: None,
+            peers: vec![],
+        }];
+        let e = LogicalGpus::parse_flag("2")
+            .unwrap()
+            .resolve(&cpu_only)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sees none") && e.contains("cuda"), "{e}");
+    }
+}
