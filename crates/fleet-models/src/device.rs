@@ -89,13 +89,37 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
                         "{loc}: a stream of its own on GPU {physical} ({})",
                         fleet_topology::logical::LABEL
                     );
-                    Device::new_cuda_with_stream(physical).map_err(unavailable)?
+                    let dev = Device::new_cuda_with_stream(physical).map_err(unavailable)?;
+                    cap_logical(&dev, loc, physical)?;
+                    dev
                 }
             };
             skip_event_tracking(&dev);
             Ok(dev)
         }
     }
+}
+
+/// Gives logical device `loc`'s stream its memory cap ([`fleet_topology::logical::pool`]).
+fn cap_logical(dev: &Device, loc: DeviceLocation, physical: usize) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(cuda), Some(n)) = (dev, loc.cuda_ordinal()) {
+        let (_, cap) =
+            fleet_topology::gpu_memory_info(n)?.ok_or_else(|| ModelError::DeviceUnavailable {
+                device: loc.to_string(),
+                hint: "the driver reports no memory for it".into(),
+            })?;
+        fleet_topology::logical::pool::cap_stream(
+            loc,
+            physical,
+            cap,
+            cuda.cuda_stream().cu_stream(),
+        )?;
+        tracing::info!("{loc}: allocations capped at {cap} bytes (a memory pool of its own)");
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (dev, loc, physical);
+    Ok(())
 }
 
 /// Turns off cudarc's per-allocation CUDA events on `dev`.

@@ -350,6 +350,145 @@ pub fn installed() -> Option<&'static LogicalGpus> {
         .as_ref()
 }
 
+/// The memory cap of logical devices: a CUDA memory pool of each device's cap (`maxSize`, so an
+/// allocation past it fails as it would on a GPU of that size), and every allocation of the
+/// device's stream taken from it.
+///
+/// candle allocates every buffer with `cuMemAllocAsync` on the device's stream, which draws on
+/// the GPU's *current* pool: one per GPU, not per stream, and cudarc offers no per-stream pool.
+/// So fleet defines `cuMemAllocAsync` itself (it links the driver dynamically, and a definition
+/// in the program binds the program's own calls): a stream registered here
+/// ([`cap_stream`](pool::cap_stream)) allocates from its logical device's pool with
+/// `cuMemAllocFromPoolAsync`; every other call goes on to the driver's own function. Frees need
+/// nothing: `cuMemFreeAsync` returns memory to whichever pool it came from. What no pool
+/// holds — the CUDA context, loaded kernels, cuBLAS's workspace — is outside the caps.
+#[cfg(feature = "cuda")]
+pub mod pool {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Mutex, OnceLock};
+
+    use cudarc::driver::sys::{self, CUdeviceptr, CUmemoryPool, CUresult, CUstream};
+
+    use crate::{DeviceLocation, TopologyError};
+
+    /// (stream, pool, logical ordinal) of every capped stream, as addresses.
+    static POOLS: Mutex<Vec<(usize, usize, usize)>> = Mutex::new(Vec::new());
+    /// Whether any stream is capped (the common case, none, skips the lock).
+    static ANY: AtomicBool = AtomicBool::new(false);
+
+    fn pool_of_stream(stream: CUstream) -> Option<CUmemoryPool> {
+        if !ANY.load(Ordering::Acquire) {
+            return None;
+        }
+        let pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+        pools
+            .iter()
+            .find(|(s, _, _)| *s == stream as usize)
+            .map(|(_, p, _)| *p as CUmemoryPool)
+    }
+
+    /// The pool of logical `cuda:ordinal`, once its stream is capped.
+    pub fn pool_of(ordinal: usize) -> Option<CUmemoryPool> {
+        let pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+        pools
+            .iter()
+            .find(|(_, _, o)| *o == ordinal)
+            .map(|(_, p, _)| *p as CUmemoryPool)
+    }
+
+    type AllocAsync = unsafe extern "C" fn(*mut CUdeviceptr, usize, CUstream) -> CUresult;
+
+    /// The driver's own `cuMemAllocAsync` (the next definition after the program's).
+    fn driver_alloc_async() -> Option<AllocAsync> {
+        static REAL: OnceLock<Option<usize>> = OnceLock::new();
+        let f = REAL.get_or_init(|| {
+            // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT skips this program's
+            // definition and finds libcuda's.
+            let p = unsafe { libc::dlsym(libc::RTLD_NEXT, c"cuMemAllocAsync".as_ptr()) };
+            (!p.is_null()).then_some(p as usize)
+        });
+        // SAFETY: the address is libcuda's cuMemAllocAsync, whose C signature this is.
+        f.map(|p| unsafe { std::mem::transmute::<usize, AllocAsync>(p) })
+    }
+
+    /// The program's `cuMemAllocAsync` (see the module docs): from the stream's logical pool
+    /// when it has one, else the driver's.
+    ///
+    /// # Safety
+    ///
+    /// The driver's contract for `cuMemAllocAsync`: `dptr` valid for a write, `stream` a stream
+    /// of the current context.
+    #[no_mangle]
+    pub unsafe extern "C" fn cuMemAllocAsync(
+        dptr: *mut CUdeviceptr,
+        bytesize: usize,
+        stream: CUstream,
+    ) -> CUresult {
+        if let Some(pool) = pool_of_stream(stream) {
+            return sys::cuMemAllocFromPoolAsync(dptr, bytesize, pool, stream);
+        }
+        match driver_alloc_async() {
+            Some(f) => f(dptr, bytesize, stream),
+            None => CUresult::CUDA_ERROR_NOT_FOUND,
+        }
+    }
+
+    /// Gives logical `location`'s stream (on physical GPU `physical`) a pool of `max_memory`
+    /// bytes: from now on its allocations come from it and fail past the cap.
+    pub fn cap_stream(
+        location: DeviceLocation,
+        physical: usize,
+        max_memory: u64,
+        stream: CUstream,
+    ) -> Result<(), TopologyError> {
+        let ordinal = location.cuda_ordinal().unwrap_or(0);
+        let err = |what: &str, r: CUresult| TopologyError::Driver {
+            ordinal: physical,
+            message: format!("{what} for logical {location} ({max_memory} bytes): {r:?}"),
+        };
+        // SAFETY: a zeroed props struct is the documented "no special properties" value;
+        // the fields set are the allocation type, the device and the maximum size.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = physical as i32;
+        props.maxSize = max_memory as usize;
+        let mut pool: CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and props.
+        let r = unsafe { sys::cuMemPoolCreate(&mut pool, &props) };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(err("cuMemPoolCreate", r));
+        }
+        // Keep freed blocks for reuse, as candle's use of the default pool expects.
+        let mut keep: u64 = u64::MAX;
+        // SAFETY: the release threshold is a u64 attribute of a valid pool.
+        let r = unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            )
+        };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(err("cuMemPoolSetAttribute", r));
+        }
+        let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+        pools.push((stream as usize, pool as usize, ordinal));
+        ANY.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// A pool attribute of logical `cuda:ordinal` (bytes).
+    pub fn attribute(ordinal: usize, attr: sys::CUmemPool_attribute) -> Option<u64> {
+        let pool = pool_of(ordinal)?;
+        let mut v: u64 = 0;
+        // SAFETY: a u64 query of a valid pool.
+        let r = unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast()) };
+        (r == CUresult::CUDA_SUCCESS).then_some(v)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -13,8 +13,18 @@ use std::time::Duration;
 
 use crate::{gpu_memory_info, DeviceLocation};
 
-/// Bytes in use on GPU `ordinal` now (`None` without a CUDA build or driver).
+/// Bytes in use on GPU `ordinal` now (`None` without a CUDA build or driver). For a logical
+/// device with its cap in place: what its memory pool holds.
 pub fn gpu_used_bytes(ordinal: usize) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if crate::logical::installed().is_some() {
+        use cudarc::driver::sys::CUmemPool_attribute as A;
+        if let Some(v) =
+            crate::logical::pool::attribute(ordinal, A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+        {
+            return Some(v);
+        }
+    }
     let (free, total) = gpu_memory_info(ordinal).ok().flatten()?;
     Some(total.saturating_sub(free))
 }
@@ -77,8 +87,12 @@ pub fn reset_gpu_pool_high_water(ordinal: usize) {
     let _ = ordinal;
 }
 
+/// The pool `ordinal`'s allocations come from: a logical device's own, else the GPU's default.
 #[cfg(feature = "cuda")]
 fn default_pool(ordinal: usize) -> Option<cudarc::driver::sys::CUmemoryPool> {
+    if crate::logical::installed().is_some() {
+        return crate::logical::pool::pool_of(ordinal);
+    }
     let ctx = cudarc::driver::CudaContext::new(ordinal).ok()?;
     let mut pool = std::ptr::null_mut();
     // SAFETY: a plain query on a valid device handle.
