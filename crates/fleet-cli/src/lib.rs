@@ -102,32 +102,6 @@ pub fn error_message(error: &anyhow::Error) -> String {
     text
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_error_prints_its_causes_and_no_backtrace() {
-        let e = anyhow::anyhow!("no such file: x.json")
-            .context("reading the dataset")
-            .context("gspo-train");
-        assert_eq!(
-            error_message(&e),
-            "Error: gspo-train\n\nCaused by:\n    0: reading the dataset\n    1: no such file: x.json"
-        );
-        assert_eq!(
-            error_message(&anyhow::anyhow!("bad flag")),
-            "Error: bad flag"
-        );
-    }
-
-    #[test]
-    fn the_version_names_the_commit() {
-        assert!(VERSION.contains(BUILD_COMMIT), "{VERSION}");
-        assert!(!BUILD_COMMIT.is_empty());
-    }
-}
-
 /// `--logical-gpus N[:MEM][@GPU]` (every binary's flag): presents N logical devices on one
 /// physical GPU, each with its own stream and memory cap (`fleet_topology::logical`), so that
 /// multi-GPU placements run on one GPU. Checked against the GPUs this process sees before
@@ -152,4 +126,30 @@ pub fn logical_gpus(spec: Option<&str>) -> anyhow::Result<()> {
             .join(", ")
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_prints_its_causes_and_no_backtrace() {
+        let e = anyhow::anyhow!("no such file: x.json")
+            .context("reading the dataset")
+            .context("gspo-train");
+        assert_eq!(
+            error_message(&e),
+            "Error: gspo-train\n\nCaused by:\n    0: reading the dataset\n    1: no such file: x.json"
+        );
+        assert_eq!(
+            error_message(&anyhow::anyhow!("bad flag")),
+            "Error: bad flag"
+        );
+    }
+
+    #[test]
+    fn the_version_names_the_commit() {
+        assert!(VERSION.contains(BUILD_COMMIT), "{VERSION}");
+        assert!(!BUILD_COMMIT.is_empty());
+    }
 }
