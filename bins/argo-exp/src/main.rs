@@ -31,6 +31,8 @@ use fleet_cli::{out, outln};
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    #[command(flatten)]
+    logical: fleet_cli::LogicalGpusArg,
     /// Flags of the default run (the simulated cost sweep).
     #[command(flatten)]
     sweep: SweepArgs,
@@ -418,6 +420,9 @@ fn main() -> std::process::ExitCode {
     fleet_models::replica_process::serve_if_replica_worker();
     fleet_cli::init();
     let cli = Cli::parse();
+    if let Err(e) = cli.logical.install() {
+        return fleet_cli::exit(Err(e));
+    }
     // Results go to stdout through fleet_cli's `out!`/`outln!`: `argo-exp | head` ends quietly.
     fleet_cli::exit(run(&cli))
 }

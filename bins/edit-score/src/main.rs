@@ -33,6 +33,8 @@ struct Cli {
     command: Option<Command>,
     #[command(flatten)]
     score: score::ScoreArgs,
+    #[command(flatten)]
+    logical: fleet_cli::LogicalGpusArg,
 }
 
 #[derive(Subcommand)]
@@ -54,6 +56,9 @@ fn main() -> ExitCode {
     fleet_models::replica_process::serve_if_replica_worker();
     fleet_cli::init();
     let cli = Cli::parse();
+    if let Err(e) = cli.logical.install() {
+        return fleet_cli::exit(Err(e));
+    }
     fleet_cli::exit(match cli.command {
         None => score::run(&cli.score),
         Some(Command::Merge(a)) => results::merge(&a),

@@ -18,10 +18,8 @@ use fleet_cli::{out, outln};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
-    /// Present N logical devices on one GPU (`N`, `N:MEM` each capped at MEM, `N:MEM@GPU`),
-    /// each with its own stream and memory cap, to run multi-GPU placements on one GPU.
-    #[arg(long, global = true, value_name = "N[:MEM][@GPU]")]
-    pub logical_gpus: Option<String>,
+    #[command(flatten)]
+    pub logical: fleet_cli::LogicalGpusArg,
 }
 
 #[derive(Subcommand)]

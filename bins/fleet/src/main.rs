@@ -13,7 +13,7 @@ fn main() -> ExitCode {
     fleet_models::replica_process::serve_if_replica_worker();
     fleet_cli::init();
     let args = cli::Cli::parse();
-    if let Err(e) = fleet_cli::logical_gpus(args.logical_gpus.as_deref()) {
+    if let Err(e) = args.logical.install() {
         return fleet_cli::exit(Err(e));
     }
     let result = match args.command {

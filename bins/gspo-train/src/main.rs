@@ -56,6 +56,8 @@ const DEFAULT_FILES: &[(&str, &[u8])] = &[
                   BATCH_SIZE, GROUP_SIZE and GSPO_EPOCHS are accepted by --set."
 )]
 struct Cli {
+    #[command(flatten)]
+    logical: fleet_cli::LogicalGpusArg,
     /// Training config TOML (configs/gspo/*.toml; TRL's names). Default: the embedded default.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -568,6 +570,9 @@ fn main() -> std::process::ExitCode {
     fleet_models::replica_process::serve_if_replica_worker();
     fleet_cli::init();
     let cli = Cli::parse();
+    if let Err(e) = cli.logical.install() {
+        return fleet_cli::exit(Err(e));
+    }
     match cli.nproc_per_node {
         Some(n) if !cli.plan && std::env::var_os("FLEET_LAUNCHER").is_none() => {
             fleet_cli::exit(launch(&cli, n))

@@ -602,3 +602,30 @@ fn bf16_master_weights_train_save_bf16_and_resume_exactly() {
     let stderr = fails(&out);
     assert!(stderr.contains("torch_dtype"), "{stderr}");
 }
+
+/// Issue 24: `--logical-gpus` is gspo-train's too; on a machine without a GPU it is refused
+/// before anything loads, naming the flag and the fix. With a topology file of logical devices
+/// the plan says it is on logical devices.
+#[test]
+fn logical_gpus_are_refused_without_a_gpu_and_labelled_in_plans() {
+    if fleet_topology::discover()
+        .map(|d| d.iter().any(|d| d.location.cuda_ordinal().is_some()))
+        .unwrap_or(false)
+    {
+        return;
+    }
+    let err = fails(&run(&["--logical-gpus", "2:12GiB", "--max-steps", "1"]));
+    assert!(
+        err.contains("--logical-gpus 2:12GiB") && err.contains("sees none"),
+        "{err}"
+    );
+    let topology = repo().join("configs/topologies/rtx3060-8x-on-h200.toml");
+    let out = ok(&run(&[
+        "--plan",
+        "--topology",
+        topology.to_str().unwrap(),
+        "--gpu-mode",
+        "2gpu",
+    ]));
+    assert!(out.contains("logical devices on one GPU"), "{out}");
+}

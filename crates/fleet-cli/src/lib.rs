@@ -102,6 +102,23 @@ pub fn error_message(error: &anyhow::Error) -> String {
     text
 }
 
+/// The `--logical-gpus` flag, for every binary's top-level arguments (`#[command(flatten)]`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct LogicalGpusArg {
+    /// Present N logical devices on one GPU (`N`, `N:MEM` each capped at MEM, `N:MEM@GPU`),
+    /// each with its own stream and memory cap, to run multi-GPU placements on one GPU; every
+    /// device list, plan and record then says "logical devices on one GPU".
+    #[arg(long, global = true, value_name = "N[:MEM][@GPU]")]
+    pub logical_gpus: Option<String>,
+}
+
+impl LogicalGpusArg {
+    /// Installs the logical devices asked for ([`logical_gpus`]).
+    pub fn install(&self) -> anyhow::Result<()> {
+        logical_gpus(self.logical_gpus.as_deref())
+    }
+}
+
 /// `--logical-gpus N[:MEM][@GPU]` (every binary's flag): presents N logical devices on one
 /// physical GPU, each with its own stream and memory cap (`fleet_topology::logical`), so that
 /// multi-GPU placements run on one GPU. Checked against the GPUs this process sees before
