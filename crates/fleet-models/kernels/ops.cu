@@ -573,3 +573,13 @@ __device__ void add_bias_rows(T *y, const T *bias, long long n_rows, int n_cols)
 ADD_BIAS(float, f32)
 ADD_BIAS(__half, f16)
 ADD_BIAS(__nv_bfloat16, bf16)
+
+// Keeps the stream busy for `ns` nanoseconds of the GPU's global timer (one thread). Tests use
+// it to make one device's work late, so that a race between devices happens every time.
+extern "C" __global__ void spin_ns(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}

@@ -146,23 +146,39 @@ fn skip_event_tracking(dev: &Device) {
     let _ = dev;
 }
 
-/// Which of [`transfer`]'s two waits run: both, except where a test turns one off
-/// (`FLEET_TRANSFER_WAITS=no-destination-wait` or `no-source-wait`) to show that the stand-in
-/// for several GPUs (logical devices on one) catches the race that wait prevents.
-#[cfg(feature = "cuda")]
-fn transfer_waits() -> (bool, bool) {
-    static WAITS: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
-    *WAITS.get_or_init(|| match std::env::var("FLEET_TRANSFER_WAITS").as_deref() {
-        Ok("no-destination-wait") => {
-            tracing::warn!("FLEET_TRANSFER_WAITS: copies between devices do not wait for their source (a test of the race)");
-            (false, true)
+/// [`transfer`]'s waits: bit 0 the destination's wait for the source, bit 1 the source's wait
+/// for the copy; 0 until first read from `FLEET_TRANSFER_WAITS`.
+static TRANSFER_WAITS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+const WAITS_SET: u8 = 4;
+
+/// Which of [`transfer`]'s two waits run: `(destination waits for the source, source waits for
+/// the copy)`. Both, except where a test turns one off ([`set_transfer_waits`], or
+/// `FLEET_TRANSFER_WAITS=no-destination-wait` / `no-source-wait` for a whole process) to show
+/// that the stand-in for several GPUs (logical devices on one) catches the race it prevents.
+pub fn transfer_waits() -> (bool, bool) {
+    use std::sync::atomic::Ordering;
+    let mut w = TRANSFER_WAITS.load(Ordering::Relaxed);
+    if w == 0 {
+        w = WAITS_SET
+            | match std::env::var("FLEET_TRANSFER_WAITS").as_deref() {
+                Ok("no-destination-wait") => 2,
+                Ok("no-source-wait") => 1,
+                _ => 3,
+            };
+        if w & 3 != 3 {
+            tracing::warn!("FLEET_TRANSFER_WAITS: a wait of copies between devices is off (a test of the race)");
         }
-        Ok("no-source-wait") => {
-            tracing::warn!("FLEET_TRANSFER_WAITS: a copy's source buffer may be reused before the copy (a test of the race)");
-            (true, false)
-        }
-        _ => (true, true),
-    })
+        TRANSFER_WAITS.store(w, Ordering::Relaxed);
+    }
+    (w & 1 != 0, w & 2 != 0)
+}
+
+/// Test-only switch: sets [`transfer`]'s waits for the whole process (see [`transfer_waits`]).
+/// Never turn a wait off outside a test of the race it prevents.
+#[doc(hidden)]
+pub fn set_transfer_waits(destination_waits: bool, source_waits: bool) {
+    let w = WAITS_SET | u8::from(destination_waits) | (u8::from(source_waits) << 1);
+    TRANSFER_WAITS.store(w, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// `t` on `dev`, safe to use while the caller runs ahead of the GPUs. It orders both ways,

@@ -103,6 +103,21 @@ pub fn update_rows_in_place(
     Ok(())
 }
 
+/// Keeps `dev`'s stream busy for about `ns` nanoseconds (a one-thread kernel spinning on the
+/// GPU's global timer; `kernels/ops.cu`'s `spin_ns`), without blocking the host. Tests use it to
+/// make one device's work late, so that a race between devices is deterministic. Nothing on the
+/// CPU.
+pub fn gpu_delay(dev: &candle_core::Device, ns: u64) -> candle_core::Result<()> {
+    match dev {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(cuda) => cuda::spin_ns(cuda, ns),
+        _ => {
+            let _ = ns;
+            Ok(())
+        }
+    }
+}
+
 /// `sum(x * x)` as a 0-d f32 tensor, summed over the last dimension first: candle reduces a
 /// whole tensor in one thread block, which is slow for large ones, while a reduction over the
 /// last dimension runs one block per row. A large `x` is squared in slices of its first
@@ -1711,6 +1726,20 @@ mod cuda {
         // SAFETY: one block per row reads its vocab logits and params, writes one id.
         unsafe { b.launch(cfg) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(rows)))
+    }
+
+    pub(super) fn spin_ns(dev: &candle_core::CudaDevice, ns: u64) -> candle_core::Result<()> {
+        let func = dev.get_or_load_custom_func("spin_ns", MODULE, PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = func.builder();
+        b.arg(&ns);
+        // SAFETY: the kernel reads no memory; it only spins.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
     }
 
     /// One block of 1024 threads per row: the kernels that reduce over a row of logits.

@@ -310,22 +310,34 @@ pub struct LogicalEntry {
     pub count: Option<usize>,
 }
 
-static INSTALLED: OnceLock<Option<LogicalGpus>> = OnceLock::new();
+/// The mapping [`install`]ed in this process.
+static INSTALLED: OnceLock<LogicalGpus> = OnceLock::new();
+/// The mapping a parent process passed in [`LOGICAL_GPUS_ENV`], read once.
+static FROM_ENV: OnceLock<Option<LogicalGpus>> = OnceLock::new();
 
 /// Makes `logical` this process's devices (what [`crate::discover`] reports and what `cuda:N`
-/// opens) and passes it to child processes through [`LOGICAL_GPUS_ENV`]. Once per process: a
-/// second, different mapping is an error.
+/// opens from now on) and passes it to child processes through [`LOGICAL_GPUS_ENV`]. Once per
+/// process: a second, different mapping is an error, and so is one that differs from what a
+/// parent process passed.
 pub fn install(logical: LogicalGpus) -> Result<(), TopologyError> {
     let json = serde_json::to_string(&logical).expect("the mapping serializes");
-    let got = INSTALLED.get_or_init(|| Some(logical.clone()));
-    if got.as_ref() != Some(&logical) {
-        return Err(bad(
+    let conflict = |other: &LogicalGpus| {
+        bad(
             &logical.source,
             format!(
                 "this process already uses other logical devices ({}); give one mapping",
-                got.as_ref().map_or("none", |l| l.source.as_str())
+                other.source
             ),
-        ));
+        )
+    };
+    if let Some(parent) = from_env() {
+        if parent.devices != logical.devices {
+            return Err(conflict(parent));
+        }
+    }
+    let got = INSTALLED.get_or_init(|| logical.clone());
+    if got.devices != logical.devices {
+        return Err(conflict(got));
     }
     // SAFETY (set_var): called while the process sets itself up, before it starts the threads
     // and child processes that read the environment.
@@ -333,10 +345,8 @@ pub fn install(logical: LogicalGpus) -> Result<(), TopologyError> {
     Ok(())
 }
 
-/// The process's logical devices: the installed mapping, else one passed by a parent process
-/// through [`LOGICAL_GPUS_ENV`], else `None` (physical GPUs).
-pub fn installed() -> Option<&'static LogicalGpus> {
-    INSTALLED
+fn from_env() -> Option<&'static LogicalGpus> {
+    FROM_ENV
         .get_or_init(|| {
             let text = std::env::var(LOGICAL_GPUS_ENV).ok()?;
             match serde_json::from_str(&text) {
@@ -348,6 +358,12 @@ pub fn installed() -> Option<&'static LogicalGpus> {
             }
         })
         .as_ref()
+}
+
+/// The process's logical devices: the installed mapping, else one passed by a parent process
+/// through [`LOGICAL_GPUS_ENV`], else `None` (physical GPUs).
+pub fn installed() -> Option<&'static LogicalGpus> {
+    INSTALLED.get().or_else(from_env)
 }
 
 /// The memory cap of logical devices: a CUDA memory pool of each device's cap (`maxSize`, so an
