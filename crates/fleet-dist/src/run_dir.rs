@@ -75,12 +75,25 @@ impl std::fmt::Display for FieldDiff {
 
 impl Manifest {
     /// A manifest for `job` that determines nothing yet; `about` names the fleet build writing
-    /// it (`fleet_version`, `commit`: [`fleet_version`], [`commit_id`]).
+    /// it (`fleet_version`, `commit`: [`fleet_version`], [`commit_id`]) and, when the process
+    /// runs on logical devices ([`fleet_topology::logical`]), says so (`logical_devices`: the
+    /// label and the request), so that no record made on them passes for one of real GPUs.
     pub fn new(job: impl Into<String>) -> Self {
-        let about = BTreeMap::from([
+        let mut about = BTreeMap::from([
             ("fleet_version".to_string(), Value::String(fleet_version())),
             ("commit".to_string(), Value::String(commit_id())),
         ]);
+        if let Some(l) = fleet_topology::logical::installed() {
+            about.insert(
+                "logical_devices".to_string(),
+                Value::String(format!(
+                    "{} devices, {} ({})",
+                    l.devices.len(),
+                    fleet_topology::logical::LABEL,
+                    l.source
+                )),
+            );
+        }
         Manifest {
             job: job.into(),
             determines: BTreeMap::new(),
