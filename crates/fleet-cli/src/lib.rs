@@ -90,6 +90,10 @@ pub fn exit(result: anyhow::Result<()>) -> ExitCode {
 
 /// `Error: <message>` and, when there are causes, `Caused by:` with each one numbered, as
 /// anyhow prints an error returned from `main`, without the backtrace.
+///
+/// A GPU out-of-memory error (candle's carries a backtrace of unnamed frames) is printed without
+/// the frames and with what to do, naming the logical devices' caps when the process runs on
+/// them.
 pub fn error_message(error: &anyhow::Error) -> String {
     let mut text = format!("Error: {error}");
     let causes: Vec<String> = error.chain().skip(1).map(|c| c.to_string()).collect();
@@ -99,7 +103,63 @@ pub fn error_message(error: &anyhow::Error) -> String {
             text.push_str(&format!("\n    {i}: {cause}"));
         }
     }
+    if text.contains("CUDA_ERROR_OUT_OF_MEMORY") {
+        text = without_backtrace(&text);
+        text.push_str(&format!("\n\n{}", out_of_memory_hint()));
+    }
     text
+}
+
+/// `text` without backtrace lines (`  12: <unknown>`, `   3: candle_core::...`,
+/// `             at src/x.rs:3`); numbered causes (`    0: reading the dataset`) stay.
+fn without_backtrace(text: &str) -> String {
+    text.lines()
+        .filter(|l| {
+            let t = l.trim_start();
+            let frame = t.split_once(": ").is_some_and(|(n, rest)| {
+                !n.is_empty()
+                    && n.chars().all(|c| c.is_ascii_digit())
+                    && (rest == "<unknown>" || rest.contains("::") || rest.starts_with("__"))
+            });
+            let location = t.starts_with("at ") && l.len() - t.len() > 8;
+            !(frame || location)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// What to do about a GPU out-of-memory error.
+fn out_of_memory_hint() -> String {
+    match fleet_topology::logical::installed() {
+        Some(l) => {
+            let caps: Vec<String> = fleet_topology::discover()
+                .map(|d| {
+                    d.iter()
+                        .map(|d| {
+                            format!(
+                                "{} {}",
+                                d.location,
+                                d.total_bytes
+                                    .map(fleet_topology::format_bytes)
+                                    .unwrap_or_default()
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            format!(
+                "A logical device ran out of its memory cap ({}: {}): give each more memory \
+                 ({}), spread the model over more of them, or lower the batch.",
+                l.source,
+                caps.join(", "),
+                fleet_topology::logical::LABEL
+            )
+        }
+        None => "A GPU ran out of memory: lower the batch, spread the model over more GPUs \
+                 (--gpu-mode layer-sharded or hybrid), or plan first (--plan / fleet plan) to see \
+                 what fits."
+            .to_string(),
+    }
 }
 
 /// The `--logical-gpus` flag, for every binary's top-level arguments (`#[command(flatten)]`).
@@ -162,6 +222,24 @@ mod tests {
             error_message(&anyhow::anyhow!("bad flag")),
             "Error: bad flag"
         );
+    }
+
+    #[test]
+    fn a_gpu_out_of_memory_error_drops_its_backtrace_and_says_what_to_do() {
+        let e = anyhow::anyhow!(
+            "tensor error: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")\n   0: <unknown>\n   1: candle_core::tensor::Tensor::zeros\n             at src/tensor.rs:10\n  17: __libc_start_main"
+        )
+        .context("loading the policy");
+        let text = error_message(&e);
+        assert!(
+            !text.contains("<unknown>") && !text.contains("__libc") && !text.contains("tensor.rs"),
+            "{text}"
+        );
+        assert!(
+            text.contains("CUDA_ERROR_OUT_OF_MEMORY") && text.contains("Error: loading the policy"),
+            "{text}"
+        );
+        assert!(text.contains("lower the batch"), "{text}");
     }
 
     #[test]
