@@ -53,7 +53,8 @@ impl Devices {
 /// With logical devices installed ([`fleet_topology::logical`]), `cuda:N` is logical device N:
 /// a stream of its own on its physical GPU (`Device::new_cuda_with_stream`), so that work on
 /// two logical devices is ordered only as work on two GPUs is. Call it once per device and
-/// share the result ([`Devices`]): every call makes a new stream.
+/// share the result ([`Devices`]); a logical device is opened once per process (one stream, one
+/// pool) and every later call returns it.
 pub fn open_device(loc: DeviceLocation) -> Result<Device> {
     match loc {
         DeviceLocation::Cpu => Ok(Device::Cpu),
@@ -72,6 +73,9 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
             };
             let dev = match fleet_topology::logical::installed() {
                 None => Device::new_cuda(n).map_err(unavailable)?,
+                Some(_) if logical_opened().contains_key(&n) => {
+                    return Ok(logical_opened()[&n].clone());
+                }
                 Some(logical) => {
                     let physical =
                         logical
@@ -91,13 +95,24 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
                     );
                     let dev = Device::new_cuda_with_stream(physical).map_err(unavailable)?;
                     cap_logical(&dev, loc, physical)?;
-                    dev
+                    skip_event_tracking(&dev);
+                    logical_opened().insert(n, dev.clone());
+                    return Ok(dev);
                 }
             };
             skip_event_tracking(&dev);
             Ok(dev)
         }
     }
+}
+
+/// The logical devices opened so far: one stream and one memory pool per logical `cuda:N` for
+/// the whole process, whichever model asks for it (a policy and a reference model on one
+/// logical GPU share it, as they would share a physical one), so that its cap holds for all.
+fn logical_opened() -> std::sync::MutexGuard<'static, BTreeMap<usize, Device>> {
+    static OPENED: std::sync::Mutex<BTreeMap<usize, Device>> =
+        std::sync::Mutex::new(BTreeMap::new());
+    OPENED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Gives logical device `loc`'s stream its memory cap ([`fleet_topology::logical::pool`]).
@@ -126,10 +141,10 @@ fn cap_logical(dev: &Device, loc: DeviceLocation, physical: usize) -> Result<()>
 ///
 /// cudarc creates two CUDA events for every buffer it allocates (and destroys them when the
 /// buffer is freed) so that it can order buffers shared between streams. candle runs each
-/// device's work on one stream (the calling thread's default stream), and cudarc only uses
-/// those events once a context has streams of its own (`new_stream`), which fleet never
-/// creates, so the events are never waited on: four driver calls per tensor for nothing. With
-/// several GPUs driven from one process those calls contend inside the driver.
+/// device's work on one stream (the calling thread's default stream, or a logical device's own
+/// stream), and fleet orders every copy between devices itself ([`transfer`], both ways), so
+/// the events are not needed: four driver calls per tensor for nothing. With several GPUs
+/// driven from one process those calls contend inside the driver.
 /// `FLEET_CUDA_EVENTS=1` keeps them, to measure what this saves.
 fn skip_event_tracking(dev: &Device) {
     #[cfg(feature = "cuda")]
@@ -137,8 +152,8 @@ fn skip_event_tracking(dev: &Device) {
         let keep = std::env::var("FLEET_CUDA_EVENTS").is_ok_and(|v| v == "1");
         if !keep {
             // SAFETY: the events only order work between streams of one context (cudarc's
-            // multi-stream mode). fleet creates no stream beyond candle's per-thread default
-            // streams, which cudarc does not count, so no event was ever going to be used.
+            // multi-stream mode): between logical devices' streams fleet's `transfer` orders
+            // every copy both ways, and no buffer is used on another stream without it.
             unsafe { cuda.disable_event_tracking() };
         }
     }

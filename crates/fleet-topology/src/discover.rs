@@ -35,6 +35,17 @@ pub fn discover() -> Result<Vec<DeviceInfo>, TopologyError> {
     if let Some(logical) = crate::logical::installed() {
         return logical.device_infos(&gpus);
     }
+    if let Ok(text) = std::env::var(crate::logical::LOGICAL_GPUS_ENV) {
+        // A parent process meant logical devices: running on the physical GPUs instead would
+        // put `cuda:1` on another GPU, or none.
+        return Err(TopologyError::LogicalDevices {
+            request: crate::logical::LOGICAL_GPUS_ENV.to_string(),
+            message: format!(
+                "`{text}` does not parse as the mapping a parent fleet process passes; unset it \
+                 and use --logical-gpus"
+            ),
+        });
+    }
     if gpus.is_empty() {
         Ok(vec![cpu_info()])
     } else {

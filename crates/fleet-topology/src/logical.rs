@@ -221,15 +221,16 @@ impl LogicalGpus {
                 ));
             };
             let total = info.total_bytes.unwrap_or(0);
-            let sharing = self
-                .devices
-                .iter()
-                .filter(|o| o.physical == d.physical)
-                .count() as u64;
+            // An unset cap is an equal share of what the set caps on this GPU leave.
+            let on_gpu = || self.devices.iter().filter(|o| o.physical == d.physical);
+            let set: u64 = on_gpu().filter_map(|o| o.max_memory).sum();
+            let unset = on_gpu().filter(|o| o.max_memory.is_none()).count() as u64;
             out.push(ResolvedDevice {
                 location: DeviceLocation::Cuda(i),
                 physical: d.physical,
-                max_memory: d.max_memory.unwrap_or(total / sharing.max(1)),
+                max_memory: d
+                    .max_memory
+                    .unwrap_or(total.saturating_sub(set) / unset.max(1)),
                 physical_name: info.name.clone(),
             });
         }
@@ -445,7 +446,21 @@ pub mod pool {
         }
         match driver_alloc_async() {
             Some(f) => f(dptr, bytesize, stream),
-            None => CUresult::CUDA_ERROR_NOT_FOUND,
+            // Not found (should not happen with a dynamically linked driver): what
+            // cuMemAllocAsync does, spelled out — the current device's current pool.
+            None => {
+                let mut dev: sys::CUdevice = 0;
+                let r = sys::cuCtxGetDevice(&mut dev);
+                if r != CUresult::CUDA_SUCCESS {
+                    return r;
+                }
+                let mut pool: CUmemoryPool = std::ptr::null_mut();
+                let r = sys::cuDeviceGetMemPool(&mut pool, dev);
+                if r != CUresult::CUDA_SUCCESS {
+                    return r;
+                }
+                sys::cuMemAllocFromPoolAsync(dptr, bytesize, pool, stream)
+            }
         }
     }
 
@@ -476,7 +491,9 @@ pub mod pool {
         if r != CUresult::CUDA_SUCCESS {
             return Err(err("cuMemPoolCreate", r));
         }
-        // Keep freed blocks for reuse, as candle's use of the default pool expects.
+        // Keep freed blocks for reuse within the cap instead of handing them back to the driver
+        // at every synchronization (a new pool's threshold is 0): the cap is what the device
+        // may hold, as a GPU's memory is.
         let mut keep: u64 = u64::MAX;
         // SAFETY: the release threshold is a u64 attribute of a valid pool.
         let r = unsafe {
@@ -487,6 +504,8 @@ pub mod pool {
             )
         };
         if r != CUresult::CUDA_SUCCESS {
+            // SAFETY: the pool was just created and holds nothing.
+            unsafe { sys::cuMemPoolDestroy(pool) };
             return Err(err("cuMemPoolSetAttribute", r));
         }
         let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
@@ -558,6 +577,26 @@ mod tests {
         assert!(infos[1].name.contains(LABEL), "{}", infos[1].name);
         assert!(infos[1].name.contains("NVIDIA H200"), "{}", infos[1].name);
         assert_eq!(infos[1].peers, vec![0, 2]);
+    }
+
+    #[test]
+    fn unset_caps_share_what_the_set_caps_leave() {
+        let entries = [
+            LogicalEntry {
+                gpu: Some(0),
+                memory: Some("100GiB".into()),
+                count: Some(1),
+            },
+            LogicalEntry {
+                gpu: Some(0),
+                memory: None,
+                count: Some(2),
+            },
+        ];
+        let l = LogicalGpus::from_entries(&entries, "mixed.toml").unwrap();
+        let r = l.resolve(&[h200(0)]).unwrap();
+        let caps: Vec<u64> = r.iter().map(|d| d.max_memory).collect();
+        assert_eq!(caps, vec![100 * GIB, 20 * GIB, 20 * GIB]);
     }
 
     #[test]

@@ -14,13 +14,13 @@ use std::time::Duration;
 use crate::{gpu_memory_info, DeviceLocation};
 
 /// Bytes in use on GPU `ordinal` now (`None` without a CUDA build or driver). For a logical
-/// device with its cap in place: what its memory pool holds.
+/// device with its cap in place: the bytes its live buffers hold in its memory pool.
 pub fn gpu_used_bytes(ordinal: usize) -> Option<u64> {
     #[cfg(feature = "cuda")]
     if crate::logical::installed().is_some() {
         use cudarc::driver::sys::CUmemPool_attribute as A;
         if let Some(v) =
-            crate::logical::pool::attribute(ordinal, A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+            crate::logical::pool::attribute(ordinal, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
         {
             return Some(v);
         }

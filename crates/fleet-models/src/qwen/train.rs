@@ -543,14 +543,40 @@ impl TrainableQwen {
         )?)
     }
 
-    /// Room for the input of every segment of `segment` blocks, `[rows, len, hidden]` each in
-    /// the compute dtype on its first block's device: views into one buffer per device.
-    fn segment_starts(&self, batch: &TokenBatch, segment: usize) -> Result<Vec<Tensor>> {
+    /// The segments of blocks the backward recomputes one at a time: every block with gradient
+    /// checkpointing; without it, the runs of consecutive blocks on one device. A segment never
+    /// spans two devices, so the graph never holds a copy between devices: candle's backward
+    /// would copy the gradient back with a bare `to_device`, without [`crate::device::transfer`]'s
+    /// waits (on logical devices the copy could read the gradient before it is computed, and on
+    /// GPUs the source buffer could be reused before the copy). The gradient crosses devices
+    /// between segments, through `transfer`.
+    fn segments(&self) -> Vec<std::ops::Range<usize>> {
+        let n = self.cfg.num_hidden_layers;
+        let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+        for i in 0..n {
+            match out.last_mut() {
+                Some(r)
+                    if !self.gradient_checkpointing
+                        && self.map.layers[r.start] == self.map.layers[i] =>
+                {
+                    r.end = i + 1
+                }
+                _ => out.push(i..i + 1),
+            }
+        }
+        out
+    }
+
+    /// Room for the input of every segment, `[rows, len, hidden]` each in the compute dtype on
+    /// its first block's device: views into one buffer per device.
+    fn segment_starts(
+        &self,
+        batch: &TokenBatch,
+        segments: &[std::ops::Range<usize>],
+    ) -> Result<Vec<Tensor>> {
         let (b, len, hs) = (batch.rows(), batch.ids[0].len(), self.cfg.hidden_size);
-        let firsts: Vec<DeviceLocation> = (0..self.cfg.num_hidden_layers)
-            .step_by(segment)
-            .map(|i| self.map.layers[i])
-            .collect();
+        let firsts: Vec<DeviceLocation> =
+            segments.iter().map(|r| self.map.layers[r.start]).collect();
         let mut views: Vec<Option<Tensor>> = vec![None; firsts.len()];
         for here in groups(&firsts) {
             let loc = firsts[here[0]];
@@ -696,17 +722,13 @@ impl TrainableQwen {
         let ids = self.ids_tensor(batch)?;
 
         // 1. Forward without a graph, keeping what each segment of blocks starts from.
-        let segment = if self.gradient_checkpointing {
-            1
-        } else {
-            self.cfg.num_hidden_layers
-        };
+        let segments = self.segments();
         let head_dev = self.devices.get(self.map.head).clone();
         // Each segment's input as one tensor, the residual stream `x + pending` the block
         // computes first (rounded as it rounds it): half of keeping both parts. They are kept
         // in one buffer per device, allocated before the forward: allocated one by one between
         // the blocks' transients, they left the GPU allocator's pool fragmented.
-        let starts = self.segment_starts(batch, segment)?;
+        let starts = self.segment_starts(batch, &segments)?;
         let (xs, ps) = profile::time(&head_dev, "train.1_forward_no_graph", || {
             let mut x = self.embedding(&detached)?.forward(&ids)?;
             let mut pending: Option<Tensor> = None;
@@ -717,12 +739,12 @@ impl TrainableQwen {
                 pending = pending
                     .map(|p| crate::device::transfer(&p, dev))
                     .transpose()?;
-                if i % segment == 0 {
+                if let Some(k) = segments.iter().position(|r| r.start == i) {
                     let start = match &pending {
                         Some(p) => (&x + p)?,
                         None => x.clone(),
                     };
-                    starts[i / segment].slice_set(&start.contiguous()?, 0, 0)?;
+                    starts[k].slice_set(&start.contiguous()?, 0, 0)?;
                 }
                 let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
                 x = nx;
@@ -852,10 +874,8 @@ impl TrainableQwen {
         let mut g = Tensor::cat(&parts, 1)?;
 
         // 4. The blocks, last segment first: recompute with the graph, push `g` through.
-        let n_layers = self.cfg.num_hidden_layers;
         for (s, x0) in starts.iter().enumerate().rev() {
-            let first = s * segment;
-            let last = (first + segment).min(n_layers);
+            let (first, last) = (segments[s].start, segments[s].end);
             let xv = Var::from_tensor(x0)?;
             let seg_dev = self.devices.get(self.map.layers[first]).clone();
             let (x, pending) = profile::time(&seg_dev, "train.4a_blocks_recompute", || {
