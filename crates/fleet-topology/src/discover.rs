@@ -158,7 +158,7 @@ fn discover_gpus() -> Result<Vec<DeviceInfo>, TopologyError> {
 /// most the cap) as free.
 pub fn gpu_memory_info(ordinal: usize) -> Result<Option<(u64, u64)>, TopologyError> {
     if let Some(logical) = crate::logical::installed() {
-        if logical.physical_of(ordinal).is_none() {
+        let Some(physical) = logical.physical_of(ordinal) else {
             return Err(TopologyError::LogicalDevices {
                 request: logical.source.clone(),
                 message: format!(
@@ -166,11 +166,10 @@ pub fn gpu_memory_info(ordinal: usize) -> Result<Option<(u64, u64)>, TopologyErr
                     logical.devices.len()
                 ),
             });
-        }
-        let infos = logical.device_infos(&discover_gpus()?)?;
-        return Ok(infos
-            .get(ordinal)
-            .and_then(|d| Some((d.free_bytes?, d.total_bytes?))));
+        };
+        // Only its own GPU is asked (this is polled by memory watches).
+        return Ok(physical_memory_info(physical)?
+            .map(|(free, total)| logical.memory_of(ordinal, free, total)));
     }
     physical_memory_info(ordinal)
 }

@@ -181,6 +181,35 @@ impl LogicalGpus {
         })
     }
 
+    /// The cap of logical `cuda:i` on a GPU of `total` bytes: its own, or an equal share of what
+    /// the set caps on that GPU leave.
+    fn cap(&self, i: usize, total: u64) -> u64 {
+        let d = self.devices[i];
+        let on_gpu = || self.devices.iter().filter(|o| o.physical == d.physical);
+        let set: u64 = on_gpu().filter_map(|o| o.max_memory).sum();
+        let unset = on_gpu().filter(|o| o.max_memory.is_none()).count() as u64;
+        d.max_memory
+            .unwrap_or(total.saturating_sub(set) / unset.max(1))
+    }
+
+    /// Logical `cuda:i`'s share of its GPU's `free` bytes, at most its `cap`.
+    fn free_share(&self, i: usize, free: u64, cap: u64) -> u64 {
+        let physical = self.devices[i].physical;
+        let sharing = self
+            .devices
+            .iter()
+            .filter(|o| o.physical == physical)
+            .count() as u64;
+        (free / sharing.max(1)).min(cap)
+    }
+
+    /// `(free, cap)` of logical `cuda:i` from its physical GPU's `(free, total)`: the figures
+    /// [`LogicalGpus::device_infos`] reports, for one device without listing every GPU.
+    pub fn memory_of(&self, i: usize, physical_free: u64, physical_total: u64) -> (u64, u64) {
+        let cap = self.cap(i, physical_total);
+        (self.free_share(i, physical_free, cap), cap)
+    }
+
     /// The physical GPU of logical `cuda:logical`.
     pub fn physical_of(&self, logical: usize) -> Option<usize> {
         self.devices.get(logical).map(|d| d.physical)
@@ -220,17 +249,10 @@ impl LogicalGpus {
                     ),
                 ));
             };
-            let total = info.total_bytes.unwrap_or(0);
-            // An unset cap is an equal share of what the set caps on this GPU leave.
-            let on_gpu = || self.devices.iter().filter(|o| o.physical == d.physical);
-            let set: u64 = on_gpu().filter_map(|o| o.max_memory).sum();
-            let unset = on_gpu().filter(|o| o.max_memory.is_none()).count() as u64;
             out.push(ResolvedDevice {
                 location: DeviceLocation::Cuda(i),
                 physical: d.physical,
-                max_memory: d
-                    .max_memory
-                    .unwrap_or(total.saturating_sub(set) / unset.max(1)),
+                max_memory: self.cap(i, info.total_bytes.unwrap_or(0)),
                 physical_name: info.name.clone(),
             });
         }
@@ -263,6 +285,7 @@ impl LogicalGpus {
     /// every other logical device of the same GPU as a peer.
     pub fn device_infos(&self, physical: &[DeviceInfo]) -> Result<Vec<DeviceInfo>, TopologyError> {
         let resolved = self.resolve(physical)?;
+        let i_of = |r: &ResolvedDevice| r.location.cuda_ordinal().unwrap_or(0);
         Ok(resolved
             .iter()
             .map(|r| {
@@ -270,11 +293,9 @@ impl LogicalGpus {
                     .iter()
                     .find(|d| d.location == DeviceLocation::Cuda(r.physical))
                     .expect("resolve checked the physical GPU");
-                let free = info.free_bytes.map(|f| {
-                    let sharing =
-                        resolved.iter().filter(|o| o.physical == r.physical).count() as u64;
-                    (f / sharing.max(1)).min(r.max_memory)
-                });
+                let free = info
+                    .free_bytes
+                    .map(|f| self.free_share(i_of(r), f, r.max_memory));
                 DeviceInfo {
                     location: r.location,
                     name: format!(
