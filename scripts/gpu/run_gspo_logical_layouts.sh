@@ -12,13 +12,14 @@
 # plan and its peak per device (metrics.jsonl's peak_memory_bytes: a logical device's pool).
 #
 # Carried: dist/carry/gspo-train.xz, COMMIT.
-#   SHAPES="0.5b 1.5b" DTYPES="f32 bf16" STEPS=4 bash scripts/gpu/run_gspo_logical_layouts.sh
+#   SHAPES="0.5b 1.5b" DTYPES="f32 bf16" STEPS=4 MAXLEN=64 bash scripts/gpu/run_gspo_logical_layouts.sh
 set -u
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 SHAPES="${SHAPES:-0.5b 1.5b}"
 DTYPES="${DTYPES:-f32 bf16}"
 STEPS="${STEPS:-4}"
+MAXLEN="${MAXLEN:-256}"   # max_completion_length: shorter keeps a check of equality quick
 TOL_F32="${TOL_F32:-1e-5}"
 TOL_BF16="${TOL_BF16:-1e-2}"
 CAP2="${CAP2:-65GiB}"
@@ -44,7 +45,7 @@ for s in $SHAPES; do
       rm -rf "$dir"
       # shellcheck disable=SC2086
       timeout 240 "$W/gspo-train" $flag --config "$W/layouts.toml" --model "$W/q$s" --dataset "$W/prompts.jsonl" \
-        --gpu-mode "$mode" --dtype "$dt" --max-steps "$STEPS" --set save_steps="$STEPS" --output-dir "$dir" \
+        --gpu-mode "$mode" --dtype "$dt" --max-steps "$STEPS" --set save_steps="$STEPS" --max-completion-length "$MAXLEN" --output-dir "$dir" \
         > "$R/$s-$dt-$name.log" 2>&1
       echo "$s $dt $name: exit $?; $(grep -c . "$dir/metrics.jsonl" 2>/dev/null) steps; $(grep -m1 -E '^Error' "$R/$s-$dt-$name.log")"
       tail -1 "$dir/metrics.jsonl" 2>/dev/null | python3 -c "import json,sys; r=json.loads(sys.stdin.read() or '{}'); print('  peaks:', {k: round(v/2**30, 2) for k, v in r.get('peak_memory_bytes', {}).items()}, 'GiB')" 2>/dev/null

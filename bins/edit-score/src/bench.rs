@@ -22,6 +22,8 @@ pub struct BenchArgs {
     /// made on the device.
     #[arg(long)]
     pub config: PathBuf,
+    /// The device, or a comma list (`cuda:0,cuda:1`) to split the decoder's layers over (one
+    /// replica on a GPU group; the vision tower on the first).
     #[arg(long, default_value = "cuda:0")]
     pub device: String,
     #[arg(long, default_value = "bf16")]
@@ -71,6 +73,12 @@ struct Report {
     prefill_s: f64,
     decode_s: f64,
     peak_used_bytes: Option<u64>,
+    /// Per GPU device: the most bytes its live buffers held (its memory pool's high-water mark,
+    /// weights included; on a logical device, its own pool, against its cap).
+    peak_live_bytes: std::collections::BTreeMap<String, u64>,
+    /// On logical devices, that they are (one GPU's bandwidth and compute shared by all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logical_devices: Option<String>,
     profile: Vec<(String, f64, u64)>,
 }
 
@@ -121,11 +129,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let cfg = Qwen3VlConfig::from_file(&args.config)?;
     let processor = ImageProcessorConfig::from_json_str(RELEASED_PROCESSOR)?;
-    let device: DeviceLocation = args.device.parse()?;
-    let gpu = device.cuda_ordinal();
-    let baseline = gpu.and_then(fleet_topology::gpu_used_bytes).unwrap_or(0);
+    let devices: Vec<DeviceLocation> = args
+        .device
+        .split(',')
+        .map(|d| d.trim().parse())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("--device {}", args.device))?;
+    let gpus: Vec<usize> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
+    let baseline: u64 = gpus
+        .iter()
+        .filter_map(|&g| fleet_topology::gpu_used_bytes(g))
+        .sum();
     let t = Instant::now();
-    let map = DeviceMap::single(device, cfg.text.num_hidden_layers);
+    let map = DeviceMap::split_layers(&devices, cfg.text.num_hidden_layers)?;
     let model = Qwen3VlModel::new(
         &cfg,
         &Weights::Random { seed: args.seed },
@@ -207,7 +223,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .unwrap_or(0);
     let prompt_tokens = warm[0].ids.len();
 
-    let watch = gpu.map(|g| fleet_topology::MemoryWatch::start(&[DeviceLocation::Cuda(g)]));
+    let watch = (!gpus.is_empty()).then(|| fleet_topology::MemoryWatch::start(&devices));
     let batches = args.samples.div_ceil(args.batch);
     let (mut pre_s, mut prefill_s, mut gen_s) = (0.0, 0.0, 0.0);
     let t_all = Instant::now();
@@ -238,6 +254,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .map(|r| (r.stage.to_string(), r.seconds, r.calls))
         .collect();
     profile.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let peak_live_bytes: std::collections::BTreeMap<String, u64> = gpus
+        .iter()
+        .filter_map(|&g| {
+            let (live, _) = fleet_topology::gpu_pool_high_water(g)?;
+            Some((DeviceLocation::Cuda(g).to_string(), live))
+        })
+        .collect();
     let report = Report {
         engine: "fleet",
         commit: fleet_dist::commit_id(),
@@ -258,12 +281,23 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         prefill_s: prefill_s / batches as f64,
         decode_s: (gen_s - prefill_s) / batches as f64,
         peak_used_bytes: peak,
+        peak_live_bytes,
+        logical_devices: fleet_topology::logical::describe(),
         profile,
     };
     eprintln!(
         "{:.3} samples/s ({samples} samples, batch {}, {} image tokens + text per sample)",
         report.samples_per_s, args.batch, image_tokens
     );
+    for (device, bytes) in &report.peak_live_bytes {
+        eprintln!(
+            "  peak on {device}: {}",
+            fleet_topology::format_bytes(*bytes)
+        );
+    }
+    if let Some(logical) = &report.logical_devices {
+        eprintln!("  on {logical}: one GPU's bandwidth and compute shared by all");
+    }
     let json = serde_json::to_string_pretty(&report)?;
     match &args.json {
         Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,

@@ -72,6 +72,9 @@ struct Report {
     new_tokens: usize,
     weights_bytes: Option<u64>,
     runs: Vec<Run>,
+    /// On logical devices, that they are (one GPU's bandwidth and compute shared by all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logical_devices: Option<String>,
 }
 
 fn used_bytes(gpus: &[usize]) -> Option<u64> {
@@ -191,6 +194,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         new_tokens: args.new_tokens,
         weights_bytes,
         runs,
+        logical_devices: fleet_topology::logical::describe(),
     };
     let json = serde_json::to_string_pretty(&report)?;
     match &args.json {

@@ -92,6 +92,12 @@ struct Report {
     decode_tok_s: f64,
     /// Per replica: name, batches done, seconds busy generating.
     replicas: Vec<ReplicaReport>,
+    /// On logical devices, that they are (one GPU's bandwidth and compute shared by all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logical_devices: Option<String>,
+    /// Per GPU device: the most bytes its live buffers held (its memory pool's high-water mark,
+    /// weights included; on a logical device, its own pool, against its cap).
+    peak_live_bytes: std::collections::BTreeMap<String, u64>,
 }
 
 #[derive(Serialize)]
@@ -173,6 +179,13 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
             ItemResult::Failed { errors } => bail!("batch {i} failed on every replica: {errors:?}"),
         }
     }
+    let peak_live_bytes = locations
+        .iter()
+        .filter_map(|d| {
+            let (live, _) = fleet_topology::gpu_pool_high_water(d.cuda_ordinal()?)?;
+            Some((d.to_string(), live))
+        })
+        .collect();
     let report = Report {
         engine: "fleet",
         commit: fleet_dist::commit_id(),
@@ -199,6 +212,8 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
                     / w.busy.as_secs_f64().max(1e-9),
             })
             .collect(),
+        logical_devices: fleet_topology::logical::describe(),
+        peak_live_bytes,
     };
     eprintln!(
         "{} replica(s) of {} device(s): {} batches of {} x ({} + {}) in {:.2}s: {:.1} new tok/s",
@@ -211,6 +226,15 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         wall,
         report.decode_tok_s
     );
+    for (device, bytes) in &report.peak_live_bytes {
+        eprintln!(
+            "  peak on {device}: {}",
+            fleet_topology::format_bytes(*bytes)
+        );
+    }
+    if let Some(logical) = &report.logical_devices {
+        eprintln!("  on {logical}: one GPU's bandwidth and compute shared by all");
+    }
     let json = serde_json::to_string_pretty(&report)?;
     match &args.json {
         Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,

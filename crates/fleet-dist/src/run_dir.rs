@@ -83,16 +83,8 @@ impl Manifest {
             ("fleet_version".to_string(), Value::String(fleet_version())),
             ("commit".to_string(), Value::String(commit_id())),
         ]);
-        if let Some(l) = fleet_topology::logical::installed() {
-            about.insert(
-                "logical_devices".to_string(),
-                Value::String(format!(
-                    "{} devices, {} ({})",
-                    l.devices.len(),
-                    fleet_topology::logical::LABEL,
-                    l.source
-                )),
-            );
+        if let Some(logical) = fleet_topology::logical::describe() {
+            about.insert("logical_devices".to_string(), Value::String(logical));
         }
         Manifest {
             job: job.into(),

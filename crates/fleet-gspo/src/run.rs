@@ -731,7 +731,19 @@ fn finish(
         total_steps,
         state,
         metrics,
-        memory: fleet_topology::MemoryWatch::start(&plan.policy.devices()),
+        // Every device of the placement: a reference and reward model on a device of their own
+        // (the seed's 3gpu) have their peak recorded too.
+        memory: fleet_topology::MemoryWatch::start(
+            &[
+                Some(&plan.policy),
+                plan.reference.as_ref(),
+                plan.reward.as_ref(),
+            ]
+            .into_iter()
+            .flatten()
+            .flat_map(|m| m.devices())
+            .collect::<Vec<_>>(),
+        ),
         dp,
         layout: layout.clone(),
     };

@@ -32,7 +32,9 @@ use crate::{DeviceInfo, DeviceLocation, TopologyError};
 /// What every logical device's name, and every plan on them, says.
 pub const LABEL: &str = "logical devices on one GPU";
 
-/// The environment variable that carries an installed mapping to child processes (JSON).
+/// The environment variable that carries an installed mapping to child processes (JSON), or
+/// that a person sets in `--logical-gpus`'s form (`FLEET_LOGICAL_GPUS=3:20GiB cargo test ...`,
+/// so that test binaries run on logical devices).
 pub const LOGICAL_GPUS_ENV: &str = "FLEET_LOGICAL_GPUS";
 
 /// One logical device: which physical GPU it lives on and how much of its memory it may use.
@@ -371,7 +373,19 @@ fn from_env() -> Option<&'static LogicalGpus> {
     FROM_ENV
         .get_or_init(|| {
             let text = std::env::var(LOGICAL_GPUS_ENV).ok()?;
-            match serde_json::from_str(&text) {
+            // A parent fleet process passes JSON; a person (a test run, a script) may write the
+            // flag's own form, `FLEET_LOGICAL_GPUS=3:20GiB`.
+            let parsed = if text.trim_start().starts_with('{') {
+                serde_json::from_str(&text).map_err(|e| e.to_string())
+            } else {
+                LogicalGpus::parse_flag(&text)
+                    .map(|mut l| {
+                        l.source = format!("{LOGICAL_GPUS_ENV}={text}");
+                        l
+                    })
+                    .map_err(|e| e.to_string())
+            };
+            match parsed {
                 Ok(l) => Some(l),
                 Err(e) => {
                     tracing::error!("{LOGICAL_GPUS_ENV} does not parse ({e}); ignoring it");
@@ -380,6 +394,14 @@ fn from_env() -> Option<&'static LogicalGpus> {
             }
         })
         .as_ref()
+}
+
+/// What a record made in this process says about its devices when they are logical
+/// (`"3 devices, logical devices on one GPU (--logical-gpus 3:16GiB)"`), `None` on physical
+/// GPUs: run manifests and benchmark records carry it so that no figure measured on logical
+/// devices passes for one of real GPUs.
+pub fn describe() -> Option<String> {
+    installed().map(|l| format!("{} devices, {LABEL} ({})", l.devices.len(), l.source))
 }
 
 /// The process's logical devices: the installed mapping, else one passed by a parent process
