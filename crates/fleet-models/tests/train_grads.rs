@@ -119,9 +119,16 @@ fn check(name: &str, model: &TrainableQwen) {
 
     let params = model.params();
     assert_eq!(params.len(), g.grads.len(), "{name}: parameters vs goldens");
-    for ((pname, _), grad) in params.iter().zip(grads.iter()) {
+    for ((pname, var), grad) in params.iter().zip(grads.iter()) {
         let want = &g.grads[pname];
         let got = grad.unwrap_or_else(|| panic!("{name}: no gradient reached {pname}"));
+        // On its parameter's own device (stream): candle tells two logical devices of one GPU
+        // apart only by identity, so a gradient kept on the other one would go unnoticed and
+        // race (issue 24: a sharded policy's step 2 was NaN on logical devices).
+        assert!(
+            got.device().same_device(var.device()),
+            "{name}: the gradient of {pname} is not on its parameter's device"
+        );
         let e = rel_err(got, want);
         assert!(e < 1e-4, "{name}: gradient of {pname}: rel err {e}");
     }

@@ -22,7 +22,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Embedding, Linear, Module};
 use fleet_topology::{DeviceLocation, DeviceMap};
 
@@ -243,9 +243,13 @@ impl ParamGrads {
         let missing: Vec<usize> = (0..params.len())
             .filter(|&i| self.sums[i].is_none())
             .collect();
-        let keys: Vec<(candle_core::DeviceLocation, DType)> = missing
+        // One buffer per device *object*, never per candle `location()`: two logical devices
+        // of one GPU share a location (its ordinal), and candle lets an op mix their tensors
+        // without an error (its check compares locations), running it on the first operand's
+        // stream — a device's gradients in a buffer of another raced with its backward.
+        let keys: Vec<SameDevice> = missing
             .iter()
-            .map(|&i| (params[i].var.device().location(), params[i].var.dtype()))
+            .map(|&i| SameDevice(params[i].var.device().clone(), params[i].var.dtype()))
             .collect();
         for group in groups(&keys) {
             let (dev, dtype) = (params[missing[group[0]]].var.device(), keys[group[0]].1);
@@ -263,6 +267,16 @@ impl ParamGrads {
             }
         }
         Ok(slots)
+    }
+}
+
+/// A device and a dtype, equal when the device is the same device (`Device::same_device`: the
+/// same stream), not merely the same GPU.
+struct SameDevice(Device, DType);
+
+impl PartialEq for SameDevice {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.same_device(&other.0) && self.1 == other.1
     }
 }
 
