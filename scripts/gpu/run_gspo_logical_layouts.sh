@@ -58,6 +58,8 @@ for s in $SHAPES; do
       python3 scripts/gpu/compare_gspo_runs.py "$W/$s-$dt-single" "$W/$s-$dt-$l" --tol "$tol" \
         --json "$R/$s-$dt-$l.compare.json" 2>&1 | sed "s/^/  $l vs single: /"
     done
+    # A 1.5B f32 checkpoint with its optimizer state is ~18 GB: three of them fill the disk.
+    rm -rf "$W/$s-$dt-single" "$W/$s-$dt-2gpu" "$W/$s-$dt-3gpu"
   done
 done
 tar -C "$OUT" -czf "$OUT/gspo_logical.tgz" gspo_logical

@@ -16,7 +16,7 @@
 # - The judge, Qwen3-VL-30B-A3B: one replica on an 80 GB device (the seed's H100s), and one over
 #   a group of two 40 GB devices.
 #
-# Carried: dist/carry/gspo-train.xz, dist/carry/fleet.xz, dist/carry/edit-score.xz.
+# Carried: dist/carry/gspo-train.xz (gspo), fleet.xz (argo), edit-score.xz (judge); PARTS picks.
 #   SIZES="16x1.5b:32+ 16x0.5b-f32:64 8x0.5b:32+ 8x0.5b-f32:8" bash scripts/gpu/run_seed_machines.sh
 # Writes $OUT/seed_machines.log and $OUT/seed_machines.tgz (every run's log, metrics and JSON).
 set -u
@@ -30,8 +30,8 @@ PARTS="${PARTS:-gspo argo judge}"
 SIZES="${SIZES:-16x1.5b:32+ 16x0.5b-f32:64 8x0.5b:32+ 8x0.5b-f32:8}"
 mkdir -p "$W" "$R"
 exec > >(tee -a "$OUT/seed_machines.log") 2>&1
-for b in gspo-train fleet edit-score; do
-  [ -x "$W/$b" ] || { xz -dc "dist/carry/$b.xz" > "$W/$b" && chmod +x "$W/$b"; }
+for b in gspo-train fleet edit-score; do  # the parts' binaries that were carried
+  [ -x "$W/$b" ] || [ ! -f "dist/carry/$b.xz" ] || { xz -dc "dist/carry/$b.xz" > "$W/$b" && chmod +x "$W/$b"; }
 done
 export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/nvidia-smi.txt"
