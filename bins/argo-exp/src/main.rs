@@ -26,7 +26,6 @@ use fleet_cli::{out, outln};
     about = "ARGO experiments: solve the MDP, simulate strategies, sweep the retrieval cost",
     long_about = "ARGO experiments. With no subcommand: the simulated cost sweep with the \
                   default parameters (the MDP's own model; no weights, no GPU).",
-    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
@@ -419,7 +418,7 @@ fn main() -> std::process::ExitCode {
     // A replica worker started by this program's own data-parallel path serves and exits here.
     fleet_models::replica_process::serve_if_replica_worker();
     fleet_cli::init();
-    let cli = Cli::parse();
+    let cli: Cli = fleet_cli::parse_default_command_cli();
     if let Err(e) = cli.logical.install() {
         return fleet_cli::exit(Err(e));
     }

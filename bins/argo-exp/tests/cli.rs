@@ -268,3 +268,22 @@ fn a_closed_stdout_ends_quietly() {
         assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
     }
 }
+
+/// `--logical-gpus` (a global flag) may stand before a subcommand; a flag of the default
+/// command may not, and the error names it.
+#[test]
+fn a_global_flag_may_precede_a_subcommand_and_a_default_command_flag_may_not() {
+    let out = argo_exp(&["--points", "5", "solve"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--points") && stderr.contains("default command"),
+        "{stderr}"
+    );
+    // On this CPU machine the logical devices themselves are refused (no GPU), by fleet, not
+    // by the argument parser.
+    let out = argo_exp(&["--logical-gpus", "2", "solve"]);
+    let (_, stderr) = text(&out);
+    assert!(!stderr.contains("cannot be used with"), "{stderr}");
+    assert!(stderr.contains("--logical-gpus 2"), "{stderr}");
+}

@@ -26,7 +26,6 @@ mod score;
                   group), resumable per-item records, per-category reports. With no subcommand \
                   it scores --benchmark (or, with --demo, a generated benchmark with a tiny \
                   bundled judge whose random weights make its scores meaningless).",
-    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
@@ -55,7 +54,7 @@ enum Command {
 fn main() -> ExitCode {
     fleet_models::replica_process::serve_if_replica_worker();
     fleet_cli::init();
-    let cli = Cli::parse();
+    let cli: Cli = fleet_cli::parse_default_command_cli();
     if let Err(e) = cli.logical.install() {
         return fleet_cli::exit(Err(e));
     }

@@ -162,6 +162,45 @@ fn out_of_memory_hint() -> String {
     }
 }
 
+/// Parses the command line of a binary whose top-level arguments belong to its default command
+/// (no subcommand) and that also has subcommands: a global flag (`--logical-gpus`) may stand
+/// before a subcommand, any other top-level argument may not (clap's
+/// `args_conflicts_with_subcommands` refuses global flags there too). Exits with clap's usage
+/// error naming the misplaced flag, as `Parser::parse` does.
+pub fn parse_default_command_cli<P: clap::Parser>() -> P {
+    let mut command = P::command();
+    let matches = command.clone().get_matches();
+    if let Some((sub, _)) = matches.subcommand() {
+        let misplaced: Vec<String> = command
+            .get_arguments()
+            .filter(|a| !a.is_global_set())
+            .filter(|a| {
+                matches!(
+                    matches.value_source(a.get_id().as_str()),
+                    Some(clap::parser::ValueSource::CommandLine)
+                )
+            })
+            .map(|a| match a.get_long() {
+                Some(long) => format!("--{long}"),
+                None => a.get_id().to_string(),
+            })
+            .collect();
+        if !misplaced.is_empty() {
+            command
+                .error(
+                    clap::error::ErrorKind::ArgumentConflict,
+                    format!(
+                        "{} belong(s) to the default command (no subcommand), not to `{sub}`: drop it, \
+                         or run without `{sub}`",
+                        misplaced.join(", ")
+                    ),
+                )
+                .exit();
+        }
+    }
+    P::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit())
+}
+
 /// The `--logical-gpus` flag, for every binary's top-level arguments (`#[command(flatten)]`).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct LogicalGpusArg {
