@@ -3,7 +3,7 @@
 
 For each machine (a topology file of logical devices on one H200), model shape, master dtype
 and the seed's layouts (1gpu, 2gpu, 3gpu) the largest per_device_train_batch_size whose plan
-fits, per group size G (num_generations). gspo-train --plan only: no GPU, no weights (the
+fits (see GROUPS for why one group size). gspo-train --plan only: no GPU, no weights (the
 shapes' config.json beside a tokenizer), so it runs on any machine; the GPU call then trains
 the chosen settings on capped logical devices and records their real peaks
 (scripts/gpu/run_seed_machines.sh).
