@@ -73,12 +73,12 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub use fleet_data::source::{SourceLocation, MAX_EXAMPLES_PER_REASON};
+
 /// Fewest options an item may have.
 pub const MIN_OPTIONS: usize = 3;
 /// Most options an item may have (labels 1-6 or A-F).
 pub const MAX_OPTIONS: usize = 6;
-/// How many skipped lines are remembered per file and reason; the counts are always exact.
-pub const MAX_EXAMPLES_PER_REASON: usize = 100;
 
 /// The ORAN-Bench-13K files, in the order they are read for `mixed`.
 pub const ORAN_FILES: [(Difficulty, &str); 3] = [
@@ -245,37 +245,6 @@ impl LabelStyle {
                 _ => (index + 1).to_string(),
             },
         }
-    }
-}
-
-/// A line of a file: where an item came from.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct SourceLocation {
-    /// The file, as it was given to the loader.
-    pub file: PathBuf,
-    /// 1-based line number.
-    pub line: usize,
-}
-
-impl SourceLocation {
-    /// `line 12` when `other` is in the same file, else `file.json:12` (file name only), for
-    /// short report details.
-    fn relative_to(&self, other: &SourceLocation) -> String {
-        if self.file == other.file {
-            format!("line {}", self.line)
-        } else {
-            let name = self.file.file_name().map_or_else(
-                || self.file.display().to_string(),
-                |n| n.to_string_lossy().into_owned(),
-            );
-            format!("{name}:{}", self.line)
-        }
-    }
-}
-
-impl fmt::Display for SourceLocation {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.file.display(), self.line)
     }
 }
 

@@ -17,7 +17,8 @@
 //!   [`prompts`] (the components' templates, from `configs/argo_prompts.toml`), [`index`] (the
 //!   on-disk vector index), [`runner`] (jobs in lock-step rounds, records with resume).
 
-pub mod answer;
+/// The answer parser, from fleet-data (shared with gspo-train's multiple-choice reward).
+pub use fleet_data::answer;
 pub mod dataset;
 pub mod experiment;
 pub mod index;

@@ -40,6 +40,15 @@ pub enum OutputError {
     },
 }
 
+impl From<fleet_plot::PlotError> for OutputError {
+    fn from(e: fleet_plot::PlotError) -> Self {
+        match e {
+            fleet_plot::PlotError::Draw { path, message } => OutputError::Plot { path, message },
+            fleet_plot::PlotError::Io { path, source } => OutputError::Io { path, source },
+        }
+    }
+}
+
 impl OutputError {
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
         OutputError::Io {

@@ -18,7 +18,7 @@
 //!   solution ending in `#### <number>`; the reward function reads the number
 //!   ([`crate::rewards`]).
 //! - `options` (optional, multiple choice): 2 to 6 non-empty strings. The answer must then name
-//!   exactly one option, read by fleet-argo's answer parser: a 1-based number, a letter, or the
+//!   exactly one option, read by fleet-data's answer parser: a 1-based number, a letter, or the
 //!   option's text ([`Sample::correct_option`]).
 //! - `id` (optional, string or integer, unique): default `<file stem>-<line, 6 digits>`.
 //!
@@ -26,7 +26,7 @@
 //!
 //! # What is skipped
 //!
-//! As in fleet-argo's loaders, a line that cannot be used is skipped, counted by
+//! As in ARGO's loaders, a line that cannot be used is skipped, counted by
 //! [`SkipReason`] and remembered with its line number (at most
 //! [`MAX_EXAMPLES_PER_REASON`] per reason, counts exact) in the [`LoadReport`]. Checked in this
 //! order: blank lines are not items (counted apart); malformed JSON or invalid UTF-8; not an
@@ -48,8 +48,8 @@ use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use fleet_argo::answer::{parse_answer_with_options, MAX_OPTIONS, MIN_OPTIONS};
-pub use fleet_argo::dataset::{SourceLocation, MAX_EXAMPLES_PER_REASON};
+use fleet_data::answer::{parse_answer_with_options, MAX_OPTIONS, MIN_OPTIONS};
+pub use fleet_data::{SourceLocation, MAX_EXAMPLES_PER_REASON};
 use fleet_models::ChatMessage;
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;

@@ -68,9 +68,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use fleet_argo::plot::{write_chart, LineChart, LineStyle, Marker, MarkerShape, Series};
 use fleet_dist::{JsonlContents, JsonlLog};
-use plotters::style::RGBColor;
+use fleet_plot::{write_chart, LineChart, LineStyle, Marker, MarkerShape, RGBColor, Series};
+
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::advantage::{nan_mean_std, GroupAdvantages};
@@ -86,7 +86,7 @@ pub enum MetricsError {
     Dist(#[from] fleet_dist::DistError),
     /// A plot could not be drawn or written.
     #[error(transparent)]
-    Plot(#[from] fleet_argo::summary::OutputError),
+    Plot(#[from] fleet_plot::PlotError),
     /// The plot directory could not be created.
     #[error("cannot create plot directory {}: {source}", path.display())]
     Io {

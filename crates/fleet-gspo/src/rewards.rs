@@ -18,7 +18,7 @@
 //!
 //! - `gsm8k_exact` ([`Gsm8kExact`]): 1.0 when the completion's number equals the reference
 //!   number exactly, else 0.0.
-//! - `multiple_choice` ([`MultipleChoice`]): 1.0 when fleet-argo's answer parser reads the
+//! - `multiple_choice` ([`MultipleChoice`]): 1.0 when fleet-data's answer parser (the one ARGO uses) reads the
 //!   correct option, else 0.0.
 //! - `format` ([`FormatReward`]): 1.0 when the completion has the required tag pairs and/or
 //!   final-line prefix, else 0.0.
@@ -73,7 +73,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use fleet_argo::answer::parse_answer_with_options;
+use fleet_data::answer::parse_answer_with_options;
 use serde::{Deserialize, Serialize};
 
 use crate::advantage::nan_mean_std;
@@ -554,8 +554,8 @@ impl RewardFunction for Gsm8kExact {
     }
 }
 
-/// `multiple_choice`: the option fleet-argo's parser reads from the completion
-/// ([`fleet_argo::answer::parse_answer_with_options`]) against [`Sample::correct_option`].
+/// `multiple_choice`: the option fleet-data's answer parser (ARGO's) reads from the completion
+/// ([`fleet_data::answer::parse_answer_with_options`]) against [`Sample::correct_option`].
 #[derive(Debug, Default)]
 pub struct MultipleChoice {
     unparsed: AtomicU64,
@@ -1406,7 +1406,7 @@ mod tests {
     }
 
     #[test]
-    fn multiple_choice_uses_fleet_argos_parser() {
+    fn multiple_choice_uses_the_answer_parser_argo_uses() {
         let f = MultipleChoice::new();
         let s = mc_sample();
         assert_eq!(f.score("", "The answer is 2", &s), Ok(Some(1.0)));

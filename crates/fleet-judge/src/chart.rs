@@ -1,23 +1,17 @@
 //! The report's chart: per category, a bar per metric (the mean) with ±1 std whiskers and the
-//! number of items with a value; PNG and SVG, drawn with plotters as fleet-argo draws its plots
-//! (no system fonts: a DejaVu Sans subset embedded from `assets/fonts/` and registered at run
-//! time; the subset has no CJK glyphs, so categories are labelled by the prompt set's ASCII
-//! template names where it maps them).
+//! number of items with a value; PNG and SVG, drawn with plotters in fleet-plot's font (no
+//! system fonts: a DejaVu Sans subset embedded and registered by
+//! [`fleet_plot::register_embedded_font`]; the subset has no CJK glyphs, so categories are
+//! labelled by the prompt set's ASCII template names where it maps them).
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
+use fleet_plot::{register_embedded_font, FAMILY};
 use plotters::coord::Shift;
 use plotters::prelude::*;
-use plotters::style::{register_font, FontStyle};
 
 use crate::report::{Report, ReportError, CHART_PNG, CHART_SVG};
 
-/// The embedded font: DejaVu Sans 2.37, subset to Latin, Greek and a few symbols (the same file
-/// fleet-argo's plots use; licence beside it).
-static FONT: &[u8] = include_bytes!("../../../assets/fonts/DejaVuSans-subset.ttf");
-/// The family name the chart asks for.
-const FAMILY: &str = "sans-serif";
 /// Pixel size.
 const SIZE: (u32, u32) = (1100, 660);
 /// Height of the title block.
@@ -26,17 +20,6 @@ const TITLE_HEIGHT: u32 = 92;
 const LABEL_HEIGHT: u32 = 56;
 /// The score scale.
 const TOP: f64 = 10.0;
-
-static REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
-
-fn register_embedded_font() -> Result<(), String> {
-    REGISTERED
-        .get_or_init(|| {
-            register_font(FAMILY, FontStyle::Normal, FONT)
-                .map_err(|_| "the embedded font does not parse".to_string())
-        })
-        .clone()
-}
 
 fn metric_color(metric: &str, i: usize) -> RGBColor {
     match metric {
