@@ -22,7 +22,7 @@ use fleet_argo::StrategyKind;
 use fleet_cli::{out, outln};
 use fleet_dist::{RunDir, RunDirOptions, RunDirState};
 use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
-use fleet_models::placement::{PlacementRequest, Replicas};
+use fleet_models::placement::Replicas;
 use fleet_models::{LoadOptions, ModelSource};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -184,15 +184,9 @@ pub struct RealArgs {
     /// bf16 is several times slower).
     #[arg(long)]
     pub dtype: Option<String>,
-    /// single, data-parallel, layer-sharded (sharded), hybrid[:N] or auto.
-    #[arg(long, default_value = "auto")]
-    pub gpu_mode: String,
-    /// Only these GPUs.
-    #[arg(long, value_delimiter = ',')]
-    pub gpu_ids: Option<Vec<usize>>,
-    /// Budgets in accelerate's style, e.g. `0=60GiB,1=0.9`.
-    #[arg(long)]
-    pub max_memory: Option<String>,
+    /// The LLM's placement: --gpu-mode, --gpu-ids, --max-memory.
+    #[command(flatten)]
+    pub placement: fleet_cli::PlacementArgs,
     /// Prompts per replica batch (at least 1).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_batch: u64,
@@ -431,12 +425,12 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     // The LLM on its placement.
     let max_batch = args.max_batch as usize;
     let attention_budget = (args.attention_budget_gib * (1u64 << 30) as f64) as u64;
-    let placement = PlacementRequest::from_flags(
-        &args.gpu_mode,
-        args.gpu_ids.clone(),
-        args.max_memory.as_deref(),
-        fleet_models::placement::default_workload(max_batch, attention_budget),
-    )?;
+    let placement = args
+        .placement
+        .request(fleet_models::placement::default_workload(
+            max_batch,
+            attention_budget,
+        ))?;
     let replicas = Replicas::load_planned(&args.model, &opts, &placement)?;
     let placement_text = format!("{} mode, {} replica(s)", placement.mode, replicas.len());
     let llm = FleetLlm::new(replicas, model_id.clone(), max_batch)

@@ -23,7 +23,7 @@ use fleet_judge::qwen::{judge_model_id, load_judges, load_judges_on, skip_too_lo
 use fleet_judge::records::RunInfo;
 use fleet_judge::report::Report;
 use fleet_judge::run::{RunOptions, ScoringSpec, Session, SessionOptions};
-use fleet_models::placement::{plan_on_this_machine, PlacementRequest, Workload};
+use fleet_models::placement::{plan_on_this_machine, Workload};
 use fleet_models::qwen3_vl::VlProcessor;
 use fleet_models::vision::ResizeBackend;
 use fleet_models::{
@@ -158,16 +158,9 @@ pub struct ScoreArgs {
     /// --temperature/--top-p/--top-k); recorded as a retry, with the first reply.
     #[arg(long)]
     pub retry_seed: Option<u64>,
-    /// Placement: auto, single, data-parallel (one replica per GPU), layer-sharded (one
-    /// replica over all GPUs) or hybrid[:N] (replicas of N GPUs each).
-    #[arg(long, default_value = "auto")]
-    pub gpu_mode: String,
-    /// Only these GPUs (comma-separated CUDA indices).
-    #[arg(long, value_delimiter = ',')]
-    pub gpu_ids: Option<Vec<usize>>,
-    /// Per-device budgets in accelerate's style, e.g. `0=60GiB,1=0.9`.
-    #[arg(long)]
-    pub max_memory: Option<String>,
+    /// The judges' placement: --gpu-mode, --gpu-ids, --max-memory.
+    #[command(flatten)]
+    pub placement: fleet_cli::PlacementArgs,
     /// Run N judge replicas on the CPU instead of planning on GPUs (tests the replica
     /// processes on a machine without GPUs, with FLEET_REPLICA_PROCESSES=1).
     #[arg(long, hide = true)]
@@ -616,23 +609,18 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
                 load_judges_on(&model, &opts, &maps, &model_id)?
             }
             None => {
-                let mut placement = PlacementRequest::from_flags(
-                    &args.gpu_mode,
-                    args.gpu_ids.clone(),
-                    args.max_memory.as_deref(),
-                    Workload {
-                        batch: batch_size,
-                        // Two images of ~1000 tokens each, a rubric prompt and the reply.
-                        seq_len: 4096,
-                        full_logits: false,
-                        // GPU prefills in bf16/f16 go through fused attention: no score buffers.
-                        max_attention_bytes: fleet_models::attention::fused_prefill(
-                            dtype,
-                            judge_cfg.text.head_dim(),
-                        )
-                        .then_some(0),
-                    },
-                )?;
+                let mut placement = args.placement.request(Workload {
+                    batch: batch_size,
+                    // Two images of ~1000 tokens each, a rubric prompt and the reply.
+                    seq_len: 4096,
+                    full_logits: false,
+                    // GPU prefills in bf16/f16 go through fused attention: no score buffers.
+                    max_attention_bytes: fleet_models::attention::fused_prefill(
+                        dtype,
+                        judge_cfg.text.head_dim(),
+                    )
+                    .then_some(0),
+                })?;
                 if args.batch_size.is_none() {
                     batch_size = auto_batch_size(|b| {
                         let mut r = placement.clone();

@@ -446,9 +446,6 @@ pub struct PlanArgs {
     /// A topology TOML (configs/topologies/) or `live` for the GPUs of this machine.
     #[arg(long, default_value = "live")]
     pub topology: String,
-    /// Only these GPUs (comma-separated indices).
-    #[arg(long, value_delimiter = ',')]
-    pub gpu_ids: Option<Vec<usize>>,
     /// single, data-parallel, layer-sharded, hybrid, hybrid:N or auto. `--gpu-mode` is the same
     /// flag, under the name that `fleet generate`, argo-exp and the planner's messages use.
     #[arg(long, visible_alias = "gpu-mode", default_value = "auto")]
@@ -456,9 +453,9 @@ pub struct PlanArgs {
     /// bf16, f16 or f32.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
-    /// Per-device budgets in accelerate's style, e.g. `0=10GiB,1=0.9,cpu=64GiB`.
-    #[arg(long)]
-    pub max_memory: Option<String>,
+    /// The GPUs and their budgets: --gpu-ids, --max-memory.
+    #[command(flatten)]
+    pub gpus: fleet_cli::GpuSelectionArgs,
     /// Sequences per replica the plan must hold (at least 1).
     #[arg(long, default_value_t = 1, value_parser = at_least(1))]
     pub batch: usize,
@@ -497,7 +494,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     } else {
         Topology::from_file(&args.topology)?
     };
-    if let Some(ids) = &args.gpu_ids {
+    if let Some(ids) = &args.gpus.gpu_ids {
         topology = topology.select(ids)?;
     }
     let request = PlanRequest {
@@ -508,7 +505,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
             seq_len: args.seq_len,
             ..Workload::default()
         },
-        max_memory: match &args.max_memory {
+        max_memory: match &args.gpus.max_memory {
             Some(m) => m.parse()?,
             None => fleet_topology::MaxMemory::new(),
         },

@@ -125,12 +125,9 @@ struct Cli {
     /// and reward on 1), 3gpu (policy over 0,1; reference and reward on 2) or auto.
     #[arg(long, default_value = "auto")]
     gpu_mode: String,
-    /// Only these GPUs.
-    #[arg(long, value_delimiter = ',')]
-    gpu_ids: Option<Vec<usize>>,
-    /// Per-device budgets in accelerate's style, e.g. `0=60GiB,1=0.9`.
-    #[arg(long)]
-    max_memory: Option<String>,
+    /// The GPUs and their budgets: --gpu-ids, --max-memory.
+    #[command(flatten)]
+    gpus: fleet_cli::GpuSelectionArgs,
     /// Compute dtype: bf16, f16 or f32 (default: bf16 with GPUs, f32 on the CPU).
     #[arg(long)]
     dtype: Option<String>,
@@ -324,8 +321,8 @@ fn run(cli: &Cli) -> Result<()> {
         dataset: dataset.clone(),
         dtype,
         preset: cli.gpu_mode.parse()?,
-        gpu_ids: cli.gpu_ids.clone(),
-        max_memory: match &cli.max_memory {
+        gpu_ids: cli.gpus.gpu_ids.clone(),
+        max_memory: match &cli.gpus.max_memory {
             Some(m) => m.parse()?,
             None => Default::default(),
         },
@@ -461,7 +458,7 @@ fn bench_all_reduce(cli: &Cli, max: &str) -> Result<()> {
     let world_size = dist.world.world_size;
     let is_main = dist.world.is_main();
     let (rows, backend) =
-        fleet_gspo::run::all_reduce_bench(&dist, cli.gpu_ids.as_deref(), max_bytes)?;
+        fleet_gspo::run::all_reduce_bench(&dist, cli.gpus.gpu_ids.as_deref(), max_bytes)?;
     if !is_main {
         return Ok(());
     }
@@ -527,7 +524,7 @@ fn launch(cli: &Cli, nproc: usize) -> Result<()> {
         node_rank: cli.node_rank,
         master_addr: cli.master_addr.clone(),
         master_port: cli.master_port,
-        gpu_ids: cli.gpu_ids.clone(),
+        gpu_ids: cli.gpus.gpu_ids.clone(),
         program: std::env::current_exe().context("finding this program to start its ranks")?,
         args,
         env: Vec::new(),

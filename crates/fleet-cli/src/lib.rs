@@ -1,15 +1,17 @@
 //! What fleet's binaries share (as ripgrep's `grep-cli`): the version and commit they were
 //! built from ([`VERSION`], [`init`]), stdout that a reader may close without costing the run
 //! its files ([`stdout`], [`out!`], [`outln!`]), the flags every binary spells the same way
-//! ([`SamplingArgs`]), the logging set-up, and `main`'s handling of the command's result
+//! ([`SamplingArgs`], [`PlacementArgs`], [`GpuSelectionArgs`]), the logging set-up, and `main`'s handling of the command's result
 //! ([`exit`]).
 
 #![warn(missing_docs)]
 
 pub mod stdout;
 
+mod placement;
 mod sampling;
 
+pub use placement::{GpuSelectionArgs, PlacementArgs};
 pub use sampling::SamplingArgs;
 
 use std::io::IsTerminal;

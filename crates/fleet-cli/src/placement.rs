@@ -1,0 +1,53 @@
+//! The placement flags, spelled and documented once for every binary.
+
+use fleet_models::placement::PlacementRequest;
+use fleet_topology::Workload;
+
+/// Which GPUs a job may use and how much of each (accelerate's `max_memory`): the part of the
+/// placement flags every binary shares, whatever its modes (`#[command(flatten)]`).
+#[derive(clap::Args, Debug, Clone, Default, PartialEq)]
+pub struct GpuSelectionArgs {
+    /// Only these GPUs (comma-separated CUDA indices, after CUDA_VISIBLE_DEVICES).
+    #[arg(long, value_delimiter = ',')]
+    pub gpu_ids: Option<Vec<usize>>,
+    /// Per-device budgets in accelerate's style, e.g. `0=60GiB,1=0.9,cpu=64GiB` (default:
+    /// each GPU less 10% or 1 GiB).
+    #[arg(long)]
+    pub max_memory: Option<String>,
+}
+
+/// The placement flags of a job that places an inference model by plan (argo-exp's real
+/// runs, edit-score): `--gpu-mode` and the GPU selection.
+#[derive(clap::Args, Debug, Clone, PartialEq)]
+pub struct PlacementArgs {
+    /// Placement: auto, single, data-parallel (one replica per GPU), layer-sharded or sharded
+    /// (one replica over all GPUs) or hybrid[:N] (replicas of N GPUs each).
+    #[arg(long, default_value = "auto")]
+    pub gpu_mode: String,
+    /// The GPUs and their budgets.
+    #[command(flatten)]
+    pub gpus: GpuSelectionArgs,
+}
+
+impl Default for PlacementArgs {
+    /// What the flags give when none is passed: `auto` on every visible GPU, default budgets.
+    fn default() -> Self {
+        PlacementArgs {
+            gpu_mode: "auto".into(),
+            gpus: GpuSelectionArgs::default(),
+        }
+    }
+}
+
+impl PlacementArgs {
+    /// The request the flags make for `workload` (an unknown mode or a budget that does not
+    /// parse is an error naming it).
+    pub fn request(&self, workload: Workload) -> anyhow::Result<PlacementRequest> {
+        Ok(PlacementRequest::from_flags(
+            &self.gpu_mode,
+            self.gpus.gpu_ids.clone(),
+            self.gpus.max_memory.as_deref(),
+            workload,
+        )?)
+    }
+}
