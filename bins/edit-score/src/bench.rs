@@ -254,13 +254,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .map(|r| (r.stage.to_string(), r.seconds, r.calls))
         .collect();
     profile.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let peak_live_bytes: std::collections::BTreeMap<String, u64> = gpus
-        .iter()
-        .filter_map(|&g| {
-            let (live, _) = fleet_topology::gpu_pool_high_water(g)?;
-            Some((DeviceLocation::Cuda(g).to_string(), live))
-        })
-        .collect();
+    let peak_live_bytes = fleet_cli::bench::device_peaks(&devices);
     let report = Report {
         engine: "fleet",
         commit: fleet_dist::commit_id(),
@@ -289,19 +283,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "{:.3} samples/s ({samples} samples, batch {}, {} image tokens + text per sample)",
         report.samples_per_s, args.batch, image_tokens
     );
-    for (device, bytes) in &report.peak_live_bytes {
-        eprintln!(
-            "  peak on {device}: {}",
-            fleet_topology::format_bytes(*bytes)
-        );
-    }
-    if let Some(logical) = &report.logical_devices {
-        eprintln!("  on {logical}: one GPU's bandwidth and compute shared by all");
-    }
-    let json = serde_json::to_string_pretty(&report)?;
-    match &args.json {
-        Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
-        None => fleet_cli::outln!("{json}")?,
-    }
+    fleet_cli::bench::print_device_peaks(
+        &report.peak_live_bytes,
+        report.logical_devices.as_deref(),
+    );
+    fleet_cli::bench::write_report(&report, args.json.as_deref())?;
     Ok(())
 }

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use fleet_models::{
     parse_dtype, DeviceLocation, DeviceMap, GenerationRequest, Generator, QwenConfig, QwenModel,
@@ -196,11 +196,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         runs,
         logical_devices: fleet_topology::logical::describe(),
     };
-    let json = serde_json::to_string_pretty(&report)?;
-    match &args.json {
-        Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
-        None => fleet_cli::outln!("{json}")?,
-    }
+    fleet_cli::bench::write_report(&report, args.json.as_deref())?;
     Ok(())
 }
 

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use fleet_dist::{ItemResult, PoolOptions, ReplicaPool, Worker};
 use fleet_models::{DeviceLocation, GenerationRequest, Generator, QwenModel};
@@ -179,13 +179,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
             ItemResult::Failed { errors } => bail!("batch {i} failed on every replica: {errors:?}"),
         }
     }
-    let peak_live_bytes = locations
-        .iter()
-        .filter_map(|d| {
-            let (live, _) = fleet_topology::gpu_pool_high_water(d.cuda_ordinal()?)?;
-            Some((d.to_string(), live))
-        })
-        .collect();
+    let peak_live_bytes = fleet_cli::bench::device_peaks(&locations);
     let report = Report {
         engine: "fleet",
         commit: fleet_dist::commit_id(),
@@ -226,19 +220,10 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         wall,
         report.decode_tok_s
     );
-    for (device, bytes) in &report.peak_live_bytes {
-        eprintln!(
-            "  peak on {device}: {}",
-            fleet_topology::format_bytes(*bytes)
-        );
-    }
-    if let Some(logical) = &report.logical_devices {
-        eprintln!("  on {logical}: one GPU's bandwidth and compute shared by all");
-    }
-    let json = serde_json::to_string_pretty(&report)?;
-    match &args.json {
-        Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
-        None => fleet_cli::outln!("{json}")?,
-    }
+    fleet_cli::bench::print_device_peaks(
+        &report.peak_live_bytes,
+        report.logical_devices.as_deref(),
+    );
+    fleet_cli::bench::write_report(&report, args.json.as_deref())?;
     Ok(())
 }

@@ -6,6 +6,7 @@
 
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod stdout;
 
 mod placement;
