@@ -73,6 +73,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use fleet_data::jsonl::JsonlLine;
 pub use fleet_data::source::{SourceLocation, MAX_EXAMPLES_PER_REASON};
 
 /// Fewest options an item may have.
@@ -907,40 +908,18 @@ fn read_lines(
     })?;
     let mut report = FileReport::new(path, difficulty);
     let mut question_texts: HashSet<String> = HashSet::new();
-    let mut raw_lines: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
-    // The split leaves an empty piece after a final newline; it is not a line.
-    if raw_lines.last().is_some_and(|l| l.is_empty()) {
-        raw_lines.pop();
-    }
+    let raw_lines = fleet_data::jsonl::split_lines(&bytes);
     report.lines = raw_lines.len();
     for (i, raw) in raw_lines.into_iter().enumerate() {
         let line_no = i + 1;
-        let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
-        // A UTF-8 byte-order mark would make the first line malformed JSON; it carries no data.
-        let raw = if line_no == 1 {
-            raw.strip_prefix(b"\xef\xbb\xbf".as_slice()).unwrap_or(raw)
-        } else {
-            raw
-        };
-        let text = match std::str::from_utf8(raw) {
-            Ok(t) => t,
-            Err(e) => {
-                report.skip(
-                    line_no,
-                    SkipReason::MalformedJson,
-                    format!("invalid UTF-8 at byte {}", e.valid_up_to()),
-                );
+        let value: Value = match fleet_data::jsonl::parse_line(line_no, raw) {
+            JsonlLine::Value(v) => v,
+            JsonlLine::Blank => {
+                report.blank_lines += 1;
                 continue;
             }
-        };
-        if text.trim().is_empty() {
-            report.blank_lines += 1;
-            continue;
-        }
-        let value: Value = match serde_json::from_str(text) {
-            Ok(v) => v,
-            Err(e) => {
-                report.skip(line_no, SkipReason::MalformedJson, e.to_string());
+            JsonlLine::Malformed(why) => {
+                report.skip(line_no, SkipReason::MalformedJson, why);
                 continue;
             }
         };

@@ -5,8 +5,10 @@
 //! - [`answer`]: the option a reply chose, or why it could not be read (never a default).
 //! - [`source`]: where a dataset item came from ([`SourceLocation`]) and how many examples of
 //!   each skip reason a load report keeps.
+//! - [`jsonl`]: a JSONL dataset read line by line (each line's fate its own).
 
 pub mod answer;
+pub mod jsonl;
 pub mod source;
 
 pub use source::{SourceLocation, MAX_EXAMPLES_PER_REASON};

@@ -49,6 +49,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use fleet_data::answer::{parse_answer_with_options, MAX_OPTIONS, MIN_OPTIONS};
+use fleet_data::jsonl::{json_kind, JsonlLine};
 pub use fleet_data::{SourceLocation, MAX_EXAMPLES_PER_REASON};
 use fleet_models::ChatMessage;
 use rand::{RngCore, SeedableRng};
@@ -408,38 +409,18 @@ pub fn load_prompts(path: &Path) -> Result<PromptDataset, DatasetError> {
     let mut report = LoadReport::new(path);
     let mut samples = Vec::new();
     let mut ids: HashMap<String, usize> = HashMap::new();
-    let mut raw_lines: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
-    if raw_lines.last().is_some_and(|l| l.is_empty()) {
-        raw_lines.pop();
-    }
+    let raw_lines = fleet_data::jsonl::split_lines(&bytes);
     report.lines = raw_lines.len();
     for (i, raw) in raw_lines.into_iter().enumerate() {
         let line = i + 1;
-        let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
-        let raw = if line == 1 {
-            raw.strip_prefix(b"\xef\xbb\xbf".as_slice()).unwrap_or(raw)
-        } else {
-            raw
-        };
-        let text = match std::str::from_utf8(raw) {
-            Ok(t) => t,
-            Err(e) => {
-                report.skip(
-                    line,
-                    SkipReason::MalformedJson,
-                    format!("invalid UTF-8 at byte {}", e.valid_up_to()),
-                );
+        let value: Value = match fleet_data::jsonl::parse_line(line, raw) {
+            JsonlLine::Value(v) => v,
+            JsonlLine::Blank => {
+                report.blank_lines += 1;
                 continue;
             }
-        };
-        if text.trim().is_empty() {
-            report.blank_lines += 1;
-            continue;
-        }
-        let value: Value = match serde_json::from_str(text) {
-            Ok(v) => v,
-            Err(e) => {
-                report.skip(line, SkipReason::MalformedJson, e.to_string());
+            JsonlLine::Malformed(why) => {
+                report.skip(line, SkipReason::MalformedJson, why);
                 continue;
             }
         };
@@ -542,7 +523,7 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
                 } else {
                     ""
                 },
-                type_name(&other)
+                json_kind(&other)
             )))
         }
     };
@@ -555,7 +536,7 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
         Some(other) => {
             return Err(bad_format(format!(
                 "`answer` must be a string or a number, got {}",
-                type_name(&other)
+                json_kind(&other)
             )))
         }
     };
@@ -582,7 +563,7 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
                             format!(
                                 "option {} must be a non-empty string, got {}",
                                 i + 1,
-                                type_name(&other)
+                                json_kind(&other)
                             ),
                         ))
                     }
@@ -608,7 +589,7 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
                 SkipReason::BadOptions,
                 format!(
                     "`options` must be a list of strings, got {}",
-                    type_name(&other)
+                    json_kind(&other)
                 ),
             ))
         }
@@ -621,17 +602,6 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
         correct_option,
         source,
     })
-}
-
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
-    }
 }
 
 /// The order of `len` prompts in `epoch` under `seed`: a Fisher-Yates shuffle driven by

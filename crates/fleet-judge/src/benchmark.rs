@@ -30,6 +30,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
+use fleet_data::jsonl::json_kind;
 use fleet_models::vision::MAX_ASPECT_RATIO;
 use image::DynamicImage;
 use serde_json::{Map, Value};
@@ -413,17 +414,6 @@ fn require_dir(path: &Path, what: &'static str) -> Result<()> {
             path: path.to_path_buf(),
             source,
         }),
-    }
-}
-
-fn json_kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
     }
 }
 

@@ -1,6 +1,6 @@
 //! The answer parser on adversarial replies: what must parse, and what must stay unparsed.
 
-use fleet_argo::answer::{parse_answer, parse_answer_with_options, ParsedAnswer, UnparsedReason};
+use fleet_data::answer::{parse_answer, parse_answer_with_options, ParsedAnswer, UnparsedReason};
 
 use ParsedAnswer::Option as Opt;
 use UnparsedReason::*;
