@@ -151,6 +151,13 @@ pub enum LossError {
     Candle(#[from] candle_core::Error),
 }
 
+/// `?` in a loss closure of `TrainableQwen::forward_backward` keeps the error whole.
+impl From<LossError> for fleet_models::ModelError {
+    fn from(e: LossError) -> Self {
+        fleet_models::ModelError::loss(e)
+    }
+}
+
 /// The loss settings (the fields of [`GspoConfig`] the loss reads).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LossConfig {
@@ -728,6 +735,21 @@ pub fn masked_sum(values: &Tensor, mask: &Tensor) -> Result<f64, LossError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `?` on a loss error inside `forward_backward`'s closure keeps the error whole: the
+    /// trainer sees the loss's own message, not a flattened string.
+    #[test]
+    fn a_loss_error_converts_into_the_models_error_with_its_message() {
+        let e = LossError::MaskValue {
+            row: 1,
+            col: 2,
+            value: 0.5,
+        };
+        let text = e.to_string();
+        let m: fleet_models::ModelError = e.into();
+        assert!(matches!(m, fleet_models::ModelError::Loss(_)));
+        assert_eq!(m.to_string(), text);
+    }
     use candle_core::{Device, Var};
 
     const EPS: f64 = 3e-4;

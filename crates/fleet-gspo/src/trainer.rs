@@ -667,8 +667,7 @@ impl Trainer {
                         advantages: &advantages,
                     },
                     loss_config,
-                )
-                .map_err(|e| fleet_models::ModelError::BadInput(e.to_string()))?;
+                )?;
                 // A share (of the ranks, or of a split micro-batch): its sum over the whole
                 // micro-batch's sequences.
                 let loss = if shared && global_sequences > 0 {

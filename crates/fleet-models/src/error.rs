@@ -80,6 +80,12 @@ pub enum ModelError {
     /// Input that the model cannot take (too long, empty, out-of-vocabulary ids…).
     #[error("{0}")]
     BadInput(String),
+    /// The caller's loss function failed inside a training pass
+    /// (`TrainableQwen::forward_backward`): its own error, kept whole. A crate whose loss has
+    /// an error type of its own gives it `From` for this (`ModelError::loss`), so that `?`
+    /// converts it inside the loss closure.
+    #[error("{0}")]
+    Loss(Box<dyn std::error::Error + Send + Sync>),
     /// The model source could not be resolved (hub offline, unknown repo…).
     #[error("model `{model}`: {message}")]
     Source {
@@ -144,6 +150,11 @@ pub enum ModelError {
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
 impl ModelError {
+    /// [`ModelError::Loss`] holding `error`: a loss function's own error.
+    pub fn loss(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        ModelError::Loss(Box::new(error))
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         ModelError::Io {
             path: path.into(),

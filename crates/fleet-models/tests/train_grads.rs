@@ -230,3 +230,21 @@ fn the_inference_model_of_the_trained_weights_gives_the_same_logits() {
     let got = lp.logp.flatten_all().unwrap().to_vec1::<f32>().unwrap()[0];
     assert!((got - want).abs() < 1e-5, "{got} vs {want}");
 }
+
+/// One call loads a trainable model from a checkpoint directory (or hub id), and its gradients
+/// come back by the checkpoint's parameter names.
+#[test]
+fn one_call_loads_a_trainable_model_and_gradients_come_back_by_name() {
+    let dir = fixtures().join("qwen2-tiny");
+    let model =
+        TrainableQwen::load(dir.to_str().unwrap(), &fleet_models::LoadOptions::default()).unwrap();
+    let g = golden("qwen2-tiny");
+    let mut grads = ParamGrads::new();
+    backward_into(&model, &g, &mut grads);
+    let named: Vec<(&str, &Tensor)> = model.named_gradients(&grads).collect();
+    assert_eq!(named.len(), g.grads.len());
+    for (name, grad) in named {
+        let e = rel_err(grad, &g.grads[name]);
+        assert!(e < 1e-4, "gradient of {name}: rel err {e}");
+    }
+}

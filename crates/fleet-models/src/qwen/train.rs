@@ -314,6 +314,44 @@ pub struct TrainableQwen {
 }
 
 impl TrainableQwen {
+    /// A checkpoint directory or hub id (`owner/name`, `opts.revision`) as a trainable model, in
+    /// one call: f32 master weights on `opts.device_map` (the CPU when `None`), passes in
+    /// `opts.dtype`. [`TrainableQwen::new`] takes the pieces instead.
+    ///
+    /// ```no_run
+    /// use fleet_models::qwen::train::TrainableQwen;
+    /// use fleet_models::LoadOptions;
+    /// let model = TrainableQwen::load("Qwen/Qwen2.5-0.5B-Instruct", &LoadOptions::default())?;
+    /// # Ok::<(), fleet_models::ModelError>(())
+    /// ```
+    pub fn load(spec: &str, opts: &crate::LoadOptions) -> Result<Self> {
+        let files =
+            crate::ModelSource::parse(spec, opts.revision.as_deref())?.resolve(&opts.hub)?;
+        let cfg = QwenConfig::from_file(&files.config)?;
+        let map = opts
+            .device_map
+            .clone()
+            .unwrap_or_else(|| DeviceMap::single(DeviceLocation::Cpu, cfg.num_hidden_layers));
+        Self::new(
+            &cfg,
+            &Weights::from_safetensors(&files.weights)?,
+            opts.dtype,
+            &map,
+        )
+    }
+
+    /// `grads`' gradients by parameter name (the checkpoint's, as transformers names them), in
+    /// [`TrainableQwen::params`] order; parameters without a gradient are left out.
+    pub fn named_gradients<'a>(
+        &'a self,
+        grads: &'a ParamGrads,
+    ) -> impl Iterator<Item = (&'a str, &'a Tensor)> + 'a {
+        self.params
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| Some((p.name.as_str(), grads.get(i)?)))
+    }
+
     /// Loads every tensor of the checkpoint as an f32 master weight on the device `map` gives
     /// its block; passes compute in `dtype` (bf16 on GPUs, f32 on the CPU).
     pub fn new(cfg: &QwenConfig, weights: &Weights, dtype: DType, map: &DeviceMap) -> Result<Self> {
