@@ -153,7 +153,8 @@ impl Trainer {
         self.state.cursor = self.sampler.cursor();
         self.state.num_tokens += rollouts.tokens;
 
-        let cfg = &self.config;
+        // A copy: the loop's optimizer step needs `self` mutably while the settings are read.
+        let cfg = &self.config.clone();
         let shares = self.shares();
         let loss_config = LossConfig::from(cfg);
         let gas = cfg.gradient_accumulation_steps;
@@ -203,70 +204,15 @@ impl Trainer {
                     continue;
                 }
                 // The optimizer step, on the gradients summed over the ranks.
-                let timer = Stage::start(self, "optim.1_all_reduce");
-                if let Some(dp) = &self.dp {
-                    let params: Vec<candle_core::Var> = self
-                        .optimizer
-                        .params()
-                        .iter()
-                        .map(|(_, v)| v.clone())
-                        .collect();
-                    dp.collective.all_reduce_grads(&mut grads, &params)?;
-                    let mut sums = [step_loss, step_tokens as f64];
-                    dp.collective.all_reduce_f64(&mut sums)?;
-                    step_loss = sums[0];
-                    step_tokens = sums[1] as u64;
-                    // Each micro-batch's counts summed over the ranks (TRL's
-                    // `global_masked_mean` reduces each micro-batch's sums over the processes).
-                    let mine = serde_json::to_vec(&step_metrics)
-                        .map_err(|e| TrainError::Setup(format!("loss metrics: {e}")))?;
-                    let mut all: Option<StepLossMetrics> = None;
-                    for bytes in dp.collective.all_gather_bytes(mine)? {
-                        let m: StepLossMetrics = serde_json::from_slice(&bytes).map_err(|e| {
-                            TrainError::Setup(format!("loss metrics from another rank: {e}"))
-                        })?;
-                        match &mut all {
-                            None => all = Some(m),
-                            Some(a) => a
-                                .merge_rank(&m)
-                                .map_err(|e| TrainError::Setup(e.to_string()))?,
-                        }
-                    }
-                    step_metrics = all.unwrap_or_default();
-                }
-                timer.stop(self)?;
+                self.all_reduce(
+                    &mut grads,
+                    &mut step_loss,
+                    &mut step_tokens,
+                    &mut step_metrics,
+                )?;
                 let optimizer_started = Instant::now();
-                let timer = Stage::start(self, "optim.2_clip");
-                let mut g = Gradients::new(std::mem::take(&mut grads).into_vec());
-                let norm = if cfg.max_grad_norm > 0.0 {
-                    clip_grad_norm(&mut g, cfg.max_grad_norm)
-                } else {
-                    crate::optim::grad_norm(&g)
-                };
-                let grad_norm = match norm {
-                    Ok(n) if n.is_finite() => n,
-                    Ok(norm) | Err(OptimError::NonFiniteGradNorm { norm }) => {
-                        let names = self.optimizer.params();
-                        let params = g
-                            .non_finite(3)?
-                            .into_iter()
-                            .map(|i| names[i].0.clone())
-                            .collect::<Vec<_>>()
-                            .join(", ");
-                        return Err(TrainError::NonFiniteGradients {
-                            step: self.state.step + 1,
-                            loss: step_loss,
-                            norm,
-                            params,
-                        });
-                    }
-                    Err(e) => return Err(e.into()),
-                };
-                timer.stop(self)?;
-                let timer = Stage::start(self, "optim.3_adamw");
-                let lr = self.schedule.lr(self.state.step) * self.layout.lr_scale;
-                self.optimizer.step(&g, lr)?;
-                timer.stop(self)?;
+                let (g, grad_norm) = self.clipped_gradients(&mut grads, step_loss)?;
+                let lr = self.optimizer_step(&g)?;
                 self.state.step += 1;
                 step_in_batch += 1;
                 let optimizer_seconds = optimizer_started.elapsed().as_secs_f64();
@@ -327,6 +273,98 @@ impl Trainer {
             self.save()?;
         }
         Ok(())
+    }
+
+    /// Sums the step's gradients, loss, tokens and per-micro-batch loss metrics over the
+    /// ranks (nothing to do in one process): every rank then holds the one-process gradient.
+    fn all_reduce(
+        &self,
+        grads: &mut ParamGrads,
+        step_loss: &mut f64,
+        step_tokens: &mut u64,
+        step_metrics: &mut StepLossMetrics,
+    ) -> Result<(), TrainError> {
+        let timer = Stage::start(self, "optim.1_all_reduce");
+        if let Some(dp) = &self.dp {
+            let params: Vec<candle_core::Var> = self
+                .optimizer
+                .params()
+                .iter()
+                .map(|(_, v)| v.clone())
+                .collect();
+            dp.collective.all_reduce_grads(grads, &params)?;
+            let mut sums = [*step_loss, *step_tokens as f64];
+            dp.collective.all_reduce_f64(&mut sums)?;
+            *step_loss = sums[0];
+            *step_tokens = sums[1] as u64;
+            // Each micro-batch's counts summed over the ranks (TRL's `global_masked_mean`
+            // reduces each micro-batch's sums over the processes).
+            let mine = serde_json::to_vec(&*step_metrics)
+                .map_err(|e| TrainError::Setup(format!("loss metrics: {e}")))?;
+            let mut all: Option<StepLossMetrics> = None;
+            for bytes in dp.collective.all_gather_bytes(mine)? {
+                let m: StepLossMetrics = serde_json::from_slice(&bytes).map_err(|e| {
+                    TrainError::Setup(format!("loss metrics from another rank: {e}"))
+                })?;
+                match &mut all {
+                    None => all = Some(m),
+                    Some(a) => a
+                        .merge_rank(&m)
+                        .map_err(|e| TrainError::Setup(e.to_string()))?,
+                }
+            }
+            *step_metrics = all.unwrap_or_default();
+        }
+        timer.stop(self)?;
+        Ok(())
+    }
+
+    /// The step's gradients (taken out of `grads`) clipped to `max_grad_norm`, and their norm
+    /// before clipping. A NaN or infinite norm stops the run with the step, its loss and the
+    /// first parameters whose gradient is not finite (the diagnostics), before any update.
+    fn clipped_gradients(
+        &self,
+        grads: &mut ParamGrads,
+        step_loss: f64,
+    ) -> Result<(Gradients, f64), TrainError> {
+        let cfg = &self.config;
+        let timer = Stage::start(self, "optim.2_clip");
+        let mut g = Gradients::new(std::mem::take(grads).into_vec());
+        let norm = if cfg.max_grad_norm > 0.0 {
+            clip_grad_norm(&mut g, cfg.max_grad_norm)
+        } else {
+            crate::optim::grad_norm(&g)
+        };
+        let grad_norm = match norm {
+            Ok(n) if n.is_finite() => n,
+            Ok(norm) | Err(OptimError::NonFiniteGradNorm { norm }) => {
+                let names = self.optimizer.params();
+                let params = g
+                    .non_finite(3)?
+                    .into_iter()
+                    .map(|i| names[i].0.clone())
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                return Err(TrainError::NonFiniteGradients {
+                    step: self.state.step + 1,
+                    loss: step_loss,
+                    norm,
+                    params,
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        timer.stop(self)?;
+        Ok((g, grad_norm))
+    }
+
+    /// One AdamW update with `g` at this step's learning rate, which it returns.
+    fn optimizer_step(&mut self, g: &Gradients) -> Result<f64, TrainError> {
+        let timer = Stage::start(self, "optim.3_adamw");
+        let lr = self.schedule.lr(self.state.step) * self.layout.lr_scale;
+        self.optimizer.step(g, lr)?;
+        timer.stop(self)?;
+        Ok(lr)
     }
 
     /// Writes a checkpoint of the current step.
