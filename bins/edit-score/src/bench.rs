@@ -6,11 +6,11 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use fleet_models::qwen3_vl::{Qwen3VlConfig, Qwen3VlModel, VlPrompt};
 use fleet_models::vision::{preprocess, ImageProcessorConfig};
-use fleet_models::{parse_dtype, DeviceLocation, DeviceMap, GenerationRequest, Weights};
+use fleet_models::{parse_dtype, DeviceMap, GenerationRequest, Weights};
 use serde::Serialize;
 
 /// The released Qwen3-VL preprocessor_config.json (configs/models/qwen3-vl-preprocessor.json).
@@ -129,12 +129,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let cfg = Qwen3VlConfig::from_file(&args.config)?;
     let processor = ImageProcessorConfig::from_json_str(RELEASED_PROCESSOR)?;
-    let devices: Vec<DeviceLocation> = args
-        .device
-        .split(',')
-        .map(|d| d.trim().parse())
-        .collect::<Result<_, _>>()
-        .with_context(|| format!("--device {}", args.device))?;
+    let devices = fleet_cli::parse_devices(&args.device)?;
     let gpus: Vec<usize> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
     let baseline: u64 = gpus
         .iter()

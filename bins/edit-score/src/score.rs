@@ -71,7 +71,7 @@ pub enum ImageArg {
 }
 
 /// Flags of the default command.
-#[derive(Args, Debug, Clone, Default)]
+#[derive(Args, Debug, Clone)]
 pub struct ScoreArgs {
     /// Score a small generated benchmark with the tiny judge bundled in this program (random
     /// weights: its scores are meaningless; it shows the pipeline, with no downloads).

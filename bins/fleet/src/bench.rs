@@ -89,7 +89,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
-    let devices = crate::cli::parse_devices(&args.device)?;
+    let devices = fleet_cli::parse_devices(&args.device)?;
     let gpus: Vec<usize> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
     let baseline = used_bytes(&gpus).unwrap_or(0);
 

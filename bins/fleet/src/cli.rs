@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use fleet_models::placement::{PlacementRequest, Replicas};
 use fleet_models::{
-    parse_dtype, ChatMessage, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions, TextModel,
+    parse_dtype, ChatMessage, DeviceMap, GenerationRequest, LoadOptions, TextModel,
 };
 
 use fleet_cli::{out, outln};
@@ -94,7 +94,7 @@ impl ModelArgs {
     }
 
     pub fn load(&self) -> Result<TextModel> {
-        let devices = parse_devices(&self.device)?;
+        let devices = fleet_cli::parse_devices(&self.device)?;
         // The map needs the layer count, which is in config.json: read that file first (no
         // weights fetched), then load with the map.
         let opts = self.options()?;
@@ -127,22 +127,6 @@ pub fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + 
         }
         Ok(n)
     }
-}
-
-pub fn parse_devices(s: &str) -> Result<Vec<DeviceLocation>> {
-    let devices: Vec<DeviceLocation> = s
-        .split(',')
-        .map(|d| d.parse::<DeviceLocation>())
-        .collect::<Result<_, _>>()?;
-    for (i, d) in devices.iter().enumerate() {
-        if devices[..i].contains(d) {
-            bail!("device {d} is listed twice in --device {s}");
-        }
-    }
-    if devices.is_empty() {
-        bail!("--device needs at least one device");
-    }
-    Ok(devices)
 }
 
 pub fn devices(args: &DevicesArgs) -> Result<()> {

@@ -12,7 +12,7 @@ pub mod stdout;
 mod placement;
 mod sampling;
 
-pub use placement::{GpuSelectionArgs, PlacementArgs};
+pub use placement::{parse_devices, GpuSelectionArgs, PlacementArgs};
 pub use sampling::SamplingArgs;
 
 use std::io::IsTerminal;

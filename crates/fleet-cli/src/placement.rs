@@ -1,7 +1,25 @@
 //! The placement flags, spelled and documented once for every binary.
 
 use fleet_models::placement::PlacementRequest;
-use fleet_topology::Workload;
+use fleet_topology::{DeviceLocation, Workload};
+
+/// `--device`'s list (`cuda:0,cuda:1`, `cpu`): the devices a model's layers are split over, in
+/// order; a device listed twice, or none, is an error naming the flag.
+pub fn parse_devices(s: &str) -> anyhow::Result<Vec<DeviceLocation>> {
+    let devices: Vec<DeviceLocation> = s
+        .split(',')
+        .map(|d| d.trim().parse::<DeviceLocation>())
+        .collect::<Result<_, _>>()?;
+    for (i, d) in devices.iter().enumerate() {
+        if devices[..i].contains(d) {
+            anyhow::bail!("device {d} is listed twice in --device {s}");
+        }
+    }
+    if devices.is_empty() {
+        anyhow::bail!("--device needs at least one device");
+    }
+    Ok(devices)
+}
 
 /// Which GPUs a job may use and how much of each (accelerate's `max_memory`): the part of the
 /// placement flags every binary shares, whatever its modes (`#[command(flatten)]`).
@@ -27,16 +45,6 @@ pub struct PlacementArgs {
     /// The GPUs and their budgets.
     #[command(flatten)]
     pub gpus: GpuSelectionArgs,
-}
-
-impl Default for PlacementArgs {
-    /// What the flags give when none is passed: `auto` on every visible GPU, default budgets.
-    fn default() -> Self {
-        PlacementArgs {
-            gpu_mode: "auto".into(),
-            gpus: GpuSelectionArgs::default(),
-        }
-    }
 }
 
 impl PlacementArgs {

@@ -82,6 +82,51 @@ impl Default for LoadOptions {
     }
 }
 
+/// A checkpoint as every model loader starts from it (inference's [`TextModel::load`] and
+/// [`VisionLanguageModel::load`], training's `TrainableQwen::load`): its files found (a local
+/// directory or the hub), its config read as `C`, its weights mapped, and where its blocks go
+/// (`opts.device_map`, else the CPU).
+pub(crate) struct Checkpoint<C> {
+    pub(crate) source: ModelSource,
+    pub(crate) files: CheckpointFiles,
+    pub(crate) config: C,
+    pub(crate) weights: Weights,
+    pub(crate) map: DeviceMap,
+}
+
+impl<C> Checkpoint<C> {
+    /// Opens `spec`, reading its config.json with `read` (`layers` counts its decoder layers).
+    pub(crate) fn open(
+        spec: &str,
+        opts: &LoadOptions,
+        read: impl Fn(&std::path::Path) -> Result<C>,
+        layers: impl Fn(&C) -> usize,
+    ) -> Result<Self> {
+        let source = ModelSource::parse(spec, opts.revision.as_deref())?;
+        let files = source.resolve(&opts.hub)?;
+        let config = read(&files.config)?;
+        let map = opts
+            .device_map
+            .clone()
+            .unwrap_or_else(|| DeviceMap::single(DeviceLocation::Cpu, layers(&config)));
+        let weights = Weights::from_safetensors(&files.weights)?;
+        Ok(Checkpoint {
+            source,
+            files,
+            config,
+            weights,
+            map,
+        })
+    }
+}
+
+impl Checkpoint<QwenConfig> {
+    /// A Qwen2/Qwen3 text checkpoint.
+    pub(crate) fn open_text(spec: &str, opts: &LoadOptions) -> Result<Self> {
+        Self::open(spec, opts, QwenConfig::from_file, |c| c.num_hidden_layers)
+    }
+}
+
 /// A loaded checkpoint: the model with its tokenizer, chat template and generation defaults.
 pub struct TextModel {
     /// Where it came from.
@@ -101,16 +146,9 @@ pub struct TextModel {
 impl TextModel {
     /// Loads a local directory or hub id (`owner/name`) with the given options.
     pub fn load(spec: &str, opts: &LoadOptions) -> Result<Self> {
-        let source = ModelSource::parse(spec, opts.revision.as_deref())?;
-        let files = source.resolve(&opts.hub)?;
-        let cfg = QwenConfig::from_file(&files.config)?;
-        let map = opts
-            .device_map
-            .clone()
-            .unwrap_or_else(|| DeviceMap::single(DeviceLocation::Cpu, cfg.num_hidden_layers));
-        let weights = Weights::from_safetensors(&files.weights)?;
-        let model = QwenModel::new(&cfg, &weights, opts.dtype, &map)?;
-        Self::with_model(source, files, model)
+        let c = Checkpoint::open_text(spec, opts)?;
+        let model = QwenModel::new(&c.config, &c.weights, opts.dtype, &c.map)?;
+        Self::with_model(c.source, c.files, model)
     }
 
     /// The checkpoint's tokenizer, chat template and generation config around a model built

@@ -325,19 +325,8 @@ impl TrainableQwen {
     /// # Ok::<(), fleet_models::ModelError>(())
     /// ```
     pub fn load(spec: &str, opts: &crate::LoadOptions) -> Result<Self> {
-        let files =
-            crate::ModelSource::parse(spec, opts.revision.as_deref())?.resolve(&opts.hub)?;
-        let cfg = QwenConfig::from_file(&files.config)?;
-        let map = opts
-            .device_map
-            .clone()
-            .unwrap_or_else(|| DeviceMap::single(DeviceLocation::Cpu, cfg.num_hidden_layers));
-        Self::new(
-            &cfg,
-            &Weights::from_safetensors(&files.weights)?,
-            opts.dtype,
-            &map,
-        )
+        let c = crate::Checkpoint::open_text(spec, opts)?;
+        Self::new(&c.config, &c.weights, opts.dtype, &c.map)
     }
 
     /// `grads`' gradients by parameter name (the checkpoint's, as transformers names them), in

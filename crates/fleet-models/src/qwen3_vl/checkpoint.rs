@@ -10,7 +10,6 @@
 
 use std::path::Path;
 
-use fleet_topology::{DeviceLocation, DeviceMap};
 use serde_json::Value;
 
 use crate::config::GenerationConfig;
@@ -19,7 +18,6 @@ use crate::generation::{GenerationOutput, GenerationRequest, StreamEvent};
 use crate::source::{CheckpointFiles, ModelSource};
 use crate::tokenizer::{ChatTemplate, TextTokenizer};
 use crate::vision::{preprocess, ImageProcessorConfig};
-use crate::weights::Weights;
 use crate::LoadOptions;
 
 use super::{expand_image_pads, rope_index, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
@@ -337,16 +335,11 @@ pub struct VisionLanguageModel {
 impl VisionLanguageModel {
     /// Loads a local directory or hub id with the given options.
     pub fn load(spec: &str, opts: &LoadOptions) -> Result<Self> {
-        let source = ModelSource::parse(spec, opts.revision.as_deref())?;
-        let files = source.resolve(&opts.hub)?;
-        let cfg = Qwen3VlConfig::from_file(&files.config)?;
-        let map = opts
-            .device_map
-            .clone()
-            .unwrap_or_else(|| DeviceMap::single(DeviceLocation::Cpu, cfg.text.num_hidden_layers));
-        let weights = Weights::from_safetensors(&files.weights)?;
-        let model = Qwen3VlModel::new(&cfg, &weights, opts.dtype, &map)?;
-        let mut vlm = Self::with_model(source, files, model)?;
+        let c = crate::Checkpoint::open(spec, opts, Qwen3VlConfig::from_file, |c| {
+            c.text.num_hidden_layers
+        })?;
+        let model = Qwen3VlModel::new(&c.config, &c.weights, opts.dtype, &c.map)?;
+        let mut vlm = Self::with_model(c.source, c.files, model)?;
         vlm.processor = vlm.processor.with_image_backend(opts.image_backend);
         Ok(vlm)
     }
