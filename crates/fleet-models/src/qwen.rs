@@ -325,6 +325,31 @@ pub(crate) struct Deepstack<'a> {
     pub(crate) features: &'a [Tensor],
 }
 
+/// Adds Qwen3-VL's deepstack features after the first layers (none for a text model).
+struct DeepstackHooks<'a> {
+    deepstack: Option<&'a Deepstack<'a>>,
+}
+
+impl LayerHooks for DeepstackHooks<'_> {
+    fn after(&mut self, i: usize, stream: &mut Stream) -> Result<()> {
+        let Some(ds) = self.deepstack.filter(|ds| i < ds.features.len()) else {
+            return Ok(());
+        };
+        // transformers adds the features to the layer's full output at the image tokens:
+        // materialise x + mlp first so the roundings match.
+        let (b, q_len, hidden) = stream.x.dims3()?;
+        let dev = stream.x.device().clone();
+        let h = stream.hidden()?;
+        let feats = crate::device::transfer(&ds.features[i], &dev)?.to_dtype(h.dtype())?;
+        let index = crate::device::transfer(ds.index, &dev)?;
+        let add = Tensor::zeros((b * q_len, hidden), h.dtype(), &dev)?
+            .index_add(&index, &feats, 0)?
+            .reshape((b, q_len, hidden))?;
+        *stream = Stream::new((h + add)?);
+        Ok(())
+    }
+}
+
 impl Attention {
     fn forward(
         &self,
@@ -529,6 +554,190 @@ impl DecoderLayer {
     }
 }
 
+/// The residual stream as the decoder carries it between layers: a layer's output `x` and
+/// its MLP output `pending`, not yet added (the next layer adds it, fused with its first
+/// norm). The hidden state is `x + pending`.
+struct Stream {
+    x: Tensor,
+    pending: Option<Tensor>,
+}
+
+impl Stream {
+    /// The stream entering the first layer: the embeddings, nothing pending.
+    fn new(x: Tensor) -> Self {
+        Stream { x, pending: None }
+    }
+
+    /// Both parts on `dev` (through [`crate::device::transfer`], never a bare copy).
+    fn moved_to(self, dev: &Device) -> Result<Self> {
+        if self.x.device().same_device(dev)
+            && self
+                .pending
+                .as_ref()
+                .is_none_or(|p| p.device().same_device(dev))
+        {
+            return Ok(self);
+        }
+        Ok(Stream {
+            x: crate::device::transfer(&self.x, dev)?,
+            pending: self
+                .pending
+                .map(|p| crate::device::transfer(&p, dev))
+                .transpose()?,
+        })
+    }
+
+    /// Both parts through `f` (a slice, a reshape).
+    fn map(self, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Stream {
+            x: f(&self.x)?,
+            pending: self.pending.as_ref().map(f).transpose()?,
+        })
+    }
+
+    /// The hidden state `x + pending` as one tensor, rounded as the next layer rounds it.
+    fn hidden(&self) -> Result<Tensor> {
+        Ok(match &self.pending {
+            Some(p) => (&self.x + p)?,
+            None => self.x.clone(),
+        })
+    }
+}
+
+/// What every layer of one call reads beside the stream, made once per call and device that
+/// holds layers: the RoPE rows of the call's positions and the rows' left-padding counts.
+struct LayerInputs(Vec<(DeviceLocation, RopeRows, Tensor)>);
+
+impl LayerInputs {
+    fn new(
+        rope: &[(DeviceLocation, RopeTables)],
+        devices: &Devices,
+        positions: &Positions,
+        pad: &[usize],
+    ) -> Result<Self> {
+        let pad: Vec<u32> = pad.iter().map(|&p| p as u32).collect();
+        let mut out = Vec::with_capacity(rope.len());
+        for (loc, tables) in rope {
+            let dev = devices.get(*loc);
+            out.push((
+                *loc,
+                tables.select(positions, dev)?,
+                Tensor::from_slice(&pad, pad.len(), dev)?,
+            ));
+        }
+        Ok(LayerInputs(out))
+    }
+
+    fn on(&self, loc: DeviceLocation) -> (&RopeRows, &Tensor) {
+        let (_, rows, pad) = self
+            .0
+            .iter()
+            .find(|(l, ..)| *l == loc)
+            .expect("layer inputs are made for every device that holds layers");
+        (rows, pad)
+    }
+}
+
+/// What a caller of [`run_layers`] does between layers.
+trait LayerHooks {
+    /// Before layer `i` runs, its input already on the layer's device.
+    fn before(&mut self, _i: usize, _stream: &Stream) -> Result<()> {
+        Ok(())
+    }
+
+    /// After layer `i` ran (Qwen3-VL adds its deepstack features here).
+    fn after(&mut self, _i: usize, _stream: &mut Stream) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// No hooks.
+struct Plain;
+
+impl LayerHooks for Plain {}
+
+/// The one loop over decoder layers, for inference, the training forward, the backward's
+/// recompute and the VL text model: layers `range` (each from `layer`: held by the inference
+/// model, built from the master weights by the trainer) on their devices, the stream moved
+/// between devices through `transfer`. With a `cache`, keys and values are appended to it
+/// (the caller advances it); without, every layer attends within the call (a passthrough).
+fn run_layers<L: std::borrow::Borrow<DecoderLayer>>(
+    range: std::ops::Range<usize>,
+    mut layer: impl FnMut(usize) -> Result<L>,
+    devices: &Devices,
+    inputs: &LayerInputs,
+    mut cache: Option<&mut KvCache>,
+    hooks: &mut dyn LayerHooks,
+    mut stream: Stream,
+) -> Result<Stream> {
+    for i in range {
+        let layer = layer(i)?;
+        let layer = layer.borrow();
+        stream = stream.moved_to(devices.get(layer.location))?;
+        hooks.before(i, &stream)?;
+        let (rows, pad) = inputs.on(layer.location);
+        let mut passthrough;
+        let layer_cache = match cache.as_deref_mut() {
+            Some(c) => c.layer_mut(i),
+            None => {
+                passthrough = LayerCache::passthrough();
+                &mut passthrough
+            }
+        };
+        let (x, mlp) = layer.forward(&stream.x, stream.pending.as_ref(), rows, pad, layer_cache)?;
+        stream = Stream {
+            x,
+            pending: Some(mlp),
+        };
+        hooks.after(i, &mut stream)?;
+    }
+    Ok(stream)
+}
+
+/// The token embedding, `{prefix}embed_tokens.weight`.
+fn load_embedding(cfg: &QwenConfig, ld: &BlockLoader<'_>) -> Result<Embedding> {
+    let (hs, vocab) = (cfg.hidden_size, cfg.vocab_size);
+    let (w, _) = ld.linear(&format!("{}embed_tokens", cfg.prefix()), hs, vocab, false)?;
+    Ok(Embedding::new(w, hs))
+}
+
+/// The final norm and the output projection on the head's device: the lm_head, the
+/// embedding matrix when tied (transformers ignores a saved lm_head.weight then; copied to the
+/// head's device when that differs from the embedding's), or a reward model's `score` head
+/// (a sequence classifier, without bias).
+fn load_head(
+    cfg: &QwenConfig,
+    head: &BlockLoader<'_>,
+    embedding: &Embedding,
+) -> Result<(RmsNorm, Linear)> {
+    let (hs, vocab) = (cfg.hidden_size, cfg.vocab_size);
+    let norm = head.norm(&format!("{}norm", cfg.prefix()), hs)?;
+    let w = if let Some(labels) = cfg.classifier_labels() {
+        head.linear("score", hs, labels, false)?.0
+    } else if cfg.tie_word_embeddings {
+        crate::device::transfer(embedding.embeddings(), head.device)?
+    } else {
+        head.linear("lm_head", hs, vocab, false)?.0
+    };
+    Ok((norm, Linear::new(w, None)))
+}
+
+/// One set of RoPE tables per device that holds layers.
+fn load_rope(
+    cfg: &QwenConfig,
+    dtype: DType,
+    map: &DeviceMap,
+    devices: &Devices,
+) -> Result<Vec<(DeviceLocation, RopeTables)>> {
+    let mut rope: Vec<(DeviceLocation, RopeTables)> = Vec::new();
+    for loc in map.layers.iter() {
+        if !rope.iter().any(|(l, _)| l == loc) {
+            rope.push((*loc, RopeTables::new(cfg, dtype, devices.get(*loc))?));
+        }
+    }
+    Ok(rope)
+}
+
 /// A Qwen-family causal language model whose blocks live on the devices of a [`DeviceMap`].
 pub struct QwenModel {
     cfg: QwenConfig,
@@ -563,7 +772,6 @@ impl QwenModel {
         map.validate(cfg.num_hidden_layers)?;
         let all: Vec<&Device> = devices.iter().map(|(_, d)| d).collect();
         weights.seed_devices(&all)?;
-        let (hs, vocab) = (cfg.hidden_size, cfg.vocab_size);
         let loader = |loc: DeviceLocation| BlockLoader {
             weights,
             dtype,
@@ -571,37 +779,13 @@ impl QwenModel {
             eps: cfg.rms_norm_eps,
         };
 
-        let prefix = cfg.prefix();
-        let embed_w = loader(map.embed)
-            .linear(&format!("{prefix}embed_tokens"), hs, vocab, false)?
-            .0;
-        let embed = Embedding::new(embed_w.clone(), hs);
-
+        let embed = load_embedding(cfg, &loader(map.embed))?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, &loc) in map.layers.iter().enumerate() {
             layers.push(DecoderLayer::load(cfg, &loader(loc), i, loc)?);
         }
-
-        let head = loader(map.head);
-        let norm = head.norm(&format!("{prefix}norm"), hs)?;
-        // Tied: the lm_head is the embedding matrix (transformers ignores a saved lm_head.weight
-        // then), copied to the head's device when that differs from the embedding's. A reward
-        // model (sequence classifier) has a `score` head instead, without bias.
-        let lm_head_w = if let Some(labels) = cfg.classifier_labels() {
-            head.linear("score", hs, labels, false)?.0
-        } else if cfg.tie_word_embeddings {
-            crate::device::transfer(&embed_w, head.device)?
-        } else {
-            head.linear("lm_head", hs, vocab, false)?.0
-        };
-        let lm_head = Linear::new(lm_head_w, None);
-
-        let mut rope = Vec::new();
-        for loc in map.layers.iter() {
-            if !rope.iter().any(|(l, _)| l == loc) {
-                rope.push((*loc, RopeTables::new(cfg, dtype, devices.get(*loc))?));
-            }
-        }
+        let (norm, lm_head) = load_head(cfg, &loader(map.head), &embed)?;
+        let rope = load_rope(cfg, dtype, map, &devices)?;
         // Every block, whichever device it went to, was read above: a tensor still unread is
         // one the config does not account for (fewer layers, no bias, tied head...).
         weights.check_unread(
@@ -836,68 +1020,25 @@ impl QwenModel {
                 )));
             }
         }
-        let pad_u32: Vec<u32> = pad.iter().map(|&p| p as u32).collect();
-        let mut x = x;
-        // The last layer's MLP output, not yet added to `x` (see `DecoderLayer::forward`).
-        let mut pending: Option<Tensor> = None;
-
-        // Per-device RoPE slices and padding counts, made once per call.
-        let mut per_device: Vec<(DeviceLocation, RopeRows, Tensor)> = Vec::new();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let dev = self.devices.get(layer.location);
-            if !x.device().same_device(dev) {
-                x = crate::device::transfer(&x, dev)?;
-                pending = pending
-                    .map(|p| crate::device::transfer(&p, dev))
-                    .transpose()?;
-            }
-            if !per_device.iter().any(|(l, ..)| *l == layer.location) {
-                let tables = &self
-                    .rope
-                    .iter()
-                    .find(|(l, _)| *l == layer.location)
-                    .expect("rope per layer device")
-                    .1;
-                let rows = tables.select(&positions, dev)?;
-                let pad_t = Tensor::from_slice(&pad_u32, b, dev)?;
-                per_device.push((layer.location, rows, pad_t));
-            }
-            let (_, rows, pad_t) = per_device
-                .iter()
-                .find(|(l, ..)| *l == layer.location)
-                .expect("just inserted");
-            let (nx, mlp) = layer.forward(&x, pending.as_ref(), rows, pad_t, cache.layer_mut(i))?;
-            x = nx;
-            pending = Some(mlp);
-            if let Some(ds) = deepstack.filter(|ds| i < ds.features.len()) {
-                // transformers adds the features to the layer's full output at the image
-                // tokens: materialise x + mlp first so the roundings match.
-                let hidden = x.dim(2)?;
-                let h = (&x + pending.take().expect("set above"))?;
-                let feats =
-                    crate::device::transfer(&ds.features[i], x.device())?.to_dtype(h.dtype())?;
-                let index = crate::device::transfer(ds.index, x.device())?;
-                let add = Tensor::zeros((b * q_len, hidden), h.dtype(), x.device())?
-                    .index_add(&index, &feats, 0)?
-                    .reshape((b, q_len, hidden))?;
-                x = (h + add)?;
-            }
-        }
+        let inputs = LayerInputs::new(&self.rope, &self.devices, &positions, pad)?;
+        let mut hooks = DeepstackHooks { deepstack };
+        let stream = run_layers(
+            0..self.layers.len(),
+            |i| Ok(&self.layers[i]),
+            &self.devices,
+            &inputs,
+            Some(cache),
+            &mut hooks,
+            Stream::new(x),
+        )?;
         cache.advance(q_len);
 
         let head_dev = self.output_device();
-        if !x.device().same_device(head_dev) {
-            x = crate::device::transfer(&x, head_dev)?;
-            pending = pending
-                .map(|p| crate::device::transfer(&p, head_dev))
-                .transpose()?;
-        }
+        let mut stream = stream.moved_to(head_dev)?;
         if last_only {
-            x = x.i((.., q_len - 1..q_len, ..))?;
-            pending = pending
-                .map(|p| p.i((.., q_len - 1..q_len, ..)))
-                .transpose()?;
+            stream = stream.map(|t| Ok(t.i((.., q_len - 1..q_len, ..))?))?;
         }
+        let Stream { x, pending } = stream;
         let logits = profile::time(head_dev, "head", || {
             let x = match &pending {
                 Some(p) => self.norm.add_forward(&x, p)?.1,

@@ -26,11 +26,13 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Embedding, Linear, Module};
 use fleet_topology::{DeviceLocation, DeviceMap};
 
-use super::{BlockLoader, DecoderLayer, Positions, QwenModel, RmsNorm, RopeRows, RopeTables};
+use super::{
+    load_embedding, load_head, load_rope, run_layers, BlockLoader, DecoderLayer, LayerHooks,
+    LayerInputs, Plain, Positions, QwenModel, RmsNorm, RopeTables, Stream,
+};
 use crate::config::QwenConfig;
 use crate::device::Devices;
 use crate::error::{ModelError, Result};
-use crate::kv_cache::LayerCache;
 use crate::profile;
 use crate::weights::Weights;
 
@@ -406,12 +408,7 @@ impl TrainableQwen {
             .enumerate()
             .map(|(i, p)| (p.name.clone(), i))
             .collect();
-        let mut rope = Vec::new();
-        for loc in map.layers.iter() {
-            if !rope.iter().any(|(l, _)| l == loc) {
-                rope.push((*loc, RopeTables::new(cfg, dtype, devices.get(*loc))?));
-            }
-        }
+        let rope = load_rope(cfg, dtype, map, &devices)?;
         let model = TrainableQwen {
             cfg: cfg.clone(),
             map: map.clone(),
@@ -427,11 +424,11 @@ impl TrainableQwen {
         // Building every block once checks names and shapes against config.json now, not at
         // the first step.
         let w = model.weights(false);
-        model.embedding(&w)?;
+        let embedding = model.embedding(&w)?;
         for i in 0..cfg.num_hidden_layers {
             model.block(&w, i)?;
         }
-        model.head(&w)?;
+        model.head(&w, &embedding)?;
         Ok(model)
     }
 
@@ -512,11 +509,7 @@ impl TrainableQwen {
     }
 
     fn embedding(&self, w: &Weights) -> Result<Embedding> {
-        let (hs, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
-        let (e, _) =
-            self.loader(w, self.map.embed)
-                .linear("model.embed_tokens", hs, vocab, false)?;
-        Ok(Embedding::new(e, hs))
+        load_embedding(&self.cfg, &self.loader(w, self.map.embed))
     }
 
     fn block(&self, w: &Weights, i: usize) -> Result<DecoderLayer> {
@@ -524,40 +517,41 @@ impl TrainableQwen {
         DecoderLayer::load(&self.cfg, &self.loader(w, loc), i, loc)
     }
 
-    fn head(&self, w: &Weights) -> Result<(RmsNorm, Linear)> {
-        let (hs, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
-        let head = self.loader(w, self.map.head);
-        let norm = head.norm("model.norm", hs)?;
-        let lm = if self.cfg.tie_word_embeddings {
-            let (e, _) =
-                self.loader(w, self.map.embed)
-                    .linear("model.embed_tokens", hs, vocab, false)?;
-            crate::device::transfer(&e, head.device)?
-        } else {
-            head.linear("lm_head", hs, vocab, false)?.0
-        };
-        Ok((norm, Linear::new(lm, None)))
+    /// The final norm and the output projection; `embedding` is the tied lm_head's source.
+    fn head(&self, w: &Weights, embedding: &Embedding) -> Result<(RmsNorm, Linear)> {
+        load_head(&self.cfg, &self.loader(w, self.map.head), embedding)
     }
 
     /// RoPE rows and padding counts of `batch`, per device that holds layers.
-    fn inputs(&self, batch: &TokenBatch) -> Result<Vec<(DeviceLocation, RopeRows, Tensor)>> {
+    fn inputs(&self, batch: &TokenBatch) -> Result<LayerInputs> {
         let (b, len) = (batch.rows(), batch.ids[0].len());
         let mut ids = Vec::with_capacity(b * len);
         for &p in &batch.pad {
             ids.extend((0..len).map(|i| i.saturating_sub(p) as u32));
         }
         let positions = Positions::PerRow { ids, batch: b, len };
-        let pad: Vec<u32> = batch.pad.iter().map(|&p| p as u32).collect();
-        let mut out = Vec::new();
-        for (loc, tables) in &self.rope {
-            let dev = self.devices.get(*loc);
-            out.push((
-                *loc,
-                tables.select(&positions, dev)?,
-                Tensor::from_slice(&pad, b, dev)?,
-            ));
-        }
-        Ok(out)
+        LayerInputs::new(&self.rope, &self.devices, &positions, &batch.pad)
+    }
+
+    /// Layers `range` of the master weights (`w`, tracked or detached) on `stream`, each block
+    /// built when it runs and dropped after.
+    fn run(
+        &self,
+        w: &Weights,
+        range: std::ops::Range<usize>,
+        inputs: &LayerInputs,
+        hooks: &mut dyn LayerHooks,
+        stream: Stream,
+    ) -> Result<Stream> {
+        run_layers(
+            range,
+            |i| self.block(w, i),
+            &self.devices,
+            inputs,
+            None,
+            hooks,
+            stream,
+        )
     }
 
     fn ids_tensor(&self, batch: &TokenBatch) -> Result<Tensor> {
@@ -630,30 +624,9 @@ impl TrainableQwen {
         Ok(views.into_iter().flatten().collect())
     }
 
-    /// Runs block `i` on `(x, pending)` (the residual stream as the decoder carries it).
-    fn run_block(
-        &self,
-        layer: &DecoderLayer,
-        x: &Tensor,
-        pending: Option<&Tensor>,
-        inputs: &[(DeviceLocation, RopeRows, Tensor)],
-    ) -> Result<(Tensor, Tensor)> {
-        let (_, rows, pad) = inputs
-            .iter()
-            .find(|(l, ..)| *l == layer.location)
-            .expect("inputs are made for every layer device");
-        let mut cache = LayerCache::passthrough();
-        layer.forward(x, pending, rows, pad, &mut cache)
-    }
-
     /// The hidden states (as `(x, pending)`) at the positions that predict the completion
     /// tokens, `[rows * completion_len, hidden]` each.
-    fn scored_rows(
-        &self,
-        batch: &TokenBatch,
-        x: &Tensor,
-        pending: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
+    fn scored_rows(&self, batch: &TokenBatch, stream: &Stream) -> Result<(Tensor, Tensor)> {
         let (b, c, h) = (batch.rows(), batch.completion_len(), self.cfg.hidden_size);
         let dev = self.devices.get(self.map.head);
         let pick = |t: &Tensor| -> Result<Tensor> {
@@ -662,7 +635,11 @@ impl TrainableQwen {
                 .contiguous()?
                 .reshape((b * c, h))?)
         };
-        Ok((pick(x)?, pick(pending)?))
+        let pending = stream
+            .pending
+            .as_ref()
+            .expect("a decoder has at least one layer");
+        Ok((pick(&stream.x)?, pick(pending)?))
     }
 
     /// Log-probs and entropies of `targets` from hidden rows `x + p`, without gradients: the
@@ -688,22 +665,12 @@ impl TrainableQwen {
         batch.validate(&self.cfg)?;
         let w = self.weights(false);
         let inputs = self.inputs(batch)?;
-        let mut x = self.embedding(&w)?.forward(&self.ids_tensor(batch)?)?;
-        let mut pending: Option<Tensor> = None;
-        for i in 0..self.cfg.num_hidden_layers {
-            let layer = self.block(&w, i)?;
-            let dev = self.devices.get(layer.location);
-            x = crate::device::transfer(&x, dev)?;
-            pending = pending
-                .map(|p| crate::device::transfer(&p, dev))
-                .transpose()?;
-            let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
-            x = nx;
-            pending = Some(mlp);
-        }
-        let pending = pending.expect("a decoder has at least one layer");
-        let (xs, ps) = self.scored_rows(batch, &x, &pending)?;
-        let head = self.head(&w)?;
+        let embedding = self.embedding(&w)?;
+        let x = embedding.forward(&self.ids_tensor(batch)?)?;
+        let n = self.cfg.num_hidden_layers;
+        let stream = self.run(&w, 0..n, &inputs, &mut Plain, Stream::new(x))?;
+        let (xs, ps) = self.scored_rows(batch, &stream)?;
+        let head = self.head(&w, &embedding)?;
         let targets = self.targets(batch)?;
         let flat = self.chunked(&xs, &ps, &targets, temperature, &head)?;
         let shape = (batch.rows(), batch.completion_len());
@@ -770,34 +737,22 @@ impl TrainableQwen {
         // in one buffer per device, allocated before the forward: allocated one by one between
         // the blocks' transients, they left the GPU allocator's pool fragmented.
         let starts = self.segment_starts(batch, &segments)?;
+        let embedding = self.embedding(&detached)?;
         let (xs, ps) = profile::time(&head_dev, "train.1_forward_no_graph", || {
-            let mut x = self.embedding(&detached)?.forward(&ids)?;
-            let mut pending: Option<Tensor> = None;
-            for i in 0..self.cfg.num_hidden_layers {
-                let layer = self.block(&detached, i)?;
-                let dev = self.devices.get(layer.location);
-                x = crate::device::transfer(&x, dev)?;
-                pending = pending
-                    .map(|p| crate::device::transfer(&p, dev))
-                    .transpose()?;
-                if let Some(k) = segments.iter().position(|r| r.start == i) {
-                    let start = match &pending {
-                        Some(p) => (&x + p)?,
-                        None => x.clone(),
-                    };
-                    starts[k].slice_set(&start.contiguous()?, 0, 0)?;
-                }
-                let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
-                x = nx;
-                pending = Some(mlp);
-            }
-            let pending = pending.expect("a decoder has at least one layer");
-            self.scored_rows(batch, &x, &pending)
+            let x = embedding.forward(&ids)?;
+            let mut keep = KeepSegmentStarts {
+                segments: &segments,
+                starts: &starts,
+            };
+            let n = self.cfg.num_hidden_layers;
+            let stream = self.run(&detached, 0..n, &inputs, &mut keep, Stream::new(x))?;
+            self.scored_rows(batch, &stream)
         })?;
 
         // 2. Log-probs without a graph, then the loss and its gradient with respect to them.
         let targets = self.targets(batch)?;
-        let head_detached = self.head(&detached)?;
+        let head_detached = self.head(&detached, &embedding)?;
+        drop(embedding);
         let values = profile::time(&head_dev, "train.2_head_values", || {
             self.chunked(&xs, &ps, &targets, temperature, &head_detached)
         })?;
@@ -830,9 +785,10 @@ impl TrainableQwen {
             profile::begin();
             std::time::Instant::now()
         });
-        let head = self.head(&tracked)?;
+        let head = self.head(&tracked, &self.embedding(&tracked)?)?;
+        let embed_name = format!("{}embed_tokens.weight", self.cfg.prefix());
         let lm_name = if self.cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
+            embed_name.as_str()
         } else {
             "lm_head.weight"
         };
@@ -920,20 +876,9 @@ impl TrainableQwen {
             let xv = Var::from_tensor(x0)?;
             let seg_dev = self.devices.get(self.map.layers[first]).clone();
             let (x, pending) = profile::time(&seg_dev, "train.4a_blocks_recompute", || {
-                let mut x = xv.as_tensor().clone();
-                let mut pending: Option<Tensor> = None;
-                for i in first..last {
-                    let layer = self.block(&tracked, i)?;
-                    let dev = self.devices.get(layer.location);
-                    x = crate::device::transfer(&x, dev)?;
-                    pending = pending
-                        .map(|p| crate::device::transfer(&p, dev))
-                        .transpose()?;
-                    let (nx, mlp) = self.run_block(&layer, &x, pending.as_ref(), &inputs)?;
-                    x = nx;
-                    pending = Some(mlp);
-                }
-                Ok((x, pending.expect("a segment has at least one block")))
+                let start = Stream::new(xv.as_tensor().clone());
+                let s = self.run(&tracked, first..last, &inputs, &mut Plain, start)?;
+                Ok((s.x, s.pending.expect("a segment has at least one block")))
             })?;
             let g_here = crate::device::transfer(&g, x.device())?.to_dtype(x.dtype())?;
             let gs = profile::time(&seg_dev, "train.4b_blocks_backward", || {
@@ -958,12 +903,9 @@ impl TrainableQwen {
         // the accumulator in place (autograd's index_add made two more tensors of the
         // embedding's size, its zeros and its result): the rows of each distinct id are summed
         // in f32 first, then added to the accumulator once.
-        let embed_idx = *self
-            .by_name
-            .get("model.embed_tokens.weight")
-            .ok_or_else(|| {
-                ModelError::BadInput("the trainable model has no model.embed_tokens.weight".into())
-            })?;
+        let embed_idx = *self.by_name.get(&embed_name).ok_or_else(|| {
+            ModelError::BadInput(format!("the trainable model has no {embed_name}"))
+        })?;
         let embed = &self.params[embed_idx].var;
         let dev = embed.device();
         let mut slot_of: std::collections::HashMap<u32, u32> = Default::default();
@@ -1037,6 +979,22 @@ const ACCUMULATE_SLICE_ELEMENTS: usize = 16 << 20;
 /// so that the sum needs no second tensor of the parameter's size (a tied embedding's gradient
 /// is 0.5-1 GB in f32). In place is safe because a sum lives in this step's gradient buffers
 /// alone.
+/// The training forward's hook: keeps the input of each segment the backward recomputes
+/// (the hidden state `x + pending`, one tensor, in its slot of [`TrainableQwen::segment_starts`]).
+struct KeepSegmentStarts<'a> {
+    segments: &'a [std::ops::Range<usize>],
+    starts: &'a [Tensor],
+}
+
+impl LayerHooks for KeepSegmentStarts<'_> {
+    fn before(&mut self, i: usize, stream: &Stream) -> Result<()> {
+        if let Some(k) = self.segments.iter().position(|r| r.start == i) {
+            self.starts[k].slice_set(&stream.hidden()?.contiguous()?, 0, 0)?;
+        }
+        Ok(())
+    }
+}
+
 fn add_in_place(acc: &Tensor, g: &Tensor, slice_elements: usize) -> Result<()> {
     let g = as_rows(g)?;
     Ok(crate::ops::update_rows_in_place(
