@@ -1,16 +1,30 @@
-//! With the `cuda` feature, compiles the kernels in `kernels/` (ops.cu: fused decoder ops;
-//! attention.cu: fused attention) to PTX with nvcc (the toolkit that candle's kernels are built
-//! with: $CUDA_HOME/bin/nvcc, else nvcc on PATH) for CUDA_COMPUTE_CAP.
+//! With the `cuda` feature, compiles the kernels to PTX with nvcc (the toolkit that candle's
+//! kernels are built with: $CUDA_HOME/bin/nvcc, else nvcc on PATH) for CUDA_COMPUTE_CAP:
+//! every `src/ops/<op>.cu` (each fused op's kernels, beside its launcher) and
+//! `src/attention.cu` (fused attention), each to `$OUT_DIR/<name>.ptx`.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-/// Kernel sources, each compiled to `$OUT_DIR/<name>.ptx`.
-const KERNELS: [&str; 2] = ["ops", "attention"];
+/// Every kernel source, sorted: `src/ops/*.cu` and `src/attention.cu`.
+fn kernel_sources() -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir("src/ops")
+        .expect("src/ops is part of the crate")
+        .map(|e| e.expect("src/ops is readable").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    out.push(PathBuf::from("src/attention.cu"));
+    out.sort();
+    out
+}
 
 fn main() {
-    for k in KERNELS {
-        println!("cargo:rerun-if-changed=kernels/{k}.cu");
+    let sources = kernel_sources();
+    // A new .cu in src/ops changes the directory; common.cuh is included by every op's kernel.
+    println!("cargo:rerun-if-changed=src/ops");
+    println!("cargo:rerun-if-changed=src/ops/common.cuh");
+    for k in &sources {
+        println!("cargo:rerun-if-changed={}", k.display());
     }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
@@ -27,7 +41,8 @@ fn main() {
         .ok()
         .filter(|p| p.exists())
         .unwrap_or_else(|| PathBuf::from("nvcc"));
-    for k in KERNELS {
+    for k in &sources {
+        let name = k.file_stem().expect("a .cu file").to_string_lossy();
         let status = Command::new(&nvcc)
             // Flags meant for fatbins (e.g. --compress-mode) do not apply to PTX output.
             .env_remove("NVCC_APPEND_FLAGS")
@@ -38,14 +53,15 @@ fn main() {
                 &format!("-arch=sm_{cap}"),
                 "-o",
             ])
-            .arg(out_dir.join(format!("{k}.ptx")))
-            .arg(format!("kernels/{k}.cu"))
+            .arg(out_dir.join(format!("{name}.ptx")))
+            .arg(k)
             .status();
         match status {
             Ok(s) if s.success() => {}
             Ok(s) => panic!(
-                "{} failed ({s}) compiling kernels/{k}.cu; see its messages above",
-                nvcc.display()
+                "{} failed ({s}) compiling {}; see its messages above",
+                nvcc.display(),
+                k.display()
             ),
             Err(e) => panic!(
                 "cannot run {} ({e}): the `cuda` feature needs the CUDA toolkit; set CUDA_HOME (docs/gpu.md)",

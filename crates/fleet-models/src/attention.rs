@@ -1,5 +1,5 @@
 //! Fused attention on CUDA: `softmax(q kᵀ · scale) v` in one kernel whose scores never reach
-//! memory (the online softmax of FlashAttention-2, `kernels/attention.cu`), with the decoder's
+//! memory (the online softmax of FlashAttention-2, `attention.cu`), with the decoder's
 //! mask (causal, left padding) and grouped-query heads.
 //!
 //! The unfused path writes a `[heads, q_len, kv_len]` score buffer, reads it back for the

@@ -155,11 +155,9 @@ struct DecoderLayer {
 }
 
 /// cos/sin tables for every position up to `max_position_embeddings`, computed in f32 as
-/// transformers does and then cast to the model dtype (transformers casts before applying).
+/// transformers does and then cast to the model dtype (transformers casts before applying),
+/// in the one layout every RoPE op reads: `[cos | sin]` per position, `[n, head_dim]`.
 struct RopeTables {
-    cos: Tensor,
-    sin: Tensor,
-    /// `[cos | sin]` per position, `[n, d]`, for the fused q/k/v kernel.
     cs: Tensor,
     /// The `head_dim / 2` frequencies, for positions computed per call (M-RoPE).
     inv_freq: Vec<f32>,
@@ -169,8 +167,6 @@ struct RopeTables {
 /// The RoPE rows of one forward call on one device: `[q_len, ..]` when all rows share
 /// positions, `[b, q_len, ..]` otherwise.
 struct RopeRows {
-    cos: Tensor,
-    sin: Tensor,
     cs: Tensor,
 }
 
@@ -196,8 +192,6 @@ impl RopeTables {
         let sin = Tensor::from_vec(sin, (n, half), dev)?.to_dtype(dtype)?;
         let cs = Tensor::cat(&[&cos, &sin], 1)?;
         Ok(RopeTables {
-            cos,
-            sin,
             cs,
             inv_freq,
             dtype,
@@ -220,7 +214,11 @@ impl RopeTables {
                 // dtype): gather each axis' rows and keep, per slot, the axis it follows
                 // (multiplying by 1 and adding 0 is exact).
                 let half = self.inv_freq.len();
-                let mut masks = [vec![0f32; half], vec![0f32; half], vec![0f32; half]];
+                let mut masks = [
+                    vec![0f32; 2 * half],
+                    vec![0f32; 2 * half],
+                    vec![0f32; 2 * half],
+                ];
                 let axis_of = |j: usize| {
                     if j % 3 == 1 && j < 3 * section[1] {
                         1
@@ -230,9 +228,10 @@ impl RopeTables {
                         0
                     }
                 };
+                // The mask covers the cos half and the sin half of each row alike.
                 for (axis, mask) in masks.iter_mut().enumerate() {
                     for (j, m) in mask.iter_mut().enumerate() {
-                        if axis_of(j) == axis {
+                        if axis_of(j % half) == axis {
                             *m = 1.0;
                         }
                     }
@@ -243,23 +242,20 @@ impl RopeTables {
                     for (pos, mask) in axes.iter().zip(&masks) {
                         let idx = Tensor::from_slice(&pos[..n], n, dev)?;
                         let mask =
-                            Tensor::from_slice(mask, (1, half), dev)?.to_dtype(self.dtype)?;
+                            Tensor::from_slice(mask, (1, 2 * half), dev)?.to_dtype(self.dtype)?;
                         let part = table.index_select(&idx, 0)?.broadcast_mul(&mask)?;
                         sum = Some(match sum {
                             None => part,
                             Some(s) => (s + part)?,
                         });
                     }
-                    Ok(sum.expect("three axes").reshape((*batch, *len, half))?)
+                    Ok(sum.expect("three axes").reshape((*batch, *len, 2 * half))?)
                 };
-                let cos = pick(&self.cos)?;
-                let sin = pick(&self.sin)?;
-                let cs = Tensor::cat(&[&cos, &sin], 2)?;
-                Ok(RopeRows { cos, sin, cs })
+                Ok(RopeRows {
+                    cs: pick(&self.cs)?,
+                })
             }
             Positions::Shared { start, len } => Ok(RopeRows {
-                cos: self.cos.narrow(0, *start, *len)?,
-                sin: self.sin.narrow(0, *start, *len)?,
                 cs: self.cs.narrow(0, *start, *len)?,
             }),
             Positions::PerRow { ids, batch, len } => {
@@ -269,8 +265,6 @@ impl RopeTables {
                     Ok(t.index_select(&idx, 0)?.reshape((*batch, *len, w))?)
                 };
                 Ok(RopeRows {
-                    cos: pick(&self.cos)?,
-                    sin: pick(&self.sin)?,
                     cs: pick(&self.cs)?,
                 })
             }
@@ -368,8 +362,7 @@ impl Attention {
             (Some(qn), Some(kn)) => ops::qk_norm_rope(
                 &qkv,
                 &self.qkv_bias,
-                &rope.cos,
-                &rope.sin,
+                &rope.cs,
                 &qn.weight,
                 &kn.weight,
                 qn.eps,

@@ -558,9 +558,17 @@ fn qk_norm_rope_backward() {
     for (what, cos, sin) in [("per-row", cos_r, sin_r), ("shared", cos_s, sin_s)] {
         // The bias as a trained parameter (added before the kernel) ...
         let fused = |x: &[Tensor]| {
-            let (q, k, v) =
-                ops::qk_norm_rope(&x[0], &x[1], &cos, &sin, &x[2], &x[3], EPS, (h, kvh), d)
-                    .unwrap();
+            let (q, k, v) = ops::qk_norm_rope(
+                &x[0],
+                &x[1],
+                &cs_of(&cos, &sin),
+                &x[2],
+                &x[3],
+                EPS,
+                (h, kvh),
+                d,
+            )
+            .unwrap();
             vec![q, k, v]
         };
         let reference =
@@ -607,6 +615,11 @@ fn results_are_tracked_only_when_an_input_is() {
     assert!(g.get(&x).is_none());
 }
 
+/// RoPE tables in the layout the ops read: cos then sin per position.
+fn cs_of(cos: &Tensor, sin: &Tensor) -> Tensor {
+    Tensor::cat(&[cos, sin], cos.rank() - 1).unwrap()
+}
+
 /// A small chain of every op (a Qwen3-like attention input, scores, softmax, norms, SwiGLU):
 /// `x` = qkv, bias, q_norm and k_norm weights.
 fn chain(
@@ -617,8 +630,17 @@ fn chain(
     d: usize,
 ) -> Vec<Tensor> {
     let (b, t, _) = x[0].dims3().unwrap();
-    let (q, k, v) =
-        ops::qk_norm_rope(&x[0], &x[1], cos, sin, &x[2], &x[3], EPS, (h, kvh), d).unwrap();
+    let (q, k, v) = ops::qk_norm_rope(
+        &x[0],
+        &x[1],
+        &cs_of(cos, sin),
+        &x[2],
+        &x[3],
+        EPS,
+        (h, kvh),
+        d,
+    )
+    .unwrap();
     let scores = q
         .reshape((b, kvh, h / kvh * t, d))
         .unwrap()
@@ -791,7 +813,7 @@ fn half_precision_forward_rounds_as_transformers() {
             let qw = lo(&rng.tensor(&[d], 1.0, 0.3));
             let kw = lo(&rng.tensor(&[d], 1.0, 0.3));
             let (q, k, v) =
-                ops::qk_norm_rope(&qkv, &bias, &c, &s, &qw, &kw, EPS, (h, kvh), d).unwrap();
+                ops::qk_norm_rope(&qkv, &bias, &cs_of(&c, &s), &qw, &kw, EPS, (h, kvh), d).unwrap();
             let want = qk_norm_rope_ref(&qkv, &bias, &c, &s, &qw, &kw, (h, kvh), d);
             let name = format!("qk_norm_rope ({what})");
             assert_rounding_matches(&name, &q, &want[0]);
@@ -799,9 +821,17 @@ fn half_precision_forward_rounds_as_transformers() {
             assert_rounding_matches(&name, &v, &want[2]);
             // The bias added before the kernel (a trained bias) rounds the same way.
             let bv = Var::from_tensor(&bias).unwrap();
-            let (q2, k2, v2) =
-                ops::qk_norm_rope(&qkv, bv.as_tensor(), &c, &s, &qw, &kw, EPS, (h, kvh), d)
-                    .unwrap();
+            let (q2, k2, v2) = ops::qk_norm_rope(
+                &qkv,
+                bv.as_tensor(),
+                &cs_of(&c, &s),
+                &qw,
+                &kw,
+                EPS,
+                (h, kvh),
+                d,
+            )
+            .unwrap();
             for (a, b) in [(&q, &q2), (&k, &k2), (&v, &v2)] {
                 assert_eq!(max_diff(a, b), 0.0, "{name}: tracked bias path");
             }
@@ -828,7 +858,7 @@ fn qk_norm_rope_equals_the_composed_qwen3_path() {
         let want_q = candle_nn::rotary_emb::rope(&norm(&part(0, h), &qw), &cos, &sin).unwrap();
         let want_k = candle_nn::rotary_emb::rope(&norm(&part(h, kvh), &kw), &cos, &sin).unwrap();
         let (q, k, v) =
-            ops::qk_norm_rope(&qkv, &bias, &cos, &sin, &qw, &kw, EPS, (h, kvh), d).unwrap();
+            ops::qk_norm_rope(&qkv, &bias, &cs_of(&cos, &sin), &qw, &kw, EPS, (h, kvh), d).unwrap();
         assert!(max_diff(&q, &want_q) < 1e-5, "q {}", max_diff(&q, &want_q));
         assert!(max_diff(&k, &want_k) < 1e-5, "k {}", max_diff(&k, &want_k));
         assert_eq!(max_diff(&v, &part(h + kvh, kvh)), 0.0);
@@ -847,16 +877,15 @@ fn bad_shapes_are_errors() {
     let (c, s) = tables(&[vec![0, 1]], 8);
     let w = rng.tensor(&[8], 1.0, 0.0);
     // h + 2 kvh = 4 heads of 8: (2, 1) fits, (3, 1) does not.
-    assert!(ops::qk_norm_rope(&qkv, &bias, &c, &s, &w, &w, EPS, (2, 1), 8).is_ok());
-    assert!(ops::qk_norm_rope(&qkv, &bias, &c, &s, &w, &w, EPS, (3, 1), 8).is_err());
+    assert!(ops::qk_norm_rope(&qkv, &bias, &cs_of(&c, &s), &w, &w, EPS, (2, 1), 8).is_ok());
+    assert!(ops::qk_norm_rope(&qkv, &bias, &cs_of(&c, &s), &w, &w, EPS, (3, 1), 8).is_err());
     // Tables for 3 positions where the call has 2.
     let (c3, s3) = tables(&[vec![0, 1, 2]], 8);
-    assert!(ops::qk_norm_rope(&qkv, &bias, &c3, &s3, &w, &w, EPS, (2, 1), 8).is_err());
+    assert!(ops::qk_norm_rope(&qkv, &bias, &cs_of(&c3, &s3), &w, &w, EPS, (2, 1), 8).is_err());
     assert!(ops::qk_norm_rope(
         &qkv,
         &bias,
-        &c,
-        &s,
+        &cs_of(&c, &s),
         &rng.tensor(&[4], 1.0, 0.0),
         &w,
         EPS,
@@ -891,8 +920,17 @@ fn every_op(
     ] {
         let (q, k, v) = ops::qkv_rope(&x[6], bias, cs, (h, kvh), d).unwrap();
         out.extend([q, k, v]);
-        let (q, k, v) =
-            ops::qk_norm_rope(&x[6], bias, cos, sin, &x[15], &x[16], EPS, (h, kvh), d).unwrap();
+        let (q, k, v) = ops::qk_norm_rope(
+            &x[6],
+            bias,
+            &cs_of(cos, sin),
+            &x[15],
+            &x[16],
+            EPS,
+            (h, kvh),
+            d,
+        )
+        .unwrap();
         out.extend([q, k, v]);
     }
     out

@@ -1,0 +1,282 @@
+//! Fused operations of the decoder: one kernel where candle would launch several, one file
+//! per op. Each file holds the op, its CPU twin (the same arithmetic in the same order, which
+//! the CPU parity tests run), its backward (candle's `bwd`), its CUDA launcher and, beside it,
+//! its kernel source (`<op>.cu`, compiled to PTX by build.rs; `common.cuh` holds the
+//! conversions and block reductions every kernel shares).
+//!
+//! - [`masked_softmax`]: causal + left-padding mask and softmax over attention scores, with
+//!   f32 statistics, reading and writing the model dtype (replaces cast, mask add, softmax,
+//!   cast, and the mask tensor itself).
+//! - [`swiglu`]: `silu(gate) * up` on the fused gate/up projection (replaces two strided
+//!   element-wise kernels).
+//! - [`rms_norm`] and [`add_rms_norm`]: RMSNorm with transformers' roundings, and a residual
+//!   add with the RMSNorm after it in one pass.
+//! - [`qkv_rope`]: the fused q/k/v projection split into head-major q, k, v with RoPE applied
+//!   to q and k (replaces a transpose copy, per-part copies and the RoPE kernels);
+//!   [`qk_norm_rope`]: the same for Qwen3, with the per-head RMSNorm of q and k before RoPE.
+//!   Both read one RoPE table layout: `[cos | sin]` per position.
+//! - [`logp_entropy`] and [`logp_grad`]: the training head's log-softmax, forward and backward.
+//! - [`sample_gumbel`]: one sampled token per row of logits, on the device.
+//! - [`adamw_step_`]: the optimizer's fused step.
+//! - [`linear`]: a linear layer with the bias added in place after the GEMM.
+//!
+//! Every op has a backward (candle's `bwd`), so the decoder that serves inference is also the
+//! one that trains. A result is tracked only when an input is (a `Var` or computed from one):
+//! at inference nothing is recorded and nothing is kept. The backward is computed in f32 with
+//! candle tensor ops and cast to the input's dtype; it differentiates the exact math (the
+//! forward's intermediate roundings to the model dtype are not differentiated, as in torch's
+//! autograd of transformers, except where a rounded value is itself a factor of the gradient:
+//! the normalised value in the weight gradient of an RMSNorm). tests/ops_grad.rs checks each
+//! backward against finite differences and against candle's autograd of the composed math.
+//!
+//! Adding a fused op: a file here with the op, its twin, its backward and its launcher, and its
+//! kernel beside it as `<op>.cu` (build.rs compiles every `.cu` in this directory).
+
+use candle_core::{DType, Layout, Tensor, WithDType};
+use half::{bf16, f16};
+
+/// `t` itself when contiguous, else a contiguous copy (the kernels read rows in place).
+fn contig(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.is_contiguous() {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
+/// Runs a custom op's backward; when profiling, adds its synchronized time to `stage`.
+fn bwd_timed<T>(
+    dev: &candle_core::Device,
+    stage: &'static str,
+    f: impl FnOnce() -> candle_core::Result<T>,
+) -> candle_core::Result<T> {
+    if !crate::profile::enabled() {
+        return f();
+    }
+    dev.synchronize()?;
+    let t = std::time::Instant::now();
+    let out = f()?;
+    dev.synchronize()?;
+    crate::profile::record(stage, t.elapsed().as_secs_f64());
+    Ok(out)
+}
+
+/// Conversions between the model dtypes and f32, for the CPU kernels.
+trait Float: Copy + Send + Sync + WithDType {
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+    /// `x` rounded to this type and back: the value the model dtype holds.
+    fn round(x: f32) -> f32 {
+        Self::from_f32(x).to_f32()
+    }
+}
+
+impl Float for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Float for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+impl Float for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+macro_rules! float_cpu {
+    ($op:literal, $( ($s:expr, $l:expr) => $x:ident ),+ ; $body:expr) => {
+        match ($($s,)+) {
+            float_cpu!(@pat F32; $($x),+) => {
+                $( let $x = contiguous($x, $l)?; )+
+                CpuStorage::F32($body)
+            }
+            float_cpu!(@pat BF16; $($x),+) => {
+                $( let $x = contiguous($x, $l)?; )+
+                CpuStorage::BF16($body)
+            }
+            float_cpu!(@pat F16; $($x),+) => {
+                $( let $x = contiguous($x, $l)?; )+
+                CpuStorage::F16($body)
+            }
+            _ => candle_core::bail!(concat!($op, ": inputs must share one of f32, f16, bf16")),
+        }
+    };
+    (@pat $v:ident; $($x:ident),+) => { ($(CpuStorage::$v($x),)+) };
+}
+
+fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("fused op input must be contiguous"),
+    }
+}
+
+/// A forward-only custom op that runs on CUDA alone: the CPU refuses it (the CPU keeps the
+/// composed backward). `$op` names the op's `self` in the CUDA body.
+macro_rules! cuda_only_op {
+    (CustomOp2 for $ty:ty, $name:literal,
+     |$op:ident, $s1:ident, $l1:ident, $s2:ident, $l2:ident| $body:expr) => {
+        impl candle_core::CustomOp2 for $ty {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn cpu_fwd(
+                &self,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+            ) -> candle_core::Result<(CpuStorage, Shape)> {
+                candle_core::bail!(concat!($name, " runs on CUDA only"))
+            }
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                $s1: &candle_core::CudaStorage,
+                $l1: &Layout,
+                $s2: &candle_core::CudaStorage,
+                $l2: &Layout,
+            ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+                let $op = self;
+                $body
+            }
+        }
+    };
+    (CustomOp3 for $ty:ty, $name:literal,
+     |$op:ident, $s1:ident, $l1:ident, $s2:ident, $l2:ident, $s3:ident, $l3:ident| $body:expr) => {
+        impl candle_core::CustomOp3 for $ty {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn cpu_fwd(
+                &self,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+            ) -> candle_core::Result<(CpuStorage, Shape)> {
+                candle_core::bail!(concat!($name, " runs on CUDA only"))
+            }
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                $s1: &candle_core::CudaStorage,
+                $l1: &Layout,
+                $s2: &candle_core::CudaStorage,
+                $l2: &Layout,
+                $s3: &candle_core::CudaStorage,
+                $l3: &Layout,
+            ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+                let $op = self;
+                $body
+            }
+        }
+    };
+}
+
+pub(crate) use cuda_only_op;
+/// The gradient for `arg` when it is tracked (a `Var` or computed from one); none otherwise,
+/// as a constant input (a zero bias, a frozen weight) needs none.
+fn wanted(
+    arg: &Tensor,
+    grad: impl FnOnce() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Option<Tensor>> {
+    if arg.track_op() {
+        grad().map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// The element type's kernel-name suffix.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn suffix(dtype: DType) -> candle_core::Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::F16 => Ok("f16"),
+        DType::BF16 => Ok("bf16"),
+        other => candle_core::bail!("fused ops run in f32, f16 or bf16, not {other:?}"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda_util {
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::{CudaStorage, Layout};
+
+    /// One block of 1024 threads per row: the kernels that reduce over a row of logits.
+    pub(super) fn row_blocks(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    pub(super) fn input<'a, T: CudaDType + DeviceRepr>(
+        s: &'a CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+        match l.contiguous_offsets() {
+            Some((a, b)) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
+            None => candle_core::bail!("fused op input must be contiguous"),
+        }
+    }
+
+    pub(super) fn same_shapes(
+        op: &str,
+        a: &Layout,
+        b: &Layout,
+        da: candle_core::DType,
+        db: candle_core::DType,
+    ) -> candle_core::Result<()> {
+        if a.dims() != b.dims() || da != db {
+            candle_core::bail!(
+                "{op}: {:?} {da:?} and {:?} {db:?} must have the same shape and dtype",
+                a.dims(),
+                b.dims()
+            );
+        }
+        Ok(())
+    }
+}
+
+mod adamw;
+mod gpu_delay;
+mod linear;
+mod logp;
+mod masked_softmax;
+mod qkv_rope;
+mod reduce;
+mod rms_norm;
+mod sample;
+mod swiglu;
+
+pub use adamw::{adamw_step_, AdamWStep};
+pub use gpu_delay::gpu_delay;
+pub use linear::linear;
+pub use logp::{logp_entropy, logp_grad};
+pub use masked_softmax::masked_softmax;
+pub use qkv_rope::{qk_norm_rope, qkv_rope};
+pub use reduce::{sum_all_fast, sum_squares, update_rows_in_place};
+pub use rms_norm::{add_rms_norm, rms_norm};
+pub use sample::{gumbel_params, sample_gumbel};
+pub use swiglu::swiglu;

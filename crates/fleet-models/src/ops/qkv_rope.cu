@@ -1,0 +1,105 @@
+// The fused kernels of ops/qkv_rope.rs, compiled to PTX by build.rs (feature `cuda`); the
+// launcher and the CPU twin are in the .rs file of the same name.
+#include "common.cuh"
+
+// Splits the fused q/k/v projection [b, t, (h + 2 kvh) * d] into head-major q [b, h, t, d],
+// k and v [b, kvh, t, d] (consecutive regions of `out`), adding the projection bias and
+// rotating q and k with RoPE (rotate-half convention, math in f32, one rounding). `cs` holds
+// cos then sin for each position: [t, d], or [b, t, d] when `per_row`. One block per
+// (token, head), d/2 threads.
+template <typename T>
+__device__ void qkv_rope(const T *x, const T *bias, const T *cs, T *out, int b, int t, int h,
+                         int kvh, int d, int per_row) {
+    const int heads = h + 2 * kvh;
+    const int half = d / 2;
+    const int blk = blockIdx.x; // (bi * t + ti) * heads + hh
+    const int hh = blk % heads;
+    const int tok = blk / heads;
+    const int ti = tok % t, bi = tok / t;
+    const int i = threadIdx.x;
+    if (bi >= b || i >= half) return;
+    const T *src = x + (size_t)tok * heads * d + (size_t)hh * d;
+    const float x0 = to_f(src[i]) + to_f(bias[hh * d + i]);
+    const float x1 = to_f(src[i + half]) + to_f(bias[hh * d + i + half]);
+    const size_t q_size = (size_t)b * h * t * d, kv_size = (size_t)b * kvh * t * d;
+    if (hh >= h + kvh) {
+        T *dst = out + q_size + kv_size + (((size_t)bi * kvh + (hh - h - kvh)) * t + ti) * d;
+        dst[i] = from_f<T>(x0);
+        dst[i + half] = from_f<T>(x1);
+        return;
+    }
+    const T *row = cs + (per_row ? (size_t)tok : (size_t)ti) * d;
+    const float c = to_f(row[i]), s = to_f(row[half + i]);
+    T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
+                    : out + q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d;
+    dst[i] = from_f<T>(x0 * c - x1 * s);
+    dst[i + half] = from_f<T>(x1 * c + x0 * s);
+}
+
+// Qwen3's attention input: the fused q/k/v projection [b, t, (h + 2 kvh) * d] split into
+// head-major q [b, h, t, d], k and v [b, kvh, t, d] (consecutive regions of `out`). Per head,
+// s = T(x + bias) (when has_bias); v heads are s; q and k heads are normalised as
+// transformers' Qwen3RMSNorm (y = T(T(s * rsqrt(mean(s^2) + eps)) * w), with qw for q heads,
+// kw for k heads), then rotated as apply_rotary_pos_emb does in the model dtype:
+// T(T(y0 c) - T(y1 s)) and T(T(y1 c) + T(y0 s)). `cs` holds cos then sin for each position,
+// as for qkv_rope: [t, d], or [b, t, d] when `per_row`. One warp (block of 32) per
+// (token, head).
+template <typename T>
+__device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw, const T *kw,
+                             T *out, int b, int t, int h, int kvh, int d, int per_row,
+                             int has_bias, float eps) {
+    const int heads = h + 2 * kvh;
+    const int half = d / 2;
+    const int blk = blockIdx.x; // (bi * t + ti) * heads + hh
+    const int hh = blk % heads;
+    const int tok = blk / heads;
+    const int ti = tok % t, bi = tok / t;
+    if (bi >= b) return; // uniform over the block
+    const int lane = threadIdx.x;
+    const T *src = x + ((size_t)tok * heads + hh) * d;
+    const T *bs = bias + (size_t)hh * d;
+    auto at = [&](int i) -> float {
+        return has_bias ? rnd<T>(to_f(src[i]) + to_f(bs[i])) : to_f(src[i]);
+    };
+    const size_t q_size = (size_t)b * h * t * d, kv_size = (size_t)b * kvh * t * d;
+    if (hh >= h + kvh) {
+        T *dst = out + q_size + kv_size + (((size_t)bi * kvh + (hh - h - kvh)) * t + ti) * d;
+        for (int i = lane; i < d; i += 32) dst[i] = from_f<T>(at(i));
+        return;
+    }
+    float ss = 0.f;
+    for (int i = lane; i < d; i += 32) {
+        const float f = at(i);
+        ss += f * f;
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    const float inv = rsqrtf(ss / d + eps);
+    const T *w = hh < h ? qw : kw;
+    const T *row = cs + (per_row ? (size_t)tok : (size_t)ti) * d;
+    T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
+                    : out + q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d;
+    for (int i = lane; i < half; i += 32) {
+        const float y0 = rnd<T>(rnd<T>(at(i) * inv) * to_f(w[i]));
+        const float y1 = rnd<T>(rnd<T>(at(i + half) * inv) * to_f(w[i + half]));
+        const float c = to_f(row[i]), s = to_f(row[half + i]);
+        // __fmul_rn keeps each product rounded on its own (no fused multiply-add), as the CPU
+        // twin and transformers compute them.
+        dst[i] = from_f<T>(rnd<T>(__fmul_rn(y0, c)) - rnd<T>(__fmul_rn(y1, s)));
+        dst[i + half] = from_f<T>(rnd<T>(__fmul_rn(y1, c)) + rnd<T>(__fmul_rn(y0, s)));
+    }
+}
+
+#define OPS(T, SUFFIX)                                                                             \
+    extern "C" __global__ void qkv_rope_##SUFFIX(const T *x, const T *bias, const T *cs,      \
+                                                 T *out, int b, int t, int h, int kvh, int d, \
+                                                 int per_row) {                               \
+        qkv_rope<T>(x, bias, cs, out, b, t, h, kvh, d, per_row);                              \
+    }                                                                                         \
+    extern "C" __global__ void qk_norm_rope_##SUFFIX(                                         \
+        const T *x, const T *bias, const T *cs, const T *qw, const T *kw,                     \
+        T *out, int b, int t, int h, int kvh, int d, int per_row, int has_bias, float eps) {  \
+        qk_norm_rope<T>(x, bias, cs, qw, kw, out, b, t, h, kvh, d, per_row, has_bias, eps);  \
+    }
+OPS(float, f32)
+OPS(__half, f16)
+OPS(__nv_bfloat16, bf16)

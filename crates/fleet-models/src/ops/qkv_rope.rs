@@ -1,0 +1,739 @@
+//! The attention input of the decoder: the fused q/k/v projection split into head-major q, k, v with the bias added and RoPE applied (Qwen2: `qkv_rope`), and with the per-head RMSNorm of q and k before RoPE (Qwen3: `qk_norm_rope`); the backward of both.
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
+use half::{bf16, f16};
+
+use super::rms_norm::rms_norm_bwd;
+use super::*;
+use crate::error::Result;
+
+/// Splits `qkv` (`[b, t, (h + 2 kvh) * d]`, the projection before its `bias`) into `q`
+/// `[b, h, t, d]`, `k` and `v` `[b, kvh, t, d]`, all contiguous, adding the bias and applying
+/// RoPE to q and k. `cs` holds cos then sin per position: `[t, d]`, or `[b, t, d]` per row.
+/// Gradients flow to `qkv` and `bias`, not to the tables.
+pub fn qkv_rope(
+    qkv: &Tensor,
+    bias: &Tensor,
+    cs: &Tensor,
+    heads: (usize, usize),
+    head_dim: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, _) = qkv.dims3()?;
+    let (h, kvh) = heads;
+    let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(QkvRope {
+        h,
+        kvh,
+        d: head_dim,
+    }));
+    let flat = contig(qkv)?.apply_op3_arc(&contig(bias)?, &contig(cs)?, op)?;
+    split_heads(&flat, (b, t), heads, head_dim)
+}
+
+/// Qwen3's attention input: splits `qkv` (`[b, t, (h + 2 kvh) * d]`, before its `bias`) into
+/// head-major `q` `[b, h, t, d]`, `k` and `v` `[b, kvh, t, d]`, normalising each q head with
+/// `q_weight` and each k head with `k_weight` (RMSNorm over `d`, transformers' roundings), then
+/// applying RoPE to q and k in the model dtype as transformers' `apply_rotary_pos_emb` does
+/// (`q * cos + rotate_half(q) * sin`, each product and the sum rounded). `cs` holds cos then
+/// sin per position, as for [`qkv_rope`]: `[t, d]`, or `[b, t, d]` per row, in the model dtype.
+///
+/// Gradients flow to `qkv`, `bias`, `q_weight` and `k_weight`, not to the tables. (A tracked
+/// bias is added before the kernel, with the same rounding; otherwise the kernel adds it.)
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope(
+    qkv: &Tensor,
+    bias: &Tensor,
+    cs: &Tensor,
+    q_weight: &Tensor,
+    k_weight: &Tensor,
+    eps: f32,
+    heads: (usize, usize),
+    head_dim: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, _) = qkv.dims3()?;
+    let (h, kvh) = heads;
+    // The custom op's three inputs are the differentiable ones; the tables (and an untracked
+    // bias) ride in the op itself.
+    let (qkv, bias) = if bias.track_op() {
+        (contig(&qkv.broadcast_add(bias)?)?, None)
+    } else {
+        (contig(qkv)?, Some(contig(bias)?))
+    };
+    let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(QkNormRope {
+        h,
+        kvh,
+        d: head_dim,
+        eps,
+        cs: contig(cs)?,
+        bias,
+    }));
+    let flat = qkv.apply_op3_arc(&contig(q_weight)?, &contig(k_weight)?, op)?;
+    split_heads(&flat, (b, t), heads, head_dim)
+}
+
+/// The flat output of the q/k/v kernels as head-major `q`, `k`, `v` (views, no copies).
+fn split_heads(
+    flat: &Tensor,
+    (b, t): (usize, usize),
+    (h, kvh): (usize, usize),
+    d: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (qn, kvn) = (b * h * t * d, b * kvh * t * d);
+    Ok((
+        flat.narrow(0, 0, qn)?.reshape((b, h, t, d))?,
+        flat.narrow(0, qn, kvn)?.reshape((b, kvh, t, d))?,
+        flat.narrow(0, qn + kvn, kvn)?.reshape((b, kvh, t, d))?,
+    ))
+}
+
+/// RoPE's inverse on head-major `g` (`[b, heads, t, d]`, f32): rotation by the negative angle,
+/// which is the transpose of the rotation, so the gradient of RoPE'd values with respect to
+/// the values before it. `cs` holds cos then sin: `[t, d]` or `[b, t, d]`.
+fn unrotate(g: &Tensor, cs: &Tensor) -> candle_core::Result<Tensor> {
+    let half = cs.dim(D::Minus1)? / 2;
+    let cos = cs.narrow(D::Minus1, 0, half)?;
+    let sin = cs.narrow(D::Minus1, half, half)?;
+    candle_nn::rotary_emb::rope(
+        &g.to_dtype(DType::F32)?.contiguous()?,
+        &cos.to_dtype(DType::F32)?.contiguous()?,
+        &sin.to_dtype(DType::F32)?.neg()?.contiguous()?,
+    )
+}
+
+/// The flat gradient of a q/k/v kernel's output as head-major f32 `(gq, gk, gv)`.
+fn split_grad(
+    grad: &Tensor,
+    (b, t): (usize, usize),
+    (h, kvh): (usize, usize),
+    d: usize,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let grad = grad.to_dtype(DType::F32)?;
+    let (qn, kvn) = (b * h * t * d, b * kvh * t * d);
+    Ok((
+        grad.narrow(0, 0, qn)?.reshape((b, h, t, d))?,
+        grad.narrow(0, qn, kvn)?.reshape((b, kvh, t, d))?,
+        grad.narrow(0, qn + kvn, kvn)?.reshape((b, kvh, t, d))?,
+    ))
+}
+
+struct QkvRope {
+    h: usize,
+    kvh: usize,
+    d: usize,
+}
+
+impl QkvRope {
+    /// `(b, t, per_row)` from the layouts of qkv, bias and cs, after checking them.
+    fn dims(
+        &self,
+        l1: &Layout,
+        l2: &Layout,
+        l3: &Layout,
+    ) -> candle_core::Result<(usize, usize, bool)> {
+        let (b, t, w) = l1.shape().dims3()?;
+        if w != (self.h + 2 * self.kvh) * self.d || l2.dims() != [w] {
+            candle_core::bail!(
+                "qkv_rope: qkv {:?} / bias {:?} do not match (h + 2 kvh) * d",
+                l1.dims(),
+                l2.dims()
+            );
+        }
+        let per_row = l3.dims().len() == 3;
+        let want: Vec<usize> = if per_row {
+            vec![b, t, self.d]
+        } else {
+            vec![t, self.d]
+        };
+        if l3.dims() != want.as_slice() {
+            candle_core::bail!("qkv_rope: cos|sin table {:?}, expected {want:?}", l3.dims());
+        }
+        Ok((b, t, per_row))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn cpu<T: Float>(
+        &self,
+        x: &[T],
+        bias: &[T],
+        cs: &[T],
+        b: usize,
+        t: usize,
+        per_row: bool,
+    ) -> Vec<T> {
+        let (h, kvh, d) = (self.h, self.kvh, self.d);
+        let (heads, half) = (h + 2 * kvh, d / 2);
+        let (q_size, kv_size) = (b * h * t * d, b * kvh * t * d);
+        let mut out = vec![T::from_f32(0.0); q_size + 2 * kv_size];
+        for bi in 0..b {
+            for ti in 0..t {
+                let tok = bi * t + ti;
+                let row = &cs[(if per_row { tok } else { ti }) * d..][..d];
+                for hh in 0..heads {
+                    let src = &x[(tok * heads + hh) * d..(tok * heads + hh + 1) * d];
+                    let at = |i: usize| src[i].to_f32() + bias[hh * d + i].to_f32();
+                    let base = if hh < h {
+                        ((bi * h + hh) * t + ti) * d
+                    } else if hh < h + kvh {
+                        q_size + ((bi * kvh + hh - h) * t + ti) * d
+                    } else {
+                        q_size + kv_size + ((bi * kvh + hh - h - kvh) * t + ti) * d
+                    };
+                    let dst = &mut out[base..base + d];
+                    if hh >= h + kvh {
+                        for (i, y) in dst.iter_mut().enumerate() {
+                            *y = T::from_f32(at(i));
+                        }
+                        continue;
+                    }
+                    for i in 0..half {
+                        let (c, s) = (row[i].to_f32(), row[half + i].to_f32());
+                        let (x0, x1) = (at(i), at(i + half));
+                        dst[i] = T::from_f32(x0 * c - x1 * s);
+                        dst[i + half] = T::from_f32(x1 * c + x0 * s);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp3 for QkvRope {
+    fn name(&self) -> &'static str {
+        "fleet-qkv-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, t, per_row) = self.dims(l1, l2, l3)?;
+        let out = float_cpu!("qkv_rope", (s1, l1) => x, (s2, l2) => w, (s3, l3) => c;
+            self.cpu(x, w, c, b, t, per_row));
+        let n = b * t * (self.h + 2 * self.kvh) * self.d;
+        Ok((out, Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.dims(l1, l2, l3)?;
+        cuda::qkv_rope(self, dims, s1, l1, s2, l2, s3, l3)
+    }
+
+    /// The output gradient split into q, k, v parts; q and k un-rotated (RoPE by the negative
+    /// angle); the three put back token-major as `[b, t, (h + 2 kvh) d]`: the gradient of qkv.
+    /// The bias gradient is its sum over `b` and `t`; the tables get none.
+    fn bwd(
+        &self,
+        qkv: &Tensor,
+        bias: &Tensor,
+        cs: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        bwd_timed(grad.device(), "bwd.qkv_rope", || {
+            let (b, t, w) = qkv.dims3()?;
+            let (gq, gk, gv) = split_grad(grad, (b, t), (self.h, self.kvh), self.d)?;
+            let all = Tensor::cat(&[unrotate(&gq, cs)?, unrotate(&gk, cs)?, gv], 1)?
+                .transpose(1, 2)?
+                .reshape((b, t, w))?;
+            Ok((
+                wanted(qkv, || all.to_dtype(qkv.dtype()))?,
+                wanted(bias, || all.sum((0, 1))?.to_dtype(bias.dtype()))?,
+                None,
+            ))
+        })
+    }
+}
+
+/// Qwen3's q/k/v split with per-head RMSNorm and RoPE; the op's inputs are qkv, the q_norm and
+/// the k_norm weights. The RoPE tables and an untracked bias are held here.
+struct QkNormRope {
+    h: usize,
+    kvh: usize,
+    d: usize,
+    eps: f32,
+    cs: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl QkNormRope {
+    /// `(b, t, per_row)` after checking the shapes of qkv, the weights, the tables and the bias.
+    fn dims(
+        &self,
+        l1: &Layout,
+        l2: &Layout,
+        l3: &Layout,
+    ) -> candle_core::Result<(usize, usize, bool)> {
+        let (b, t, w) = l1.shape().dims3()?;
+        let d = self.d;
+        if d == 0 || !d.is_multiple_of(2) || w != (self.h + 2 * self.kvh) * d {
+            candle_core::bail!(
+                "qk_norm_rope: qkv {:?} does not match (h + 2 kvh) * d with h = {}, kvh = {}, \
+                 even d = {d}",
+                l1.dims(),
+                self.h,
+                self.kvh
+            );
+        }
+        if l2.dims() != [d] || l3.dims() != [d] {
+            candle_core::bail!(
+                "qk_norm_rope: q_norm {:?} / k_norm {:?} weights must be [{d}]",
+                l2.dims(),
+                l3.dims()
+            );
+        }
+        if let Some(bias) = &self.bias {
+            if bias.dims() != [w] {
+                candle_core::bail!("qk_norm_rope: bias {:?}, expected [{w}]", bias.dims());
+            }
+        }
+        let per_row = self.cs.rank() == 3;
+        let want: Vec<usize> = if per_row { vec![b, t, d] } else { vec![t, d] };
+        if self.cs.dims() != want.as_slice() {
+            candle_core::bail!(
+                "qk_norm_rope: cos|sin table {:?}, expected {want:?}",
+                self.cs.dims()
+            );
+        }
+        Ok((b, t, per_row))
+    }
+
+    /// The CPU twin of the kernel, per (token, head): `s = T(x + bias)`; v heads are `s`; q/k
+    /// heads are `n = T(s * rsqrt(mean(s²) + eps))`, `y = T(n * w)`, then
+    /// `T(T(y0 c) - T(y1 s))`, `T(T(y1 c) + T(y0 s))` on the two halves.
+    #[allow(clippy::too_many_arguments)]
+    fn cpu<T: Float>(
+        &self,
+        x: &[T],
+        bias: Option<&[T]>,
+        cs: &[T],
+        qw: &[T],
+        kw: &[T],
+        (b, t, per_row): (usize, usize, bool),
+    ) -> Vec<T> {
+        let (h, kvh, d) = (self.h, self.kvh, self.d);
+        let (heads, half) = (h + 2 * kvh, d / 2);
+        let (q_size, kv_size) = (b * h * t * d, b * kvh * t * d);
+        let mut out = vec![T::from_f32(0.0); q_size + 2 * kv_size];
+        let mut s = vec![0f32; d];
+        for bi in 0..b {
+            for ti in 0..t {
+                let tok = bi * t + ti;
+                let row = &cs[(if per_row { tok } else { ti }) * d..][..d];
+                let (cr, sr) = (&row[..half], &row[half..]);
+                for hh in 0..heads {
+                    let src = &x[(tok * heads + hh) * d..(tok * heads + hh + 1) * d];
+                    for (i, si) in s.iter_mut().enumerate() {
+                        *si = match bias {
+                            Some(bias) => T::round(src[i].to_f32() + bias[hh * d + i].to_f32()),
+                            None => src[i].to_f32(),
+                        };
+                    }
+                    let base = if hh < h {
+                        ((bi * h + hh) * t + ti) * d
+                    } else if hh < h + kvh {
+                        q_size + ((bi * kvh + hh - h) * t + ti) * d
+                    } else {
+                        q_size + kv_size + ((bi * kvh + hh - h - kvh) * t + ti) * d
+                    };
+                    let dst = &mut out[base..base + d];
+                    if hh >= h + kvh {
+                        for (y, si) in dst.iter_mut().zip(&s) {
+                            *y = T::from_f32(*si);
+                        }
+                        continue;
+                    }
+                    let mut ss = 0f32;
+                    for si in &s {
+                        ss += si * si;
+                    }
+                    let inv = 1.0 / (ss / d as f32 + self.eps).sqrt();
+                    let w = if hh < h { qw } else { kw };
+                    let y = |i: usize| T::round(T::round(s[i] * inv) * w[i].to_f32());
+                    for i in 0..half {
+                        let (c, sn) = (cr[i].to_f32(), sr[i].to_f32());
+                        let (y0, y1) = (y(i), y(i + half));
+                        dst[i] = T::from_f32(T::round(y0 * c) - T::round(y1 * sn));
+                        dst[i + half] = T::from_f32(T::round(y1 * c) + T::round(y0 * sn));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn cpu_run<T: Float>(
+        &self,
+        (s1, l1): (&CpuStorage, &Layout),
+        (s2, l2): (&CpuStorage, &Layout),
+        (s3, l3): (&CpuStorage, &Layout),
+        dims: (usize, usize, bool),
+    ) -> candle_core::Result<CpuStorage> {
+        let slice = |s: &CpuStorage, l: &Layout| -> candle_core::Result<Vec<T>> {
+            Ok(contiguous(T::cpu_storage_as_slice(s)?, l)?.to_vec())
+        };
+        let table = |t: &Tensor| -> candle_core::Result<Vec<T>> {
+            let (st, l) = t.storage_and_layout();
+            match &*st {
+                candle_core::Storage::Cpu(s) => slice(s, l),
+                _ => candle_core::bail!("qk_norm_rope: the tables and bias must be on the CPU too"),
+            }
+        };
+        let bias = self.bias.as_ref().map(table).transpose()?;
+        let out = self.cpu(
+            contiguous(T::cpu_storage_as_slice(s1)?, l1)?,
+            bias.as_deref(),
+            &table(&self.cs)?,
+            contiguous(T::cpu_storage_as_slice(s2)?, l2)?,
+            contiguous(T::cpu_storage_as_slice(s3)?, l3)?,
+            dims,
+        );
+        Ok(T::to_cpu_storage_owned(out))
+    }
+}
+
+impl CustomOp3 for QkNormRope {
+    fn name(&self) -> &'static str {
+        "fleet-qk-norm-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = self.dims(l1, l2, l3)?;
+        let dtype = s1.dtype();
+        let tables = [Some(&self.cs), self.bias.as_ref()];
+        if s2.dtype() != dtype
+            || s3.dtype() != dtype
+            || tables.iter().flatten().any(|t| t.dtype() != dtype)
+        {
+            candle_core::bail!("qk_norm_rope: inputs must share one of f32, f16, bf16");
+        }
+        let args = ((s1, l1), (s2, l2), (s3, l3));
+        let out = match dtype {
+            DType::F32 => self.cpu_run::<f32>(args.0, args.1, args.2, dims)?,
+            DType::BF16 => self.cpu_run::<bf16>(args.0, args.1, args.2, dims)?,
+            DType::F16 => self.cpu_run::<f16>(args.0, args.1, args.2, dims)?,
+            other => candle_core::bail!("qk_norm_rope: unsupported dtype {other:?}"),
+        };
+        let n = dims.0 * dims.1 * (self.h + 2 * self.kvh) * self.d;
+        Ok((out, Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.dims(l1, l2, l3)?;
+        cuda::qk_norm_rope(self, dims, s1, l1, s2, l2, s3, l3)
+    }
+
+    /// Un-rotates the q and k gradients (RoPE by the negative angle), pushes them through the
+    /// per-head RMSNorm ([`rms_norm_bwd`], recomputing `s = x + bias` with the forward's
+    /// rounding), and puts q, k and v back token-major: the gradient of qkv; the weight
+    /// gradients sum over every head of their kind.
+    fn bwd(
+        &self,
+        qkv: &Tensor,
+        q_weight: &Tensor,
+        k_weight: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        bwd_timed(grad.device(), "bwd.qk_norm_rope", || {
+            let (h, kvh, d) = (self.h, self.kvh, self.d);
+            let (b, t, w) = qkv.dims3()?;
+            let dtype = qkv.dtype();
+            let s = match &self.bias {
+                Some(bias) => qkv
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&bias.to_dtype(DType::F32)?)?
+                    .to_dtype(dtype)?
+                    .to_dtype(DType::F32)?,
+                None => qkv.to_dtype(DType::F32)?,
+            }
+            .reshape((b, t, h + 2 * kvh, d))?;
+            let (gq, gk, gv) = split_grad(grad, (b, t), (h, kvh), d)?;
+            let norm_bwd = |g: &Tensor, start: usize, n: usize, weight: &Tensor| {
+                let g = unrotate(g, &self.cs)?.transpose(1, 2)?;
+                rms_norm_bwd(&s.narrow(2, start, n)?, weight, &g, self.eps, dtype)
+            };
+            let (dq, dqw) = norm_bwd(&gq, 0, h, q_weight)?;
+            let (dk, dkw) = norm_bwd(&gk, h, kvh, k_weight)?;
+            let dx = Tensor::cat(&[dq, dk, gv.transpose(1, 2)?], 2)?.reshape((b, t, w))?;
+            Ok((
+                wanted(qkv, || dx.to_dtype(dtype))?,
+                wanted(q_weight, || dqw.to_dtype(q_weight.dtype()))?,
+                wanted(k_weight, || dkw.to_dtype(k_weight.dtype()))?,
+            ))
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Shape};
+    use half::{bf16, f16};
+
+    use super::super::cuda_util::*;
+    use super::super::suffix;
+    use super::QkNormRope;
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qkv_rope.ptx"));
+    const MODULE: &str = "fleet_qkv_rope";
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn qkv_rope(
+        op: &super::QkvRope,
+        dims: (usize, usize, bool),
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &super::QkvRope,
+            (b, t, per_row): (usize, usize, bool),
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let (x, bias, cs) = (
+                input::<T>(s1, l1)?,
+                input::<T>(s2, l2)?,
+                input::<T>(s3, l3)?,
+            );
+            let heads = op.h + 2 * op.kvh;
+            let n = b * t * heads * op.d;
+            let func = dev.get_or_load_custom_func(
+                &format!("qkv_rope_{}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every (token, head) block writes its d outputs.
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+            let cfg = LaunchConfig {
+                grid_dim: ((b * t * heads) as u32, 1, 1),
+                block_dim: ((op.d / 2) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut bld = func.builder();
+            bld.arg(&x);
+            bld.arg(&bias);
+            bld.arg(&cs);
+            bld.arg(&out);
+            let args = [
+                b as i32,
+                t as i32,
+                op.h as i32,
+                op.kvh as i32,
+                op.d as i32,
+                i32::from(per_row),
+            ];
+            for a in &args {
+                bld.arg(a);
+            }
+            // SAFETY: grid covers b * t * heads blocks of d/2 threads.
+            unsafe { bld.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        let n = dims.0 * dims.1 * (op.h + 2 * op.kvh) * op.d;
+        let out = match s1.dtype() {
+            candle_core::DType::F32 => run::<f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            candle_core::DType::F16 => run::<f16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            candle_core::DType::BF16 => run::<bf16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            other => candle_core::bail!("qkv_rope: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from(n)))
+    }
+
+    /// The CUDA storage and layout of a tensor the op holds (tables, bias), on `dev`.
+    fn held<'a>(
+        what: &str,
+        guard: &'a candle_core::Storage,
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<&'a CudaStorage> {
+        use candle_core::backend::BackendDevice;
+        match guard {
+            candle_core::Storage::Cuda(s) if s.device().same_device(dev) => Ok(s),
+            _ => candle_core::bail!("qk_norm_rope: {what} must be on the device of qkv"),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn qk_norm_rope(
+        op: &QkNormRope,
+        dims: (usize, usize, bool),
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &QkNormRope,
+            (b, t, per_row): (usize, usize, bool),
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            s3: &CudaStorage,
+            l3: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let (x, qw, kw) = (
+                input::<T>(s1, l1)?,
+                input::<T>(s2, l2)?,
+                input::<T>(s3, l3)?,
+            );
+            let (cs_g, cs_l) = op.cs.storage_and_layout();
+            let cs = input::<T>(held("cs", &cs_g, &dev)?, cs_l)?;
+            let bias_g = op.bias.as_ref().map(|b| b.storage_and_layout());
+            let bias = match &bias_g {
+                Some((g, l)) => Some(input::<T>(held("bias", g, &dev)?, l)?),
+                None => None,
+            };
+            let heads = op.h + 2 * op.kvh;
+            let n = b * t * heads * op.d;
+            let func = dev.get_or_load_custom_func(
+                &format!("qk_norm_rope_{}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every (token, head) block writes its d outputs.
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+            let cfg = LaunchConfig {
+                grid_dim: ((b * t * heads) as u32, 1, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut bld = func.builder();
+            bld.arg(&x);
+            // Without a bias the kernel reads none; any device pointer fills the slot.
+            match &bias {
+                Some(bias) => bld.arg(bias),
+                None => bld.arg(&qw),
+            };
+            bld.arg(&cs);
+            bld.arg(&qw);
+            bld.arg(&kw);
+            bld.arg(&out);
+            let args = [
+                b as i32,
+                t as i32,
+                op.h as i32,
+                op.kvh as i32,
+                op.d as i32,
+                i32::from(per_row),
+                i32::from(bias.is_some()),
+            ];
+            for a in &args {
+                bld.arg(a);
+            }
+            bld.arg(&op.eps);
+            // SAFETY: grid covers b * t * heads blocks of one warp each.
+            unsafe { bld.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        let dtype = s1.dtype();
+        let tables = [Some(&op.cs), op.bias.as_ref()];
+        if s2.dtype() != dtype
+            || s3.dtype() != dtype
+            || tables.iter().flatten().any(|t| t.dtype() != dtype)
+        {
+            candle_core::bail!("qk_norm_rope: inputs must share one of f32, f16, bf16");
+        }
+        let n = dims.0 * dims.1 * (op.h + 2 * op.kvh) * op.d;
+        let out = match dtype {
+            DType::F32 => run::<f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            DType::F16 => run::<f16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            DType::BF16 => run::<bf16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            other => candle_core::bail!("qk_norm_rope: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from(n)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn qkv_rope_matches_bias_transpose_and_candle_rope() {
+        let dev = Device::Cpu;
+        let (b, t, h, kvh, d) = (2, 5, 4, 2, 8);
+        let raw = Tensor::randn(0f32, 1.0, (b, t, (h + 2 * kvh) * d), &dev).unwrap();
+        let bias = Tensor::randn(0f32, 1.0, (h + 2 * kvh) * d, &dev).unwrap();
+        let cos = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+        let sin = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+        let cs = Tensor::cat(&[&cos, &sin], 2).unwrap();
+        let qkv = raw.broadcast_add(&bias).unwrap();
+        let heads = qkv
+            .reshape((b, t, h + 2 * kvh, d))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let part = |s, n| heads.narrow(1, s, n).unwrap().contiguous().unwrap();
+        let want_q = candle_nn::rotary_emb::rope(&part(0, h), &cos, &sin).unwrap();
+        let want_k = candle_nn::rotary_emb::rope(&part(h, kvh), &cos, &sin).unwrap();
+        let want_v = part(h + kvh, kvh);
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        let (q, k, v) = qkv_rope(&raw, &bias, &cs, (h, kvh), d).unwrap();
+        assert!(diff(&q, &want_q) < 1e-5 && diff(&k, &want_k) < 1e-5 && diff(&v, &want_v) < 1e-6);
+        // Shared positions ([t, d] table): row 0 of the batch uses the same tables.
+        let (q, _, _) = qkv_rope(&raw, &bias, &cs.get(0).unwrap(), (h, kvh), d).unwrap();
+        assert!(diff(&q.get(0).unwrap(), &want_q.get(0).unwrap()) < 1e-5);
+    }
+}

@@ -1,0 +1,248 @@
+//! SwiGLU on the fused gate/up projection: `silu(gate) * up` in one kernel, with its backward.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor, D};
+
+use super::*;
+use crate::error::Result;
+
+/// `silu(x[.., :n]) * x[.., n:]` for `x` of last dimension `2n`.
+pub fn swiglu(x: &Tensor) -> Result<Tensor> {
+    let op: Arc<Box<dyn candle_core::CustomOp1 + Send + Sync>> = Arc::new(Box::new(SwiGlu));
+    Ok(contig(x)?.apply_op1_arc(op)?)
+}
+
+struct SwiGlu;
+
+fn swiglu_cpu<T: Float>(x: &[T], n_cols: usize) -> Vec<T> {
+    let mut y = Vec::with_capacity(x.len() / 2);
+    for row in x.chunks(2 * n_cols) {
+        let (gate, up) = row.split_at(n_cols);
+        for (g, u) in gate.iter().zip(up) {
+            let g = g.to_f32();
+            // Rounded after the silu, as transformers computes act_fn(gate) * up.
+            let act = T::from_f32(g / (1.0 + (-g).exp())).to_f32();
+            y.push(T::from_f32(act * u.to_f32()));
+        }
+    }
+    y
+}
+
+impl candle_core::CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "fleet-swiglu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = l.dims();
+        let n = dims[dims.len() - 1];
+        if !n.is_multiple_of(2) {
+            candle_core::bail!("swiglu: last dimension {n} is odd");
+        }
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("non-empty") = n / 2;
+        let out = float_cpu!("swiglu", (s, l) => x; swiglu_cpu(x, n / 2));
+        Ok((out, Shape::from(out_dims)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::swiglu(s, l)
+    }
+
+    /// With `x = [gate | up]`: `d gate = g * up * silu'(gate)`, `d up = g * silu(gate)`, where
+    /// `silu'(z) = sigmoid(z) * (1 + z * (1 - sigmoid(z)))`.
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        bwd_timed(grad.device(), "bwd.swiglu", || {
+            if x.device().is_cuda() {
+                let g = grad.detach().to_dtype(x.dtype())?.contiguous()?;
+                let dx = x.detach().contiguous()?.apply_op2_no_bwd(&g, &SwiGluBwd)?;
+                return Ok(Some(dx));
+            }
+            let xf = x.to_dtype(DType::F32)?;
+            let n = xf.dim(D::Minus1)? / 2;
+            let gate = xf.narrow(D::Minus1, 0, n)?;
+            let up = xf.narrow(D::Minus1, n, n)?;
+            let g = grad.to_dtype(DType::F32)?;
+            let sig = candle_nn::ops::sigmoid(&gate.contiguous()?)?;
+            let silu = (&gate * &sig)?;
+            // silu'(z) = sig + silu * (1 - sig)
+            let dsilu = (&sig + (&silu * sig.affine(-1.0, 1.0)?)?)?;
+            let d_gate = ((&g * up)? * dsilu)?;
+            let d_up = (g * silu)?;
+            Ok(Some(
+                Tensor::cat(&[d_gate, d_up], D::Minus1)?.to_dtype(x.dtype())?,
+            ))
+        })
+    }
+}
+
+/// The fused backward as a forward-only op on CUDA tensors (the CPU keeps the composed backward).
+struct SwiGluBwd;
+
+cuda_only_op!(CustomOp2 for SwiGluBwd, "fleet-swiglu-bwd", |_op, s1, l1, s2, l2| {
+    cuda::swiglu_bwd(s1, l1, s2, l2)
+});
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, Layout, Shape};
+    use half::{bf16, f16};
+
+    use super::super::cuda_util::*;
+    use super::super::suffix;
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/swiglu.ptx"));
+    const MODULE: &str = "fleet_swiglu";
+
+    pub(super) fn swiglu(s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s.device().clone();
+            let x = input::<T>(s, l)?;
+            let n2 = l.dims()[l.dims().len() - 1];
+            let n_rows = l.shape().elem_count() / n2;
+            let n_cols = n2 / 2;
+            let el = n_rows * n_cols;
+            let func = dev.get_or_load_custom_func(
+                &format!("swiglu_{}", suffix(s.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: every element is written by the kernel.
+            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(el)? };
+            let threads = 256u32;
+            let blocks = (el as u32).div_ceil(threads).clamp(1, 65_535);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&y);
+            let (rows, cols) = (n_rows as i32, n_cols as i32);
+            b.arg(&rows);
+            b.arg(&cols);
+            // SAFETY: the grid-stride loop covers n_rows * n_cols outputs.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(y, dev))
+        }
+        let dims = l.dims();
+        let n = dims[dims.len() - 1];
+        if !n.is_multiple_of(2) {
+            candle_core::bail!("swiglu: last dimension {n} is odd");
+        }
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("non-empty") = n / 2;
+        let out = match s.dtype() {
+            candle_core::DType::F32 => run::<f32>(s, l)?,
+            candle_core::DType::F16 => run::<f16>(s, l)?,
+            candle_core::DType::BF16 => run::<bf16>(s, l)?,
+            other => candle_core::bail!("swiglu: unsupported dtype {other:?}"),
+        };
+        Ok((out, Shape::from(out_dims)))
+    }
+
+    /// Backward of `swiglu` from its input `x` (`[.., 2n]`) and the output's gradient `g`
+    /// (`[.., n]`): `dx`, shaped like `x`.
+    pub(super) fn swiglu_bwd(
+        xs: &CudaStorage,
+        xl: &Layout,
+        gs: &CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            xs: &CudaStorage,
+            xl: &Layout,
+            gs: &CudaStorage,
+            gl: &Layout,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = xs.device().clone();
+            let x = input::<T>(xs, xl)?;
+            let g = input::<T>(gs, gl)?;
+            let n2 = xl.dims()[xl.dims().len() - 1];
+            let n_rows = xl.shape().elem_count() / n2;
+            let n_cols = n2 / 2;
+            let el = n_rows * n_cols;
+            let func = dev.get_or_load_custom_func(
+                &format!("swiglu_bwd_{}", suffix(xs.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: the kernel writes both halves of every row.
+            let dx: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * el)? };
+            let threads = 256u32;
+            let blocks = (el as u32).div_ceil(threads).clamp(1, 65_535);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&x);
+            b.arg(&g);
+            b.arg(&dx);
+            let (rows, cols) = (n_rows as i32, n_cols as i32);
+            b.arg(&rows);
+            b.arg(&cols);
+            // SAFETY: the grid-stride loop covers n_rows * n_cols (gate, up) pairs.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(dx, dev))
+        }
+        let (xd, gd) = (xl.dims(), gl.dims());
+        let n2 = xd[xd.len() - 1];
+        if xd.len() != gd.len()
+            || xd[..xd.len() - 1] != gd[..gd.len() - 1]
+            || 2 * gd[gd.len() - 1] != n2
+            || xs.dtype() != gs.dtype()
+        {
+            candle_core::bail!("swiglu backward: x {xd:?} and grad {gd:?} do not match");
+        }
+        let out = match xs.dtype() {
+            candle_core::DType::F32 => run::<f32>(xs, xl, gs, gl)?,
+            candle_core::DType::F16 => run::<f16>(xs, xl, gs, gl)?,
+            candle_core::DType::BF16 => run::<bf16>(xs, xl, gs, gl)?,
+            other => candle_core::bail!("swiglu backward: unsupported dtype {other:?}"),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn swiglu_matches_reference() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (3, 2, 10), &dev).unwrap();
+        let got = swiglu(&x).unwrap();
+        assert_eq!(got.dims(), &[3, 2, 5]);
+        let gate = x.narrow(2, 0, 5).unwrap();
+        let up = x.narrow(2, 5, 5).unwrap();
+        let want = (candle_nn::ops::silu(&gate).unwrap() * up).unwrap();
+        let d = (got - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d < 1e-6, "{d}");
+    }
+}
