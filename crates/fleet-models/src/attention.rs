@@ -89,6 +89,85 @@ fn layout_checked(device: &candle_core::Device) -> bool {
     }
 }
 
+/// The one attention dispatch of the text decoder and the vision tower:
+/// `softmax(q kᵀ · scale + mask) v` for `q` `[b, q_len, heads, d]` and `k`, `v`
+/// `[b, kv_len, kv_heads, d]` (views), giving `[b, q_len, heads, d]`.
+///
+/// [`flash_attention`] when the caller allows it (`fused`) and [`supported`] says it runs;
+/// otherwise the unfused path: the query heads that share a KV head stacked along the rows
+/// (`[b, kv_heads, n_rep * q, d]`, so each grouped KV head is read once for its group, with no
+/// copy of K/V), the scores scaled unless `scale` is 1 (the decoder folds it into its queries),
+/// and the decoder's [`crate::ops::masked_softmax`] (f32 statistics, one rounding to the model
+/// dtype). With `max_scores_bytes`, queries go in chunks whose score buffer stays within it (a
+/// 1024x1024 image's 4,096 vision patches would need 512 MiB per block otherwise).
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    mask: &Mask,
+    fused: bool,
+    max_scores_bytes: Option<usize>,
+) -> Result<Tensor> {
+    if fused && supported(q) {
+        return flash_attention(q, k, v, scale, mask);
+    }
+    let (b, q_len, h, d) = q.dims4()?;
+    let (_, kv_len, kvh, _) = k.dims4()?;
+    if kvh == 0 || h % kvh != 0 || kv_len < q_len {
+        return Err(ModelError::BadInput(format!(
+            "attention: q {:?}, k {:?} do not fit together",
+            q.dims(),
+            k.dims()
+        )));
+    }
+    let n_rep = h / kvh;
+    // Head-major views: for the decoder's q, k and v these are the tensors its kernels wrote.
+    let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
+    let kt = k.t()?;
+    let pad = match &mask.key_start {
+        Some(p) => p.clone(),
+        None => Tensor::zeros(b, DType::U32, q.device())?,
+    };
+    let rows = match max_scores_bytes {
+        Some(bytes) => (bytes / (h * kv_len * q.dtype().size_in_bytes()).max(1)).clamp(1, q_len),
+        None => q_len,
+    };
+    let mut outs = Vec::new();
+    let mut from = 0;
+    while from < q_len {
+        let m = rows.min(q_len - from);
+        let qs = if m == q_len {
+            q.clone()
+        } else {
+            q.narrow(2, from, m)?.contiguous()?
+        };
+        let qs = qs.reshape((b, kvh, n_rep * m, d))?;
+        let scores = qs.matmul(&kt)?; // [b, kvh, n_rep * m, kv_len]
+        let scores = if scale == 1.0 {
+            scores
+        } else {
+            (scores * scale as f64)?
+        };
+        // Query i of this chunk sits at position offset + i; without the causal cut every key
+        // is at or before it.
+        let offset = if mask.causal {
+            kv_len - q_len + from
+        } else {
+            kv_len
+        };
+        let probs = crate::ops::masked_softmax(&scores, &pad, kvh * n_rep * m, m, offset)?;
+        outs.push(probs.matmul(&v)?.reshape((b, h, m, d))?);
+        from += m;
+    }
+    let out = if outs.len() == 1 {
+        outs.pop().expect("one chunk")
+    } else {
+        Tensor::cat(&outs, 2)?
+    };
+    Ok(out.transpose(1, 2)?)
+}
+
 /// `softmax(q kᵀ · scale + mask) v` for `q` `[b, q_len, heads, d]` and `k`, `v`
 /// `[b, kv_len, kv_heads, d]` (any strides; `heads` a multiple of `kv_heads`), giving
 /// `[b, q_len, heads, d]`. Statistics in f32, the probabilities rounded to the model dtype

@@ -373,48 +373,31 @@ impl Attention {
             _ => ops::qkv_rope(&qkv, &self.qkv_bias, &rope.cs, (h, kvh), d),
         })?;
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
-        let kv_len = k.dim(2)?;
 
-        // Grouped-query attention without copying K/V: query heads that share a KV head are
-        // stacked along the row axis, `[b, kvh, n_rep * q_len, d]`. The 1/sqrt(d) scale is
-        // already folded into the query projection (see `DecoderLayer::load`).
-        // Prefills of many queries on a GPU: the fused kernel (no score buffer; the inputs as
-        // head-major views). Never in the training module's passes (a passthrough cache), with
-        // or without gradients: the kernel has no backward, and GSPO's old log-probs (no
-        // gradient) must equal the first update's (tracked) to the bit, or the ratio is not 1.
-        if q_len >= FLASH_MIN_QUERIES
+        // Prefills of many queries on a GPU: the fused kernel (no score buffer). Never in the
+        // training module's passes (a passthrough cache), with or without gradients: the
+        // kernel has no backward, and GSPO's old log-probs (no gradient) must equal the first
+        // update's (tracked) to the bit, or the ratio is not 1. Decode steps keep the unfused
+        // path, which reads each grouped key/value head once for all the query heads that
+        // share it. The 1/sqrt(d) scale is already folded into the queries (see
+        // `DecoderLayer::load`).
+        let fused = q_len >= FLASH_MIN_QUERIES
             && !cache.is_passthrough()
-            && attention::supported(&q)
-            && !(q.track_op() || k.track_op() || v.track_op())
-        {
-            return profile::time(dev, "attn.core", || {
-                let out = attention::flash_attention(
-                    &q.transpose(1, 2)?,
-                    &k.transpose(1, 2)?,
-                    &v.transpose(1, 2)?,
-                    1.0, // folded into the queries
-                    &attention::Mask {
-                        causal: true,
-                        key_start: Some(pad.clone()),
-                    },
-                )?; // [b, q_len, h, d]
-                Ok(out.reshape((b, q_len, h * d))?)
-            })
-            .and_then(|out| {
-                profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?))
-            });
-        }
-        let n_rep = h / kvh;
+            && !(q.track_op() || k.track_op() || v.track_op());
         let out = profile::time(dev, "attn.core", || {
-            let q = q.reshape((b, kvh, n_rep * q_len, d))?;
-            let scores = q.matmul(&k.t()?)?; // [b, kvh, n_rep * q_len, kv_len]
-            let probs =
-                ops::masked_softmax(&scores, pad, kvh * n_rep * q_len, q_len, kv_len - q_len)?;
-            let out = probs.matmul(&v)?; // [b, kvh, n_rep*q_len, d]
-            Ok(out
-                .reshape((b, h, q_len, d))?
-                .transpose(1, 2)?
-                .reshape((b, q_len, h * d))?)
+            let out = attention::attend(
+                &q.transpose(1, 2)?,
+                &k.transpose(1, 2)?,
+                &v.transpose(1, 2)?,
+                1.0,
+                &attention::Mask {
+                    causal: true,
+                    key_start: Some(pad.clone()),
+                },
+                fused,
+                None,
+            )?; // [b, q_len, h, d]
+            Ok(out.reshape((b, q_len, h * d))?)
         })?;
         profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?))
     }
