@@ -35,7 +35,7 @@ impl RewardModel {
         };
         let config = fleet_models::ModelSource::parse(spec, revision)
             .and_then(|s| s.resolve(&fleet_models::HubOptions::from_env()))
-            .and_then(|f| fleet_models::QwenConfig::from_file(&f.config))
+            .and_then(|f| Ok(fleet_models::QwenConfig::from_file(&f.config)?))
             .map_err(|e| err(e.to_string()))?;
         match config.classifier_labels() {
             Some(1) => {}

@@ -21,7 +21,9 @@ use std::path::{Path, PathBuf};
 use candle_core::DType;
 use fleet_dist::{Manifest, RunDir, RunDirOptions, RunDirState};
 use fleet_models::qwen::train::TrainableQwen;
-use fleet_models::{CheckpointFiles, HubOptions, ModelSource, QwenConfig, TextModel, Weights};
+use fleet_models::{
+    CheckpointFiles, HubOptions, ModelError, ModelSource, QwenConfig, TextModel, Weights,
+};
 use fleet_topology::{
     plan_training, MaxMemory, ModelShape, Topology, TrainingPlan, TrainingPreset, TrainingRequest,
     TrainingWorkload,
@@ -182,7 +184,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     } else {
         source.resolve(&hub)?
     };
-    let qwen = QwenConfig::from_file(&files.config)?;
+    let qwen = QwenConfig::from_file(&files.config).map_err(ModelError::from)?;
 
     // The data and the rewards first: a bad dataset is found before anything is loaded.
     let data = load_prompts(&opts.dataset)?;

@@ -149,6 +149,37 @@ pub enum ModelError {
 /// Result alias for this crate.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
+/// A config file's error as the variant of the same name (the same message).
+impl From<fleet_config::ConfigError> for ModelError {
+    fn from(e: fleet_config::ConfigError) -> Self {
+        use fleet_config::ConfigError as C;
+        match e {
+            C::Io { path, source } => ModelError::Io { path, source },
+            C::BadJson { path, message } => ModelError::BadJson { path, message },
+            C::BadConfig {
+                path,
+                field,
+                value,
+                hint,
+            } => ModelError::BadConfig {
+                path,
+                field,
+                value,
+                hint,
+            },
+            C::UnsupportedArchitecture {
+                path,
+                arch,
+                supported,
+            } => ModelError::UnsupportedArchitecture {
+                path,
+                arch,
+                supported,
+            },
+        }
+    }
+}
+
 impl ModelError {
     /// [`ModelError::Loss`] holding `error`: a loss function's own error.
     pub fn loss(error: impl std::error::Error + Send + Sync + 'static) -> Self {

@@ -96,12 +96,15 @@ pub(crate) struct Checkpoint<C> {
 
 impl<C> Checkpoint<C> {
     /// Opens `spec`, reading its config.json with `read` (`layers` counts its decoder layers).
-    pub(crate) fn open(
+    pub(crate) fn open<E>(
         spec: &str,
         opts: &LoadOptions,
-        read: impl Fn(&std::path::Path) -> Result<C>,
+        read: impl Fn(&std::path::Path) -> Result<C, E>,
         layers: impl Fn(&C) -> usize,
-    ) -> Result<Self> {
+    ) -> Result<Self>
+    where
+        ModelError: From<E>,
+    {
         let source = ModelSource::parse(spec, opts.revision.as_deref())?;
         let files = source.resolve(&opts.hub)?;
         let config = read(&files.config)?;

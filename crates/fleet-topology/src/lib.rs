@@ -294,6 +294,45 @@ pub enum TopologyError {
     },
 }
 
+/// A config.json that fleet-config could not read: [`TopologyError::Io`], or
+/// [`TopologyError::ModelConfig`] naming the field (`(json)` for a file that does not parse).
+impl From<fleet_config::ConfigError> for TopologyError {
+    fn from(e: fleet_config::ConfigError) -> Self {
+        use fleet_config::ConfigError as C;
+        let file = |path: &std::path::Path| path.display().to_string();
+        match e {
+            C::Io { path, source } => TopologyError::Io {
+                file: file(&path),
+                message: source.to_string(),
+            },
+            C::BadJson { path, message } => TopologyError::ModelConfig {
+                file: file(&path),
+                field: "(json)".into(),
+                message: format!("not valid config.json: {message}"),
+            },
+            C::BadConfig {
+                path,
+                field,
+                value,
+                hint,
+            } => TopologyError::ModelConfig {
+                file: file(&path),
+                field,
+                message: format!("{value}: {hint}"),
+            },
+            C::UnsupportedArchitecture {
+                path,
+                arch,
+                supported,
+            } => TopologyError::ModelConfig {
+                file: file(&path),
+                field: "model_type".into(),
+                message: format!("`{arch}` is not supported; fleet runs {supported}"),
+            },
+        }
+    }
+}
+
 /// `no GPU`, `1 GPU (id 0)`, `8 GPUs (ids 0-7)`, `2 GPUs (ids 3, 5)`: GPU ids for messages,
 /// runs of consecutive ids written as ranges.
 fn gpus_text(ids: &[usize]) -> String {

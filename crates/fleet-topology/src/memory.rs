@@ -1,8 +1,9 @@
 //! The memory model: how many bytes a model's weights, KV cache and working buffers take.
 //!
-//! The shape is read from a checkpoint's `config.json` through a small serde struct of its own
-//! ([`ModelShape`]), so this crate needs no model code. Estimates count parameters the way the
-//! Qwen2/2.5, Qwen3 and Qwen3-VL (dense and MoE) modules of transformers lay them out:
+//! The shape ([`ModelShape`]) is read from a checkpoint's `config.json` through fleet-config's
+//! schema ([`RawConfig`], the one fleet-models reads too), so this crate needs no model code.
+//! Estimates count parameters the way the Qwen2/2.5, Qwen3 and Qwen3-VL (dense and MoE)
+//! modules of transformers lay them out:
 //!
 //! * **embedding**: `vocab_size * hidden_size` (plus the vision tower, which runs before the
 //!   first decoder layer and is placed with the embedding);
@@ -22,6 +23,7 @@
 use std::path::Path;
 use std::str::FromStr;
 
+use fleet_config::RawConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::{CheckpointParams, TopologyError};
@@ -184,55 +186,11 @@ pub struct ModelShape {
     pub classification_head: Option<usize>,
 }
 
-/// The fields of config.json this crate reads. transformers 5.x nests the decoder fields of
-/// vision-language models under `text_config`; both layouts are accepted.
-#[derive(Debug, Default, Deserialize)]
-struct RawConfig {
-    model_type: Option<String>,
-    num_hidden_layers: Option<usize>,
-    hidden_size: Option<usize>,
-    intermediate_size: Option<usize>,
-    num_attention_heads: Option<usize>,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    vocab_size: Option<usize>,
-    tie_word_embeddings: Option<bool>,
-    /// `num_local_experts` in the config.json that transformers 5's `save_pretrained` writes
-    /// for Qwen3-VL MoE (the released 4.x files say `num_experts`).
-    #[serde(alias = "num_local_experts")]
-    num_experts: Option<usize>,
-    num_experts_per_tok: Option<usize>,
-    moe_intermediate_size: Option<usize>,
-    text_config: Option<Box<RawConfig>>,
-    vision_config: Option<RawVision>,
-    architectures: Option<Vec<String>>,
-    num_labels: Option<usize>,
-    id2label: Option<serde_json::Map<String, serde_json::Value>>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct RawVision {
-    depth: Option<usize>,
-    hidden_size: Option<usize>,
-    intermediate_size: Option<usize>,
-    out_hidden_size: Option<usize>,
-    patch_size: Option<usize>,
-    temporal_patch_size: Option<usize>,
-    in_channels: Option<usize>,
-    spatial_merge_size: Option<usize>,
-    num_position_embeddings: Option<usize>,
-    deepstack_visual_indexes: Option<Vec<usize>>,
-}
-
 impl ModelShape {
     /// Reads a model's shape from its `config.json`.
     pub fn from_config_file(path: impl AsRef<Path>) -> Result<Self, TopologyError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| TopologyError::Io {
-            file: path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        Self::from_config_str(&text, &path.display().to_string())
+        Self::from_raw(&RawConfig::from_file(path)?, &path.display().to_string())
     }
 
     /// Reads a model's shape from the text of a `config.json`; `source` names it in errors.
@@ -249,12 +207,12 @@ impl ModelShape {
     /// ([`ModelShape::classification_head`]) with as many labels as `id2label` has entries
     /// (else `num_labels`, else transformers' default of 2).
     pub fn from_config_str(text: &str, source: &str) -> Result<Self, TopologyError> {
-        let raw: RawConfig =
-            serde_json::from_str(text).map_err(|e| TopologyError::ModelConfig {
-                file: source.to_string(),
-                field: "(json)".into(),
-                message: format!("not valid config.json: {e}"),
-            })?;
+        Self::from_raw(&RawConfig::from_json(text, Path::new(source))?, source)
+    }
+
+    /// The shape of the config.json read as `raw` (fleet-config's schema); `source` names it in
+    /// errors. The rules are [`ModelShape::from_config_str`]'s.
+    pub fn from_raw(raw: &RawConfig, source: &str) -> Result<Self, TopologyError> {
         let empty = RawConfig::default();
         let text_cfg = raw.text_config.as_deref().unwrap_or(&empty);
         let missing = |field: &str| TopologyError::ModelConfig {
@@ -311,10 +269,7 @@ impl ModelShape {
             Some(_) => pick!(intermediate_size).unwrap_or(0),
             None => need!(intermediate_size),
         };
-        let tie_word_embeddings = raw
-            .tie_word_embeddings
-            .or(text_cfg.tie_word_embeddings)
-            .unwrap_or(false);
+        let tie_word_embeddings = raw.tie_word_embeddings().unwrap_or(false);
         let is_qwen2 = model_type.starts_with("qwen2");
         // Learned position embeddings and deepstack mergers are Qwen3-VL's; older towers
         // (Qwen2-VL, Qwen2.5-VL) have neither unless the config says so.
@@ -338,29 +293,14 @@ impl ModelShape {
                 .as_ref()
                 .map_or(if qwen3_vl { 3 } else { 0 }, |d| d.len()),
         });
-        let classifier = raw
-            .architectures
-            .iter()
-            .flatten()
-            .any(|a| a.ends_with("ForSequenceClassification"));
-        let classification_head = if classifier {
-            let labels = raw
-                .id2label
-                .as_ref()
-                .map(|m| m.len())
-                .or(raw.num_labels)
-                .unwrap_or(2);
-            if labels == 0 {
-                return Err(TopologyError::ModelConfig {
-                    file: source.to_string(),
-                    field: "id2label".into(),
-                    message: "a sequence-classification model needs at least one label".into(),
-                });
-            }
-            Some(labels)
-        } else {
-            None
-        };
+        let classification_head = raw.classifier_labels();
+        if classification_head == Some(0) {
+            return Err(TopologyError::ModelConfig {
+                file: source.to_string(),
+                field: "id2label".into(),
+                message: "a sequence-classification model needs at least one label".into(),
+            });
+        }
         Ok(ModelShape {
             model_type,
             num_layers,

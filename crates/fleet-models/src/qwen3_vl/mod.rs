@@ -14,13 +14,9 @@
 mod checkpoint;
 pub mod vision;
 
-use std::path::Path;
-
 use candle_core::{DType, Tensor};
 use fleet_topology::DeviceMap;
-use serde_json::Value;
 
-use crate::config::QwenConfig;
 use crate::device::Devices;
 use crate::error::{ModelError, Result};
 use crate::generation::{GenerationOutput, GenerationRequest, Generator, StreamEvent};
@@ -31,113 +27,8 @@ use crate::vision::PreprocessedImages;
 use crate::weights::Weights;
 
 pub use checkpoint::{PromptLength, VisionLanguageModel, VlProcessor};
+pub use fleet_config::Qwen3VlConfig;
 pub use vision::{VisionConfig, VisionEncoder, VisionOutput};
-
-/// A Qwen3-VL `config.json`: the text decoder's and the vision encoder's configs and the
-/// special token ids.
-#[derive(Debug, Clone)]
-pub struct Qwen3VlConfig {
-    /// `qwen3_vl` or `qwen3_vl_moe`.
-    pub model_type: String,
-    /// The decoder (`text_config`), with its tensors under `model.language_model.`.
-    pub text: QwenConfig,
-    /// The encoder (`vision_config`).
-    pub vision: VisionConfig,
-    /// `<|image_pad|>` (151655 in the released checkpoints).
-    pub image_token_id: u32,
-    /// `<|video_pad|>` (151656); video input is not implemented and is refused.
-    pub video_token_id: u32,
-    /// `<|vision_start|>` (151652).
-    pub vision_start_token_id: u32,
-    /// `<|vision_end|>` (151653).
-    pub vision_end_token_id: u32,
-}
-
-impl Qwen3VlConfig {
-    /// Reads and validates `config.json`.
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-        Self::from_json(&text, path)
-    }
-
-    /// Parses the text of a Qwen3-VL `config.json`; `path` names it in errors.
-    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
-        let raw: Value = serde_json::from_str(text).map_err(|e| ModelError::BadJson {
-            path: path.to_path_buf(),
-            message: format!("not valid JSON: {e}"),
-        })?;
-        let model_type = raw
-            .get("model_type")
-            .and_then(|v| v.as_str())
-            .unwrap_or("<missing>")
-            .to_string();
-        if !matches!(model_type.as_str(), "qwen3_vl" | "qwen3_vl_moe") {
-            return Err(ModelError::UnsupportedArchitecture {
-                path: path.to_path_buf(),
-                arch: format!(
-                    "model_type={model_type} architectures={}",
-                    raw.get("architectures")
-                        .map(|v| v.to_string())
-                        .unwrap_or_default()
-                ),
-                supported: "model_type qwen3_vl (Qwen3-VL dense) and qwen3_vl_moe \
-                            (Qwen3-VL-30B-A3B and other MoE sizes): the judge needs a Qwen3-VL \
-                            checkpoint"
-                    .into(),
-            });
-        }
-        let section = |name: &str| -> Result<Value> {
-            raw.get(name).cloned().ok_or_else(|| ModelError::BadConfig {
-                path: path.to_path_buf(),
-                field: name.into(),
-                value: "<missing>".into(),
-                hint: "a Qwen3-VL config.json has text_config and vision_config sections".into(),
-            })
-        };
-        let mut text_cfg = QwenConfig::from_vl_text(section("text_config")?, path)?;
-        // transformers reads the tie flag at the top level of a multimodal config.
-        if let Some(tie) = raw.get("tie_word_embeddings").and_then(|v| v.as_bool()) {
-            text_cfg.tie_word_embeddings = tie;
-        }
-        let vision: VisionConfig =
-            serde_json::from_value(section("vision_config")?).map_err(|e| ModelError::BadJson {
-                path: path.to_path_buf(),
-                message: format!("vision_config: {e}"),
-            })?;
-        vision.validate(path)?;
-        if vision.out_hidden_size != text_cfg.hidden_size {
-            return Err(ModelError::BadConfig {
-                path: path.to_path_buf(),
-                field: "vision_config.out_hidden_size".into(),
-                value: vision.out_hidden_size.to_string(),
-                hint: format!(
-                    "must equal text_config.hidden_size = {}",
-                    text_cfg.hidden_size
-                ),
-            });
-        }
-        let id = |name: &str, default: u32| -> u32 {
-            raw.get(name)
-                .or_else(|| raw.get("text_config").and_then(|t| t.get(name)))
-                .and_then(|v| v.as_u64())
-                .map_or(default, |v| v as u32)
-        };
-        Ok(Qwen3VlConfig {
-            model_type,
-            text: text_cfg,
-            vision,
-            image_token_id: id("image_token_id", 151_655),
-            video_token_id: id("video_token_id", 151_656),
-            vision_start_token_id: id("vision_start_token_id", 151_652),
-            vision_end_token_id: id("vision_end_token_id", 151_653),
-        })
-    }
-
-    /// Whether the decoder has MoE layers.
-    pub fn is_moe(&self) -> bool {
-        self.text.is_moe()
-    }
-}
 
 /// One prompt for the model: token ids with each image's `<|image_pad|>` already expanded to
 /// its token count, and the preprocessed images in the order they appear.
