@@ -104,13 +104,13 @@ pub fn attend(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    scale: f32,
+    scale: f64,
     mask: &Mask,
     fused: bool,
     max_scores_bytes: Option<usize>,
 ) -> Result<Tensor> {
     if fused && supported(q) {
-        return flash_attention(q, k, v, scale, mask);
+        return flash_attention(q, k, v, scale as f32, mask);
     }
     let (b, q_len, h, d) = q.dims4()?;
     let (_, kv_len, kvh, _) = k.dims4()?;
@@ -122,8 +122,10 @@ pub fn attend(
         )));
     }
     let n_rep = h / kvh;
-    // Head-major views: for the decoder's q, k and v these are the tensors its kernels wrote.
+    // Head-major views: for the decoder's q, k and v these are the tensors its kernels wrote
+    // (k and v possibly a view of the KV cache's rows), read in place.
     let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
+    let (k, v) = (rows_packed(&k)?, rows_packed(&v)?);
     let kt = k.t()?;
     let pad = match &mask.key_start {
         Some(p) => p.clone(),
@@ -147,7 +149,7 @@ pub fn attend(
         let scores = if scale == 1.0 {
             scores
         } else {
-            (scores * scale as f64)?
+            (scores * scale)?
         };
         // Query i of this chunk sits at position offset + i; without the causal cut every key
         // is at or before it.
@@ -166,6 +168,18 @@ pub fn attend(
         Tensor::cat(&outs, 2)?
     };
     Ok(out.transpose(1, 2)?)
+}
+
+/// `t` (`[b, heads, n, d]`) as it is when each of its `[n, d]` matrices is stored row after row
+/// (a GEMM operand as it is, the KV cache's rows included), else a contiguous copy.
+fn rows_packed(t: &Tensor) -> Result<Tensor> {
+    let stride = t.stride();
+    let d = t.dims()[3];
+    Ok(if stride[3] == 1 && stride[2] == d {
+        t.clone()
+    } else {
+        t.contiguous()?
+    })
 }
 
 /// `softmax(q kᵀ · scale + mask) v` for `q` `[b, q_len, heads, d]` and `k`, `v`

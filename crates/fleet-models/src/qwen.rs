@@ -17,7 +17,7 @@ use crate::config::{QwenArch, QwenConfig};
 use crate::device::Devices;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{KvCache, LayerCache};
-use crate::weights::{non_finite, Init, Unread, Weights};
+use crate::weights::{non_finite, Init, Loader, Unread, Weights};
 use crate::{attention, ops, profile};
 
 mod moe;
@@ -43,62 +43,17 @@ impl RmsNorm {
     }
 }
 
-/// Reads the weights of blocks that live on one device.
-struct BlockLoader<'a> {
-    weights: &'a Weights,
-    dtype: DType,
-    device: &'a Device,
-    eps: f64,
-}
-
-/// transformers' `initializer_range` for random weights.
-const INIT_STD: f64 = 0.02;
-
 /// From how many queries (a prefill) attention on a GPU runs through the fused kernel; decode
 /// steps keep the unfused path, which reads each grouped key/value head once for all the query
 /// heads that share it.
 const FLASH_MIN_QUERIES: usize = 16;
 
-impl BlockLoader<'_> {
-    /// `{name}.weight` `[out, in]` and, with `bias`, `{name}.bias` `[out]`.
-    fn linear(
-        &self,
-        name: &str,
-        in_dim: usize,
-        out_dim: usize,
-        bias: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let w = self.weights.get(
-            &format!("{name}.weight"),
-            &[out_dim, in_dim],
-            Init::Normal(INIT_STD),
-            self.dtype,
-            self.device,
-        )?;
-        let b = if bias {
-            Some(self.weights.get(
-                &format!("{name}.bias"),
-                &[out_dim],
-                Init::Zeros,
-                self.dtype,
-                self.device,
-            )?)
-        } else {
-            None
-        };
-        Ok((w, b))
-    }
-
-    fn norm(&self, name: &str, dim: usize) -> Result<RmsNorm> {
+impl RmsNorm {
+    /// `{name}.weight` `[dim]`.
+    fn load(ld: &Loader<'_>, name: &str, dim: usize, eps: f64) -> Result<Self> {
         Ok(RmsNorm {
-            weight: self.weights.get(
-                &format!("{name}.weight"),
-                &[dim],
-                Init::Ones,
-                self.dtype,
-                self.device,
-            )?,
-            eps: self.eps as f32,
+            weight: ld.tensor(&format!("{name}.weight"), &[dim], Init::Ones)?,
+            eps: eps as f32,
         })
     }
 }
@@ -422,12 +377,7 @@ impl Ffn {
 }
 
 impl DecoderLayer {
-    fn load(
-        cfg: &QwenConfig,
-        ld: &BlockLoader<'_>,
-        i: usize,
-        location: DeviceLocation,
-    ) -> Result<Self> {
+    fn load(cfg: &QwenConfig, ld: &Loader<'_>, i: usize, location: DeviceLocation) -> Result<Self> {
         let p = format!("{}layers.{i}", cfg.prefix());
         let (hs, hd) = (cfg.hidden_size, cfg.head_dim());
         let (h, kvh) = (cfg.num_attention_heads, cfg.num_kv_heads());
@@ -450,12 +400,17 @@ impl DecoderLayer {
         )?;
         let (ow, ob) = ld.linear(&format!("{p}.self_attn.o_proj"), h * hd, hs, cfg.o_bias())?;
         let (q, q_norm, k_norm) = if cfg.arch() == QwenArch::Qwen3 {
-            let mut qn = ld.norm(&format!("{p}.self_attn.q_norm"), hd)?;
+            let mut qn = RmsNorm::load(ld, &format!("{p}.self_attn.q_norm"), hd, cfg.rms_norm_eps)?;
             qn.weight = scaled(&qn.weight, scale)?;
             (
                 q,
                 Some(qn),
-                Some(ld.norm(&format!("{p}.self_attn.k_norm"), hd)?),
+                Some(RmsNorm::load(
+                    ld,
+                    &format!("{p}.self_attn.k_norm"),
+                    hd,
+                    cfg.rms_norm_eps,
+                )?),
             )
         } else {
             let (w, b) = q;
@@ -483,7 +438,7 @@ impl DecoderLayer {
         };
         let qkv = fused(vec![q, k, v])?;
         Ok(DecoderLayer {
-            input_norm: ld.norm(&format!("{p}.input_layernorm"), hs)?,
+            input_norm: RmsNorm::load(ld, &format!("{p}.input_layernorm"), hs, cfg.rms_norm_eps)?,
             attn: Attention {
                 qkv: Linear::new(qkv.weight().clone(), None),
                 qkv_bias: match qkv.bias() {
@@ -501,7 +456,12 @@ impl DecoderLayer {
                 num_kv_heads: kvh,
                 head_dim: hd,
             },
-            post_attn_norm: ld.norm(&format!("{p}.post_attention_layernorm"), hs)?,
+            post_attn_norm: RmsNorm::load(
+                ld,
+                &format!("{p}.post_attention_layernorm"),
+                hs,
+                cfg.rms_norm_eps,
+            )?,
             mlp,
             location,
         })
@@ -671,7 +631,7 @@ fn run_layers<L: std::borrow::Borrow<DecoderLayer>>(
 }
 
 /// The token embedding, `{prefix}embed_tokens.weight`.
-fn load_embedding(cfg: &QwenConfig, ld: &BlockLoader<'_>) -> Result<Embedding> {
+fn load_embedding(cfg: &QwenConfig, ld: &Loader<'_>) -> Result<Embedding> {
     let (hs, vocab) = (cfg.hidden_size, cfg.vocab_size);
     let (w, _) = ld.linear(&format!("{}embed_tokens", cfg.prefix()), hs, vocab, false)?;
     Ok(Embedding::new(w, hs))
@@ -683,11 +643,11 @@ fn load_embedding(cfg: &QwenConfig, ld: &BlockLoader<'_>) -> Result<Embedding> {
 /// (a sequence classifier, without bias).
 fn load_head(
     cfg: &QwenConfig,
-    head: &BlockLoader<'_>,
+    head: &Loader<'_>,
     embedding: &Embedding,
 ) -> Result<(RmsNorm, Linear)> {
     let (hs, vocab) = (cfg.hidden_size, cfg.vocab_size);
-    let norm = head.norm(&format!("{}norm", cfg.prefix()), hs)?;
+    let norm = RmsNorm::load(head, &format!("{}norm", cfg.prefix()), hs, cfg.rms_norm_eps)?;
     let w = if let Some(labels) = cfg.classifier_labels() {
         head.linear("score", hs, labels, false)?.0
     } else if cfg.tie_word_embeddings {
@@ -748,11 +708,10 @@ impl QwenModel {
         map.validate(cfg.num_hidden_layers)?;
         let all: Vec<&Device> = devices.iter().map(|(_, d)| d).collect();
         weights.seed_devices(&all)?;
-        let loader = |loc: DeviceLocation| BlockLoader {
+        let loader = |loc: DeviceLocation| Loader {
             weights,
             dtype,
             device: devices.get(loc),
-            eps: cfg.rms_norm_eps,
         };
 
         let embed = load_embedding(cfg, &loader(map.embed))?;

@@ -29,6 +29,45 @@ pub enum Init {
     Zeros,
 }
 
+/// transformers' `initializer_range`: the std of random linear and embedding weights.
+pub(crate) const INIT_STD: f64 = 0.02;
+
+/// Reads the tensors of one device in one dtype: the one weight loader of every model (text
+/// blocks, experts, the vision tower), over a checkpoint, random weights or a trainer's tensors.
+pub(crate) struct Loader<'a> {
+    pub(crate) weights: &'a Weights,
+    pub(crate) dtype: DType,
+    pub(crate) device: &'a Device,
+}
+
+impl Loader<'_> {
+    /// The tensor `name` of `shape` (`init` when the weights are random).
+    pub(crate) fn tensor(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        self.weights.get(name, shape, init, self.dtype, self.device)
+    }
+
+    /// `{name}.weight` `[out, in]` and, with `bias`, `{name}.bias` `[out]`.
+    pub(crate) fn linear(
+        &self,
+        name: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let w = self.tensor(
+            &format!("{name}.weight"),
+            &[out_dim, in_dim],
+            Init::Normal(INIT_STD),
+        )?;
+        let b = if bias {
+            Some(self.tensor(&format!("{name}.bias"), &[out_dim], Init::Zeros)?)
+        } else {
+            None
+        };
+        Ok((w, b))
+    }
+}
+
 /// The source of a model's tensors.
 pub enum Weights {
     /// Memory-mapped safetensors shards.

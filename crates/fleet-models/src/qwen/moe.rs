@@ -23,9 +23,7 @@ use candle_nn::Linear;
 
 use crate::error::{ModelError, Result};
 use crate::ops;
-use crate::weights::Init;
-
-use super::BlockLoader;
+use crate::weights::{Init, Loader, INIT_STD};
 
 /// One MoE block's weights.
 pub(crate) struct SparseMoe {
@@ -37,9 +35,6 @@ pub(crate) struct SparseMoe {
     down: Tensor,
     top_k: usize,
 }
-
-/// transformers' `initializer_range` for random weights.
-const INIT_STD: f64 = 0.02;
 
 /// Tokens per call of the fused kernels: candle sorts the `tokens * top_k` routing entries in
 /// one thread block, whose shared memory holds a few thousand entries.
@@ -193,7 +188,7 @@ impl SparseMoe {
     /// Shapes that fit neither layout are an error naming the tensor, its shard, both shapes
     /// and what each layout expects.
     pub(crate) fn load(
-        ld: &BlockLoader<'_>,
+        ld: &Loader<'_>,
         p: &str,
         hidden: usize,
         experts: usize,
@@ -206,9 +201,7 @@ impl SparseMoe {
         let layout = Self::layout(ld, &gate_up_name, &down_name, experts, hidden, inter)?;
         let (gate_up_shape, down_shape) = layout.shapes(experts, hidden, inter);
         let read = |name: &str, shape: [usize; 3]| -> Result<Tensor> {
-            let t = ld
-                .weights
-                .get(name, &shape, Init::Normal(INIT_STD), ld.dtype, ld.device)?;
+            let t = ld.tensor(name, &shape, Init::Normal(INIT_STD))?;
             Ok(match layout {
                 ExpertLayout::Transformers5 => t,
                 ExpertLayout::Released => t.transpose(1, 2)?.contiguous()?,
@@ -226,7 +219,7 @@ impl SparseMoe {
 
     /// The layout of one layer's experts (see [`ExpertLayout`]).
     fn layout(
-        ld: &BlockLoader<'_>,
+        ld: &Loader<'_>,
         gate_up_name: &str,
         down_name: &str,
         experts: usize,
@@ -237,7 +230,7 @@ impl SparseMoe {
         // A tensor missing from the checkpoint: reading it reports that, not a layout.
         for name in [gate_up_name, down_name] {
             if !w.contains(name) {
-                w.get(name, &[0], Init::Zeros, ld.dtype, ld.device)?;
+                ld.tensor(name, &[0], Init::Zeros)?;
             }
         }
         let (Some(gate_up), Some(down)) = (w.shape_of(gate_up_name), w.shape_of(down_name)) else {
@@ -546,11 +539,10 @@ mod layout_tests {
     }
 
     fn load(weights: &Weights, inter: usize) -> Result<SparseMoe> {
-        let ld = BlockLoader {
+        let ld = Loader {
             weights,
             dtype: DType::F32,
             device: &Device::Cpu,
-            eps: 1e-6,
         };
         SparseMoe::load(&ld, "mlp", H, E, inter, 2)
     }

@@ -27,14 +27,14 @@ use candle_nn::{Embedding, Linear, Module};
 use fleet_topology::{DeviceLocation, DeviceMap};
 
 use super::{
-    load_embedding, load_head, load_rope, run_layers, BlockLoader, DecoderLayer, LayerHooks,
-    LayerInputs, Plain, Positions, QwenModel, RmsNorm, RopeTables, Stream,
+    load_embedding, load_head, load_rope, run_layers, DecoderLayer, LayerHooks, LayerInputs, Plain,
+    Positions, QwenModel, RmsNorm, RopeTables, Stream,
 };
 use crate::config::QwenConfig;
 use crate::device::Devices;
 use crate::error::{ModelError, Result};
 use crate::profile;
-use crate::weights::Weights;
+use crate::weights::{Loader, Weights};
 
 /// Sequences to score: prompts left-padded to `prompt_len`, completions right-padded after
 /// them, every row `prompt_len + completion_len` ids long.
@@ -499,12 +499,11 @@ impl TrainableQwen {
         )
     }
 
-    fn loader<'a>(&'a self, w: &'a Weights, loc: DeviceLocation) -> BlockLoader<'a> {
-        BlockLoader {
+    fn loader<'a>(&'a self, w: &'a Weights, loc: DeviceLocation) -> Loader<'a> {
+        Loader {
             weights: w,
             dtype: self.dtype,
             device: self.devices.get(loc),
-            eps: self.cfg.rms_norm_eps,
         }
     }
 

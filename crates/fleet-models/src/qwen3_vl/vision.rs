@@ -13,43 +13,15 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
 
 use crate::error::{ModelError, Result};
-use crate::weights::{Init, Weights};
+use crate::weights::{Init, Loader, Weights, INIT_STD};
 use crate::{attention, ops, profile};
 
 pub use fleet_config::VisionConfig;
 
-/// transformers' `initializer_range` for random weights.
-const INIT_STD: f64 = 0.02;
-
-/// Reads vision tensors of one device.
-struct Loader<'a> {
-    weights: &'a Weights,
-    dtype: DType,
-    device: &'a Device,
-}
-
-impl Loader<'_> {
-    fn tensor(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
-        self.weights.get(name, shape, init, self.dtype, self.device)
-    }
-
-    fn linear(&self, name: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
-        Ok(Linear::new(
-            self.tensor(
-                &format!("{name}.weight"),
-                &[out_dim, in_dim],
-                Init::Normal(INIT_STD),
-            )?,
-            Some(self.tensor(&format!("{name}.bias"), &[out_dim], Init::Zeros)?),
-        ))
-    }
-
-    fn layer_norm(&self, name: &str, dim: usize) -> Result<LayerNorm> {
-        Ok(LayerNorm {
-            weight: self.tensor(&format!("{name}.weight"), &[dim], Init::Ones)?,
-            bias: self.tensor(&format!("{name}.bias"), &[dim], Init::Zeros)?,
-        })
-    }
+/// A linear layer with bias (every linear layer of the vision tower has one).
+fn load_linear(ld: &Loader<'_>, name: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
+    let (w, b) = ld.linear(name, in_dim, out_dim, true)?;
+    Ok(Linear::new(w, b))
 }
 
 /// LayerNorm with bias, eps 1e-6 (statistics in f32).
@@ -61,6 +33,14 @@ struct LayerNorm {
 const LN_EPS: f32 = 1e-6;
 
 impl LayerNorm {
+    /// `{name}.weight` and `{name}.bias`, `[dim]` each.
+    fn load(ld: &Loader<'_>, name: &str, dim: usize) -> Result<Self> {
+        Ok(LayerNorm {
+            weight: ld.tensor(&format!("{name}.weight"), &[dim], Init::Ones)?,
+            bias: ld.tensor(&format!("{name}.bias"), &[dim], Init::Zeros)?,
+        })
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(candle_nn::ops::layer_norm(
             &x.contiguous()?,
@@ -188,22 +168,40 @@ impl VisionEncoder {
         for i in 0..cfg.depth {
             let b = format!("{p}.blocks.{i}");
             blocks.push(Block {
-                norm1: ld.layer_norm(&format!("{b}.norm1"), h)?,
-                norm2: ld.layer_norm(&format!("{b}.norm2"), h)?,
-                qkv: ld.linear(&format!("{b}.attn.qkv"), h, 3 * h)?,
-                proj: ld.linear(&format!("{b}.attn.proj"), h, h)?,
-                fc1: ld.linear(&format!("{b}.mlp.linear_fc1"), h, cfg.intermediate_size)?,
-                fc2: ld.linear(&format!("{b}.mlp.linear_fc2"), cfg.intermediate_size, h)?,
+                norm1: LayerNorm::load(&ld, &format!("{b}.norm1"), h)?,
+                norm2: LayerNorm::load(&ld, &format!("{b}.norm2"), h)?,
+                qkv: load_linear(&ld, &format!("{b}.attn.qkv"), h, 3 * h)?,
+                proj: load_linear(&ld, &format!("{b}.attn.proj"), h, h)?,
+                fc1: load_linear(
+                    &ld,
+                    &format!("{b}.mlp.linear_fc1"),
+                    h,
+                    cfg.intermediate_size,
+                )?,
+                fc2: load_linear(
+                    &ld,
+                    &format!("{b}.mlp.linear_fc2"),
+                    cfg.intermediate_size,
+                    h,
+                )?,
             });
         }
         let unit = cfg.spatial_merge_size * cfg.spatial_merge_size;
         let wide = h * unit;
         let merger = |name: &str, post_shuffle: bool| -> Result<Merger> {
             Ok(Merger {
-                norm: ld
-                    .layer_norm(&format!("{name}.norm"), if post_shuffle { wide } else { h })?,
-                fc1: ld.linear(&format!("{name}.linear_fc1"), wide, wide)?,
-                fc2: ld.linear(&format!("{name}.linear_fc2"), wide, cfg.out_hidden_size)?,
+                norm: LayerNorm::load(
+                    &ld,
+                    &format!("{name}.norm"),
+                    if post_shuffle { wide } else { h },
+                )?,
+                fc1: load_linear(&ld, &format!("{name}.linear_fc1"), wide, wide)?,
+                fc2: load_linear(
+                    &ld,
+                    &format!("{name}.linear_fc2"),
+                    wide,
+                    cfg.out_hidden_size,
+                )?,
                 post_shuffle,
                 unit,
             })
@@ -429,61 +427,25 @@ impl VisionEncoder {
         })?;
         let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
         let scale = (hd as f64).powf(-0.5);
-        if attention::supported(&q) {
-            // One fused kernel per image segment (`[1, len, heads, hd]` views, no copies).
-            return profile::time(dev, "vision.core", || {
-                let mut outs = Vec::new();
-                let mut start = 0;
-                for &[t, gh, gw] in grids {
-                    let len = gh * gw;
-                    for _ in 0..t {
-                        let seg = |z: &Tensor| z.narrow(0, start, len)?.unsqueeze(0);
-                        let o = attention::flash_attention(
-                            &seg(&q)?,
-                            &seg(&k)?,
-                            &seg(&v)?,
-                            scale as f32,
-                            &attention::Mask::default(),
-                        )?;
-                        outs.push(o.squeeze(0)?);
-                        start += len;
-                    }
-                }
-                let out = if outs.len() == 1 {
-                    outs.pop().expect("one segment")
-                } else {
-                    Tensor::cat(&outs, 0)?
-                };
-                Ok(out.reshape((n, hidden))?)
-            });
-        }
-        // Every key visible: the decoder's masked softmax (f32 statistics, one rounding to
-        // the model dtype, as transformers' softmax in f32) with no padding and no causal cut.
-        let no_pad = Tensor::zeros(1, DType::U32, dev)?;
+        // Each image (each frame of `t`) is its own segment: `[1, len, heads, hd]` views, the
+        // fused kernel where it runs, else queries in chunks within `scores_bytes`.
         let out = profile::time(dev, "vision.core", || {
             let mut outs = Vec::new();
             let mut start = 0;
             for &[t, gh, gw] in grids {
                 let len = gh * gw;
-                // Queries in chunks whose scores stay within SCORES_BYTES: a 1024x1024 image has
-                // 4096 patches, and one [heads, 4096, 4096] buffer per step would be 512 MiB.
-                let rows =
-                    (self.scores_bytes / (heads * len * self.dtype.size_in_bytes())).clamp(1, len);
                 for _ in 0..t {
-                    let seg = |z: &Tensor, from: usize, n: usize| -> Result<Tensor> {
-                        Ok(z.narrow(0, from, n)?.transpose(0, 1)?.contiguous()?)
-                    };
-                    let (ks, vs) = (seg(&k, start, len)?, seg(&v, start, len)?); // [heads, len, hd]
-                    let kt = ks.t()?;
-                    let mut from = 0;
-                    while from < len {
-                        let m = rows.min(len - from);
-                        let qs = seg(&q, start + from, m)?;
-                        let scores = (qs.matmul(&kt)? * scale)?;
-                        let probs = ops::masked_softmax(&scores, &no_pad, heads * m, m, len)?;
-                        outs.push(probs.matmul(&vs)?.transpose(0, 1)?); // [m, heads, hd]
-                        from += m;
-                    }
+                    let seg = |z: &Tensor| z.narrow(0, start, len)?.unsqueeze(0);
+                    let o = attention::attend(
+                        &seg(&q)?,
+                        &seg(&k)?,
+                        &seg(&v)?,
+                        scale,
+                        &attention::Mask::default(),
+                        true,
+                        Some(self.scores_bytes),
+                    )?;
+                    outs.push(o.squeeze(0)?);
                     start += len;
                 }
             }
@@ -492,9 +454,9 @@ impl VisionEncoder {
             } else {
                 Tensor::cat(&outs, 0)?
             };
-            Ok(out)
+            Ok(out.reshape((n, hidden))?)
         })?;
-        Ok(out.reshape((n, hidden))?)
+        Ok(out)
     }
 }
 
