@@ -6,7 +6,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 use half::{bf16, f16};
 
-use super::rms_norm::rms_norm_bwd;
+use super::rms_norm::{inv_rms, rms_norm_bwd};
 use super::*;
 use crate::error::Result;
 
@@ -359,11 +359,7 @@ impl QkNormRope {
                         }
                         continue;
                     }
-                    let mut ss = 0f32;
-                    for si in &s {
-                        ss += si * si;
-                    }
-                    let inv = 1.0 / (ss / d as f32 + self.eps).sqrt();
+                    let inv = inv_rms(s.iter().copied(), self.eps);
                     let w = if hh < h { qw } else { kw };
                     let y = |i: usize| T::round(T::round(s[i] * inv) * w[i].to_f32());
                     for i in 0..half {

@@ -53,19 +53,28 @@ struct RmsNorm {
     eps: f32,
 }
 
+/// `1 / sqrt(mean(x²) + eps)` of one row, summed in order in f32: the statistic of every
+/// RMSNorm twin (plain, after the residual add, and Qwen3's per-head norm of q and k).
+pub(super) fn inv_rms(row: impl ExactSizeIterator<Item = f32>, eps: f32) -> f32 {
+    let n = row.len();
+    let ss: f32 = row.fold(0f32, |acc, v| acc + v * v);
+    1.0 / (ss / n as f32 + eps).sqrt()
+}
+
+/// One row of RMSNorm as transformers rounds it: `y = T(T(x * inv_rms) * w)`.
+fn rms_norm_row<T: Float>(x: &[T], w: &[T], eps: f32, y: &mut [T]) {
+    let inv = inv_rms(x.iter().map(|v| v.to_f32()), eps);
+    for ((y, v), wc) in y.iter_mut().zip(x).zip(w) {
+        let normed = T::round(v.to_f32() * inv);
+        *y = T::from_f32(normed * wc.to_f32());
+    }
+}
+
 fn rms_norm_cpu<T: Float>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
     let n = w.len();
     let mut out = vec![T::from_f32(0.0); x.len()];
     for (xr, yr) in x.chunks(n).zip(out.chunks_mut(n)) {
-        let mut ss = 0f32;
-        for v in xr {
-            ss += v.to_f32() * v.to_f32();
-        }
-        let inv = 1.0 / (ss / n as f32 + eps).sqrt();
-        for ((y, v), wc) in yr.iter_mut().zip(xr).zip(w) {
-            let normed = T::round(v.to_f32() * inv);
-            *y = T::from_f32(normed * wc.to_f32());
-        }
+        rms_norm_row(xr, w, eps, yr);
     }
     out
 }
@@ -151,25 +160,13 @@ struct AddRmsNorm {
 
 fn add_rms_norm_cpu<T: Float>(x: &[T], h: &[T], w: &[T], eps: f32) -> Vec<T> {
     let n = w.len();
-    let rows = x.len() / n;
     let mut out = vec![T::from_f32(0.0); 2 * x.len()];
     let (sums, normed) = out.split_at_mut(x.len());
-    for r in 0..rows {
-        let span = r * n..(r + 1) * n;
-        let mut ss = 0f32;
-        for ((s, a), b) in sums[span.clone()]
-            .iter_mut()
-            .zip(&x[span.clone()])
-            .zip(&h[span.clone()])
-        {
-            *s = T::from_f32(a.to_f32() + b.to_f32());
-            ss += s.to_f32() * s.to_f32();
-        }
-        let inv = 1.0 / (ss / n as f32 + eps).sqrt();
-        for ((y, s), wc) in normed[span.clone()].iter_mut().zip(&sums[span]).zip(w) {
-            let v = T::from_f32(s.to_f32() * inv).to_f32();
-            *y = T::from_f32(v * wc.to_f32());
-        }
+    for (s, (a, b)) in sums.iter_mut().zip(x.iter().zip(h)) {
+        *s = T::from_f32(a.to_f32() + b.to_f32());
+    }
+    for (sr, yr) in sums.chunks(n).zip(normed.chunks_mut(n)) {
+        rms_norm_row(sr, w, eps, yr);
     }
     out
 }
