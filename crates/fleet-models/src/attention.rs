@@ -90,8 +90,9 @@ fn layout_checked(device: &candle_core::Device) -> bool {
 }
 
 /// The one attention dispatch of the text decoder and the vision tower:
-/// `softmax(q kᵀ · scale + mask) v` for `q` `[b, q_len, heads, d]` and `k`, `v`
-/// `[b, kv_len, kv_heads, d]` (views), giving `[b, q_len, heads, d]`.
+/// `softmax(q kᵀ · scale + mask) v` for head-major `q` `[b, heads, q_len, d]` and `k`, `v`
+/// `[b, kv_heads, kv_len, d]` (the decoder's own layout: no view between its q/k/v kernel and
+/// the GEMMs, so a tracked pass records no extra graph nodes), giving `[b, heads, q_len, d]`.
 ///
 /// [`flash_attention`] when the caller allows it (`fused`) and [`supported`] says it runs;
 /// otherwise the unfused path: the query heads that share a KV head stacked along the rows
@@ -109,11 +110,19 @@ pub fn attend(
     fused: bool,
     max_scores_bytes: Option<usize>,
 ) -> Result<Tensor> {
-    if fused && supported(q) {
-        return flash_attention(q, k, v, scale as f32, mask);
+    let token_major = |t: &Tensor| t.transpose(1, 2);
+    if fused && supported(&token_major(q)?) {
+        let out = flash_attention(
+            &token_major(q)?,
+            &token_major(k)?,
+            &token_major(v)?,
+            scale as f32,
+            mask,
+        )?;
+        return Ok(out.transpose(1, 2)?);
     }
-    let (b, q_len, h, d) = q.dims4()?;
-    let (_, kv_len, kvh, _) = k.dims4()?;
+    let (b, h, q_len, d) = q.dims4()?;
+    let (_, kvh, kv_len, _) = k.dims4()?;
     if kvh == 0 || h % kvh != 0 || kv_len < q_len {
         return Err(ModelError::BadInput(format!(
             "attention: q {:?}, k {:?} do not fit together",
@@ -122,10 +131,8 @@ pub fn attend(
         )));
     }
     let n_rep = h / kvh;
-    // Head-major views: for the decoder's q, k and v these are the tensors its kernels wrote
-    // (k and v possibly a view of the KV cache's rows), read in place.
-    let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
-    let (k, v) = (rows_packed(&k)?, rows_packed(&v)?);
+    // The decoder's k and v (possibly a view of the KV cache's rows) are read in place.
+    let (k, v) = (rows_packed(k)?, rows_packed(v)?);
     let kt = k.t()?;
     let pad = match &mask.key_start {
         Some(p) => p.clone(),
@@ -162,12 +169,11 @@ pub fn attend(
         outs.push(probs.matmul(&v)?.reshape((b, h, m, d))?);
         from += m;
     }
-    let out = if outs.len() == 1 {
+    Ok(if outs.len() == 1 {
         outs.pop().expect("one chunk")
     } else {
         Tensor::cat(&outs, 2)?
-    };
-    Ok(out.transpose(1, 2)?)
+    })
 }
 
 /// `t` (`[b, heads, n, d]`) as it is when each of its `[n, d]` matrices is stored row after row

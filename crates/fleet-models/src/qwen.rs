@@ -341,9 +341,9 @@ impl Attention {
             && !(q.track_op() || k.track_op() || v.track_op());
         let out = profile::time(dev, "attn.core", || {
             let out = attention::attend(
-                &q.transpose(1, 2)?,
-                &k.transpose(1, 2)?,
-                &v.transpose(1, 2)?,
+                &q,
+                &k,
+                &v,
                 1.0,
                 &attention::Mask {
                     causal: true,
@@ -351,8 +351,8 @@ impl Attention {
                 },
                 fused,
                 None,
-            )?; // [b, q_len, h, d]
-            Ok(out.reshape((b, q_len, h * d))?)
+            )?; // [b, h, q_len, d]
+            Ok(out.transpose(1, 2)?.reshape((b, q_len, h * d))?)
         })?;
         profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?))
     }
@@ -638,20 +638,20 @@ fn load_embedding(cfg: &QwenConfig, ld: &Loader<'_>) -> Result<Embedding> {
 }
 
 /// The final norm and the output projection on the head's device: the lm_head, the
-/// embedding matrix when tied (transformers ignores a saved lm_head.weight then; copied to the
-/// head's device when that differs from the embedding's), or a reward model's `score` head
-/// (a sequence classifier, without bias).
+/// embedding matrix when tied (`tied` gives it, asked only then; transformers ignores a saved
+/// lm_head.weight in that case; copied to the head's device when that differs from the
+/// embedding's), or a reward model's `score` head (a sequence classifier, without bias).
 fn load_head(
     cfg: &QwenConfig,
     head: &Loader<'_>,
-    embedding: &Embedding,
+    tied: impl FnOnce() -> Result<Tensor>,
 ) -> Result<(RmsNorm, Linear)> {
     let (hs, vocab) = (cfg.hidden_size, cfg.vocab_size);
     let norm = RmsNorm::load(head, &format!("{}norm", cfg.prefix()), hs, cfg.rms_norm_eps)?;
     let w = if let Some(labels) = cfg.classifier_labels() {
         head.linear("score", hs, labels, false)?.0
     } else if cfg.tie_word_embeddings {
-        crate::device::transfer(embedding.embeddings(), head.device)?
+        crate::device::transfer(&tied()?, head.device)?
     } else {
         head.linear("lm_head", hs, vocab, false)?.0
     };
@@ -719,7 +719,7 @@ impl QwenModel {
         for (i, &loc) in map.layers.iter().enumerate() {
             layers.push(DecoderLayer::load(cfg, &loader(loc), i, loc)?);
         }
-        let (norm, lm_head) = load_head(cfg, &loader(map.head), &embed)?;
+        let (norm, lm_head) = load_head(cfg, &loader(map.head), || Ok(embed.embeddings().clone()))?;
         let rope = load_rope(cfg, dtype, map, &devices)?;
         // Every block, whichever device it went to, was read above: a tensor still unread is
         // one the config does not account for (fewer layers, no bias, tied head...).

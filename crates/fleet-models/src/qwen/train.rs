@@ -424,11 +424,11 @@ impl TrainableQwen {
         // Building every block once checks names and shapes against config.json now, not at
         // the first step.
         let w = model.weights(false);
-        let embedding = model.embedding(&w)?;
+        model.embedding(&w)?;
         for i in 0..cfg.num_hidden_layers {
             model.block(&w, i)?;
         }
-        model.head(&w, &embedding)?;
+        model.head(&w)?;
         Ok(model)
     }
 
@@ -516,9 +516,11 @@ impl TrainableQwen {
         DecoderLayer::load(&self.cfg, &self.loader(w, loc), i, loc)
     }
 
-    /// The final norm and the output projection; `embedding` is the tied lm_head's source.
-    fn head(&self, w: &Weights, embedding: &Embedding) -> Result<(RmsNorm, Linear)> {
-        load_head(&self.cfg, &self.loader(w, self.map.head), embedding)
+    /// The final norm and the output projection (a tied lm_head read from the embedding).
+    fn head(&self, w: &Weights) -> Result<(RmsNorm, Linear)> {
+        load_head(&self.cfg, &self.loader(w, self.map.head), || {
+            Ok(self.embedding(w)?.embeddings().clone())
+        })
     }
 
     /// RoPE rows and padding counts of `batch`, per device that holds layers.
@@ -664,12 +666,11 @@ impl TrainableQwen {
         batch.validate(&self.cfg)?;
         let w = self.weights(false);
         let inputs = self.inputs(batch)?;
-        let embedding = self.embedding(&w)?;
-        let x = embedding.forward(&self.ids_tensor(batch)?)?;
+        let x = self.embedding(&w)?.forward(&self.ids_tensor(batch)?)?;
         let n = self.cfg.num_hidden_layers;
         let stream = self.run(&w, 0..n, &inputs, &mut Plain, Stream::new(x))?;
         let (xs, ps) = self.scored_rows(batch, &stream)?;
-        let head = self.head(&w, &embedding)?;
+        let head = self.head(&w)?;
         let targets = self.targets(batch)?;
         let flat = self.chunked(&xs, &ps, &targets, temperature, &head)?;
         let shape = (batch.rows(), batch.completion_len());
@@ -736,9 +737,8 @@ impl TrainableQwen {
         // in one buffer per device, allocated before the forward: allocated one by one between
         // the blocks' transients, they left the GPU allocator's pool fragmented.
         let starts = self.segment_starts(batch, &segments)?;
-        let embedding = self.embedding(&detached)?;
         let (xs, ps) = profile::time(&head_dev, "train.1_forward_no_graph", || {
-            let x = embedding.forward(&ids)?;
+            let x = self.embedding(&detached)?.forward(&ids)?;
             let mut keep = KeepSegmentStarts {
                 segments: &segments,
                 starts: &starts,
@@ -750,8 +750,7 @@ impl TrainableQwen {
 
         // 2. Log-probs without a graph, then the loss and its gradient with respect to them.
         let targets = self.targets(batch)?;
-        let head_detached = self.head(&detached, &embedding)?;
-        drop(embedding);
+        let head_detached = self.head(&detached)?;
         let values = profile::time(&head_dev, "train.2_head_values", || {
             self.chunked(&xs, &ps, &targets, temperature, &head_detached)
         })?;
@@ -784,7 +783,7 @@ impl TrainableQwen {
             profile::begin();
             std::time::Instant::now()
         });
-        let head = self.head(&tracked, &self.embedding(&tracked)?)?;
+        let head = self.head(&tracked)?;
         let embed_name = format!("{}embed_tokens.weight", self.cfg.prefix());
         let lm_name = if self.cfg.tie_word_embeddings {
             embed_name.as_str()

@@ -427,7 +427,7 @@ impl VisionEncoder {
         })?;
         let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
         let scale = (hd as f64).powf(-0.5);
-        // Each image (each frame of `t`) is its own segment: `[1, len, heads, hd]` views, the
+        // Each image (each frame of `t`) is its own segment: `[1, heads, len, hd]` views, the
         // fused kernel where it runs, else queries in chunks within `scores_bytes`.
         let out = profile::time(dev, "vision.core", || {
             let mut outs = Vec::new();
@@ -435,7 +435,7 @@ impl VisionEncoder {
             for &[t, gh, gw] in grids {
                 let len = gh * gw;
                 for _ in 0..t {
-                    let seg = |z: &Tensor| z.narrow(0, start, len)?.unsqueeze(0);
+                    let seg = |z: &Tensor| z.narrow(0, start, len)?.unsqueeze(0)?.transpose(1, 2);
                     let o = attention::attend(
                         &seg(&q)?,
                         &seg(&k)?,
@@ -445,7 +445,7 @@ impl VisionEncoder {
                         true,
                         Some(self.scores_bytes),
                     )?;
-                    outs.push(o.squeeze(0)?);
+                    outs.push(o.squeeze(0)?.transpose(0, 1)?);
                     start += len;
                 }
             }
