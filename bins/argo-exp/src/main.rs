@@ -416,7 +416,7 @@ fn solve(args: &SolveArgs) -> Result<()> {
 
 fn main() -> std::process::ExitCode {
     // A replica worker started by this program's own data-parallel path serves and exits here.
-    fleet_models::replica_process::serve_if_replica_worker();
+    fleet_serve::serve_if_replica_worker();
     fleet_cli::init();
     let cli: Cli = fleet_cli::parse_default_command_cli();
     if let Err(e) = cli.logical.install() {

@@ -22,8 +22,8 @@ use fleet_argo::StrategyKind;
 use fleet_cli::{out, outln};
 use fleet_dist::{RunDir, RunDirOptions, RunDirState};
 use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
-use fleet_models::placement::Replicas;
 use fleet_models::{LoadOptions, ModelSource};
+use fleet_serve::{Replicas, Text};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// The sentence embedder and where it runs.
@@ -427,11 +427,8 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     let attention_budget = (args.attention_budget_gib * (1u64 << 30) as f64) as u64;
     let placement = args
         .placement
-        .request(fleet_models::placement::default_workload(
-            max_batch,
-            attention_budget,
-        ))?;
-    let replicas = Replicas::load_planned(&args.model, &opts, &placement)?;
+        .request(fleet_serve::default_workload(max_batch, attention_budget))?;
+    let replicas = Replicas::<Text>::load_planned(&args.model, &opts, &placement)?;
     let placement_text = format!("{} mode, {} replica(s)", placement.mode, replicas.len());
     let llm = FleetLlm::new(replicas, model_id.clone(), max_batch)
         .with_attention_budget(attention_budget)

@@ -148,7 +148,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     eprintln!("built random {} in {load_s:.1}s", args.config.display());
 
     // The samples of a batch are preprocessed in parallel, as the judge builds its requests
-    // (fleet_models::vl_replicas::generate_vl). The images are drawn before the clock starts:
+    // (fleet_serve::generate_chats). The images are drawn before the clock starts:
     // a judge reads them from files, which is not what is measured here.
     let batch_inputs = |first: usize| -> Result<(Vec<VlPrompt>, f64)> {
         use rayon::prelude::*;
@@ -170,6 +170,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 Ok(VlPrompt {
                     ids: prompt_ids(&cfg, &pads, first + i),
                     images: Some(pre),
+                    positions: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

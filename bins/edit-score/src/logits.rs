@@ -61,6 +61,7 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         VlPrompt {
             ids: inputs.input_ids,
             images: None,
+            positions: None,
         }
     } else {
         let processor =
@@ -86,6 +87,7 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         VlPrompt {
             ids,
             images: Some(pre),
+            positions: None,
         }
     };
     let device: DeviceLocation = args.device.parse()?;

@@ -52,7 +52,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    fleet_models::replica_process::serve_if_replica_worker();
+    fleet_serve::serve_if_replica_worker();
     fleet_cli::init();
     let cli: Cli = fleet_cli::parse_default_command_cli();
     if let Err(e) = cli.logical.install() {

@@ -23,12 +23,12 @@ use fleet_judge::qwen::{judge_model_id, load_judges, load_judges_on, skip_too_lo
 use fleet_judge::records::RunInfo;
 use fleet_judge::report::Report;
 use fleet_judge::run::{RunOptions, ScoringSpec, Session, SessionOptions};
-use fleet_models::placement::{plan_on_this_machine, Workload};
 use fleet_models::qwen3_vl::VlProcessor;
 use fleet_models::vision::ResizeBackend;
 use fleet_models::{
     DType, DeviceLocation, DeviceMap, GenerationConfig, LoadOptions, ModelSource, Qwen3VlConfig,
 };
+use fleet_serve::{plan_on_this_machine, Workload};
 use serde_json::json;
 
 /// Skipped items printed before "and N more" (all of them go to `skipped.json`).

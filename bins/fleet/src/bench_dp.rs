@@ -1,7 +1,7 @@
 //! `fleet bench data-parallel`: batched generation throughput with one model replica per
 //! device, driven by fleet-dist's replica pool (a shared queue of batches). The replicas are
 //! threads of this process, so this measures the pool and the host-side contention between
-//! GPUs of one process; the jobs' path (`fleet_models::placement::Replicas`) runs replicas after
+//! GPUs of one process; the jobs' path (`fleet_serve::Replicas`) runs replicas after
 //! the first in processes of their own.
 
 use std::path::PathBuf;

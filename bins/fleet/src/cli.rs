@@ -5,10 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use fleet_models::placement::{PlacementRequest, Replicas};
 use fleet_models::{
     parse_dtype, ChatMessage, DeviceMap, GenerationRequest, LoadOptions, TextModel,
 };
+use fleet_serve::{PlacementRequest, Replicas, Text};
 
 use fleet_cli::{out, outln};
 
@@ -262,8 +262,11 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
                     },
                 };
                 let loading = std::time::Instant::now();
-                let replicas =
-                    Replicas::load_planned(&args.model.model, &args.model.options()?, &placement)?;
+                let replicas = Replicas::<Text>::load_planned(
+                    &args.model.model,
+                    &args.model.options()?,
+                    &placement,
+                )?;
                 eprintln!(
                     "{} replica(s) ({} in processes of their own), loaded in {:.1} s",
                     replicas.len(),

@@ -10,7 +10,7 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     // A replica worker started by this program's own data-parallel path serves and exits here.
-    fleet_models::replica_process::serve_if_replica_worker();
+    fleet_serve::serve_if_replica_worker();
     fleet_cli::init();
     let args = cli::Cli::parse();
     if let Err(e) = args.logical.install() {

@@ -564,7 +564,7 @@ fn summarize(records: &[Option<f64>], seconds: f64, out: &Path) -> Result<()> {
 }
 
 fn main() -> std::process::ExitCode {
-    fleet_models::replica_process::serve_if_replica_worker();
+    fleet_serve::serve_if_replica_worker();
     fleet_cli::init();
     let cli = Cli::parse();
     if let Err(e) = cli.logical.install() {

@@ -1,7 +1,7 @@
 //! The LLM behind ARGO's components: chat requests in, text out, many at once.
 //!
 //! [`Llm`] is what the runner talks to. [`FleetLlm`] is the real one: a fleet-models checkpoint
-//! on any placement ([`fleet_models::placement::Replicas`]), the checkpoint's own chat
+//! on any placement ([`fleet_serve::Replicas`]), the checkpoint's own chat
 //! template, greedy decoding, and an exact cache. Greedy calls are deterministic, so a call
 //! whose rendered prompt and token limit were seen before is answered from the cache: the
 //! strategies that ignore `c_r` repeat the same calls at every point of a sweep, and several
@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use fleet_dist::{JsonlLog, Manifest};
-use fleet_models::placement::Replicas;
 use fleet_models::CheckpointIdentity;
 use fleet_models::{ChatMessage, GenerationRequest};
+use fleet_serve::{Replicas, Text};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -137,7 +137,7 @@ struct Prepared {
 /// the cache is keyed by the rendered prompt, and the token count of every prompt tokenized
 /// once is remembered, so a prompt seen before is rendered (cheap) but not tokenized again.
 pub struct FleetLlm {
-    replicas: Replicas,
+    replicas: Replicas<Text>,
     model_id: String,
     max_batch: usize,
     attention_budget_bytes: u64,
@@ -152,7 +152,7 @@ pub struct FleetLlm {
 
 impl FleetLlm {
     /// Wraps loaded replicas; `max_batch` prompts go to a replica at a time.
-    pub fn new(replicas: Replicas, model_id: impl Into<String>, max_batch: usize) -> Self {
+    pub fn new(replicas: Replicas<Text>, model_id: impl Into<String>, max_batch: usize) -> Self {
         FleetLlm {
             replicas,
             model_id: model_id.into(),

@@ -13,8 +13,8 @@ use fleet_argo::prompts::Prompts;
 use fleet_argo::runner::{run_jobs, summarize, Job, ProgressRule, RecordsFile, Retriever};
 use fleet_argo::{MdpParams, Strategy, StrategyKind};
 use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
-use fleet_models::placement::Replicas;
 use fleet_models::{DeviceLocation, DeviceMap, LoadOptions};
+use fleet_serve::{Replicas, Text};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -356,7 +356,7 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     let spec = model_dir.to_str().unwrap();
     let opts = LoadOptions::default();
     let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
-    let replicas = Replicas::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
+    let replicas = Replicas::<Text>::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
     let cache = tmp.path().join("llm_cache.jsonl");
     let model_manifest = cache_manifest(&replicas.models[0].files.identity().unwrap(), "f32");
     let llm = FleetLlm::new(replicas, spec, 4)
@@ -430,9 +430,13 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
         write!(f, r#"{{"prompt":"torn"#).unwrap();
     }
     let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
-    let llm2 = FleetLlm::new(Replicas::load(spec, &opts, &[cpu]).unwrap(), spec, 4)
-        .with_cache_file(&cache, &model_manifest, false)
-        .unwrap();
+    let llm2 = FleetLlm::new(
+        Replicas::<Text>::load(spec, &opts, &[cpu]).unwrap(),
+        spec,
+        4,
+    )
+    .with_cache_file(&cache, &model_manifest, false)
+    .unwrap();
     let mut records2 = RecordsFile::open(&tmp.path().join("records2.jsonl")).unwrap();
     let jobs_again = jobs.clone();
     run_jobs(
@@ -464,7 +468,7 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     // Replies of another checkpoint (or dtype) are refused, or emptied on request.
     let other_model = repo().join("tests/fixtures/qwen3-tiny");
     let other_spec = other_model.to_str().unwrap();
-    let other = Replicas::load(other_spec, &opts, &[cpu_map()]).unwrap();
+    let other = Replicas::<Text>::load(other_spec, &opts, &[cpu_map()]).unwrap();
     let other_manifest = cache_manifest(&other.models[0].files.identity().unwrap(), "f32");
     let err = FleetLlm::new(other, other_spec, 4)
         .with_cache_file(&cache, &other_manifest, false)
@@ -473,12 +477,16 @@ fn real_model_runs_strategies_and_the_cache_serves_repeated_points() {
     let msg = err.to_string();
     assert!(msg.contains("model.weights_digest"), "{msg}");
     let bf16 = cache_manifest(&jobs_model_identity(spec), "bf16");
-    let err = FleetLlm::new(Replicas::load(spec, &opts, &[cpu_map()]).unwrap(), spec, 4)
-        .with_cache_file(&cache, &bf16, false)
-        .err()
-        .expect("a cache of another dtype is refused");
+    let err = FleetLlm::new(
+        Replicas::<Text>::load(spec, &opts, &[cpu_map()]).unwrap(),
+        spec,
+        4,
+    )
+    .with_cache_file(&cache, &bf16, false)
+    .err()
+    .expect("a cache of another dtype is refused");
     assert!(err.to_string().contains("dtype"), "{err}");
-    let other = Replicas::load(other_spec, &opts, &[cpu_map()]).unwrap();
+    let other = Replicas::<Text>::load(other_spec, &opts, &[cpu_map()]).unwrap();
     let fresh = FleetLlm::new(other, other_spec, 4)
         .with_cache_file(&cache, &other_manifest, true)
         .unwrap();
@@ -549,7 +557,7 @@ fn a_large_round_keeps_request_order() {
     let spec = model_dir.to_str().unwrap();
     let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
     let llm = FleetLlm::new(
-        Replicas::load(spec, &LoadOptions::default(), &[cpu]).unwrap(),
+        Replicas::<Text>::load(spec, &LoadOptions::default(), &[cpu]).unwrap(),
         spec,
         64,
     );

@@ -1,6 +1,6 @@
 //! The placement flags, spelled and documented once for every binary.
 
-use fleet_models::placement::PlacementRequest;
+use fleet_serve::PlacementRequest;
 use fleet_topology::{DeviceLocation, Workload};
 
 /// `--device`'s list (`cuda:0,cuda:1`, `cpu`): the devices a model's layers are split over, in

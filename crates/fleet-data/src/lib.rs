@@ -6,8 +6,11 @@
 //! - [`source`]: where a dataset item came from ([`SourceLocation`]) and how many examples of
 //!   each skip reason a load report keeps.
 //! - [`jsonl`]: a JSONL dataset read line by line (each line's fate its own).
+//! - [`digest`]: content digests of files and bytes (FNV-1a over 8-byte words), what manifests
+//!   and checkpoint identities record; here, below fleet-dist and fleet-models, so both use one.
 
 pub mod answer;
+pub mod digest;
 pub mod jsonl;
 pub mod source;
 

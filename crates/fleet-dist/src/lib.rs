@@ -1,7 +1,8 @@
 //! Execution across devices and processes for fleet.
 //!
-//! This crate sits between `fleet-topology` (facts and plans) and `fleet-models` (model code) and
-//! never imports model code. It holds:
+//! This crate sits above `fleet-topology` (facts and plans) and `fleet-data`, beside
+//! `fleet-models` (model code, which does not depend on it), and never imports model code;
+//! `fleet-serve` runs model replicas on its pool. It holds:
 //!
 //! - [`ReplicaPool`] — one OS thread per [`Worker`] (one replica per GPU), a shared work queue
 //!   (faster workers take more items), results in input order, failed items retried on other
@@ -35,7 +36,6 @@
 #![warn(missing_docs)]
 
 mod atomic;
-mod digest;
 mod group;
 mod jsonl;
 mod launch;
@@ -52,7 +52,8 @@ use std::path::PathBuf;
 pub use atomic::{
     remove_stale_temporaries, set_created_permissions, write_atomic, write_json_atomic,
 };
-pub use digest::{bytes_digest, files_digest, Fnv64};
+// The digests live in fleet-data (fleet-models uses them too); their paths here stay.
+pub use fleet_data::digest::{bytes_digest, files_digest, Fnv64};
 pub use group::{FailureHandler, Group, PeerFailure, PeerInfo, FAILURE_EXIT_CODE};
 pub use jsonl::{BadLine, JsonlContents, JsonlLog, TailRepair};
 pub use launch::{

@@ -137,7 +137,7 @@ impl Manifest {
     /// A short digest of `determines` (16 hex digits), e.g. to name a cache by what made it.
     pub fn digest(&self) -> String {
         let text = serde_json::to_string(&(&self.job, &self.determines)).unwrap_or_default();
-        let mut d = crate::digest::Fnv64::new();
+        let mut d = crate::Fnv64::new();
         d.update(text.as_bytes());
         d.hex()
     }

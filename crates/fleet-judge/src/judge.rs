@@ -6,8 +6,8 @@
 //! that request failed. Everything else — which prompt, which images, parsing the reply,
 //! records — is this crate's, so a judge only runs a model.
 //!
-//! The Qwen3-VL judge in fleet-models implements this trait; the orchestration is tested with
-//! scripted judges (test code only).
+//! The Qwen3-VL judge ([`crate::qwen`], on fleet-serve's replicas) implements this trait; the
+//! orchestration is tested with scripted judges (test code only).
 
 use std::sync::Arc;
 

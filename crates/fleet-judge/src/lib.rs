@@ -8,7 +8,7 @@
 //! - [`prompts`] — prompt sets from TOML (`configs/judge/`): scheme `single` (the original
 //!   scorer's per-category rubrics, `Score: X`) or `viescore` (SC and PQ calls), which images
 //!   the judge sees, templates with placeholders checked at load; a content hash.
-//! - [`qwen`] — the Qwen3-VL judge: [`qwen::Qwen3VlJudge`] over fleet-models' Qwen3-VL
+//! - [`qwen`] — the Qwen3-VL judge: [`qwen::Qwen3VlJudge`] over fleet-serve's Qwen3-VL
 //!   replicas (one per GPU or GPU group, the first here and the others in child processes),
 //!   requests rendered with the checkpoint's chat template, greedy by default; the model id
 //!   that keys the records ([`qwen::judge_model_id`]).

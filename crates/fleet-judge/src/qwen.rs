@@ -1,7 +1,9 @@
-//! The Qwen3-VL judge: [`Judge`] over fleet-models' Qwen3-VL replicas
-//! ([`fleet_models::vl_replicas::VlReplica`]), one judge per replica.
+//! The Qwen3-VL judge: [`Judge`] over fleet-serve's Qwen3-VL replicas
+//! ([`fleet_serve::Replica`] of [`VisionLanguage`]), one judge per replica.
 //!
-//! - A [`JudgeRequest`] becomes transformers' message list ([`messages`]): the system text as
+//! - A [`JudgeRequest`] becomes one [`ChatRequest`] ([`chat_request`]), the request that
+//!   reaches the model's generate call, its images shared, not copied. Its messages are
+//!   transformers' message list ([`messages`]): the system text as
 //!   `{"role": "system", "content": text}`, then `{"role": "user", "content": [{"type":
 //!   "image"}, …, {"type": "text", "text": …}]}` with the parts in the request's order, rendered
 //!   by the checkpoint's own chat template (with the generation prompt) and tokenized with each
@@ -18,8 +20,8 @@
 //!
 //! ```no_run
 //! use fleet_judge::qwen::{judge_model_id, load_judges};
-//! use fleet_models::placement::{PlacementRequest, PlanMode};
 //! use fleet_models::LoadOptions;
+//! use fleet_serve::{PlacementRequest, PlanMode};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let opts = LoadOptions::default();
@@ -32,9 +34,8 @@
 use std::path::{Component, Path};
 use std::sync::Arc;
 
-use fleet_models::placement::PlacementRequest;
-use fleet_models::vl_replicas::{load_vl_replicas, vl_device_maps, VlReplica, VlRequest};
 use fleet_models::{DeviceMap, FinishReason, LoadOptions, ModelSource, SamplingParams};
+use fleet_serve::{ChatRequest, PlacementRequest, Replica, Replicas, VisionLanguage};
 use image::DynamicImage;
 use serde_json::{json, Value};
 
@@ -176,10 +177,11 @@ pub fn sampling_params(decoding: &Decoding) -> SamplingParams {
     }
 }
 
-/// The replica's request for a judge request.
-pub fn vl_request(request: &JudgeRequest, decoding: &Decoding) -> VlRequest {
+/// The model's request for a judge request: its messages, its images (shared), and the
+/// decoding.
+pub fn chat_request(request: &JudgeRequest, decoding: &Decoding) -> ChatRequest {
     let (messages, images) = messages(request);
-    VlRequest {
+    ChatRequest {
         messages,
         images,
         max_new_tokens: decoding.max_new_tokens,
@@ -190,19 +192,19 @@ pub fn vl_request(request: &JudgeRequest, decoding: &Decoding) -> VlRequest {
 
 /// A Qwen3-VL checkpoint as a [`Judge`]: one replica (here or in a process of its own).
 pub struct Qwen3VlJudge {
-    replica: VlReplica,
+    replica: Replica<VisionLanguage>,
     model_id: String,
 }
 
 impl Qwen3VlJudge {
     /// A judge over `replica`, reporting `model_id` ([`judge_model_id`] of the checkpoint it
     /// loaded).
-    pub fn new(replica: VlReplica, model_id: String) -> Self {
+    pub fn new(replica: Replica<VisionLanguage>, model_id: String) -> Self {
         Qwen3VlJudge { replica, model_id }
     }
 
     /// The replica.
-    pub fn replica(&self) -> &VlReplica {
+    pub fn replica(&self) -> &Replica<VisionLanguage> {
         &self.replica
     }
 
@@ -222,7 +224,7 @@ impl Judge for Qwen3VlJudge {
         batch: &[JudgeRequest],
         decoding: &Decoding,
     ) -> Vec<std::result::Result<JudgeReply, String>> {
-        let requests: Vec<VlRequest> = batch.iter().map(|r| vl_request(r, decoding)).collect();
+        let requests: Vec<ChatRequest> = batch.iter().map(|r| chat_request(r, decoding)).collect();
         match self.replica.generate(&requests) {
             Ok(outcomes) => outcomes
                 .into_iter()
@@ -293,7 +295,7 @@ pub fn judge_model_id(spec: &str, opts: &LoadOptions) -> fleet_models::Result<St
     })
 }
 
-/// Loads one judge per device map (see [`load_vl_replicas`]: the first replica here, the
+/// Loads one judge per device map (see [`Replicas::load`]: the first replica here, the
 /// others in child processes of this program when it opted in and they use GPUs).
 pub fn load_judges_on(
     spec: &str,
@@ -301,10 +303,16 @@ pub fn load_judges_on(
     maps: &[DeviceMap],
     model_id: &str,
 ) -> fleet_models::Result<Vec<Qwen3VlJudge>> {
-    Ok(load_vl_replicas(spec, opts, maps)?
+    Ok(judges(Replicas::load(spec, opts, maps)?, model_id))
+}
+
+/// One judge per replica.
+fn judges(replicas: Replicas<VisionLanguage>, model_id: &str) -> Vec<Qwen3VlJudge> {
+    replicas
+        .into_replicas()
         .into_iter()
         .map(|r| Qwen3VlJudge::new(r, model_id.to_string()))
-        .collect())
+        .collect()
 }
 
 /// Plans the judge's replicas on this machine (`--gpu-mode`, `--gpu-ids`, `--max-memory`:
@@ -316,11 +324,10 @@ pub fn load_judges(
     placement: &PlacementRequest,
     model_id: &str,
 ) -> fleet_models::Result<Vec<Qwen3VlJudge>> {
-    let (maps, plan) = vl_device_maps(spec, opts, placement)?;
-    if let Some(p) = plan {
-        tracing::info!("placement plan:\n{p}");
-    }
-    load_judges_on(spec, opts, &maps, model_id)
+    Ok(judges(
+        Replicas::load_planned(spec, opts, placement)?,
+        model_id,
+    ))
 }
 
 #[cfg(test)]

@@ -113,7 +113,8 @@ pub enum ModelError {
     /// A device map that does not match the model.
     #[error(transparent)]
     Topology(#[from] fleet_topology::TopologyError),
-    /// Work spread over replicas failed (every replica failed a batch, or the pool refused).
+    /// Work spread over replicas failed (fleet-serve's replica layer: every replica failed a
+    /// batch, a replica process stopped, or the pool refused).
     #[error("replicas: {0}")]
     Replicas(String),
     /// Vectors made by one embedder compared with another's (see `EmbedderId::check_compatible`).

@@ -23,15 +23,12 @@ mod error;
 pub mod generation;
 pub mod kv_cache;
 pub mod ops;
-pub mod placement;
 pub mod profile;
 pub mod qwen;
 pub mod qwen3_vl;
-pub mod replica_process;
 pub mod source;
 pub mod tokenizer;
 pub mod vision;
-pub mod vl_replicas;
 pub mod weights;
 
 use std::path::Path;
@@ -48,7 +45,7 @@ pub use generation::{
 };
 pub use kv_cache::KvCache;
 pub use qwen::QwenModel;
-pub use qwen3_vl::{Qwen3VlConfig, Qwen3VlModel, VisionLanguageModel, VlPrompt};
+pub use qwen3_vl::{MropePositions, Qwen3VlConfig, Qwen3VlModel, VisionLanguageModel, VlPrompt};
 pub use source::{CheckpointFiles, CheckpointIdentity, HubOptions, ModelSource};
 pub use tokenizer::{ChatMessage, ChatTemplate, TextTokenizer};
 pub use weights::Weights;

@@ -159,7 +159,7 @@ pub struct CheckpointFiles {
 /// is the same (and accepted when the same files sit elsewhere).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CheckpointIdentity {
-    /// Digest of the safetensors shards' bytes ([`fleet_dist::files_digest`]).
+    /// Digest of the safetensors shards' bytes ([`fleet_data::digest::files_digest`]).
     pub weights_digest: String,
     /// Digest of config.json.
     pub config_digest: String,
@@ -173,7 +173,7 @@ impl CheckpointFiles {
     /// threads): seconds for a 7B checkpoint.
     pub fn identity(&self) -> Result<CheckpointIdentity> {
         let digest = |files: &[PathBuf]| {
-            fleet_dist::files_digest(files).map_err(|(path, e)| ModelError::io(path, e))
+            fleet_data::digest::files_digest(files).map_err(|(path, e)| ModelError::io(path, e))
         };
         let tokenizer_files: Vec<PathBuf> = [
             &self.tokenizer,

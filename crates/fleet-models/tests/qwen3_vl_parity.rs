@@ -96,6 +96,7 @@ fn prompt(f: &Fixture, case: &Value) -> VlPrompt {
     VlPrompt {
         ids: ids(&case["input_ids"]),
         images,
+        positions: None,
     }
 }
 
@@ -324,6 +325,7 @@ fn moe_experts_saved_transposed_load_the_same() {
     let p = VlPrompt {
         ids: (0..20).map(|i| (i * 37 % 990) as u32).collect(),
         images: None,
+        positions: None,
     };
     let a = load(&src).logits(&p).unwrap();
     let b = load(tmp.path()).logits(&p).unwrap();
@@ -365,6 +367,7 @@ fn check_expert_layouts(shape: &str) {
                 .logits(&VlPrompt {
                     ids: ids(p),
                     images: None,
+                    positions: None,
                 })
                 .unwrap();
             let rows: Vec<Vec<f32>> = serde_json::from_value(g["logits"][i].clone()).unwrap();

@@ -8,8 +8,10 @@
 //! can refuse a request that can never fit the model before any weights are loaded, with the
 //! same computation the model's generate uses.
 
+use std::borrow::Borrow;
 use std::path::Path;
 
+use image::DynamicImage;
 use serde_json::Value;
 
 use crate::config::GenerationConfig;
@@ -20,7 +22,7 @@ use crate::tokenizer::{ChatTemplate, TextTokenizer};
 use crate::vision::{preprocess, ImageProcessorConfig};
 use crate::LoadOptions;
 
-use super::{expand_image_pads, rope_index, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
+use super::{expand_image_pads, MropePositions, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
 
 /// How many positions one request takes, against how many the model has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -222,32 +224,98 @@ impl VlProcessor {
     }
 
     /// The chat `messages` rendered ([`Self::render`]), tokenized, each image's pad token
-    /// expanded; `images` are the image parts' images in order.
-    pub fn prompt(&self, messages: &Value, images: &[image::DynamicImage]) -> Result<VlPrompt> {
+    /// expanded, its positions counted; `images` are the image parts' images in order (owned,
+    /// borrowed or `Arc`s: they are not copied).
+    pub fn prompt<I: Borrow<DynamicImage> + Sync>(
+        &self,
+        messages: &Value,
+        images: &[I],
+    ) -> Result<VlPrompt> {
         self.prompt_from_text(&self.render(messages)?, images)
     }
 
     /// A prompt from already rendered text holding one `<|image_pad|>` per image.
-    pub fn prompt_from_text(&self, text: &str, images: &[image::DynamicImage]) -> Result<VlPrompt> {
+    pub fn prompt_from_text<I: Borrow<DynamicImage> + Sync>(
+        &self,
+        text: &str,
+        images: &[I],
+    ) -> Result<VlPrompt> {
         let ids = self.tokenizer.encode(text)?;
         let cfg = &self.config;
         if images.is_empty() {
             expand_image_pads(&ids, cfg.image_token_id, &[])?;
-            return Ok(VlPrompt { ids, images: None });
+            let positions = MropePositions::count(&ids, &[], cfg)?;
+            return Ok(VlPrompt {
+                ids,
+                images: None,
+                positions: Some(positions),
+            });
         }
-        let pre = preprocess(images, &self.image_processor)
-            .map_err(|e| ModelError::BadInput(format!("preprocessing the images: {e}")))?;
+        let pre = self.preprocess(images)?;
         let counts = pre.pad_tokens(cfg.vision.spatial_merge_size);
         let ids = expand_image_pads(&ids, cfg.image_token_id, &counts)?;
+        let positions = MropePositions::count(&ids, &pre.image_grid_thw, cfg)?;
         Ok(VlPrompt {
             ids,
             images: Some(pre),
+            positions: Some(positions),
         })
+    }
+
+    /// The prompt of one chat request, built once and checked before a pixel is touched: the
+    /// template rendered and tokenized, each image's pad token expanded by the grid its size
+    /// gives ([`Self::image_grid`]), the M-RoPE positions counted (once: the prefill uses
+    /// them) and the length with `max_new_tokens` checked against the model
+    /// ([`PromptLength::check`]); then the images preprocessed (owned, borrowed or `Arc`s:
+    /// they are not copied). The same computation as [`Self::length`], so a request refused
+    /// up front and one refused here are refused alike.
+    pub fn chat_prompt<I: Borrow<DynamicImage> + Sync>(
+        &self,
+        messages: &Value,
+        images: &[I],
+        max_new_tokens: usize,
+    ) -> Result<VlPrompt> {
+        let sizes: Vec<(usize, usize)> = images
+            .iter()
+            .map(|img| {
+                let img = img.borrow();
+                (img.height() as usize, img.width() as usize)
+            })
+            .collect();
+        let (ids, grids) = self.expand_by_sizes(&self.render(messages)?, &sizes)?;
+        let positions = MropePositions::count(&ids, &grids, &self.config)?;
+        self.prompt_length(&positions, max_new_tokens).check()?;
+        let pre = if images.is_empty() {
+            None
+        } else {
+            let pre = self.preprocess(images)?;
+            if pre.image_grid_thw != grids {
+                return Err(ModelError::BadInput(format!(
+                    "the images were preprocessed into grids {:?} but their sizes give {grids:?}",
+                    pre.image_grid_thw
+                )));
+            }
+            Some(pre)
+        };
+        Ok(VlPrompt {
+            ids,
+            images: pre,
+            positions: Some(positions),
+        })
+    }
+
+    /// The images preprocessed with this checkpoint's image processor.
+    fn preprocess<I: Borrow<DynamicImage> + Sync>(
+        &self,
+        images: &[I],
+    ) -> Result<crate::vision::PreprocessedImages> {
+        preprocess(images, &self.image_processor)
+            .map_err(|e| ModelError::BadInput(format!("preprocessing the images: {e}")))
     }
 
     /// The patch grid `[t, h, w]` of a still image of `height` x `width` pixels: its size after
     /// the image processor's resize ([`ImageProcessorConfig::resized_size`]) in patches, as
-    /// [`preprocess`] makes it, without touching a pixel.
+    /// [`preprocess()`] makes it, without touching a pixel.
     pub fn image_grid(&self, height: usize, width: usize) -> Result<[usize; 3]> {
         let (h, w) = self
             .image_processor
@@ -260,13 +328,25 @@ impl VlProcessor {
     /// The M-RoPE positions (largest position + 1) of the prompt of `messages` whose images
     /// are `image_sizes` (`(height, width)` each, in order): the template rendered, the text
     /// tokenized, each image's pads expanded by its grid ([`Self::image_grid`]) and the
-    /// positions counted by [`rope_index`], the function the model's prefill uses.
+    /// positions counted by [`super::rope_index`], the function the model's prefill uses.
     pub fn positions(&self, messages: &Value, image_sizes: &[(usize, usize)]) -> Result<usize> {
         self.positions_from_text(&self.render(messages)?, image_sizes)
     }
 
     /// [`Self::positions`] of already rendered text.
     pub fn positions_from_text(&self, text: &str, image_sizes: &[(usize, usize)]) -> Result<usize> {
+        let (ids, grids) = self.expand_by_sizes(text, image_sizes)?;
+        Ok(MropePositions::count(&ids, &grids, &self.config)?.span())
+    }
+
+    /// Rendered `text` tokenized with each image's pad token expanded by the grid of its size
+    /// (`(height, width)`, [`Self::image_grid`]), and those grids: the prompt's ids without
+    /// touching a pixel.
+    fn expand_by_sizes(
+        &self,
+        text: &str,
+        image_sizes: &[(usize, usize)],
+    ) -> Result<(Vec<u32>, Vec<[usize; 3]>)> {
         let ids = self.tokenizer.encode(text)?;
         let cfg = &self.config;
         let merge = cfg.vision.spatial_merge_size;
@@ -278,9 +358,17 @@ impl VlProcessor {
             .iter()
             .map(|&g| crate::vision::image_pad_tokens(g, merge))
             .collect();
-        let ids = expand_image_pads(&ids, cfg.image_token_id, &counts)?;
-        let (_, delta) = rope_index(&ids, &grids, merge, cfg.image_token_id, cfg.video_token_id)?;
-        Ok((ids.len() as i64 + delta).max(0) as usize)
+        Ok((expand_image_pads(&ids, cfg.image_token_id, &counts)?, grids))
+    }
+
+    /// How many positions a prompt with `positions` and a reply of `max_new_tokens` take,
+    /// against the model's.
+    fn prompt_length(&self, positions: &MropePositions, max_new_tokens: usize) -> PromptLength {
+        PromptLength {
+            prompt: positions.span(),
+            max_new_tokens,
+            max_positions: self.max_positions(),
+        }
     }
 
     /// How many positions a request of `messages` with images of `image_sizes` (`(height,
@@ -291,11 +379,9 @@ impl VlProcessor {
         image_sizes: &[(usize, usize)],
         max_new_tokens: usize,
     ) -> Result<PromptLength> {
-        Ok(PromptLength {
-            prompt: self.positions(messages, image_sizes)?,
-            max_new_tokens,
-            max_positions: self.max_positions(),
-        })
+        let (ids, grids) = self.expand_by_sizes(&self.render(messages)?, image_sizes)?;
+        let positions = MropePositions::count(&ids, &grids, &self.config)?;
+        Ok(self.prompt_length(&positions, max_new_tokens))
     }
 
     /// The model's `max_position_embeddings`.
@@ -361,12 +447,20 @@ impl VisionLanguageModel {
     }
 
     /// [`VlProcessor::prompt`].
-    pub fn prompt(&self, messages: &Value, images: &[image::DynamicImage]) -> Result<VlPrompt> {
+    pub fn prompt<I: Borrow<DynamicImage> + Sync>(
+        &self,
+        messages: &Value,
+        images: &[I],
+    ) -> Result<VlPrompt> {
         self.processor.prompt(messages, images)
     }
 
     /// [`VlProcessor::prompt_from_text`].
-    pub fn prompt_from_text(&self, text: &str, images: &[image::DynamicImage]) -> Result<VlPrompt> {
+    pub fn prompt_from_text<I: Borrow<DynamicImage> + Sync>(
+        &self,
+        text: &str,
+        images: &[I],
+    ) -> Result<VlPrompt> {
         self.processor.prompt_from_text(text, images)
     }
 
@@ -401,6 +495,7 @@ impl VisionLanguageModel {
 
 #[cfg(test)]
 mod tests {
+    use super::super::rope_index;
     use super::*;
     use std::path::PathBuf;
 
@@ -496,5 +591,49 @@ mod tests {
         );
         // An image the processor refuses (200:1 at most) is an error, not a length.
         assert!(proc.length(&messages("x", 1), &[(1, 500)], 8).is_err());
+    }
+
+    /// A chat's prompt is built once: the same ids and pixels as `prompt`, the positions the
+    /// prefill would count (computed here, from the images' sizes), and a request too long
+    /// for the model refused with the numbers `length` gives.
+    #[test]
+    fn a_chat_prompt_carries_its_positions_and_is_checked_first() {
+        let (_tmp, proc) = processor_without_weights();
+        for sizes in [vec![(48, 64), (37, 100)], vec![(300, 17)], vec![]] {
+            let images: Vec<std::sync::Arc<image::DynamicImage>> = sizes
+                .iter()
+                .map(|&(w, h)| std::sync::Arc::new(picture(w, h)))
+                .collect();
+            let m = messages("Rate the edit.", images.len());
+            let chat = proc.chat_prompt(&m, &images, 16).unwrap();
+            let plain = proc.prompt(&m, &images).unwrap();
+            assert_eq!(chat.ids, plain.ids, "{sizes:?}");
+            assert_eq!(chat.images, plain.images, "{sizes:?}");
+            let grids = chat
+                .images
+                .as_ref()
+                .map_or(Vec::new(), |i| i.image_grid_thw.clone());
+            let counted = MropePositions::count(&chat.ids, &grids, &proc.config).unwrap();
+            assert_eq!(chat.positions.as_ref(), Some(&counted), "{sizes:?}");
+            assert_eq!(plain.positions.as_ref(), Some(&counted), "{sizes:?}");
+            let hw: Vec<(usize, usize)> = sizes
+                .iter()
+                .map(|&(w, h)| (h as usize, w as usize))
+                .collect();
+            assert_eq!(counted.span(), proc.positions(&m, &hw).unwrap());
+        }
+        let long = messages(&"make the sky red ".repeat(600), 1);
+        let image = [std::sync::Arc::new(picture(48, 64))];
+        let want = proc
+            .length(&long, &[(64, 48)], 128)
+            .unwrap()
+            .check()
+            .unwrap_err()
+            .to_string();
+        let err = proc
+            .chat_prompt(&long, &image, 128)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, want);
     }
 }

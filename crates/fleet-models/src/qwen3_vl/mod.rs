@@ -31,13 +31,18 @@ pub use fleet_config::Qwen3VlConfig;
 pub use vision::{VisionConfig, VisionEncoder, VisionOutput};
 
 /// One prompt for the model: token ids with each image's `<|image_pad|>` already expanded to
-/// its token count, and the preprocessed images in the order they appear.
+/// its token count, the preprocessed images in the order they appear, and its M-RoPE
+/// positions when they were counted where the prompt was built.
 #[derive(Debug, Clone)]
 pub struct VlPrompt {
     /// Token ids.
     pub ids: Vec<u32>,
     /// The images (`None` for a text-only prompt).
     pub images: Option<PreprocessedImages>,
+    /// The prompt's positions ([`rope_index`] of `ids` and the images' grids), as
+    /// [`VlProcessor`] counts them while building it (once: the prefill uses these); `None`
+    /// for a prompt assembled by hand, whose positions the prefill counts.
+    pub positions: Option<MropePositions>,
 }
 
 impl VlPrompt {
@@ -45,6 +50,36 @@ impl VlPrompt {
         self.images
             .as_ref()
             .map_or(&[][..], |i| i.image_grid_thw.as_slice())
+    }
+}
+
+/// The M-RoPE positions of one prompt ([`rope_index`]): three per token, and the shift of the
+/// positions of the tokens generated after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MropePositions {
+    /// Temporal, height and width positions, one per token each.
+    pub axes: [Vec<u32>; 3],
+    /// `rope_delta`: (largest position + 1) - tokens.
+    pub rope_delta: i64,
+}
+
+impl MropePositions {
+    /// The positions of `ids` whose images have `grids` (`[t, h, w]` in patches, in order),
+    /// with the vision merge size and the image and video token ids of `cfg`.
+    pub fn count(ids: &[u32], grids: &[[usize; 3]], cfg: &Qwen3VlConfig) -> Result<Self> {
+        let (axes, rope_delta) = rope_index(
+            ids,
+            grids,
+            cfg.vision.spatial_merge_size,
+            cfg.image_token_id,
+            cfg.video_token_id,
+        )?;
+        Ok(MropePositions { axes, rope_delta })
+    }
+
+    /// Positions the prompt takes: its largest position + 1.
+    pub fn span(&self) -> usize {
+        (self.axes[0].len() as i64 + self.rope_delta).max(0) as usize
     }
 }
 
@@ -170,15 +205,10 @@ impl Qwen3VlModel {
         self.vision.forward(&pv, &images.image_grid_thw)
     }
 
-    /// M-RoPE positions and `rope_delta` of one prompt ([`rope_index`]).
+    /// M-RoPE positions and `rope_delta` of one prompt ([`rope_index`]), counted now.
     pub fn rope_index(&self, prompt: &VlPrompt) -> Result<([Vec<u32>; 3], i64)> {
-        rope_index(
-            &prompt.ids,
-            prompt.grids(),
-            self.cfg.vision.spatial_merge_size,
-            self.cfg.image_token_id,
-            self.cfg.video_token_id,
-        )
+        let p = MropePositions::count(&prompt.ids, prompt.grids(), &self.cfg)?;
+        Ok((p.axes, p.rope_delta))
     }
 
     /// Runs the left-padded prompts (`ids[r]` is `prompts[r].ids` after `pad[r]` pad tokens)
@@ -223,12 +253,27 @@ impl Qwen3VlModel {
         let mut axes: [Vec<u32>; 3] = Default::default();
         let mut deltas = Vec::with_capacity(b);
         for (r, p) in prompts.iter().enumerate() {
-            let (row_axes, delta) = self.rope_index(p)?;
-            for (a, row) in axes.iter_mut().zip(row_axes) {
-                a.extend(std::iter::repeat_n(0, pad[r]));
-                a.extend(row);
+            // Counted where the prompt was built, or now for a prompt made by hand.
+            let counted;
+            let positions = match &p.positions {
+                Some(positions) => positions,
+                None => {
+                    counted = MropePositions::count(&p.ids, p.grids(), &self.cfg)?;
+                    &counted
+                }
+            };
+            if positions.axes.iter().any(|a| a.len() != p.ids.len()) {
+                return Err(ModelError::BadInput(format!(
+                    "row {r}'s positions are for {} tokens but its prompt has {}",
+                    positions.axes[0].len(),
+                    p.ids.len()
+                )));
             }
-            deltas.push(delta);
+            for (a, row) in axes.iter_mut().zip(&positions.axes) {
+                a.extend(std::iter::repeat_n(0, pad[r]));
+                a.extend_from_slice(row);
+            }
+            deltas.push(positions.rope_delta);
         }
         let section = self.cfg.text.mrope_section().expect("validated at load");
         let positions = Positions::Mrope {

@@ -52,6 +52,7 @@
 //! goldens made by `scripts/fixtures/make_vision_fixtures.py` with transformers 5.17.0, torch
 //! 2.11.0, torchvision 0.26.0 and Pillow 13.0.0.
 
+use std::borrow::{Borrow, Cow};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -662,8 +663,12 @@ impl PreprocessedImages {
 ///
 /// # Errors
 /// Per image, those of [`ImageProcessorConfig::resized_size`].
-pub fn preprocess(
-    images: &[image::DynamicImage],
+///
+/// `images` may be owned images, references or `Arc`s (anything that borrows as a
+/// [`image::DynamicImage`]): nothing is copied before the conversion to RGB8, and an image
+/// that is RGB8 already is read in place.
+pub fn preprocess<I: Borrow<image::DynamicImage> + Sync>(
+    images: &[I],
     cfg: &ImageProcessorConfig,
 ) -> Result<PreprocessedImages, VisionError> {
     // Images are independent: each is resized and patchified on its own thread (a 1024x1024
@@ -671,7 +676,7 @@ pub fn preprocess(
     use rayon::prelude::*;
     let parts: Vec<OneImage> = images
         .par_iter()
-        .map(|img| preprocess_one(img, cfg))
+        .map(|img| preprocess_one(img.borrow(), cfg))
         .collect::<Result<_, _>>()?;
     let mut out = PreprocessedImages {
         pixel_values: Vec::with_capacity(parts.iter().map(|p| p.0.len()).sum()),
@@ -701,14 +706,21 @@ fn preprocess_one(
     let m = cfg.merge_size;
     let t = cfg.temporal_patch_size;
     let patch_dim = cfg.patch_dim();
-    let rgb = img.to_rgb8();
+    // The conversion to RGB8 is the first step; an RGB8 image is read where it is.
+    let rgb: Cow<'_, image::RgbImage> = match img.as_rgb8() {
+        Some(rgb) => Cow::Borrowed(rgb),
+        None => Cow::Owned(img.to_rgb8()),
+    };
     let (width, height) = (rgb.width() as usize, rgb.height() as usize);
     let (h, w) = cfg.resized_size(height, width)?;
-    let pixels = if cfg.do_resize {
-        cfg.resize_backend
-            .resize_rgb8(rgb.as_raw(), width, height, w, h)
+    let resized;
+    let pixels: &[u8] = if cfg.do_resize {
+        resized = cfg
+            .resize_backend
+            .resize_rgb8(rgb.as_raw(), width, height, w, h);
+        &resized
     } else {
-        rgb.into_raw()
+        rgb.as_raw()
     };
     let table = value_table(cfg);
     let (gh, gw) = (h / p, w / p);

@@ -2,8 +2,8 @@
 //! copy returns, in input order. CPU replicas stand in for GPUs here; the GPU path is the same
 //! code with other device maps (measured by `fleet bench data-parallel` on the GPU machine).
 
-use fleet_models::placement::{PlacementRequest, Replicas};
 use fleet_models::{DeviceLocation, DeviceMap, LoadOptions, TextModel};
+use fleet_serve::{PlacementRequest, Replicas, Text};
 
 mod common;
 use common::{fixture, requests};
@@ -18,7 +18,7 @@ fn two_replicas_generate_what_one_model_generates_in_input_order() {
     let expected = single.generate(&requests, None).unwrap();
 
     let cpu = DeviceMap::single(DeviceLocation::Cpu, single.model.config().num_hidden_layers);
-    let replicas = Replicas::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
+    let replicas = Replicas::<Text>::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
     assert_eq!(replicas.len(), 2);
     for max_batch in [1, 2, 3, 100] {
         let got = replicas.generate(&requests, max_batch, false).unwrap();
@@ -37,7 +37,7 @@ fn planned_placement_without_gpus_is_one_cpu_replica() {
     let dir = fixture("qwen3-tiny");
     let spec = dir.to_str().unwrap();
     let request = PlacementRequest::new("data-parallel".parse().unwrap());
-    let replicas = Replicas::load_planned(spec, &LoadOptions::default(), &request).unwrap();
+    let replicas = Replicas::<Text>::load_planned(spec, &LoadOptions::default(), &request).unwrap();
     assert_eq!(replicas.len(), 1);
     assert_eq!(
         replicas.models[0].model.device_map().devices(),
@@ -48,7 +48,7 @@ fn planned_placement_without_gpus_is_one_cpu_replica() {
         gpu_ids: Some(vec![3]),
         ..request
     };
-    let err = Replicas::load_planned(spec, &LoadOptions::default(), &on_gpu_3)
+    let err = Replicas::<Text>::load_planned(spec, &LoadOptions::default(), &on_gpu_3)
         .err()
         .expect("GPU 3 on a machine without GPUs")
         .to_string();
@@ -59,7 +59,7 @@ fn planned_placement_without_gpus_is_one_cpu_replica() {
         max_memory: "9=10GiB".parse().unwrap(),
         ..PlacementRequest::new("data-parallel".parse().unwrap())
     };
-    let err = Replicas::load_planned(spec, &LoadOptions::default(), &budget_for_gpu_9)
+    let err = Replicas::<Text>::load_planned(spec, &LoadOptions::default(), &budget_for_gpu_9)
         .err()
         .expect("a budget for GPU 9 on a machine without GPUs")
         .to_string();

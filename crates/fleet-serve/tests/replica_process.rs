@@ -4,11 +4,12 @@
 
 use std::sync::Arc;
 
-use fleet_models::placement::Replicas;
-use fleet_models::replica_process::{serve_if_replica_worker, EXIT_AFTER_ENV, PROCESSES_ENV};
-use fleet_models::vl_replicas::{generate_vl, load_vl_replicas, VlRequest};
 use fleet_models::{
     DeviceLocation, DeviceMap, LoadOptions, SamplingParams, TextModel, VisionLanguageModel,
+};
+use fleet_serve::{
+    generate_chats, serve_if_replica_worker, ChatRequest, Replica, Replicas, Text, VisionLanguage,
+    EXIT_AFTER_ENV, PROCESSES_ENV,
 };
 
 mod common;
@@ -34,7 +35,7 @@ fn replicas_in_processes_generate_what_one_model_generates() {
     let expected = single.generate(&requests, None).unwrap();
 
     let cpu = DeviceMap::single(DeviceLocation::Cpu, single.model.config().num_hidden_layers);
-    let replicas = Replicas::load(spec, &opts, &[cpu.clone(), cpu.clone(), cpu]).unwrap();
+    let replicas = Replicas::<Text>::load(spec, &opts, &[cpu.clone(), cpu.clone(), cpu]).unwrap();
     assert_eq!(replicas.len(), 3);
     assert_eq!(
         replicas.in_processes(),
@@ -58,7 +59,7 @@ fn a_batch_that_fails_in_every_process_is_reported() {
     let spec = dir.to_str().unwrap();
     let opts = LoadOptions::default();
     let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
-    let replicas = Replicas::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
+    let replicas = Replicas::<Text>::load(spec, &opts, &[cpu.clone(), cpu]).unwrap();
     let mut requests = requests(9);
     requests[5].prompt_ids.clear();
     let err = replicas
@@ -73,7 +74,7 @@ fn a_batch_that_fails_in_every_process_is_reported() {
 }
 
 /// Chats with one or two of the vision fixtures' images, greedy and sampled.
-fn vl_requests() -> Vec<VlRequest> {
+fn vl_requests() -> Vec<ChatRequest> {
     let img = |name: &str| Arc::new(image::open(fixture("vision").join(name)).unwrap());
     let (a, b, c) = (img("a_48x64.png"), img("b_37x100.png"), img("c_90x33.png"));
     let chat = |system: bool, n_images: usize, text: &str| {
@@ -88,7 +89,7 @@ fn vl_requests() -> Vec<VlRequest> {
         messages.push(serde_json::json!({"role": "user", "content": content}));
         serde_json::Value::Array(messages)
     };
-    let mut sampled = VlRequest::greedy(chat(false, 1, "Score it."), vec![c.clone()], 6);
+    let mut sampled = ChatRequest::greedy(chat(false, 1, "Score it."), vec![c.clone()], 6);
     sampled.sampling = SamplingParams {
         temperature: 0.9,
         top_k: Some(20),
@@ -96,15 +97,24 @@ fn vl_requests() -> Vec<VlRequest> {
         seed: 7,
     };
     vec![
-        VlRequest::greedy(
+        ChatRequest::greedy(
             chat(true, 2, "Compare them."),
             vec![a.clone(), b.clone()],
             8,
         ),
-        VlRequest::greedy(chat(false, 1, "Describe."), vec![b], 5),
+        ChatRequest::greedy(chat(false, 1, "Describe."), vec![b], 5),
         sampled,
-        VlRequest::greedy(chat(true, 2, "Again, with the pair."), vec![c, a], 7),
+        ChatRequest::greedy(chat(true, 2, "Again, with the pair."), vec![c, a], 7),
     ]
+}
+
+/// One vision-language replica per device map, each on its own.
+fn load_vl_replicas(
+    spec: &str,
+    opts: &LoadOptions,
+    maps: &[DeviceMap],
+) -> fleet_models::Result<Vec<Replica<VisionLanguage>>> {
+    Ok(Replicas::<VisionLanguage>::load(spec, opts, maps)?.into_replicas())
 }
 
 fn vl_replicas_in_processes_generate_what_one_model_generates() {
@@ -116,7 +126,7 @@ fn vl_replicas_in_processes_generate_what_one_model_generates() {
     let expected: Vec<_> = requests
         .iter()
         .map(|r| {
-            generate_vl(&single, std::slice::from_ref(r))
+            generate_chats(&single, std::slice::from_ref(r))
                 .unwrap()
                 .remove(0)
                 .unwrap()
