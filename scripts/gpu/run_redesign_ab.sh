@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Issue 25's before/after speed check as an A/B on one machine in one call: the same part run
-# with the "before" and the "after" binary alternately (before, after, before, after, ...), so
-# machine-to-machine differences (the host-bound decode follows the host CPU) cancel out.
+# with the "before" and the "after" binary alternately, the first side swapped every round, so
+# machine-to-machine differences (the host-bound decode follows the host CPU) and the order
+# within a round cancel out.
 # Carried: dist/carry/before/<bin>.xz and dist/carry/after/<bin>.xz for the part's binary, and
 # COMMIT files dist/carry/{before,after}/COMMIT.
 #   PART=generate ROUNDS=3 bash scripts/gpu/run_redesign_ab.sh   # fleet bench generate
+#     (GEN_CONFIG, GEN_BATCH, GEN_PROMPT, GEN_NEW: another shape, e.g. GSPO's rollouts)
 #   PART=judge    ROUNDS=3 bash scripts/gpu/run_redesign_ab.sh   # edit-score bench
 #   PART=gspo     ROUNDS=2 bash scripts/gpu/run_redesign_ab.sh   # gspo-train, 8 steps
 # Settings as scripts/gpu/run_redesign_speed.sh. Writes $OUT/ab-<PART>.tsv and .tgz (logs).
@@ -30,8 +32,9 @@ fi
 run() { # side round
   local b="$W/$1/$BIN" tag="$1-$2"
   case "$PART" in
-    generate) "$b" bench generate --config configs/models/qwen2.5-7b.json --batch 1,32 \
-        --prompt-len 512 --new-tokens 128 --repeats 3 --json "$R/$tag.json" > "$R/$tag.log" 2>&1 ;;
+    generate) "$b" bench generate --config "${GEN_CONFIG:-configs/models/qwen2.5-7b.json}" \
+        --batch "${GEN_BATCH:-1,32}" --prompt-len "${GEN_PROMPT:-512}" \
+        --new-tokens "${GEN_NEW:-128}" --repeats 3 --json "$R/$tag.json" > "$R/$tag.log" 2>&1 ;;
     judge) "$b" bench --config configs/models/qwen3-vl-8b.json --image-size 512 --batch 8 \
         --samples 32 --new-tokens 128 --json "$R/$tag.json" > "$R/$tag.log" 2>&1 ;;
     gspo) rm -rf "$W/gspo"; "$b" --config configs/gspo/bench.toml --model "$W/q05" \
@@ -41,7 +44,11 @@ run() { # side round
   esac
   echo "$tag: exit $?"
 }
-for i in $(seq 1 "$ROUNDS"); do run before "$i"; run after "$i"; done
+# Rounds alternate which side goes first (before-after, after-before, ...), so that an order
+# effect (a GPU warmer for the second run of a round) does not favour one side.
+for i in $(seq 1 "$ROUNDS"); do
+  if [ $((i % 2)) = 1 ]; then run before "$i"; run after "$i"; else run after "$i"; run before "$i"; fi
+done
 python3 - "$R" "$PART" <<'PY' | tee "$OUT/ab-$PART.tsv"
 import json, sys, glob, os
 r, part = sys.argv[1], sys.argv[2]
