@@ -26,6 +26,7 @@ pub mod ops;
 pub mod profile;
 pub mod qwen;
 pub mod qwen3_vl;
+mod rope;
 pub mod source;
 pub mod tokenizer;
 pub mod vision;

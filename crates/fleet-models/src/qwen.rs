@@ -128,21 +128,9 @@ struct RopeRows {
 impl RopeTables {
     fn new(cfg: &QwenConfig, dtype: DType, dev: &Device) -> Result<Self> {
         let half = cfg.head_dim() / 2;
-        let theta = cfg.rope_theta();
-        // inv_freq exactly as transformers: 1 / theta^(2i/d) computed in f32.
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / (theta.powf((2 * i) as f64 / cfg.head_dim() as f64)) as f32)
-            .collect();
+        let inv_freq = crate::rope::inv_freq(cfg.rope_theta(), cfg.head_dim());
         let n = cfg.max_position_embeddings;
-        let mut cos = Vec::with_capacity(n * half);
-        let mut sin = Vec::with_capacity(n * half);
-        for p in 0..n {
-            for &f in &inv_freq {
-                let angle = p as f32 * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
+        let (cos, sin) = crate::rope::angle_tables(n, &inv_freq);
         let cos = Tensor::from_vec(cos, (n, half), dev)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (n, half), dev)?.to_dtype(dtype)?;
         let cs = Tensor::cat(&[&cos, &sin], 1)?;

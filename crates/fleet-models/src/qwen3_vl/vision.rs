@@ -211,12 +211,8 @@ impl VisionEncoder {
         for (k, &i) in cfg.deepstack_visual_indexes.iter().enumerate() {
             deepstack.push((i, merger(&format!("{p}.deepstack_merger_list.{k}"), true)?));
         }
-        // inv_freq = 1 / theta^(arange(0, d, 2) / d) with d = head_dim / 2, in f32.
-        let d = cfg.head_dim() / 2;
-        let theta = cfg.rope_theta();
-        let inv_freq = (0..d / 2)
-            .map(|i| 1.0 / theta.powf((2 * i) as f64 / d as f64) as f32)
-            .collect();
+        // Each of the two axes rotates half of a head.
+        let inv_freq = crate::rope::inv_freq(cfg.rope_theta(), cfg.head_dim() / 2);
         Ok(VisionEncoder {
             cfg: cfg.clone(),
             dtype,
@@ -342,14 +338,7 @@ impl VisionEncoder {
         let n: usize = grids.iter().map(|g| g[0] * g[1] * g[2]).sum();
         let side = grids.iter().map(|g| g[1].max(g[2])).max().unwrap_or(0);
         let q = self.inv_freq.len();
-        let (mut cos_t, mut sin_t) = (Vec::with_capacity(side * q), Vec::with_capacity(side * q));
-        for i in 0..side {
-            for f in &self.inv_freq {
-                let a = i as f32 * f;
-                cos_t.push(a.cos());
-                sin_t.push(a.sin());
-            }
-        }
+        let (cos_t, sin_t) = crate::rope::angle_tables(side, &self.inv_freq);
         let (mut rows, mut cols) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for (row, col, _) in merge_block_order(grids, m) {
             rows.push(row as u32);
