@@ -5,21 +5,27 @@
 // RMSNorm as transformers' Qwen2RMSNorm computes it: y = w * T(x * rsqrt(mean(x^2) + eps)),
 // statistics in f32, the normalised value rounded to T before the product with the weight.
 // One block per row.
+// The second pass of both RMSNorm kernels: yr = T(T(sr * inv) * w) over one row, with
+// inv = rsqrt(mean(s^2) + eps) from the block's sum of squares `ss` (every thread calls it).
+template <typename T>
+__device__ void write_normed(const T *sr, const T *w, T *yr, int n, float ss, float eps) {
+    const float inv = rsqrtf(block_sum(ss) / n + eps);
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        yr[c] = from_f<T>(rnd<T>(to_f(sr[c]) * inv) * to_f(w[c]));
+    }
+}
+
 template <typename T>
 __device__ void rms_norm(const T *x, const T *w, T *y, int n_rows, int n, float eps) {
     const int row = blockIdx.x;
     if (row >= n_rows) return;
     const T *xr = x + (size_t)row * n;
-    T *yr = y + (size_t)row * n;
     float ss = 0.f;
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
         const float f = to_f(xr[c]);
         ss += f * f;
     }
-    const float inv = rsqrtf(block_sum(ss) / n + eps);
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        yr[c] = from_f<T>(rnd<T>(to_f(xr[c]) * inv) * to_f(w[c]));
-    }
+    write_normed(xr, w, y + (size_t)row * n, n, ss, eps);
 }
 
 // Residual add fused with the RMSNorm that follows it: out[0] = x + h (rounded to T), and
@@ -41,11 +47,8 @@ __device__ void add_rms_norm(const T *x, const T *h, const T *w, T *out, int n_r
         const float f = to_f(s);
         ss += f * f;
     }
-    const float inv = rsqrtf(block_sum(ss) / n + eps);
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        const float normed = to_f(from_f<T>(to_f(sr[c]) * inv));
-        yr[c] = from_f<T>(normed * to_f(w[c]));
-    }
+    // Each thread reads back only the sums it wrote itself.
+    write_normed(sr, w, yr, n, ss, eps);
 }
 
 // Backward of RMSNorm (y = w * T(s * r), r = rsqrt(mean(s^2) + eps)) for one row per block:
