@@ -20,9 +20,9 @@ use fleet_argo::runner::{run_jobs, summarize, RecordsFile, Retriever, RunEvent};
 use fleet_argo::summary::{commit_id, write_json_atomic};
 use fleet_argo::StrategyKind;
 use fleet_cli::{out, outln};
-use fleet_dist::{RunDir, RunDirOptions, RunDirState};
 use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
 use fleet_models::{LoadOptions, ModelSource};
+use fleet_runs::{RunDir, RunDirOptions, RunDirState};
 use fleet_serve::{Replicas, Text};
 use indicatif::{ProgressBar, ProgressStyle};
 

@@ -253,7 +253,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let peak_live_bytes = fleet_cli::bench::device_peaks(&devices);
     let report = Report {
         engine: "fleet",
-        commit: fleet_dist::commit_id(),
+        commit: fleet_runs::commit_id(),
         device: args.device.clone(),
         config: args.config.display().to_string(),
         dtype: args.dtype.clone(),

@@ -57,7 +57,7 @@ pub fn merge(args: &MergeArgs) -> Result<()> {
         r.malformed.len(),
         r.missing_count
     );
-    let report = Report::from_dir(&args.output, &fleet_dist::commit_id())?;
+    let report = Report::from_dir(&args.output, &fleet_runs::commit_id())?;
     let written = report.write(&args.output)?;
     print_report(&report)?;
     outln!("results in {}:", args.output.display())?;
@@ -69,7 +69,7 @@ pub fn merge(args: &MergeArgs) -> Result<()> {
 
 /// `edit-score report`.
 pub fn report(args: &ReportArgs) -> Result<()> {
-    let report = Report::from_dir(&args.dir, &fleet_dist::commit_id())?;
+    let report = Report::from_dir(&args.dir, &fleet_runs::commit_id())?;
     let written = report.write(&args.dir)?;
     outln!("{}", report.to_markdown())?;
     for p in written {

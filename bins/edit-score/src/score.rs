@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use fleet_cli::outln;
-use fleet_dist::{RunDirState, ShardSpec};
+use fleet_dist::ShardSpec;
 use fleet_judge::benchmark::{load_gedit, load_jsonl, load_scorer_json, Loaded};
 use fleet_judge::judge::{Decoding, Sampling};
 use fleet_judge::prompts::{ImageRole, PromptSet, DEFAULT_TEMPLATE};
@@ -28,6 +28,7 @@ use fleet_models::vision::ResizeBackend;
 use fleet_models::{
     DType, DeviceLocation, DeviceMap, GenerationConfig, LoadOptions, ModelSource, Qwen3VlConfig,
 };
+use fleet_runs::RunDirState;
 use fleet_serve::{plan_on_this_machine, Workload};
 use serde_json::json;
 
@@ -521,10 +522,10 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
     about.insert("format".to_string(), json!(format.name()));
     about.insert("model".to_string(), json!(model));
     about.insert("revision".to_string(), json!(args.revision));
-    about.insert("commit".to_string(), json!(fleet_dist::commit_id()));
+    about.insert("commit".to_string(), json!(fleet_runs::commit_id()));
     about.insert(
         "fleet_version".to_string(),
-        json!(fleet_dist::fleet_version()),
+        json!(fleet_runs::fleet_version()),
     );
     let session = Session::open(
         &output,
@@ -553,7 +554,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
         .iter()
         .map(|s| json!({"id": s.id, "kind": s.kind.to_string(), "reason": s.reason}))
         .collect();
-    fleet_dist::write_json_atomic(&output.join(SKIPPED_FILE), &skipped)?;
+    fleet_runs::write_json_atomic(&output.join(SKIPPED_FILE), &skipped)?;
 
     let shard = ShardSpec::from_process_env(args.num_shards, args.shard_index)?;
     let plan = session.plan(&loaded, shard)?;
@@ -667,7 +668,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
     )?;
     drop(session);
 
-    let report = Report::from_dir(&output, &fleet_dist::commit_id())?;
+    let report = Report::from_dir(&output, &fleet_runs::commit_id())?;
     let written = report.write(&output)?;
     print_summary(&info, &report, &output, &written)?;
     if !info.failed.is_empty() {

@@ -179,7 +179,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
     }
     let report = Report {
         engine: "fleet",
-        commit: fleet_dist::commit_id(),
+        commit: fleet_runs::commit_id(),
         device: device_name,
         device_map: model.device_map().to_string(),
         config: label,

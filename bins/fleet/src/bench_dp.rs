@@ -182,7 +182,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
     let peak_live_bytes = fleet_cli::bench::device_peaks(&locations);
     let report = Report {
         engine: "fleet",
-        commit: fleet_dist::commit_id(),
+        commit: fleet_runs::commit_id(),
         config: label,
         dtype: args.model.dtype.clone(),
         devices: args.devices.clone(),

@@ -224,7 +224,7 @@ const LAUNCHER_FLAGS: &[&str] = &[
 
 /// The bundled model and task, written once to a directory named by their content.
 fn bundled_files() -> Result<PathBuf> {
-    let mut digest = fleet_dist::Fnv64::new();
+    let mut digest = fleet_data::digest::Fnv64::new();
     for (name, bytes) in DEFAULT_FILES {
         digest.update(name.as_bytes());
         digest.update(bytes);
@@ -233,7 +233,7 @@ fn bundled_files() -> Result<PathBuf> {
     for (name, bytes) in DEFAULT_FILES {
         let path = dir.join(name);
         if std::fs::read(&path).ok().as_deref() != Some(*bytes) {
-            fleet_dist::write_atomic(&path, bytes)?;
+            fleet_runs::write_atomic(&path, bytes)?;
         }
     }
     Ok(dir)
@@ -494,7 +494,7 @@ fn bench_all_reduce(cli: &Cli, max: &str) -> Result<()> {
         let path = dir.join("all_reduce_perf.json");
         let json =
             serde_json::json!({ "world_size": world_size, "backend": backend, "rows": rows });
-        fleet_dist::write_atomic(&path, serde_json::to_string_pretty(&json)?.as_bytes())?;
+        fleet_runs::write_atomic(&path, serde_json::to_string_pretty(&json)?.as_bytes())?;
         outln!("wrote {}", path.display())?;
     }
     if rows.iter().any(|r| !r.correct) {

@@ -16,9 +16,9 @@ use crate::runner::{Job, RealSummary};
 use crate::simulate::{derive_seed, Stream};
 use crate::strategy::{Strategy, StrategyError};
 use crate::{ExperimentConfig, MdpError, MdpParams, StrategyKind};
-use fleet_dist::Manifest;
 use fleet_models::embedder::EmbedderId;
 use fleet_models::CheckpointIdentity;
+use fleet_runs::Manifest;
 
 /// Errors of building an experiment.
 #[derive(Debug, thiserror::Error)]
@@ -97,7 +97,7 @@ pub fn build_jobs(
 }
 
 /// Everything that determines a real run's records, for its output directory's manifest
-/// ([`fleet_dist::RunDir`]).
+/// ([`fleet_runs::RunDir`]).
 pub struct RealRunInputs<'a> {
     /// The LLM's weights, config and tokenizer, by content.
     pub model: &'a CheckpointIdentity,
@@ -160,7 +160,7 @@ pub fn real_run_manifest(inputs: &RealRunInputs<'_>) -> Manifest {
 
 /// Digest of a value's JSON form.
 fn json_digest<T: serde::Serialize + ?Sized>(value: &T) -> String {
-    fleet_dist::bytes_digest(&serde_json::to_vec(value).unwrap_or_default())
+    fleet_data::digest::bytes_digest(&serde_json::to_vec(value).unwrap_or_default())
 }
 
 /// The summary file of a real run.

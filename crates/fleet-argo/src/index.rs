@@ -387,7 +387,7 @@ impl VectorIndex {
             .iter()
             .map(|f| self.dir.join(f))
             .collect();
-        fleet_dist::files_digest(&files).map_err(|(path, e)| IndexError::Io {
+        fleet_data::digest::files_digest(&files).map_err(|(path, e)| IndexError::Io {
             path,
             message: format!("{e}; save the index (argo-exp ingest) before using it"),
         })

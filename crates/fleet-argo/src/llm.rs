@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use fleet_dist::{JsonlLog, Manifest};
 use fleet_models::CheckpointIdentity;
 use fleet_models::{ChatMessage, GenerationRequest};
+use fleet_runs::{JsonlLog, Manifest};
 use fleet_serve::{Replicas, Text};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};

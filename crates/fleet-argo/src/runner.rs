@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::Device;
-use fleet_dist::{JsonlLog, TailRepair};
 use fleet_models::embedder::SentenceEmbedder;
 use fleet_models::ChatMessage;
+use fleet_runs::{JsonlLog, TailRepair};
 use serde::{Deserialize, Serialize};
 
 use crate::answer::{parse_answer_with_options, ParsedAnswer};
@@ -53,7 +53,7 @@ pub enum RunError {
     Model(#[from] fleet_models::ModelError),
     /// The records file could not be read or written.
     #[error(transparent)]
-    Records(#[from] fleet_dist::DistError),
+    Records(#[from] fleet_runs::RunsError),
 }
 
 /// The retrieval side: embedder, index, how many chunks and what counts as new evidence.
@@ -224,9 +224,9 @@ pub struct QuestionRecord {
 
 /// Appends finished jobs to a JSONL file and knows which are done.
 ///
-/// The file is a [`fleet_dist::JsonlLog`]: a line torn by a kill is cut off before the next
+/// The file is a [`fleet_runs::JsonlLog`]: a line torn by a kill is cut off before the next
 /// append, so the job it belonged to runs again and its new record reads back. The caller
-/// holds the output directory ([`fleet_dist::RunDir`]), which makes it the only writer and
+/// holds the output directory ([`fleet_runs::RunDir`]), which makes it the only writer and
 /// guarantees the records were made by this model and these settings.
 pub struct RecordsFile {
     log: JsonlLog,

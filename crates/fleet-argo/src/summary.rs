@@ -27,9 +27,9 @@ pub enum OutputError {
         /// The cause.
         source: serde_json::Error,
     },
-    /// A result file could not be written (fleet-dist's atomic writes).
+    /// A result file could not be written (fleet-runs' atomic writes).
     #[error(transparent)]
-    Dist(#[from] fleet_dist::DistError),
+    Runs(#[from] fleet_runs::RunsError),
     /// A plot could not be drawn.
     #[error("cannot draw {path}: {message}")]
     Plot {
@@ -206,16 +206,16 @@ impl Tally {
     }
 }
 
-pub use fleet_dist::commit_id;
+pub use fleet_runs::commit_id;
 
-/// Writes `bytes` to `path` atomically ([`fleet_dist::write_atomic`]).
+/// Writes `bytes` to `path` atomically ([`fleet_runs::write_atomic`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), OutputError> {
-    Ok(fleet_dist::write_atomic(path, bytes)?)
+    Ok(fleet_runs::write_atomic(path, bytes)?)
 }
 
 /// Serializes `value` as pretty JSON and writes it atomically.
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<(), OutputError> {
-    Ok(fleet_dist::write_json_atomic(path, value)?)
+    Ok(fleet_runs::write_json_atomic(path, value)?)
 }
 
 /// Writes `records` as JSON Lines, one record a line (atomically: the file is complete or

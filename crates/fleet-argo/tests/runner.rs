@@ -274,7 +274,7 @@ fn fixed_k_retrieves_k_times_then_answers_and_a_rerun_resumes() {
     assert!(
         matches!(
             records.repair,
-            Some(fleet_dist::TailRepair::Truncated { line: 5, .. })
+            Some(fleet_runs::TailRepair::Truncated { line: 5, .. })
         ),
         "{:?}",
         records.repair

@@ -56,10 +56,10 @@ pub fn dtype_or_default(flag: Option<&str>, gpus: bool) -> anyhow::Result<fleet_
 }
 
 /// What every binary does first: registers the build ([`BUILD_COMMIT`] becomes what manifests,
-/// checkpoints and reports record through `fleet_dist::commit_id`) and sets up logging
+/// checkpoints and reports record through `fleet_runs::commit_id`) and sets up logging
 /// ([`init_logging`]).
 pub fn init() {
-    fleet_dist::set_build(env!("CARGO_PKG_VERSION"), BUILD_COMMIT);
+    fleet_runs::set_build(env!("CARGO_PKG_VERSION"), BUILD_COMMIT);
     init_logging();
 }
 

@@ -7,7 +7,7 @@
 //!   each skip reason a load report keeps.
 //! - [`jsonl`]: a JSONL dataset read line by line (each line's fate its own).
 //! - [`digest`]: content digests of files and bytes (FNV-1a over 8-byte words), what manifests
-//!   and checkpoint identities record; here, below fleet-dist and fleet-models, so both use one.
+//!   and checkpoint identities record; here, below fleet-runs and fleet-models, so both use one.
 
 pub mod answer;
 pub mod digest;

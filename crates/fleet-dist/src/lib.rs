@@ -1,25 +1,17 @@
-//! Execution across devices and processes for fleet.
+//! Execution across threads, processes and machines for fleet: where the work runs.
 //!
-//! This crate sits above `fleet-topology` (facts and plans) and `fleet-data`, beside
-//! `fleet-models` (model code, which does not depend on it), and never imports model code;
-//! `fleet-serve` runs model replicas on its pool. It holds:
+//! This crate sits below the jobs and `fleet-serve`, beside `fleet-models` (model code, which
+//! does not depend on it), and never imports model code; `fleet-serve` runs model replicas on
+//! its pool. What a run writes (output directories, manifests, records, merges, atomic writes)
+//! is `fleet-runs`'s, not this crate's. It holds:
 //!
 //! - [`ReplicaPool`] — one OS thread per [`Worker`] (one replica per GPU), a shared work queue
 //!   (faster workers take more items), results in input order, failed items retried on other
 //!   workers and never replaced by a default value, per-worker progress bars.
 //! - [`ShardSpec`] — which part of a job this process runs: from `--num-shards/--shard-index`,
 //!   SLURM (`SLURM_PROCID`/`SLURM_NTASKS`) or torchrun (`RANK`/`WORLD_SIZE`).
-//! - [`merge_jsonl`] — merges the per-shard JSONL record files into one file sorted by `index`.
-//! - [`RunDir`] — a long run's output directory: one writer at a time (an OS file lock) and a
-//!   [`Manifest`] of what determines its records, so a resume with another model or other
-//!   settings is refused with the fields that differ.
-//! - [`JsonlLog`] — append-only per-item records (and caches) whose torn last line, left by a
-//!   kill, is repaired before the next append.
-//! - [`write_atomic`] / [`write_json_atomic`] — summaries, reports and checkpoints written whole
-//!   or not at all; [`files_digest`] — content digests of weights and data for manifests.
 //!
-//! Data-parallel processes (one rank per GPU; NCCL, driven by the caller, does the GPU
-//! collectives):
+//! Data-parallel processes (one rank per GPU):
 //!
 //! - [`World`] — this process's rank, from torchrun's variables, fleet's launcher or SLURM
 //!   ([`World::from_env`], [`expand_nodelist`] for `gpu[01-03,07]`).
@@ -32,36 +24,30 @@
 //! - [`Group`] — after the rendezvous: a heartbeat that ends every rank, naming the culprit, when
 //!   one dies or stalls ([`PeerFailure`]); and simple deterministic TCP collectives (barrier,
 //!   broadcast, all-gather, all-reduce sums of f32/f64) for the CPU path and small metadata.
+//! - `Collective` (feature `tensors`) — collectives of candle tensors between the ranks:
+//!   `TcpCollective` over the [`Group`] on the CPU, `nccl::NcclCollective` on GPUs (feature
+//!   `nccl`), bucketed sums, `bench_all_reduce` in nccl-tests' terms.
 
 #![warn(missing_docs)]
 
-mod atomic;
+#[cfg(feature = "tensors")]
+mod collective;
 mod group;
-mod jsonl;
 mod launch;
-mod merge;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod pool;
 mod rendezvous;
-mod run_dir;
 mod shard;
 mod wire;
 mod world;
 
-use std::path::PathBuf;
-
-pub use atomic::{
-    remove_stale_temporaries, set_created_permissions, write_atomic, write_json_atomic,
-};
-// The digests live in fleet-data (fleet-models uses them too); their paths here stay.
-pub use fleet_data::digest::{bytes_digest, files_digest, Fnv64};
+#[cfg(feature = "tensors")]
+pub use collective::{bench_all_reduce, AllReducePerf, Collective, TcpCollective};
 pub use group::{FailureHandler, Group, PeerFailure, PeerInfo, FAILURE_EXIT_CODE};
-pub use jsonl::{BadLine, JsonlContents, JsonlLog, TailRepair};
 pub use launch::{
     launch, launch_with_grace, pick_free_port, strip_launcher_args, LaunchReport, LaunchSpec,
     RankExit, DEFAULT_GRACE_PERIOD,
-};
-pub use merge::{
-    merge_jsonl, Duplicate, InputStats, MalformedLine, MergeReport, MAX_LISTED_MISSING,
 };
 pub use pool::{
     BoxError, FailureRecord, ItemError, ItemResult, PoolOptions, PoolOutput, PoolReport,
@@ -71,13 +57,10 @@ pub use rendezvous::{
     rendezvous, RendezvousFault, RendezvousOptions, DEFAULT_FAILURE_TIMEOUT,
     DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_RENDEZVOUS_TIMEOUT, RENDEZVOUS_TIMEOUT_ENV, TIMEOUT_ENV,
 };
-pub use run_dir::{
-    commit_id, fleet_version, set_build, FieldDiff, Manifest, RunDir, RunDirOptions, RunDirState,
-    LOCK_FILE, MANIFEST_FILE,
-};
 pub use shard::{ShardSource, ShardSpec};
 pub use world::{
-    expand_nodelist, parse_tasks_per_node, Launcher, World, DEFAULT_MASTER_PORT, FLEET_LAUNCHER_ENV,
+    describe_environment, expand_nodelist, parse_tasks_per_node, rank_gpus, Launcher, World,
+    DEFAULT_MASTER_PORT, FLEET_LAUNCHER_ENV,
 };
 
 /// Errors of this crate. Each message names the value at fault and what to change.
@@ -135,78 +118,6 @@ pub enum DistError {
         /// Its value.
         value: String,
     },
-    /// An input file of a merge could not be read.
-    #[error(
-        "cannot read shard records `{path}`: {source}; check the path and that the shard finished"
-    )]
-    ReadInput {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// An output file (merged records, a summary, a manifest) could not be written.
-    #[error("cannot write `{path}`: {source}; check that its directory exists and is writable")]
-    WriteOutput {
-        /// The file (or its temporary sibling).
-        path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// A file or directory could not be read or written.
-    #[error("cannot {action} `{path}`: {source}")]
-    Io {
-        /// What was being done (`read`, `append to`, `lock`, ...).
-        action: &'static str,
-        /// The file or directory.
-        path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// A value could not be serialized.
-    #[error("cannot serialize {what}: {source}")]
-    Json {
-        /// What was being written.
-        what: String,
-        /// The cause.
-        source: serde_json::Error,
-    },
-    /// Another process holds the output directory.
-    #[error("another run is writing to `{dir}` ({holder}): wait for it to finish, or give this run another output directory")]
-    Locked {
-        /// The directory.
-        dir: PathBuf,
-        /// Who holds it, as the holder wrote it in the lock file.
-        holder: String,
-    },
-    /// The directory's records were made by another model or other settings.
-    #[error("`{manifest}` says the records there were made differently: {}; {ways_out}", diffs.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("; "))]
-    ManifestMismatch {
-        /// The manifest file.
-        manifest: PathBuf,
-        /// The fields that differ.
-        diffs: Vec<FieldDiff>,
-        /// What the user can do (the job's flags).
-        ways_out: String,
-    },
-    /// Records without a manifest: nothing says what made them.
-    #[error("`{dir}` holds {} but no manifest.json (written by an older fleet, or by hand), so nothing says which model and settings made them; {ways_out}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "))]
-    NoManifest {
-        /// The directory.
-        dir: PathBuf,
-        /// The job's files found there.
-        files: Vec<PathBuf>,
-        /// What the user can do (the job's flags).
-        ways_out: String,
-    },
-    /// A manifest that does not parse.
-    #[error("manifest `{path}` does not parse ({message}): restore it, or start over with the job's overwrite flag")]
-    BadManifest {
-        /// The file.
-        path: PathBuf,
-        /// The parser's message.
-        message: String,
-    },
     /// An environment variable holds a value of the wrong form.
     #[error("environment variable {var}=`{value}` is not {expected}: fix or unset it")]
     BadEnvValue {
@@ -245,7 +156,7 @@ pub enum DistError {
         /// The rank.
         rank: usize,
         /// The program.
-        program: PathBuf,
+        program: std::path::PathBuf,
         /// The cause.
         source: std::io::Error,
     },
@@ -327,28 +238,37 @@ pub enum DistError {
         /// What is wrong.
         problem: String,
     },
-    /// The output path has no file name (e.g. `/` or `..`).
-    #[error("output path `{path}` names no file: give a file path such as `results/merged.jsonl`")]
-    OutputNotAFile {
-        /// The path as given.
-        path: PathBuf,
+    /// The node's GPUs cannot be shared equally among its ranks ([`rank_gpus`]).
+    #[error("this rank sees {} GPUs ({visible:?}) and its node runs {local_world_size} ranks (LOCAL_WORLD_SIZE): the GPUs cannot be shared equally; start one rank per GPU, give --gpu-ids, or set CUDA_VISIBLE_DEVICES for each rank", visible.len())]
+    UnevenGpus {
+        /// The GPUs this rank sees.
+        visible: Vec<usize>,
+        /// Ranks on this node.
+        local_world_size: usize,
     },
+    /// Rank 0 broadcast another number of values than this rank's variables hold.
+    #[error("rank 0 sent {sent} weights, this rank's model has {here}: the ranks do not run the same model")]
+    WeightsMismatch {
+        /// Values rank 0 sent.
+        sent: usize,
+        /// Values this rank's variables hold.
+        here: usize,
+    },
+    /// NCCL could not be set up or called (its id, the device, a dtype it does not take).
+    #[error("{problem}")]
+    Nccl {
+        /// What failed, with NCCL's own words where it gave some.
+        problem: String,
+    },
+    /// A tensor operation of a collective failed.
+    #[cfg(feature = "tensors")]
+    #[error("tensor error: {0}")]
+    Tensor(#[from] candle_core::Error),
 }
 
 impl From<RendezvousFault> for DistError {
     fn from(f: RendezvousFault) -> Self {
         DistError::Rendezvous(Box::new(f))
-    }
-}
-
-impl DistError {
-    /// An I/O error while doing `action` on `path`.
-    pub fn io(action: &'static str, path: &std::path::Path, source: std::io::Error) -> Self {
-        DistError::Io {
-            action,
-            path: path.to_path_buf(),
-            source,
-        }
     }
 }
 

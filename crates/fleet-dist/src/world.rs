@@ -609,6 +609,51 @@ pub fn parse_tasks_per_node(s: &str) -> std::result::Result<Vec<usize>, String> 
     Ok(out)
 }
 
+/// The GPUs of this rank among the `visible` ones when one process per GPU was started by a
+/// launcher that shows every rank all of the node's GPUs (torchrun, SLURM without
+/// `--gpus-per-task`): local rank `k` of `n` takes the `k`-th of `n` equal slices, as
+/// torchrun's `cuda:LOCAL_RANK` convention does for one GPU per rank. `None` when the rank sees
+/// one GPU or none (fleet's launcher sets CUDA_VISIBLE_DEVICES per rank) or runs alone on its
+/// node.
+pub fn rank_gpus(world: &World, visible: &[usize]) -> Result<Option<Vec<usize>>> {
+    let n = world.local_world_size;
+    if visible.len() <= 1 || n <= 1 {
+        return Ok(None);
+    }
+    if !visible.len().is_multiple_of(n) {
+        return Err(DistError::UnevenGpus {
+            visible: visible.to_vec(),
+            local_world_size: n,
+        });
+    }
+    let per = visible.len() / n;
+    let k = world.local_rank;
+    Ok(Some(visible[k * per..(k + 1) * per].to_vec()))
+}
+
+/// The distributed environment in accelerate's words, for the start of a run: the mode
+/// (several GPUs or CPUs, or one), the collectives' `backend`, the launcher, the process and node
+/// counts, this process's indices and its `device`.
+pub fn describe_environment(world: &World, backend: &str, device: &str) -> String {
+    let mode = if world.world_size > 1 {
+        if device.starts_with("cuda") {
+            "MULTI_GPU"
+        } else {
+            "MULTI_CPU"
+        }
+    } else if device.starts_with("cuda") {
+        "NO (one GPU)"
+    } else {
+        "NO (CPU)"
+    };
+    format!(
+        "Distributed environment: {mode}  Backend: {backend}  Launcher: {}\n\
+         Number of processes: {}\nNumber of nodes: {}\nProcess index: {}\nLocal process index: \
+         {}\nDevice: {device}",
+        world.launcher, world.world_size, world.nnodes, world.rank, world.local_rank
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -916,5 +961,43 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("master_port"));
+    }
+}
+
+#[cfg(test)]
+mod rank_gpus_tests {
+    use super::*;
+
+    fn world(local_rank: usize, local_world_size: usize) -> World {
+        World {
+            rank: local_rank,
+            world_size: local_world_size,
+            local_rank,
+            local_world_size,
+            ..World::single()
+        }
+    }
+
+    #[test]
+    fn a_rank_that_sees_every_gpu_of_its_node_takes_its_own() {
+        // torchrun's convention: local rank k uses cuda:k.
+        assert_eq!(
+            rank_gpus(&world(1, 4), &[0, 1, 2, 3]).unwrap(),
+            Some(vec![1])
+        );
+        // Two GPUs per rank (a sharded policy per rank).
+        assert_eq!(
+            rank_gpus(&world(1, 2), &[0, 1, 2, 3]).unwrap(),
+            Some(vec![2, 3])
+        );
+        // fleet's launcher shows each rank one GPU; a lone rank keeps what it sees.
+        assert_eq!(rank_gpus(&world(3, 4), &[5]).unwrap(), None);
+        assert_eq!(rank_gpus(&world(0, 1), &[0, 1]).unwrap(), None);
+        assert_eq!(rank_gpus(&world(0, 4), &[]).unwrap(), None);
+        let err = rank_gpus(&world(0, 3), &[0, 1, 2, 3])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cannot be shared equally"), "{err}");
+        assert!(err.contains("CUDA_VISIBLE_DEVICES"), "{err}");
     }
 }

@@ -67,7 +67,7 @@ pub enum CheckpointError {
     Optim(#[from] crate::optim::OptimError),
     /// A file of the output directory could not be written.
     #[error(transparent)]
-    Dist(#[from] fleet_dist::DistError),
+    Runs(#[from] fleet_runs::RunsError),
 }
 
 /// Where a run stands: what a resume needs besides weights and optimizer.
@@ -141,7 +141,7 @@ pub fn save(
     }
     std::fs::rename(&tmp, &target).map_err(|e| io(&target, e))?;
     sync_dir(output_dir);
-    fleet_dist::write_atomic(&output_dir.join(LATEST), format!("{name}\n").as_bytes())?;
+    fleet_runs::write_atomic(&output_dir.join(LATEST), format!("{name}\n").as_bytes())?;
     if let Some(keep) = keep {
         prune(output_dir, keep.max(1))?;
     }
@@ -163,7 +163,7 @@ fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointEr
             obj.insert("torch_dtype".into(), "float32".into());
         }
     }
-    fleet_dist::write_json_atomic(&dir.join("config.json"), &config)?;
+    fleet_runs::write_json_atomic(&dir.join("config.json"), &config)?;
     for file in [
         &c.base.tokenizer,
         &c.base.tokenizer_config,
@@ -183,10 +183,10 @@ fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointEr
     let tensors: std::collections::HashMap<String, Tensor> = c.weights.iter().cloned().collect();
     candle_core::safetensors::save(&tensors, &weights_path).map_err(|e| io(&weights_path, e))?;
     // safetensors writes through a private (0600) temporary file.
-    fleet_dist::set_created_permissions(&weights_path)?;
+    fleet_runs::set_created_permissions(&weights_path)?;
     sync_file(&weights_path)?;
     c.optimizer.save(&dir.join("optimizer.safetensors"))?;
-    fleet_dist::write_json_atomic(&dir.join("trainer_state.json"), c.state)?;
+    fleet_runs::write_json_atomic(&dir.join("trainer_state.json"), c.state)?;
     Ok(())
 }
 
@@ -336,7 +336,7 @@ pub fn resume_point(output_dir: &Path, chosen: Option<&Path>) -> Result<PathBuf,
         std::fs::remove_dir_all(&later).map_err(|e| io(&later, e))?;
     }
     let name = path.file_name().unwrap_or_default().to_string_lossy();
-    fleet_dist::write_atomic(&output_dir.join(LATEST), format!("{name}\n").as_bytes())?;
+    fleet_runs::write_atomic(&output_dir.join(LATEST), format!("{name}\n").as_bytes())?;
     Ok(path)
 }
 

@@ -60,7 +60,7 @@ pub use dataset::{
     load_prompts, DataCursor, DatasetError, Prompt, PromptBatch, PromptDataset, PromptSampler,
     Sample,
 };
-pub use dist::{BatchLayout, BatchScaling, Collective, DataParallel};
+pub use dist::{AllReduceGrads, BatchLayout, BatchScaling, DataParallel};
 pub use loss::{
     completion_mask, policy_loss, CompletionMask, LossConfig, LossError, LossInputs, LossMetrics,
     PolicyLoss,
@@ -111,7 +111,10 @@ pub enum TrainError {
     Topology(#[from] fleet_topology::TopologyError),
     /// The output directory.
     #[error(transparent)]
-    Output(#[from] fleet_dist::DistError),
+    Output(#[from] fleet_runs::RunsError),
+    /// The ranks: rendezvous, heartbeats, collectives.
+    #[error(transparent)]
+    Dist(#[from] fleet_dist::DistError),
     /// A tensor operation.
     #[error("tensor error: {0}")]
     Tensor(#[from] candle_core::Error),

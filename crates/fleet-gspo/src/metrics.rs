@@ -1,5 +1,5 @@
 //! Per-step training metrics: one JSON line per optimizer step, with TRL's names where they
-//! exist, written through [`fleet_dist::JsonlLog`]; and the training plots.
+//! exist, written through [`fleet_runs::JsonlLog`]; and the training plots.
 //!
 //! # Record
 //!
@@ -68,8 +68,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use fleet_dist::{JsonlContents, JsonlLog};
 use fleet_plot::{write_chart, LineChart, LineStyle, Marker, MarkerShape, RGBColor, Series};
+use fleet_runs::{JsonlContents, JsonlLog};
 
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -83,7 +83,7 @@ use crate::rewards::BatchRewards;
 pub enum MetricsError {
     /// The metrics file could not be opened or appended to.
     #[error(transparent)]
-    Dist(#[from] fleet_dist::DistError),
+    Runs(#[from] fleet_runs::RunsError),
     /// A plot could not be drawn or written.
     #[error(transparent)]
     Plot(#[from] fleet_plot::PlotError),
@@ -486,7 +486,7 @@ impl MetricsLog {
     pub const FILE: &'static str = "metrics.jsonl";
 
     /// Opens (or creates) `path` and returns the records already there; a line torn by a kill
-    /// is repaired first (see [`fleet_dist::JsonlLog::open`]; `contents.problems(path)` says
+    /// is repaired first (see [`fleet_runs::JsonlLog::open`]; `contents.problems(path)` says
     /// what was wrong, for the log).
     pub fn open(path: &Path) -> Result<(MetricsLog, JsonlContents<StepMetrics>), MetricsError> {
         let (log, contents) = JsonlLog::open::<StepMetrics>(path)?;
@@ -528,7 +528,7 @@ pub fn truncate_after(path: &Path, step: u64) -> Result<(), MetricsError> {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => {
-            return Err(MetricsError::from(fleet_dist::DistError::io(
+            return Err(MetricsError::from(fleet_runs::RunsError::io(
                 "read", path, e,
             )))
         }
@@ -544,7 +544,7 @@ pub fn truncate_after(path: &Path, step: u64) -> Result<(), MetricsError> {
             None => break,
         };
         let of: StepOf = serde_json::from_slice(line).map_err(|e| {
-            MetricsError::from(fleet_dist::DistError::Json {
+            MetricsError::from(fleet_runs::RunsError::Json {
                 what: format!("{} line {number}", path.display()),
                 source: e,
             })
@@ -558,7 +558,7 @@ pub fn truncate_after(path: &Path, step: u64) -> Result<(), MetricsError> {
     if kept == bytes.len() {
         return Ok(());
     }
-    fleet_dist::write_atomic(path, &bytes[..kept])?;
+    fleet_runs::write_atomic(path, &bytes[..kept])?;
     Ok(())
 }
 

@@ -778,7 +778,7 @@ impl OptimizerState {
             .collect();
         candle_core::safetensors::save(&map, &tmp).map_err(|e| err(e.to_string()))?;
         // safetensors writes through a private (0600) temporary file.
-        fleet_dist::set_created_permissions(&tmp).map_err(|e| err(e.to_string()))?;
+        fleet_runs::set_created_permissions(&tmp).map_err(|e| err(e.to_string()))?;
         std::fs::rename(&tmp, path).map_err(|e| err(e.to_string()))
     }
 

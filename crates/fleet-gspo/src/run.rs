@@ -1,7 +1,7 @@
 //! Setting a run up: the checkpoint found and placed, the output directory taken and checked,
 //! a resume picked up where it stopped.
 //!
-//! The output directory is a [`fleet_dist::RunDir`]: one run at a time, and a manifest of what
+//! The output directory is a [`fleet_runs::RunDir`]: one run at a time, and a manifest of what
 //! determines the training (the base model by content, the dataset, the reward functions,
 //! every setting of the algorithm and the optimizer). A run into a directory that holds
 //! checkpoints must say `--resume` (continue) or `--overwrite` (start over); a resume with a
@@ -19,11 +19,12 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::DType;
-use fleet_dist::{Manifest, RunDir, RunDirOptions, RunDirState};
+use fleet_dist::{Collective, TcpCollective};
 use fleet_models::qwen::train::TrainableQwen;
 use fleet_models::{
     CheckpointFiles, HubOptions, ModelError, ModelSource, QwenConfig, TextModel, Weights,
 };
+use fleet_runs::{Manifest, RunDir, RunDirOptions, RunDirState};
 use fleet_topology::{
     plan_training, MaxMemory, ModelShape, Topology, TrainingPlan, TrainingPreset, TrainingRequest,
     TrainingWorkload,
@@ -32,7 +33,7 @@ use fleet_topology::{
 use crate::checkpoint::{self, TrainerState};
 use crate::config::GspoConfig;
 use crate::dataset::{load_prompts, PromptSampler};
-use crate::dist::{BatchLayout, BatchScaling, Collective, DataParallel, TcpCollective};
+use crate::dist::{BatchLayout, BatchScaling, DataParallel};
 use crate::metrics::MetricsLog;
 use crate::optim::{AdamW, AdamWConfig, LrSchedule, OptimizerState};
 use crate::rewards::WeightedSum;
@@ -291,7 +292,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     let manifest = run_manifest(
         requested,
         &base,
-        &fleet_dist::bytes_digest(&dataset_bytes),
+        &fleet_data::digest::bytes_digest(&dataset_bytes),
         opts.dtype,
     )
     .note("model", &opts.model)
@@ -379,8 +380,8 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
                 num_tokens: 0,
                 base_model: base.clone(),
                 base_model_id: opts.model.clone(),
-                commit: fleet_dist::commit_id(),
-                fleet_version: fleet_dist::fleet_version(),
+                commit: fleet_runs::commit_id(),
+                fleet_version: fleet_runs::fleet_version(),
             };
             (files.weights.clone(), st, None)
         }
@@ -473,11 +474,11 @@ fn meet(
         format!(
             "{}:{}:micro-batch {micro_batch}",
             manifest.digest(),
-            fleet_dist::commit_id()
+            fleet_runs::commit_id()
         ),
         format!(
             "micro-batch {micro_batch}, commit {}, run manifest {}",
-            fleet_dist::commit_id(),
+            fleet_runs::commit_id(),
             manifest.digest()
         ),
         device,
@@ -519,7 +520,7 @@ pub fn join(
 }
 
 /// The GPUs this process may use: the visible ones, `gpu_ids` of them when given, and of those
-/// a data-parallel rank's own slice ([`crate::dist::rank_gpus`]).
+/// a data-parallel rank's own slice ([`fleet_dist::rank_gpus`]).
 fn rank_topology(
     gpu_ids: Option<&[usize]>,
     dist: Option<&DistOptions>,
@@ -529,7 +530,7 @@ fn rank_topology(
         topology = topology.select(ids)?;
     }
     if let Some(d) = dist {
-        if let Some(mine) = crate::dist::rank_gpus(&d.world, &topology.gpu_ids())? {
+        if let Some(mine) = fleet_dist::rank_gpus(&d.world, &topology.gpu_ids())? {
             topology = topology.select(&mine)?;
         }
     }
@@ -544,7 +545,7 @@ pub fn all_reduce_bench(
     d: &DistOptions,
     gpu_ids: Option<&[usize]>,
     max_bytes: usize,
-) -> Result<(Vec<crate::dist::AllReducePerf>, &'static str), TrainError> {
+) -> Result<(Vec<fleet_dist::AllReducePerf>, &'static str), TrainError> {
     let location = rank_topology(gpu_ids, Some(d))?
         .gpu_ids()
         .first()
@@ -557,10 +558,10 @@ pub fn all_reduce_bench(
     };
     let dp = join(
         d,
-        format!("all-reduce bench {max_bytes}:{}", fleet_dist::commit_id()),
+        format!("all-reduce bench {max_bytes}:{}", fleet_runs::commit_id()),
         format!(
             "commit {}, --bench-all-reduce of {max_bytes} bytes",
-            fleet_dist::commit_id()
+            fleet_runs::commit_id()
         ),
         &location,
     )?;
@@ -572,7 +573,7 @@ pub fn all_reduce_bench(
     }
     let mut rows = Vec::new();
     for dtype in [DType::F32, DType::BF16] {
-        rows.extend(crate::dist::bench_all_reduce(
+        rows.extend(fleet_dist::bench_all_reduce(
             dp.collective.as_ref(),
             &device,
             dtype,
@@ -588,7 +589,7 @@ pub fn all_reduce_bench(
 
 #[cfg(feature = "nccl")]
 fn nccl_id() -> Result<Vec<u8>, TrainError> {
-    crate::dist::nccl::new_id()
+    Ok(fleet_dist::nccl::new_id()?)
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -607,7 +608,7 @@ fn gpu_collective(
 ) -> Result<Box<dyn Collective>, TrainError> {
     let ordinal = device.cuda_ordinal().unwrap_or(0);
     let dev = candle_core::Device::new_cuda(ordinal)?;
-    Ok(Box::new(crate::dist::nccl::NcclCollective::new(
+    Ok(Box::new(fleet_dist::nccl::NcclCollective::new(
         group, &dev,
     )?))
 }
@@ -664,7 +665,7 @@ fn finish(
                 .first()
                 .map(|d| d.to_string())
                 .unwrap_or_else(|| "cpu".into());
-            Some(crate::dist::describe_environment(
+            Some(fleet_dist::describe_environment(
                 dp.world(),
                 dp.collective.backend(),
                 &device,

@@ -32,7 +32,7 @@ use crate::advantage::{group_advantages, GroupAdvantages};
 use crate::checkpoint::{self, CheckpointContents, TrainerState};
 use crate::config::GspoConfig;
 use crate::dataset::{PromptDataset, PromptSampler, Sample};
-use crate::dist::{BatchLayout, DataParallel, Shares};
+use crate::dist::{AllReduceGrads, BatchLayout, DataParallel, Shares};
 use crate::loss::{
     completion_mask, masked_sum, policy_loss, LossConfig, LossInputs, LossMetrics, StepLossMetrics,
 };
@@ -369,8 +369,8 @@ impl Trainer {
 
     /// Writes a checkpoint of the current step.
     pub fn save(&mut self) -> Result<std::path::PathBuf, TrainError> {
-        self.state.commit = fleet_dist::commit_id();
-        self.state.fleet_version = fleet_dist::fleet_version();
+        self.state.commit = fleet_runs::commit_id();
+        self.state.fleet_version = fleet_runs::fleet_version();
         // The moments as they are, no copy: a checkpoint must not need the optimizer's memory
         // twice.
         let optimizer = self.optimizer.state_view()?;

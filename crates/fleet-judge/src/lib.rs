@@ -15,7 +15,7 @@
 //! - [`parse`] — strict score parsing: a reply that does not parse is a
 //!   [`parse::ParseFailed`] with its raw text, never a substitute score.
 //! - [`records`] — append-only JSONL records keyed by content (resume, rescoring of changed
-//!   images), the run summary, and the merge of shards (fleet-dist's `RunDir`, `JsonlLog`,
+//!   images), the run summary, and the merge of shards (fleet-runs' `RunDir`, `JsonlLog`,
 //!   `merge_jsonl`).
 //! - [`run`] — the scoring loop over a pool of judges ([`run::Session`]: open, plan, run).
 //! - [`report`] — per-category statistics, overall figures, `report.json`, `report.md` and a

@@ -1,18 +1,18 @@
 //! Results: one append-only JSONL record per (item, prompt call), keyed so that a rerun skips
 //! what is done and rescores what changed; the per-run summary; shards merged.
 //!
-//! An output directory (opened with [`fleet_dist::RunDir`] by [`crate::run::Session`]: one
+//! An output directory (opened with [`fleet_runs::RunDir`] by [`crate::run::Session`]: one
 //! writer at a time, a manifest of what determines the records, `--overwrite` to start over)
 //! holds:
 //!
 //! - [`RECORDS_FILE`] (`records.jsonl`) — every record ever made for this manifest, appended
-//!   one line per finished call through [`fleet_dist::JsonlLog`] (a line torn by a kill is
+//!   one line per finished call through [`fleet_runs::JsonlLog`] (a line torn by a kill is
 //!   repaired on open, so nothing scored before the kill is lost). [`RecordStore`] reads it and
 //!   knows which keys are done.
 //! - [`SCORES_FILE`] (`scores.jsonl`) — written atomically at the end of each run: the records
 //!   of *this* benchmark's calls (by key), sorted by their global `index`. A record of an image
 //!   that has since changed stays in `records.jsonl` but is not in `scores.jsonl`. Shards are
-//!   merged from their `scores.jsonl` with [`fleet_dist::merge_jsonl`] ([`merge_shards`]).
+//!   merged from their `scores.jsonl` with [`fleet_runs::merge_jsonl`] ([`merge_shards`]).
 //! - [`RUN_FILE`] (`run.json`) — [`RunInfo`]: what ran (prompt set, model, decoding, shard) and
 //!   the counts, read by the report and the merge.
 //!
@@ -26,7 +26,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use fleet_dist::{DistError, JsonlLog, Manifest, MergeReport, ShardSpec, TailRepair};
+use fleet_dist::ShardSpec;
+use fleet_runs::{JsonlLog, Manifest, MergeReport, RunsError, TailRepair};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -43,9 +44,9 @@ pub const RUN_FILE: &str = "run.json";
 /// Errors of the record files and the merge.
 #[derive(Debug, thiserror::Error)]
 pub enum RecordsError {
-    /// A file operation of fleet-dist failed (lock, manifest, append, atomic write).
+    /// A file operation of fleet-runs failed (lock, manifest, append, atomic write).
     #[error(transparent)]
-    Dist(#[from] DistError),
+    Runs(#[from] RunsError),
     /// A file could not be read.
     #[error("cannot read {path}: {source}; check that the shard's output directory is complete")]
     Io {
@@ -141,7 +142,7 @@ pub struct Timing {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     /// The call's global position: item index in the whole benchmark times the calls per
-    /// item, plus the call's position (what [`fleet_dist::merge_jsonl`] sorts on).
+    /// item, plus the call's position (what [`fleet_runs::merge_jsonl`] sorts on).
     pub index: u64,
     /// The record key ([`record_key`]).
     pub key: String,
@@ -298,8 +299,8 @@ impl std::fmt::Debug for RecordStore {
 
 impl RecordStore {
     /// Opens (or creates) a records file. A torn last line is repaired
-    /// ([`fleet_dist::JsonlLog::open`]); the caller must be the only writer (it holds the
-    /// output directory's [`fleet_dist::RunDir`]). When a key repeats, the last record wins.
+    /// ([`fleet_runs::JsonlLog::open`]); the caller must be the only writer (it holds the
+    /// output directory's [`fleet_runs::RunDir`]). When a key repeats, the last record wins.
     pub fn open(path: &Path) -> Result<(RecordStore, OpenReport)> {
         let (log, contents) = JsonlLog::open::<Record>(path)?;
         let report = OpenReport {
@@ -514,7 +515,7 @@ pub struct MergeOptions {
 pub struct MergeOutcome {
     /// The merged summary (written as `run.json` in the output directory).
     pub info: RunInfo,
-    /// fleet-dist's account of the JSONL merge (records, duplicates, gaps).
+    /// fleet-runs' account of the JSONL merge (records, duplicates, gaps).
     pub report: MergeReport,
 }
 
@@ -534,8 +535,8 @@ pub const MERGE_FILES: &[&str] = &[
 /// Merges the output directories of the shards of one run (`--num-shards N`, each shard
 /// `--shard-index i`) into `out`: checks that every shard was made with the same manifest and
 /// that the shards are exactly `0..N` of one split, merges their `scores.jsonl` with
-/// [`fleet_dist::merge_jsonl`] (sorted by index) and writes the combined `run.json`. `out`
-/// is opened as a [`fleet_dist::RunDir`] with the shards' manifest, so a merge is refused
+/// [`fleet_runs::merge_jsonl`] (sorted by index) and writes the combined `run.json`. `out`
+/// is opened as a [`fleet_runs::RunDir`] with the shards' manifest, so a merge is refused
 /// in a directory of another run. Build the report from `out` afterwards
 /// ([`crate::report::Report::from_dir`]).
 pub fn merge_shards(shards: &[PathBuf], out: &Path, options: MergeOptions) -> Result<MergeOutcome> {
@@ -557,10 +558,10 @@ pub fn merge_shards(shards: &[PathBuf], out: &Path, options: MergeOptions) -> Re
     let mut manifests = Vec::new();
     let mut infos = Vec::new();
     for dir in shards {
-        let manifest = Manifest::read(&dir.join(fleet_dist::MANIFEST_FILE))?.ok_or_else(|| {
+        let manifest = Manifest::read(&dir.join(fleet_runs::MANIFEST_FILE))?.ok_or_else(|| {
             RecordsError::NotAShard {
                 dir: dir.clone(),
-                file: fleet_dist::MANIFEST_FILE,
+                file: fleet_runs::MANIFEST_FILE,
             }
         })?;
         let run = dir.join(RUN_FILE);
@@ -666,13 +667,13 @@ pub fn merge_shards(shards: &[PathBuf], out: &Path, options: MergeOptions) -> Re
             .map(|d| d.display().to_string())
             .collect::<Vec<_>>(),
     );
-    let run_dir = fleet_dist::RunDir::open(
+    let run_dir = fleet_runs::RunDir::open(
         out,
         &manifest,
-        &fleet_dist::RunDirOptions::new(MERGE_FILES, options.overwrite),
+        &fleet_runs::RunDirOptions::new(MERGE_FILES, options.overwrite),
     )?;
     let inputs: Vec<PathBuf> = shards.iter().map(|d| d.join(SCORES_FILE)).collect();
-    let report = fleet_dist::merge_jsonl(&inputs, &run_dir.join(SCORES_FILE))?;
+    let report = fleet_runs::merge_jsonl(&inputs, &run_dir.join(SCORES_FILE))?;
 
     let mut info = infos[0].clone();
     info.shard = ShardSpec::single();
@@ -716,7 +717,7 @@ pub fn merge_shards(shards: &[PathBuf], out: &Path, options: MergeOptions) -> Re
     info.failed = failed;
     info.workers = workers;
     info.elapsed_s = elapsed;
-    fleet_dist::write_json_atomic(&run_dir.join(RUN_FILE), &info)?;
+    fleet_runs::write_json_atomic(&run_dir.join(RUN_FILE), &info)?;
     Ok(MergeOutcome { info, report })
 }
 

@@ -23,7 +23,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use fleet_dist::{DistError, ShardSpec};
+use fleet_dist::ShardSpec;
+use fleet_runs::RunsError;
 use serde::{Deserialize, Serialize};
 
 use crate::judge::{Decoding, Sampling};
@@ -50,7 +51,7 @@ pub enum ReportError {
     Records(#[from] RecordsError),
     /// Writing the report atomically.
     #[error(transparent)]
-    Dist(#[from] DistError),
+    Runs(#[from] RunsError),
     /// The directory holds no finished run.
     #[error("{dir} has no {file}: run edit-score into it first (or merge the shards into it)")]
     NotARun {
@@ -677,8 +678,8 @@ impl Report {
     pub fn write(&self, dir: &Path) -> Result<Vec<PathBuf>, ReportError> {
         let json = dir.join(REPORT_JSON);
         let md = dir.join(REPORT_MD);
-        fleet_dist::write_json_atomic(&json, self)?;
-        fleet_dist::write_atomic(&md, self.to_markdown().as_bytes())?;
+        fleet_runs::write_json_atomic(&json, self)?;
+        fleet_runs::write_atomic(&md, self.to_markdown().as_bytes())?;
         let mut out = vec![json, md];
         out.extend(crate::chart::write_chart(dir, self)?);
         Ok(out)

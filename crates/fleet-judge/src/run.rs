@@ -8,7 +8,7 @@
 //! let report = Report::from_dir(out_dir, &commit)?; report.write(out_dir)?;
 //! ```
 //!
-//! - [`Session::open`] opens the output directory with [`fleet_dist::RunDir`] (one writer; a
+//! - [`Session::open`] opens the output directory with [`fleet_runs::RunDir`] (one writer; a
 //!   manifest of the prompt set, model id, decoding, retry policy and resize, so the records of
 //!   a directory are of one configuration; `overwrite` starts over) and its records log
 //!   ([`RecordStore`], a torn last line repaired).
@@ -39,11 +39,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use fleet_dist::{
-    DistError, ItemResult, Manifest, PoolOptions, ReplicaPool, RunDir, RunDirOptions, RunDirState,
-    ShardSpec, StopRun, Worker,
-};
+use fleet_dist::{DistError, ItemResult, PoolOptions, ReplicaPool, ShardSpec, StopRun, Worker};
 use fleet_models::vision::ResizeBackend;
+use fleet_runs::{Manifest, RunDir, RunDirOptions, RunDirState, RunsError};
 use image::DynamicImage;
 use serde_json::Value;
 
@@ -59,9 +57,12 @@ use crate::records::{
 /// Errors of a scoring run.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// The output directory, its lock, manifest or files.
+    /// The replica pool of judges (a run stopped by a judge that cannot write its records).
     #[error(transparent)]
     Dist(#[from] DistError),
+    /// The output directory, its lock, manifest or files.
+    #[error(transparent)]
+    Runs(#[from] RunsError),
     /// The record files.
     #[error(transparent)]
     Records(#[from] RecordsError),
@@ -660,7 +661,7 @@ impl Session {
                 rec.index = task.index;
                 rec.id = item.id.clone();
                 rec.category = item.category.clone();
-                let line = serde_json::to_vec(&rec).map_err(|source| DistError::Json {
+                let line = serde_json::to_vec(&rec).map_err(|source| RunsError::Json {
                     what: format!("a record for {}", SCORES_FILE),
                     source,
                 })?;
@@ -669,7 +670,7 @@ impl Session {
                 recorded += 1;
             }
         }
-        fleet_dist::write_atomic(&self.run_dir.join(SCORES_FILE), &lines)?;
+        fleet_runs::write_atomic(&self.run_dir.join(SCORES_FILE), &lines)?;
         let prompts = &self.spec.prompts;
         let mut items_by_category: BTreeMap<String, usize> = BTreeMap::new();
         for item in &plan.items[plan.range.clone()] {
@@ -709,7 +710,7 @@ impl Session {
             workers: counts.workers,
             elapsed_s: counts.elapsed_s,
         };
-        fleet_dist::write_json_atomic(&self.run_dir.join(RUN_FILE), &info)?;
+        fleet_runs::write_json_atomic(&self.run_dir.join(RUN_FILE), &info)?;
         Ok(info)
     }
 }

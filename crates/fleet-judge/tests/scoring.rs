@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use fleet_dist::{RunDirState, ShardSpec};
+use fleet_dist::ShardSpec;
 use fleet_judge::judge::Sampling;
 use fleet_judge::prompts::{PromptError, PromptSet};
 use fleet_judge::records::{
@@ -17,6 +17,7 @@ use fleet_judge::records::{
 };
 use fleet_judge::report::Report;
 use fleet_judge::run::{RunError, RunOptions, Session, SessionOptions};
+use fleet_runs::RunDirState;
 
 const MODEL: &str = "test/scripted@0";
 

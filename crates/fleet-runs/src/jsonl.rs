@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::atomic::parent_dir;
-use crate::{DistError, Result};
+use crate::{Result, RunsError};
 
 /// A complete line that did not parse as a record. It stays in the file; its item counts as
 /// not done.
@@ -118,11 +118,11 @@ impl JsonlLog {
     /// (see [`crate::RunDir`], which holds the directory's lock).
     pub fn open<T: DeserializeOwned>(path: &Path) -> Result<(JsonlLog, JsonlContents<T>)> {
         let dir = parent_dir(path);
-        std::fs::create_dir_all(&dir).map_err(|e| DistError::io("create directory", &dir, e))?;
+        std::fs::create_dir_all(&dir).map_err(|e| RunsError::io("create directory", &dir, e))?;
         let bytes = match std::fs::read(path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(DistError::io("read", path, e)),
+            Err(e) => return Err(RunsError::io("read", path, e)),
         };
         let mut contents = JsonlContents {
             records: Vec::new(),
@@ -175,17 +175,17 @@ impl JsonlLog {
             .create(true)
             .append(true)
             .open(path)
-            .map_err(|e| DistError::io("open for appending", path, e))?;
+            .map_err(|e| RunsError::io("open for appending", path, e))?;
         if truncate {
             file.set_len(complete_end as u64)
-                .map_err(|e| DistError::io("truncate the torn last line of", path, e))?;
+                .map_err(|e| RunsError::io("truncate the torn last line of", path, e))?;
             contents.repair = Some(TailRepair::Truncated {
                 line: tail_line,
                 bytes: tail.len(),
             });
         } else if terminate {
             file.write_all(b"\n")
-                .map_err(|e| DistError::io("append to", path, e))?;
+                .map_err(|e| RunsError::io("append to", path, e))?;
             contents.repair = Some(TailRepair::Terminated { line: tail_line });
         }
         Ok((
@@ -200,7 +200,7 @@ impl JsonlLog {
     /// Appends one record as one line, in a single write (a kill tears at most this line; a
     /// failed write is cut back off).
     pub fn append<T: Serialize + ?Sized>(&mut self, record: &T) -> Result<()> {
-        let mut line = serde_json::to_vec(record).map_err(|source| DistError::Json {
+        let mut line = serde_json::to_vec(record).map_err(|source| RunsError::Json {
             what: format!("a record for {}", self.path.display()),
             source,
         })?;
@@ -208,13 +208,13 @@ impl JsonlLog {
         let before = self
             .file
             .metadata()
-            .map_err(|e| DistError::io("append to", &self.path, e))?
+            .map_err(|e| RunsError::io("append to", &self.path, e))?
             .len();
         self.file.write_all(&line).map_err(|e| {
             // A write cut short (a full disk) leaves part of the line: cut the file back so it
             // holds whole records only. If even that fails, the next open repairs the tail.
             let _ = self.file.set_len(before);
-            DistError::io("append to", &self.path, e)
+            RunsError::io("append to", &self.path, e)
         })
     }
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::{DistError, Result};
+use crate::{Result, RunsError};
 
 /// The directory a file lives in (`.` for a bare file name).
 pub(crate) fn parent_dir(path: &Path) -> PathBuf {
@@ -20,10 +20,10 @@ pub(crate) fn parent_dir(path: &Path) -> PathBuf {
 /// kill — sees the old file or the new one, never half of one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = parent_dir(path);
-    std::fs::create_dir_all(&dir).map_err(|e| DistError::io("create directory", &dir, e))?;
+    std::fs::create_dir_all(&dir).map_err(|e| RunsError::io("create directory", &dir, e))?;
     let name = path
         .file_name()
-        .ok_or_else(|| DistError::OutputNotAFile {
+        .ok_or_else(|| RunsError::OutputNotAFile {
             path: path.to_path_buf(),
         })?
         .to_string_lossy()
@@ -37,7 +37,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     })();
     if let Err(e) = result {
         let _ = std::fs::remove_file(&tmp);
-        return Err(DistError::WriteOutput {
+        return Err(RunsError::WriteOutput {
             path: path.to_path_buf(),
             source: e,
         });
@@ -60,7 +60,7 @@ pub fn set_created_permissions(path: &Path) -> Result<()> {
     })();
     result.map_err(|e| {
         let _ = std::fs::remove_file(&probe);
-        DistError::WriteOutput {
+        RunsError::WriteOutput {
             path: path.to_path_buf(),
             source: e,
         }
@@ -76,7 +76,7 @@ pub fn remove_stale_temporaries(dir: &Path) -> Result<Vec<PathBuf>> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
-        Err(e) => return Err(DistError::io("list", dir, e)),
+        Err(e) => return Err(RunsError::io("list", dir, e)),
     };
     for entry in entries.flatten() {
         let path = entry.path();
@@ -88,7 +88,7 @@ pub fn remove_stale_temporaries(dir: &Path) -> Result<Vec<PathBuf>> {
             } else {
                 std::fs::remove_file(&path)
             };
-            gone.map_err(|e| DistError::io("remove", &path, e))?;
+            gone.map_err(|e| RunsError::io("remove", &path, e))?;
             removed.push(path);
         } else if is_dir {
             removed.extend(remove_stale_temporaries(&path)?);
@@ -99,7 +99,7 @@ pub fn remove_stale_temporaries(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Serializes `value` as pretty JSON (with a final newline) and writes it atomically.
 pub fn write_json_atomic<T: Serialize + ?Sized>(path: &Path, value: &T) -> Result<()> {
-    let mut text = serde_json::to_string_pretty(value).map_err(|source| DistError::Json {
+    let mut text = serde_json::to_string_pretty(value).map_err(|source| RunsError::Json {
         what: path.display().to_string(),
         source,
     })?;
@@ -181,6 +181,6 @@ mod tests {
     #[test]
     fn a_path_without_file_name_is_an_error() {
         let err = write_atomic(Path::new("/"), b"x").unwrap_err();
-        assert!(matches!(err, DistError::OutputNotAFile { .. }), "{err}");
+        assert!(matches!(err, RunsError::OutputNotAFile { .. }), "{err}");
     }
 }

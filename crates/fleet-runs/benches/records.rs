@@ -1,9 +1,9 @@
-//! Per-item JSONL records (`fleet_dist::JsonlLog`), the resume path of every job: opening a run
+//! Per-item JSONL records (`fleet_runs::JsonlLog`), the resume path of every job: opening a run
 //! directory's records of 10,000 judged items (reading, checking and repairing the file) and
 //! appending one record (one `write` call per finished item).
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use fleet_dist::JsonlLog;
+use fleet_runs::JsonlLog;
 use serde::{Deserialize, Serialize};
 use std::hint::black_box;
 

@@ -5,7 +5,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
-use crate::{DistError, Result};
+use crate::{Result, RunsError};
 
 /// A line that was skipped because it is not a JSON object with a non-negative integer `index`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,12 +95,12 @@ fn record_index(line: &str) -> std::result::Result<u64, String> {
 /// The output is written to a temporary file beside it and renamed into place, so readers never
 /// see a half-written file; `output` may be one of the inputs.
 ///
-/// Errors: [`DistError::ReadInput`] when an input cannot be opened or read,
-/// [`DistError::WriteOutput`] when the output cannot be written, [`DistError::OutputNotAFile`]
+/// Errors: [`RunsError::ReadInput`] when an input cannot be opened or read,
+/// [`RunsError::WriteOutput`] when the output cannot be written, [`RunsError::OutputNotAFile`]
 /// when `output` names no file.
 pub fn merge_jsonl(inputs: &[PathBuf], output: &Path) -> Result<MergeReport> {
     if output.file_name().is_none() {
-        return Err(DistError::OutputNotAFile {
+        return Err(RunsError::OutputNotAFile {
             path: output.to_path_buf(),
         });
     }
@@ -111,7 +111,7 @@ pub fn merge_jsonl(inputs: &[PathBuf], output: &Path) -> Result<MergeReport> {
     let mut duplicates = Vec::new();
 
     for (file_no, path) in inputs.iter().enumerate() {
-        let read_err = |source| DistError::ReadInput {
+        let read_err = |source| RunsError::ReadInput {
             path: path.clone(),
             source,
         };

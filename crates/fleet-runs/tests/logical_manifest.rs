@@ -1,7 +1,7 @@
 //! Issue 24: a run directory's manifest made on logical devices says so, so that no record
 //! made on them passes for one of real GPUs. Process-wide state: a test binary of its own.
 
-use fleet_dist::Manifest;
+use fleet_runs::Manifest;
 use fleet_topology::logical::{install, LogicalGpus, LABEL, LOGICAL_GPUS_ENV};
 
 #[test]

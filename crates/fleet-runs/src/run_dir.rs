@@ -5,11 +5,11 @@
 //!
 //! 1. it takes the directory's lock (an OS file lock on `.fleet-lock`, which holds the
 //!    holder's pid): a second run on the same directory stops at once with
-//!    [`DistError::Locked`] instead of appending every record twice. The kernel drops the
+//!    [`RunsError::Locked`] instead of appending every record twice. The kernel drops the
 //!    lock when the process ends, however it ends, so a killed run never leaves it stale;
 //! 2. it compares its [`Manifest`] — every value that determines the records — with the
 //!    `manifest.json` already there. Equal: the run resumes. Different: the run is refused
-//!    with the fields that differ ([`DistError::ManifestMismatch`]). A caller that asks to
+//!    with the fields that differ ([`RunsError::ManifestMismatch`]). A caller that asks to
 //!    overwrite starts over either way: the job's own files are removed.
 //!    Records without a manifest (an older fleet) are refused the same way.
 
@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::atomic::write_json_atomic;
-use crate::{DistError, Result};
+use crate::{Result, RunsError};
 
 /// The name of the manifest inside an output directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -137,7 +137,7 @@ impl Manifest {
     /// A short digest of `determines` (16 hex digits), e.g. to name a cache by what made it.
     pub fn digest(&self) -> String {
         let text = serde_json::to_string(&(&self.job, &self.determines)).unwrap_or_default();
-        let mut d = crate::Fnv64::new();
+        let mut d = fleet_data::digest::Fnv64::new();
         d.update(text.as_bytes());
         d.hex()
     }
@@ -147,12 +147,12 @@ impl Manifest {
         match std::fs::read_to_string(path) {
             Ok(text) => serde_json::from_str(&text)
                 .map(Some)
-                .map_err(|e| DistError::BadManifest {
+                .map_err(|e| RunsError::BadManifest {
                     path: path.to_path_buf(),
                     message: e.to_string(),
                 }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(DistError::io("read", path, e)),
+            Err(e) => Err(RunsError::io("read", path, e)),
         }
     }
 
@@ -266,7 +266,7 @@ impl RunDir {
     /// Opens `dir` for one run described by `manifest` (see the module docs): takes the lock,
     /// then resumes, starts, or — with `options.overwrite` — starts over.
     pub fn open(dir: &Path, manifest: &Manifest, options: &RunDirOptions) -> Result<RunDir> {
-        std::fs::create_dir_all(dir).map_err(|e| DistError::io("create directory", dir, e))?;
+        std::fs::create_dir_all(dir).map_err(|e| RunsError::io("create directory", dir, e))?;
         let lock = lock_dir(dir)?;
         let manifest = manifest.normalised();
         let manifest_path = dir.join(MANIFEST_FILE);
@@ -278,8 +278,8 @@ impl RunDir {
             .collect();
         let recorded = match Manifest::read(&manifest_path) {
             Ok(m) => m,
-            Err(e @ DistError::BadManifest { .. }) if !options.overwrite => return Err(e),
-            Err(DistError::BadManifest { .. }) => None,
+            Err(e @ RunsError::BadManifest { .. }) if !options.overwrite => return Err(e),
+            Err(RunsError::BadManifest { .. }) => None,
             Err(e) => return Err(e),
         };
         let state = match recorded {
@@ -295,7 +295,7 @@ impl RunDir {
                         diffs,
                     }
                 } else {
-                    return Err(DistError::ManifestMismatch {
+                    return Err(RunsError::ManifestMismatch {
                         manifest: manifest_path,
                         diffs,
                         ways_out: options.ways_out(),
@@ -303,7 +303,7 @@ impl RunDir {
                 }
             }
             None if present.iter().any(|p| !is_empty_file(p)) && !options.overwrite => {
-                return Err(DistError::NoManifest {
+                return Err(RunsError::NoManifest {
                     dir: dir.to_path_buf(),
                     files: present,
                     ways_out: options.ways_out(),
@@ -360,7 +360,7 @@ fn remove_files(paths: &[PathBuf]) -> Result<()> {
         } else {
             std::fs::remove_file(p)
         };
-        removed.map_err(|e| DistError::io("remove", p, e))?;
+        removed.map_err(|e| RunsError::io("remove", p, e))?;
     }
     Ok(())
 }
@@ -374,19 +374,19 @@ fn lock_dir(dir: &Path) -> Result<File> {
         .read(true)
         .write(true)
         .open(&path)
-        .map_err(|e| DistError::io("open the lock file", &path, e))?;
+        .map_err(|e| RunsError::io("open the lock file", &path, e))?;
     match file.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
-            return Err(DistError::Locked {
+            return Err(RunsError::Locked {
                 dir: dir.to_path_buf(),
                 holder: holder.trim().to_string(),
             });
         }
         Err(std::fs::TryLockError::Error(e)) => {
-            return Err(DistError::io("lock", &path, e));
+            return Err(RunsError::io("lock", &path, e));
         }
     }
     let started = std::time::SystemTime::now()
@@ -529,7 +529,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("records.jsonl"), "{}\n").unwrap();
         let err = RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap_err();
-        assert!(matches!(err, DistError::NoManifest { .. }), "{err}");
+        assert!(matches!(err, RunsError::NoManifest { .. }), "{err}");
         assert!(err.to_string().contains("records.jsonl"), "{err}");
         let run = RunDir::open(dir.path(), &manifest("aaa", 3), &options(true)).unwrap();
         assert!(matches!(run.state, RunDirState::Overwritten { .. }));
@@ -541,7 +541,7 @@ mod tests {
         let first = RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap();
         let err = RunDir::open(dir.path(), &manifest("aaa", 3), &options(false)).unwrap_err();
         let msg = err.to_string();
-        assert!(matches!(err, DistError::Locked { .. }), "{msg}");
+        assert!(matches!(err, RunsError::Locked { .. }), "{msg}");
         assert!(
             msg.contains(&format!("pid {}", std::process::id())),
             "{msg}"

@@ -1,7 +1,7 @@
 use std::fs;
 use std::path::PathBuf;
 
-use fleet_dist::{merge_jsonl, DistError};
+use fleet_runs::{merge_jsonl, RunsError};
 
 fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
     let p = dir.path().join(name);
@@ -88,7 +88,7 @@ fn huge_index_does_not_blow_up_missing_list() {
     let a = write(&dir, "a.jsonl", "{\"index\":1000000000000}\n");
     let r = merge_jsonl(&[a], &dir.path().join("m.jsonl")).unwrap();
     assert_eq!(r.missing_count, 1_000_000_000_000);
-    assert_eq!(r.missing.len(), fleet_dist::MAX_LISTED_MISSING);
+    assert_eq!(r.missing.len(), fleet_runs::MAX_LISTED_MISSING);
 }
 
 #[test]
@@ -107,7 +107,7 @@ fn io_errors_name_the_path() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nope.jsonl");
     let e = merge_jsonl(std::slice::from_ref(&missing), &dir.path().join("m.jsonl")).unwrap_err();
-    assert!(matches!(e, DistError::ReadInput { .. }));
+    assert!(matches!(e, RunsError::ReadInput { .. }));
     assert!(e.to_string().contains("nope.jsonl"));
     let a = write(&dir, "a.jsonl", "{\"index\":0}\n");
     // A missing directory is created; a directory that is a file cannot be.
@@ -118,10 +118,10 @@ fn io_errors_name_the_path() {
     .unwrap();
     let e = merge_jsonl(std::slice::from_ref(&a), &a.join("m.jsonl")).unwrap_err();
     assert!(
-        matches!(e, DistError::WriteOutput { .. } | DistError::Io { .. }),
+        matches!(e, RunsError::WriteOutput { .. } | RunsError::Io { .. }),
         "{e}"
     );
     assert!(e.to_string().contains("a.jsonl"), "{e}");
     let e = merge_jsonl(&[a], std::path::Path::new("/")).unwrap_err();
-    assert!(matches!(e, DistError::OutputNotAFile { .. }));
+    assert!(matches!(e, RunsError::OutputNotAFile { .. }));
 }
