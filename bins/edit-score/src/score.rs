@@ -1,42 +1,26 @@
 //! The default command: score a benchmark with a Qwen3-VL judge.
 //!
-//! Order of work, so that mistakes cost nothing: the prompt set and the benchmark are checked
-//! (bad items listed and skipped), the checkpoint is checked to be Qwen3-VL, the output
-//! directory is opened (its lock, its manifest: a resume with other settings is refused) and
-//! this shard's calls are planned; only then, and only when something is left to judge, are the
-//! judge's replicas loaded (one per GPU or GPU group, by the planner; replicas after the first
-//! in child processes of this program). Records are appended as calls finish; the report is
-//! written at the end.
+//! The flags become fleet-judge's job ([`fleet_judge::job`]): the prompt set and the benchmark
+//! are checked here (bad items listed and skipped), the sampling flags checked, then
+//! `job::run` checks the checkpoint, opens the output directory, plans this shard's calls,
+//! loads the judge's replicas only when something is left to judge, and writes the report,
+//! which is printed here.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use fleet_cli::outln;
-use fleet_dist::ShardSpec;
-use fleet_judge::benchmark::{load_gedit, load_jsonl, load_scorer_json, Loaded};
-use fleet_judge::judge::{Decoding, Sampling};
-use fleet_judge::prompts::{ImageRole, PromptSet, DEFAULT_TEMPLATE};
-use fleet_judge::qwen::{judge_model_id, load_judges, load_judges_on, skip_too_long, Qwen3VlJudge};
+use fleet_judge::benchmark::Loaded;
+use fleet_judge::job::{
+    self, BenchmarkFormat, BenchmarkLayout, JobConfig, JudgePlacement, SamplingChoice, Scored,
+    SKIPPED_FILE, SKIPPED_SHOWN,
+};
+use fleet_judge::prompts::{ImageRole, PromptSet};
 use fleet_judge::records::RunInfo;
 use fleet_judge::report::Report;
-use fleet_judge::run::{RunOptions, ScoringSpec, Session, SessionOptions};
-use fleet_models::qwen3_vl::VlProcessor;
 use fleet_models::vision::ResizeBackend;
-use fleet_models::{
-    DType, DeviceLocation, DeviceMap, GenerationConfig, LoadOptions, ModelSource, Qwen3VlConfig,
-};
-use fleet_runs::RunDirState;
-use fleet_serve::{plan_on_this_machine, Workload};
-use serde_json::json;
-
-/// Skipped items printed before "and N more" (all of them go to `skipped.json`).
-const SKIPPED_SHOWN: usize = 50;
-
-/// The file in the output directory that lists the benchmark's skipped items.
-pub const SKIPPED_FILE: &str = "skipped.json";
+use fleet_models::DType;
 
 /// A benchmark's layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -54,10 +38,16 @@ pub enum Format {
 
 impl Format {
     fn name(self) -> &'static str {
-        match self {
-            Format::ScorerJson => "scorer-json",
-            Format::Gedit => "gedit",
-            Format::Jsonl => "jsonl",
+        BenchmarkFormat::from(self).name()
+    }
+}
+
+impl From<Format> for BenchmarkFormat {
+    fn from(f: Format) -> Self {
+        match f {
+            Format::ScorerJson => BenchmarkFormat::ScorerJson,
+            Format::Gedit => BenchmarkFormat::Gedit,
+            Format::Jsonl => BenchmarkFormat::Jsonl,
         }
     }
 }
@@ -242,35 +232,6 @@ pub fn apply_images(set: PromptSet, images: &Option<Vec<ImageArg>>) -> Result<Pr
     })
 }
 
-/// The categories a scorer JSON may have: every category the prompt set has a template for
-/// in every call; `None` when every call has a default template.
-fn known_categories(prompts: &PromptSet) -> Option<Vec<String>> {
-    if prompts
-        .calls
-        .iter()
-        .all(|c| c.templates.contains_key(DEFAULT_TEMPLATE))
-    {
-        return None;
-    }
-    let mut names: Vec<String> = prompts.categories.keys().cloned().collect();
-    if let Some(first) = prompts.calls.first() {
-        names.extend(first.templates.keys().cloned());
-    }
-    names.sort();
-    names.dedup();
-    Some(
-        names
-            .into_iter()
-            .filter(|n| {
-                prompts
-                    .calls
-                    .iter()
-                    .all(|c| prompts.template_name(c, n).is_some())
-            })
-            .collect(),
-    )
-}
-
 fn job_from_flags(args: &ScoreArgs) -> Result<Job> {
     let benchmark = require(
         &args.benchmark,
@@ -295,28 +256,24 @@ fn job_from_flags(args: &ScoreArgs) -> Result<Job> {
     }
     let hint = "check --format: scorer-json takes the original scorer's JSON list, jsonl one \
                 object per line, gedit a fullset directory with --gedit-rows";
-    let loaded = match format {
-        Format::ScorerJson => {
-            let edited = require(
+    let layout = match format {
+        Format::ScorerJson => BenchmarkLayout::ScorerJson {
+            edited_dir: require(
                 &args.edited_dir,
                 "--edited-dir",
                 "the directory of the edited images, named by pair id",
-            )?;
-            let cats = known_categories(&prompts);
-            let refs: Option<Vec<&str>> = cats
-                .as_ref()
-                .map(|c| c.iter().map(String::as_str).collect());
-            load_scorer_json(benchmark, edited, refs.as_deref())
-        }
-        Format::Gedit => {
-            let rows = require(
+            )?,
+        },
+        Format::Gedit => BenchmarkLayout::Gedit {
+            rows: require(
                 &args.gedit_rows,
                 "--gedit-rows",
                 "a JSON Lines export of the GEdit-Bench dataset's rows: task_type, key, \
                  instruction, instruction_language",
-            )?;
-            load_gedit(benchmark, &args.language, args.edited_dir.as_deref(), rows)
-        }
+            )?,
+            language: &args.language,
+            edited_dir: args.edited_dir.as_deref(),
+        },
         Format::Jsonl => {
             if args.edited_dir.is_some() {
                 bail!(
@@ -324,11 +281,10 @@ fn job_from_flags(args: &ScoreArgs) -> Result<Job> {
                      image (relative to the file's directory)"
                 );
             }
-            let base = benchmark.parent().unwrap_or(Path::new("."));
-            load_jsonl(benchmark, base)
+            BenchmarkLayout::Jsonl
         }
-    }
-    .with_context(|| {
+    };
+    let loaded = job::load_benchmark(benchmark, layout, &prompts).with_context(|| {
         format!(
             "loading {} as --format {} ({hint})",
             benchmark.display(),
@@ -353,323 +309,43 @@ fn gpus_visible() -> bool {
         .unwrap_or(false)
 }
 
-/// Sampling settings from the flags, the checkpoint's generation_config.json, then
-/// transformers' defaults; `seed` given. Returns the setting and where each value came from.
-fn sampling(args: &ScoreArgs, gen: &GenerationConfig, seed: u64) -> (Sampling, String) {
-    let mut from = Vec::new();
-    let mut pick_f = |name: &str, flag: Option<f64>, cfg: Option<f64>, default: f64| {
-        let (v, src) = match (flag, cfg) {
-            (Some(v), _) => (v, "flag"),
-            (None, Some(v)) => (v, "generation_config.json"),
-            (None, None) => (default, "transformers' default"),
-        };
-        from.push(format!("{name}={v} ({src})"));
-        v
-    };
-    let temperature = pick_f("temperature", args.temperature, gen.temperature, 1.0);
-    let top_p = pick_f("top_p", args.top_p, gen.top_p, 1.0);
-    let top_k = match (args.top_k, gen.top_k) {
-        (Some(k), _) => {
-            from.push(format!("top_k={k} (flag)"));
-            k
-        }
-        (None, Some(k)) => {
-            from.push(format!("top_k={k} (generation_config.json)"));
-            k
-        }
-        (None, None) => {
-            from.push("top_k=50 (transformers' default)".into());
-            50
-        }
-    };
-    from.push(format!("seed={seed}"));
-    (
-        Sampling {
-            temperature,
-            // transformers: top_p 1.0 and top_k 0 turn the filters off.
-            top_p: (top_p < 1.0).then_some(top_p),
-            top_k: (top_k > 0).then_some(top_k),
-            seed,
-        },
-        from.join(", "),
-    )
-}
-
-/// Scores `job` (see the module docs); returns the run's summary.
+/// Scores `job` with the flags' settings (see the module docs); returns the run's summary.
 pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
-    let Job {
-        mut loaded,
-        benchmark,
-        format,
-        prompts,
-        model,
-        resize_edited_to_source,
-        output,
-    } = job;
-    eprintln!("benchmark {benchmark} ({}): {loaded}", format.name());
-    for s in loaded.skipped.iter().take(SKIPPED_SHOWN) {
-        eprintln!("  skipped {}: {}", s.id, s.reason);
-    }
-    if loaded.skipped.len() > SKIPPED_SHOWN {
-        eprintln!(
-            "  and {} more (all in {}/{SKIPPED_FILE})",
-            loaded.skipped.len() - SKIPPED_SHOWN,
-            output.display()
-        );
-    }
-
-    // The checkpoint: Qwen3-VL, its identity, its generation defaults.
-    let sampled_flags = args.temperature.is_some() || args.top_p.is_some() || args.top_k.is_some();
-    if sampled_flags && !args.do_sample && args.retry_seed.is_none() {
-        bail!(
-            "--temperature/--top-p/--top-k apply to sampling: add --do-sample (sampled replies) \
-             or --retry-seed S (a sampled retry of replies that do not parse); decoding is \
-             greedy otherwise"
-        );
-    }
-    if args.seed.is_some() && !args.do_sample {
-        bail!("--seed applies with --do-sample; decoding is greedy otherwise (a retry has --retry-seed)");
-    }
-    let dtype = match &args.dtype {
-        Some(d) => fleet_models::parse_dtype(d)?,
-        None if args.cpu_replicas.is_none() && gpus_visible() => DType::BF16,
-        None => DType::F32,
-    };
-    let opts = LoadOptions {
-        dtype,
+    print_loaded(&job);
+    let sampling = sampling_choice(args)?;
+    let output = job.output.clone();
+    let config = JobConfig {
+        benchmark: job.benchmark,
+        format: job.format.into(),
+        prompts: job.prompts,
+        model: job.model,
         revision: args.revision.clone(),
+        dtype: dtype(args)?,
         image_backend: args.image_backend,
-        ..LoadOptions::default()
-    };
-    let files = ModelSource::parse(&model, opts.revision.as_deref())
-        .and_then(|s| s.resolve(&opts.hub))
-        .with_context(|| format!("finding the judge checkpoint --model {model}"))?;
-    let judge_cfg = Qwen3VlConfig::from_file(&files.config)
-        .with_context(|| format!("--model {model} cannot be the judge"))?;
-    let generation = match &files.generation_config {
-        Some(p) => GenerationConfig::from_file(p)?,
-        None => GenerationConfig::default(),
-    };
-    eprintln!("judge {model}: computing its identity (the records' key) ...");
-    let model_id = judge_model_id(&model, &opts)?;
-
-    // Decoding.
-    let max_new_tokens = args
-        .max_new_tokens
-        .or(prompts.max_new_tokens)
-        .unwrap_or(128);
-
-    // Every call's length, by the checkpoint's processor (no weights): an item too long for
-    // the judge is skipped now rather than failing at judge time.
-    let processor = VlProcessor::with_config(&files, judge_cfg.clone())
-        .with_context(|| format!("--model {model}: its processor files"))?
-        .with_image_backend(args.image_backend);
-    let too_long = skip_too_long(
-        &mut loaded,
-        &prompts,
-        &processor,
-        max_new_tokens,
-        resize_edited_to_source,
-    )?;
-    if too_long > 0 {
-        eprintln!(
-            "{too_long} item(s) too long for the judge (max_position_embeddings {}), skipped:",
-            processor.max_positions()
-        );
-        for s in loaded
-            .skipped
-            .iter()
-            .rev()
-            .take(too_long.min(SKIPPED_SHOWN))
-        {
-            eprintln!("  skipped {}: {}", s.id, s.reason);
-        }
-        if loaded.items.is_empty() {
-            bail!(
-                "no item of {benchmark} fits the judge: every one is too long (above); \
-                 shorten the instructions, shrink the images or lower --max-new-tokens"
-            );
-        }
-    }
-    drop(processor);
-    let mut notes = Vec::new();
-    let decoding = if args.do_sample {
-        let (s, from) = sampling(args, &generation, args.seed.unwrap_or(0));
-        notes.push(format!("sampled: {from}"));
-        Decoding {
-            max_new_tokens,
-            sampling: Some(s),
-        }
-    } else {
-        Decoding::greedy(max_new_tokens)
-    };
-    let retry = args.retry_seed.map(|seed| {
-        let (s, from) = sampling(args, &generation, seed);
-        notes.push(format!("retry of unparsed replies: {from}"));
-        s
-    });
-
-    let spec = ScoringSpec {
-        prompts,
-        model_id: model_id.clone(),
-        decoding,
-        retry,
-        resize_edited_to_source,
-        image_backend: args.image_backend,
-    };
-    let mut about = BTreeMap::new();
-    about.insert("benchmark".to_string(), json!(benchmark));
-    about.insert("format".to_string(), json!(format.name()));
-    about.insert("model".to_string(), json!(model));
-    about.insert("revision".to_string(), json!(args.revision));
-    about.insert("commit".to_string(), json!(fleet_runs::commit_id()));
-    about.insert(
-        "fleet_version".to_string(),
-        json!(fleet_runs::fleet_version()),
-    );
-    let session = Session::open(
-        &output,
-        spec,
-        &SessionOptions {
-            overwrite: args.overwrite,
-            about,
+        resize_edited_to_source: job.resize_edited_to_source,
+        output: job.output,
+        batch_size: args.batch_size.map(|b| b as usize),
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        placement: match args.cpu_replicas {
+            Some(n) => JudgePlacement::Cpu(n),
+            None => JudgePlacement::Planned {
+                gpu_mode: args.placement.gpu_mode.clone(),
+                gpu_ids: args.placement.gpus.gpu_ids.clone(),
+                max_memory: args.placement.gpus.max_memory.clone(),
+            },
         },
-    )
-    .with_context(|| format!("opening the output directory {}", output.display()))?;
-    match session.state() {
-        RunDirState::New => {}
-        RunDirState::Resumed => eprintln!(
-            "resuming {}: {} record(s) there",
-            output.display(),
-            session.store().len()
-        ),
-        RunDirState::Overwritten { removed, .. } => eprintln!(
-            "--overwrite: removed {} file(s) of an earlier run in {}",
-            removed.len(),
-            output.display()
-        ),
-    }
-    let skipped: Vec<_> = loaded
-        .skipped
-        .iter()
-        .map(|s| json!({"id": s.id, "kind": s.kind.to_string(), "reason": s.reason}))
-        .collect();
-    fleet_runs::write_json_atomic(&output.join(SKIPPED_FILE), &skipped)?;
-
-    let shard = ShardSpec::from_process_env(args.num_shards, args.shard_index)?;
-    let plan = session.plan(&loaded, shard)?;
-    let pending = plan.pending(session.store(), args.retry_failed).len();
-    let set = &session.spec().prompts;
-    let shows: Vec<String> = set
-        .calls
-        .iter()
-        .map(|c| {
-            let imgs: Vec<&str> = c
-                .images
-                .iter()
-                .map(|i| match i {
-                    ImageRole::Source => "source",
-                    ImageRole::Edited => "edited",
-                })
-                .collect();
-            format!("{} sees {}", c.name, imgs.join(" + "))
-        })
-        .collect();
-    eprintln!(
-        "prompt set {} v{} ({}; {}), judge {model_id}, {}{}",
-        set.name,
-        set.version,
-        set.scheme,
-        shows.join(", "),
-        session.spec().decoding.describe(),
-        if notes.is_empty() {
-            String::new()
-        } else {
-            format!("; {}", notes.join("; "))
-        }
-    );
-    eprintln!(
-        "{shard}: items {}..{} of {}, {} call(s): {} recorded, {pending} to judge",
-        plan.range.start,
-        plan.range.end,
-        loaded.items.len(),
-        plan.tasks.len(),
-        plan.tasks.len() - pending,
-    );
-
-    // The judges, only when there is something to judge.
-    let mut batch_size = args.batch_size.map_or(CPU_BATCH, |b| b as usize);
-    let judges: Vec<Qwen3VlJudge> = if pending == 0 {
-        Vec::new()
-    } else {
-        let started = Instant::now();
-        let judges = match args.cpu_replicas {
-            Some(n) => {
-                let layers = judge_cfg.text.num_hidden_layers;
-                let maps = vec![DeviceMap::single(DeviceLocation::Cpu, layers); n.max(1)];
-                load_judges_on(&model, &opts, &maps, &model_id)?
-            }
-            None => {
-                let mut placement = args.placement.request(Workload {
-                    batch: batch_size,
-                    // Two images of ~1000 tokens each, a rubric prompt and the reply.
-                    seq_len: 4096,
-                    full_logits: false,
-                    // GPU prefills in bf16/f16 go through fused attention: no score buffers.
-                    max_attention_bytes: fleet_models::attention::fused_prefill(
-                        dtype,
-                        judge_cfg.text.head_dim(),
-                    )
-                    .then_some(0),
-                })?;
-                if args.batch_size.is_none() {
-                    batch_size = auto_batch_size(|b| {
-                        let mut r = placement.clone();
-                        r.workload.batch = b;
-                        Ok(plan_on_this_machine(&model, &opts, &r)?
-                            .map(|p| (p.replicas.len(), p.group_size())))
-                    })?;
-                    placement.workload.batch = batch_size;
-                    eprintln!(
-                        "batch size {batch_size} (the largest up to {} that the memory plan fits; \
-                         --batch-size to choose)",
-                        AUTO_BATCHES[0]
-                    );
-                }
-                load_judges(&model, &opts, &placement, &model_id)?
-            }
-        };
-        let names: Vec<String> = judges.iter().map(|j| j.name()).collect();
-        eprintln!(
-            "judge loaded in {:.1}s: {} replica(s): {}",
-            started.elapsed().as_secs_f64(),
-            judges.len(),
-            names.join(", ")
-        );
-        judges
+        num_shards: args.num_shards,
+        shard_index: args.shard_index,
+        overwrite: args.overwrite,
+        retry_failed: args.retry_failed,
+        progress: !args.no_progress,
     };
-    let worker_names = (!judges.is_empty()).then(|| {
-        judges
-            .iter()
-            .enumerate()
-            .map(|(i, j)| format!("judge {i} [{}]", j.name()))
-            .collect()
-    });
-    let info = session.run(
-        judges,
-        &plan,
-        &RunOptions {
-            batch_size,
-            progress: !args.no_progress,
-            worker_names,
-            stop_failed_judge: None,
-            retry_failed: args.retry_failed,
-        },
-    )?;
-    drop(session);
-
-    let report = Report::from_dir(&output, &fleet_runs::commit_id())?;
-    let written = report.write(&output)?;
+    let Scored {
+        info,
+        report,
+        written,
+    } = job::run(job.loaded, &config)?;
     print_summary(&info, &report, &output, &written)?;
     if !info.failed.is_empty() {
         bail!(
@@ -681,6 +357,58 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
         );
     }
     Ok(info)
+}
+
+/// The benchmark's summary and its first skipped items, on stderr.
+fn print_loaded(job: &Job) {
+    let loaded = &job.loaded;
+    eprintln!(
+        "benchmark {} ({}): {loaded}",
+        job.benchmark,
+        job.format.name()
+    );
+    for s in loaded.skipped.iter().take(SKIPPED_SHOWN) {
+        eprintln!("  skipped {}: {}", s.id, s.reason);
+    }
+    if loaded.skipped.len() > SKIPPED_SHOWN {
+        eprintln!(
+            "  and {} more (all in {}/{SKIPPED_FILE})",
+            loaded.skipped.len() - SKIPPED_SHOWN,
+            job.output.display()
+        );
+    }
+}
+
+/// The sampling flags, checked: the sampling settings apply only when sampling.
+fn sampling_choice(args: &ScoreArgs) -> Result<SamplingChoice> {
+    let sampled_flags = args.temperature.is_some() || args.top_p.is_some() || args.top_k.is_some();
+    if sampled_flags && !args.do_sample && args.retry_seed.is_none() {
+        bail!(
+            "--temperature/--top-p/--top-k apply to sampling: add --do-sample (sampled replies) \
+             or --retry-seed S (a sampled retry of replies that do not parse); decoding is \
+             greedy otherwise"
+        );
+    }
+    if args.seed.is_some() && !args.do_sample {
+        bail!("--seed applies with --do-sample; decoding is greedy otherwise (a retry has --retry-seed)");
+    }
+    Ok(SamplingChoice {
+        do_sample: args.do_sample,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: args.seed,
+        retry_seed: args.retry_seed,
+    })
+}
+
+/// `--dtype`, or its default: bf16 when the judges are planned on visible GPUs, else f32.
+fn dtype(args: &ScoreArgs) -> Result<DType> {
+    Ok(match &args.dtype {
+        Some(d) => fleet_models::parse_dtype(d)?,
+        None if args.cpu_replicas.is_none() && gpus_visible() => DType::BF16,
+        None => DType::F32,
+    })
 }
 
 fn print_summary(info: &RunInfo, report: &Report, out: &Path, written: &[PathBuf]) -> Result<()> {
@@ -724,54 +452,4 @@ fn print_summary(info: &RunInfo, report: &Report, out: &Path, written: &[PathBuf
         outln!("  {}", p.display())?;
     }
     Ok(())
-}
-
-/// `--batch-size` on the CPU when not given.
-const CPU_BATCH: usize = 8;
-
-/// The batch sizes `--batch-size` chooses from on GPUs, largest first (on an H200, batches of
-/// 16-32 judged ~1.75x faster than 8: docs/benchmarks.md).
-const AUTO_BATCHES: [usize; 6] = [32, 16, 8, 4, 2, 1];
-
-/// The largest of [`AUTO_BATCHES`] whose plan (`plan_for(batch)`: replicas and GPUs per
-/// replica, `None` without GPUs) keeps batch 1's replicas: a larger batch must not cost a
-/// replica nor spread one over more GPUs. [`CPU_BATCH`] without GPUs.
-fn auto_batch_size(
-    plan_for: impl Fn(usize) -> fleet_models::Result<Option<(usize, usize)>>,
-) -> Result<usize> {
-    let Some(one) = plan_for(1)? else {
-        return Ok(CPU_BATCH);
-    };
-    for b in AUTO_BATCHES {
-        // A batch the plan refuses (does not fit) is passed over like one that costs replicas.
-        if matches!(plan_for(b), Ok(Some(p)) if p == one) {
-            return Ok(b);
-        }
-    }
-    Ok(1)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn auto_batch_takes_the_largest_batch_that_keeps_the_replicas() {
-        // Two replicas of one GPU each up to batch 16; at 32 the planner would shard.
-        let plan = |b: usize| Ok(Some(if b <= 16 { (2, 1) } else { (1, 2) }));
-        assert_eq!(auto_batch_size(plan).unwrap(), 16);
-        // Everything fits: the largest.
-        assert_eq!(auto_batch_size(|_| Ok(Some((1, 1)))).unwrap(), 32);
-        // Batches above 4 do not fit at all (the planner refuses them).
-        let tight = |b: usize| {
-            if b > 4 {
-                Err(fleet_models::ModelError::BadInput("does not fit".into()))
-            } else {
-                Ok(Some((1, 1)))
-            }
-        };
-        assert_eq!(auto_batch_size(tight).unwrap(), 4);
-        // No GPU: the CPU default.
-        assert_eq!(auto_batch_size(|_| Ok(None)).unwrap(), CPU_BATCH);
-    }
 }

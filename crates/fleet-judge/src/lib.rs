@@ -2,6 +2,8 @@
 //!
 //! - [`benchmark`] — the benchmark loaders: the original scorer's JSON, GEdit-Bench's layout and
 //!   a plain JSONL, all validated up front into [`benchmark::Loaded`].
+//! - [`job`] — the scoring job assembled: checkpoint checked, calls too long skipped, the
+//!   output directory opened, replicas loaded by plan, the report written ([`job::run`]).
 //! - [`judge`] — the boundary to the model: [`judge::Judge`] judges a batch of
 //!   [`judge::JudgeRequest`]s (system text, images and text) with a [`judge::Decoding`]
 //!   (greedy by default, or sampled with a recorded seed).
@@ -25,6 +27,7 @@
 
 pub mod benchmark;
 mod chart;
+pub mod job;
 pub mod judge;
 pub mod parse;
 pub mod prompts;
