@@ -369,16 +369,8 @@ impl fmt::Display for SkipReason {
     }
 }
 
-/// One skipped line.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SkippedLine {
-    /// 1-based line number in [`FileReport::path`].
-    pub line: usize,
-    /// Why.
-    pub reason: SkipReason,
-    /// Details: the JSON error, the field at fault, the line it duplicates, ...
-    pub detail: String,
-}
+/// One skipped line of [`FileReport::path`].
+pub type SkippedLine = fleet_data::jsonl::SkippedLine<SkipReason>;
 
 /// What one file contributed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

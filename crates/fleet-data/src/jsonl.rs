@@ -3,7 +3,21 @@
 //! newline does not make an empty last line, CRLF files read as LF files, and a UTF-8
 //! byte-order mark before the first line is ignored.
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+/// One skipped line of a JSONL file, as every loader reports it: its 1-based number, why (the
+/// loader's own reason type) and the details (the JSON error, the field at fault, the line it
+/// repeats, ...).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedLine<R> {
+    /// 1-based line number in the file.
+    pub line: usize,
+    /// Why.
+    pub reason: R,
+    /// The JSON error, the field at fault, the line it repeats, ...
+    pub detail: String,
+}
 
 /// What one line of a JSONL file holds.
 #[derive(Debug, Clone, PartialEq)]

@@ -235,16 +235,8 @@ impl fmt::Display for SkipReason {
     }
 }
 
-/// One skipped line.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SkippedLine {
-    /// 1-based line number.
-    pub line: usize,
-    /// Why.
-    pub reason: SkipReason,
-    /// The JSON error, the field at fault, the line it repeats, ...
-    pub detail: String,
-}
+/// One skipped line of the dataset.
+pub type SkippedLine = fleet_data::jsonl::SkippedLine<SkipReason>;
 
 /// What a load read and skipped.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
