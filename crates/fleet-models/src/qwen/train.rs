@@ -724,67 +724,99 @@ impl TrainableQwen {
     ) -> Result<(TokenLogprobs, T)> {
         batch.validate(&self.cfg)?;
         let (b, c) = (batch.rows(), batch.completion_len());
-        let detached = self.weights(false);
-        let tracked = self.weights(true);
         let inputs = self.inputs(batch)?;
-        let ids = self.ids_tensor(batch)?;
 
         // 1. Forward without a graph, keeping what each segment of blocks starts from.
         let segments = self.segments();
-        let head_dev = self.devices.get(self.map.head).clone();
-        // Each segment's input as one tensor, the residual stream `x + pending` the block
-        // computes first (rounded as it rounds it): half of keeping both parts. They are kept
-        // in one buffer per device, allocated before the forward: allocated one by one between
-        // the blocks' transients, they left the GPU allocator's pool fragmented.
         let starts = self.segment_starts(batch, &segments)?;
-        let (xs, ps) = profile::time(&head_dev, "train.1_forward_no_graph", || {
-            let x = self.embedding(&detached)?.forward(&ids)?;
-            let mut keep = KeepSegmentStarts {
-                segments: &segments,
-                starts: &starts,
-            };
-            let n = self.cfg.num_hidden_layers;
-            let stream = self.run(&detached, 0..n, &inputs, &mut keep, Stream::new(x))?;
-            self.scored_rows(batch, &stream)
-        })?;
+        let (xs, ps) = self.forward_keeping_starts(batch, &inputs, &segments, &starts)?;
 
         // 2. Log-probs without a graph, then the loss and its gradient with respect to them.
         let targets = self.targets(batch)?;
-        let head_detached = self.head(&detached)?;
-        let values = profile::time(&head_dev, "train.2_head_values", || {
-            self.chunked(&xs, &ps, &targets, temperature, &head_detached)
-        })?;
-        // Its compute-dtype lm_head (a cast of f32 masters) must not live beside step 3's.
-        drop(head_detached);
-        let logp_var = Var::from_tensor(&values.logp.reshape((b, c))?)?;
-        let (loss, out) = loss_of(logp_var.as_tensor())?;
-        let loss_grads = loss.backward()?;
-        let g_logp = match loss_grads.get(logp_var.as_tensor()) {
-            Some(g) => g.detach().reshape(b * c)?,
-            // The loss does not depend on the model (every advantage 0): no gradient.
-            None => {
-                return Ok((
-                    TokenLogprobs {
-                        logp: values.logp.reshape((b, c))?,
-                        entropy: values.entropy.reshape((b, c))?,
-                    },
-                    out,
-                ));
-            }
+        let values = self.head_values(&xs, &ps, &targets, temperature)?;
+        let logprobs = TokenLogprobs {
+            logp: values.logp.reshape((b, c))?,
+            entropy: values.entropy.reshape((b, c))?,
         };
-        drop(loss_grads);
+        let logp_var = Var::from_tensor(&logprobs.logp)?;
+        let (loss, out) = loss_of(logp_var.as_tensor())?;
+        let Some(g_logp) = loss_gradient(&loss, &logp_var)? else {
+            // The loss does not depend on the model (every advantage 0): no gradient.
+            return Ok((logprobs, out));
+        };
 
-        // 3. The head, chunk by chunk: gradient of the loss with respect to the hidden rows.
-        // The log-softmax's gradient is written down directly (one fused kernel on a GPU):
-        // autograd through the [rows, vocab] logits made this the slowest part of a step.
-        // The vocabulary projection's two products follow by hand; autograd runs only through
-        // the final norm.
+        // 3. The head, chunk by chunk; 4. the blocks, last segment first; 5. the embedding.
+        let tracked = self.weights(true);
+        let g = self.head_backward(batch, (&xs, &ps), &targets, &g_logp, temperature, grads)?;
+        let g = self.blocks_backward(&tracked, &inputs, (&segments, &starts), g, grads)?;
+        self.embedding_backward(batch, &g, grads)?;
+        Ok((logprobs, out))
+    }
+
+    /// Step 1 of [`TrainableQwen::forward_backward`]: the forward without a graph, each
+    /// segment's input kept in `starts` — the residual stream `x + pending` the block computes
+    /// first (rounded as it rounds it): half of keeping both parts. They are kept in one buffer
+    /// per device, allocated before the forward: allocated one by one between the blocks'
+    /// transients, they left the GPU allocator's pool fragmented. Returns the scored rows.
+    fn forward_keeping_starts(
+        &self,
+        batch: &TokenBatch,
+        inputs: &LayerInputs,
+        segments: &[std::ops::Range<usize>],
+        starts: &[Tensor],
+    ) -> Result<(Tensor, Tensor)> {
+        let detached = self.weights(false);
+        let ids = self.ids_tensor(batch)?;
+        let head_dev = self.devices.get(self.map.head).clone();
+        profile::time(&head_dev, "train.1_forward_no_graph", || {
+            let x = self.embedding(&detached)?.forward(&ids)?;
+            let mut keep = KeepSegmentStarts { segments, starts };
+            let n = self.cfg.num_hidden_layers;
+            let stream = self.run(&detached, 0..n, inputs, &mut keep, Stream::new(x))?;
+            self.scored_rows(batch, &stream)
+        })
+    }
+
+    /// Step 2's log-probs and entropies, without a graph; the compute-dtype lm_head (a cast of
+    /// f32 masters) is dropped before step 3 builds its own.
+    fn head_values(
+        &self,
+        xs: &Tensor,
+        ps: &Tensor,
+        targets: &Tensor,
+        temperature: f64,
+    ) -> Result<TokenLogprobs> {
+        let head_dev = self.devices.get(self.map.head).clone();
+        let head_detached = self.head(&self.weights(false))?;
+        profile::time(&head_dev, "train.2_head_values", || {
+            self.chunked(xs, ps, targets, temperature, &head_detached)
+        })
+    }
+
+    /// Step 3: the head, chunk by chunk: the gradient of the loss with respect to the hidden
+    /// rows, back as `[rows, len, hidden]` (zero at the positions that score nothing), the
+    /// head's parameter gradients added to `grads`. The log-softmax's gradient is written down
+    /// directly (one fused kernel on a GPU): autograd through the [rows, vocab] logits made
+    /// this the slowest part of a step. The vocabulary projection's two products follow by
+    /// hand; autograd runs only through the final norm.
+    fn head_backward(
+        &self,
+        batch: &TokenBatch,
+        (xs, ps): (&Tensor, &Tensor),
+        targets: &Tensor,
+        g_logp: &Tensor,
+        temperature: f64,
+        grads: &mut ParamGrads,
+    ) -> Result<Tensor> {
+        let (b, c) = (batch.rows(), batch.completion_len());
+        let head_dev = self.devices.get(self.map.head).clone();
+        let tracked = self.weights(true);
         let head_started = profile::enabled().then(|| {
             profile::begin();
             std::time::Instant::now()
         });
         let head = self.head(&tracked)?;
-        let embed_name = format!("{}embed_tokens.weight", self.cfg.prefix());
+        let embed_name = self.embed_name();
         let lm_name = if self.cfg.tie_word_embeddings {
             embed_name.as_str()
         } else {
@@ -866,16 +898,27 @@ impl TrainableQwen {
                 parts[0].device(),
             )?);
         }
-        let mut g = Tensor::cat(&parts, 1)?;
+        Ok(Tensor::cat(&parts, 1)?)
+    }
 
-        // 4. The blocks, last segment first: recompute with the graph, push `g` through.
+    /// Step 4: the blocks, last segment first: each segment recomputed with its graph from its
+    /// kept input, `g` pushed through it, its parameter gradients added to `grads`. Returns
+    /// the gradient of the embeddings' output.
+    fn blocks_backward(
+        &self,
+        tracked: &Weights,
+        inputs: &LayerInputs,
+        (segments, starts): (&[std::ops::Range<usize>], &[Tensor]),
+        mut g: Tensor,
+        grads: &mut ParamGrads,
+    ) -> Result<Tensor> {
         for (s, x0) in starts.iter().enumerate().rev() {
             let (first, last) = (segments[s].start, segments[s].end);
             let xv = Var::from_tensor(x0)?;
             let seg_dev = self.devices.get(self.map.layers[first]).clone();
             let (x, pending) = profile::time(&seg_dev, "train.4a_blocks_recompute", || {
                 let start = Stream::new(xv.as_tensor().clone());
-                let s = self.run(&tracked, first..last, &inputs, &mut Plain, start)?;
+                let s = self.run(tracked, first..last, inputs, &mut Plain, start)?;
                 Ok((s.x, s.pending.expect("a segment has at least one block")))
             })?;
             let g_here = crate::device::transfer(&g, x.device())?.to_dtype(x.dtype())?;
@@ -897,10 +940,20 @@ impl TrainableQwen {
             };
         }
 
-        // 5. The embedding: row `ids[j]` of its gradient gains row `j` of `g`. By hand, into
-        // the accumulator in place (autograd's index_add made two more tensors of the
-        // embedding's size, its zeros and its result): the rows of each distinct id are summed
-        // in f32 first, then added to the accumulator once.
+        Ok(g)
+    }
+
+    /// Step 5: the embedding: row `ids[j]` of its gradient gains row `j` of `g`. By hand, into
+    /// the accumulator in place (autograd's index_add made two more tensors of the embedding's
+    /// size, its zeros and its result): the rows of each distinct id are summed in f32 first,
+    /// then added to the accumulator once.
+    fn embedding_backward(
+        &self,
+        batch: &TokenBatch,
+        g: &Tensor,
+        grads: &mut ParamGrads,
+    ) -> Result<()> {
+        let embed_name = self.embed_name();
         let embed_idx = *self.by_name.get(&embed_name).ok_or_else(|| {
             ModelError::BadInput(format!("the trainable model has no {embed_name}"))
         })?;
@@ -921,7 +974,7 @@ impl TrainableQwen {
             .collect();
         let (n_ids, n_distinct) = (slots.len(), distinct.len());
         let hs = self.cfg.hidden_size;
-        let g = crate::device::transfer(&g, dev)?
+        let g = crate::device::transfer(g, dev)?
             .reshape((n_ids, hs))?
             .to_dtype(DType::F32)?;
         let sums = Tensor::zeros((n_distinct, hs), DType::F32, dev)?.index_add(
@@ -935,13 +988,12 @@ impl TrainableQwen {
         let (acc, _) = grads.slot(&self.params, embed_idx)?;
         acc.scatter_add_set(&rows, &sums.to_dtype(embed.dtype())?.contiguous()?, 0)?;
 
-        Ok((
-            TokenLogprobs {
-                logp: values.logp.reshape((b, c))?,
-                entropy: values.entropy.reshape((b, c))?,
-            },
-            out,
-        ))
+        Ok(())
+    }
+
+    /// The embedding's parameter name (the config's weight prefix).
+    fn embed_name(&self) -> String {
+        format!("{}embed_tokens.weight", self.cfg.prefix())
     }
 
     /// Adds the gradients in `store` of the parameters of the parts `which` selects.
@@ -977,6 +1029,17 @@ const ACCUMULATE_SLICE_ELEMENTS: usize = 16 << 20;
 /// so that the sum needs no second tensor of the parameter's size (a tied embedding's gradient
 /// is 0.5-1 GB in f32). In place is safe because a sum lives in this step's gradient buffers
 /// alone.
+/// The gradient of `loss` with respect to the log-probs `logp` (flattened), or `None` when the
+/// loss does not depend on them; the loss's graph is freed before the head's backward.
+fn loss_gradient(loss: &Tensor, logp: &Var) -> Result<Option<Tensor>> {
+    let n = logp.elem_count();
+    let loss_grads = loss.backward()?;
+    Ok(match loss_grads.get(logp.as_tensor()) {
+        Some(g) => Some(g.detach().reshape(n)?),
+        None => None,
+    })
+}
+
 /// The training forward's hook: keeps the input of each segment the backward recomputes
 /// (the hidden state `x + pending`, one tensor, in its slot of [`TrainableQwen::segment_starts`]).
 struct KeepSegmentStarts<'a> {
