@@ -27,6 +27,7 @@ pub mod mdp;
 pub mod params;
 pub mod plot;
 pub mod prompts;
+pub mod real_run;
 pub mod runner;
 pub mod simulate;
 pub mod stats;

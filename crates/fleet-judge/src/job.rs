@@ -26,7 +26,7 @@ use fleet_models::CheckpointFiles;
 use fleet_models::{
     DType, DeviceLocation, DeviceMap, GenerationConfig, LoadOptions, ModelSource, Qwen3VlConfig,
 };
-use fleet_runs::RunDirState;
+use fleet_runs::{RunDirState, StepContext, StepError};
 use fleet_serve::{plan_on_this_machine, PlacementRequest, Workload};
 use serde_json::json;
 
@@ -252,56 +252,14 @@ pub struct Scored {
     pub written: Vec<PathBuf>,
 }
 
-/// A boxed cause.
-type Cause = Box<dyn std::error::Error + Send + Sync + 'static>;
-
 /// Errors of a job: each keeps its cause chain (`source`), and a step's context names what
-/// was being done with which input.
-#[derive(Debug)]
-pub enum JobError {
-    /// A setting or input that cannot work, with the fix.
-    Invalid(String),
-    /// A step failed: what was being done, and why.
-    Context {
-        /// What was being done (`finding the judge checkpoint --model M`).
-        what: String,
-        /// Why it failed.
-        source: Cause,
-    },
-    /// A step failed (its error as it is).
-    Step(Cause),
-}
+/// was being done with which input (`fleet_runs::StepError`).
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct JobError(#[from] pub StepError);
 
-impl std::fmt::Display for JobError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            JobError::Invalid(m) => f.write_str(m),
-            JobError::Context { what, .. } => f.write_str(what),
-            JobError::Step(e) => e.fmt(f),
-        }
-    }
-}
-
-impl std::error::Error for JobError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            JobError::Invalid(_) => None,
-            JobError::Context { source, .. } => Some(source.as_ref()),
-            JobError::Step(e) => e.source(),
-        }
-    }
-}
-
-macro_rules! job_error_from {
-    ($($t:ty),*) => {$(
-        impl From<$t> for JobError {
-            fn from(e: $t) -> Self {
-                JobError::Step(Box::new(e))
-            }
-        }
-    )*};
-}
-job_error_from!(
+fleet_runs::step_error_from!(
+    JobError;
     fleet_models::ModelError,
     fleet_dist::DistError,
     fleet_runs::RunsError,
@@ -309,20 +267,6 @@ job_error_from!(
     crate::report::ReportError,
     crate::prompts::PromptError
 );
-
-/// `.context(..)` for a step's error.
-trait StepContext<T> {
-    fn context(self, what: impl FnOnce() -> String) -> Result<T, JobError>;
-}
-
-impl<T, E: std::error::Error + Send + Sync + 'static> StepContext<T> for Result<T, E> {
-    fn context(self, what: impl FnOnce() -> String) -> Result<T, JobError> {
-        self.map_err(|e| JobError::Context {
-            what: what(),
-            source: Box::new(e),
-        })
-    }
-}
 
 /// Scores `loaded` (the benchmark's items, validated: [`load_benchmark`]) as `config` says
 /// (see the module docs) and writes the report.
@@ -446,11 +390,11 @@ fn skip_items_too_long(
         eprintln!("  skipped {}: {}", s.id, s.reason);
     }
     if loaded.items.is_empty() {
-        return Err(JobError::Invalid(format!(
+        return Err(JobError::from(StepError::Invalid(format!(
             "no item of {} fits the judge: every one is too long (above); \
              shorten the instructions, shrink the images or lower --max-new-tokens",
             job.benchmark
-        )));
+        ))));
     }
     Ok(())
 }

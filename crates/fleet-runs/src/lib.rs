@@ -13,6 +13,8 @@
 //! - [`merge_jsonl`] — merges the per-shard JSONL record files into one file sorted by `index`.
 //! - [`write_atomic`] / [`write_json_atomic`] — summaries, reports and checkpoints written whole
 //!   or not at all; [`set_created_permissions`], [`remove_stale_temporaries`].
+//! - [`StepError`] — the errors of a job's assembly (a setting that cannot work, a failed
+//!   step with what was being done), shared by the job crates; [`step_error_from!`].
 
 #![warn(missing_docs)]
 
@@ -20,6 +22,7 @@ mod atomic;
 mod jsonl;
 mod merge;
 mod run_dir;
+mod step_error;
 
 use std::path::PathBuf;
 
@@ -34,6 +37,7 @@ pub use run_dir::{
     commit_id, fleet_version, set_build, FieldDiff, Manifest, RunDir, RunDirOptions, RunDirState,
     LOCK_FILE, MANIFEST_FILE,
 };
+pub use step_error::{Cause, StepContext, StepError};
 
 /// Errors of this crate. Each message names the file at fault and what to change.
 #[derive(Debug, thiserror::Error)]
