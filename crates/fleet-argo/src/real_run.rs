@@ -408,7 +408,7 @@ impl Checkpoint {
             .iter()
             .any(|d| d.location.cuda_ordinal().is_some());
         let opts = LoadOptions {
-            dtype: dtype_or_default(config.dtype.as_deref(), gpus)?,
+            dtype: fleet_models::dtype_or_default(config.dtype.as_deref(), gpus)?,
             revision: config.revision.clone(),
             ..LoadOptions::default()
         };
@@ -427,25 +427,6 @@ impl Checkpoint {
             model_id,
         })
     }
-}
-
-/// The dtype given, else bf16 with GPUs and f32 without (said on stderr with the reason).
-fn dtype_or_default(flag: Option<&str>, gpus: bool) -> Result<DType, RealRunError> {
-    Ok(match flag {
-        Some(d) => fleet_models::parse_dtype(d)?,
-        None => {
-            let (dtype, why) = if gpus {
-                (DType::BF16, "GPUs present")
-            } else {
-                (
-                    DType::F32,
-                    "no GPU; bf16 is several times slower on the CPU",
-                )
-            };
-            eprintln!("dtype {} ({why}; --dtype to choose)", dtype.as_str());
-            dtype
-        }
-    })
 }
 
 /// The dtype's name as the flags spell it.

@@ -30,30 +30,8 @@ pub const VERSION: &str = concat!(
     ")"
 );
 
-/// The compute dtype when `--dtype` is not given, and why: bf16 when the work goes on GPUs,
-/// f32 on the CPU (where bf16 is several times slower). Every binary prints it.
-pub fn default_dtype(gpus: bool) -> (fleet_models::DType, &'static str) {
-    if gpus {
-        (fleet_models::DType::BF16, "GPUs present")
-    } else {
-        (
-            fleet_models::DType::F32,
-            "no GPU; bf16 is several times slower on the CPU",
-        )
-    }
-}
-
-/// `--dtype` if given, else [`default_dtype`] (printed to stderr with the reason).
-pub fn dtype_or_default(flag: Option<&str>, gpus: bool) -> anyhow::Result<fleet_models::DType> {
-    Ok(match flag {
-        Some(d) => fleet_models::parse_dtype(d)?,
-        None => {
-            let (dtype, why) = default_dtype(gpus);
-            eprintln!("dtype {} ({why}; --dtype to choose)", dtype.as_str());
-            dtype
-        }
-    })
-}
+// `--dtype`'s default, said the same way by every binary and job (defined beside the dtypes).
+pub use fleet_models::{default_dtype, dtype_or_default};
 
 /// What every binary does first: registers the build ([`BUILD_COMMIT`] becomes what manifests,
 /// checkpoints and reports record through `fleet_runs::commit_id`) and sets up logging

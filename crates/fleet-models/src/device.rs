@@ -238,6 +238,32 @@ pub fn transfer(t: &Tensor, dev: &Device) -> Result<Tensor> {
     Ok(out)
 }
 
+/// The compute dtype when `--dtype` is not given, and why: bf16 when the work goes on GPUs,
+/// f32 on the CPU (where bf16 is several times slower).
+pub fn default_dtype(gpus: bool) -> (DType, &'static str) {
+    if gpus {
+        (DType::BF16, "GPUs present")
+    } else {
+        (
+            DType::F32,
+            "no GPU; bf16 is several times slower on the CPU",
+        )
+    }
+}
+
+/// A binary's `--dtype` if given, else [`default_dtype`], said on stderr with the reason (every
+/// binary and job that loads a model for the user says it the same way).
+pub fn dtype_or_default(flag: Option<&str>, gpus: bool) -> Result<DType> {
+    Ok(match flag {
+        Some(d) => parse_dtype(d)?,
+        None => {
+            let (dtype, why) = default_dtype(gpus);
+            eprintln!("dtype {} ({why}; --dtype to choose)", dtype.as_str());
+            dtype
+        }
+    })
+}
+
 /// Parses `f32`, `f16`, `bf16` (and the transformers spellings `float32`, `bfloat16`, …).
 pub fn parse_dtype(s: &str) -> Result<DType> {
     match s.trim().to_ascii_lowercase().as_str() {

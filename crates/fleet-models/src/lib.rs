@@ -36,7 +36,7 @@ use std::path::Path;
 
 pub use candle_core::DType;
 pub use config::{GenerationConfig, QwenArch, QwenConfig};
-pub use device::{open_device, parse_dtype, Devices};
+pub use device::{default_dtype, dtype_or_default, open_device, parse_dtype, Devices};
 pub use embedder::{EmbedderId, EmbedderOptions, Pooling, SentenceEmbedder};
 pub use error::{ModelError, Result};
 pub use fleet_topology::{DeviceLocation, DeviceMap};
