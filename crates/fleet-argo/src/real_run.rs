@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use candle_core::Device;
 use fleet_models::embedder::{EmbedderOptions, SentenceEmbedder};
-use fleet_models::{CheckpointIdentity, DType, LoadOptions, ModelSource};
+use fleet_models::{CheckpointIdentity, LoadOptions, ModelSource};
 use fleet_runs::{RunDir, RunDirOptions, RunDirState, StepContext, StepError};
 use fleet_serve::{PlacementRequest, Replicas, Text};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -421,21 +421,11 @@ impl Checkpoint {
             None => config.model.clone(),
         };
         Ok(Checkpoint {
-            dtype: dtype_name(opts.dtype),
+            dtype: opts.dtype.as_str(),
             opts,
             identity,
             model_id,
         })
-    }
-}
-
-/// The dtype's name as the flags spell it.
-fn dtype_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::F32 => "f32",
-        _ => dtype.as_str(),
     }
 }
 

@@ -747,7 +747,14 @@ impl TrainableQwen {
 
         // 3. The head, chunk by chunk; 4. the blocks, last segment first; 5. the embedding.
         let tracked = self.weights(true);
-        let g = self.head_backward(batch, (&xs, &ps), &targets, &g_logp, temperature, grads)?;
+        let g = self.head_backward(
+            batch,
+            &tracked,
+            (&xs, &ps),
+            &targets,
+            (&g_logp, temperature),
+            grads,
+        )?;
         let g = self.blocks_backward(&tracked, &inputs, (&segments, &starts), g, grads)?;
         self.embedding_backward(batch, &g, grads)?;
         Ok((logprobs, out))
@@ -802,20 +809,19 @@ impl TrainableQwen {
     fn head_backward(
         &self,
         batch: &TokenBatch,
+        tracked: &Weights,
         (xs, ps): (&Tensor, &Tensor),
         targets: &Tensor,
-        g_logp: &Tensor,
-        temperature: f64,
+        (g_logp, temperature): (&Tensor, f64),
         grads: &mut ParamGrads,
     ) -> Result<Tensor> {
         let (b, c) = (batch.rows(), batch.completion_len());
         let head_dev = self.devices.get(self.map.head).clone();
-        let tracked = self.weights(true);
         let head_started = profile::enabled().then(|| {
             profile::begin();
             std::time::Instant::now()
         });
-        let head = self.head(&tracked)?;
+        let head = self.head(tracked)?;
         let embed_name = self.embed_name();
         let lm_name = if self.cfg.tie_word_embeddings {
             embed_name.as_str()
