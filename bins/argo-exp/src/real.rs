@@ -160,11 +160,8 @@ pub struct RealArgs {
     /// Hub revision of the LLM.
     #[arg(long)]
     pub revision: Option<String>,
-    /// bf16, f16 or f32 (default: bf16 when the model goes on GPUs, f32 on the CPU, where
-    /// bf16 is several times slower).
-    #[arg(long)]
-    pub dtype: Option<String>,
-    /// The LLM's placement: --gpu-mode, --gpu-ids, --max-memory.
+    /// The LLM's placement and dtype: --device or --gpu-mode, --gpu-ids, --max-memory;
+    /// --dtype.
     #[command(flatten)]
     pub placement: fleet_cli::PlacementArgs,
     /// Prompts per replica batch (at least 1).
@@ -244,7 +241,7 @@ pub struct Plan {
 
 /// `argo-exp run` / `compare`: the flags as a [`RealRunConfig`], the run, and what it prints.
 pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
-    let run = real_run::run(&real_config(args, plan))?;
+    let run = real_run::run(&real_config(args, plan)?)?;
     out!("{}", run.table())?;
     let written = run.write()?;
     for plot in &written.plots {
@@ -274,13 +271,14 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
 }
 
 /// The flags of a real run as the library's config.
-fn real_config(args: &RealArgs, plan: Plan) -> RealRunConfig {
-    RealRunConfig {
+fn real_config(args: &RealArgs, plan: Plan) -> Result<RealRunConfig> {
+    let (gpu_mode, gpu_ids) = args.placement.plan_mode_and_gpus()?;
+    Ok(RealRunConfig {
         model: args.model.clone(),
         revision: args.revision.clone(),
-        dtype: args.dtype.clone(),
-        gpu_mode: args.placement.gpu_mode.clone(),
-        gpu_ids: args.placement.gpus.gpu_ids.clone(),
+        dtype: args.placement.dtype.clone(),
+        gpu_mode,
+        gpu_ids,
         max_memory: args.placement.gpus.max_memory.clone(),
         max_batch: args.max_batch as usize,
         attention_budget_gib: args.attention_budget_gib,
@@ -304,5 +302,5 @@ fn real_config(args: &RealArgs, plan: Plan) -> RealRunConfig {
         sweep: plan.sweep,
         out: args.out.clone(),
         overwrite: args.overwrite,
-    }
+    })
 }

@@ -10,24 +10,29 @@ use anyhow::{bail, Result};
 use clap::Args;
 use fleet_models::qwen3_vl::{Qwen3VlConfig, Qwen3VlModel, VlPrompt};
 use fleet_models::vision::{preprocess, ImageProcessorConfig};
-use fleet_models::{parse_dtype, DeviceMap, GenerationRequest, Weights};
+use fleet_models::{DeviceMap, GenerationRequest, Weights};
 use serde::Serialize;
 
 /// The released Qwen3-VL preprocessor_config.json (configs/models/qwen3-vl-preprocessor.json).
 const RELEASED_PROCESSOR: &str = include_str!("../../../configs/models/qwen3-vl-preprocessor.json");
 
 #[derive(Args)]
+#[command(
+    mut_arg("device", |a| a.default_value("cuda:0")),
+    mut_arg("dtype", |a| a.default_value("bf16").help(fleet_cli::FIXED_DTYPE_HELP)),
+    mut_arg("gpu_mode", |a| a.hide(true)),
+    mut_arg("gpu_ids", |a| a.hide(true)),
+    mut_arg("max_memory", |a| a.hide(true))
+)]
 pub struct BenchArgs {
     /// A Qwen3-VL shape (config.json, e.g. configs/models/qwen3-vl-8b.json): random weights
     /// made on the device.
     #[arg(long)]
     pub config: PathBuf,
-    /// The device, or a comma list (`cuda:0,cuda:1`) to split the decoder's layers over (one
-    /// replica on a GPU group; the vision tower on the first).
-    #[arg(long, default_value = "cuda:0")]
-    pub device: String,
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    /// --device (a comma list splits the decoder's layers; the vision tower goes on the
+    /// first), --dtype.
+    #[command(flatten)]
+    pub placement: fleet_cli::PlacementArgs,
     /// Side of the square images in pixels.
     #[arg(long, default_value_t = 512)]
     pub image_size: u32,
@@ -129,7 +134,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let cfg = Qwen3VlConfig::from_file(&args.config)?;
     let processor = ImageProcessorConfig::from_json_str(RELEASED_PROCESSOR)?;
-    let devices = fleet_cli::parse_devices(&args.device)?;
+    let (devices, dtype) = args.placement.by_hand("edit-score bench")?;
     let gpus: Vec<usize> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
     let baseline: u64 = gpus
         .iter()
@@ -137,12 +142,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .sum();
     let t = Instant::now();
     let map = DeviceMap::split_layers(&devices, cfg.text.num_hidden_layers)?;
-    let model = Qwen3VlModel::new(
-        &cfg,
-        &Weights::Random { seed: args.seed },
-        parse_dtype(&args.dtype)?,
-        &map,
-    )?;
+    let model = Qwen3VlModel::new(&cfg, &Weights::Random { seed: args.seed }, dtype, &map)?;
     sync(&model)?;
     let load_s = t.elapsed().as_secs_f64();
     eprintln!("built random {} in {load_s:.1}s", args.config.display());
@@ -254,9 +254,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let report = Report {
         engine: "fleet",
         commit: fleet_runs::commit_id(),
-        device: args.device.clone(),
+        device: args.placement.device.clone().unwrap_or_default(),
         config: args.config.display().to_string(),
-        dtype: args.dtype.clone(),
+        dtype: dtype.as_str().to_string(),
         image_size: args.image_size,
         images_per_sample: args.images_per_sample,
         image_tokens_per_sample: image_tokens,

@@ -7,9 +7,16 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use fleet_models::qwen3_vl::{expand_image_pads, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
 use fleet_models::vision::{preprocess, ImageProcessorConfig};
-use fleet_models::{parse_dtype, DeviceLocation, DeviceMap, Weights};
+use fleet_models::{DeviceMap, Weights};
 
 #[derive(Args)]
+#[command(
+    mut_arg("device", |a| a.default_value("cpu")),
+    mut_arg("dtype", |a| a.default_value("f32").help(fleet_cli::FIXED_DTYPE_HELP)),
+    mut_arg("gpu_mode", |a| a.hide(true)),
+    mut_arg("gpu_ids", |a| a.hide(true)),
+    mut_arg("max_memory", |a| a.hide(true))
+)]
 pub struct LogitsArgs {
     /// A Qwen3-VL checkpoint directory (config.json, safetensors, preprocessor_config.json).
     #[arg(long)]
@@ -21,10 +28,9 @@ pub struct LogitsArgs {
     /// Where to write the safetensors file with "logits" (f32, [len, vocab]).
     #[arg(long)]
     pub output: PathBuf,
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// --device (one), --dtype.
+    #[command(flatten)]
+    pub placement: fleet_cli::PlacementArgs,
 }
 
 #[derive(serde::Deserialize)]
@@ -90,11 +96,17 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
             positions: None,
         }
     };
-    let device: DeviceLocation = args.device.parse()?;
+    let (devices, dtype) = args.placement.by_hand("edit-score logits")?;
+    let [device] = devices[..] else {
+        bail!(
+            "edit-score logits runs on one device; --device names {}",
+            devices.len()
+        );
+    };
     let map = DeviceMap::single(device, cfg.text.num_hidden_layers);
     let files: Vec<PathBuf> = safetensors_files(&args.model)?;
     let weights = Weights::from_safetensors(&files)?;
-    let model = Qwen3VlModel::new(&cfg, &weights, parse_dtype(&args.dtype)?, &map)?;
+    let model = Qwen3VlModel::new(&cfg, &weights, dtype, &map)?;
     let logits = model
         .logits(&prompt)?
         .to_device(&candle_core::Device::Cpu)?;

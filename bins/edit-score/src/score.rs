@@ -102,9 +102,6 @@ pub struct ScoreArgs {
     /// resolves to.
     #[arg(long)]
     pub revision: Option<String>,
-    /// Compute dtype: bf16, f16 or f32 (default: bf16 with GPUs, f32 on the CPU).
-    #[arg(long)]
-    pub dtype: Option<String>,
     /// Prepare images as this transformers image-processor backend does: torchvision
     /// (transformers' default whenever torchvision is installed) or pillow (`backend="pil"`,
     /// transformers without torchvision); they differ by one level in a few pixels. Part of
@@ -149,7 +146,8 @@ pub struct ScoreArgs {
     /// --temperature/--top-p/--top-k); recorded as a retry, with the first reply.
     #[arg(long)]
     pub retry_seed: Option<u64>,
-    /// The judges' placement: --gpu-mode, --gpu-ids, --max-memory.
+    /// The judges' placement and dtype: --device or --gpu-mode, --gpu-ids, --max-memory;
+    /// --dtype.
     #[command(flatten)]
     pub placement: fleet_cli::PlacementArgs,
     /// Run N judge replicas on the CPU instead of planning on GPUs (tests the replica
@@ -329,11 +327,14 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
         sampling,
         placement: match args.cpu_replicas {
             Some(n) => JudgePlacement::Cpu(n),
-            None => JudgePlacement::Planned {
-                gpu_mode: args.placement.gpu_mode.clone(),
-                gpu_ids: args.placement.gpus.gpu_ids.clone(),
-                max_memory: args.placement.gpus.max_memory.clone(),
-            },
+            None => {
+                let (gpu_mode, gpu_ids) = args.placement.plan_mode_and_gpus()?;
+                JudgePlacement::Planned {
+                    gpu_mode,
+                    gpu_ids,
+                    max_memory: args.placement.gpus.max_memory.clone(),
+                }
+            }
         },
         num_shards: args.num_shards,
         shard_index: args.shard_index,
@@ -404,11 +405,8 @@ fn sampling_choice(args: &ScoreArgs) -> Result<SamplingChoice> {
 
 /// `--dtype`, or its default: bf16 when the judges are planned on visible GPUs, else f32.
 fn dtype(args: &ScoreArgs) -> Result<DType> {
-    Ok(match &args.dtype {
-        Some(d) => fleet_models::parse_dtype(d)?,
-        None if args.cpu_replicas.is_none() && gpus_visible() => DType::BF16,
-        None => DType::F32,
-    })
+    args.placement
+        .dtype_or_default(args.cpu_replicas.is_none() && gpus_visible())
 }
 
 fn print_summary(info: &RunInfo, report: &Report, out: &Path, written: &[PathBuf]) -> Result<()> {

@@ -8,8 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use clap::Args;
 use fleet_models::{
-    parse_dtype, DeviceLocation, DeviceMap, GenerationRequest, Generator, QwenConfig, QwenModel,
-    Weights,
+    DType, DeviceLocation, DeviceMap, GenerationRequest, Generator, QwenConfig, QwenModel, Weights,
 };
 use serde::Serialize;
 
@@ -19,9 +18,6 @@ use crate::cli::at_least;
 pub struct BenchGenerateArgs {
     #[command(flatten)]
     pub model: BenchModelArgs,
-    /// Device(s); a comma list splits the layers over several GPUs.
-    #[arg(long, default_value = "cuda:0")]
-    pub device: String,
     /// Prompt tokens per row (at least 1).
     #[arg(long, default_value_t = 512, value_parser = at_least(1))]
     pub prompt_len: usize,
@@ -89,11 +85,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
-    let devices = fleet_cli::parse_devices(&args.device)?;
+    let (devices, dtype) = args.model.placement("fleet bench generate")?;
     let gpus: Vec<usize> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
     let baseline = used_bytes(&gpus).unwrap_or(0);
 
-    let (label, model) = args.model.build(&devices)?;
+    let (label, model) = args.model.build(&devices, dtype)?;
     let cfg = model.config().clone();
     sync(&model)?;
     let weights_bytes = used_bytes(&gpus).map(|u| u.saturating_sub(baseline));
@@ -189,7 +185,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
             "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
             "parameters": cfg.num_parameters(),
         }),
-        dtype: args.model.dtype.clone(),
+        dtype: args.model.dtype_name(),
         prompt_len: args.prompt_len,
         new_tokens: args.new_tokens,
         weights_bytes,
@@ -200,8 +196,16 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// The model a benchmark runs, shared by the benchmark commands.
+/// The model a benchmark runs, shared by the benchmark commands: on `cuda:0` in bf16 unless
+/// told otherwise; placed by hand (the plan flags are refused).
 #[derive(Args)]
+#[command(
+    mut_arg("device", |a| a.default_value("cuda:0")),
+    mut_arg("dtype", |a| a.default_value("bf16").help(fleet_cli::FIXED_DTYPE_HELP)),
+    mut_arg("gpu_mode", |a| a.hide(true)),
+    mut_arg("gpu_ids", |a| a.hide(true)),
+    mut_arg("max_memory", |a| a.hide(true))
+)]
 pub struct BenchModelArgs {
     /// A model shape (a config.json, e.g. configs/models/qwen2.5-7b.json): random weights are
     /// made directly on the device(s).
@@ -210,24 +214,35 @@ pub struct BenchModelArgs {
     /// A real checkpoint (local dir or hub id) instead of a shape.
     #[arg(long)]
     pub model: Option<String>,
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    /// --device, --dtype.
+    #[command(flatten)]
+    pub placement: fleet_cli::PlacementArgs,
     /// Seed of the random weights and prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
 
 impl BenchModelArgs {
+    /// `--device`'s list and `--dtype` (`command` names the benchmark in errors).
+    pub fn placement(&self, command: &str) -> Result<(Vec<DeviceLocation>, DType)> {
+        self.placement.by_hand(command)
+    }
+
+    /// `--dtype` as given (or its default), for the report.
+    pub fn dtype_name(&self) -> String {
+        self.placement.dtype.clone().unwrap_or_default()
+    }
+
     /// Random weights of the shape built on `devices`, or the checkpoint loaded there; layers
     /// split over `devices` when there are several. Returns a label for the report and the model.
-    pub fn build(&self, devices: &[DeviceLocation]) -> Result<(String, QwenModel)> {
+    pub fn build(&self, devices: &[DeviceLocation], dtype: DType) -> Result<(String, QwenModel)> {
         match (&self.config, &self.model) {
             (Some(path), None) => {
                 let cfg = QwenConfig::from_file(path)?;
                 let map = device_map(devices, cfg.num_hidden_layers)?;
                 let t = Instant::now();
                 let weights = Weights::Random { seed: self.seed };
-                let model = QwenModel::new(&cfg, &weights, parse_dtype(&self.dtype)?, &map)?;
+                let model = QwenModel::new(&cfg, &weights, dtype, &map)?;
                 eprintln!(
                     "built random {} in {:.1}s on {}",
                     path.display(),
@@ -245,10 +260,13 @@ impl BenchModelArgs {
                 let m = crate::cli::ModelArgs {
                     model: spec.clone(),
                     revision: None,
-                    dtype: self.dtype.clone(),
-                    device,
+                    placement: fleet_cli::PlacementArgs {
+                        device: Some(device),
+                        dtype: Some(dtype.as_str().to_string()),
+                        ..Default::default()
+                    },
                 }
-                .load()?;
+                .load("fleet bench")?;
                 Ok((spec.clone(), m.model))
             }
             _ => bail!("give --config FILE (a model shape, random weights) or --model M"),

@@ -15,15 +15,16 @@ use serde::Serialize;
 
 use crate::cli::at_least;
 
+/// `--device` (alias `--devices`) lists the replicas' devices here.
 #[derive(Args)]
+#[command(mut_arg("device", |a| a.visible_alias("devices").help(
+    "The devices, e.g. `cuda:0,cuda:1,cuda:2,cuda:3` (`cpu,cpu` works too): one replica per \
+     device, or per `--group-size` consecutive devices."
+)))]
 pub struct BenchDataParallelArgs {
     /// The model of every replica.
     #[command(flatten)]
     pub model: crate::bench::BenchModelArgs,
-    /// The devices, e.g. `cuda:0,cuda:1,cuda:2,cuda:3` (`cpu,cpu` works too): one replica per
-    /// device, or per `--group-size` consecutive devices.
-    #[arg(long, value_delimiter = ',', default_value = "cuda:0")]
-    pub devices: Vec<String>,
     /// Devices per replica: each replica's layers are split over this many consecutive devices
     /// of `--devices` (hybrid mode: replicas of shard groups; at least 1).
     #[arg(long, default_value_t = 1, value_parser = at_least(1))]
@@ -109,11 +110,17 @@ struct ReplicaReport {
 }
 
 pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
-    let locations: Vec<DeviceLocation> = args
-        .devices
-        .iter()
-        .map(|d| d.parse())
+    // A device may hold several replicas here (`cpu,cpu`): no duplicate check.
+    let placement = &args.model.placement;
+    placement.refuse_plan_flags("fleet bench data-parallel")?;
+    let locations: Vec<DeviceLocation> = placement
+        .device
+        .as_deref()
+        .unwrap_or("cuda:0")
+        .split(',')
+        .map(|d| d.trim().parse())
         .collect::<Result<_, _>>()?;
+    let dtype = placement.dtype_or_default(locations.iter().any(|d| d.cuda_ordinal().is_some()))?;
     if !locations.len().is_multiple_of(args.group_size) {
         bail!(
             "--group-size {} must divide the {} devices of --devices",
@@ -124,7 +131,7 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
     let mut models = Vec::new();
     let mut label = String::new();
     for group in locations.chunks(args.group_size) {
-        let (l, model) = args.model.build(group)?;
+        let (l, model) = args.model.build(group, dtype)?;
         label = l;
         models.push((group, model));
     }
@@ -184,8 +191,8 @@ pub fn run(args: &BenchDataParallelArgs) -> Result<()> {
         engine: "fleet",
         commit: fleet_runs::commit_id(),
         config: label,
-        dtype: args.model.dtype.clone(),
-        devices: args.devices.clone(),
+        dtype: args.model.dtype_name(),
+        devices: locations.iter().map(|d| d.to_string()).collect(),
         group_size: args.group_size,
         batch: args.batch,
         prompt_len: args.prompt_len,

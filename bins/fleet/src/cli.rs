@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use fleet_models::{
     parse_dtype, ChatMessage, DeviceMap, GenerationRequest, LoadOptions, TextModel,
 };
-use fleet_serve::{PlacementRequest, Replicas, Text};
+use fleet_serve::{Replicas, Text};
 
 use fleet_cli::{out, outln};
 
@@ -55,8 +55,13 @@ pub struct DevicesArgs {
     pub json: bool,
 }
 
-/// Flags shared by the commands that load a checkpoint.
+/// Flags shared by the commands that load a checkpoint: the placement flags run on `cpu` in
+/// f32 unless told otherwise (the precision parity is checked in).
 #[derive(Args, Clone)]
+#[command(
+    mut_arg("device", |a| a.default_value("cpu")),
+    mut_arg("dtype", |a| a.default_value("f32").help(fleet_cli::FIXED_DTYPE_HELP))
+)]
 pub struct ModelArgs {
     /// A local checkpoint directory or a hub id (owner/name).
     #[arg(long)]
@@ -64,20 +69,16 @@ pub struct ModelArgs {
     /// Hub revision (branch, tag or commit).
     #[arg(long)]
     pub revision: Option<String>,
-    /// Compute dtype: f32, f16 or bf16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
-    /// Device(s): `cpu`, `cuda:0`, or a comma list such as `cuda:0,cuda:1` to split the layers
-    /// over several GPUs in contiguous ranges.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    /// --device, --dtype; --gpu-mode, --gpu-ids, --max-memory where the command places by plan.
+    #[command(flatten)]
+    pub placement: fleet_cli::PlacementArgs,
 }
 
 impl ModelArgs {
     /// dtype and revision as load options (no device map).
     pub fn options(&self) -> Result<LoadOptions> {
         Ok(LoadOptions {
-            dtype: parse_dtype(&self.dtype)?,
+            dtype: parse_dtype(self.placement.dtype.as_deref().unwrap_or("f32"))?,
             revision: self.revision.clone(),
             ..LoadOptions::default()
         })
@@ -93,8 +94,10 @@ impl ModelArgs {
         Ok(fleet_models::QwenConfig::from_file(&config)?)
     }
 
-    pub fn load(&self) -> Result<TextModel> {
-        let devices = fleet_cli::parse_devices(&self.device)?;
+    /// The model on `--device` (`command` names the command in the error when a plan flag is
+    /// given instead).
+    pub fn load(&self, command: &str) -> Result<TextModel> {
+        let (devices, _) = self.placement.by_hand(command)?;
         // The map needs the layer count, which is in config.json: read that file first (no
         // weights fetched), then load with the map.
         let opts = self.options()?;
@@ -185,7 +188,15 @@ pub fn devices(args: &DevicesArgs) -> Result<()> {
     Ok(())
 }
 
+/// `--gpu-mode` places replicas by plan on this machine's GPUs instead of `--device`, for
+/// `--ids-file`'s prompts: spread over the replicas in batches of `--max-batch`; one CPU replica
+/// on a machine without GPUs.
 #[derive(Args)]
+#[command(
+    mut_arg("gpu_mode", |a| a.requires("ids_file")),
+    mut_arg("gpu_ids", |a| a.requires("gpu_mode")),
+    mut_arg("max_memory", |a| a.requires("gpu_mode"))
+)]
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -196,17 +207,6 @@ pub struct GenerateArgs {
     /// lengths) generated as one left-padded batch; prints one JSON line per prompt.
     #[arg(long, conflicts_with = "prompt")]
     pub ids_file: Option<PathBuf>,
-    /// With --ids-file: place replicas by plan on this machine's GPUs instead of --device
-    /// (single, data-parallel, layer-sharded, hybrid[:N] or auto); the prompts are spread over
-    /// the replicas in batches of --max-batch. One CPU replica on a machine without GPUs.
-    #[arg(long, requires = "ids_file", conflicts_with = "device")]
-    pub gpu_mode: Option<String>,
-    /// With --gpu-mode: only these GPUs (comma-separated indices).
-    #[arg(long, value_delimiter = ',', requires = "gpu_mode")]
-    pub gpu_ids: Option<Vec<usize>>,
-    /// With --gpu-mode: budgets in accelerate's style, e.g. `0=60GiB,1=0.9`.
-    #[arg(long, requires = "gpu_mode")]
-    pub max_memory: Option<String>,
     /// With --ids-file: prompts per batch (one replica generates one batch at a time; at
     /// least 1).
     #[arg(long, default_value_t = 32, value_parser = at_least(1))]
@@ -240,27 +240,19 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     if let Some(path) = &args.ids_file {
         let requests: Vec<GenerationRequest> =
             read_ids_file(path)?.into_iter().map(request).collect();
-        let outputs = match &args.gpu_mode {
-            Some(mode) => {
+        let outputs = match &args.model.placement.gpu_mode {
+            Some(_) => {
                 let longest = requests
                     .iter()
                     .map(|r| r.prompt_ids.len())
                     .max()
                     .unwrap_or(1);
-                let placement = PlacementRequest {
-                    mode: mode.parse()?,
-                    gpu_ids: args.gpu_ids.clone(),
-                    max_memory: match &args.max_memory {
-                        Some(m) => m.parse()?,
-                        None => fleet_topology::MaxMemory::new(),
-                    },
-                    workload: fleet_topology::Workload {
-                        batch: args.max_batch.min(requests.len()).max(1),
-                        seq_len: longest + args.max_new_tokens,
-                        full_logits: false,
-                        max_attention_bytes: None,
-                    },
-                };
+                let placement = args.model.placement.request(fleet_topology::Workload {
+                    batch: args.max_batch.min(requests.len()).max(1),
+                    seq_len: longest + args.max_new_tokens,
+                    full_logits: false,
+                    max_attention_bytes: None,
+                })?;
                 let loading = std::time::Instant::now();
                 let replicas = Replicas::<Text>::load_planned(
                     &args.model.model,
@@ -284,7 +276,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
                 outputs
             }
             None => {
-                let model = args.model.load()?;
+                let model = args.model.load("fleet generate")?;
                 let mut outputs = Vec::with_capacity(requests.len());
                 for batch in requests.chunks(args.max_batch) {
                     outputs.extend(model.generate(batch, None)?);
@@ -297,7 +289,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let model = args.model.load()?;
+    let model = args.model.load("fleet generate")?;
     let prompt = args.prompt.clone().unwrap_or_default();
     let prompt_ids = if args.raw {
         model.tokenizer()?.encode(&prompt)?
@@ -340,6 +332,11 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
 }
 
 #[derive(Args)]
+#[command(
+    mut_arg("gpu_mode", |a| a.hide(true)),
+    mut_arg("gpu_ids", |a| a.hide(true)),
+    mut_arg("max_memory", |a| a.hide(true))
+)]
 pub struct LogitsArgs {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -384,7 +381,7 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
             row.len()
         );
     }
-    let model = args.model.load()?;
+    let model = args.model.load("fleet logits")?;
     let logits = model
         .model
         .logits(&ids)?
@@ -422,6 +419,10 @@ fn read_ids_file(path: &std::path::Path) -> Result<Vec<Vec<u32>>> {
 }
 
 #[derive(Args)]
+#[command(
+    mut_arg("gpu_mode", |a| a.visible_alias("mode")),
+    mut_arg("dtype", |a| a.default_value("bf16").help(fleet_cli::FIXED_DTYPE_HELP))
+)]
 pub struct PlanArgs {
     /// A checkpoint directory, a hub id (only config.json is fetched) or a config.json file
     /// such as configs/models/qwen2.5-7b.json.
@@ -433,16 +434,10 @@ pub struct PlanArgs {
     /// A topology TOML (configs/topologies/) or `live` for the GPUs of this machine.
     #[arg(long, default_value = "live")]
     pub topology: String,
-    /// single, data-parallel, layer-sharded, hybrid, hybrid:N or auto. `--gpu-mode` is the same
-    /// flag, under the name that `fleet generate`, argo-exp and the planner's messages use.
-    #[arg(long, visible_alias = "gpu-mode", default_value = "auto")]
-    pub mode: String,
-    /// bf16, f16 or f32.
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
-    /// The GPUs and their budgets: --gpu-ids, --max-memory.
+    /// The placement planned (--gpu-mode, alias --mode; or --device), --gpu-ids,
+    /// --max-memory and --dtype (default bf16).
     #[command(flatten)]
-    pub gpus: fleet_cli::GpuSelectionArgs,
+    pub placement: fleet_cli::PlacementArgs,
     /// Sequences per replica the plan must hold (at least 1).
     #[arg(long, default_value_t = 1, value_parser = at_least(1))]
     pub batch: usize,
@@ -481,18 +476,19 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     } else {
         Topology::from_file(&args.topology)?
     };
-    if let Some(ids) = &args.gpus.gpu_ids {
+    let (mode, gpu_ids) = args.placement.plan_mode_and_gpus()?;
+    if let Some(ids) = &gpu_ids {
         topology = topology.select(ids)?;
     }
     let request = PlanRequest {
-        mode: args.mode.parse()?,
-        dtype: args.dtype.parse()?,
+        mode: mode.parse()?,
+        dtype: args.placement.dtype.as_deref().unwrap_or("bf16").parse()?,
         workload: Workload {
             batch: args.batch,
             seq_len: args.seq_len,
             ..Workload::default()
         },
-        max_memory: match &args.gpus.max_memory {
+        max_memory: match &args.placement.gpus.max_memory {
             Some(m) => m.parse()?,
             None => fleet_topology::MaxMemory::new(),
         },

@@ -53,7 +53,16 @@ const DEFAULT_FILES: &[(&str, &[u8])] = &[
     long_about = "GSPO reinforcement-learning fine-tuning of Qwen LLMs. With no flags: the \
                   embedded default (a tiny bundled model learns single-digit addition from \
                   rewards on the CPU). Settings use TRL's GRPOConfig names; the seed's \
-                  BATCH_SIZE, GROUP_SIZE and GSPO_EPOCHS are accepted by --set."
+                  BATCH_SIZE, GROUP_SIZE and GSPO_EPOCHS are accepted by --set.",
+    mut_arg("gpu_mode", |a| a.help(
+        "Placement of policy, reference and reward: 1gpu, 2gpu (policy over GPUs 0,1; \
+         reference and reward on 1), 3gpu (policy over 0,1; reference and reward on 2) or auto \
+         (the default)."
+    )),
+    mut_arg("device", |a| a.help(
+        "The GPUs of a preset, in its order: one is 1gpu, two 2gpu, three 3gpu (e.g. \
+         cuda:2,cuda:3). To train on the CPU, hide the GPUs (CUDA_VISIBLE_DEVICES=)."
+    ))
 )]
 struct Cli {
     #[command(flatten)]
@@ -121,16 +130,10 @@ struct Cli {
     /// Any config field, or BATCH_SIZE / GROUP_SIZE / GSPO_EPOCHS: `--set GROUP_SIZE=8`.
     #[arg(long = "set", value_name = "KEY=VALUE", long_help = set_help())]
     set: Vec<String>,
-    /// Placement of policy, reference and reward: 1gpu, 2gpu (policy over GPUs 0,1; reference
-    /// and reward on 1), 3gpu (policy over 0,1; reference and reward on 2) or auto.
-    #[arg(long, default_value = "auto")]
-    gpu_mode: String,
-    /// The GPUs and their budgets: --gpu-ids, --max-memory.
+    /// Placement and dtype: --gpu-mode (a preset), --gpu-ids, --max-memory or --device;
+    /// --dtype.
     #[command(flatten)]
-    gpus: fleet_cli::GpuSelectionArgs,
-    /// Compute dtype: bf16, f16 or f32 (default: bf16 with GPUs, f32 on the CPU).
-    #[arg(long)]
-    dtype: Option<String>,
+    placement: fleet_cli::PlacementArgs,
     /// Keep every block's activations instead of recomputing them in the backward (faster,
     /// more memory).
     #[arg(long)]
@@ -314,15 +317,16 @@ fn run(cli: &Cli) -> Result<()> {
             .iter()
             .any(|d| d.location.cuda_ordinal().is_some()),
     };
-    let dtype = fleet_cli::dtype_or_default(cli.dtype.as_deref(), gpus)?;
+    let dtype = cli.placement.dtype_or_default(gpus)?;
+    let (preset, gpu_ids) = preset_and_gpus(&cli.placement)?;
     let opts = RunOptions {
         model: model.clone(),
         revision: cli.revision.clone(),
         dataset: dataset.clone(),
         dtype,
-        preset: cli.gpu_mode.parse()?,
-        gpu_ids: cli.gpus.gpu_ids.clone(),
-        max_memory: match &cli.gpus.max_memory {
+        preset: preset.parse()?,
+        gpu_ids,
+        max_memory: match &cli.placement.gpus.max_memory {
             Some(m) => m.parse()?,
             None => Default::default(),
         },
@@ -447,6 +451,26 @@ fn dist_options(cli: &Cli) -> Result<Option<fleet_gspo::DistOptions>> {
     }))
 }
 
+/// `--gpu-mode` over `--gpu-ids`, or the preset `--device`'s GPUs make (one: 1gpu, two: 2gpu,
+/// three: 3gpu, over those GPUs in order).
+fn preset_and_gpus(placement: &fleet_cli::PlacementArgs) -> Result<(String, Option<Vec<usize>>)> {
+    let Some(devices) = placement.devices()? else {
+        return Ok((
+            placement.gpu_mode().to_string(),
+            placement.gpus.gpu_ids.clone(),
+        ));
+    };
+    let ids: Vec<usize> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
+    if ids.len() != devices.len() || !(1..=3).contains(&ids.len()) {
+        bail!(
+            "--device {}: gspo-train's --device names one, two or three GPUs (the 1gpu, 2gpu or \
+             3gpu preset over them); to train on the CPU, hide the GPUs (CUDA_VISIBLE_DEVICES=)",
+            placement.device.as_deref().unwrap_or_default()
+        );
+    }
+    Ok((format!("{}gpu", ids.len()), Some(ids)))
+}
+
 /// `--bench-all-reduce MAX`: all-reduce timings between the ranks, printed by rank 0.
 fn bench_all_reduce(cli: &Cli, max: &str) -> Result<()> {
     let max_bytes = fleet_topology::parse_bytes(max)
@@ -457,8 +481,11 @@ fn bench_all_reduce(cli: &Cli, max: &str) -> Result<()> {
     )?;
     let world_size = dist.world.world_size;
     let is_main = dist.world.is_main();
-    let (rows, backend) =
-        fleet_gspo::run::all_reduce_bench(&dist, cli.gpus.gpu_ids.as_deref(), max_bytes)?;
+    let (rows, backend) = fleet_gspo::run::all_reduce_bench(
+        &dist,
+        preset_and_gpus(&cli.placement)?.1.as_deref(),
+        max_bytes,
+    )?;
     if !is_main {
         return Ok(());
     }
@@ -524,7 +551,7 @@ fn launch(cli: &Cli, nproc: usize) -> Result<()> {
         node_rank: cli.node_rank,
         master_addr: cli.master_addr.clone(),
         master_port: cli.master_port,
-        gpu_ids: cli.gpus.gpu_ids.clone(),
+        gpu_ids: preset_and_gpus(&cli.placement)?.1,
         program: std::env::current_exe().context("finding this program to start its ranks")?,
         args,
         env: Vec::new(),

@@ -1,8 +1,9 @@
 //! What fleet's binaries share (as ripgrep's `grep-cli`): the version and commit they were
 //! built from ([`VERSION`], [`init`]), stdout that a reader may close without costing the run
 //! its files ([`stdout`], [`out!`], [`outln!`]), the flags every binary spells the same way
-//! ([`SamplingArgs`], [`PlacementArgs`], [`GpuSelectionArgs`]), the logging set-up, and `main`'s handling of the command's result
-//! ([`exit`]).
+//! ([`SamplingArgs`], [`PlacementArgs`] — `--device`, `--dtype`, `--gpu-mode`, `--gpu-ids`,
+//! `--max-memory`, flattened by all four binaries), the logging set-up, and `main`'s handling
+//! of the command's result ([`exit`]).
 
 #![warn(missing_docs)]
 
@@ -12,7 +13,7 @@ pub mod stdout;
 mod placement;
 mod sampling;
 
-pub use placement::{parse_devices, GpuSelectionArgs, PlacementArgs};
+pub use placement::{parse_devices, GpuSelectionArgs, PlacementArgs, FIXED_DTYPE_HELP};
 pub use sampling::SamplingArgs;
 
 use std::io::IsTerminal;
