@@ -19,6 +19,9 @@
 //! - [`sample_gumbel`]: one sampled token per row of logits, on the device.
 //! - [`adamw_step_`]: the optimizer's fused step.
 //! - [`linear`]: a linear layer with the bias added in place after the GEMM.
+//! - [`paged_kv_write`] and [`paged_decode_attention`]: the paged KV cache's write of new keys
+//!   and values into their slots, and split-KV decode attention over a row's blocks (GQA, each
+//!   KV head read once per query group); inference only, capturable in a CUDA graph.
 //!
 //! Every op has a backward (candle's `bwd`), so the decoder that serves inference is also the
 //! one that trains. A result is tracked only when an input is (a `Var` or computed from one):
@@ -264,6 +267,7 @@ mod gpu_delay;
 mod linear;
 mod logp;
 mod masked_softmax;
+mod paged_attention;
 mod qkv_rope;
 mod reduce;
 mod rms_norm;
@@ -275,6 +279,10 @@ pub use gpu_delay::gpu_delay;
 pub use linear::linear;
 pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;
+pub use paged_attention::{
+    paged_decode_attention, paged_decode_attention_reference, paged_decode_supported,
+    paged_kv_write, PAGED_ATTENTION_MAX_GROUP, PAGED_ATTENTION_PARTITION,
+};
 pub use qkv_rope::{qk_norm_rope, qkv_rope};
 pub use reduce::{sum_all_fast, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm};
