@@ -8,7 +8,8 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use clap::Args;
 use fleet_models::{
-    DType, DeviceLocation, DeviceMap, GenerationRequest, Generator, QwenConfig, QwenModel, Weights,
+    DType, DeviceLocation, DeviceMap, GenerationOutput, GenerationRequest, Generator, PagedOptions,
+    QwenConfig, QwenModel, Weights,
 };
 use serde::Serialize;
 
@@ -31,9 +32,31 @@ pub struct BenchGenerateArgs {
     /// Timed repetitions of each measurement (the median is reported; at least 1).
     #[arg(long, default_value_t = 3, value_parser = at_least(1))]
     pub repeats: usize,
+    /// How requests share the decode batch: `static` (one left-padded batch; finished rows
+    /// leave it) or `continuous` (a paged KV cache; a finished row's place is refilled at once).
+    #[arg(long, value_enum, default_value = "static")]
+    pub batching: Batching,
+    /// Tokens per KV block with `--batching continuous`.
+    #[arg(long, default_value_t = 16, value_parser = at_least(1))]
+    pub block_size: usize,
+    /// Also run the variable-length workload: this many requests, each with its own reply
+    /// length (GSM8K-like, at most --new-tokens, a fixed seed), through `--batch` decode slots,
+    /// static (batches of --batch wait for their longest) and continuous; reports both.
+    #[arg(long)]
+    pub variable_lengths: Option<usize>,
     /// Write the results here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// How requests share the decode batch (see `--batching`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Batching {
+    /// One left-padded batch per call.
+    Static,
+    /// Continuous batching on a paged KV cache.
+    Continuous,
 }
 
 /// `--new-tokens`: at least 2, since decode throughput counts the tokens after the first.
@@ -55,6 +78,20 @@ struct Run {
     peak_used_bytes: Option<u64>,
 }
 
+/// One batch size of the variable-length workload.
+#[derive(Serialize)]
+struct VariableRun {
+    batch: usize,
+    requests: usize,
+    new_tokens_total: usize,
+    static_s: f64,
+    continuous_s: f64,
+    static_tok_s: f64,
+    continuous_tok_s: f64,
+    /// continuous over static throughput.
+    speedup: f64,
+}
+
 #[derive(Serialize)]
 struct Report {
     engine: &'static str,
@@ -67,7 +104,11 @@ struct Report {
     prompt_len: usize,
     new_tokens: usize,
     weights_bytes: Option<u64>,
+    batching: Batching,
     runs: Vec<Run>,
+    /// The variable-length workload, static and continuous, per batch size.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    variable: Vec<VariableRun>,
     /// On logical devices, that they are (one GPU's bandwidth and compute shared by all).
     #[serde(skip_serializing_if = "Option::is_none")]
     logical_devices: Option<String>,
@@ -105,6 +146,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
     // Never stop early: the benchmark generates exactly new_tokens per row.
     let generator = Generator::new(&model, None, Vec::new(), 0);
     let mut runs = Vec::new();
+    let mut variable = Vec::new();
     for &b in &args.batch {
         let prompts: Vec<Vec<u32>> = (0..b)
             .map(|r| {
@@ -120,10 +162,38 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
             .iter()
             .map(|p| GenerationRequest::greedy(p.clone(), args.new_tokens))
             .collect();
+        let run_all = |requests: &[GenerationRequest]| -> Result<Vec<GenerationOutput>> {
+            Ok(match args.batching {
+                Batching::Static => generator.generate(requests, None)?,
+                Batching::Continuous => {
+                    let options = paged_options(requests, b, args.block_size);
+                    generator.generate_paged(requests, &options, None)?.0
+                }
+            })
+        };
+        // The prompts alone, the way the batching runs them (continuous: one at a time, into
+        // the paged cache): one new token each.
+        let time_prefill = |requests: &[GenerationRequest]| -> Result<f64> {
+            let first: Vec<GenerationRequest> = requests
+                .iter()
+                .map(|r| GenerationRequest::greedy(r.prompt_ids.clone(), 1))
+                .collect();
+            let t = Instant::now();
+            match args.batching {
+                Batching::Static => {
+                    prefill(&model, &prompts)?;
+                }
+                Batching::Continuous => {
+                    run_all(&first)?;
+                }
+            }
+            sync(&model)?;
+            Ok(t.elapsed().as_secs_f64())
+        };
         // Warm-up: kernel loading, cuBLAS handles, allocator growth.
-        prefill(&model, &prompts)?;
+        time_prefill(&requests)?;
         let warm = GenerationRequest::greedy(prompts[0].clone(), 4.min(args.new_tokens));
-        generator.generate(&vec![warm; b], None)?;
+        run_all(&vec![warm; b])?;
         sync(&model)?;
 
         fleet_models::profile::take_report(); // drop the warm-up's stages
@@ -134,9 +204,9 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         let mut t_prefill = Vec::new();
         let mut t_generate = Vec::new();
         for _ in 0..args.repeats {
-            t_prefill.push(prefill(&model, &prompts)?);
+            t_prefill.push(time_prefill(&requests)?);
             let t = Instant::now();
-            let out = generator.generate(&requests, None)?;
+            let out = run_all(&requests)?;
             sync(&model)?;
             t_generate.push(t.elapsed().as_secs_f64());
             if out.iter().any(|o| o.token_ids.len() != args.new_tokens) {
@@ -172,6 +242,15 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         );
         print_profile(b);
         runs.push(run);
+        if let Some(n) = args.variable_lengths {
+            let v = variable_lengths(&model, &generator, &prompts, n, b, args)?;
+            eprintln!(
+                "batch {:>3}, {} requests of their own lengths: static {:>8.1} tok/s, \
+                 continuous {:>8.1} tok/s ({:.2}x)",
+                b, v.requests, v.static_tok_s, v.continuous_tok_s, v.speedup
+            );
+            variable.push(v);
+        }
     }
     let report = Report {
         engine: "fleet",
@@ -189,7 +268,9 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         prompt_len: args.prompt_len,
         new_tokens: args.new_tokens,
         weights_bytes,
+        batching: args.batching,
         runs,
+        variable,
         logical_devices: fleet_topology::logical::describe(),
     };
     fleet_cli::bench::write_report(&report, args.json.as_deref())?;
@@ -287,6 +368,86 @@ fn sync(model: &QwenModel) -> Result<()> {
         d.synchronize()?;
     }
     Ok(())
+}
+
+/// Decode slots `max_batch` and blocks enough for every request at once.
+fn paged_options(
+    requests: &[GenerationRequest],
+    max_batch: usize,
+    block_size: usize,
+) -> PagedOptions {
+    let longest = requests
+        .iter()
+        .map(|r| r.prompt_ids.len() + r.max_new_tokens)
+        .max()
+        .unwrap_or(1);
+    PagedOptions {
+        max_batch,
+        block_size,
+        num_blocks: max_batch * longest.div_ceil(block_size) + 1,
+    }
+}
+
+/// Reply lengths like GSM8K completions (log-normal around 150 tokens, most between 60 and
+/// 400), at least 2 and at most `most`, from a fixed seed: the same list every run.
+fn gsm8k_like_lengths(n: usize, most: usize) -> Vec<usize> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(8_000);
+    (0..n)
+        .map(|_| {
+            // Box-Muller: a standard normal from two uniforms.
+            let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
+            let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+            ((150f64.ln() + 0.55 * z).exp().round() as usize).clamp(2, most.max(2))
+        })
+        .collect()
+}
+
+/// The variable-length workload at `batch` decode slots: `n` requests (the prompts reused in
+/// turn), static batches of `batch` against continuous batching.
+fn variable_lengths(
+    model: &QwenModel,
+    generator: &Generator<'_>,
+    prompts: &[Vec<u32>],
+    n: usize,
+    batch: usize,
+    args: &BenchGenerateArgs,
+) -> Result<VariableRun> {
+    let lengths = gsm8k_like_lengths(n, args.new_tokens);
+    let requests: Vec<GenerationRequest> = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| GenerationRequest::greedy(prompts[i % prompts.len()].clone(), len))
+        .collect();
+    let total: usize = lengths.iter().sum();
+    let t = Instant::now();
+    for chunk in requests.chunks(batch) {
+        generator.generate(chunk, None)?;
+    }
+    sync(model)?;
+    let static_s = t.elapsed().as_secs_f64();
+    let options = paged_options(&requests, batch, args.block_size);
+    let t = Instant::now();
+    let (out, _) = generator.generate_paged(&requests, &options, None)?;
+    sync(model)?;
+    let continuous_s = t.elapsed().as_secs_f64();
+    if out
+        .iter()
+        .zip(&lengths)
+        .any(|(o, &l)| o.token_ids.len() != l)
+    {
+        bail!("a request stopped before its length");
+    }
+    Ok(VariableRun {
+        batch,
+        requests: n,
+        new_tokens_total: total,
+        static_s,
+        continuous_s,
+        static_tok_s: total as f64 / static_s,
+        continuous_tok_s: total as f64 / continuous_s,
+        speedup: static_s / continuous_s,
+    })
 }
 
 /// Seconds for one prefill of `prompts` (logits of the last position), synchronized.

@@ -2,13 +2,19 @@
 //!
 //! Prompts of different lengths share one batch by left padding; each row stops on its own
 //! (EOS id, stop string or `max_new_tokens`) and leaves the batch, so finished rows cost nothing.
+//! [`Generator::generate_paged`] runs the same requests with continuous batching on a paged
+//! cache instead: a finished row's place is refilled at once, and shared prompt prefixes are
+//! computed once.
 
 use candle_core::{DType, Tensor, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use std::collections::VecDeque;
+
 use crate::error::{ModelError, Result};
+use crate::kv_blocks::{BlockPool, SequenceBlocks};
 use crate::kv_cache::KvCache;
 use crate::qwen::QwenModel;
 use crate::tokenizer::TextTokenizer;
@@ -183,6 +189,31 @@ pub struct Generator<'a> {
     pad_id: u32,
 }
 
+/// The decode slots and KV blocks of [`Generator::generate_paged`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedOptions {
+    /// Sequences decoded together at most.
+    pub max_batch: usize,
+    /// Tokens per KV block (the unit of sharing: only whole blocks of a prompt are reused).
+    pub block_size: usize,
+    /// KV blocks in the pool, each `block_size` tokens of every layer
+    /// ([`QwenModel::paged_block_bytes`] gives their size).
+    pub num_blocks: usize,
+}
+
+/// What a paged generation did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PagedStats {
+    /// Prompt tokens of the admitted requests.
+    pub prompt_tokens: usize,
+    /// Of those, tokens whose keys and values were found in the cache (not computed).
+    pub cached_prompt_tokens: usize,
+    /// Decode steps run.
+    pub decode_steps: usize,
+    /// Most sequences decoding at once.
+    pub max_running: usize,
+}
+
 /// Per-row state during generation.
 struct Row {
     request: usize,
@@ -192,6 +223,39 @@ struct Row {
     emitted: usize,
     text: String,
     finish: Option<FinishReason>,
+}
+
+impl Row {
+    /// One row per request, seeded with its seed; a request for no tokens is finished.
+    fn for_requests(requests: &[GenerationRequest]) -> Vec<Row> {
+        requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Row {
+                request: i,
+                generated: Vec::new(),
+                rng: StdRng::seed_from_u64(r.sampling.seed),
+                emitted: 0,
+                text: String::new(),
+                finish: (r.max_new_tokens == 0).then_some(FinishReason::Length),
+            })
+            .collect()
+    }
+
+    /// The outputs, in request order.
+    fn outputs(rows: Vec<Row>) -> Vec<GenerationOutput> {
+        let mut out: Vec<Option<GenerationOutput>> = vec![None; rows.len()];
+        for row in rows {
+            out[row.request] = Some(GenerationOutput {
+                token_ids: row.generated,
+                text: row.text,
+                finish_reason: row.finish.unwrap_or(FinishReason::Length),
+            });
+        }
+        out.into_iter()
+            .map(|o| o.expect("every request has a row"))
+            .collect()
+    }
 }
 
 impl<'a> Generator<'a> {
@@ -235,23 +299,7 @@ impl<'a> Generator<'a> {
         if requests.is_empty() {
             return Ok(Vec::new());
         }
-        for (i, r) in requests.iter().enumerate() {
-            if r.prompt_ids.is_empty() {
-                return Err(ModelError::BadInput(format!(
-                    "request {i} has an empty prompt"
-                )));
-            }
-            if !r.stop_strings.is_empty() && self.tokenizer.is_none() {
-                return Err(ModelError::BadInput(
-                    "stop strings need the model's tokenizer".into(),
-                ));
-            }
-            r.sampling.validate()?;
-            self.model.check_length(
-                r.prompt_ids.len() + r.max_new_tokens,
-                &format!("request {i}"),
-            )?;
-        }
+        self.validate(requests)?;
         let max_prompt = requests
             .iter()
             .map(|r| r.prompt_ids.len())
@@ -260,18 +308,7 @@ impl<'a> Generator<'a> {
         let max_new = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(0);
         let mut cache = self.model.new_cache(max_prompt + max_new)?;
 
-        let mut rows: Vec<Row> = requests
-            .iter()
-            .enumerate()
-            .map(|(i, r)| Row {
-                request: i,
-                generated: Vec::new(),
-                rng: StdRng::seed_from_u64(r.sampling.seed),
-                emitted: 0,
-                text: String::new(),
-                finish: (r.max_new_tokens == 0).then_some(FinishReason::Length),
-            })
-            .collect();
+        let mut rows = Row::for_requests(requests);
         let mut pad: Vec<usize> = requests
             .iter()
             .map(|r| max_prompt - r.prompt_ids.len())
@@ -296,24 +333,7 @@ impl<'a> Generator<'a> {
                 if row.finish.is_some() {
                     continue;
                 }
-                let tok = next[slot];
-                row.generated.push(tok);
-                let req = &requests[row.request];
-                if self.eos_ids.contains(&tok) {
-                    row.finish = Some(FinishReason::Eos);
-                }
-                let delta = self.update_text(row, req)?;
-                if let Some(cb) = on_token.as_mut() {
-                    cb(StreamEvent {
-                        request: row.request,
-                        token_id: tok,
-                        text_delta: &delta,
-                    });
-                }
-                if row.finish.is_none() && row.generated.len() >= req.max_new_tokens {
-                    row.finish = Some(FinishReason::Length);
-                }
-                if row.finish.is_none() {
+                if self.accept(row, next[slot], &requests[row.request], &mut on_token)? {
                     still.push(slot);
                 }
             }
@@ -337,18 +357,152 @@ impl<'a> Generator<'a> {
                 .model
                 .forward_shifted(&step, &pad, &shift, &mut cache, true)?;
         }
-        let mut out: Vec<Option<GenerationOutput>> = vec![None; requests.len()];
-        for row in rows {
-            out[row.request] = Some(GenerationOutput {
-                token_ids: row.generated,
-                text: row.text,
-                finish_reason: row.finish.unwrap_or(FinishReason::Length),
+        Ok(Row::outputs(rows))
+    }
+
+    /// Every request's prompt, sampling and length checked before any work.
+    fn validate(&self, requests: &[GenerationRequest]) -> Result<()> {
+        for (i, r) in requests.iter().enumerate() {
+            if r.prompt_ids.is_empty() {
+                return Err(ModelError::BadInput(format!(
+                    "request {i} has an empty prompt"
+                )));
+            }
+            if !r.stop_strings.is_empty() && self.tokenizer.is_none() {
+                return Err(ModelError::BadInput(
+                    "stop strings need the model's tokenizer".into(),
+                ));
+            }
+            r.sampling.validate()?;
+            self.model.check_length(
+                r.prompt_ids.len() + r.max_new_tokens,
+                &format!("request {i}"),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Takes token `tok` into `row`: EOS, stop strings, streaming and the length limit.
+    /// Returns whether the row goes on.
+    fn accept(
+        &self,
+        row: &mut Row,
+        tok: u32,
+        req: &GenerationRequest,
+        on_token: &mut Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<bool> {
+        row.generated.push(tok);
+        if self.eos_ids.contains(&tok) {
+            row.finish = Some(FinishReason::Eos);
+        }
+        let delta = self.update_text(row, req)?;
+        if let Some(cb) = on_token.as_mut() {
+            cb(StreamEvent {
+                request: row.request,
+                token_id: tok,
+                text_delta: &delta,
             });
         }
-        Ok(out
-            .into_iter()
-            .map(|o| o.expect("every request has a row"))
-            .collect())
+        if row.finish.is_none() && row.generated.len() >= req.max_new_tokens {
+            row.finish = Some(FinishReason::Length);
+        }
+        Ok(row.finish.is_none())
+    }
+
+    /// Runs the requests with continuous batching on a paged KV cache: up to
+    /// `options.max_batch` sequences decode together, a finished one's place goes at once to
+    /// the next waiting request (its prompt prefilled, then decoding with the others), and a
+    /// prompt's leading blocks already in the cache — the same prompt generated before, or a
+    /// shared instruction — are not computed again. Outputs are in request order, and each
+    /// row's tokens depend only on its request (its seed and step), not on what it was
+    /// batched with.
+    ///
+    /// A request is admitted only when blocks for its prompt and all its `max_new_tokens` are
+    /// free (no preemption); one that alone needs more blocks than the pool has is an error.
+    pub fn generate_paged(
+        &self,
+        requests: &[GenerationRequest],
+        options: &PagedOptions,
+        mut on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<(Vec<GenerationOutput>, PagedStats)> {
+        self.validate(requests)?;
+        if options.max_batch == 0 || options.block_size == 0 {
+            return Err(ModelError::BadInput(
+                "paged generation needs max_batch and block_size of at least 1".into(),
+            ));
+        }
+        let mut pool = BlockPool::new(options.num_blocks, options.block_size);
+        let mut cache = self
+            .model
+            .new_paged_cache(options.num_blocks, options.block_size)?;
+        let mut rows = Row::for_requests(requests);
+        let mut stats = PagedStats::default();
+        let mut waiting: VecDeque<usize> = (0..requests.len())
+            .filter(|&r| rows[r].finish.is_none())
+            .collect();
+        let mut running: Vec<(usize, SequenceBlocks)> = Vec::new();
+        loop {
+            // One decode step for the running sequences, then the newly admitted ones' first
+            // logits after them.
+            let mut parts = Vec::new();
+            if !running.is_empty() {
+                let seqs: Vec<&SequenceBlocks> = running.iter().map(|(_, s)| s).collect();
+                parts.push(self.model.decode_paged(&seqs, &mut cache)?);
+                stats.decode_steps += 1;
+            }
+            while running.len() < options.max_batch {
+                let Some(&r) = waiting.front() else { break };
+                let req = &requests[r];
+                let Some(mut seq) = pool.admit(&req.prompt_ids, req.max_new_tokens) else {
+                    if running.is_empty() {
+                        return Err(ModelError::BadInput(format!(
+                            "request {r} needs {} KV blocks of {} tokens (prompt {} + \
+                             max_new_tokens {}) and the pool has {}: raise the KV budget or \
+                             lower max_new_tokens",
+                            pool.blocks_for(req.prompt_ids.len() + req.max_new_tokens),
+                            options.block_size,
+                            req.prompt_ids.len(),
+                            req.max_new_tokens,
+                            pool.num_blocks()
+                        )));
+                    }
+                    break;
+                };
+                waiting.pop_front();
+                parts.push(self.model.prefill_paged(&seq, &mut cache)?);
+                stats.prompt_tokens += seq.len();
+                stats.cached_prompt_tokens += seq.cached;
+                let written = seq.len();
+                pool.register(&mut seq, written);
+                running.push((r, seq));
+            }
+            if running.is_empty() {
+                break;
+            }
+            stats.max_running = stats.max_running.max(running.len());
+            let logits = if parts.len() == 1 {
+                parts.pop().expect("one part")
+            } else {
+                Tensor::cat(&parts, 0)?
+            };
+            let active: Vec<usize> = running.iter().map(|(r, _)| *r).collect();
+            let next = self.pick(&logits, &active, requests, &mut rows)?;
+            let mut still = Vec::with_capacity(running.len());
+            for ((r, mut seq), tok) in running.drain(..).zip(next) {
+                if self.accept(&mut rows[r], tok, &requests[r], &mut on_token)? {
+                    pool.append(&mut seq, tok)
+                        .expect("blocks for max_new_tokens are taken at admission");
+                    still.push((r, seq));
+                } else {
+                    // Every token of the sequence has its keys and values written now.
+                    let written = seq.len();
+                    pool.register(&mut seq, written);
+                    pool.release(seq);
+                }
+            }
+            running = still;
+        }
+        Ok((Row::outputs(rows), stats))
     }
 
     /// Chooses the next token of every active row from `logits` `[rows, 1, vocab]`.

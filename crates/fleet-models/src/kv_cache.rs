@@ -1,4 +1,6 @@
-//! Key/value cache: one preallocated buffer per layer, filled in place.
+//! Key/value cache: one preallocated buffer per layer, filled in place — contiguous per row
+//! (`[batch, kv_heads, capacity, head_dim]`, the lock-step batch) or paged (`[num_blocks,
+//! kv_heads, block_size, head_dim]`, slots given out by [`crate::kv_blocks::BlockPool`]).
 
 use candle_core::Tensor;
 
@@ -14,6 +16,9 @@ pub struct LayerCache {
     /// Keeps nothing: `append` hands back the keys and values it is given (a training pass,
     /// which attends within one call and must keep the graph, not write into a buffer).
     passthrough: bool,
+    /// Paged keys and values, `[num_blocks, kv_heads, block_size, head_dim]` each: written at
+    /// the slots a paged call names, read by block tables.
+    paged: Option<(Tensor, Tensor)>,
 }
 
 impl LayerCache {
@@ -30,11 +35,21 @@ impl LayerCache {
         self.passthrough
     }
 
+    /// The paged buffers (keys, values), if this layer's cache is paged.
+    pub fn paged(&self) -> Option<&(Tensor, Tensor)> {
+        self.paged.as_ref()
+    }
+
     /// Writes `k`, `v` (`[batch, kv_heads, new, head_dim]`) after the cached tokens and returns
     /// views of everything cached so far.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         if self.passthrough {
             return Ok((k.clone(), v.clone()));
+        }
+        if self.paged.is_some() {
+            return Err(crate::ModelError::BadInput(
+                "a paged KV cache is written by paged calls (slots), not appended to".into(),
+            ));
         }
         let (b, h, n, d) = k.dims4()?;
         if self.buffers.is_none() {
@@ -75,15 +90,35 @@ impl KvCache {
         KvCache {
             layers: (0..num_layers)
                 .map(|_| LayerCache {
-                    buffers: None,
-                    len: 0,
                     capacity,
-                    passthrough: false,
+                    ..LayerCache::default()
                 })
                 .collect(),
             len: 0,
             capacity,
         }
+    }
+
+    /// A paged cache over the given per-layer buffers (keys, values), each `[num_blocks,
+    /// kv_heads, block_size, head_dim]` on its layer's device. Its length stays 0: a paged
+    /// cache's lengths are its sequences' (see [`crate::kv_blocks`]).
+    pub fn paged(buffers: Vec<(Tensor, Tensor)>) -> Self {
+        KvCache {
+            layers: buffers
+                .into_iter()
+                .map(|kv| LayerCache {
+                    paged: Some(kv),
+                    ..LayerCache::default()
+                })
+                .collect(),
+            len: 0,
+            capacity: 0,
+        }
+    }
+
+    /// Whether the cache is paged.
+    pub fn is_paged(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.paged.is_some())
     }
 
     /// Tokens cached per row (padding included).

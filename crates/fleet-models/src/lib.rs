@@ -21,6 +21,7 @@ pub mod device;
 pub mod embedder;
 mod error;
 pub mod generation;
+pub mod kv_blocks;
 pub mod kv_cache;
 pub mod ops;
 pub mod profile;
@@ -42,7 +43,7 @@ pub use error::{ModelError, Result};
 pub use fleet_topology::{DeviceLocation, DeviceMap};
 pub use generation::{
     continuation_logprobs, FinishReason, GenerationOutput, GenerationRequest, Generator,
-    SamplingParams, StreamEvent,
+    PagedOptions, PagedStats, SamplingParams, StreamEvent,
 };
 pub use kv_cache::KvCache;
 pub use qwen::QwenModel;

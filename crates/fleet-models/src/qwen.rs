@@ -21,6 +21,7 @@ use crate::weights::{non_finite, Init, Loader, Unread, Weights};
 use crate::{attention, ops, profile};
 
 mod moe;
+mod paged;
 pub mod train;
 
 use moe::SparseMoe;
@@ -288,13 +289,8 @@ impl LayerHooks for DeepstackHooks<'_> {
 }
 
 impl Attention {
-    fn forward(
-        &self,
-        x: &Tensor,
-        rope: &RopeRows,
-        pad: &Tensor,
-        cache: &mut LayerCache,
-    ) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, inputs: &DeviceInputs, cache: &mut LayerCache) -> Result<Tensor> {
+        let (rope, pad) = (&inputs.rope, &inputs.pad);
         let (b, q_len, _) = x.dims3()?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let dev = x.device();
@@ -315,6 +311,10 @@ impl Attention {
             // Qwen2: bias, split, transpose and rotate in one kernel.
             _ => ops::qkv_rope(&qkv, &self.qkv_bias, &rope.cs, (h, kvh), d),
         })?;
+        if let Some(paged) = &inputs.paged {
+            let out = self.paged_attention(&q, &k, &v, paged, pad, cache)?;
+            return profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?));
+        }
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
 
         // Prefills of many queries on a GPU: the fused kernel (no score buffer). Never in the
@@ -343,6 +343,78 @@ impl Attention {
             Ok(out.transpose(1, 2)?.reshape((b, q_len, h * d))?)
         })?;
         profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?))
+    }
+}
+
+impl Attention {
+    /// Attention over a paged cache (q, k, v head-major `[b, heads, q_len, d]`, RoPE applied):
+    /// this call's keys and values are written at its slots, then a decode step attends with
+    /// the paged kernel (each row over its own length), a prefill of one row over its blocks
+    /// gathered in order. Returns `[b, q_len, heads * d]`.
+    fn paged_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        paged: &PagedInputs,
+        pad: &Tensor,
+        cache: &LayerCache,
+    ) -> Result<Tensor> {
+        let (b, h, q_len, d) = q.dims4()?;
+        let dev = q.device();
+        let (kc, vc) = cache
+            .paged()
+            .ok_or_else(|| ModelError::BadInput("a paged call needs a paged KV cache".into()))?;
+        // [b, kv_heads, n, d] -> one row per token, [b * n, kv_heads, d].
+        let tokens = |t: &Tensor| -> Result<Tensor> {
+            let (b, kvh, n, d) = t.dims4()?;
+            Ok(t.transpose(1, 2)?.contiguous()?.reshape((b * n, kvh, d))?)
+        };
+        profile::time(dev, "attn.cache", || {
+            ops::paged_kv_write(kc, &tokens(k)?, &paged.slots)?;
+            ops::paged_kv_write(vc, &tokens(v)?, &paged.slots)
+        })?;
+        profile::time(dev, "attn.core", || match &paged.read {
+            PagedRead::Decode {
+                block_tables,
+                seq_lens,
+            } => {
+                // The 1/sqrt(d) scale is folded into the queries (see `DecoderLayer::load`).
+                // Shapes the kernel does not take (the test checkpoints' head_dim 16) read the
+                // tables back and attend from plain ops.
+                let attend = if ops::paged_decode_supported(d, h / kc.dim(1)?, kc.dim(2)?) {
+                    ops::paged_decode_attention
+                } else {
+                    ops::paged_decode_attention_reference
+                };
+                let out = attend(&q.squeeze(2)?, kc, vc, block_tables, seq_lens, 1.0)?;
+                Ok(out.reshape((b, 1, h * d))?)
+            }
+            PagedRead::Prefill { blocks, len } => {
+                let gather = |c: &Tensor| -> Result<Tensor> {
+                    let (_, kvh, bs, d) = c.dims4()?;
+                    let n = blocks.dim(0)?;
+                    Ok(c.index_select(blocks, 0)?
+                        .transpose(0, 1)?
+                        .reshape((1, kvh, n * bs, d))?
+                        .narrow(2, 0, *len)?)
+                };
+                let fused = q_len >= FLASH_MIN_QUERIES;
+                let out = attention::attend(
+                    q,
+                    &gather(kc)?,
+                    &gather(vc)?,
+                    1.0,
+                    &attention::Mask {
+                        causal: true,
+                        key_start: Some(pad.clone()),
+                    },
+                    fused,
+                    None,
+                )?;
+                Ok(out.transpose(1, 2)?.reshape((b, q_len, h * d))?)
+            }
+        })
     }
 }
 
@@ -462,8 +534,7 @@ impl DecoderLayer {
         &self,
         x: &Tensor,
         pending: Option<&Tensor>,
-        rope: &RopeRows,
-        pad: &Tensor,
+        inputs: &DeviceInputs,
         cache: &mut LayerCache,
     ) -> Result<(Tensor, Tensor)> {
         let dev = x.device();
@@ -471,7 +542,7 @@ impl DecoderLayer {
             Some(p) => self.input_norm.add_forward(x, p),
             None => Ok((x.clone(), self.input_norm.forward(x)?)),
         })?;
-        let attn = self.attn.forward(&h, rope, pad, cache)?;
+        let attn = self.attn.forward(&h, inputs, cache)?;
         let (x, h) = profile::time(dev, "norm", || self.post_attn_norm.add_forward(&x, &attn))?;
         let mlp = self.mlp.forward(&h)?;
         Ok((x, mlp))
@@ -528,9 +599,78 @@ impl Stream {
     }
 }
 
-/// What every layer of one call reads beside the stream, made once per call and device that
-/// holds layers: the RoPE rows of the call's positions and the rows' left-padding counts.
-struct LayerInputs(Vec<(DeviceLocation, RopeRows, Tensor)>);
+/// What every layer of one call reads beside the stream on one device: the RoPE rows of the
+/// call's positions, the rows' left-padding counts and, for a call on a paged cache, where its
+/// keys and values go and what it attends to.
+pub(crate) struct DeviceInputs {
+    rope: RopeRows,
+    pad: Tensor,
+    paged: Option<PagedInputs>,
+}
+
+/// A paged call's slots and reads, on one device.
+pub(crate) struct PagedInputs {
+    /// `[tokens]` u32: the slot of each of the call's tokens, row-major.
+    slots: Tensor,
+    read: PagedRead,
+}
+
+/// What a paged call's queries attend to.
+enum PagedRead {
+    /// One query per row over the row's blocks: block tables `[b, max_blocks]` and lengths
+    /// `[b]`, u32.
+    Decode {
+        block_tables: Tensor,
+        seq_lens: Tensor,
+    },
+    /// One row's queries over its first `len` tokens, in `blocks` `[n]` u32.
+    Prefill { blocks: Tensor, len: usize },
+}
+
+/// A paged call as the host builds it (see [`PagedInputs`]).
+pub(crate) struct PagedCall {
+    /// The slot of each token of the call, row-major.
+    pub(crate) slots: Vec<u32>,
+    pub(crate) read: PagedCallRead,
+}
+
+/// [`PagedRead`] on the host.
+pub(crate) enum PagedCallRead {
+    Decode {
+        /// Row-major `[b, max_blocks]`.
+        block_tables: Vec<u32>,
+        max_blocks: usize,
+        seq_lens: Vec<u32>,
+    },
+    Prefill {
+        blocks: Vec<u32>,
+        len: usize,
+    },
+}
+
+impl PagedCall {
+    fn upload(&self, dev: &Device) -> Result<PagedInputs> {
+        let slots = Tensor::from_slice(&self.slots, self.slots.len(), dev)?;
+        let read = match &self.read {
+            PagedCallRead::Decode {
+                block_tables,
+                max_blocks,
+                seq_lens,
+            } => PagedRead::Decode {
+                block_tables: Tensor::from_slice(block_tables, (seq_lens.len(), *max_blocks), dev)?,
+                seq_lens: Tensor::from_slice(seq_lens, seq_lens.len(), dev)?,
+            },
+            PagedCallRead::Prefill { blocks, len } => PagedRead::Prefill {
+                blocks: Tensor::from_slice(blocks, blocks.len(), dev)?,
+                len: *len,
+            },
+        };
+        Ok(PagedInputs { slots, read })
+    }
+}
+
+/// [`DeviceInputs`] for every device that holds layers, made once per call.
+pub(crate) struct LayerInputs(Vec<(DeviceLocation, DeviceInputs)>);
 
 impl LayerInputs {
     fn new(
@@ -538,6 +678,7 @@ impl LayerInputs {
         devices: &Devices,
         positions: &Positions,
         pad: &[usize],
+        paged: Option<&PagedCall>,
     ) -> Result<Self> {
         let pad: Vec<u32> = pad.iter().map(|&p| p as u32).collect();
         let mut out = Vec::with_capacity(rope.len());
@@ -545,20 +686,22 @@ impl LayerInputs {
             let dev = devices.get(*loc);
             out.push((
                 *loc,
-                tables.select(positions, dev)?,
-                Tensor::from_slice(&pad, pad.len(), dev)?,
+                DeviceInputs {
+                    rope: tables.select(positions, dev)?,
+                    pad: Tensor::from_slice(&pad, pad.len(), dev)?,
+                    paged: paged.map(|p| p.upload(dev)).transpose()?,
+                },
             ));
         }
         Ok(LayerInputs(out))
     }
 
-    fn on(&self, loc: DeviceLocation) -> (&RopeRows, &Tensor) {
-        let (_, rows, pad) = self
-            .0
+    fn on(&self, loc: DeviceLocation) -> &DeviceInputs {
+        self.0
             .iter()
-            .find(|(l, ..)| *l == loc)
-            .expect("layer inputs are made for every device that holds layers");
-        (rows, pad)
+            .find(|(l, _)| *l == loc)
+            .map(|(_, inputs)| inputs)
+            .expect("layer inputs are made for every device that holds layers")
     }
 }
 
@@ -599,7 +742,7 @@ fn run_layers<L: std::borrow::Borrow<DecoderLayer>>(
         let layer = layer.borrow();
         stream = stream.moved_to(devices.get(layer.location))?;
         hooks.before(i, &stream)?;
-        let (rows, pad) = inputs.on(layer.location);
+        let layer_inputs = inputs.on(layer.location);
         let mut passthrough;
         let layer_cache = match cache.as_deref_mut() {
             Some(c) => c.layer_mut(i),
@@ -608,7 +751,12 @@ fn run_layers<L: std::borrow::Borrow<DecoderLayer>>(
                 &mut passthrough
             }
         };
-        let (x, mlp) = layer.forward(&stream.x, stream.pending.as_ref(), rows, pad, layer_cache)?;
+        let (x, mlp) = layer.forward(
+            &stream.x,
+            stream.pending.as_ref(),
+            layer_inputs,
+            layer_cache,
+        )?;
         stream = Stream {
             x,
             pending: Some(mlp),
@@ -851,12 +999,7 @@ impl QwenModel {
                 "every row of a forward call must have the same, non-zero length".into(),
             ));
         }
-        let vocab = self.cfg.vocab_size as u32;
-        if let Some(&bad) = ids.iter().flatten().find(|&&t| t >= vocab) {
-            return Err(ModelError::BadInput(format!(
-                "token id {bad} is outside the vocabulary (vocab_size = {vocab}); the ids come from another tokenizer"
-            )));
-        }
+        self.check_ids(ids)?;
         let offset = cache.len();
         let shift_of = |r: usize| shift.get(r).copied().unwrap_or(0);
         let positions = if pad.iter().all(|&p| p == 0) && (0..b).all(|r| shift_of(r) == 0) {
@@ -885,7 +1028,18 @@ impl QwenModel {
             }
         };
         let x = self.embed_ids(ids)?;
-        self.forward_embeds(x, pad, positions, cache, last_only, None)
+        self.forward_embeds(x, pad, positions, cache, last_only, None, None)
+    }
+
+    /// An error naming the first id outside the vocabulary.
+    fn check_ids(&self, ids: &[Vec<u32>]) -> Result<()> {
+        let vocab = self.cfg.vocab_size as u32;
+        if let Some(&bad) = ids.iter().flatten().find(|&&t| t >= vocab) {
+            return Err(ModelError::BadInput(format!(
+                "token id {bad} is outside the vocabulary (vocab_size = {vocab}); the ids come from another tokenizer"
+            )));
+        }
+        Ok(())
     }
 
     /// The token embeddings of `ids` (`[batch, len]`, equal lengths), `[batch, len, hidden]` in
@@ -905,7 +1059,10 @@ impl QwenModel {
 
     /// The decoder on input embeddings `x` (`[batch, q_len, hidden]`) at `positions`, rows
     /// left-padded by `pad` slots of the cache; `deepstack` features are added after the first
-    /// layers. See [`QwenModel::forward`] for the logits.
+    /// layers. On a paged cache, `paged` says where the keys and values go and what the
+    /// queries attend to (the cache's own length is not used). See [`QwenModel::forward`] for
+    /// the logits.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward_embeds(
         &self,
         x: Tensor,
@@ -914,6 +1071,7 @@ impl QwenModel {
         cache: &mut KvCache,
         last_only: bool,
         deepstack: Option<&Deepstack<'_>>,
+        paged: Option<&PagedCall>,
     ) -> Result<Tensor> {
         let (b, q_len, _) = x.dims3()?;
         if pad.len() != b {
@@ -921,8 +1079,13 @@ impl QwenModel {
                 "forward needs one pad count per row".into(),
             ));
         }
+        if paged.is_some() != cache.is_paged() {
+            return Err(ModelError::BadInput(
+                "a paged call runs on a paged KV cache, any other call on a contiguous one".into(),
+            ));
+        }
         let offset = cache.len();
-        if offset + q_len > cache.capacity() {
+        if paged.is_none() && offset + q_len > cache.capacity() {
             return Err(ModelError::BadInput(format!(
                 "the KV cache holds {} tokens per row; {} more do not fit",
                 cache.capacity(),
@@ -943,7 +1106,7 @@ impl QwenModel {
                 )));
             }
         }
-        let inputs = LayerInputs::new(&self.rope, &self.devices, &positions, pad)?;
+        let inputs = LayerInputs::new(&self.rope, &self.devices, &positions, pad, paged)?;
         let mut hooks = DeepstackHooks { deepstack };
         let stream = run_layers(
             0..self.layers.len(),
@@ -954,7 +1117,9 @@ impl QwenModel {
             &mut hooks,
             Stream::new(x),
         )?;
-        cache.advance(q_len);
+        if paged.is_none() {
+            cache.advance(q_len);
+        }
 
         let head_dev = self.output_device();
         let mut stream = stream.moved_to(head_dev)?;

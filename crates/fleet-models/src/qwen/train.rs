@@ -531,7 +531,7 @@ impl TrainableQwen {
             ids.extend((0..len).map(|i| i.saturating_sub(p) as u32));
         }
         let positions = Positions::PerRow { ids, batch: b, len };
-        LayerInputs::new(&self.rope, &self.devices, &positions, &batch.pad)
+        LayerInputs::new(&self.rope, &self.devices, &positions, &batch.pad, None)
     }
 
     /// Layers `range` of the master weights (`w`, tracked or detached) on `stream`, each block

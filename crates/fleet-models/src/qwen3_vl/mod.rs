@@ -331,9 +331,15 @@ impl Qwen3VlModel {
             index,
             features: &stack,
         });
-        let logits =
-            self.text
-                .forward_embeds(x, pad, positions, cache, last_only, deepstack.as_ref())?;
+        let logits = self.text.forward_embeds(
+            x,
+            pad,
+            positions,
+            cache,
+            last_only,
+            deepstack.as_ref(),
+            None,
+        )?;
         Ok((logits, deltas))
     }
 

@@ -1,0 +1,262 @@
+//! Continuous batching on a paged KV cache against the lock-step batch: the same requests give
+//! the same tokens, whatever the decode slots, the block size or the prefixes shared; the
+//! bookkeeping (refills, cached prompt tokens) is what it should be. On the CPU always; on the
+//! GPU too when built with `cuda` and one is present.
+
+use std::path::{Path, PathBuf};
+
+#[cfg(feature = "cuda")]
+use fleet_models::{DType, DeviceLocation, DeviceMap};
+use fleet_models::{
+    GenerationOutput, GenerationRequest, LoadOptions, PagedOptions, SamplingParams, TextModel,
+};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// The fixture on the CPU, and on GPU 0 when there is one (f32 both).
+fn models(name: &str) -> Vec<(String, TextModel)> {
+    let dir = fixture(name);
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    let mut out = vec![(
+        format!("{name} cpu"),
+        TextModel::load(dir.to_str().unwrap(), &LoadOptions::default()).unwrap(),
+    )];
+    #[cfg(feature = "cuda")]
+    if candle_core::Device::new_cuda(0).is_ok() {
+        let layers = fleet_models::QwenConfig::from_file(&dir.join("config.json"))
+            .unwrap()
+            .num_hidden_layers;
+        let opts = LoadOptions {
+            dtype: DType::F32,
+            device_map: Some(DeviceMap::single(DeviceLocation::Cuda(0), layers)),
+            ..LoadOptions::default()
+        };
+        out.push((
+            format!("{name} cuda:0"),
+            TextModel::load(dir.to_str().unwrap(), &opts).unwrap(),
+        ));
+    }
+    out
+}
+
+fn request(prompt: Vec<u32>, max_new: usize, sampling: SamplingParams) -> GenerationRequest {
+    GenerationRequest {
+        prompt_ids: prompt,
+        max_new_tokens: max_new,
+        sampling,
+        stop_strings: vec![],
+    }
+}
+
+fn ids(outputs: &[GenerationOutput]) -> Vec<(Vec<u32>, String)> {
+    outputs
+        .iter()
+        .map(|o| (o.token_ids.clone(), format!("{:?}", o.finish_reason)))
+        .collect()
+}
+
+/// Prompts of many lengths (1 to 23 tokens), each its own reply length.
+fn varied_requests(sampling: impl Fn(usize) -> SamplingParams) -> Vec<GenerationRequest> {
+    (0..7)
+        .map(|i| {
+            let len = [1, 3, 4, 5, 9, 16, 23][i];
+            let prompt: Vec<u32> = (0..len).map(|t| (t * 7 + i * 13 + 3) as u32 % 90).collect();
+            request(prompt, 3 + (i * 5) % 11, sampling(i))
+        })
+        .collect()
+}
+
+#[test]
+fn refilled_paged_batches_give_the_lock_step_tokens() {
+    for name in ["qwen2-tiny", "qwen3-tiny"] {
+        for (what, model) in models(name) {
+            let gen = model.generator();
+            let greedy = varied_requests(|_| SamplingParams::greedy());
+            let want = ids(&gen.generate(&greedy, None).unwrap());
+            for (max_batch, block_size) in [(1, 4), (3, 4), (2, 8), (8, 16)] {
+                let options = PagedOptions {
+                    max_batch,
+                    block_size,
+                    num_blocks: 256,
+                };
+                let (got, stats) = gen.generate_paged(&greedy, &options, None).unwrap();
+                assert_eq!(
+                    ids(&got),
+                    want,
+                    "{what}: greedy, {max_batch} slots, blocks of {block_size}"
+                );
+                assert_eq!(stats.max_running, max_batch.min(greedy.len()), "{what}");
+            }
+        }
+    }
+}
+
+/// A random-weight Qwen2 of head_dim 64 with groups of 7 query heads (Qwen2.5-7B's), which
+/// the paged decode kernel takes (the fixtures' head_dim 16 takes the reference path).
+fn kernel_shaped_model(device: &candle_core::Device) -> fleet_models::QwenModel {
+    let cfg = fleet_models::QwenConfig::from_json(
+        r#"{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 448,
+            "intermediate_size": 256, "num_attention_heads": 7, "num_key_value_heads": 1,
+            "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
+            "hidden_act": "silu"}"#,
+        Path::new("kernel_shaped.json"),
+    )
+    .unwrap();
+    let location = match device {
+        candle_core::Device::Cuda(_) => fleet_models::DeviceLocation::Cuda(0),
+        _ => fleet_models::DeviceLocation::Cpu,
+    };
+    let map = fleet_models::DeviceMap::single(location, cfg.num_hidden_layers);
+    fleet_models::QwenModel::new(
+        &cfg,
+        &fleet_models::Weights::Random { seed: 3 },
+        fleet_models::DType::F32,
+        &map,
+    )
+    .unwrap()
+}
+
+#[test]
+fn the_paged_decode_kernel_gives_the_lock_step_tokens() {
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    let mut devices = vec![candle_core::Device::Cpu];
+    #[cfg(feature = "cuda")]
+    if let Ok(gpu) = candle_core::Device::new_cuda(0) {
+        devices.push(gpu);
+    }
+    for device in devices {
+        let model = kernel_shaped_model(&device);
+        let gen = fleet_models::Generator::new(&model, None, Vec::new(), 0);
+        let requests: Vec<GenerationRequest> = (0..6)
+            .map(|i| {
+                let prompt: Vec<u32> = (0..(3 + 40 * i))
+                    .map(|t| ((t * 31 + i * 7) % 500) as u32)
+                    .collect();
+                request(prompt, 5 + 3 * i, SamplingParams::greedy())
+            })
+            .collect();
+        let want = ids(&gen.generate(&requests, None).unwrap());
+        let options = PagedOptions {
+            max_batch: 4,
+            block_size: 16,
+            num_blocks: 128,
+        };
+        let (got, _) = gen.generate_paged(&requests, &options, None).unwrap();
+        assert_eq!(ids(&got), want, "{device:?}");
+    }
+}
+
+#[test]
+fn seeded_sampling_is_the_same_paged_or_lock_step() {
+    for (what, model) in models("qwen2-tiny") {
+        let gen = model.generator();
+        // Plain temperature samples on the device (Gumbel), top-k / top-p on the host.
+        let sampled = varied_requests(|i| SamplingParams {
+            temperature: 0.9,
+            top_k: (i % 2 == 0).then_some(20),
+            top_p: (i % 3 == 0).then_some(0.9),
+            seed: 100 + i as u64,
+        });
+        let want = ids(&gen.generate(&sampled, None).unwrap());
+        let options = PagedOptions {
+            max_batch: 3,
+            block_size: 4,
+            num_blocks: 64,
+        };
+        let (got, _) = gen.generate_paged(&sampled, &options, None).unwrap();
+        assert_eq!(ids(&got), want, "{what}");
+    }
+}
+
+#[test]
+fn a_shared_prompt_is_computed_once_per_block() {
+    for (what, model) in models("qwen2-tiny") {
+        let gen = model.generator();
+        // GSPO's group: one prompt, several seeds. And a shared instruction before different
+        // questions.
+        let prompt: Vec<u32> = (0..21).map(|t| (t * 5 + 1) % 90).collect();
+        let mut requests: Vec<GenerationRequest> = (0..4)
+            .map(|s| {
+                request(
+                    prompt.clone(),
+                    6,
+                    SamplingParams {
+                        temperature: 1.0,
+                        top_k: None,
+                        top_p: None,
+                        seed: s,
+                    },
+                )
+            })
+            .collect();
+        for q in 0..3u32 {
+            let mut p = prompt[..16].to_vec();
+            p.extend([40 + q, 41 + q, 42]);
+            requests.push(request(p, 5, SamplingParams::greedy()));
+        }
+        let want = ids(&gen.generate(&requests, None).unwrap());
+        let options = PagedOptions {
+            max_batch: 2,
+            block_size: 4,
+            num_blocks: 64,
+        };
+        let (got, stats) = gen.generate_paged(&requests, &options, None).unwrap();
+        assert_eq!(ids(&got), want, "{what}");
+        // The first copy computes 21 tokens; the other three find 5 blocks (20 tokens) each;
+        // the questions find the 4 blocks of the 16-token instruction.
+        assert_eq!(stats.prompt_tokens, 4 * 21 + 3 * 19, "{what}");
+        assert_eq!(stats.cached_prompt_tokens, 3 * 20 + 3 * 16, "{what}");
+    }
+}
+
+#[test]
+fn streaming_reports_every_token_of_every_request() {
+    let (_, model) = models("qwen3-tiny").remove(0);
+    let gen = model.generator();
+    let requests = varied_requests(|_| SamplingParams::greedy());
+    let mut seen: Vec<Vec<u32>> = vec![Vec::new(); requests.len()];
+    let mut on_token = |e: fleet_models::StreamEvent<'_>| seen[e.request].push(e.token_id);
+    let options = PagedOptions {
+        max_batch: 2,
+        block_size: 8,
+        num_blocks: 64,
+    };
+    let (out, _) = gen
+        .generate_paged(&requests, &options, Some(&mut on_token))
+        .unwrap();
+    let tokens: Vec<Vec<u32>> = out.iter().map(|o| o.token_ids.clone()).collect();
+    assert_eq!(seen, tokens);
+}
+
+#[test]
+fn a_pool_too_small_for_one_request_is_a_clear_error() {
+    let (_, model) = models("qwen2-tiny").remove(0);
+    let gen = model.generator();
+    let requests = vec![request(vec![1; 30], 10, SamplingParams::greedy())];
+    let options = PagedOptions {
+        max_batch: 4,
+        block_size: 4,
+        num_blocks: 9,
+    };
+    let err = gen
+        .generate_paged(&requests, &options, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("needs 10 KV blocks") && err.contains("has 9"),
+        "{err}"
+    );
+    // Two requests that fit one at a time run one after the other.
+    let requests = vec![
+        request(vec![1; 20], 4, SamplingParams::greedy()),
+        request(vec![2; 20], 4, SamplingParams::greedy()),
+    ];
+    let (out, stats) = gen.generate_paged(&requests, &options, None).unwrap();
+    assert_eq!(stats.max_running, 1);
+    assert_eq!(out.len(), 2);
+}
