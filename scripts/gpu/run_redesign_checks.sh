@@ -10,7 +10,8 @@
 # scripts/cuda/env.sh sourced:
 #   cargo test --release --no-run -p fleet-models -p fleet-serve \
 #     --features fleet-models/cuda,fleet-serve/cuda --lib --test ops_grad --test parity \
-#     --test qwen3_vl_parity --test train_grads --test generation --test replica_process
+#     --test qwen3_vl_parity --test train_grads --test generation --test replica_process \
+#     --test paged_attention --test paged_generation
 # stripped and packed with their names (lib -> fleet_models). They find tests/fixtures through
 # the path they were built at (BUILT_AT, default /work/main), made a link to this checkout.
 #   bash scripts/gpu/run_redesign_checks.sh    # writes $OUT/redesign_checks.log
@@ -31,7 +32,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT
 cat COMMIT 2>/dev/null
 status=0
 for t in fleet_models ops_grad parity qwen3_vl_parity train_grads generation fleet_serve \
-  replica_process; do
+  replica_process paged_attention paged_generation; do
   [ -x "$W/$t" ] || continue
   echo "== $t"
   # replica_process has its own main (it is also the worker it starts): no harness flags.
