@@ -39,6 +39,10 @@ pub struct BenchGenerateArgs {
     /// Tokens per KV block with `--batching continuous`.
     #[arg(long, default_value_t = 16, value_parser = at_least(1))]
     pub block_size: usize,
+    /// With `--batching continuous`: run each decode step op by op instead of replaying it as
+    /// a captured CUDA graph.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
     /// Also run the variable-length workload: this many requests, each with its own reply
     /// length (GSM8K-like, at most --new-tokens, a fixed seed), through `--batch` decode slots,
     /// static (batches of --batch wait for their longest) and continuous; reports both.
@@ -166,7 +170,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
             Ok(match args.batching {
                 Batching::Static => generator.generate(requests, None)?,
                 Batching::Continuous => {
-                    let options = paged_options(requests, b, args.block_size);
+                    let options = paged_options(requests, b, args);
                     generator.generate_paged(requests, &options, None)?.0
                 }
             })
@@ -374,8 +378,9 @@ fn sync(model: &QwenModel) -> Result<()> {
 fn paged_options(
     requests: &[GenerationRequest],
     max_batch: usize,
-    block_size: usize,
+    args: &BenchGenerateArgs,
 ) -> PagedOptions {
+    let block_size = args.block_size;
     let longest = requests
         .iter()
         .map(|r| r.prompt_ids.len() + r.max_new_tokens)
@@ -385,6 +390,7 @@ fn paged_options(
         max_batch,
         block_size,
         num_blocks: max_batch * longest.div_ceil(block_size) + 1,
+        cuda_graphs: !args.no_cuda_graphs,
     }
 }
 
@@ -426,7 +432,7 @@ fn variable_lengths(
     }
     sync(model)?;
     let static_s = t.elapsed().as_secs_f64();
-    let options = paged_options(&requests, batch, args.block_size);
+    let options = paged_options(&requests, batch, args);
     let t = Instant::now();
     let (out, _) = generator.generate_paged(&requests, &options, None)?;
     sync(model)?;

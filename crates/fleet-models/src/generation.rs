@@ -11,12 +11,12 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use crate::error::{ModelError, Result};
 use crate::kv_blocks::{BlockPool, SequenceBlocks};
 use crate::kv_cache::KvCache;
-use crate::qwen::QwenModel;
+use crate::qwen::{DecodeGraph, QwenModel};
 use crate::tokenizer::TextTokenizer;
 
 /// How to pick the next token. `temperature == 0` is greedy (argmax).
@@ -199,6 +199,33 @@ pub struct PagedOptions {
     /// KV blocks in the pool, each `block_size` tokens of every layer
     /// ([`QwenModel::paged_block_bytes`] gives their size).
     pub num_blocks: usize,
+    /// Decode through fixed-address step buffers, one per batch bucket, each step captured
+    /// once as a CUDA graph and replayed where the model allows it
+    /// ([`QwenModel::decode_graph_supported`]); elsewhere the same buffers drive the plain
+    /// step. Same tokens either way.
+    pub cuda_graphs: bool,
+}
+
+impl PagedOptions {
+    /// `max_batch` slots, blocks of 16 tokens, `num_blocks` of them, CUDA graphs on.
+    pub fn new(max_batch: usize, num_blocks: usize) -> Self {
+        PagedOptions {
+            max_batch,
+            block_size: 16,
+            num_blocks,
+            cuda_graphs: true,
+        }
+    }
+}
+
+/// The decode-graph bucket of `n` live rows: powers of two up to 8, then multiples of 8 (a
+/// graph per bucket, its spare rows inactive).
+fn graph_bucket(n: usize) -> usize {
+    if n <= 8 {
+        n.next_power_of_two()
+    } else {
+        n.div_ceil(8) * 8
+    }
 }
 
 /// What a paged generation did.
@@ -212,6 +239,8 @@ pub struct PagedStats {
     pub decode_steps: usize,
     /// Most sequences decoding at once.
     pub max_running: usize,
+    /// Decode steps captured as CUDA graphs (one per batch bucket used).
+    pub graphs_captured: usize,
 }
 
 /// Per-row state during generation.
@@ -441,13 +470,36 @@ impl<'a> Generator<'a> {
             .filter(|&r| rows[r].finish.is_none())
             .collect();
         let mut running: Vec<(usize, SequenceBlocks)> = Vec::new();
+        // The decode graphs' tables hold the longest request's blocks.
+        let max_blocks = requests
+            .iter()
+            .map(|r| pool.blocks_for(r.prompt_ids.len() + r.max_new_tokens))
+            .max()
+            .unwrap_or(1);
+        let mut graphs: BTreeMap<usize, DecodeGraph> = BTreeMap::new();
         loop {
             // One decode step for the running sequences, then the newly admitted ones' first
             // logits after them.
             let mut parts = Vec::new();
             if !running.is_empty() {
                 let seqs: Vec<&SequenceBlocks> = running.iter().map(|(_, s)| s).collect();
-                parts.push(self.model.decode_paged(&seqs, &mut cache)?);
+                let logits = if options.cuda_graphs {
+                    let bucket = graph_bucket(seqs.len());
+                    let g = match graphs.entry(bucket) {
+                        std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::btree_map::Entry::Vacant(e) => {
+                            let g = self
+                                .model
+                                .decode_graph(bucket, max_blocks, &mut cache, true)?;
+                            stats.graphs_captured += usize::from(g.is_captured());
+                            e.insert(g)
+                        }
+                    };
+                    self.model.decode_paged_with(g, &seqs, &mut cache)?
+                } else {
+                    self.model.decode_paged(&seqs, &mut cache)?
+                };
+                parts.push(logits);
                 stats.decode_steps += 1;
             }
             while running.len() < options.max_batch {

@@ -22,6 +22,7 @@ use crate::{attention, ops, profile};
 
 mod moe;
 mod paged;
+pub use paged::DecodeGraph;
 pub mod train;
 
 use moe::SparseMoe;
@@ -142,6 +143,18 @@ impl RopeTables {
         })
     }
 
+    /// The rows of row-major `[batch, len]` positions already on the device (u32): a gather
+    /// with no host data, as a captured decode step needs.
+    fn rows_at(&self, positions: &Tensor, batch: usize, len: usize) -> Result<RopeRows> {
+        let w = self.cs.dim(1)?;
+        Ok(RopeRows {
+            cs: self
+                .cs
+                .index_select(positions, 0)?
+                .reshape((batch, len, w))?,
+        })
+    }
+
     /// The rows for the positions of one forward call.
     fn select(&self, positions: &Positions, dev: &Device) -> Result<RopeRows> {
         match positions {
@@ -204,13 +217,7 @@ impl RopeTables {
             }),
             Positions::PerRow { ids, batch, len } => {
                 let idx = Tensor::from_slice(ids, ids.len(), dev)?;
-                let pick = |t: &Tensor| -> Result<Tensor> {
-                    let w = t.dim(1)?;
-                    Ok(t.index_select(&idx, 0)?.reshape((*batch, *len, w))?)
-                };
-                Ok(RopeRows {
-                    cs: pick(&self.cs)?,
-                })
+                self.rows_at(&idx, *batch, *len)
             }
         }
     }
@@ -1042,6 +1049,43 @@ impl QwenModel {
         Ok(())
     }
 
+    /// The layers over `x` (`[batch, q_len, hidden]`) with `inputs` made for this call, then the
+    /// final norm and the head: f32 logits `[batch, q_len or 1, vocab]`. No checks and no host
+    /// reads (a captured decode step runs exactly this); the cache is not advanced.
+    fn decoder_and_head(
+        &self,
+        x: Tensor,
+        inputs: &LayerInputs,
+        cache: &mut KvCache,
+        last_only: bool,
+        deepstack: Option<&Deepstack<'_>>,
+    ) -> Result<Tensor> {
+        let q_len = x.dim(1)?;
+        let mut hooks = DeepstackHooks { deepstack };
+        let stream = run_layers(
+            0..self.layers.len(),
+            |i| Ok(&self.layers[i]),
+            &self.devices,
+            inputs,
+            Some(cache),
+            &mut hooks,
+            Stream::new(x),
+        )?;
+        let head_dev = self.output_device();
+        let mut stream = stream.moved_to(head_dev)?;
+        if last_only {
+            stream = stream.map(|t| Ok(t.i((.., q_len - 1..q_len, ..))?))?;
+        }
+        let Stream { x, pending } = stream;
+        profile::time(head_dev, "head", || {
+            let x = match &pending {
+                Some(p) => self.norm.add_forward(&x, p)?.1,
+                None => self.norm.forward(&x)?,
+            };
+            Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        })
+    }
+
     /// The token embeddings of `ids` (`[batch, len]`, equal lengths), `[batch, len, hidden]` in
     /// the model dtype on the embedding's device.
     pub fn embed_ids(&self, ids: &[Vec<u32>]) -> Result<Tensor> {
@@ -1107,33 +1151,10 @@ impl QwenModel {
             }
         }
         let inputs = LayerInputs::new(&self.rope, &self.devices, &positions, pad, paged)?;
-        let mut hooks = DeepstackHooks { deepstack };
-        let stream = run_layers(
-            0..self.layers.len(),
-            |i| Ok(&self.layers[i]),
-            &self.devices,
-            &inputs,
-            Some(cache),
-            &mut hooks,
-            Stream::new(x),
-        )?;
+        let logits = self.decoder_and_head(x, &inputs, cache, last_only, deepstack)?;
         if paged.is_none() {
             cache.advance(q_len);
         }
-
-        let head_dev = self.output_device();
-        let mut stream = stream.moved_to(head_dev)?;
-        if last_only {
-            stream = stream.map(|t| Ok(t.i((.., q_len - 1..q_len, ..))?))?;
-        }
-        let Stream { x, pending } = stream;
-        let logits = profile::time(head_dev, "head", || {
-            let x = match &pending {
-                Some(p) => self.norm.add_forward(&x, p)?.1,
-                None => self.norm.forward(&x)?,
-            };
-            Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
-        })?;
         // NaN logits would print as null and sample garbage: refuse them, naming where.
         if let Some(bad) = non_finite(&logits)? {
             let (_, len, vocab) = logits.dims3()?;

@@ -77,11 +77,14 @@ fn refilled_paged_batches_give_the_lock_step_tokens() {
             let gen = model.generator();
             let greedy = varied_requests(|_| SamplingParams::greedy());
             let want = ids(&gen.generate(&greedy, None).unwrap());
-            for (max_batch, block_size) in [(1, 4), (3, 4), (2, 8), (8, 16)] {
+            for (max_batch, block_size, cuda_graphs) in
+                [(1, 4, false), (3, 4, true), (2, 8, false), (8, 16, true)]
+            {
                 let options = PagedOptions {
                     max_batch,
                     block_size,
                     num_blocks: 256,
+                    cuda_graphs,
                 };
                 let (got, stats) = gen.generate_paged(&greedy, &options, None).unwrap();
                 assert_eq!(
@@ -122,7 +125,7 @@ fn kernel_shaped_model(device: &candle_core::Device) -> fleet_models::QwenModel 
 }
 
 #[test]
-fn the_paged_decode_kernel_gives_the_lock_step_tokens() {
+fn the_paged_decode_kernel_gives_the_lock_step_tokens_with_and_without_graphs() {
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
     let mut devices = vec![candle_core::Device::Cpu];
     #[cfg(feature = "cuda")]
@@ -141,13 +144,19 @@ fn the_paged_decode_kernel_gives_the_lock_step_tokens() {
             })
             .collect();
         let want = ids(&gen.generate(&requests, None).unwrap());
-        let options = PagedOptions {
-            max_batch: 4,
-            block_size: 16,
-            num_blocks: 128,
-        };
-        let (got, _) = gen.generate_paged(&requests, &options, None).unwrap();
-        assert_eq!(ids(&got), want, "{device:?}");
+        for cuda_graphs in [false, true] {
+            let options = PagedOptions {
+                max_batch: 4,
+                block_size: 16,
+                num_blocks: 128,
+                cuda_graphs,
+            };
+            let (got, stats) = gen.generate_paged(&requests, &options, None).unwrap();
+            assert_eq!(ids(&got), want, "{device:?}, graphs {cuda_graphs}");
+            // On a GPU every batch bucket used (4, 2, 1 as rows finish) is captured.
+            let captured = cuda_graphs && device.is_cuda();
+            assert_eq!(stats.graphs_captured > 0, captured, "{device:?}");
+        }
     }
 }
 
@@ -167,6 +176,7 @@ fn seeded_sampling_is_the_same_paged_or_lock_step() {
             max_batch: 3,
             block_size: 4,
             num_blocks: 64,
+            cuda_graphs: false,
         };
         let (got, _) = gen.generate_paged(&sampled, &options, None).unwrap();
         assert_eq!(ids(&got), want, "{what}");
@@ -204,6 +214,7 @@ fn a_shared_prompt_is_computed_once_per_block() {
             max_batch: 2,
             block_size: 4,
             num_blocks: 64,
+            cuda_graphs: false,
         };
         let (got, stats) = gen.generate_paged(&requests, &options, None).unwrap();
         assert_eq!(ids(&got), want, "{what}");
@@ -225,6 +236,7 @@ fn streaming_reports_every_token_of_every_request() {
         max_batch: 2,
         block_size: 8,
         num_blocks: 64,
+        cuda_graphs: false,
     };
     let (out, _) = gen
         .generate_paged(&requests, &options, Some(&mut on_token))
@@ -242,6 +254,7 @@ fn a_pool_too_small_for_one_request_is_a_clear_error() {
         max_batch: 4,
         block_size: 4,
         num_blocks: 9,
+        cuda_graphs: false,
     };
     let err = gen
         .generate_paged(&requests, &options, None)

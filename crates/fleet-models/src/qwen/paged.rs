@@ -3,9 +3,14 @@
 //! the calls continuous batching and shared-prefix reuse are made of (see
 //! [`crate::kv_blocks`] for the blocks, [`crate::generation`] for the loop).
 
-use candle_core::Tensor;
+#[cfg(feature = "cuda")]
+use candle_core::Device;
+use candle_core::{DType, Module, Tensor};
 
-use super::{PagedCall, PagedCallRead, Positions, QwenModel};
+use super::{
+    DeviceInputs, LayerInputs, PagedCall, PagedCallRead, PagedInputs, PagedRead, Positions,
+    QwenModel,
+};
 use crate::error::{ModelError, Result};
 use crate::kv_blocks::SequenceBlocks;
 use crate::kv_cache::KvCache;
@@ -105,6 +110,281 @@ impl QwenModel {
         let pad = vec![0; seqs.len()];
         self.forward_embeds(x, &pad, positions, cache, true, None, Some(&call))
     }
+}
+
+/// A decode step of up to `batch` sequences whose inputs live in device memory at fixed
+/// addresses — token ids, positions, slots, block tables and lengths — so that the step can be
+/// captured once as a CUDA graph and replayed: one launch instead of hundreds, and no host work
+/// inside the step. The host writes the next step's inputs into these buffers (a few small
+/// copies) and replays; rows past the live ones are inactive (length 0: attention reads nothing
+/// and yields zeros, their slot `u32::MAX` writes nothing) and their logits are ignored.
+///
+/// On the CPU, or where capture is not possible (a model over several devices, a shape the
+/// paged kernel does not take), the same buffers drive the plain step: the same kernels in the
+/// same order, so the tokens are the same with and without the graph.
+pub struct DecodeGraph {
+    batch: usize,
+    max_blocks: usize,
+    /// `[batch, 1]` u32: each row's last token.
+    ids: Tensor,
+    /// `[batch]` u32: each row's position (its length - 1).
+    positions: Tensor,
+    /// `[batch]` u32: where each row's new keys and values go.
+    slots: Tensor,
+    /// `[batch, max_blocks]` u32.
+    tables: Tensor,
+    /// `[batch]` u32: each row's length, the current token included (0: inactive).
+    seq_lens: Tensor,
+    /// `[batch]` u32 zeros: paged rows have no left padding.
+    pad: Tensor,
+    /// `[batch, 1, vocab]` f32, written by each step.
+    logits: Tensor,
+    #[cfg(feature = "cuda")]
+    graph: Option<candle_core::cuda_backend::cudarc::driver::CudaGraph>,
+}
+
+impl DecodeGraph {
+    /// Rows the step holds.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Whether the step replays a captured CUDA graph (else it runs op by op).
+    pub fn is_captured(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.graph.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+}
+
+impl QwenModel {
+    /// Whether a decode step of this model can be captured as one CUDA graph: every part on
+    /// one CUDA device, and attention shapes the paged kernel takes.
+    pub fn decode_graph_supported(&self, block_size: usize) -> bool {
+        let dev = self.input_device();
+        dev.is_cuda()
+            && self.rope.len() == 1
+            && self.output_device().same_device(dev)
+            && crate::ops::paged_decode_supported(
+                self.cfg.head_dim(),
+                self.cfg.num_attention_heads / self.cfg.num_kv_heads().max(1),
+                block_size,
+            )
+    }
+
+    /// The fixed-address buffers of a decode step of up to `batch` rows with block tables of
+    /// `max_blocks`, on the model's device, captured as a CUDA graph when `capture` and
+    /// [`QwenModel::decode_graph_supported`] (after two plain warm-up steps, which load the
+    /// kernels and let cuBLAS take its workspace). Writes nothing into the cache (every row
+    /// inactive).
+    pub fn decode_graph(
+        &self,
+        batch: usize,
+        max_blocks: usize,
+        cache: &mut KvCache,
+        capture: bool,
+    ) -> Result<DecodeGraph> {
+        let dev = self.input_device().clone();
+        let bs = paged_block_size(cache)?;
+        let u32s = |n: usize, v: u32| Tensor::full(v, n, &dev);
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut graph = DecodeGraph {
+            batch,
+            max_blocks,
+            ids: Tensor::zeros((batch, 1), DType::U32, &dev)?,
+            positions: u32s(batch, 0)?,
+            slots: u32s(batch, u32::MAX)?,
+            tables: Tensor::zeros((batch, max_blocks), DType::U32, &dev)?,
+            seq_lens: u32s(batch, 0)?,
+            pad: u32s(batch, 0)?,
+            logits: Tensor::zeros((batch, 1, self.cfg.vocab_size), DType::F32, &dev)?,
+            #[cfg(feature = "cuda")]
+            graph: None,
+        };
+        if capture && self.decode_graph_supported(bs) {
+            #[cfg(feature = "cuda")]
+            {
+                for _ in 0..2 {
+                    let out = self.decode_step_on(&graph, cache)?;
+                    graph.logits.slice_set(&out, 0, 0)?;
+                }
+                dev.synchronize()?;
+                graph.graph = Some(self.capture_decode_step(&graph, cache)?);
+            }
+        }
+        Ok(graph)
+    }
+
+    /// One decode step of the live `seqs` (at most `graph.batch()`) through `graph`'s buffers:
+    /// the same as [`QwenModel::decode_paged`], returning logits `[seqs, 1, vocab]` (a view of
+    /// the step's output buffer, valid until the next step).
+    pub fn decode_paged_with(
+        &self,
+        graph: &mut DecodeGraph,
+        seqs: &[&SequenceBlocks],
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let bs = paged_block_size(cache)?;
+        let (b, n) = (graph.batch, seqs.len());
+        if n == 0 || n > b || seqs.iter().any(|s| s.is_empty()) {
+            return Err(ModelError::BadInput(format!(
+                "a decode step of {n} sequences through a graph of {b} rows (each sequence \
+                 needs a token)"
+            )));
+        }
+        let ids: Vec<Vec<u32>> = seqs.iter().map(|s| vec![s.tokens[s.len() - 1]]).collect();
+        self.check_ids(&ids)?;
+        let mut host = StepInputs::inactive(b, graph.max_blocks);
+        for (r, s) in seqs.iter().enumerate() {
+            let blocks = s.len().div_ceil(bs);
+            if blocks > graph.max_blocks {
+                return Err(ModelError::BadInput(format!(
+                    "sequence {r} of {} tokens needs {blocks} blocks; the decode graph's tables \
+                     hold {}",
+                    s.len(),
+                    graph.max_blocks
+                )));
+            }
+            host.ids[r] = ids[r][0];
+            host.positions[r] = (s.len() - 1) as u32;
+            host.slots[r] = s.slot(s.len() - 1, bs);
+            host.seq_lens[r] = s.len() as u32;
+            host.tables[r * graph.max_blocks..r * graph.max_blocks + blocks]
+                .copy_from_slice(&s.blocks[..blocks]);
+        }
+        host.write(graph)?;
+        #[cfg(feature = "cuda")]
+        let launched = match &graph.graph {
+            Some(g) => {
+                g.launch().map_err(cuda_err)?;
+                true
+            }
+            None => false,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let launched = false;
+        if !launched {
+            let out = self.decode_step_on(graph, cache)?;
+            graph.logits.slice_set(&out, 0, 0)?;
+        }
+        let logits = graph.logits.narrow(0, 0, n)?;
+        // The step has no host reads inside: the logits are checked here, as the plain step
+        // checks them.
+        if let Some(bad) = crate::weights::non_finite(&logits)? {
+            let vocab = self.cfg.vocab_size;
+            let row = bad.first / vocab;
+            return Err(ModelError::NonFinite {
+                what: format!(
+                    "the logits of row {row} at position {}",
+                    seqs[row].len() - 1
+                ),
+                value: format!(
+                    "{} of {} values, the first {}",
+                    bad.count,
+                    logits.elem_count(),
+                    bad.value
+                ),
+                hint: "the weights or the activations overflow: load the model in bf16 or f32, \
+                       and check the checkpoint"
+                    .into(),
+            });
+        }
+        Ok(logits)
+    }
+
+    /// The step itself, from `graph`'s buffers only (no host data: what the capture records).
+    fn decode_step_on(&self, graph: &DecodeGraph, cache: &mut KvCache) -> Result<Tensor> {
+        let (loc, tables) = &self.rope[0];
+        let x = self.embed.forward(&graph.ids)?;
+        let inputs = LayerInputs(vec![(
+            *loc,
+            DeviceInputs {
+                rope: tables.rows_at(&graph.positions, graph.batch, 1)?,
+                pad: graph.pad.clone(),
+                paged: Some(PagedInputs {
+                    slots: graph.slots.clone(),
+                    read: PagedRead::Decode {
+                        block_tables: graph.tables.clone(),
+                        seq_lens: graph.seq_lens.clone(),
+                    },
+                }),
+            },
+        )]);
+        self.decoder_and_head(x, &inputs, cache, true, None)
+    }
+
+    /// Records one step on the device's stream (thread-local capture: other replicas' threads
+    /// keep running) into a graph whose output is `graph.logits`. Every tensor the step makes
+    /// is dropped inside the capture, so the graph frees what it allocates.
+    #[cfg(feature = "cuda")]
+    fn capture_decode_step(
+        &self,
+        graph: &DecodeGraph,
+        cache: &mut KvCache,
+    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaGraph> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let Device::Cuda(cuda) = self.input_device() else {
+            return Err(ModelError::BadInput(
+                "a decode graph needs a CUDA device".into(),
+            ));
+        };
+        let stream = cuda.cuda_stream();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cuda_err)?;
+        let recorded = self
+            .decode_step_on(graph, cache)
+            .and_then(|out| Ok(graph.logits.slice_set(&out, 0, 0)?));
+        // End the capture whatever happened: a stream left capturing fails every later call.
+        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        let g = ended.map_err(cuda_err)?.ok_or_else(|| {
+            ModelError::BadInput("the decode step's capture recorded nothing".into())
+        })?;
+        g.upload().map_err(cuda_err)?;
+        Ok(g)
+    }
+}
+
+/// A decode step's inputs on the host, inactive rows included.
+struct StepInputs {
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    tables: Vec<u32>,
+    seq_lens: Vec<u32>,
+}
+
+impl StepInputs {
+    fn inactive(batch: usize, max_blocks: usize) -> Self {
+        StepInputs {
+            ids: vec![0; batch],
+            positions: vec![0; batch],
+            slots: vec![u32::MAX; batch],
+            tables: vec![0; batch * max_blocks],
+            seq_lens: vec![0; batch],
+        }
+    }
+
+    /// Into the graph's buffers, in place (their addresses are what the graph reads).
+    fn write(&self, g: &DecodeGraph) -> Result<()> {
+        let dev = g.ids.device();
+        let put = |dst: &Tensor, src: &[u32]| -> Result<()> {
+            let t = Tensor::from_slice(src, dst.shape(), dev)?;
+            Ok(dst.slice_set(&t, 0, 0)?)
+        };
+        put(&g.ids, &self.ids)?;
+        put(&g.positions, &self.positions)?;
+        put(&g.slots, &self.slots)?;
+        put(&g.tables, &self.tables)?;
+        put(&g.seq_lens, &self.seq_lens)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_err(e: candle_core::cuda_backend::cudarc::driver::DriverError) -> ModelError {
+    ModelError::Candle(candle_core::Error::Msg(format!("CUDA graph: {e}")))
 }
 
 /// The block size of a paged cache (an error naming the mix-up for a contiguous one).
