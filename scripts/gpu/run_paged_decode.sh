@@ -6,6 +6,10 @@
 #   PART=speed    7B shape (configs/models/qwen2.5-7b.json, random bf16 weights), prompt 512,
 #                 128 new tokens, batches $BATCHES: fleet static, fleet continuous,
 #                 transformers (benches/transformers_generate.py) — fleet_7b_*.json, hf_7b.json
+#   PART=graphs   the paged tests on the GPU (dist/carry/paged-tests.tar.xz: paged_generation,
+#                 generation, parity), then the 7B speed as PART=speed with three fleet modes:
+#                 static, continuous, continuous --cuda-graphs; and GSPO's rollout shape
+#                 (0.5B, 64 rows, prompt 128, 256 new) static vs continuous
 #   PART=variable 0.5B shape, $VAR_REQUESTS requests with GSM8K-like reply lengths through 32
 #                 and 64 decode slots, static batches vs continuous — fleet_05b_variable.json
 # Writes $OUT/<part>.log and the JSON reports.
@@ -23,6 +27,34 @@ xz -dc dist/carry/fleet.xz > "$F" && chmod +x "$F"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
 "$F" --version
 case "$PART" in
+  graphs)
+    T=/tmp/paged_tests; mkdir -p "$T"
+    xz -dc dist/carry/paged-tests.tar.xz | tar xf - -C "$T"
+    BUILT_AT="${BUILT_AT:-/work/main}"
+    [ -e "$BUILT_AT/tests/fixtures" ] || { mkdir -p "$(dirname "$BUILT_AT")"; ln -sfn "$PWD" "$BUILT_AT"; }
+    for t in paged_generation generation parity; do
+      echo "== $t"
+      "$T/$t" --test-threads 1 2>&1 | grep -E '^test |test result|panicked|FAILED|left|right'
+    done
+    C=configs/models/qwen2.5-7b.json
+    for mode in static continuous continuous-graphs; do
+      echo "== fleet $mode"
+      case "$mode" in
+        continuous-graphs) flags=(--batching continuous --cuda-graphs) ;;
+        *) flags=(--batching "$mode") ;;
+      esac
+      "$F" bench generate --config "$C" --batch "$BATCHES" --prompt-len 512 --new-tokens 128 \
+        --repeats 2 "${flags[@]}" --json "$OUT/fleet_7b_$mode.json"
+    done
+    for mode in static continuous; do
+      echo "== fleet 0.5B rollouts $mode"
+      "$F" bench generate --config configs/models/qwen2.5-0.5b.json --batch 64 --prompt-len 128 \
+        --new-tokens 256 --repeats 3 --batching "$mode" --json "$OUT/fleet_05b_rollouts_$mode.json"
+    done
+    echo "== transformers"
+    python3 benches/transformers_generate.py --config "$C" --dtype bf16 --prompt-len 512 \
+      --new-tokens 128 --batch "$BATCHES" --device cuda --json "$OUT/hf_7b.json"
+    ;;
   speed)
     C=configs/models/qwen2.5-7b.json
     for mode in static continuous; do
