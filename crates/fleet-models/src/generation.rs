@@ -504,10 +504,30 @@ impl<'a> Generator<'a> {
                 parts.push(logits);
                 stats.decode_steps += 1;
             }
+            // Requests admitted in this round: a later one with the same prompt as an earlier
+            // one forks it (GSPO's completions of one prompt: one prefill, the same first
+            // logits, a copy of the partial last block) instead of computing it again.
+            let first_new = running.len();
             while running.len() < options.max_batch {
                 let Some(&r) = waiting.front() else { break };
                 let req = &requests[r];
-                let Some(mut seq) = pool.admit(&req.prompt_ids, req.max_new_tokens) else {
+                let twin = (first_new..running.len())
+                    .find(|&i| requests[running[i].0].prompt_ids == req.prompt_ids);
+                let admitted = match twin {
+                    Some(i) => pool
+                        .fork(&running[i].1, req.max_new_tokens)
+                        .map(|(seq, copy)| {
+                            (
+                                seq,
+                                copy,
+                                Some(parts[parts.len() - (running.len() - i)].clone()),
+                            )
+                        }),
+                    None => pool
+                        .admit(&req.prompt_ids, req.max_new_tokens)
+                        .map(|seq| (seq, None, None)),
+                };
+                let Some((mut seq, copy, logits)) = admitted else {
                     if running.is_empty() {
                         return Err(ModelError::BadInput(format!(
                             "request {r} needs {} KV blocks of {} tokens (prompt {} + \
@@ -523,7 +543,14 @@ impl<'a> Generator<'a> {
                     break;
                 };
                 waiting.pop_front();
-                parts.push(self.model.prefill_paged(&seq, &mut cache)?);
+                if let Some((from, to)) = copy {
+                    self.model.copy_paged_block(&mut cache, from, to)?;
+                }
+                let logits = match logits {
+                    Some(l) => l,
+                    None => self.model.prefill_paged(&seq, &mut cache)?,
+                };
+                parts.push(logits);
                 stats.prompt_tokens += seq.len();
                 stats.cached_prompt_tokens += seq.cached;
                 let written = seq.len();

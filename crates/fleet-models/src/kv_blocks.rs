@@ -187,6 +187,48 @@ impl BlockPool {
         })
     }
 
+    /// A second sequence with `seq`'s tokens, all of them already computed (the first
+    /// sequence's prefill serves both: GSPO's completions of one prompt), with room for
+    /// `reserve` more tokens: `seq`'s full blocks are shared, its partial last block is given a
+    /// fresh copy — returned as `(from, to)` for the caller to copy on the device — since each
+    /// sequence writes its own continuation there. `None`, with nothing taken, when the free
+    /// blocks do not suffice.
+    pub fn fork(
+        &mut self,
+        seq: &SequenceBlocks,
+        reserve: usize,
+    ) -> Option<(SequenceBlocks, Option<(BlockId, BlockId)>)> {
+        let bs = self.block_size;
+        let full = seq.len() / bs;
+        let total = self.blocks_for(seq.len() + reserve).max(full);
+        if total - full > self.free_blocks() {
+            return None;
+        }
+        let mut blocks: Vec<BlockId> = seq.blocks[..full].to_vec();
+        for &b in &blocks {
+            self.take(b);
+        }
+        let mut copy = None;
+        for i in full..total {
+            let b = self.take_fresh().expect("counted above");
+            if i == full && !seq.len().is_multiple_of(bs) {
+                copy = Some((seq.blocks[full], b));
+            }
+            blocks.push(b);
+        }
+        self.queried += seq.len() as u64;
+        self.hits += seq.len() as u64;
+        Some((
+            SequenceBlocks {
+                tokens: seq.tokens.clone(),
+                blocks,
+                cached: seq.len(),
+                registered: seq.registered.min(full),
+            },
+            copy,
+        ))
+    }
+
     /// Gives `seq` the slot of one more token, `token` (a fresh block when its blocks are
     /// full); `None`, with nothing changed, when no block is free.
     pub fn append(&mut self, seq: &mut SequenceBlocks, token: u32) -> Option<u32> {
@@ -371,6 +413,34 @@ mod tests {
         assert_eq!(f.cached, 2, "only the re-registered first block is found");
         pool.release(e);
         pool.release(f);
+    }
+
+    #[test]
+    fn a_fork_shares_full_blocks_and_copies_the_partial_one() {
+        let mut pool = BlockPool::new(12, 4);
+        let p = prompt(10, 0);
+        let mut a = pool.admit(&p, 3).unwrap();
+        pool.register(&mut a, 10);
+        let (b, copy) = pool.fork(&a, 3).unwrap();
+        assert_eq!(b.cached, 10);
+        assert_eq!(&b.blocks[..2], &a.blocks[..2]);
+        assert_eq!(copy, Some((a.blocks[2], b.blocks[2])));
+        assert_ne!(b.blocks[2], a.blocks[2]);
+        assert_eq!(b.blocks.len(), 4, "10 + 3 tokens");
+        assert_eq!(pool.ref_count(a.blocks[0]), 2);
+        // A prompt of whole blocks copies nothing.
+        let q = prompt(8, 50);
+        let c = pool.admit(&q, 0).unwrap();
+        let (d, copy) = pool.fork(&c, 0).unwrap();
+        assert_eq!((copy, d.blocks.clone()), (None, c.blocks.clone()));
+        // Not enough blocks: nothing taken.
+        let free = pool.free_blocks();
+        assert!(pool.fork(&a, 100).is_none());
+        assert_eq!(pool.free_blocks(), free);
+        for s in [a, b, c, d] {
+            pool.release(s);
+        }
+        assert_eq!(pool.free_blocks(), 12);
     }
 
     #[test]

@@ -135,12 +135,15 @@ fn the_paged_decode_kernel_gives_the_lock_step_tokens_with_and_without_graphs() 
     for device in devices {
         let model = kernel_shaped_model(&device);
         let gen = fleet_models::Generator::new(&model, None, Vec::new(), 0);
-        let requests: Vec<GenerationRequest> = (0..6)
-            .map(|i| {
+        // Request 1 is request 0 again (forked when admitted with it), to a shorter length.
+        let requests: Vec<GenerationRequest> = [0, 0, 1, 2, 3, 4, 5]
+            .into_iter()
+            .enumerate()
+            .map(|(k, i)| {
                 let prompt: Vec<u32> = (0..(3 + 40 * i))
                     .map(|t| ((t * 31 + i * 7) % 500) as u32)
                     .collect();
-                request(prompt, 5 + 3 * i, SamplingParams::greedy())
+                request(prompt, 5 + 3 * i - k.min(1), SamplingParams::greedy())
             })
             .collect();
         let want = ids(&gen.generate(&requests, None).unwrap());
@@ -211,17 +214,26 @@ fn a_shared_prompt_is_computed_once_per_block() {
         }
         let want = ids(&gen.generate(&requests, None).unwrap());
         let options = PagedOptions {
-            max_batch: 2,
+            max_batch: 4,
             block_size: 4,
             num_blocks: 64,
             cuda_graphs: false,
         };
         let (got, stats) = gen.generate_paged(&requests, &options, None).unwrap();
         assert_eq!(ids(&got), want, "{what}");
-        // The first copy computes 21 tokens; the other three find 5 blocks (20 tokens) each;
-        // the questions find the 4 blocks of the 16-token instruction.
+        // The four copies are admitted together: the first computes its 21 tokens, the other
+        // three fork it (nothing computed); the questions, admitted later, find the 4 blocks
+        // of the 16-token instruction.
         assert_eq!(stats.prompt_tokens, 4 * 21 + 3 * 19, "{what}");
-        assert_eq!(stats.cached_prompt_tokens, 3 * 20 + 3 * 16, "{what}");
+        assert_eq!(stats.cached_prompt_tokens, 3 * 21 + 3 * 16, "{what}");
+        // Admitted one round apart, a copy finds the prompt's blocks but the last: 20 tokens.
+        let options = PagedOptions {
+            max_batch: 1,
+            ..options
+        };
+        let (got, stats) = gen.generate_paged(&requests[..2], &options, None).unwrap();
+        assert_eq!(ids(&got), want[..2].to_vec(), "{what}");
+        assert_eq!(stats.cached_prompt_tokens, 20, "{what}");
     }
 }
 

@@ -35,6 +35,29 @@ impl QwenModel {
         Ok(KvCache::paged(buffers))
     }
 
+    /// Copies block `from` to block `to` in every layer, keys and values (a forked sequence's
+    /// own copy of the partial block it continues from).
+    pub fn copy_paged_block(&self, cache: &mut KvCache, from: u32, to: u32) -> Result<()> {
+        for i in 0..self.layers.len() {
+            let (k, v) = cache
+                .layer_mut(i)
+                .paged()
+                .ok_or_else(|| ModelError::BadInput("a paged call needs a paged KV cache".into()))?
+                .clone();
+            for c in [k, v] {
+                let bs = c.dim(2)?;
+                let dev = c.device();
+                let block = c
+                    .index_select(&Tensor::new(&[from], dev)?, 0)?
+                    .squeeze(0)?
+                    .transpose(0, 1)?; // [block_size, kv_heads, head_dim]
+                let slots: Vec<u32> = (0..bs as u32).map(|o| to * bs as u32 + o).collect();
+                crate::ops::paged_kv_write(&c, &block, &Tensor::new(slots.as_slice(), dev)?)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of one block in every layer (keys and values): what a KV budget divides by.
     pub fn paged_block_bytes(&self, block_size: usize) -> u64 {
         2 * self.layers.len() as u64
