@@ -230,6 +230,21 @@ fn graph_bucket(n: usize) -> usize {
     }
 }
 
+/// A paged KV cache, its block pool and the options it was made with, kept across
+/// [`Generator::generate_in`] calls.
+pub struct PagedSession {
+    pool: BlockPool,
+    cache: KvCache,
+    options: PagedOptions,
+}
+
+impl PagedSession {
+    /// Prompt tokens found in the cache and prompt tokens asked for, over the session's life.
+    pub fn hit_counts(&self) -> (u64, u64) {
+        self.pool.hit_counts()
+    }
+}
+
 /// What a paged generation did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct PagedStats {
@@ -454,18 +469,46 @@ impl<'a> Generator<'a> {
         &self,
         requests: &[GenerationRequest],
         options: &PagedOptions,
-        mut on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+        on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
     ) -> Result<(Vec<GenerationOutput>, PagedStats)> {
-        self.validate(requests)?;
+        let mut session = self.paged_session(options)?;
+        self.generate_in(&mut session, requests, on_token)
+    }
+
+    /// A paged cache and its blocks that outlive one call: the prompts of later calls find
+    /// the blocks of earlier ones (ARGO's prompts that extend an earlier call's, the judge's
+    /// common instruction), until other blocks are needed.
+    pub fn paged_session(&self, options: &PagedOptions) -> Result<PagedSession> {
         if options.max_batch == 0 || options.block_size == 0 {
             return Err(ModelError::BadInput(
                 "paged generation needs max_batch and block_size of at least 1".into(),
             ));
         }
-        let mut pool = BlockPool::new(options.num_blocks, options.block_size);
-        let mut cache = self
-            .model
-            .new_paged_cache(options.num_blocks, options.block_size)?;
+        Ok(PagedSession {
+            pool: BlockPool::new(options.num_blocks, options.block_size),
+            cache: self
+                .model
+                .new_paged_cache(options.num_blocks, options.block_size)?,
+            options: *options,
+        })
+    }
+
+    /// [`Generator::generate_paged`] in `session`: its blocks (and the prefixes they hold)
+    /// are kept for the next call. The session must come from this generator's model; after
+    /// an error, start a new one (the failed call's blocks are not returned).
+    pub fn generate_in(
+        &self,
+        session: &mut PagedSession,
+        requests: &[GenerationRequest],
+        mut on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<(Vec<GenerationOutput>, PagedStats)> {
+        self.validate(requests)?;
+        let PagedSession {
+            pool,
+            cache,
+            options,
+        } = session;
+        let options = *options;
         let mut rows = Row::for_requests(requests);
         let mut stats = PagedStats::default();
         let mut waiting: VecDeque<usize> = (0..requests.len())
@@ -490,16 +533,14 @@ impl<'a> Generator<'a> {
                     let g = match graphs.entry(bucket) {
                         std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                         std::collections::btree_map::Entry::Vacant(e) => {
-                            let g = self
-                                .model
-                                .decode_graph(bucket, max_blocks, &mut cache, true)?;
+                            let g = self.model.decode_graph(bucket, max_blocks, cache, true)?;
                             stats.graphs_captured += usize::from(g.is_captured());
                             e.insert(g)
                         }
                     };
-                    self.model.decode_paged_with(g, &seqs, &mut cache)?
+                    self.model.decode_paged_with(g, &seqs, cache)?
                 } else {
-                    self.model.decode_paged(&seqs, &mut cache)?
+                    self.model.decode_paged(&seqs, cache)?
                 };
                 parts.push(logits);
                 stats.decode_steps += 1;
@@ -544,11 +585,11 @@ impl<'a> Generator<'a> {
                 };
                 waiting.pop_front();
                 if let Some((from, to)) = copy {
-                    self.model.copy_paged_block(&mut cache, from, to)?;
+                    self.model.copy_paged_block(cache, from, to)?;
                 }
                 let logits = match logits {
                     Some(l) => l,
-                    None => self.model.prefill_paged(&seq, &mut cache)?,
+                    None => self.model.prefill_paged(&seq, cache)?,
                 };
                 parts.push(logits);
                 stats.prompt_tokens += seq.len();

@@ -43,7 +43,7 @@ pub use error::{ModelError, Result};
 pub use fleet_topology::{DeviceLocation, DeviceMap};
 pub use generation::{
     continuation_logprobs, FinishReason, GenerationOutput, GenerationRequest, Generator,
-    PagedOptions, PagedStats, SamplingParams, StreamEvent,
+    PagedOptions, PagedSession, PagedStats, SamplingParams, StreamEvent,
 };
 pub use kv_cache::KvCache;
 pub use qwen::QwenModel;

@@ -238,6 +238,38 @@ fn a_shared_prompt_is_computed_once_per_block() {
 }
 
 #[test]
+fn a_session_keeps_earlier_calls_prefixes() {
+    for (what, model) in models("qwen2-tiny") {
+        let gen = model.generator();
+        let options = PagedOptions {
+            max_batch: 4,
+            block_size: 4,
+            num_blocks: 64,
+            cuda_graphs: false,
+        };
+        let mut session = gen.paged_session(&options).unwrap();
+        // ARGO's second call extends the first call's prompt with what was retrieved.
+        let first: Vec<u32> = (0..13).map(|t| (t * 3 + 2) % 90).collect();
+        let mut second = first.clone();
+        second.extend([7, 8, 9, 10, 11]);
+        let calls = [
+            vec![request(first.clone(), 4, SamplingParams::greedy())],
+            vec![request(second.clone(), 4, SamplingParams::greedy())],
+        ];
+        let mut cached = Vec::new();
+        for call in &calls {
+            let want = ids(&gen.generate(call, None).unwrap());
+            let (got, stats) = gen.generate_in(&mut session, call, None).unwrap();
+            assert_eq!(ids(&got), want, "{what}");
+            cached.push(stats.cached_prompt_tokens);
+        }
+        // The first call's 3 full blocks (12 tokens) serve the second call.
+        assert_eq!(cached, vec![0, 12], "{what}");
+        assert_eq!(session.hit_counts(), (12, 13 + 18), "{what}");
+    }
+}
+
+#[test]
 fn streaming_reports_every_token_of_every_request() {
     let (_, model) = models("qwen3-tiny").remove(0);
     let gen = model.generator();
