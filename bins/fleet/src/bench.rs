@@ -178,25 +178,23 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         };
         // The prompts alone, the way the batching runs them (continuous: one at a time, into
         // the paged cache): one new token each.
-        let time_prefill = |requests: &[GenerationRequest]| -> Result<f64> {
-            let first: Vec<GenerationRequest> = requests
-                .iter()
-                .map(|r| GenerationRequest::greedy(r.prompt_ids.clone(), 1))
-                .collect();
-            let t = Instant::now();
+        let time_prefill = || -> Result<f64> {
             match args.batching {
-                Batching::Static => {
-                    prefill(&model, &prompts)?;
-                }
+                Batching::Static => prefill(&model, &prompts),
                 Batching::Continuous => {
+                    let first: Vec<GenerationRequest> = prompts
+                        .iter()
+                        .map(|p| GenerationRequest::greedy(p.clone(), 1))
+                        .collect();
+                    let t = Instant::now();
                     run_all(&first)?;
+                    sync(&model)?;
+                    Ok(t.elapsed().as_secs_f64())
                 }
             }
-            sync(&model)?;
-            Ok(t.elapsed().as_secs_f64())
         };
         // Warm-up: kernel loading, cuBLAS handles, allocator growth.
-        time_prefill(&requests)?;
+        time_prefill()?;
         let warm = GenerationRequest::greedy(prompts[0].clone(), 4.min(args.new_tokens));
         run_all(&vec![warm; b])?;
         sync(&model)?;
@@ -209,7 +207,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         let mut t_prefill = Vec::new();
         let mut t_generate = Vec::new();
         for _ in 0..args.repeats {
-            t_prefill.push(time_prefill(&requests)?);
+            t_prefill.push(time_prefill()?);
             let t = Instant::now();
             let out = run_all(&requests)?;
             sync(&model)?;

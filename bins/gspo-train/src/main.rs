@@ -454,21 +454,16 @@ fn dist_options(cli: &Cli) -> Result<Option<fleet_gspo::DistOptions>> {
 /// `--gpu-mode` over `--gpu-ids`, or the preset `--device`'s GPUs make (one: 1gpu, two: 2gpu,
 /// three: 3gpu, over those GPUs in order).
 fn preset_and_gpus(placement: &fleet_cli::PlacementArgs) -> Result<(String, Option<Vec<usize>>)> {
-    let Some(devices) = placement.devices()? else {
-        return Ok((
-            placement.gpu_mode().to_string(),
-            placement.gpus.gpu_ids.clone(),
-        ));
-    };
-    let ids: Vec<usize> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
-    if ids.len() != devices.len() || !(1..=3).contains(&ids.len()) {
-        bail!(
-            "--device {}: gspo-train's --device names one, two or three GPUs (the 1gpu, 2gpu or \
-             3gpu preset over them); to train on the CPU, hide the GPUs (CUDA_VISIBLE_DEVICES=)",
-            placement.device.as_deref().unwrap_or_default()
-        );
-    }
-    Ok((format!("{}gpu", ids.len()), Some(ids)))
+    placement.mode_and_gpus(|ids| {
+        if !(1..=3).contains(&ids.len()) {
+            bail!(
+                "--device names {} GPUs: gspo-train's --device names one, two or three (the \
+                 1gpu, 2gpu or 3gpu preset over them)",
+                ids.len()
+            );
+        }
+        Ok(format!("{}gpu", ids.len()))
+    })
 }
 
 /// `--bench-all-reduce MAX`: all-reduce timings between the ranks, printed by rank 0.

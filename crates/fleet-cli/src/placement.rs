@@ -120,6 +120,23 @@ impl PlacementArgs {
     /// `--gpu-mode`, which clap keeps from being given with it). `--device cpu` is not a plan:
     /// run with `CUDA_VISIBLE_DEVICES=` to place on the CPU.
     pub fn plan_mode_and_gpus(&self) -> anyhow::Result<(String, Option<Vec<usize>>)> {
+        self.mode_and_gpus(|ids| {
+            Ok(if ids.len() == 1 {
+                "single"
+            } else {
+                "layer-sharded"
+            }
+            .to_string())
+        })
+    }
+
+    /// `--gpu-mode` over `--gpu-ids`, or else the mode `mode_of` gives `--device`'s GPUs (in
+    /// order) and those GPUs — for a job whose modes are its own (gspo-train's presets).
+    /// `--device cpu` is an error: run with `CUDA_VISIBLE_DEVICES=` to place on the CPU.
+    pub fn mode_and_gpus(
+        &self,
+        mode_of: impl FnOnce(&[usize]) -> anyhow::Result<String>,
+    ) -> anyhow::Result<(String, Option<Vec<usize>>)> {
         let devices = match &self.gpu_mode {
             Some(_) => None,
             None => self.devices()?,
@@ -139,12 +156,7 @@ impl PlacementArgs {
                 })
             })
             .collect::<anyhow::Result<_>>()?;
-        let mode = if ids.len() == 1 {
-            "single"
-        } else {
-            "layer-sharded"
-        };
-        Ok((mode.to_string(), Some(ids)))
+        Ok((mode_of(&ids)?, Some(ids)))
     }
 
     /// The request the flags make for `workload` (an unknown mode or a budget that does not

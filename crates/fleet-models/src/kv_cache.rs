@@ -35,9 +35,11 @@ impl LayerCache {
         self.passthrough
     }
 
-    /// The paged buffers (keys, values), if this layer's cache is paged.
-    pub fn paged(&self) -> Option<&(Tensor, Tensor)> {
-        self.paged.as_ref()
+    /// The paged buffers (keys, values); an error for a cache that is not paged.
+    pub fn paged(&self) -> Result<&(Tensor, Tensor)> {
+        self.paged.as_ref().ok_or_else(|| {
+            crate::ModelError::BadInput("a paged call needs a paged KV cache".into())
+        })
     }
 
     /// Writes `k`, `v` (`[batch, kv_heads, new, head_dim]`) after the cached tokens and returns

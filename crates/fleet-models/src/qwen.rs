@@ -369,9 +369,7 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, h, q_len, d) = q.dims4()?;
         let dev = q.device();
-        let (kc, vc) = cache
-            .paged()
-            .ok_or_else(|| ModelError::BadInput("a paged call needs a paged KV cache".into()))?;
+        let (kc, vc) = cache.paged()?;
         // [b, kv_heads, n, d] -> one row per token, [b * n, kv_heads, d].
         let tokens = |t: &Tensor| -> Result<Tensor> {
             let (b, kvh, n, d) = t.dims4()?;
@@ -1155,38 +1153,50 @@ impl QwenModel {
         if paged.is_none() {
             cache.advance(q_len);
         }
-        // NaN logits would print as null and sample garbage: refuse them, naming where.
-        if let Some(bad) = non_finite(&logits)? {
+        self.check_logits(&logits, |first| {
             let (_, len, vocab) = logits.dims3()?;
-            let row = bad.first / (len * vocab);
+            let row = first / (len * vocab);
             let i = if last_only {
                 q_len - 1
             } else {
-                (bad.first / vocab) % len
+                (first / vocab) % len
             };
             let position = (offset + i).saturating_sub(pad[row]);
-            let hint = if self.dtype == DType::F16 {
-                "the activations overflow f16 (Qwen models exceed its range of 65504 where bf16 \
-                 and f32 do not): load the model in bf16 or f32"
-            } else {
-                "the weights hold NaN/infinite values or values so large that the activations \
-                 overflow: check the checkpoint (a corrupt download or a diverged training run)"
-            };
-            return Err(ModelError::NonFinite {
-                what: format!(
-                    "the logits of row {row} at position {position} (token {} of this call)",
-                    i + 1
-                ),
-                value: format!(
-                    "{} of {} values, the first {}",
-                    bad.count,
-                    logits.elem_count(),
-                    bad.value
-                ),
-                hint: hint.into(),
-            });
-        }
+            Ok(format!(
+                "the logits of row {row} at position {position} (token {} of this call)",
+                i + 1
+            ))
+        })?;
         Ok(logits)
+    }
+
+    /// NaN logits would print as null and sample garbage: an error for them, naming where
+    /// (`what` describes the logit at the first bad flat index) and the likely cause.
+    pub(crate) fn check_logits(
+        &self,
+        logits: &Tensor,
+        what: impl FnOnce(usize) -> Result<String>,
+    ) -> Result<()> {
+        let Some(bad) = non_finite(logits)? else {
+            return Ok(());
+        };
+        let hint = if self.dtype == DType::F16 {
+            "the activations overflow f16 (Qwen models exceed its range of 65504 where bf16 \
+             and f32 do not): load the model in bf16 or f32"
+        } else {
+            "the weights hold NaN/infinite values or values so large that the activations \
+             overflow: check the checkpoint (a corrupt download or a diverged training run)"
+        };
+        Err(ModelError::NonFinite {
+            what: what(bad.first)?,
+            value: format!(
+                "{} of {} values, the first {}",
+                bad.count,
+                logits.elem_count(),
+                bad.value
+            ),
+            hint: hint.into(),
+        })
     }
 
     /// Logits `[batch, len, vocab]` (f32) of equal-length sequences, with no cache kept.

@@ -244,6 +244,21 @@ mod cuda_util {
         }
     }
 
+    /// The CUDA storage of a tensor an op holds beside its inputs (RoPE tables, a bias, block
+    /// tables), which must be on the op's device `dev`; `op` and `what` name them in the error.
+    pub(super) fn held<'a>(
+        op: &str,
+        what: &str,
+        guard: &'a candle_core::Storage,
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<&'a CudaStorage> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        match guard {
+            candle_core::Storage::Cuda(s) if s.device().same_device(dev) => Ok(s),
+            _ => candle_core::bail!("{op}: {what} must be on the device of its inputs"),
+        }
+    }
+
     pub(super) fn same_shapes(
         op: &str,
         a: &Layout,

@@ -637,10 +637,10 @@ impl CustomOp3 for PagedDecodeAttention {
 mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Storage};
+    use candle_core::{CudaStorage, DType, Layout};
     use half::{bf16, f16};
 
     use super::super::cuda_util::*;
@@ -716,16 +716,6 @@ mod cuda {
         }
     }
 
-    /// The device view of a u32 tensor that rides along with the op.
-    fn u32_view<'a>(st: &'a Storage, l: &Layout) -> candle_core::Result<CudaView<'a, u32>> {
-        let Storage::Cuda(cs) = st else {
-            candle_core::bail!(
-                "paged_decode_attention: block_tables and seq_lens must be on the GPU"
-            )
-        };
-        input::<u32>(cs, l)
-    }
-
     #[allow(clippy::too_many_arguments)]
     pub(super) fn decode_attention(
         op: &PagedDecodeAttention,
@@ -755,9 +745,12 @@ mod cuda {
                 input::<T>(s3, l3)?,
             );
             let (ts, tl) = op.block_tables.storage_and_layout();
-            let tables = u32_view(&ts, tl)?;
+            let tables = input::<u32>(
+                held("paged_decode_attention", "block_tables", &ts, &dev)?,
+                tl,
+            )?;
             let (ls, ll) = op.seq_lens.storage_and_layout();
-            let lens = u32_view(&ls, ll)?;
+            let lens = input::<u32>(held("paged_decode_attention", "seq_lens", &ls, &dev)?, ll)?;
             // The kernel reads K and V rows in 16-byte words.
             let width = s1.dtype().size_in_bytes();
             let aligned = |l: &Layout| (l.start_offset() * width).is_multiple_of(16);

@@ -583,19 +583,6 @@ mod cuda {
         Ok((out, Shape::from(n)))
     }
 
-    /// The CUDA storage and layout of a tensor the op holds (tables, bias), on `dev`.
-    fn held<'a>(
-        what: &str,
-        guard: &'a candle_core::Storage,
-        dev: &candle_core::CudaDevice,
-    ) -> candle_core::Result<&'a CudaStorage> {
-        use candle_core::backend::BackendDevice;
-        match guard {
-            candle_core::Storage::Cuda(s) if s.device().same_device(dev) => Ok(s),
-            _ => candle_core::bail!("qk_norm_rope: {what} must be on the device of qkv"),
-        }
-    }
-
     #[allow(clippy::too_many_arguments)]
     pub(super) fn qk_norm_rope(
         op: &QkNormRope,
@@ -625,10 +612,10 @@ mod cuda {
                 input::<T>(s3, l3)?,
             );
             let (cs_g, cs_l) = op.cs.storage_and_layout();
-            let cs = input::<T>(held("cs", &cs_g, &dev)?, cs_l)?;
+            let cs = input::<T>(held("qk_norm_rope", "cs", &cs_g, &dev)?, cs_l)?;
             let bias_g = op.bias.as_ref().map(|b| b.storage_and_layout());
             let bias = match &bias_g {
-                Some((g, l)) => Some(input::<T>(held("bias", g, &dev)?, l)?),
+                Some((g, l)) => Some(input::<T>(held("qk_norm_rope", "bias", g, &dev)?, l)?),
                 None => None,
             };
             let heads = op.h + 2 * op.kvh;

@@ -39,11 +39,7 @@ impl QwenModel {
     /// own copy of the partial block it continues from).
     pub fn copy_paged_block(&self, cache: &mut KvCache, from: u32, to: u32) -> Result<()> {
         for i in 0..self.layers.len() {
-            let (k, v) = cache
-                .layer_mut(i)
-                .paged()
-                .ok_or_else(|| ModelError::BadInput("a paged call needs a paged KV cache".into()))?
-                .clone();
+            let (k, v) = cache.layer_mut(i).paged()?.clone();
             for c in [k, v] {
                 let bs = c.dim(2)?;
                 let dev = c.device();
@@ -98,40 +94,62 @@ impl QwenModel {
     /// Returns logits `[seqs, 1, vocab]` (f32).
     pub fn decode_paged(&self, seqs: &[&SequenceBlocks], cache: &mut KvCache) -> Result<Tensor> {
         let bs = paged_block_size(cache)?;
-        if seqs.is_empty() || seqs.iter().any(|s| s.is_empty()) {
-            return Err(ModelError::BadInput(
-                "a paged decode step needs at least one sequence, each with a token".into(),
-            ));
-        }
-        let ids: Vec<Vec<u32>> = seqs
-            .iter()
-            .map(|s| vec![*s.tokens.last().expect("checked above")])
-            .collect();
-        self.check_ids(&ids)?;
         let max_blocks = seqs.iter().map(|s| s.len().div_ceil(bs)).max().unwrap_or(1);
-        let mut block_tables = Vec::with_capacity(seqs.len() * max_blocks);
-        for s in seqs {
-            let n = s.len().div_ceil(bs);
-            block_tables.extend_from_slice(&s.blocks[..n]);
-            // Past a row's length nothing is read: any block id pads the table.
-            block_tables.extend(std::iter::repeat_n(s.blocks[0], max_blocks - n));
-        }
+        let host = self.step_inputs(seqs, bs, seqs.len(), max_blocks)?;
+        let ids: Vec<Vec<u32>> = host.ids.iter().map(|&t| vec![t]).collect();
         let call = PagedCall {
-            slots: seqs.iter().map(|s| s.slot(s.len() - 1, bs)).collect(),
+            slots: host.slots,
             read: PagedCallRead::Decode {
-                block_tables,
+                block_tables: host.tables,
                 max_blocks,
-                seq_lens: seqs.iter().map(|s| s.len() as u32).collect(),
+                seq_lens: host.seq_lens,
             },
         };
         let positions = Positions::PerRow {
-            ids: seqs.iter().map(|s| (s.len() - 1) as u32).collect(),
+            ids: host.positions,
             batch: seqs.len(),
             len: 1,
         };
         let x = self.embed_ids(&ids)?;
         let pad = vec![0; seqs.len()];
         self.forward_embeds(x, &pad, positions, cache, true, None, Some(&call))
+    }
+
+    /// A decode step's inputs for `seqs` in `rows` rows (the rows past them inactive), with
+    /// block tables of `max_blocks`: each sequence's last token, its position and slot, its
+    /// blocks and length.
+    fn step_inputs(
+        &self,
+        seqs: &[&SequenceBlocks],
+        bs: usize,
+        rows: usize,
+        max_blocks: usize,
+    ) -> Result<StepInputs> {
+        let n = seqs.len();
+        if n == 0 || n > rows || seqs.iter().any(|s| s.is_empty()) {
+            return Err(ModelError::BadInput(format!(
+                "a decode step of {n} sequences in {rows} rows (at least one, each with a token)"
+            )));
+        }
+        let mut host = StepInputs::inactive(rows, max_blocks);
+        for (r, s) in seqs.iter().enumerate() {
+            let blocks = s.len().div_ceil(bs);
+            if blocks > max_blocks {
+                return Err(ModelError::BadInput(format!(
+                    "sequence {r} of {} tokens needs {blocks} blocks; the step's tables hold \
+                     {max_blocks}",
+                    s.len()
+                )));
+            }
+            host.ids[r] = s.tokens[s.len() - 1];
+            host.positions[r] = (s.len() - 1) as u32;
+            host.slots[r] = s.slot(s.len() - 1, bs);
+            host.seq_lens[r] = s.len() as u32;
+            host.tables[r * max_blocks..r * max_blocks + blocks]
+                .copy_from_slice(&s.blocks[..blocks]);
+        }
+        self.check_ids(&[host.ids[..n].to_vec()])?;
+        Ok(host)
     }
 }
 
@@ -249,33 +267,8 @@ impl QwenModel {
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let bs = paged_block_size(cache)?;
-        let (b, n) = (graph.batch, seqs.len());
-        if n == 0 || n > b || seqs.iter().any(|s| s.is_empty()) {
-            return Err(ModelError::BadInput(format!(
-                "a decode step of {n} sequences through a graph of {b} rows (each sequence \
-                 needs a token)"
-            )));
-        }
-        let ids: Vec<Vec<u32>> = seqs.iter().map(|s| vec![s.tokens[s.len() - 1]]).collect();
-        self.check_ids(&ids)?;
-        let mut host = StepInputs::inactive(b, graph.max_blocks);
-        for (r, s) in seqs.iter().enumerate() {
-            let blocks = s.len().div_ceil(bs);
-            if blocks > graph.max_blocks {
-                return Err(ModelError::BadInput(format!(
-                    "sequence {r} of {} tokens needs {blocks} blocks; the decode graph's tables \
-                     hold {}",
-                    s.len(),
-                    graph.max_blocks
-                )));
-            }
-            host.ids[r] = ids[r][0];
-            host.positions[r] = (s.len() - 1) as u32;
-            host.slots[r] = s.slot(s.len() - 1, bs);
-            host.seq_lens[r] = s.len() as u32;
-            host.tables[r * graph.max_blocks..r * graph.max_blocks + blocks]
-                .copy_from_slice(&s.blocks[..blocks]);
-        }
+        let n = seqs.len();
+        let host = self.step_inputs(seqs, bs, graph.batch, graph.max_blocks)?;
         host.write(graph)?;
         #[cfg(feature = "cuda")]
         let launched = match &graph.graph {
@@ -294,25 +287,14 @@ impl QwenModel {
         let logits = graph.logits.narrow(0, 0, n)?;
         // The step has no host reads inside: the logits are checked here, as the plain step
         // checks them.
-        if let Some(bad) = crate::weights::non_finite(&logits)? {
-            let vocab = self.cfg.vocab_size;
-            let row = bad.first / vocab;
-            return Err(ModelError::NonFinite {
-                what: format!(
-                    "the logits of row {row} at position {}",
-                    seqs[row].len() - 1
-                ),
-                value: format!(
-                    "{} of {} values, the first {}",
-                    bad.count,
-                    logits.elem_count(),
-                    bad.value
-                ),
-                hint: "the weights or the activations overflow: load the model in bf16 or f32, \
-                       and check the checkpoint"
-                    .into(),
-            });
-        }
+        let vocab = self.cfg.vocab_size;
+        self.check_logits(&logits, |first| {
+            let row = first / vocab;
+            Ok(format!(
+                "the logits of row {row} at position {}",
+                seqs[row].len() - 1
+            ))
+        })?;
         Ok(logits)
     }
 
@@ -412,9 +394,6 @@ fn cuda_err(e: candle_core::cuda_backend::cudarc::driver::DriverError) -> ModelE
 
 /// The block size of a paged cache (an error naming the mix-up for a contiguous one).
 fn paged_block_size(cache: &mut KvCache) -> Result<usize> {
-    let (k, _) = cache
-        .layer_mut(0)
-        .paged()
-        .ok_or_else(|| ModelError::BadInput("a paged call needs a paged KV cache".into()))?;
+    let (k, _) = cache.layer_mut(0).paged()?;
     Ok(k.dim(2)?)
 }
