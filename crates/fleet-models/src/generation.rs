@@ -230,18 +230,71 @@ fn graph_bucket(n: usize) -> usize {
     }
 }
 
-/// A paged KV cache, its block pool and the options it was made with, kept across
-/// [`Generator::generate_in`] calls.
+/// Continuous batching on a paged KV cache, driven one step at a time: requests are
+/// [submitted](Generator::submit) whenever the caller has them and come back from
+/// [`Generator::step`] as they finish, so a caller whose next request depends on an earlier
+/// reply (ARGO's episodes) never waits for a whole batch. The cache and its block pool outlive
+/// the requests: later prompts find the blocks of earlier ones (ARGO's prompts that extend an
+/// earlier call's, the judge's common instruction) until other blocks are needed.
 pub struct PagedSession {
     pool: BlockPool,
     cache: KvCache,
     options: PagedOptions,
+    /// Submitted and not yet admitted, in submission order.
+    waiting: VecDeque<Pending>,
+    /// Admitted: their blocks, in the decode step's row order.
+    running: Vec<Running>,
+    /// Finished without a step (no tokens asked for), returned by the next step.
+    done: Vec<(usize, GenerationOutput)>,
+    /// Decode graphs by batch bucket; their block tables are `graph_blocks` wide.
+    graphs: BTreeMap<usize, DecodeGraph>,
+    graph_blocks: usize,
+    next_ticket: usize,
+    stats: PagedStats,
+}
+
+/// A submitted request waiting for decode slots and blocks.
+struct Pending {
+    request: GenerationRequest,
+    row: Row,
+}
+
+/// An admitted request.
+struct Running {
+    request: GenerationRequest,
+    row: Row,
+    seq: SequenceBlocks,
 }
 
 impl PagedSession {
     /// Prompt tokens found in the cache and prompt tokens asked for, over the session's life.
     pub fn hit_counts(&self) -> (u64, u64) {
         self.pool.hit_counts()
+    }
+
+    /// Whether no request is waiting, running or unreturned.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.done.is_empty()
+    }
+
+    /// Requests submitted and not yet returned.
+    pub fn in_flight(&self) -> usize {
+        self.waiting.len() + self.running.len() + self.done.len()
+    }
+
+    /// What the session did since it was made (or since [`PagedSession::take_stats`]).
+    pub fn stats(&self) -> &PagedStats {
+        &self.stats
+    }
+
+    /// The counters so far, reset to zero.
+    pub fn take_stats(&mut self) -> PagedStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    /// The options the session was made with.
+    pub fn options(&self) -> &PagedOptions {
+        &self.options
     }
 }
 
@@ -256,13 +309,17 @@ pub struct PagedStats {
     pub decode_steps: usize,
     /// Most sequences decoding at once.
     pub max_running: usize,
-    /// Decode steps captured as CUDA graphs (one per batch bucket used).
+    /// Decode steps captured as CUDA graphs (one per batch bucket and table width used).
     pub graphs_captured: usize,
 }
 
 /// Per-row state during generation.
 struct Row {
+    /// The request's index in its call (lock-step), or its ticket (paged).
     request: usize,
+    sampling: SamplingParams,
+    max_new_tokens: usize,
+    stop_strings: Vec<String>,
     generated: Vec<u32>,
     rng: StdRng,
     /// Length of text already streamed.
@@ -272,35 +329,28 @@ struct Row {
 }
 
 impl Row {
-    /// One row per request, seeded with its seed; a request for no tokens is finished.
-    fn for_requests(requests: &[GenerationRequest]) -> Vec<Row> {
-        requests
-            .iter()
-            .enumerate()
-            .map(|(i, r)| Row {
-                request: i,
-                generated: Vec::new(),
-                rng: StdRng::seed_from_u64(r.sampling.seed),
-                emitted: 0,
-                text: String::new(),
-                finish: (r.max_new_tokens == 0).then_some(FinishReason::Length),
-            })
-            .collect()
+    /// The row of `req`, number `request`, seeded with its seed; a request for no tokens is
+    /// finished.
+    fn new(request: usize, req: &GenerationRequest) -> Row {
+        Row {
+            request,
+            sampling: req.sampling.clone(),
+            max_new_tokens: req.max_new_tokens,
+            stop_strings: req.stop_strings.clone(),
+            generated: Vec::new(),
+            rng: StdRng::seed_from_u64(req.sampling.seed),
+            emitted: 0,
+            text: String::new(),
+            finish: (req.max_new_tokens == 0).then_some(FinishReason::Length),
+        }
     }
 
-    /// The outputs, in request order.
-    fn outputs(rows: Vec<Row>) -> Vec<GenerationOutput> {
-        let mut out: Vec<Option<GenerationOutput>> = vec![None; rows.len()];
-        for row in rows {
-            out[row.request] = Some(GenerationOutput {
-                token_ids: row.generated,
-                text: row.text,
-                finish_reason: row.finish.unwrap_or(FinishReason::Length),
-            });
+    fn output(self) -> GenerationOutput {
+        GenerationOutput {
+            token_ids: self.generated,
+            text: self.text,
+            finish_reason: self.finish.unwrap_or(FinishReason::Length),
         }
-        out.into_iter()
-            .map(|o| o.expect("every request has a row"))
-            .collect()
     }
 }
 
@@ -354,7 +404,11 @@ impl<'a> Generator<'a> {
         let max_new = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(0);
         let mut cache = self.model.new_cache(max_prompt + max_new)?;
 
-        let mut rows = Row::for_requests(requests);
+        let mut rows: Vec<Row> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Row::new(i, r))
+            .collect();
         let mut pad: Vec<usize> = requests
             .iter()
             .map(|r| max_prompt - r.prompt_ids.len())
@@ -368,18 +422,18 @@ impl<'a> Generator<'a> {
                 row
             })
             .collect();
-        // `active` maps cache rows to entries of `rows`.
+        // `active` maps cache rows to entries of `rows`, in ascending order.
         let mut active: Vec<usize> = (0..rows.len()).collect();
         let (mut logits, mut shift) = prefill(&ids, &pad, &mut cache)?;
         loop {
-            let next = self.pick(&logits, &active, requests, &mut rows)?;
+            let mut live = rows_at(&mut rows, &active);
+            let next = self.pick(&logits, &mut live)?;
             let mut still = Vec::new();
-            for (slot, &ri) in active.iter().enumerate() {
-                let row = &mut rows[ri];
+            for (slot, row) in live.into_iter().enumerate() {
                 if row.finish.is_some() {
                     continue;
                 }
-                if self.accept(row, next[slot], &requests[row.request], &mut on_token)? {
+                if self.accept(row, next[slot], &mut on_token)? {
                     still.push(slot);
                 }
             }
@@ -403,29 +457,29 @@ impl<'a> Generator<'a> {
                 .model
                 .forward_shifted(&step, &pad, &shift, &mut cache, true)?;
         }
-        Ok(Row::outputs(rows))
+        Ok(rows.into_iter().map(Row::output).collect())
     }
 
     /// Every request's prompt, sampling and length checked before any work.
     fn validate(&self, requests: &[GenerationRequest]) -> Result<()> {
-        for (i, r) in requests.iter().enumerate() {
-            if r.prompt_ids.is_empty() {
-                return Err(ModelError::BadInput(format!(
-                    "request {i} has an empty prompt"
-                )));
-            }
-            if !r.stop_strings.is_empty() && self.tokenizer.is_none() {
-                return Err(ModelError::BadInput(
-                    "stop strings need the model's tokenizer".into(),
-                ));
-            }
-            r.sampling.validate()?;
-            self.model.check_length(
-                r.prompt_ids.len() + r.max_new_tokens,
-                &format!("request {i}"),
-            )?;
+        requests
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, r)| self.validate_one(r, &format!("request {i}")))
+    }
+
+    fn validate_one(&self, r: &GenerationRequest, what: &str) -> Result<()> {
+        if r.prompt_ids.is_empty() {
+            return Err(ModelError::BadInput(format!("{what} has an empty prompt")));
         }
-        Ok(())
+        if !r.stop_strings.is_empty() && self.tokenizer.is_none() {
+            return Err(ModelError::BadInput(format!(
+                "{what}: stop strings need the model's tokenizer"
+            )));
+        }
+        r.sampling.validate()?;
+        self.model
+            .check_length(r.prompt_ids.len() + r.max_new_tokens, what)
     }
 
     /// Takes token `tok` into `row`: EOS, stop strings, streaming and the length limit.
@@ -434,14 +488,13 @@ impl<'a> Generator<'a> {
         &self,
         row: &mut Row,
         tok: u32,
-        req: &GenerationRequest,
         on_token: &mut Option<&mut dyn FnMut(StreamEvent<'_>)>,
     ) -> Result<bool> {
         row.generated.push(tok);
         if self.eos_ids.contains(&tok) {
             row.finish = Some(FinishReason::Eos);
         }
-        let delta = self.update_text(row, req)?;
+        let delta = self.update_text(row)?;
         if let Some(cb) = on_token.as_mut() {
             cb(StreamEvent {
                 request: row.request,
@@ -449,7 +502,7 @@ impl<'a> Generator<'a> {
                 text_delta: &delta,
             });
         }
-        if row.finish.is_none() && row.generated.len() >= req.max_new_tokens {
+        if row.finish.is_none() && row.generated.len() >= row.max_new_tokens {
             row.finish = Some(FinishReason::Length);
         }
         Ok(row.finish.is_none())
@@ -475,9 +528,7 @@ impl<'a> Generator<'a> {
         self.generate_in(&mut session, requests, on_token)
     }
 
-    /// A paged cache and its blocks that outlive one call: the prompts of later calls find
-    /// the blocks of earlier ones (ARGO's prompts that extend an earlier call's, the judge's
-    /// common instruction), until other blocks are needed.
+    /// An empty paged session: the cache and the block pool of `options`.
     pub fn paged_session(&self, options: &PagedOptions) -> Result<PagedSession> {
         if options.max_batch == 0 || options.block_size == 0 {
             return Err(ModelError::BadInput(
@@ -490,178 +541,253 @@ impl<'a> Generator<'a> {
                 .model
                 .new_paged_cache(options.num_blocks, options.block_size)?,
             options: *options,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            done: Vec::new(),
+            graphs: BTreeMap::new(),
+            graph_blocks: 0,
+            next_ticket: 0,
+            stats: PagedStats::default(),
         })
     }
 
-    /// [`Generator::generate_paged`] in `session`: its blocks (and the prefixes they hold)
-    /// are kept for the next call. The session must come from this generator's model; after
-    /// an error, start a new one (the failed call's blocks are not returned).
+    /// [`Generator::generate_paged`] in `session`, which must be idle: its blocks (and the
+    /// prefixes they hold) are kept for the next call. The session must come from this
+    /// generator's model; after an error, start a new one (the failed call's blocks are not
+    /// returned). The stats are this call's.
     pub fn generate_in(
         &self,
         session: &mut PagedSession,
         requests: &[GenerationRequest],
         mut on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
     ) -> Result<(Vec<GenerationOutput>, PagedStats)> {
+        if !session.is_idle() {
+            return Err(ModelError::BadInput(format!(
+                "generate_in needs an idle session; {} request(s) of it are in flight",
+                session.in_flight()
+            )));
+        }
         self.validate(requests)?;
+        let before = session.take_stats();
+        let first = session.next_ticket;
+        for r in requests {
+            self.submit(session, r.clone())?;
+        }
+        let mut out: Vec<Option<GenerationOutput>> = vec![None; requests.len()];
+        // Stream events name the request's index in this call, not its ticket.
+        let mut renumber = |e: StreamEvent<'_>| {
+            if let Some(cb) = on_token.as_mut() {
+                cb(StreamEvent {
+                    request: e.request - first,
+                    ..e
+                });
+            }
+        };
+        while !session.is_idle() {
+            for (ticket, o) in self.step(session, Some(&mut renumber))? {
+                out[ticket - first] = Some(o);
+            }
+        }
+        let stats = std::mem::replace(&mut session.stats, before.clone());
+        session.stats.add(&stats);
+        Ok((
+            out.into_iter()
+                .map(|o| o.expect("every submitted request comes back"))
+                .collect(),
+            stats,
+        ))
+    }
+
+    /// Queues `request` in `session` and returns its ticket, which [`Generator::step`] gives
+    /// back with its output. The request is checked now; one that alone needs more KV blocks
+    /// than the pool has is refused.
+    pub fn submit(&self, session: &mut PagedSession, request: GenerationRequest) -> Result<usize> {
+        let ticket = session.next_ticket;
+        self.validate_one(&request, &format!("request {ticket}"))?;
+        let need = session
+            .pool
+            .blocks_for(request.prompt_ids.len() + request.max_new_tokens);
+        if need > session.pool.num_blocks() {
+            return Err(ModelError::BadInput(format!(
+                "request {ticket} needs {need} KV blocks of {} tokens (prompt {} + \
+                 max_new_tokens {}) and the pool has {}: raise the KV budget or lower \
+                 max_new_tokens",
+                session.options.block_size,
+                request.prompt_ids.len(),
+                request.max_new_tokens,
+                session.pool.num_blocks()
+            )));
+        }
+        session.next_ticket += 1;
+        let row = Row::new(ticket, &request);
+        if row.finish.is_some() {
+            session.done.push((ticket, row.output()));
+        } else {
+            session.waiting.push_back(Pending { request, row });
+        }
+        Ok(ticket)
+    }
+
+    /// One step of `session`: a decode step for the running sequences, then waiting requests
+    /// admitted into the free decode slots (their prompts prefilled; a request with the same
+    /// prompt as one admitted in the same step forks it: GSPO's completions of one prompt
+    /// share one prefill, its first logits and a copy of the partial last block), then one
+    /// token picked for every admitted sequence. Returns the requests that finished, with
+    /// their tickets; empty when nothing is in flight.
+    pub fn step(
+        &self,
+        session: &mut PagedSession,
+        mut on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<Vec<(usize, GenerationOutput)>> {
+        let mut finished = std::mem::take(&mut session.done);
         let PagedSession {
             pool,
             cache,
             options,
+            waiting,
+            running,
+            graphs,
+            graph_blocks,
+            stats,
+            ..
         } = session;
-        let options = *options;
-        let mut rows = Row::for_requests(requests);
-        let mut stats = PagedStats::default();
-        let mut waiting: VecDeque<usize> = (0..requests.len())
-            .filter(|&r| rows[r].finish.is_none())
-            .collect();
-        let mut running: Vec<(usize, SequenceBlocks)> = Vec::new();
-        // The decode graphs' tables hold the longest request's blocks.
-        let max_blocks = requests
-            .iter()
-            .map(|r| pool.blocks_for(r.prompt_ids.len() + r.max_new_tokens))
-            .max()
-            .unwrap_or(1);
-        let mut graphs: BTreeMap<usize, DecodeGraph> = BTreeMap::new();
-        loop {
-            // One decode step for the running sequences, then the newly admitted ones' first
-            // logits after them.
-            let mut parts = Vec::new();
-            if !running.is_empty() {
-                let seqs: Vec<&SequenceBlocks> = running.iter().map(|(_, s)| s).collect();
-                let logits = if options.cuda_graphs {
-                    let bucket = graph_bucket(seqs.len());
-                    let g = match graphs.entry(bucket) {
-                        std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-                        std::collections::btree_map::Entry::Vacant(e) => {
-                            let g = self.model.decode_graph(bucket, max_blocks, cache, true)?;
-                            stats.graphs_captured += usize::from(g.is_captured());
-                            e.insert(g)
-                        }
-                    };
-                    self.model.decode_paged_with(g, &seqs, cache)?
-                } else {
-                    self.model.decode_paged(&seqs, cache)?
-                };
-                parts.push(logits);
-                stats.decode_steps += 1;
-            }
-            // Requests admitted in this round: a later one with the same prompt as an earlier
-            // one forks it (GSPO's completions of one prompt: one prefill, the same first
-            // logits, a copy of the partial last block) instead of computing it again.
-            let first_new = running.len();
-            while running.len() < options.max_batch {
-                let Some(&r) = waiting.front() else { break };
-                let req = &requests[r];
-                let twin = (first_new..running.len())
-                    .find(|&i| requests[running[i].0].prompt_ids == req.prompt_ids);
-                let admitted = match twin {
-                    Some(i) => pool
-                        .fork(&running[i].1, req.max_new_tokens)
-                        .map(|(seq, copy)| {
-                            (
-                                seq,
-                                copy,
-                                Some(parts[parts.len() - (running.len() - i)].clone()),
-                            )
-                        }),
-                    None => pool
-                        .admit(&req.prompt_ids, req.max_new_tokens)
-                        .map(|seq| (seq, None, None)),
-                };
-                let Some((mut seq, copy, logits)) = admitted else {
-                    if running.is_empty() {
-                        return Err(ModelError::BadInput(format!(
-                            "request {r} needs {} KV blocks of {} tokens (prompt {} + \
-                             max_new_tokens {}) and the pool has {}: raise the KV budget or \
-                             lower max_new_tokens",
-                            pool.blocks_for(req.prompt_ids.len() + req.max_new_tokens),
-                            options.block_size,
-                            req.prompt_ids.len(),
-                            req.max_new_tokens,
-                            pool.num_blocks()
-                        )));
+        let mut parts = Vec::new();
+        if !running.is_empty() {
+            let seqs: Vec<&SequenceBlocks> = running.iter().map(|r| &r.seq).collect();
+            let logits = if options.cuda_graphs {
+                // The graphs' block tables hold the longest running request's blocks; a longer
+                // newcomer makes them all again, twice as wide.
+                let need = running
+                    .iter()
+                    .map(|r| pool.blocks_for(r.request.prompt_ids.len() + r.request.max_new_tokens))
+                    .max()
+                    .unwrap_or(1);
+                if need > *graph_blocks {
+                    *graph_blocks = need.next_power_of_two();
+                    graphs.clear();
+                }
+                let bucket = graph_bucket(seqs.len());
+                let g = match graphs.entry(bucket) {
+                    std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::btree_map::Entry::Vacant(e) => {
+                        let g = self
+                            .model
+                            .decode_graph(bucket, *graph_blocks, cache, true)?;
+                        stats.graphs_captured += usize::from(g.is_captured());
+                        e.insert(g)
                     }
-                    break;
                 };
-                waiting.pop_front();
-                if let Some((from, to)) = copy {
-                    self.model.copy_paged_block(cache, from, to)?;
-                }
-                let logits = match logits {
-                    Some(l) => l,
-                    None => self.model.prefill_paged(&seq, cache)?,
-                };
-                parts.push(logits);
-                stats.prompt_tokens += seq.len();
-                stats.cached_prompt_tokens += seq.cached;
-                let written = seq.len();
-                pool.register(&mut seq, written);
-                running.push((r, seq));
-            }
-            if running.is_empty() {
-                break;
-            }
-            stats.max_running = stats.max_running.max(running.len());
-            let logits = if parts.len() == 1 {
-                parts.pop().expect("one part")
+                self.model.decode_paged_with(g, &seqs, cache)?
             } else {
-                Tensor::cat(&parts, 0)?
+                self.model.decode_paged(&seqs, cache)?
             };
-            let active: Vec<usize> = running.iter().map(|(r, _)| *r).collect();
-            let next = self.pick(&logits, &active, requests, &mut rows)?;
-            let mut still = Vec::with_capacity(running.len());
-            for ((r, mut seq), tok) in running.drain(..).zip(next) {
-                if self.accept(&mut rows[r], tok, &requests[r], &mut on_token)? {
-                    pool.append(&mut seq, tok)
-                        .expect("blocks for max_new_tokens are taken at admission");
-                    still.push((r, seq));
-                } else {
-                    // Every token of the sequence has its keys and values written now.
-                    let written = seq.len();
-                    pool.register(&mut seq, written);
-                    pool.release(seq);
-                }
-            }
-            running = still;
+            parts.push(logits);
+            stats.decode_steps += 1;
         }
-        Ok((Row::outputs(rows), stats))
+        let first_new = running.len();
+        while running.len() < options.max_batch {
+            let Some(front) = waiting.front() else { break };
+            let req = &front.request;
+            let twin = (first_new..running.len())
+                .find(|&i| running[i].request.prompt_ids == req.prompt_ids);
+            let admitted = match twin {
+                Some(i) => pool
+                    .fork(&running[i].seq, req.max_new_tokens)
+                    .map(|(seq, copy)| {
+                        let logits = parts[parts.len() - (running.len() - i)].clone();
+                        (seq, copy, Some(logits))
+                    }),
+                None => pool
+                    .admit(&req.prompt_ids, req.max_new_tokens)
+                    .map(|seq| (seq, None, None)),
+            };
+            // Not enough free blocks: the request waits for running ones to finish. (With
+            // nothing running every block is free or evictable, and `submit` checked that
+            // the request fits the pool.)
+            let Some((mut seq, copy, logits)) = admitted else {
+                if running.is_empty() {
+                    return Err(ModelError::BadInput(format!(
+                        "request {} does not fit the KV pool even alone",
+                        front.row.request
+                    )));
+                }
+                break;
+            };
+            let Pending { request, row } = waiting.pop_front().expect("the front was there");
+            if let Some((from, to)) = copy {
+                self.model.copy_paged_block(cache, from, to)?;
+            }
+            let logits = match logits {
+                Some(l) => l,
+                None => self.model.prefill_paged(&seq, cache)?,
+            };
+            parts.push(logits);
+            stats.prompt_tokens += seq.len();
+            stats.cached_prompt_tokens += seq.cached;
+            let written = seq.len();
+            pool.register(&mut seq, written);
+            running.push(Running { request, row, seq });
+        }
+        if running.is_empty() {
+            return Ok(finished);
+        }
+        stats.max_running = stats.max_running.max(running.len());
+        let logits = if parts.len() == 1 {
+            parts.pop().expect("one part")
+        } else {
+            Tensor::cat(&parts, 0)?
+        };
+        let next = {
+            let mut rows: Vec<&mut Row> = running.iter_mut().map(|r| &mut r.row).collect();
+            self.pick(&logits, &mut rows)?
+        };
+        let mut still = Vec::with_capacity(running.len());
+        for (mut r, tok) in running.drain(..).zip(next) {
+            if self.accept(&mut r.row, tok, &mut on_token)? {
+                pool.append(&mut r.seq, tok)
+                    .expect("blocks for max_new_tokens are taken at admission");
+                still.push(r);
+            } else {
+                // Every token of the sequence has its keys and values written now.
+                let written = r.seq.len();
+                pool.register(&mut r.seq, written);
+                pool.release(r.seq);
+                finished.push((r.row.request, r.row.output()));
+            }
+        }
+        *running = still;
+        Ok(finished)
     }
 
-    /// Chooses the next token of every active row from `logits` `[rows, 1, vocab]`.
-    fn pick(
-        &self,
-        logits: &Tensor,
-        active: &[usize],
-        requests: &[GenerationRequest],
-        rows: &mut [Row],
-    ) -> Result<Vec<u32>> {
+    /// Chooses the next token of every row from `logits` `[rows, 1, vocab]` (row `s` of the
+    /// logits is `rows[s]`).
+    fn pick(&self, logits: &Tensor, rows: &mut [&mut Row]) -> Result<Vec<u32>> {
         let logits = logits.squeeze(1)?;
-        let params_of = |s: usize| &requests[rows[active[s]].request].sampling;
         // Plain temperature sampling runs on the device (Gumbel-max, seeded per row); greedy
         // rows take the argmax; only top-k / top-p rows move their logits to the host.
-        let on_device: Vec<usize> = (0..active.len())
+        let on_device: Vec<usize> = (0..rows.len())
             .filter(|&s| {
-                let p = params_of(s);
+                let p = &rows[s].sampling;
                 !p.is_greedy() && p.top_k.is_none() && p.top_p.is_none()
             })
             .collect();
-        let mut next: Vec<u32> = if on_device.len() == active.len() {
-            vec![0; active.len()]
+        let mut next: Vec<u32> = if on_device.len() == rows.len() {
+            vec![0; rows.len()]
         } else {
             logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1()?
         };
         if !on_device.is_empty() {
             let mut params = Vec::with_capacity(on_device.len() * 4);
             for &s in &on_device {
-                let row = &rows[active[s]];
+                let row = &rows[s];
                 params.extend(crate::ops::gumbel_params(
-                    params_of(s).seed,
+                    row.sampling.seed,
                     row.generated.len() as u32,
-                    params_of(s).temperature,
+                    row.sampling.temperature,
                 ));
             }
             let params = Tensor::from_vec(params, (on_device.len(), 4), logits.device())?;
-            let picked = if on_device.len() == active.len() {
+            let picked = if on_device.len() == rows.len() {
                 crate::ops::sample_gumbel(&logits, &params)?
             } else {
                 let idx: Vec<u32> = on_device.iter().map(|&s| s as u32).collect();
@@ -672,9 +798,9 @@ impl<'a> Generator<'a> {
                 next[s] = id;
             }
         }
-        let on_host: Vec<usize> = (0..active.len())
+        let on_host: Vec<usize> = (0..rows.len())
             .filter(|&s| {
-                let p = params_of(s);
+                let p = &rows[s].sampling;
                 !p.is_greedy() && (p.top_k.is_some() || p.top_p.is_some())
             })
             .collect();
@@ -683,21 +809,20 @@ impl<'a> Generator<'a> {
             let idx = Tensor::from_slice(&idx, idx.len(), logits.device())?;
             let host: Vec<Vec<f32>> = logits.index_select(&idx, 0)?.to_vec2()?;
             for (row_logits, &slot) in host.into_iter().zip(&on_host) {
-                let row = &mut rows[active[slot]];
-                let params = &requests[row.request].sampling;
-                next[slot] = sample(row_logits, params, &mut row.rng);
+                let row = &mut *rows[slot];
+                next[slot] = sample(row_logits, &row.sampling, &mut row.rng);
             }
         }
         Ok(next)
     }
 
     /// Decodes the row's tokens, applies stop strings, and returns the newly final text.
-    fn update_text(&self, row: &mut Row, req: &GenerationRequest) -> Result<String> {
+    fn update_text(&self, row: &mut Row) -> Result<String> {
         let Some(tok) = self.tokenizer else {
             return Ok(String::new());
         };
         let mut text = tok.decode(&row.generated, true)?;
-        if let Some(cut) = req
+        if let Some(cut) = row
             .stop_strings
             .iter()
             .filter_map(|s| text.find(s.as_str()))
@@ -713,7 +838,7 @@ impl<'a> Generator<'a> {
             if text.ends_with('\u{FFFD}') {
                 stable = text.trim_end_matches('\u{FFFD}').len();
             }
-            for s in &req.stop_strings {
+            for s in &row.stop_strings {
                 for k in (1..s.len()).rev() {
                     if s.is_char_boundary(k) && text[..stable].ends_with(&s[..k]) {
                         stable = stable.min(text.len() - k);
@@ -730,6 +855,31 @@ impl<'a> Generator<'a> {
         row.emitted = row.emitted.max(stable);
         row.text = text;
         Ok(delta)
+    }
+}
+
+/// The rows at `active` (ascending indices), mutably.
+fn rows_at<'r>(rows: &'r mut [Row], active: &[usize]) -> Vec<&'r mut Row> {
+    let mut want = active.iter().peekable();
+    rows.iter_mut()
+        .enumerate()
+        .filter_map(|(i, r)| {
+            (want.peek() == Some(&&i)).then(|| {
+                want.next();
+                r
+            })
+        })
+        .collect()
+}
+
+impl PagedStats {
+    /// Adds `other`'s counts (the most running: the larger).
+    fn add(&mut self, other: &PagedStats) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.cached_prompt_tokens += other.cached_prompt_tokens;
+        self.decode_steps += other.decode_steps;
+        self.max_running = self.max_running.max(other.max_running);
+        self.graphs_captured += other.graphs_captured;
     }
 }
 

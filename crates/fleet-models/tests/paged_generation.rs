@@ -317,3 +317,66 @@ fn a_pool_too_small_for_one_request_is_a_clear_error() {
     assert_eq!(stats.max_running, 1);
     assert_eq!(out.len(), 2);
 }
+
+#[test]
+fn requests_submitted_as_others_finish_give_the_lock_step_tokens() {
+    // ARGO without a round barrier: each "episode" asks again, with its reply appended to its
+    // prompt, as soon as its last call returns, while the others are still decoding.
+    for (what, model) in models("qwen2-tiny") {
+        let gen = model.generator();
+        let options = PagedOptions {
+            max_batch: 3,
+            block_size: 4,
+            num_blocks: 96,
+            cuda_graphs: false,
+        };
+        let mut session = gen.paged_session(&options).unwrap();
+        let firsts = varied_requests(|_| SamplingParams::greedy());
+        let mut episode_of = std::collections::HashMap::new();
+        let mut calls_left = vec![3usize; firsts.len()];
+        let mut replies: Vec<Vec<(Vec<u32>, Vec<u32>)>> = vec![Vec::new(); firsts.len()];
+        for (e, r) in firsts.iter().enumerate() {
+            let t = gen.submit(&mut session, r.clone()).unwrap();
+            episode_of.insert(t, (e, r.prompt_ids.clone()));
+        }
+        let mut steps = 0;
+        while !session.is_idle() {
+            steps += 1;
+            for (ticket, out) in gen.step(&mut session, None).unwrap() {
+                let (e, prompt) = episode_of.remove(&ticket).unwrap();
+                replies[e].push((prompt.clone(), out.token_ids.clone()));
+                calls_left[e] -= 1;
+                if calls_left[e] > 0 {
+                    let mut next = prompt;
+                    next.extend(&out.token_ids);
+                    next.push(5);
+                    let t = gen
+                        .submit(
+                            &mut session,
+                            request(next.clone(), 4, SamplingParams::greedy()),
+                        )
+                        .unwrap();
+                    episode_of.insert(t, (e, next));
+                }
+            }
+        }
+        assert!(steps > 0 && calls_left.iter().all(|&c| c == 0), "{what}");
+        // Every call's reply is what a lock-step batch of that one prompt gives.
+        for (e, calls) in replies.iter().enumerate() {
+            assert_eq!(calls.len(), 3, "{what}");
+            for (k, (prompt, got)) in calls.iter().enumerate() {
+                let max_new = if k == 0 { firsts[e].max_new_tokens } else { 4 };
+                let want = gen
+                    .generate(
+                        &[request(prompt.clone(), max_new, SamplingParams::greedy())],
+                        None,
+                    )
+                    .unwrap();
+                assert_eq!(got, &want[0].token_ids, "{what}: episode {e} call {k}");
+            }
+        }
+        // The follow-ups extend earlier prompts, so their leading blocks were found again.
+        assert!(session.stats().cached_prompt_tokens > 0, "{what}");
+        assert!(gen.step(&mut session, None).unwrap().is_empty(), "{what}");
+    }
+}
