@@ -174,6 +174,17 @@ pub struct RealArgs {
     /// Questions (jobs) advancing together (at least 1).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_in_flight: u64,
+    /// How the LLM's calls share the decode batch: `continuous` (each question asks its next
+    /// call as soon as its last one returns; up to --max-batch decode at once on a paged KV
+    /// cache that reuses the prompt blocks of earlier calls) or `static` (lock-step rounds:
+    /// every question in flight takes one step, in batches of --max-batch). The records are
+    /// the same. Continuous needs every replica in this process.
+    #[arg(long, value_enum, default_value = "continuous")]
+    pub batching: fleet_cli::Batching,
+    /// With `--batching continuous`: GiB of each replica's paged KV cache (fewer when
+    /// --max-batch calls of the model's whole context need less).
+    #[arg(long, default_value_t = 8.0)]
+    pub kv_cache_gib: f64,
     /// The retrieval index (`argo-exp ingest`).
     #[arg(long, default_value = "results/argo/index")]
     pub index: PathBuf,
@@ -249,7 +260,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
     }
     let (progress, stats) = (&run.summary.progress, &run.summary.llm);
     outln!(
-        "[real] {} jobs ({} resumed) in {:.1} s, {} rounds; LLM: {} calls, {} cache hits, {} prompt + {} new tokens; wrote {}",
+        "[real] {} jobs ({} resumed) in {:.1} s, {} polls of the LLM; LLM: {} calls, {} cache hits, {} prompt ({} reused from earlier calls' KV) + {} new tokens; wrote {}",
         progress.jobs,
         progress.resumed,
         run.summary.wall_s,
@@ -257,6 +268,7 @@ pub fn run_real(args: &RealArgs, plan: Plan) -> Result<()> {
         stats.calls,
         stats.cache_hits,
         stats.prompt_tokens,
+        stats.cached_prompt_tokens,
         stats.new_tokens,
         written.summary.display()
     )?;
@@ -283,6 +295,8 @@ fn real_config(args: &RealArgs, plan: Plan) -> Result<RealRunConfig> {
         max_batch: args.max_batch as usize,
         attention_budget_gib: args.attention_budget_gib,
         max_in_flight: args.max_in_flight as usize,
+        kv_cache_gib: (args.batching == fleet_cli::Batching::Continuous)
+            .then_some(args.kv_cache_gib),
         index: args.index.clone(),
         embedder: args.embedder.choice(),
         retrieval: RetrievalConfig {

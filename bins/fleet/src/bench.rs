@@ -14,6 +14,7 @@ use fleet_models::{
 use serde::Serialize;
 
 use crate::cli::at_least;
+use fleet_cli::Batching;
 
 #[derive(Args)]
 pub struct BenchGenerateArgs {
@@ -52,16 +53,6 @@ pub struct BenchGenerateArgs {
     /// Write the results here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
-}
-
-/// How requests share the decode batch (see `--batching`).
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Batching {
-    /// One left-padded batch per call.
-    Static,
-    /// Continuous batching on a paged KV cache.
-    Continuous,
 }
 
 /// `--new-tokens`: at least 2, since decode throughput counts the tokens after the first.
@@ -379,17 +370,9 @@ fn paged_options(
     max_batch: usize,
     args: &BenchGenerateArgs,
 ) -> PagedOptions {
-    let block_size = args.block_size;
-    let longest = requests
-        .iter()
-        .map(|r| r.prompt_ids.len() + r.max_new_tokens)
-        .max()
-        .unwrap_or(1);
     PagedOptions {
-        max_batch,
-        block_size,
-        num_blocks: max_batch * longest.div_ceil(block_size) + 1,
         cuda_graphs: args.cuda_graphs,
+        ..PagedOptions::for_requests(requests, max_batch, args.block_size)
     }
 }
 

@@ -15,7 +15,8 @@
 //!   [`answer`]: the answer parser (unparsed answers are recorded, never defaulted).
 //! - Real runs: [`llm`] (a fleet-models checkpoint on any placement, exact cache),
 //!   [`prompts`] (the components' templates, from `configs/argo_prompts.toml`), [`index`] (the
-//!   on-disk vector index), [`runner`] (jobs in lock-step rounds, records with resume).
+//!   on-disk vector index), [`runner`] (jobs that ask their next call as soon as their last
+//!   one returns, records with resume).
 
 /// The answer parser, from fleet-data (shared with gspo-train's multiple-choice reward).
 pub use fleet_data::answer;

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use fleet_models::CheckpointIdentity;
-use fleet_models::{ChatMessage, GenerationRequest};
+use fleet_models::{ChatMessage, GenerationOutput, GenerationRequest, PagedOptions, PagedSession};
 use fleet_runs::{JsonlLog, Manifest};
 use fleet_serve::{Replicas, Text};
 use rayon::prelude::*;
@@ -85,6 +85,10 @@ pub struct LlmStats {
     /// Milliseconds spent generating on the model.
     #[serde(default)]
     pub generate_ms: u64,
+    /// Of `prompt_tokens`, those whose keys and values an earlier call had computed (prompt
+    /// blocks reused by continuous batching's paged cache; 0 in lock-step batches).
+    #[serde(default)]
+    pub cached_prompt_tokens: u64,
 }
 
 /// Something that completes chat requests, many at once.
@@ -100,6 +104,62 @@ pub trait Llm: Sync {
     fn stats(&self) -> LlmStats;
     /// The model's identity for result files (id or path, and revision when known).
     fn model_id(&self) -> String;
+    /// A stream of this LLM's requests where each reply comes back as soon as it is done
+    /// (continuous batching), or `None` when the LLM only answers whole batches (callers then
+    /// use [`LockStep`]).
+    fn stream(&self) -> Result<Option<Box<dyn LlmStream + '_>>, LlmError> {
+        Ok(None)
+    }
+}
+
+/// Requests in at any time, replies out as they finish: what lets a caller ask its next
+/// question the moment an earlier reply returns, while other requests are still generating.
+pub trait LlmStream {
+    /// Queues `request`; its reply comes back from [`LlmStream::poll`] with the ticket
+    /// returned here.
+    fn submit(&mut self, request: LlmRequest) -> Result<u64, LlmError>;
+    /// Works until at least one reply is ready, and returns the ready ones with their tickets;
+    /// empty when nothing is in flight.
+    fn poll(&mut self) -> Result<Vec<(u64, LlmReply)>, LlmError>;
+}
+
+/// The stream of an LLM that answers whole batches: everything submitted since the last
+/// poll is one [`Llm::complete`] batch.
+pub struct LockStep<'l> {
+    llm: &'l dyn Llm,
+    queued: Vec<(u64, LlmRequest)>,
+    next: u64,
+}
+
+impl<'l> LockStep<'l> {
+    /// The lock-step stream of `llm`.
+    pub fn new(llm: &'l dyn Llm) -> Self {
+        LockStep {
+            llm,
+            queued: Vec::new(),
+            next: 0,
+        }
+    }
+}
+
+impl LlmStream for LockStep<'_> {
+    fn submit(&mut self, request: LlmRequest) -> Result<u64, LlmError> {
+        self.next += 1;
+        self.queued.push((self.next, request));
+        Ok(self.next)
+    }
+
+    fn poll(&mut self) -> Result<Vec<(u64, LlmReply)>, LlmError> {
+        let (tickets, requests): (Vec<u64>, Vec<LlmRequest>) =
+            std::mem::take(&mut self.queued).into_iter().unzip();
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(tickets
+            .into_iter()
+            .zip(self.llm.complete(&requests)?)
+            .collect())
+    }
 }
 
 /// Default attention budget of one prefill batch: 16 GiB.
@@ -148,6 +208,9 @@ pub struct FleetLlm {
     pending_ids: Mutex<HashMap<Arc<str>, Vec<u32>>>,
     cache_file: Option<Mutex<JsonlLog>>,
     stats: Mutex<LlmStats>,
+    /// Continuous batching: the KV budget of each replica's paged cache, in bytes; `None`:
+    /// lock-step batches.
+    continuous_kv_bytes: Option<u64>,
 }
 
 impl FleetLlm {
@@ -163,7 +226,18 @@ impl FleetLlm {
             pending_ids: Mutex::new(HashMap::new()),
             cache_file: None,
             stats: Mutex::new(LlmStats::default()),
+            continuous_kv_bytes: None,
         }
+    }
+
+    /// Continuous batching ([`Llm::stream`]): each replica decodes up to `max_batch` requests
+    /// at once on a paged KV cache of at most `kv_bytes` (fewer when that holds `max_batch`
+    /// requests of the whole context), refilling a finished request's slot at once and
+    /// computing the prompt blocks it has seen before only once. Needs every replica in this
+    /// process; with replicas in processes of their own the LLM stays lock-step.
+    pub fn with_continuous_batching(mut self, kv_bytes: u64) -> Self {
+        self.continuous_kv_bytes = Some(kv_bytes);
+        self
     }
 
     /// Bytes the attention scores of one prefill may take (see `FleetLlm::batches`).
@@ -361,17 +435,10 @@ impl FleetLlm {
             .max_position_embeddings
     }
 
-    fn add_time(&self, field: fn(&mut LlmStats) -> &mut u64, started: Instant) {
-        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        *field(&mut stats) += started.elapsed().as_millis() as u64;
-    }
-}
-
-impl Llm for FleetLlm {
-    fn complete(&self, requests: &[LlmRequest]) -> Result<Vec<LlmReply>, LlmError> {
-        let started = Instant::now();
+    /// Every request rendered, and its cache key (its token limit fitted to the context).
+    fn keys(&self, requests: &[LlmRequest]) -> Result<(Vec<Prepared>, Vec<CacheKey>), LlmError> {
         let prepared = self.prepare(requests)?;
-        let keys: Vec<CacheKey> = prepared
+        let keys = prepared
             .iter()
             .zip(requests)
             .map(|(p, r)| {
@@ -381,6 +448,62 @@ impl Llm for FleetLlm {
                 })
             })
             .collect::<Result<_, LlmError>>()?;
+        Ok((prepared, keys))
+    }
+
+    /// The cached reply of `key`: its text and token count.
+    fn cached(&self, key: &CacheKey) -> Option<(String, usize)> {
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()
+    }
+
+    /// A reply the model generated for `key` (a prompt of `prompt_tokens`): into the cache and
+    /// its file, and counted.
+    fn store(
+        &self,
+        key: &CacheKey,
+        prompt_tokens: usize,
+        out: &GenerationOutput,
+    ) -> Result<(), LlmError> {
+        {
+            let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+            stats.prompt_tokens += prompt_tokens as u64;
+            stats.new_tokens += out.token_ids.len() as u64;
+        }
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone(), (out.text.clone(), out.token_ids.len()));
+        if let Some(log) = &self.cache_file {
+            let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+            log.append(&CacheLine {
+                prompt: key.prompt.to_string(),
+                prompt_tokens,
+                max_new_tokens: key.max_new_tokens,
+                text: out.text.clone(),
+                new_tokens: out.token_ids.len(),
+            })
+            .map_err(|e| LlmError::Cache {
+                path: log.path().to_path_buf(),
+                message: e.to_string(),
+            })?;
+        }
+        Ok(())
+    }
+
+    fn add_time(&self, field: fn(&mut LlmStats) -> &mut u64, started: Instant) {
+        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        *field(&mut stats) += started.elapsed().as_millis() as u64;
+    }
+}
+
+impl Llm for FleetLlm {
+    fn complete(&self, requests: &[LlmRequest]) -> Result<Vec<LlmReply>, LlmError> {
+        let started = Instant::now();
+        let (prepared, keys) = self.keys(requests)?;
         // Which keys must run: not cached, and each distinct key once.
         let mut to_run: Vec<usize> = Vec::new();
         {
@@ -419,30 +542,13 @@ impl Llm for FleetLlm {
         self.add_time(|s| &mut s.generate_ms, generating);
 
         let mut fresh: HashSet<usize> = HashSet::new();
+        for (&i, out) in to_run.iter().zip(&outputs) {
+            self.store(&keys[i], prepared[i].tokens, out)?;
+            fresh.insert(i);
+        }
         {
-            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
             stats.batches += batches.len() as u64;
-            for (&i, out) in to_run.iter().zip(&outputs) {
-                stats.prompt_tokens += prepared[i].tokens as u64;
-                stats.new_tokens += out.token_ids.len() as u64;
-                cache.insert(keys[i].clone(), (out.text.clone(), out.token_ids.len()));
-                fresh.insert(i);
-                if let Some(log) = &self.cache_file {
-                    let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
-                    log.append(&CacheLine {
-                        prompt: keys[i].prompt.to_string(),
-                        prompt_tokens: prepared[i].tokens,
-                        max_new_tokens: keys[i].max_new_tokens,
-                        text: out.text.clone(),
-                        new_tokens: out.token_ids.len(),
-                    })
-                    .map_err(|e| LlmError::Cache {
-                        path: log.path().to_path_buf(),
-                        message: e.to_string(),
-                    })?;
-                }
-            }
             stats.calls += requests.len() as u64;
             stats.cache_hits += (requests.len() - fresh.len()) as u64;
         }
@@ -481,6 +587,191 @@ impl Llm for FleetLlm {
 
     fn model_id(&self) -> String {
         self.model_id.clone()
+    }
+
+    fn stream(&self) -> Result<Option<Box<dyn LlmStream + '_>>, LlmError> {
+        let Some(kv_bytes) = self.continuous_kv_bytes else {
+            return Ok(None);
+        };
+        if self.replicas.in_processes() > 0 {
+            tracing::warn!(
+                "continuous batching needs every replica in this process; {} run in processes \
+                 of their own, so the LLM answers lock-step batches",
+                self.replicas.in_processes()
+            );
+            return Ok(None);
+        }
+        Ok(Some(Box::new(FleetStream::new(self, kv_bytes)?)))
+    }
+}
+
+/// Tokens per block of a [`FleetStream`]'s paged caches (the unit of prompt sharing).
+const STREAM_BLOCK_SIZE: usize = 16;
+
+/// [`FleetLlm`]'s stream: one paged session per replica, the same cache of replies as
+/// [`Llm::complete`] (a request answered from the cache, or joined to the same request
+/// already generating, costs no model work).
+struct FleetStream<'l> {
+    llm: &'l FleetLlm,
+    engines: Vec<Engine<'l>>,
+    next: u64,
+    /// Replies ready without model work.
+    ready: Vec<(u64, LlmReply)>,
+    /// Keys generating now, and the tickets waiting for each (the first is the one that
+    /// runs) with their prompt tokens.
+    waiters: HashMap<CacheKey, Vec<(u64, usize)>>,
+}
+
+/// One replica's generator, its paged session and the key of each request it runs.
+struct Engine<'l> {
+    generator: fleet_models::Generator<'l>,
+    session: PagedSession,
+    running: HashMap<usize, CacheKey>,
+}
+
+impl<'l> FleetStream<'l> {
+    /// A session per replica: `max_batch` decode slots, and KV blocks for that many requests
+    /// of the whole context or `kv_bytes`, whichever is less.
+    fn new(llm: &'l FleetLlm, kv_bytes: u64) -> Result<Self, LlmError> {
+        let context = llm.context_len();
+        let engines = llm
+            .replicas
+            .models
+            .iter()
+            .map(|model| {
+                let block_bytes = model.model.paged_block_bytes(STREAM_BLOCK_SIZE).max(1);
+                let whole = llm.max_batch * context.div_ceil(STREAM_BLOCK_SIZE);
+                let options = PagedOptions {
+                    block_size: STREAM_BLOCK_SIZE,
+                    num_blocks: whole.min((kv_bytes / block_bytes) as usize).max(1),
+                    ..PagedOptions::new(llm.max_batch, 1)
+                };
+                let generator = model.generator();
+                let session = generator.paged_session(&options)?;
+                Ok(Engine {
+                    generator,
+                    session,
+                    running: HashMap::new(),
+                })
+            })
+            .collect::<Result<_, LlmError>>()?;
+        Ok(FleetStream {
+            llm,
+            engines,
+            next: 0,
+            ready: Vec::new(),
+            waiters: HashMap::new(),
+        })
+    }
+}
+
+impl LlmStream for FleetStream<'_> {
+    fn submit(&mut self, request: LlmRequest) -> Result<u64, LlmError> {
+        let started = Instant::now();
+        self.next += 1;
+        let ticket = self.next;
+        let (prepared, keys) = self.llm.keys(std::slice::from_ref(&request))?;
+        let (tokens, key) = (
+            prepared[0].tokens,
+            keys.into_iter().next().expect("one key"),
+        );
+        {
+            let mut stats = self.llm.stats.lock().unwrap_or_else(|e| e.into_inner());
+            stats.calls += 1;
+        }
+        let hit = |llm: &FleetLlm| {
+            llm.stats
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .cache_hits += 1;
+        };
+        if let Some((text, new_tokens)) = self.llm.cached(&key) {
+            hit(self.llm);
+            self.ready.push((
+                ticket,
+                LlmReply {
+                    text,
+                    prompt_tokens: tokens,
+                    new_tokens,
+                    cached: true,
+                },
+            ));
+        } else if let Some(waiting) = self.waiters.get_mut(&key) {
+            hit(self.llm);
+            waiting.push((ticket, tokens));
+        } else {
+            let ids = self
+                .llm
+                .prompt_ids(&[&key.prompt])?
+                .pop()
+                .expect("one prompt");
+            // The replica with the least work takes it.
+            let engine = self
+                .engines
+                .iter_mut()
+                .min_by_key(|e| e.session.in_flight())
+                .expect("a replica");
+            let generated = engine.generator.submit(
+                &mut engine.session,
+                GenerationRequest::greedy(ids, key.max_new_tokens),
+            )?;
+            engine.running.insert(generated, key.clone());
+            self.waiters.insert(key, vec![(ticket, tokens)]);
+        }
+        self.llm.add_time(|s| &mut s.prepare_ms, started);
+        Ok(ticket)
+    }
+
+    fn poll(&mut self) -> Result<Vec<(u64, LlmReply)>, LlmError> {
+        // Prompts tokenized by `fits` and not submitted since (trimmed) are dropped.
+        self.llm
+            .pending_ids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        if !self.ready.is_empty() {
+            return Ok(std::mem::take(&mut self.ready));
+        }
+        let started = Instant::now();
+        let mut out = Vec::new();
+        while out.is_empty() && self.engines.iter().any(|e| !e.session.is_idle()) {
+            for engine in &mut self.engines {
+                if engine.session.is_idle() {
+                    continue;
+                }
+                let finished = engine.generator.step(&mut engine.session, None)?;
+                self.llm
+                    .stats
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .cached_prompt_tokens +=
+                    engine.session.take_stats().cached_prompt_tokens as u64;
+                for (generated, output) in finished {
+                    let key = engine
+                        .running
+                        .remove(&generated)
+                        .expect("a finished request was running");
+                    let waiting = self.waiters.remove(&key).unwrap_or_default();
+                    let Some(&(_, prompt_tokens)) = waiting.first() else {
+                        continue;
+                    };
+                    self.llm.store(&key, prompt_tokens, &output)?;
+                    for (k, (ticket, tokens)) in waiting.into_iter().enumerate() {
+                        out.push((
+                            ticket,
+                            LlmReply {
+                                text: output.text.clone(),
+                                prompt_tokens: tokens,
+                                new_tokens: output.token_ids.len(),
+                                cached: k > 0,
+                            },
+                        ));
+                    }
+                }
+            }
+        }
+        self.llm.add_time(|s| &mut s.generate_ms, started);
+        Ok(out)
     }
 }
 

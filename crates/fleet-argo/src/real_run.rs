@@ -138,6 +138,9 @@ pub struct RealRunConfig {
     pub attention_budget_gib: f64,
     /// Questions (jobs) advancing together.
     pub max_in_flight: usize,
+    /// Continuous batching with a paged KV cache of this many GiB per replica; `None`:
+    /// lock-step rounds.
+    pub kv_cache_gib: Option<f64>,
     /// The retrieval index.
     pub index: PathBuf,
     /// The embedder.
@@ -470,13 +473,21 @@ fn load_llm(
     )?;
     let replicas = Replicas::<Text>::load_planned(&config.model, &checkpoint.opts, &placement)?;
     let placement_text = format!("{} mode, {} replica(s)", placement.mode, replicas.len());
-    let llm = FleetLlm::new(replicas, checkpoint.model_id.clone(), config.max_batch)
-        .with_attention_budget(attention_budget)
-        .with_cache_file(
-            &run_dir.join(LLM_CACHE_FILE),
-            &cache_manifest(&checkpoint.identity, checkpoint.dtype),
-            config.overwrite,
-        )?;
+    let mut llm = FleetLlm::new(replicas, checkpoint.model_id.clone(), config.max_batch)
+        .with_attention_budget(attention_budget);
+    if let Some(gib) = config.kv_cache_gib {
+        if !(gib.is_finite() && gib > 0.0) {
+            return Err(invalid(format!(
+                "--kv-cache-gib {gib}: must be a positive number of GiB"
+            )));
+        }
+        llm = llm.with_continuous_batching((gib * (1u64 << 30) as f64) as u64);
+    }
+    let llm = llm.with_cache_file(
+        &run_dir.join(LLM_CACHE_FILE),
+        &cache_manifest(&checkpoint.identity, checkpoint.dtype),
+        config.overwrite,
+    )?;
     Ok((llm, placement_text))
 }
 

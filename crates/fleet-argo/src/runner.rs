@@ -1,12 +1,13 @@
 //! Real runs: strategies answering questions with an LLM and a retriever.
 //!
-//! Every (question, strategy, c_r) triple is a *job* with its own [`Episode`]. Jobs advance in
-//! lock-step rounds: each round asks every unfinished episode for its next action, sends all
-//! the LLM calls of the round (Decomposer for Retrieve, Reasoner for Reason, Synthesizer for
-//! Terminate) to the [`Llm`] as one batch — many questions in flight per GPU — then embeds
-//! all the round's sub-queries in one batch and searches the index once. Outcomes come from
-//! evidence: a Retrieve makes progress when it returns chunks not seen before for that job
-//! with cosine similarity at or above the threshold.
+//! Every (question, strategy, c_r) triple is a *job* with its own [`Episode`]. Up to
+//! `max_in_flight` jobs are in flight; each asks its next LLM call (Decomposer for Retrieve,
+//! Reasoner for Reason, Synthesizer for Terminate) as soon as its last one returned and its
+//! retrieval is done. With an LLM that streams (continuous batching) no job waits for others;
+//! one that does not answers everything asked since its last answer as a batch (lock-step
+//! rounds). The sub-queries of the replies that came back together are embedded in one batch
+//! and searched once. Outcomes come from evidence: a Retrieve makes progress when it returns
+//! chunks not seen before for that job with cosine similarity at or above the threshold.
 //!
 //! Finished jobs are appended to `records.jsonl` at once (one line each, flushed), and a run
 //! started again with the same records file skips the jobs already there: a killed run resumes
@@ -27,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::answer::{parse_answer_with_options, ParsedAnswer};
 use crate::dataset::Question;
 use crate::index::{Hit, IndexError, VectorIndex};
-use crate::llm::{Llm, LlmError, LlmRequest};
+use crate::llm::{Llm, LlmError, LlmRequest, LockStep};
 use crate::prompts::{Component, EvidenceView, OptionView, PromptContext, PromptError, Prompts};
 use crate::strategy::{Episode, EpisodeError, EpisodeRecord, Outcome, Strategy};
 use crate::summary::Tally;
@@ -310,7 +311,7 @@ pub struct RunProgress {
     pub resumed: usize,
     /// Jobs run now.
     pub ran: usize,
-    /// Lock-step rounds.
+    /// Polls of the LLM (lock-step rounds when the LLM does not stream).
     pub rounds: usize,
     /// Milliseconds in LLM calls (rendering, cache, generation).
     pub llm_ms: u64,
@@ -325,9 +326,10 @@ pub enum RunEvent<'a> {
     Resumed(usize),
     /// A job finished and was recorded.
     Finished(&'a QuestionRecord),
-    /// A round ended: every job in flight took one step.
+    /// The LLM was polled and its replies handled (a lock-step round when it does not
+    /// stream).
     Round {
-        /// Rounds so far.
+        /// Polls so far.
         round: usize,
         /// Jobs in flight during the round.
         in_flight: usize,
@@ -336,10 +338,22 @@ pub enum RunEvent<'a> {
     },
 }
 
-/// Runs `jobs` in lock-step rounds and appends each finished one to `records`. Jobs already in
-/// `records` are skipped. `max_in_flight` bounds how many jobs advance together (memory of
-/// the LLM batch; at least 1); `on_event` hears of skipped jobs, each finished job and each
-/// round (progress bars: a long run finishes its first jobs only after many rounds).
+/// What a job's outstanding LLM call is for.
+enum Purpose {
+    /// The call that carries out the job's action.
+    Action(Action),
+    /// The judge's verdict on `fresh`, the chunks the job's last retrieval found.
+    Judge(Vec<Hit>),
+}
+
+/// Runs `jobs` and appends each finished one to `records`. Jobs already in `records` are
+/// skipped. Up to `max_in_flight` jobs (at least 1) advance at once; each asks its next LLM
+/// call as soon as its last one returns (and its retrieval is done), so with an LLM that
+/// streams ([`Llm::stream`]: continuous batching) no job waits for a round of others. An
+/// LLM that does not stream answers everything asked since its last answer as one batch
+/// (lock-step rounds). A job's calls and records are the same either way: each depends only
+/// on the job's own earlier replies. `on_event` hears of skipped jobs, each finished job and
+/// each poll of the LLM (progress bars).
 pub fn run_jobs(
     jobs: Vec<Job>,
     llm: &dyn Llm,
@@ -362,15 +376,23 @@ pub fn run_jobs(
         })
         .collect();
     on_event(RunEvent::Resumed(progress.resumed));
-    let mut active: Vec<Active> = Vec::new();
+    let mut stream = match llm.stream()? {
+        Some(stream) => stream,
+        None => Box::new(LockStep::new(llm)),
+    };
+    // Jobs in flight by slot; `ready` are those whose next action is to be asked.
+    let mut slots: Vec<Option<Active>> = Vec::new();
+    let mut ready: Vec<usize> = Vec::new();
+    let mut calls: HashMap<u64, (usize, Purpose)> = HashMap::new();
     let max_in_flight = max_in_flight.max(1);
-    while !active.is_empty() || !waiting.is_empty() {
-        while active.len() < max_in_flight {
+    loop {
+        let mut in_flight = slots.iter().filter(|s| s.is_some()).count();
+        while in_flight < max_in_flight {
             let Some(job) = waiting.pop_front() else {
                 break;
             };
             let episode = Episode::new(job.strategy.clone(), &job.params, job.step_cap, job.seed);
-            active.push(Active {
+            let active = Active {
                 job,
                 episode,
                 queries: Vec::new(),
@@ -382,115 +404,128 @@ pub fn run_jobs(
                 prompt_tokens: 0,
                 new_tokens: 0,
                 context_trimmed: 0,
-            });
+            };
+            let slot = match slots.iter().position(Option::is_none) {
+                Some(free) => {
+                    slots[free] = Some(active);
+                    free
+                }
+                None => {
+                    slots.push(Some(active));
+                    slots.len() - 1
+                }
+            };
+            ready.push(slot);
+            in_flight += 1;
+        }
+        if ready.is_empty() && calls.is_empty() {
+            break;
         }
         progress.rounds += 1;
-        // 1. Every job's next action and its LLM call.
-        let mut actions = Vec::with_capacity(active.len());
-        let mut requests = Vec::with_capacity(active.len());
-        for a in active.iter_mut() {
-            let action = a.episode.next_action().unwrap_or(Action::Terminate);
-            let component = component_of(action);
-            requests.push(request_for(a, component, retriever.index, prompts, 0, 0)?);
-            actions.push(action);
-        }
-        // Prompts too long for the model's context leave out their oldest evidence and notes.
         let llm_started = Instant::now();
-        let fits = llm.fits(&requests)?;
-        for (i, a) in active.iter_mut().enumerate() {
-            if !fits[i] {
-                let component = component_of(actions[i]);
-                let (request, trimmed) =
-                    fitted_request(a, component, retriever.index, prompts, llm)?;
-                a.context_trimmed += trimmed;
-                requests[i] = request;
+        // 1. Every ready job's next action and its LLM call; prompts too long for the
+        // model's context leave out their oldest evidence and notes.
+        if !ready.is_empty() {
+            let mut actions = Vec::with_capacity(ready.len());
+            let mut requests = Vec::with_capacity(ready.len());
+            for &slot in &ready {
+                let a = slots[slot].as_mut().expect("a ready job is in flight");
+                let action = a.episode.next_action().unwrap_or(Action::Terminate);
+                requests.push(request_for(
+                    a,
+                    component_of(action),
+                    retriever.index,
+                    prompts,
+                    0,
+                    0,
+                )?);
+                actions.push(action);
+            }
+            let fits = llm.fits(&requests)?;
+            for (i, &slot) in ready.iter().enumerate() {
+                let a = slots[slot].as_mut().expect("a ready job is in flight");
+                if !fits[i] {
+                    let (request, trimmed) =
+                        fitted_request(a, component_of(actions[i]), retriever.index, prompts, llm)?;
+                    a.context_trimmed += trimmed;
+                    requests[i] = request;
+                }
+            }
+            for ((slot, action), request) in ready.drain(..).zip(actions).zip(requests) {
+                let ticket = stream.submit(request)?;
+                calls.insert(ticket, (slot, Purpose::Action(action)));
             }
         }
-        let replies = llm.complete(&requests)?;
+        let replies = stream.poll()?;
         progress.llm_ms += llm_started.elapsed().as_millis() as u64;
-        for (a, r) in active.iter_mut().zip(&replies) {
+        // 2. The replies: notes, answers, and the sub-queries to search.
+        let mut searching: Vec<(usize, String)> = Vec::new();
+        let mut finished: Vec<(usize, String)> = Vec::new();
+        for (ticket, reply) in replies {
+            let (slot, purpose) = calls
+                .remove(&ticket)
+                .expect("the LLM answers the tickets it gave");
+            let a = slots[slot]
+                .as_mut()
+                .expect("a job with a call is in flight");
             a.llm_calls += 1;
-            a.cache_hits += u32::from(r.cached);
-            a.prompt_tokens += r.prompt_tokens as u64;
-            a.new_tokens += r.new_tokens as u64;
-        }
-        // 2. The round's retrievals in one batch.
-        let retrieving: Vec<usize> = (0..active.len())
-            .filter(|&i| actions[i] == Action::Retrieve)
-            .collect();
-        let queries: Vec<String> = retrieving
-            .iter()
-            .map(|&i| clean_query(&replies[i].text, &active[i].job.question.question))
-            .collect();
-        let retrieval_started = Instant::now();
-        let hits = retriever.search(&queries)?;
-        progress.retrieval_ms += retrieval_started.elapsed().as_millis() as u64;
-        let mut fresh_of: Vec<Vec<Hit>> = Vec::with_capacity(retrieving.len());
-        for ((&i, query), hits) in retrieving.iter().zip(queries).zip(hits) {
-            let a = &mut active[i];
-            let fresh: Vec<Hit> = hits
-                .into_iter()
-                .filter(|h| h.score >= retriever.threshold && !a.seen.contains(&h.id))
-                .collect();
-            a.queries.push(query);
-            fresh_of.push(fresh);
-        }
-        // With an LLM judge, every retrieval that found new chunks asks whether they help,
-        // all in one batch.
-        let mut progress_of: Vec<bool> = fresh_of.iter().map(|f| !f.is_empty()).collect();
-        if retriever.progress == ProgressRule::LlmJudge {
-            let asking: Vec<usize> = (0..retrieving.len()).filter(|&k| progress_of[k]).collect();
-            let judge_requests = asking
-                .iter()
-                .map(|&k| {
-                    judge_request(
-                        &active[retrieving[k]],
-                        &fresh_of[k],
-                        retriever.index,
-                        prompts,
-                    )
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let judge_started = Instant::now();
-            let verdicts = llm.complete(&judge_requests)?;
-            progress.llm_ms += judge_started.elapsed().as_millis() as u64;
-            for (&k, r) in asking.iter().zip(&verdicts) {
-                let a = &mut active[retrieving[k]];
-                a.llm_calls += 1;
-                a.cache_hits += u32::from(r.cached);
-                a.prompt_tokens += r.prompt_tokens as u64;
-                a.new_tokens += r.new_tokens as u64;
-                progress_of[k] = judged_yes(&r.text);
-            }
-        }
-        for ((&i, fresh), made_progress) in retrieving.iter().zip(fresh_of).zip(progress_of) {
-            let a = &mut active[i];
-            for h in fresh {
-                a.seen.insert(h.id);
-                a.evidence.push(h);
-            }
-            a.episode.record(Outcome::Retrieved {
-                progress: made_progress,
-            })?;
-        }
-        // 3. Notes, answers, finished jobs.
-        let mut finished = Vec::new();
-        for (i, a) in active.iter_mut().enumerate() {
-            match actions[i] {
-                Action::Retrieve => {}
-                Action::Reason => {
-                    a.notes.push(replies[i].text.trim().to_string());
+            a.cache_hits += u32::from(reply.cached);
+            a.prompt_tokens += reply.prompt_tokens as u64;
+            a.new_tokens += reply.new_tokens as u64;
+            match purpose {
+                Purpose::Action(Action::Retrieve) => {
+                    searching.push((slot, clean_query(&reply.text, &a.job.question.question)));
+                }
+                Purpose::Action(Action::Reason) => {
+                    a.notes.push(reply.text.trim().to_string());
                     a.episode.record(Outcome::Reasoned)?;
+                    ready.push(slot);
                 }
-                Action::Terminate => {
+                Purpose::Action(Action::Terminate) => {
                     a.episode.record(Outcome::Terminated)?;
-                    finished.push((i, replies[i].text.clone()));
+                    finished.push((slot, reply.text));
+                }
+                Purpose::Judge(fresh) => {
+                    add_evidence(a, fresh, judged_yes(&reply.text))?;
+                    ready.push(slot);
                 }
             }
         }
-        let in_flight = active.len();
-        for (i, text) in finished.into_iter().rev() {
-            let a = active.swap_remove(i);
+        // 3. The retrievals of the replies in one batch. With an LLM judge, a retrieval that
+        // found new chunks asks whether they help before it counts.
+        if !searching.is_empty() {
+            let queries: Vec<String> = searching.iter().map(|(_, q)| q.clone()).collect();
+            let retrieval_started = Instant::now();
+            let hits = retriever.search(&queries)?;
+            progress.retrieval_ms += retrieval_started.elapsed().as_millis() as u64;
+            let mut judging = Vec::new();
+            for ((slot, query), hits) in searching.into_iter().zip(hits) {
+                let a = slots[slot].as_mut().expect("a searching job is in flight");
+                let fresh: Vec<Hit> = hits
+                    .into_iter()
+                    .filter(|h| h.score >= retriever.threshold && !a.seen.contains(&h.id))
+                    .collect();
+                a.queries.push(query);
+                if retriever.progress == ProgressRule::LlmJudge && !fresh.is_empty() {
+                    judging.push((slot, fresh));
+                } else {
+                    let made_progress = !fresh.is_empty();
+                    add_evidence(a, fresh, made_progress)?;
+                    ready.push(slot);
+                }
+            }
+            let judge_started = Instant::now();
+            for (slot, fresh) in judging {
+                let a = slots[slot].as_ref().expect("a judged job is in flight");
+                let request = judge_request(a, &fresh, retriever.index, prompts)?;
+                let ticket = stream.submit(request)?;
+                calls.insert(ticket, (slot, Purpose::Judge(fresh)));
+            }
+            progress.llm_ms += judge_started.elapsed().as_millis() as u64;
+        }
+        // 4. Finished jobs, recorded.
+        for (slot, text) in finished {
+            let a = slots[slot].take().expect("a finished job was in flight");
             let record = finish(a, text)?;
             on_event(RunEvent::Finished(&record));
             records.append(record)?;
@@ -503,6 +538,18 @@ pub fn run_jobs(
         });
     }
     Ok(progress)
+}
+
+/// A retrieval's outcome for job `a`: the chunks it found new are evidence from now on.
+fn add_evidence(a: &mut Active, fresh: Vec<Hit>, made_progress: bool) -> Result<(), RunError> {
+    for h in fresh {
+        a.seen.insert(h.id);
+        a.evidence.push(h);
+    }
+    a.episode.record(Outcome::Retrieved {
+        progress: made_progress,
+    })?;
+    Ok(())
 }
 
 /// The LLM component that carries out `action`.

@@ -623,3 +623,92 @@ fn a_repeated_sub_query_gets_the_hits_of_a_fresh_search() {
     assert_eq!(first[0], first[2]);
     assert_eq!(again[1], first[0], "from memory: the very same hits");
 }
+
+/// No round barrier: with continuous batching each question asks its next call as soon as
+/// its last one returns, and the greedy records are the lock-step run's.
+#[test]
+fn continuous_batching_gives_the_lock_step_records() {
+    let tmp = tempfile::tempdir().unwrap();
+    let emb = embedder();
+    let index = corpus_index(tmp.path(), &emb);
+    let retriever = Retriever::new(&emb, &index, Device::Cpu, 2, 0.0, ProgressRule::Similarity);
+    let model_dir = repo().join("tests/fixtures/qwen2-tiny");
+    let spec = model_dir.to_str().unwrap();
+    let load = || Replicas::<Text>::load(spec, &LoadOptions::default(), &[cpu_map()]).unwrap();
+    let mut prompts = Prompts::default_prompts().unwrap();
+    prompts.decomposer.max_new_tokens = 5;
+    prompts.reasoner.max_new_tokens = 9;
+    prompts.synthesizer.max_new_tokens = 3;
+    let always_reason = Strategy::new(StrategyKind::AlwaysReason, 0.16, None).unwrap();
+    let mut jobs = Vec::new();
+    for q in 0..4 {
+        for strategy in [fixed_k(1), fixed_k(2), always_reason.clone()] {
+            jobs.push(Job {
+                question: question(&format!("q{q}"), 1),
+                strategy,
+                params: params(0.05),
+                step_cap: 4,
+                seed: q,
+            });
+        }
+    }
+    let lock_step = FleetLlm::new(load(), spec, 3);
+    assert!(lock_step.stream().unwrap().is_none());
+    let mut want = RecordsFile::open(&tmp.path().join("lock_step.jsonl")).unwrap();
+    run_jobs(
+        jobs.clone(),
+        &lock_step,
+        &retriever,
+        &prompts,
+        &mut want,
+        8,
+        &mut |_| {},
+    )
+    .unwrap();
+    // Three decode slots for eight questions in flight: calls wait for slots and join as
+    // others finish.
+    let continuous = FleetLlm::new(load(), spec, 3).with_continuous_batching(64 << 20);
+    let mut got = RecordsFile::open(&tmp.path().join("continuous.jsonl")).unwrap();
+    let progress = run_jobs(
+        jobs.clone(),
+        &continuous,
+        &retriever,
+        &prompts,
+        &mut got,
+        8,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(progress.ran, jobs.len());
+    for j in &jobs {
+        let (a, b) = (want.get(&j.key()).unwrap(), got.get(&j.key()).unwrap());
+        assert_eq!(a.final_text, b.final_text, "{}", j.key());
+        assert_eq!(a.notes, b.notes, "{}", j.key());
+        assert_eq!(a.queries, b.queries, "{}", j.key());
+        assert_eq!(a.evidence, b.evidence, "{}", j.key());
+        assert_eq!(a.episode, b.episode, "{}", j.key());
+        assert_eq!(a.answer, b.answer, "{}", j.key());
+        assert_eq!(
+            (a.llm_calls, a.prompt_tokens, a.new_tokens),
+            (b.llm_calls, b.prompt_tokens, b.new_tokens),
+            "{}",
+            j.key()
+        );
+    }
+    // The same calls, counted the same; the model ran each distinct call once either way.
+    let (s, c) = (lock_step.stats(), continuous.stats());
+    assert_eq!((s.calls, s.cache_hits), (c.calls, c.cache_hits));
+    assert_eq!(
+        (s.prompt_tokens, s.new_tokens),
+        (c.prompt_tokens, c.new_tokens)
+    );
+    // A question's later calls extend its earlier prompts, and all share the system prompt:
+    // their leading blocks were not computed again.
+    assert_eq!(s.cached_prompt_tokens, 0);
+    assert!(
+        c.cached_prompt_tokens > c.prompt_tokens / 4,
+        "{} of {} prompt tokens reused",
+        c.cached_prompt_tokens,
+        c.prompt_tokens
+    );
+}

@@ -16,6 +16,17 @@ mod sampling;
 pub use placement::{parse_devices, GpuSelectionArgs, PlacementArgs, FIXED_DTYPE_HELP};
 pub use sampling::SamplingArgs;
 
+/// How generation requests share the decode batch: every binary's `--batching`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Batching {
+    /// One left-padded batch per call; finished rows leave it, nobody joins it.
+    Static,
+    /// Continuous batching on a paged KV cache: a finished request's place is refilled at
+    /// once, and prompt blocks seen before are not computed again.
+    Continuous,
+}
+
 use std::io::IsTerminal;
 use std::process::ExitCode;
 

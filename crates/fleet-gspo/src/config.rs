@@ -338,6 +338,12 @@ pub struct GspoConfig {
     pub top_p: f64,
     /// Top-k sampling; 0 = off (TRL/transformers). Default 0.
     pub top_k: usize,
+    /// vLLM's name: completions decoded at once on each process (the rollout engine's decode
+    /// slots). A finished completion's slot goes at once to the next waiting one, so a
+    /// generation batch larger than the slots streams through them; nothing of the next
+    /// generation batch starts before the update. Unset (default): all of the process's
+    /// completions at once.
+    pub max_num_seqs: Option<usize>,
     /// Gradient clipping by global L2 norm; 0 = no clipping. Default 1.0.
     pub max_grad_norm: f64,
     /// AdamW decoupled weight decay. Default 0.0.
@@ -403,6 +409,7 @@ impl Default for GspoConfig {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            max_num_seqs: None,
             max_grad_norm: 1.0,
             weight_decay: 0.0,
             adam_beta1: 0.9,
@@ -449,6 +456,7 @@ pub const KEYS: &[&str] = &[
     "temperature",
     "top_p",
     "top_k",
+    "max_num_seqs",
     "max_grad_norm",
     "weight_decay",
     "adam_beta1",
@@ -661,6 +669,7 @@ impl GspoConfig {
             "temperature" => self.temperature = parse_f64(key, value)?,
             "top_p" => self.top_p = parse_f64(key, value)?,
             "top_k" => self.top_k = parse_usize(key, value)?,
+            "max_num_seqs" => self.max_num_seqs = parse_opt(key, value, parse_usize)?,
             "max_grad_norm" => self.max_grad_norm = parse_f64(key, value)?,
             "weight_decay" => self.weight_decay = parse_f64(key, value)?,
             "adam_beta1" => self.adam_beta1 = parse_f64(key, value)?,
@@ -753,6 +762,14 @@ impl GspoConfig {
                 "max_prompt_length",
                 v,
                 "at least 1, or none for no limit",
+            )?;
+        }
+        if let Some(v) = self.max_num_seqs {
+            check(
+                v >= 1,
+                "max_num_seqs",
+                v,
+                "at least 1, or none for all completions at once",
             )?;
         }
         let e = self.epsilon;

@@ -25,7 +25,8 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use fleet_models::qwen::train::{ParamGrads, TokenBatch, TrainableQwen};
 use fleet_models::{
-    CheckpointFiles, GenerationRequest, Generator, SamplingParams, TextModel, TextTokenizer,
+    CheckpointFiles, GenerationOutput, GenerationRequest, Generator, PagedOptions, SamplingParams,
+    TextModel, TextTokenizer,
 };
 
 use crate::advantage::{group_advantages, GroupAdvantages};
@@ -481,13 +482,16 @@ impl Trainer {
         let mine = shares.range(requests.len());
         let timer = Stage::start(self, "rollout.generate");
         let model = self.policy.inference_model()?;
-        let outputs = Generator::new(
-            &model,
-            self.text.tokenizer.as_ref(),
-            self.text.eos_ids.clone(),
-            self.text.pad_id,
-        )
-        .generate(&requests[mine.clone()], None)?;
+        let outputs = generate_rollouts(
+            &Generator::new(
+                &model,
+                self.text.tokenizer.as_ref(),
+                self.text.eos_ids.clone(),
+                self.text.pad_id,
+            ),
+            &requests[mine.clone()],
+            cfg.max_num_seqs,
+        )?;
         // Freed before the update: the training step never holds this copy.
         drop(model);
         timer.stop(self)?;
@@ -754,6 +758,33 @@ impl Stage {
         }
         Ok(())
     }
+}
+
+/// Blocks of this many tokens in the rollout engine's KV cache.
+const ROLLOUT_BLOCK_SIZE: usize = 16;
+
+/// Samples `requests` (a prompt's G completions side by side) with continuous batching:
+/// `max_num_seqs` decode slots (unset: one per completion), a prompt prefilled once for its
+/// completions admitted together, a finished completion's slot refilled at once. Each
+/// completion's tokens depend on its request (its seed) only.
+fn generate_rollouts(
+    generator: &Generator<'_>,
+    requests: &[GenerationRequest],
+    max_num_seqs: Option<usize>,
+) -> Result<Vec<GenerationOutput>, TrainError> {
+    if requests.is_empty() {
+        return Ok(Vec::new());
+    }
+    let slots = max_num_seqs.unwrap_or(requests.len());
+    let options = PagedOptions::for_requests(requests, slots, ROLLOUT_BLOCK_SIZE);
+    let (outputs, stats) = generator.generate_paged(requests, &options, None)?;
+    tracing::debug!(
+        prompt_tokens = stats.prompt_tokens,
+        cached_prompt_tokens = stats.cached_prompt_tokens,
+        decode_steps = stats.decode_steps,
+        "rollouts generated"
+    );
+    Ok(outputs)
 }
 
 /// The sampling seed of row `row` of generation batch `batch`: SplitMix64 of the run seed

@@ -120,3 +120,22 @@ fn a_run_logs_per_batch_values_on_each_of_its_steps_and_trls_loss_beside_its_own
         assert_eq!(Some(r.loss), r.loss_nonempty_mean);
     }
 }
+
+#[test]
+fn rollouts_streamed_through_fewer_decode_slots_are_the_same_rollouts() {
+    // max_num_seqs 3: the generation batch's completions stream through three decode slots,
+    // refilled as they finish; each completion depends on its own seed only, so the training
+    // run is the same one.
+    let tmp = tempfile::tempdir().unwrap();
+    let longer = "max_completion_length=6";
+    let all = run(&tmp.path().join("all"), 4, &[longer]);
+    let streamed = run(&tmp.path().join("streamed"), 4, &[longer, "max_num_seqs=3"]);
+    assert_eq!(all.len(), streamed.len());
+    for (a, s) in all.iter().zip(&streamed) {
+        assert_eq!(a.completions, s.completions);
+        assert_eq!(a.reward, s.reward);
+        assert_eq!(a.num_tokens, s.num_tokens);
+        assert_eq!(a.loss, s.loss);
+        assert_eq!(a.grad_norm, s.grad_norm);
+    }
+}

@@ -218,6 +218,28 @@ impl PagedOptions {
             cuda_graphs: false,
         }
     }
+
+    /// `max_batch` slots (at most one per request, at least one) and blocks of `block_size`
+    /// for that many of the longest request at once: never a request waiting for blocks
+    /// while a slot is free, and no more KV memory than a lock-step batch of them.
+    pub fn for_requests(
+        requests: &[GenerationRequest],
+        max_batch: usize,
+        block_size: usize,
+    ) -> Self {
+        let max_batch = max_batch.min(requests.len()).max(1);
+        let longest = requests
+            .iter()
+            .map(|r| r.prompt_ids.len() + r.max_new_tokens)
+            .max()
+            .unwrap_or(1);
+        PagedOptions {
+            max_batch,
+            block_size,
+            num_blocks: max_batch * longest.div_ceil(block_size.max(1)) + 1,
+            cuda_graphs: false,
+        }
+    }
 }
 
 /// The decode-graph bucket of `n` live rows: powers of two up to 8, then multiples of 8 (a
