@@ -27,6 +27,8 @@ fn main() -> Result<()> {
             top_p: Some(0.9),
             top_k: None,
             seed: 42,
+            min_p: None,
+            repetition_penalty: None,
         },
         stop_strings: vec![],
     };

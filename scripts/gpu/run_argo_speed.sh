@@ -20,7 +20,8 @@
 #
 #     DETACH=1 N_QUESTIONS=1000 RUN_TIMEOUT=1500 bash scripts/gpu/run_argo_speed.sh
 #
-# GPU_MODE=data-parallel spreads the LLM over every GPU (replicas after the first in processes
+# BATCHING=static runs lock-step rounds instead of continuous batching (KV_GIB: the paged
+# cache's GiB). GPU_MODE=data-parallel spreads the LLM over every GPU (replicas after the first in processes
 # of their own); WORK=/tmp/other keeps a second run's records and cache apart.
 set -u
 if [ "${DETACH:-0}" = 1 ]; then
@@ -85,6 +86,7 @@ cat COMMIT > "$RUN/commit.txt" 2>/dev/null
       --strategies "$STRATEGIES" \
       --index "$DATA/argo-index" --embedder "$DATA/minilm16" --embed-device cuda:0 \
       --max-batch "${MAX_BATCH:-128}" --max-in-flight "${MAX_IN_FLIGHT:-1024}" \
+      --batching "${BATCHING:-continuous}" --kv-cache-gib "${KV_GIB:-24}" \
       --out "$WORK/real"
   echo "### exit $? $(date -u +%T)"
 } > "$LOG" 2>&1

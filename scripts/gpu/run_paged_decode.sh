@@ -10,6 +10,9 @@
 #                 generation, parity), then the 7B speed as PART=speed with three fleet modes:
 #                 static, continuous, continuous --cuda-graphs; and GSPO's rollout shape
 #                 (0.5B, 64 rows, prompt 128, 256 new) static vs continuous
+#   PART=sanitize the paged tests (dist/carry/paged-tests.tar.xz): the decode-graph test under
+#                 compute-sanitizer memcheck (sanitize.txt: the faulting kernel of the
+#                 illegal address), then the sampling kernel against its twin
 #   PART=variable 0.5B shape, $VAR_REQUESTS requests with GSM8K-like reply lengths through 32
 #                 and 64 decode slots, static batches vs continuous — fleet_05b_variable.json
 # Writes $OUT/<part>.log and the JSON reports.
@@ -54,6 +57,20 @@ case "$PART" in
     echo "== transformers"
     python3 benches/transformers_generate.py --config "$C" --dtype bf16 --prompt-len 512 \
       --new-tokens 128 --batch "$BATCHES" --device cuda --json "$OUT/hf_7b.json"
+    ;;
+  sanitize)
+    T=/tmp/paged_tests; mkdir -p "$T"
+    xz -dc dist/carry/paged-tests.tar.xz | tar xf - -C "$T"
+    BUILT_AT="${BUILT_AT:-/work/main}"
+    [ -e "$BUILT_AT/tests/fixtures" ] || { mkdir -p "$(dirname "$BUILT_AT")"; ln -sfn "$PWD" "$BUILT_AT"; }
+    echo "== memcheck: refilled_paged_batches_give_the_lock_step_tokens"
+    timeout 300 compute-sanitizer --tool memcheck --print-limit 20 \
+      "$T/paged_generation" --test-threads 1 --exact refilled_paged_batches_give_the_lock_step_tokens \
+      > "$OUT/sanitize.txt" 2>&1
+    echo "rc $?"; grep -m 40 -E 'Invalid|at 0x|by thread|Address|Saved host backtrace|=========     Host Frame' "$OUT/sanitize.txt"
+    echo "== the sampling kernel against its twin"
+    timeout 300 "$T/generation" --test-threads 1 gpu_sampling_kernel_matches_its_twin > "$OUT/sampler.txt" 2>&1
+    echo "rc $?"; grep -E '^test |test result|panicked|differ' "$OUT/sampler.txt"
     ;;
   speed)
     C=configs/models/qwen2.5-7b.json

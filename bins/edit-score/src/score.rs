@@ -123,6 +123,13 @@ pub struct ScoreArgs {
     #[arg(long, visible_alias = "per-device-eval-batch-size",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub batch_size: Option<u64>,
+    /// vLLM's name: replies decoded at once per judge replica with continuous batching on a
+    /// paged KV cache. A judge call's requests stream through this many decode slots (a
+    /// finished reply's slot goes at once to the next request, whose vision tower and prefill
+    /// run between the others' decode steps), so with --batch-size above it no call waits for
+    /// its longest reply. Unset: each call is one left-padded batch. The replies are the same.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_num_seqs: Option<u64>,
     /// The most tokens per reply (default: the prompt set's max_new_tokens, else 128).
     #[arg(long)]
     pub max_new_tokens: Option<usize>,
@@ -323,6 +330,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
         resize_edited_to_source: job.resize_edited_to_source,
         output: job.output,
         batch_size: args.batch_size.map(|b| b as usize),
+        decode_slots: args.max_num_seqs.map(|n| n as usize),
         max_new_tokens: args.max_new_tokens,
         sampling,
         placement: match args.cpu_replicas {

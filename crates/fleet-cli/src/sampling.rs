@@ -2,7 +2,8 @@
 
 use fleet_models::SamplingParams;
 
-/// `--temperature`, `--top-k`, `--top-p` (transformers' `generate` names and conventions),
+/// `--temperature`, `--top-k`, `--top-p`, `--min-p`, `--repetition-penalty` (transformers'
+/// `generate` names and conventions),
 /// checked by [`SamplingParams::from_flags`]: the same values are accepted, turned off or
 /// refused everywhere. Negative numbers reach the check (and its message) instead of being
 /// taken for flags.
@@ -17,12 +18,24 @@ pub struct SamplingArgs {
     /// Keep the smallest set of tokens whose probability reaches p, in (0, 1]; 1 turns it off.
     #[arg(long, allow_negative_numbers = true)]
     pub top_p: Option<f64>,
+    /// Keep the tokens at least min-p times as likely as the most likely one, in [0, 1]; 0
+    /// turns it off.
+    #[arg(long, allow_negative_numbers = true)]
+    pub min_p: Option<f64>,
+    /// transformers' repetition penalty on the prompt's and the reply's tokens, > 0; 1 turns it
+    /// off (greedy decoding is penalised too).
+    #[arg(long, allow_negative_numbers = true)]
+    pub repetition_penalty: Option<f64>,
 }
 
 impl SamplingArgs {
     /// Whether any of the flags was given.
     pub fn any(&self) -> bool {
-        self.temperature.is_some() || self.top_k.is_some() || self.top_p.is_some()
+        self.temperature.is_some()
+            || self.top_k.is_some()
+            || self.top_p.is_some()
+            || self.min_p.is_some()
+            || self.repetition_penalty.is_some()
     }
 
     /// The checked settings: `default_temperature` where `--temperature` is absent, the
@@ -32,6 +45,8 @@ impl SamplingArgs {
             self.temperature.unwrap_or(default_temperature),
             self.top_k,
             self.top_p,
+            self.min_p,
+            self.repetition_penalty,
             seed,
         )?)
     }

@@ -62,6 +62,17 @@ pub enum CheckpointError {
         /// Which digests differ.
         message: String,
     },
+    /// The checkpoint's rollouts were drawn by another version of the sampler, whose top-k /
+    /// top-p draws differ for the same seed.
+    #[error("checkpoint {path} sampled its rollouts with sampler v{found} and this fleet samples top-k / top-p rows with v{current}, which draws other tokens for the same seed: resume with the fleet that wrote it, or train into another output_dir")]
+    OtherSampler {
+        /// The checkpoint.
+        path: PathBuf,
+        /// Its sampler version.
+        found: u32,
+        /// This fleet's ([`fleet_models::ops::SAMPLER_VERSION`]).
+        current: u32,
+    },
     /// The optimizer state could not be saved or loaded.
     #[error(transparent)]
     Optim(#[from] crate::optim::OptimError),
@@ -90,6 +101,36 @@ pub struct TrainerState {
     /// The version of fleet that wrote the checkpoint (absent in older checkpoints).
     #[serde(default)]
     pub fleet_version: String,
+    /// The sampler version that drew the rollouts ([`fleet_models::ops::SAMPLER_VERSION`]; 1
+    /// in older checkpoints).
+    #[serde(default = "first_sampler_version")]
+    pub sampler_version: u32,
+}
+
+/// The sampler version of checkpoints written before versions were recorded.
+fn first_sampler_version() -> u32 {
+    1
+}
+
+/// Whether the rollouts after resuming from `state` draw as the ones before did: a run that
+/// filters its samples (top-k or top-p: `filtered`) must resume under the sampler version that
+/// drew its rollouts; greedy and plain temperature draws are the same in every version. Marks
+/// the state with this fleet's version.
+pub fn check_sampler(
+    checkpoint: &Path,
+    state: &mut TrainerState,
+    filtered: bool,
+) -> Result<(), CheckpointError> {
+    let current = fleet_models::ops::SAMPLER_VERSION;
+    if filtered && state.sampler_version != current {
+        return Err(CheckpointError::OtherSampler {
+            path: checkpoint.to_path_buf(),
+            found: state.sampler_version,
+            current,
+        });
+    }
+    state.sampler_version = current;
+    Ok(())
 }
 
 /// The file `latest` in an output directory.

@@ -369,7 +369,9 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     // The policy: from the newest checkpoint when resuming, else from the base model.
     let (weights_files, state_now, resumed_from) = match resume_from {
         Some(ckpt) => {
-            let st = checkpoint::load_state(&ckpt, &base)?;
+            let mut st = checkpoint::load_state(&ckpt, &base)?;
+            let filtered = config.top_k > 0 || config.top_p < 1.0;
+            checkpoint::check_sampler(&ckpt, &mut st, filtered)?;
             (vec![ckpt.join("model.safetensors")], st, Some(ckpt))
         }
         None => {
@@ -382,6 +384,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
                 base_model_id: opts.model.clone(),
                 commit: fleet_runs::commit_id(),
                 fleet_version: fleet_runs::fleet_version(),
+                sampler_version: fleet_models::ops::SAMPLER_VERSION,
             };
             (files.weights.clone(), st, None)
         }

@@ -472,6 +472,8 @@ impl Trainer {
                         top_k: (cfg.top_k > 0).then_some(cfg.top_k),
                         top_p: (cfg.top_p < 1.0).then_some(cfg.top_p),
                         seed: sampling_seed(cfg.seed, self.state.generation_batch, row),
+                        min_p: None,
+                        repetition_penalty: None,
                     },
                     stop_strings: Vec::new(),
                 });

@@ -223,6 +223,10 @@ pub struct JobConfig {
     /// Requests per judge call; `None`: [`CPU_BATCH`] on the CPU, on GPUs the largest of
     /// [`AUTO_BATCHES`] the memory plan fits without costing replicas.
     pub batch_size: Option<usize>,
+    /// Continuous batching: each judge call's requests stream through this many decode slots
+    /// per replica ([`fleet_models::LoadOptions::decode_slots`]); `None`: one left-padded
+    /// batch per call. The replies are the same.
+    pub decode_slots: Option<usize>,
     /// The most tokens per reply; `None`: the prompt set's, else 128.
     pub max_new_tokens: Option<usize>,
     /// Greedy or sampled replies, and the retry.
@@ -332,6 +336,7 @@ impl Checkpoint {
             dtype: job.dtype,
             revision: job.revision.clone(),
             image_backend: job.image_backend,
+            decode_slots: job.decode_slots,
             ..LoadOptions::default()
         };
         let files = ModelSource::parse(model, opts.revision.as_deref())
@@ -461,6 +466,7 @@ fn sampling(choice: &SamplingChoice, gen: &GenerationConfig, seed: u64) -> (Samp
             top_p: (top_p < 1.0).then_some(top_p),
             top_k: (top_k > 0).then_some(top_k),
             seed,
+            sampler_version: fleet_models::ops::SAMPLER_VERSION,
         },
         from.join(", "),
     )

@@ -69,6 +69,16 @@ pub struct Sampling {
     /// The seed. Every request of a batch samples with this seed (fleet-models seeds each
     /// request's generator on its own), so a reply does not depend on the batch it was in.
     pub seed: u64,
+    /// The version of fleet-models' sampler that draws the replies
+    /// ([`fleet_models::ops::SAMPLER_VERSION`]; 1 in records that do not say): it is part of
+    /// the decoding, so records drawn by another version are never reused.
+    #[serde(default = "first_sampler_version")]
+    pub sampler_version: u32,
+}
+
+/// The sampler version of records written before versions were recorded.
+fn first_sampler_version() -> u32 {
+    1
 }
 
 /// How replies are decoded.
@@ -96,11 +106,12 @@ impl Decoding {
         match &self.sampling {
             None => format!("greedy, max_new_tokens={}", self.max_new_tokens),
             Some(s) => format!(
-                "sampled (temperature={}, top_p={}, top_k={}, seed={}), max_new_tokens={}",
+                "sampled (temperature={}, top_p={}, top_k={}, seed={}, sampler v{}), max_new_tokens={}",
                 s.temperature,
                 s.top_p.map_or("off".to_string(), |p| p.to_string()),
                 s.top_k.map_or("off".to_string(), |k| k.to_string()),
                 s.seed,
+                s.sampler_version,
                 self.max_new_tokens
             ),
         }
@@ -185,11 +196,12 @@ mod tests {
                 top_p: Some(0.8),
                 top_k: None,
                 seed: 3,
+                sampler_version: fleet_models::ops::SAMPLER_VERSION,
             }),
         };
         assert_eq!(
             d.describe(),
-            "sampled (temperature=0.7, top_p=0.8, top_k=off, seed=3), max_new_tokens=64"
+            "sampled (temperature=0.7, top_p=0.8, top_k=off, seed=3, sampler v2), max_new_tokens=64"
         );
         let text = serde_json::to_string(&d).unwrap();
         assert_eq!(serde_json::from_str::<Decoding>(&text).unwrap(), d);

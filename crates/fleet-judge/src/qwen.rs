@@ -173,6 +173,7 @@ pub fn sampling_params(decoding: &Decoding) -> SamplingParams {
             top_k: s.top_k,
             top_p: s.top_p,
             seed: s.seed,
+            ..SamplingParams::greedy()
         },
     }
 }
@@ -378,6 +379,7 @@ mod tests {
                 top_p: Some(0.8),
                 top_k: Some(20),
                 seed: 11,
+                sampler_version: fleet_models::ops::SAMPLER_VERSION,
             }),
         };
         assert_eq!(
@@ -386,7 +388,8 @@ mod tests {
                 temperature: 0.7,
                 top_k: Some(20),
                 top_p: Some(0.8),
-                seed: 11
+                seed: 11,
+                ..SamplingParams::greedy()
             }
         );
     }

@@ -755,6 +755,7 @@ mod tests {
                 top_p: None,
                 top_k: None,
                 seed: 1,
+                sampler_version: fleet_models::ops::SAMPLER_VERSION,
             }),
         };
         let s1 = record_key(&parts(&sampled, "bb"));
@@ -785,6 +786,7 @@ mod tests {
             top_p: None,
             top_k: None,
             seed: 0,
+            sampler_version: fleet_models::ops::SAMPLER_VERSION,
         };
         let mut p = parts(&g, "bb");
         p.retry = Some(&retry);

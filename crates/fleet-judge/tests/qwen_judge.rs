@@ -22,12 +22,29 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn tiny_judges(n: usize) -> (Vec<Qwen3VlJudge>, String) {
+    tiny_judges_with(n, LoadOptions::default())
+}
+
+fn tiny_judges_with(n: usize, opts: LoadOptions) -> (Vec<Qwen3VlJudge>, String) {
     let dir = fixture("qwen3-vl-tiny");
     let spec = dir.to_str().unwrap();
-    let opts = LoadOptions::default();
     let id = judge_model_id(spec, &opts).unwrap();
     let maps = vec![DeviceMap::single(DeviceLocation::Cpu, 4); n];
     (load_judges_on(spec, &opts, &maps, &id).unwrap(), id)
+}
+
+/// Seeded sampling with top-p and top-k, `max_new_tokens` at most.
+fn sampled(max_new_tokens: usize) -> Decoding {
+    Decoding {
+        max_new_tokens,
+        sampling: Some(Sampling {
+            temperature: 0.8,
+            top_p: Some(0.9),
+            top_k: Some(30),
+            seed: 5,
+            sampler_version: fleet_models::ops::SAMPLER_VERSION,
+        }),
+    }
 }
 
 fn requests() -> Vec<JudgeRequest> {
@@ -85,18 +102,7 @@ fn a_batch_judges_as_one_by_one_greedy_and_seeded() {
     let judge = &mut judges[0];
     assert_eq!(judge.model_id(), id);
     let reqs = requests();
-    for decoding in [
-        Decoding::greedy(6),
-        Decoding {
-            max_new_tokens: 6,
-            sampling: Some(Sampling {
-                temperature: 0.8,
-                top_p: Some(0.9),
-                top_k: Some(30),
-                seed: 5,
-            }),
-        },
-    ] {
+    for decoding in [Decoding::greedy(6), sampled(6)] {
         let batch = judge.judge(&reqs, &decoding);
         assert_eq!(batch.len(), 3);
         for (i, r) in reqs.iter().enumerate() {
@@ -107,6 +113,29 @@ fn a_batch_judges_as_one_by_one_greedy_and_seeded() {
         }
         // The same seed gives the same replies.
         assert_eq!(judge.judge(&reqs, &decoding), batch);
+    }
+}
+
+/// edit-score --max-num-seqs: a call's requests stream through fewer decode slots (each
+/// newcomer's vision tower and prefill between the others' steps): the same replies.
+#[test]
+fn continuous_batching_judges_as_the_left_padded_batch() {
+    let (mut plain, _) = tiny_judges(1);
+    let (mut streamed, _) = tiny_judges_with(
+        1,
+        LoadOptions {
+            decode_slots: Some(2),
+            ..LoadOptions::default()
+        },
+    );
+    let reqs: Vec<JudgeRequest> = requests().into_iter().cycle().take(7).collect();
+    for decoding in [Decoding::greedy(9), sampled(9)] {
+        assert_eq!(
+            streamed[0].judge(&reqs, &decoding),
+            plain[0].judge(&reqs, &decoding),
+            "{}",
+            decoding.describe()
+        );
     }
 }
 

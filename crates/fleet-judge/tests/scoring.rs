@@ -405,6 +405,7 @@ fn a_retry_uses_the_fixed_seed_and_is_recorded_as_such() {
         top_p: Some(0.8),
         top_k: Some(20),
         seed: 1234,
+        sampler_version: fleet_models::ops::SAMPLER_VERSION,
     };
     let mut sp = spec(prompts, MODEL);
     sp.retry = Some(retry);
@@ -693,6 +694,7 @@ fn a_resume_with_another_model_is_refused_and_overwrite_starts_over() {
         top_p: None,
         top_k: None,
         seed: 1,
+        sampler_version: fleet_models::ops::SAMPLER_VERSION,
     });
     let err = Session::open(&dir.path().join("o2"), bad, &SessionOptions::default()).unwrap_err();
     assert!(err.to_string().contains("retry.temperature = 0"), "{err}");

@@ -6,9 +6,7 @@
 //! cache instead: a finished row's place is refilled at once, and shared prompt prefixes are
 //! computed once.
 
-use candle_core::{DType, Tensor, D};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use candle_core::{Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use std::collections::{BTreeMap, VecDeque};
@@ -28,7 +26,16 @@ pub struct SamplingParams {
     pub top_k: Option<usize>,
     /// Keep the smallest set of tokens whose probability reaches `p`.
     pub top_p: Option<f64>,
-    /// Seed of this request's generator; the same seed gives the same tokens.
+    /// Keep the tokens whose probability is at least `min_p` times the most likely one's
+    /// (transformers' `min_p`, applied after top-p).
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    /// transformers' `repetition_penalty` on every token of the prompt and the reply so far
+    /// (logits divided by it when positive, multiplied when negative), before temperature.
+    /// Greedy rows are penalised too.
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
+    /// Seed of this request's draws; the same seed gives the same tokens.
     pub seed: u64,
 }
 
@@ -45,20 +52,26 @@ impl SamplingParams {
             temperature: 0.0,
             top_k: None,
             top_p: None,
+            min_p: None,
+            repetition_penalty: None,
             seed: 0,
         }
     }
 
     /// Sampling settings as users give them, with transformers' conventions, checked: the one
-    /// definition every binary's `--temperature`/`--top-k`/`--top-p` goes through.
+    /// definition every binary's `--temperature`/`--top-k`/`--top-p`/`--min-p`/
+    /// `--repetition-penalty` goes through.
     ///
     /// `temperature` >= 0 (0 = greedy); `top_k` >= 0, where 0 turns the filter off (as in
-    /// transformers' `generate`); `top_p` in (0, 1], where 1 turns it off. The filters that
+    /// transformers' `generate`); `top_p` in (0, 1], where 1 turns it off; `min_p` in [0, 1],
+    /// where 0 turns it off; `repetition_penalty` > 0, where 1 turns it off. The filters that
     /// are off come back as `None`. Errors name the flag, the value and the range.
     pub fn from_flags(
         temperature: f64,
         top_k: Option<i64>,
         top_p: Option<f64>,
+        min_p: Option<f64>,
+        repetition_penalty: Option<f64>,
         seed: u64,
     ) -> Result<Self> {
         if !temperature.is_finite() || temperature < 0.0 {
@@ -84,16 +97,47 @@ impl SamplingParams {
             Some(1.0) => None,
             p => p,
         };
+        let min_p = match min_p {
+            Some(p) if !(0.0..=1.0).contains(&p) => {
+                return Err(ModelError::BadInput(format!(
+                    "--min-p {p}: must lie in [0, 1] (0 turns the filter off)"
+                )))
+            }
+            Some(0.0) => None,
+            p => p,
+        };
+        let repetition_penalty = match repetition_penalty {
+            Some(r) if !(r.is_finite() && r > 0.0) => {
+                return Err(ModelError::BadInput(format!(
+                    "--repetition-penalty {r}: must be > 0 (1 turns it off)"
+                )))
+            }
+            Some(1.0) => None,
+            r => r,
+        };
         Ok(SamplingParams {
             temperature,
             top_k,
             top_p,
+            min_p,
+            repetition_penalty,
             seed,
         })
     }
 
-    fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0 || self.top_k == Some(1)
+    /// The device sampler's row: its seed and its step `counter`.
+    fn row(&self, counter: u32) -> crate::ops::RowSampling {
+        // top-k 1 is the argmax, as in transformers.
+        let greedy = self.temperature <= 0.0 || self.top_k == Some(1);
+        crate::ops::RowSampling {
+            seed: self.seed,
+            counter,
+            temperature: if greedy { 0.0 } else { self.temperature },
+            top_k: self.top_k.map_or(0, |k| k.min(u32::MAX as usize) as u32),
+            top_p: self.top_p.map_or(1.0, |p| p as f32),
+            min_p: self.min_p.map_or(0.0, |p| p as f32),
+            repetition_penalty: self.repetition_penalty.map_or(1.0, |r| r as f32),
+        }
     }
 
     fn validate(&self) -> Result<()> {
@@ -111,6 +155,18 @@ impl SamplingParams {
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
                 return Err(ModelError::BadInput(format!("top_p {p} must be in (0, 1]")));
+            }
+        }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(ModelError::BadInput(format!("min_p {p} must be in [0, 1]")));
+            }
+        }
+        if let Some(r) = self.repetition_penalty {
+            if !(r.is_finite() && r > 0.0) {
+                return Err(ModelError::BadInput(format!(
+                    "repetition_penalty {r} must be > 0 (1 = off)"
+                )));
             }
         }
         Ok(())
@@ -164,6 +220,10 @@ pub struct GenerationOutput {
     pub text: String,
     /// Why generation ended.
     pub finish_reason: FinishReason,
+    /// The log-probability of each of `token_ids` under the model's raw logits (before
+    /// penalty, temperature and filters: vLLM's `raw_logprobs`).
+    #[serde(default)]
+    pub logprobs: Vec<f32>,
 }
 
 /// A piece of streamed output.
@@ -279,6 +339,9 @@ pub struct PagedSession {
 struct Pending {
     request: GenerationRequest,
     row: Row,
+    /// Leading prompt tokens whose ids say what their keys and values are (all of a text
+    /// prompt's; a vision-language prompt's up to its first image token).
+    shareable: usize,
 }
 
 /// An admitted request.
@@ -286,7 +349,15 @@ struct Running {
     request: GenerationRequest,
     row: Row,
     seq: SequenceBlocks,
+    /// Position shift of its generated tokens (Qwen3-VL's `rope_delta`; 0 for text).
+    shift: i64,
 }
+
+/// A paged prompt pass for [`Generator::step_with`]: `(ticket, seq, cache) -> (logits, shift)`
+/// runs the request's prompt tokens after `seq.cached` into their slots and returns the last
+/// token's logits `[1, 1, vocab]` and the position shift of the tokens it generates.
+pub(crate) type PagedPrefill<'p> =
+    &'p mut dyn FnMut(usize, &SequenceBlocks, &mut KvCache) -> Result<(Tensor, i64)>;
 
 impl PagedSession {
     /// Prompt tokens found in the cache and prompt tokens asked for, over the session's life.
@@ -343,7 +414,9 @@ struct Row {
     max_new_tokens: usize,
     stop_strings: Vec<String>,
     generated: Vec<u32>,
-    rng: StdRng,
+    logprobs: Vec<f32>,
+    /// The prompt's and the generated tokens, for a repetition penalty (else empty).
+    seen: Vec<u32>,
     /// Length of text already streamed.
     emitted: usize,
     text: String,
@@ -360,7 +433,12 @@ impl Row {
             max_new_tokens: req.max_new_tokens,
             stop_strings: req.stop_strings.clone(),
             generated: Vec::new(),
-            rng: StdRng::seed_from_u64(req.sampling.seed),
+            logprobs: Vec::new(),
+            seen: if req.sampling.repetition_penalty.is_some() {
+                req.prompt_ids.clone()
+            } else {
+                Vec::new()
+            },
             emitted: 0,
             text: String::new(),
             finish: (req.max_new_tokens == 0).then_some(FinishReason::Length),
@@ -372,6 +450,7 @@ impl Row {
             token_ids: self.generated,
             text: self.text,
             finish_reason: self.finish.unwrap_or(FinishReason::Length),
+            logprobs: self.logprobs,
         }
     }
 }
@@ -509,10 +588,14 @@ impl<'a> Generator<'a> {
     fn accept(
         &self,
         row: &mut Row,
-        tok: u32,
+        (tok, logprob): (u32, f32),
         on_token: &mut Option<&mut dyn FnMut(StreamEvent<'_>)>,
     ) -> Result<bool> {
         row.generated.push(tok);
+        row.logprobs.push(logprob);
+        if row.sampling.repetition_penalty.is_some() {
+            row.seen.push(tok);
+        }
         if self.eos_ids.contains(&tok) {
             row.finish = Some(FinishReason::Eos);
         }
@@ -581,7 +664,28 @@ impl<'a> Generator<'a> {
         &self,
         session: &mut PagedSession,
         requests: &[GenerationRequest],
+        on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<(Vec<GenerationOutput>, PagedStats)> {
+        let shareable = vec![usize::MAX; requests.len()];
+        self.generate_in_with(
+            session,
+            requests,
+            &shareable,
+            on_token,
+            &mut |_, seq, cache| Ok((self.model.prefill_paged(seq, cache)?, 0)),
+        )
+    }
+
+    /// [`Generator::generate_in`] with another prompt pass: `prefill(i, seq, cache)` runs
+    /// request `i`'s prompt (Qwen3-VL's, images included); only the first `shareable[i]`
+    /// tokens of request `i`'s prompt may share or leave blocks.
+    pub(crate) fn generate_in_with(
+        &self,
+        session: &mut PagedSession,
+        requests: &[GenerationRequest],
+        shareable: &[usize],
         mut on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+        prefill: PagedPrefill<'_>,
     ) -> Result<(Vec<GenerationOutput>, PagedStats)> {
         if !session.is_idle() {
             return Err(ModelError::BadInput(format!(
@@ -592,11 +696,12 @@ impl<'a> Generator<'a> {
         self.validate(requests)?;
         let before = session.take_stats();
         let first = session.next_ticket;
-        for r in requests {
-            self.submit(session, r.clone())?;
+        for (r, &share) in requests.iter().zip(shareable) {
+            self.submit_sharing(session, r.clone(), share)?;
         }
         let mut out: Vec<Option<GenerationOutput>> = vec![None; requests.len()];
-        // Stream events name the request's index in this call, not its ticket.
+        // Stream events and the prompt pass name the request's index in this call, not its
+        // ticket.
         let mut renumber = |e: StreamEvent<'_>| {
             if let Some(cb) = on_token.as_mut() {
                 cb(StreamEvent {
@@ -605,8 +710,11 @@ impl<'a> Generator<'a> {
                 });
             }
         };
+        let mut prefill_of = |ticket: usize, seq: &SequenceBlocks, cache: &mut KvCache| {
+            prefill(ticket - first, seq, cache)
+        };
         while !session.is_idle() {
-            for (ticket, o) in self.step(session, Some(&mut renumber))? {
+            for (ticket, o) in self.step_with(session, Some(&mut renumber), &mut prefill_of)? {
                 out[ticket - first] = Some(o);
             }
         }
@@ -624,6 +732,16 @@ impl<'a> Generator<'a> {
     /// back with its output. The request is checked now; one that alone needs more KV blocks
     /// than the pool has is refused.
     pub fn submit(&self, session: &mut PagedSession, request: GenerationRequest) -> Result<usize> {
+        self.submit_sharing(session, request, usize::MAX)
+    }
+
+    /// [`Generator::submit`] where only the first `shareable` prompt tokens may share blocks.
+    fn submit_sharing(
+        &self,
+        session: &mut PagedSession,
+        request: GenerationRequest,
+        shareable: usize,
+    ) -> Result<usize> {
         let ticket = session.next_ticket;
         self.validate_one(&request, &format!("request {ticket}"))?;
         let need = session
@@ -645,7 +763,12 @@ impl<'a> Generator<'a> {
         if row.finish.is_some() {
             session.done.push((ticket, row.output()));
         } else {
-            session.waiting.push_back(Pending { request, row });
+            let shareable = shareable.min(request.prompt_ids.len());
+            session.waiting.push_back(Pending {
+                request,
+                row,
+                shareable,
+            });
         }
         Ok(ticket)
     }
@@ -659,7 +782,19 @@ impl<'a> Generator<'a> {
     pub fn step(
         &self,
         session: &mut PagedSession,
+        on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<Vec<(usize, GenerationOutput)>> {
+        self.step_with(session, on_token, &mut |_, seq, cache| {
+            Ok((self.model.prefill_paged(seq, cache)?, 0))
+        })
+    }
+
+    /// [`Generator::step`] with another prompt pass (`prefill(ticket, seq, cache)`).
+    pub(crate) fn step_with(
+        &self,
+        session: &mut PagedSession,
         mut on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+        prefill: PagedPrefill<'_>,
     ) -> Result<Vec<(usize, GenerationOutput)>> {
         let mut finished = std::mem::take(&mut session.done);
         let PagedSession {
@@ -676,6 +811,11 @@ impl<'a> Generator<'a> {
         let mut parts = Vec::new();
         if !running.is_empty() {
             let seqs: Vec<&SequenceBlocks> = running.iter().map(|r| &r.seq).collect();
+            let shifts: Vec<i64> = if running.iter().any(|r| r.shift != 0) {
+                running.iter().map(|r| r.shift).collect()
+            } else {
+                Vec::new()
+            };
             let logits = if options.cuda_graphs {
                 // The graphs' block tables hold the longest running request's blocks; a longer
                 // newcomer makes them all again, twice as wide.
@@ -699,9 +839,9 @@ impl<'a> Generator<'a> {
                         e.insert(g)
                     }
                 };
-                self.model.decode_paged_with(g, &seqs, cache)?
+                self.model.decode_paged_with(g, &seqs, &shifts, cache)?
             } else {
-                self.model.decode_paged(&seqs, cache)?
+                self.model.decode_paged(&seqs, &shifts, cache)?
             };
             parts.push(logits);
             stats.decode_steps += 1;
@@ -710,17 +850,19 @@ impl<'a> Generator<'a> {
         while running.len() < options.max_batch {
             let Some(front) = waiting.front() else { break };
             let req = &front.request;
+            // Only a prompt whose ids say all of it (no image) forks a twin.
+            let whole = front.shareable >= req.prompt_ids.len();
             let twin = (first_new..running.len())
-                .find(|&i| running[i].request.prompt_ids == req.prompt_ids);
+                .find(|&i| whole && running[i].request.prompt_ids == req.prompt_ids);
             let admitted = match twin {
                 Some(i) => pool
                     .fork(&running[i].seq, req.max_new_tokens)
                     .map(|(seq, copy)| {
                         let logits = parts[parts.len() - (running.len() - i)].clone();
-                        (seq, copy, Some(logits))
+                        (seq, copy, Some((logits, running[i].shift)))
                     }),
                 None => pool
-                    .admit(&req.prompt_ids, req.max_new_tokens)
+                    .admit_sharing(&req.prompt_ids, req.max_new_tokens, front.shareable)
                     .map(|seq| (seq, None, None)),
             };
             // Not enough free blocks: the request waits for running ones to finish. (With
@@ -735,20 +877,25 @@ impl<'a> Generator<'a> {
                 }
                 break;
             };
-            let Pending { request, row } = waiting.pop_front().expect("the front was there");
+            let Pending { request, row, .. } = waiting.pop_front().expect("the front was there");
             if let Some((from, to)) = copy {
                 self.model.copy_paged_block(cache, from, to)?;
             }
-            let logits = match logits {
-                Some(l) => l,
-                None => self.model.prefill_paged(&seq, cache)?,
+            let (logits, shift) = match logits {
+                Some(forked) => forked,
+                None => prefill(row.request, &seq, cache)?,
             };
             parts.push(logits);
             stats.prompt_tokens += seq.len();
             stats.cached_prompt_tokens += seq.cached;
             let written = seq.len();
             pool.register(&mut seq, written);
-            running.push(Running { request, row, seq });
+            running.push(Running {
+                request,
+                row,
+                seq,
+                shift,
+            });
         }
         if running.is_empty() {
             return Ok(finished);
@@ -766,7 +913,7 @@ impl<'a> Generator<'a> {
         let mut still = Vec::with_capacity(running.len());
         for (mut r, tok) in running.drain(..).zip(next) {
             if self.accept(&mut r.row, tok, &mut on_token)? {
-                pool.append(&mut r.seq, tok)
+                pool.append(&mut r.seq, tok.0)
                     .expect("blocks for max_new_tokens are taken at admission");
                 still.push(r);
             } else {
@@ -782,60 +929,17 @@ impl<'a> Generator<'a> {
     }
 
     /// Chooses the next token of every row from `logits` `[rows, 1, vocab]` (row `s` of the
-    /// logits is `rows[s]`).
-    fn pick(&self, logits: &Tensor, rows: &mut [&mut Row]) -> Result<Vec<u32>> {
+    /// logits is `rows[s]`), with its raw log-probability: one device call for the whole batch
+    /// ([`crate::ops::sample_tokens`]), whatever each row's sampling.
+    fn pick(&self, logits: &Tensor, rows: &mut [&mut Row]) -> Result<Vec<(u32, f32)>> {
         let logits = logits.squeeze(1)?;
-        // Plain temperature sampling runs on the device (Gumbel-max, seeded per row); greedy
-        // rows take the argmax; only top-k / top-p rows move their logits to the host.
-        let on_device: Vec<usize> = (0..rows.len())
-            .filter(|&s| {
-                let p = &rows[s].sampling;
-                !p.is_greedy() && p.top_k.is_none() && p.top_p.is_none()
-            })
+        let params: Vec<crate::ops::RowSampling> = rows
+            .iter()
+            .map(|r| r.sampling.row(r.generated.len() as u32))
             .collect();
-        let mut next: Vec<u32> = if on_device.len() == rows.len() {
-            vec![0; rows.len()]
-        } else {
-            logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1()?
-        };
-        if !on_device.is_empty() {
-            let mut params = Vec::with_capacity(on_device.len() * 4);
-            for &s in &on_device {
-                let row = &rows[s];
-                params.extend(crate::ops::gumbel_params(
-                    row.sampling.seed,
-                    row.generated.len() as u32,
-                    row.sampling.temperature,
-                ));
-            }
-            let params = Tensor::from_vec(params, (on_device.len(), 4), logits.device())?;
-            let picked = if on_device.len() == rows.len() {
-                crate::ops::sample_gumbel(&logits, &params)?
-            } else {
-                let idx: Vec<u32> = on_device.iter().map(|&s| s as u32).collect();
-                let idx = Tensor::from_slice(&idx, idx.len(), logits.device())?;
-                crate::ops::sample_gumbel(&logits.index_select(&idx, 0)?, &params)?
-            };
-            for (&s, id) in on_device.iter().zip(picked.to_vec1::<u32>()?) {
-                next[s] = id;
-            }
-        }
-        let on_host: Vec<usize> = (0..rows.len())
-            .filter(|&s| {
-                let p = &rows[s].sampling;
-                !p.is_greedy() && (p.top_k.is_some() || p.top_p.is_some())
-            })
-            .collect();
-        if !on_host.is_empty() {
-            let idx: Vec<u32> = on_host.iter().map(|&s| s as u32).collect();
-            let idx = Tensor::from_slice(&idx, idx.len(), logits.device())?;
-            let host: Vec<Vec<f32>> = logits.index_select(&idx, 0)?.to_vec2()?;
-            for (row_logits, &slot) in host.into_iter().zip(&on_host) {
-                let row = &mut *rows[slot];
-                next[slot] = sample(row_logits, &row.sampling, &mut row.rng);
-            }
-        }
-        Ok(next)
+        let seen: Vec<&[u32]> = rows.iter().map(|r| r.seen.as_slice()).collect();
+        let (ids, logprobs) = crate::ops::sample_tokens(&logits, &params, &seen)?;
+        Ok(ids.into_iter().zip(logprobs).collect())
     }
 
     /// Decodes the row's tokens, applies stop strings, and returns the newly final text.
@@ -905,51 +1009,6 @@ impl PagedStats {
     }
 }
 
-/// Samples one id from `logits` with temperature, then top-k, then top-p (transformers' order).
-pub fn sample(mut logits: Vec<f32>, p: &SamplingParams, rng: &mut StdRng) -> u32 {
-    let t = p.temperature as f32;
-    for l in logits.iter_mut() {
-        *l /= t;
-    }
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    if let Some(k) = p.top_k {
-        order.truncate(k.max(1));
-    }
-    let max = logits[order[0]];
-    let mut probs: Vec<f64> = order
-        .iter()
-        .map(|&i| ((logits[i] - max) as f64).exp())
-        .collect();
-    let sum: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|x| *x /= sum);
-    if let Some(top_p) = p.top_p {
-        // Keep tokens until the mass reaches top_p; the first token always stays.
-        let mut acc = 0.0;
-        let mut keep = probs.len();
-        for (i, &q) in probs.iter().enumerate() {
-            acc += q;
-            if acc >= top_p {
-                keep = i + 1;
-                break;
-            }
-        }
-        probs.truncate(keep);
-        order.truncate(keep);
-        let s: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= s);
-    }
-    let u: f64 = rng.random();
-    let mut acc = 0.0;
-    for (i, &q) in probs.iter().enumerate() {
-        acc += q;
-        if u < acc {
-            return order[i] as u32;
-        }
-    }
-    order[probs.len() - 1] as u32
-}
-
 /// Log-probabilities of `continuation` tokens after `prompt`, for a batch of pairs: element `i`
 /// of a row is `log p(continuation[i] | prompt, continuation[..i])`. No gradients.
 pub fn continuation_logprobs(
@@ -1017,24 +1076,30 @@ mod tests {
             temperature: t,
             top_k: k,
             top_p: p,
-            seed: 0,
+            ..SamplingParams::greedy()
         }
     }
 
     #[test]
     fn flags_follow_transformers_conventions_and_name_the_bad_value() {
-        let p = SamplingParams::from_flags(0.7, Some(0), Some(1.0), 3).unwrap();
+        let p = SamplingParams::from_flags(0.7, Some(0), Some(1.0), None, None, 3).unwrap();
         assert_eq!((p.top_k, p.top_p, p.seed), (None, None, 3));
-        let p = SamplingParams::from_flags(1.0, Some(5), Some(0.9), 0).unwrap();
+        let p = SamplingParams::from_flags(1.0, Some(5), Some(0.9), None, None, 0).unwrap();
         assert_eq!((p.top_k, p.top_p), (Some(5), Some(0.9)));
-        for (t, k, tp, needle) in [
-            (-1.0, None, None, "--temperature -1"),
-            (f64::NAN, None, None, "--temperature NaN"),
-            (1.0, Some(-2), None, "--top-k -2"),
-            (1.0, None, Some(2.0), "--top-p 2"),
-            (1.0, None, Some(0.0), "--top-p 0"),
+        let p = SamplingParams::from_flags(1.0, None, None, Some(0.0), Some(1.0), 0).unwrap();
+        assert_eq!((p.min_p, p.repetition_penalty), (None, None));
+        let p = SamplingParams::from_flags(1.0, None, None, Some(0.1), Some(1.2), 0).unwrap();
+        assert_eq!((p.min_p, p.repetition_penalty), (Some(0.1), Some(1.2)));
+        for (t, k, tp, mp, rp, needle) in [
+            (-1.0, None, None, None, None, "--temperature -1"),
+            (f64::NAN, None, None, None, None, "--temperature NaN"),
+            (1.0, Some(-2), None, None, None, "--top-k -2"),
+            (1.0, None, Some(2.0), None, None, "--top-p 2"),
+            (1.0, None, Some(0.0), None, None, "--top-p 0"),
+            (1.0, None, None, Some(1.5), None, "--min-p 1.5"),
+            (1.0, None, None, None, Some(0.0), "--repetition-penalty 0"),
         ] {
-            let e = SamplingParams::from_flags(t, k, tp, 0)
+            let e = SamplingParams::from_flags(t, k, tp, mp, rp, 0)
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(needle), "{e}");
@@ -1042,70 +1107,12 @@ mod tests {
     }
 
     #[test]
-    fn top_k_one_and_tiny_top_p_are_argmax() {
-        let logits = vec![0.1, 2.0, 1.9, -1.0];
-        let mut rng = StdRng::seed_from_u64(1);
-        for _ in 0..20 {
-            assert_eq!(
-                sample(logits.clone(), &params(1.0, Some(1), None), &mut rng),
-                1
-            );
-            assert_eq!(
-                sample(logits.clone(), &params(1.0, None, Some(1e-6)), &mut rng),
-                1
-            );
-        }
-    }
-
-    #[test]
-    fn top_k_restricts_support_and_seed_repeats() {
-        let logits = vec![1.0, 1.0, 1.0, 5.0, 5.0];
-        let mut seen = std::collections::BTreeSet::new();
-        let mut rng = StdRng::seed_from_u64(7);
-        let mut first = Vec::new();
-        for _ in 0..200 {
-            let t = sample(logits.clone(), &params(1.0, Some(2), None), &mut rng);
-            seen.insert(t);
-            first.push(t);
-        }
-        assert_eq!(seen, [3, 4].into_iter().collect());
-        let mut rng = StdRng::seed_from_u64(7);
-        let again: Vec<u32> = (0..200)
-            .map(|_| sample(logits.clone(), &params(1.0, Some(2), None), &mut rng))
-            .collect();
-        assert_eq!(first, again);
-    }
-
-    #[test]
-    fn frequencies_follow_the_softmax() {
-        // p = softmax([0, ln 3]) = [0.25, 0.75].
-        let logits = vec![0.0, 3f32.ln()];
-        let mut rng = StdRng::seed_from_u64(3);
-        let n = 20_000;
-        let ones = (0..n)
-            .filter(|_| sample(logits.clone(), &params(1.0, None, None), &mut rng) == 1)
-            .count();
-        let f = ones as f64 / n as f64;
-        assert!((f - 0.75).abs() < 0.015, "{f}");
-        // Temperature 2 flattens: softmax([0, ln3 / 2]) = [0.366, 0.634].
-        let ones = (0..n)
-            .filter(|_| sample(logits.clone(), &params(2.0, None, None), &mut rng) == 1)
-            .count();
-        let f = ones as f64 / n as f64;
-        assert!((f - 0.634).abs() < 0.015, "{f}");
-    }
-
-    #[test]
-    fn top_p_keeps_the_nucleus() {
-        // probs ~ [0.5, 0.3, 0.2]: top_p 0.7 keeps the first two.
-        let logits: Vec<f32> = [0.5f32, 0.3, 0.2].iter().map(|p| p.ln()).collect();
-        let mut rng = StdRng::seed_from_u64(5);
-        for _ in 0..500 {
-            assert_ne!(
-                sample(logits.clone(), &params(1.0, None, Some(0.7)), &mut rng),
-                2
-            );
-        }
+    fn top_k_one_is_the_argmax_in_the_device_sampler() {
+        let r = params(1.0, Some(1), None).row(3);
+        assert_eq!(r.temperature, 0.0);
+        let r = params(0.7, Some(20), Some(0.9)).row(3);
+        assert_eq!((r.top_k, r.top_p, r.counter), (20, 0.9, 3));
+        assert_eq!((r.min_p, r.repetition_penalty), (0.0, 1.0));
     }
 
     #[test]
@@ -1114,5 +1121,10 @@ mod tests {
         assert!(params(1.0, Some(0), None).validate().is_err());
         assert!(params(1.0, None, Some(1.5)).validate().is_err());
         assert!(params(0.7, Some(20), Some(0.9)).validate().is_ok());
+        let bad_min_p = SamplingParams {
+            min_p: Some(-0.1),
+            ..params(1.0, None, None)
+        };
+        assert!(bad_min_p.validate().is_err());
     }
 }

@@ -66,6 +66,10 @@ pub struct SequenceBlocks {
     pub cached: usize,
     /// Leading blocks registered in the cache (shared ones included).
     registered: usize,
+    /// Leading tokens whose ids say what their keys and values are (all of a text prompt's;
+    /// a vision-language prompt's up to its first image token, since every image's tokens
+    /// carry the same id): only blocks within them are shared or registered.
+    shareable: usize,
 }
 
 impl SequenceBlocks {
@@ -142,9 +146,23 @@ impl BlockPool {
     /// least one prompt token to compute), fresh blocks cover the rest. `None`, with nothing
     /// taken, when the free blocks do not suffice.
     pub fn admit(&mut self, prompt: &[u32], reserve: usize) -> Option<SequenceBlocks> {
+        self.admit_sharing(prompt, reserve, usize::MAX)
+    }
+
+    /// [`BlockPool::admit`] where only the first `shareable` tokens of `prompt` identify their
+    /// keys and values (a vision-language prompt's, up to its first image token): blocks past
+    /// them are neither shared nor, later, registered.
+    pub fn admit_sharing(
+        &mut self,
+        prompt: &[u32],
+        reserve: usize,
+        shareable: usize,
+    ) -> Option<SequenceBlocks> {
         let bs = self.block_size;
-        // Whole blocks that may be shared: not the one holding the last prompt token.
-        let shareable = prompt.len().saturating_sub(1) / bs;
+        // Whole blocks that may be shared: not the one holding the last prompt token, none
+        // past the shareable tokens.
+        let shareable_tokens = shareable.min(prompt.len());
+        let shareable = (prompt.len().saturating_sub(1) / bs).min(shareable_tokens / bs);
         let mut shared: Vec<BlockId> = Vec::new();
         let mut parent = None;
         for chunk in prompt.chunks(bs).take(shareable) {
@@ -184,6 +202,7 @@ impl BlockPool {
             blocks,
             cached: shared.len() * bs,
             registered: shared.len(),
+            shareable: shareable_tokens,
         })
     }
 
@@ -224,6 +243,7 @@ impl BlockPool {
                 blocks,
                 cached: seq.len(),
                 registered: seq.registered.min(full),
+                shareable: seq.shareable,
             },
             copy,
         ))
@@ -236,6 +256,9 @@ impl BlockPool {
             let b = self.take_fresh()?;
             seq.blocks.push(b);
         }
+        if seq.shareable == seq.tokens.len() {
+            seq.shareable += 1;
+        }
         seq.tokens.push(token);
         Some(seq.slot(seq.tokens.len() - 1, self.block_size))
     }
@@ -245,7 +268,7 @@ impl BlockPool {
     /// already registered under the same key by another sequence stays the one found.
     pub fn register(&mut self, seq: &mut SequenceBlocks, written: usize) {
         let bs = self.block_size;
-        let full = written.min(seq.tokens.len()) / bs;
+        let full = written.min(seq.tokens.len()).min(seq.shareable) / bs;
         for i in seq.registered..full {
             let b = seq.blocks[i];
             let parent = (i > 0).then(|| {

@@ -67,6 +67,11 @@ pub struct LoadOptions {
     /// prepared with: torchvision (transformers' default) or Pillow
     /// ([`vision::ResizeBackend`]). Text checkpoints ignore it.
     pub image_backend: vision::ResizeBackend,
+    /// Vision-language checkpoints: generate each batch with continuous batching on a paged
+    /// KV cache, this many replies decoding at once (a finished reply's place goes at once to
+    /// the next request of the batch; the tokens are the same); `None`: one left-padded batch.
+    /// Text checkpoints ignore it (their callers choose per call).
+    pub decode_slots: Option<usize>,
 }
 
 impl Default for LoadOptions {
@@ -77,6 +82,7 @@ impl Default for LoadOptions {
             revision: None,
             hub: HubOptions::from_env(),
             image_backend: vision::ResizeBackend::default(),
+            decode_slots: None,
         }
     }
 }

@@ -22,6 +22,7 @@ use crate::{attention, ops, profile};
 
 mod moe;
 mod paged;
+pub(crate) use paged::paged_block_size;
 pub use paged::DecodeGraph;
 pub mod train;
 

@@ -27,6 +27,8 @@ fn sampled(prompt: Vec<u32>, seed: u64) -> GenerationRequest {
             top_k: Some(50),
             top_p: Some(0.95),
             seed,
+            min_p: None,
+            repetition_penalty: None,
         },
         stop_strings: vec![],
     }
@@ -290,17 +292,25 @@ fn rows_that_fit_run_together_even_when_the_padded_batch_does_not() {
 #[test]
 fn temperature_sampling_on_the_device_follows_the_softmax() {
     use candle_core::{Device, Tensor};
-    use fleet_models::ops::{gumbel_params, sample_gumbel};
+    use fleet_models::ops::{sample_tokens, RowSampling};
     let logits = [0.0f32, 1.0, 2.0, -1.0];
     for temperature in [1.0f64, 0.5] {
         let rows = 40_000;
         let flat: Vec<f32> = (0..rows).flat_map(|_| logits).collect();
         let t = Tensor::from_vec(flat, (rows, 4), &Device::Cpu).unwrap();
-        let params: Vec<u32> = (0..rows as u64)
-            .flat_map(|r| gumbel_params(r * 7919 + 1, (r % 3) as u32, temperature))
+        let params: Vec<RowSampling> = (0..rows as u64)
+            .map(|r| RowSampling {
+                seed: r * 7919 + 1,
+                counter: (r % 3) as u32,
+                temperature,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                repetition_penalty: 1.0,
+            })
             .collect();
-        let p = Tensor::from_vec(params, (rows, 4), &Device::Cpu).unwrap();
-        let ids: Vec<u32> = sample_gumbel(&t, &p).unwrap().to_vec1().unwrap();
+        let seen: Vec<&[u32]> = vec![&[]; rows];
+        let (ids, _) = sample_tokens(&t, &params, &seen).unwrap();
         let z: f64 = logits.iter().map(|&l| (l as f64 / temperature).exp()).sum();
         for (v, &l) in logits.iter().enumerate() {
             let want = (l as f64 / temperature).exp() / z;
@@ -311,7 +321,7 @@ fn temperature_sampling_on_the_device_follows_the_softmax() {
             );
         }
         // The same seed and step give the same token.
-        let again: Vec<u32> = sample_gumbel(&t, &p).unwrap().to_vec1().unwrap();
+        let (again, _) = sample_tokens(&t, &params, &seen).unwrap();
         assert_eq!(ids, again);
     }
 
@@ -324,6 +334,8 @@ fn temperature_sampling_on_the_device_follows_the_softmax() {
             top_k: None,
             top_p: None,
             seed,
+            min_p: None,
+            repetition_penalty: None,
         },
         stop_strings: vec![],
     };
@@ -333,4 +345,73 @@ fn temperature_sampling_on_the_device_follows_the_softmax() {
         .unwrap();
     assert_eq!(alone[0].token_ids, batch[1].token_ids);
     assert_ne!(batch[0].token_ids, batch[1].token_ids);
+}
+
+/// The sampling kernel against its CPU twin (with `--features cuda`, on a machine with a GPU):
+/// a vocabulary of Qwen's size, every option alone and together, greedy and sampled rows in
+/// one batch. The two compute exp and ln in their own libraries, so a row whose draw or
+/// threshold sits within an ulp may differ; all but a few rows must agree.
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_sampling_kernel_matches_its_twin() {
+    use candle_core::{Device, Tensor};
+    use fleet_models::ops::{sample_tokens, RowSampling};
+    let Ok(gpu) = Device::new_cuda(0) else {
+        eprintln!("gpu_sampling_kernel_matches_its_twin: no CUDA device; not run");
+        return;
+    };
+    let vocab = 151_936;
+    let rows = 48;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let logits: Vec<f32> = (0..rows * vocab)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // A few tokens stand out, as in a real distribution.
+            let u = (x >> 40) as f32 / (1u64 << 24) as f32;
+            if x.is_multiple_of(1000) {
+                8.0 + 4.0 * u
+            } else {
+                4.0 * u - 2.0
+            }
+        })
+        .collect();
+    let seen: Vec<u32> = (0..200).map(|i| (i * 7919) % vocab as u32).collect();
+    let params: Vec<RowSampling> = (0..rows)
+        .map(|r| {
+            let o = r % 8;
+            RowSampling {
+                seed: 1000 + r as u64,
+                counter: (r / 8) as u32,
+                temperature: if o == 0 { 0.0 } else { 0.7 },
+                top_k: if o == 2 || o == 6 { 50 } else { 0 },
+                top_p: if o == 3 || o == 6 { 0.9 } else { 1.0 },
+                min_p: if o == 4 || o == 6 { 0.05 } else { 0.0 },
+                repetition_penalty: if o == 5 || o == 6 || o == 7 { 1.3 } else { 1.0 },
+            }
+        })
+        .collect();
+    let seen_rows: Vec<&[u32]> = vec![&seen; rows];
+    let cpu = Tensor::from_vec(logits, (rows, vocab), &Device::Cpu).unwrap();
+    let (want, want_lp) = sample_tokens(&cpu, &params, &seen_rows).unwrap();
+    let (got, got_lp) = sample_tokens(&cpu.to_device(&gpu).unwrap(), &params, &seen_rows).unwrap();
+    let differ: Vec<usize> = (0..rows).filter(|&r| want[r] != got[r]).collect();
+    assert!(
+        differ.len() <= 2,
+        "rows {differ:?} differ: {want:?} vs {got:?}"
+    );
+    for r in 0..rows {
+        if want[r] == got[r] {
+            assert!(
+                (want_lp[r] - got_lp[r]).abs() < 1e-3,
+                "row {r}: {} vs {}",
+                want_lp[r],
+                got_lp[r]
+            );
+        }
+    }
+    // Replays draw the same.
+    let (again, _) = sample_tokens(&cpu.to_device(&gpu).unwrap(), &params, &seen_rows).unwrap();
+    assert_eq!(again, got);
 }

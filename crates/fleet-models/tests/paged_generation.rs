@@ -173,6 +173,8 @@ fn seeded_sampling_is_the_same_paged_or_lock_step() {
             top_k: (i % 2 == 0).then_some(20),
             top_p: (i % 3 == 0).then_some(0.9),
             seed: 100 + i as u64,
+            min_p: None,
+            repetition_penalty: None,
         });
         let want = ids(&gen.generate(&sampled, None).unwrap());
         let options = PagedOptions {
@@ -203,6 +205,8 @@ fn a_shared_prompt_is_computed_once_per_block() {
                         top_k: None,
                         top_p: None,
                         seed: s,
+                        min_p: None,
+                        repetition_penalty: None,
                     },
                 )
             })

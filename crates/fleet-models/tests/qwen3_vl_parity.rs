@@ -13,7 +13,8 @@ use candle_core::{Device, Tensor};
 use fleet_models::qwen3_vl::{rope_index, Qwen3VlConfig, Qwen3VlModel, VlPrompt};
 use fleet_models::vision::{preprocess, ImageProcessorConfig, ResizeBackend};
 use fleet_models::{
-    DType, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions, VisionLanguageModel, Weights,
+    DType, DeviceLocation, DeviceMap, GenerationRequest, LoadOptions, PagedOptions,
+    VisionLanguageModel, Weights,
 };
 use serde_json::Value;
 
@@ -218,6 +219,52 @@ fn check_checkpoint(name: &str) {
             o.token_ids,
             ids(&cases[r]["greedy"]["output_ids"]),
             "{name} batched row {r} vs alone"
+        );
+    }
+
+    // Continuous batching on a paged cache, two decode slots for the four prompts (each
+    // newcomer's vision tower and prefill between the others' decode steps), twice over in one
+    // call so that the second round's prompts find the first round's text blocks: the same
+    // tokens as transformers.
+    let twice: Vec<VlPrompt> = prompts.iter().chain(&prompts).cloned().collect();
+    let reqs2: Vec<GenerationRequest> = reqs.iter().chain(&reqs).cloned().collect();
+    for block_size in [4, 16] {
+        let options = PagedOptions {
+            max_batch: 2,
+            block_size,
+            num_blocks: 256,
+            cuda_graphs: false,
+        };
+        let (out, stats) = f
+            .model
+            .generate_paged(None, vec![997, 995], 995, &twice, &reqs2, &options, None)
+            .unwrap();
+        for (r, o) in out.iter().enumerate() {
+            assert_eq!(
+                o.token_ids,
+                golden[r % golden.len()],
+                "{name} paged row {r}, blocks of {block_size}"
+            );
+        }
+        assert_eq!(stats.max_running, 2, "{name}");
+        // Only text before the first image is shared: image tokens are never found again.
+        let image = cfg.image_token_id;
+        let shareable: usize = twice
+            .iter()
+            .map(|p| {
+                let first_image = p.ids.iter().position(|&t| t == image);
+                first_image.unwrap_or(usize::MAX).min(p.ids.len() - 1)
+            })
+            .map(|n| n / block_size * block_size)
+            .sum();
+        assert!(
+            stats.cached_prompt_tokens <= shareable,
+            "{name}: {} cached of {shareable} shareable",
+            stats.cached_prompt_tokens
+        );
+        assert!(
+            stats.cached_prompt_tokens > 0,
+            "{name}, blocks of {block_size}"
         );
     }
 }

@@ -69,8 +69,9 @@ pub type ChatOutcome = std::result::Result<GenerationOutput, String>;
 /// Generates a batch on a model of this process. Each request's prompt is built once
 /// ([`fleet_models::qwen3_vl::VlProcessor::chat_prompt`]: the template rendered, the length
 /// checked from the images' sizes before their pixels are preprocessed, the M-RoPE positions
-/// counted once for the check and the prefill); the ones that build are generated as one
-/// left-padded batch. One outcome per request, in order (`Err` for a request that cannot be
+/// counted once for the check and the prefill); the ones that build are generated together
+/// ([`VisionLanguageModel::generate_batch`]: one left-padded batch, or continuous batching
+/// through the model's decode slots). One outcome per request, in order (`Err` for a request that cannot be
 /// answered); `Err` when the batch as a whole failed.
 pub fn generate_chats(
     model: &VisionLanguageModel,
@@ -107,7 +108,7 @@ pub fn generate_chats(
         }
     }
     if !prompts.is_empty() {
-        let out = model.generate(&prompts, &requests, None)?;
+        let out = model.generate_batch(&prompts, &requests)?;
         for (i, o) in index.into_iter().zip(out) {
             outcomes[i] = Some(Ok(o));
         }

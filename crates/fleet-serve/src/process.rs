@@ -56,6 +56,8 @@ struct WorkerSpec {
     hub_offline: bool,
     #[serde(default)]
     image_backend: fleet_models::vision::ResizeBackend,
+    #[serde(default)]
+    decode_slots: Option<usize>,
 }
 
 impl WorkerSpec {
@@ -69,6 +71,7 @@ impl WorkerSpec {
                 offline: self.hub_offline,
             },
             image_backend: self.image_backend,
+            decode_slots: self.decode_slots,
         })
     }
 }
@@ -220,6 +223,7 @@ impl<K: ModelKind> ReplicaProcess<K> {
             hub_cache_dir: opts.hub.cache_dir.clone(),
             hub_offline: opts.hub.offline,
             image_backend: opts.image_backend,
+            decode_slots: opts.decode_slots,
         };
         let exe = std::env::current_exe()
             .map_err(|e| ModelError::Replicas(format!("cannot find this program: {e}")))?;

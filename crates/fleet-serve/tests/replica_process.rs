@@ -95,6 +95,8 @@ fn vl_requests() -> Vec<ChatRequest> {
         top_k: Some(20),
         top_p: Some(0.8),
         seed: 7,
+        min_p: None,
+        repetition_penalty: None,
     };
     vec![
         ChatRequest::greedy(

@@ -16,7 +16,8 @@
 //!   [`qk_norm_rope`]: the same for Qwen3, with the per-head RMSNorm of q and k before RoPE.
 //!   Both read one RoPE table layout: `[cos | sin]` per position.
 //! - [`logp_entropy`] and [`logp_grad`]: the training head's log-softmax, forward and backward.
-//! - [`sample_gumbel`]: one sampled token per row of logits, on the device.
+//! - [`sample_tokens`]: the next token of every row (transformers' sampling processors and
+//!   the draw in one kernel) and its log-probability, on the device.
 //! - [`adamw_step_`]: the optimizer's fused step.
 //! - [`linear`]: a linear layer with the bias added in place after the GEMM.
 //! - [`paged_kv_write`] and [`paged_decode_attention`]: the paged KV cache's write of new keys
@@ -301,5 +302,5 @@ pub use paged_attention::{
 pub use qkv_rope::{qk_norm_rope, qkv_rope};
 pub use reduce::{sum_all_fast, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm};
-pub use sample::{gumbel_params, sample_gumbel};
+pub use sample::{sample_tokens, RowSampling, SAMPLER_VERSION};
 pub use swiglu::swiglu;

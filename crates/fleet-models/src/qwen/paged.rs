@@ -90,12 +90,18 @@ impl QwenModel {
     }
 
     /// One decode step of `seqs`: each sequence's last token (its slot given, its keys and
-    /// values not yet written) at position `len - 1`, attending to its whole sequence.
-    /// Returns logits `[seqs, 1, vocab]` (f32).
-    pub fn decode_paged(&self, seqs: &[&SequenceBlocks], cache: &mut KvCache) -> Result<Tensor> {
+    /// values not yet written) at position `len - 1 + shifts[r]` (Qwen3-VL's `rope_delta`;
+    /// `shifts` empty: none), attending to its whole sequence. Returns logits
+    /// `[seqs, 1, vocab]` (f32).
+    pub fn decode_paged(
+        &self,
+        seqs: &[&SequenceBlocks],
+        shifts: &[i64],
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let bs = paged_block_size(cache)?;
         let max_blocks = seqs.iter().map(|s| s.len().div_ceil(bs)).max().unwrap_or(1);
-        let host = self.step_inputs(seqs, bs, seqs.len(), max_blocks)?;
+        let host = self.step_inputs(seqs, shifts, bs, seqs.len(), max_blocks)?;
         let ids: Vec<Vec<u32>> = host.ids.iter().map(|&t| vec![t]).collect();
         let call = PagedCall {
             slots: host.slots,
@@ -121,6 +127,7 @@ impl QwenModel {
     fn step_inputs(
         &self,
         seqs: &[&SequenceBlocks],
+        shifts: &[i64],
         bs: usize,
         rows: usize,
         max_blocks: usize,
@@ -129,6 +136,12 @@ impl QwenModel {
         if n == 0 || n > rows || seqs.iter().any(|s| s.is_empty()) {
             return Err(ModelError::BadInput(format!(
                 "a decode step of {n} sequences in {rows} rows (at least one, each with a token)"
+            )));
+        }
+        if !(shifts.is_empty() || shifts.len() == n) {
+            return Err(ModelError::BadInput(format!(
+                "a decode step of {n} sequences with {} position shifts",
+                shifts.len()
             )));
         }
         let mut host = StepInputs::inactive(rows, max_blocks);
@@ -142,7 +155,13 @@ impl QwenModel {
                 )));
             }
             host.ids[r] = s.tokens[s.len() - 1];
-            host.positions[r] = (s.len() - 1) as u32;
+            let shift = shifts.get(r).copied().unwrap_or(0);
+            host.positions[r] = u32::try_from(s.len() as i64 - 1 + shift).map_err(|_| {
+                ModelError::BadInput(format!(
+                    "sequence {r}: position {} + shift {shift} is not a position",
+                    s.len() - 1
+                ))
+            })?;
             host.slots[r] = s.slot(s.len() - 1, bs);
             host.seq_lens[r] = s.len() as u32;
             host.tables[r * max_blocks..r * max_blocks + blocks]
@@ -264,11 +283,12 @@ impl QwenModel {
         &self,
         graph: &mut DecodeGraph,
         seqs: &[&SequenceBlocks],
+        shifts: &[i64],
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let bs = paged_block_size(cache)?;
         let n = seqs.len();
-        let host = self.step_inputs(seqs, bs, graph.batch, graph.max_blocks)?;
+        let host = self.step_inputs(seqs, shifts, bs, graph.batch, graph.max_blocks)?;
         host.write(graph)?;
         #[cfg(feature = "cuda")]
         let launched = match &graph.graph {
@@ -393,7 +413,7 @@ fn cuda_err(e: candle_core::cuda_backend::cudarc::driver::DriverError) -> ModelE
 }
 
 /// The block size of a paged cache (an error naming the mix-up for a contiguous one).
-fn paged_block_size(cache: &mut KvCache) -> Result<usize> {
+pub(crate) fn paged_block_size(cache: &mut KvCache) -> Result<usize> {
     let (k, _) = cache.layer_mut(0).paged()?;
     Ok(k.dim(2)?)
 }

@@ -16,7 +16,9 @@ use serde_json::Value;
 
 use crate::config::GenerationConfig;
 use crate::error::{ModelError, Result};
-use crate::generation::{GenerationOutput, GenerationRequest, StreamEvent};
+use crate::generation::{
+    GenerationOutput, GenerationRequest, PagedOptions, PagedStats, StreamEvent,
+};
 use crate::source::{CheckpointFiles, ModelSource};
 use crate::tokenizer::{ChatTemplate, TextTokenizer};
 use crate::vision::{preprocess, ImageProcessorConfig};
@@ -416,6 +418,9 @@ pub struct VisionLanguageModel {
     pub model: Qwen3VlModel,
     /// The tokenizer, chat template, image processor settings and generation defaults.
     pub processor: VlProcessor,
+    /// Continuous batching's decode slots for [`VisionLanguageModel::generate_batch`]
+    /// ([`LoadOptions::decode_slots`]); `None`: one left-padded batch.
+    pub decode_slots: Option<usize>,
 }
 
 impl VisionLanguageModel {
@@ -427,6 +432,7 @@ impl VisionLanguageModel {
         let model = Qwen3VlModel::new(&c.config, &c.weights, opts.dtype, &c.map)?;
         let mut vlm = Self::with_model(c.source, c.files, model)?;
         vlm.processor = vlm.processor.with_image_backend(opts.image_backend);
+        vlm.decode_slots = opts.decode_slots;
         Ok(vlm)
     }
 
@@ -443,6 +449,7 @@ impl VisionLanguageModel {
             files,
             model,
             processor,
+            decode_slots: None,
         })
     }
 
@@ -488,6 +495,43 @@ impl VisionLanguageModel {
             self.pad_id(),
             prompts,
             requests,
+            on_token,
+        )
+    }
+
+    /// A batch the way this model was loaded to generate: [`VisionLanguageModel::generate`],
+    /// or with `decode_slots`, continuous batching through that many slots with blocks for
+    /// all of them at once ([`VisionLanguageModel::generate_paged`]). Same tokens.
+    pub fn generate_batch(
+        &self,
+        prompts: &[VlPrompt],
+        requests: &[GenerationRequest],
+    ) -> Result<Vec<GenerationOutput>> {
+        match self.decode_slots {
+            None => self.generate(prompts, requests, None),
+            Some(slots) => {
+                let options = PagedOptions::for_requests(requests, slots, 16);
+                Ok(self.generate_paged(prompts, requests, &options, None)?.0)
+            }
+        }
+    }
+
+    /// [`VisionLanguageModel::generate`] with continuous batching on a paged KV cache
+    /// ([`Qwen3VlModel::generate_paged`]).
+    pub fn generate_paged(
+        &self,
+        prompts: &[VlPrompt],
+        requests: &[GenerationRequest],
+        options: &PagedOptions,
+        on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<(Vec<GenerationOutput>, PagedStats)> {
+        self.model.generate_paged(
+            Some(&self.processor.tokenizer),
+            self.eos_ids(),
+            self.pad_id(),
+            prompts,
+            requests,
+            options,
             on_token,
         )
     }

@@ -19,9 +19,12 @@ use fleet_topology::DeviceMap;
 
 use crate::device::Devices;
 use crate::error::{ModelError, Result};
-use crate::generation::{GenerationOutput, GenerationRequest, Generator, StreamEvent};
+use crate::generation::{
+    GenerationOutput, GenerationRequest, Generator, PagedOptions, PagedStats, StreamEvent,
+};
+use crate::kv_blocks::SequenceBlocks;
 use crate::kv_cache::KvCache;
-use crate::qwen::{Deepstack, Positions, QwenModel};
+use crate::qwen::{Deepstack, PagedCall, PagedCallRead, Positions, QwenModel};
 use crate::tokenizer::TextTokenizer;
 use crate::vision::PreprocessedImages;
 use crate::weights::Weights;
@@ -51,6 +54,22 @@ impl VlPrompt {
             .as_ref()
             .map_or(&[][..], |i| i.image_grid_thw.as_slice())
     }
+}
+
+/// What [`Qwen3VlModel::prompt_inputs`] builds for the decoder.
+struct PromptInputs {
+    /// `[b, len, hidden]` embeddings, image features in place.
+    x: Tensor,
+    /// Row-major `[b, len]` temporal, height and width positions.
+    axes: [Vec<u32>; 3],
+    /// Each row's `rope_delta`.
+    deltas: Vec<i64>,
+    /// Deepstack features, one tensor per layer they are added after.
+    stack: Vec<Tensor>,
+    /// The image tokens' flattened places (u32), when there are images.
+    index: Option<Tensor>,
+    /// The same places on the host.
+    image_slots: Vec<u32>,
 }
 
 /// The M-RoPE positions of one prompt ([`rope_index`]): three per token, and the shift of the
@@ -222,6 +241,116 @@ impl Qwen3VlModel {
         cache: &mut KvCache,
         last_only: bool,
     ) -> Result<(Tensor, Vec<i64>)> {
+        if !cache.is_empty() {
+            return Err(ModelError::BadInput(
+                "a multimodal prompt must be the first call on its cache".into(),
+            ));
+        }
+        let inputs = self.prompt_inputs(prompts, ids, pad)?;
+        let (b, len) = (prompts.len(), ids[0].len());
+        let deepstack = inputs.index.as_ref().map(|index| Deepstack {
+            index,
+            features: &inputs.stack,
+        });
+        let logits = self.text.forward_embeds(
+            inputs.x,
+            pad,
+            self.mrope(inputs.axes, b, len),
+            cache,
+            last_only,
+            deepstack.as_ref(),
+            None,
+        )?;
+        Ok((logits, inputs.deltas))
+    }
+
+    /// `prompt`'s tokens after the `seq.cached` already in a paged cache, run into their slots
+    /// of `cache`; its images, which all lie after the cached tokens (only the tokens before
+    /// the first image are shared), go through the vision tower. Returns the last token's f32
+    /// logits `[1, 1, vocab]` and the prompt's `rope_delta`.
+    pub fn prefill_paged(
+        &self,
+        prompt: &VlPrompt,
+        seq: &SequenceBlocks,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, i64)> {
+        let (start, len) = (seq.cached, seq.len());
+        if seq.tokens != prompt.ids || start >= len {
+            return Err(ModelError::BadInput(format!(
+                "a paged prefill of a prompt of {} tokens got a sequence of {len} with \
+                 {start} cached",
+                prompt.ids.len()
+            )));
+        }
+        if prompt.ids[..start].contains(&self.cfg.image_token_id) {
+            return Err(ModelError::BadInput(
+                "a paged prompt's image tokens must lie after its cached prefix".into(),
+            ));
+        }
+        let bs = crate::qwen::paged_block_size(cache)?;
+        let inputs = self.prompt_inputs(&[prompt], std::slice::from_ref(&prompt.ids), &[0])?;
+        let n = len - start;
+        let x = inputs.x.narrow(1, start, n)?;
+        let axes = inputs.axes.map(|a| a[start..].to_vec());
+        // The image tokens' places within the computed tokens.
+        let index = match &inputs.index {
+            Some(i) => {
+                let shifted: Vec<u32> = inputs
+                    .image_slots
+                    .iter()
+                    .map(|&p| p - start as u32)
+                    .collect();
+                Some(Tensor::from_vec(
+                    shifted,
+                    inputs.image_slots.len(),
+                    i.device(),
+                )?)
+            }
+            None => None,
+        };
+        let deepstack = index.as_ref().map(|index| Deepstack {
+            index,
+            features: &inputs.stack,
+        });
+        let call = PagedCall {
+            slots: (start..len).map(|i| seq.slot(i, bs)).collect(),
+            read: PagedCallRead::Prefill {
+                blocks: seq.blocks[..len.div_ceil(bs)].to_vec(),
+                len,
+            },
+        };
+        let logits = self.text.forward_embeds(
+            x,
+            &[0],
+            self.mrope(axes, 1, n),
+            cache,
+            true,
+            deepstack.as_ref(),
+            Some(&call),
+        )?;
+        Ok((logits, inputs.deltas[0]))
+    }
+
+    /// The M-RoPE positions of a `[b, len]` call.
+    fn mrope(&self, axes: [Vec<u32>; 3], batch: usize, len: usize) -> Positions {
+        let section = self.cfg.text.mrope_section().expect("validated at load");
+        Positions::Mrope {
+            axes,
+            section: [section[0], section[1], section[2]],
+            batch,
+            len,
+        }
+    }
+
+    /// The decoder's inputs for left-padded prompts: the embeddings with each image's features
+    /// in place of its tokens, the M-RoPE positions (pad slots 0), each row's `rope_delta`,
+    /// and the deepstack features with the flattened places of the image tokens.
+    fn prompt_inputs(
+        &self,
+        prompts: &[&VlPrompt],
+        ids: &[Vec<u32>],
+        pad: &[usize],
+    ) -> Result<PromptInputs> {
         let b = prompts.len();
         if b == 0 || ids.len() != b || pad.len() != b {
             return Err(ModelError::BadInput(
@@ -229,11 +358,6 @@ impl Qwen3VlModel {
             ));
         }
         let len = ids[0].len();
-        if !cache.is_empty() {
-            return Err(ModelError::BadInput(
-                "a multimodal prompt must be the first call on its cache".into(),
-            ));
-        }
         for (r, p) in prompts.iter().enumerate() {
             if ids[r].len() != len || ids[r][pad[r]..] != p.ids[..] {
                 return Err(ModelError::BadInput(format!(
@@ -275,13 +399,6 @@ impl Qwen3VlModel {
             }
             deltas.push(positions.rope_delta);
         }
-        let section = self.cfg.text.mrope_section().expect("validated at load");
-        let positions = Positions::Mrope {
-            axes,
-            section: [section[0], section[1], section[2]],
-            batch: b,
-            len,
-        };
 
         let mut x = self.text.embed_ids(ids)?;
         // The image tokens' flattened positions, in order: where the features go.
@@ -327,20 +444,14 @@ impl Qwen3VlModel {
             stack = out.deepstack;
             index = Some(idx);
         }
-        let deepstack = index.as_ref().map(|index| Deepstack {
-            index,
-            features: &stack,
-        });
-        let logits = self.text.forward_embeds(
+        Ok(PromptInputs {
             x,
-            pad,
-            positions,
-            cache,
-            last_only,
-            deepstack.as_ref(),
-            None,
-        )?;
-        Ok((logits, deltas))
+            axes,
+            deltas,
+            stack,
+            index,
+            image_slots,
+        })
     }
 
     /// All prompts' images as one `pixel_values` tensor (on the encoder's device) and their
@@ -394,24 +505,68 @@ impl Qwen3VlModel {
         requests: &[GenerationRequest],
         on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
     ) -> Result<Vec<GenerationOutput>> {
-        if prompts.len() != requests.len() {
-            return Err(ModelError::BadInput(format!(
-                "{} prompts but {} requests",
-                prompts.len(),
-                requests.len()
-            )));
-        }
-        if let Some(r) = (0..prompts.len()).find(|&r| prompts[r].ids != requests[r].prompt_ids) {
-            return Err(ModelError::BadInput(format!(
-                "request {r}'s prompt_ids are not its prompt's ids"
-            )));
-        }
+        check_requests(prompts, requests)?;
         let generator = Generator::new(&self.text, tokenizer, eos_ids, pad_id);
         let refs: Vec<&VlPrompt> = prompts.iter().collect();
         generator.generate_with(requests, on_token, &mut |ids, pad, cache| {
             self.prefill(&refs, ids, pad, cache, true)
         })
     }
+
+    /// [`Qwen3VlModel::generate`] with continuous batching on a paged KV cache
+    /// ([`Generator::generate_paged`]): up to `options.max_batch` replies decode together, a
+    /// finished one's place goes at once to the next prompt, whose prefill (vision tower
+    /// included) runs between two decode steps of the others. Only the tokens before a
+    /// prompt's first image share blocks (every image's tokens carry the same id), so a
+    /// common instruction there is computed once. Same tokens as the left-padded batch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate_paged(
+        &self,
+        tokenizer: Option<&TextTokenizer>,
+        eos_ids: Vec<u32>,
+        pad_id: u32,
+        prompts: &[VlPrompt],
+        requests: &[GenerationRequest],
+        options: &PagedOptions,
+        on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<(Vec<GenerationOutput>, PagedStats)> {
+        check_requests(prompts, requests)?;
+        let generator = Generator::new(&self.text, tokenizer, eos_ids, pad_id);
+        let mut session = generator.paged_session(options)?;
+        let shareable: Vec<usize> = prompts
+            .iter()
+            .map(|p| {
+                p.ids
+                    .iter()
+                    .position(|&t| t == self.cfg.image_token_id)
+                    .unwrap_or(usize::MAX)
+            })
+            .collect();
+        generator.generate_in_with(
+            &mut session,
+            requests,
+            &shareable,
+            on_token,
+            &mut |i, seq, cache| self.prefill_paged(&prompts[i], seq, cache),
+        )
+    }
+}
+
+/// One request per prompt, each holding its prompt's ids.
+fn check_requests(prompts: &[VlPrompt], requests: &[GenerationRequest]) -> Result<()> {
+    if prompts.len() != requests.len() {
+        return Err(ModelError::BadInput(format!(
+            "{} prompts but {} requests",
+            prompts.len(),
+            requests.len()
+        )));
+    }
+    if let Some(r) = (0..prompts.len()).find(|&r| prompts[r].ids != requests[r].prompt_ids) {
+        return Err(ModelError::BadInput(format!(
+            "request {r}'s prompt_ids are not its prompt's ids"
+        )));
+    }
+    Ok(())
 }
 
 /// Replaces each image's single `<|image_pad|>` in `ids` (as the chat template renders it) by
