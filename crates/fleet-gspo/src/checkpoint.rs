@@ -435,3 +435,37 @@ pub fn load_state(
     }
     Ok(state)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A checkpoint's state as an older fleet wrote it (no sampler version).
+    fn old_state() -> TrainerState {
+        let json = serde_json::json!({
+            "step": 4, "generation_batch": 1,
+            "cursor": DataCursor::default(), "num_tokens": 100,
+            "base_model": {"weights_digest": "w", "config_digest": "c", "tokenizer_digest": "t"},
+            "base_model_id": "m", "commit": "abc"
+        });
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn a_filtered_run_resumes_only_under_the_sampler_that_drew_it() {
+        let path = Path::new("out/checkpoint-4");
+        let mut state = old_state();
+        assert_eq!(state.sampler_version, 1);
+        let err = check_sampler(path, &mut state, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("sampler v1") && err.contains("checkpoint-4"),
+            "{err}"
+        );
+        // Plain temperature and greedy draws are the same in every version.
+        check_sampler(path, &mut state, false).unwrap();
+        assert_eq!(state.sampler_version, fleet_models::ops::SAMPLER_VERSION);
+        check_sampler(path, &mut state, true).unwrap();
+    }
+}
