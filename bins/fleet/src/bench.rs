@@ -167,8 +167,8 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
                 }
             })
         };
-        // The prompts alone, the way the batching runs them (continuous: one at a time, into
-        // the paged cache): one new token each.
+        // The prompts alone, the way the batching runs them (continuous: the admitted prompts
+        // in batched passes into the paged cache): one new token each.
         let time_prefill = || -> Result<f64> {
             match args.batching {
                 Batching::Static => prefill(&model, &prompts),

@@ -353,11 +353,28 @@ struct Running {
     shift: i64,
 }
 
-/// A paged prompt pass for [`Generator::step_with`]: `(ticket, seq, cache) -> (logits, shift)`
-/// runs the request's prompt tokens after `seq.cached` into their slots and returns the last
-/// token's logits `[1, 1, vocab]` and the position shift of the tokens it generates.
+/// A paged prompt pass for [`Generator::step_with`]: `(rows, cache) -> (logits, shifts)` runs
+/// each row's `(ticket, seq)` prompt tokens after `seq.cached` into their slots, in one pass,
+/// and returns each row's last logits `[rows, 1, vocab]` and the position shift of the tokens
+/// it generates (empty: none).
 pub(crate) type PagedPrefill<'p> =
-    &'p mut dyn FnMut(usize, &SequenceBlocks, &mut KvCache) -> Result<(Tensor, i64)>;
+    &'p mut dyn FnMut(&[(usize, &SequenceBlocks)], &mut KvCache) -> PrefillOutput;
+
+/// Each row's last logits and position shift (see [`PagedPrefill`]).
+pub(crate) type PrefillOutput = Result<(Tensor, Vec<i64>)>;
+
+/// Tokens (padding included) of one batched prompt pass of newly admitted requests (vLLM's
+/// `max_num_batched_tokens` is of the same order): more newcomers wait for the next pass.
+const PREFILL_TOKENS: usize = 8192;
+
+/// A newcomer that forks the one admitted before it with the same prompt.
+struct Fork {
+    /// Its place in the running sequences, and its twin's.
+    new: usize,
+    twin: usize,
+    /// The twin's partial last block and the newcomer's copy of it.
+    copy: Option<(u32, u32)>,
+}
 
 impl PagedSession {
     /// Prompt tokens found in the cache and prompt tokens asked for, over the session's life.
@@ -404,6 +421,8 @@ pub struct PagedStats {
     pub max_running: usize,
     /// Decode steps captured as CUDA graphs (one per batch bucket and table width used).
     pub graphs_captured: usize,
+    /// Prompt passes run (each prefills every newcomer of a step that fits it).
+    pub prefill_passes: usize,
 }
 
 /// Per-row state during generation.
@@ -672,13 +691,13 @@ impl<'a> Generator<'a> {
             requests,
             &shareable,
             on_token,
-            &mut |_, seq, cache| Ok((self.model.prefill_paged(seq, cache)?, 0)),
+            &mut |rows, cache| self.text_prefill(rows, cache),
         )
     }
 
-    /// [`Generator::generate_in`] with another prompt pass: `prefill(i, seq, cache)` runs
-    /// request `i`'s prompt (Qwen3-VL's, images included); only the first `shareable[i]`
-    /// tokens of request `i`'s prompt may share or leave blocks.
+    /// [`Generator::generate_in`] with another prompt pass: `prefill` gets the requests'
+    /// indices in this call (Qwen3-VL's prompts, images included); only the first
+    /// `shareable[i]` tokens of request `i`'s prompt may share or leave blocks.
     pub(crate) fn generate_in_with(
         &self,
         session: &mut PagedSession,
@@ -710,8 +729,12 @@ impl<'a> Generator<'a> {
                 });
             }
         };
-        let mut prefill_of = |ticket: usize, seq: &SequenceBlocks, cache: &mut KvCache| {
-            prefill(ticket - first, seq, cache)
+        let mut prefill_of = |rows: &[(usize, &SequenceBlocks)], cache: &mut KvCache| {
+            let renumbered: Vec<(usize, &SequenceBlocks)> = rows
+                .iter()
+                .map(|&(ticket, s)| (ticket - first, s))
+                .collect();
+            prefill(&renumbered, cache)
         };
         while !session.is_idle() {
             for (ticket, o) in self.step_with(session, Some(&mut renumber), &mut prefill_of)? {
@@ -784,12 +807,12 @@ impl<'a> Generator<'a> {
         session: &mut PagedSession,
         on_token: Option<&mut dyn FnMut(StreamEvent<'_>)>,
     ) -> Result<Vec<(usize, GenerationOutput)>> {
-        self.step_with(session, on_token, &mut |_, seq, cache| {
-            Ok((self.model.prefill_paged(seq, cache)?, 0))
+        self.step_with(session, on_token, &mut |rows, cache| {
+            self.text_prefill(rows, cache)
         })
     }
 
-    /// [`Generator::step`] with another prompt pass (`prefill(ticket, seq, cache)`).
+    /// [`Generator::step`] with another prompt pass (`prefill` gets the rows' tickets).
     pub(crate) fn step_with(
         &self,
         session: &mut PagedSession,
@@ -846,7 +869,14 @@ impl<'a> Generator<'a> {
             parts.push(logits);
             stats.decode_steps += 1;
         }
+        // Admission first (blocks only): a newcomer with the same prompt as one admitted in
+        // this step forks it (GSPO's completions of one prompt: one prefill, the same first
+        // logits, a copy of the partial last block); a newcomer's prompt blocks are registered
+        // at once, so a later newcomer with the same prefix shares them (they are written in
+        // the same or an earlier pass, layer by layer before any row reads them).
         let first_new = running.len();
+        let mut forks: Vec<Fork> = Vec::new();
+        let mut to_prefill: Vec<usize> = Vec::new();
         while running.len() < options.max_batch {
             let Some(front) = waiting.front() else { break };
             let req = &front.request;
@@ -857,18 +887,15 @@ impl<'a> Generator<'a> {
             let admitted = match twin {
                 Some(i) => pool
                     .fork(&running[i].seq, req.max_new_tokens)
-                    .map(|(seq, copy)| {
-                        let logits = parts[parts.len() - (running.len() - i)].clone();
-                        (seq, copy, Some((logits, running[i].shift)))
-                    }),
+                    .map(|(seq, copy)| (seq, Some((i, copy)))),
                 None => pool
                     .admit_sharing(&req.prompt_ids, req.max_new_tokens, front.shareable)
-                    .map(|seq| (seq, None, None)),
+                    .map(|seq| (seq, None)),
             };
             // Not enough free blocks: the request waits for running ones to finish. (With
             // nothing running every block is free or evictable, and `submit` checked that
             // the request fits the pool.)
-            let Some((mut seq, copy, logits)) = admitted else {
+            let Some((mut seq, twin)) = admitted else {
                 if running.is_empty() {
                     return Err(ModelError::BadInput(format!(
                         "request {} does not fit the KV pool even alone",
@@ -878,24 +905,63 @@ impl<'a> Generator<'a> {
                 break;
             };
             let Pending { request, row, .. } = waiting.pop_front().expect("the front was there");
-            if let Some((from, to)) = copy {
-                self.model.copy_paged_block(cache, from, to)?;
-            }
-            let (logits, shift) = match logits {
-                Some(forked) => forked,
-                None => prefill(row.request, &seq, cache)?,
-            };
-            parts.push(logits);
             stats.prompt_tokens += seq.len();
             stats.cached_prompt_tokens += seq.cached;
             let written = seq.len();
             pool.register(&mut seq, written);
+            match twin {
+                Some((twin, copy)) => forks.push(Fork {
+                    new: running.len(),
+                    twin,
+                    copy,
+                }),
+                None => to_prefill.push(running.len()),
+            }
             running.push(Running {
                 request,
                 row,
                 seq,
-                shift,
+                shift: 0,
             });
+        }
+        // The prompt passes: newcomers in admission order, as many per pass as
+        // PREFILL_TOKENS (padding included) holds.
+        let mut first_logits: Vec<Option<Tensor>> = vec![None; running.len() - first_new];
+        let mut start = 0;
+        while start < to_prefill.len() {
+            let uncached = |i: usize| running[i].seq.len() - running[i].seq.cached;
+            let mut end = start + 1;
+            let mut window = uncached(to_prefill[start]);
+            while end < to_prefill.len() {
+                let w = window.max(uncached(to_prefill[end]));
+                if (end - start + 1) * w > PREFILL_TOKENS {
+                    break;
+                }
+                window = w;
+                end += 1;
+            }
+            let group = &to_prefill[start..end];
+            let rows: Vec<(usize, &SequenceBlocks)> = group
+                .iter()
+                .map(|&i| (running[i].row.request, &running[i].seq))
+                .collect();
+            let (logits, shifts) = prefill(&rows, cache)?;
+            stats.prefill_passes += 1;
+            for (k, &i) in group.iter().enumerate() {
+                first_logits[i - first_new] = Some(logits.narrow(0, k, 1)?);
+                running[i].shift = shifts.get(k).copied().unwrap_or(0);
+            }
+            start = end;
+        }
+        for Fork { new, twin, copy } in forks {
+            if let Some((from, to)) = copy {
+                self.model.copy_paged_block(cache, from, to)?;
+            }
+            first_logits[new - first_new] = first_logits[twin - first_new].clone();
+            running[new].shift = running[twin].shift;
+        }
+        for logits in first_logits {
+            parts.push(logits.expect("every newcomer prefilled or forked"));
         }
         if running.is_empty() {
             return Ok(finished);
@@ -926,6 +992,16 @@ impl<'a> Generator<'a> {
         }
         *running = still;
         Ok(finished)
+    }
+
+    /// The text model's prompt pass ([`PagedPrefill`]).
+    fn text_prefill(
+        &self,
+        rows: &[(usize, &SequenceBlocks)],
+        cache: &mut KvCache,
+    ) -> PrefillOutput {
+        let seqs: Vec<&SequenceBlocks> = rows.iter().map(|(_, s)| *s).collect();
+        Ok((self.model.prefill_paged_batch(&seqs, cache)?, Vec::new()))
     }
 
     /// Chooses the next token of every row from `logits` `[rows, 1, vocab]` (row `s` of the
@@ -1006,6 +1082,7 @@ impl PagedStats {
         self.decode_steps += other.decode_steps;
         self.max_running = self.max_running.max(other.max_running);
         self.graphs_captured += other.graphs_captured;
+        self.prefill_passes += other.prefill_passes;
     }
 }
 

@@ -22,8 +22,8 @@ use crate::{attention, ops, profile};
 
 mod moe;
 mod paged;
-pub(crate) use paged::paged_block_size;
 pub use paged::DecodeGraph;
+pub(crate) use paged::{paged_block_size, paged_prefill_layout};
 pub mod train;
 
 use moe::SparseMoe;
@@ -396,14 +396,33 @@ impl Attention {
                 let out = attend(&q.squeeze(2)?, kc, vc, block_tables, seq_lens, 1.0)?;
                 Ok(out.reshape((b, 1, h * d))?)
             }
-            PagedRead::Prefill { blocks, len } => {
+            PagedRead::Prefill { rows, max_len } => {
+                // Each row's keys (or values) in order, left-padded with zeros to the longest:
+                // the mask's key_start (`pad`) hides the padding.
                 let gather = |c: &Tensor| -> Result<Tensor> {
                     let (_, kvh, bs, d) = c.dims4()?;
-                    let n = blocks.dim(0)?;
-                    Ok(c.index_select(blocks, 0)?
-                        .transpose(0, 1)?
-                        .reshape((1, kvh, n * bs, d))?
-                        .narrow(2, 0, *len)?)
+                    let parts = rows
+                        .iter()
+                        .map(|(blocks, len)| {
+                            let n = blocks.dim(0)?;
+                            let t = c
+                                .index_select(blocks, 0)?
+                                .transpose(0, 1)?
+                                .reshape((1, kvh, n * bs, d))?
+                                .narrow(2, 0, *len)?;
+                            if *len == *max_len {
+                                return Ok(t);
+                            }
+                            let zeros =
+                                Tensor::zeros((1, kvh, max_len - len, d), c.dtype(), c.device())?;
+                            Ok(Tensor::cat(&[zeros, t], 2)?)
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    Ok(if parts.len() == 1 {
+                        parts.into_iter().next().expect("one row")
+                    } else {
+                        Tensor::cat(&parts, 0)?
+                    })
                 };
                 let fused = q_len >= FLASH_MIN_QUERIES;
                 let out = attention::attend(
@@ -629,8 +648,12 @@ enum PagedRead {
         block_tables: Tensor,
         seq_lens: Tensor,
     },
-    /// One row's queries over its first `len` tokens, in `blocks` `[n]` u32.
-    Prefill { blocks: Tensor, len: usize },
+    /// Each row's queries over its first `len` tokens, in its `blocks` (`[n]` u32); the rows'
+    /// keys are left-padded to the longest, `max_len`.
+    Prefill {
+        rows: Vec<(Tensor, usize)>,
+        max_len: usize,
+    },
 }
 
 /// A paged call as the host builds it (see [`PagedInputs`]).
@@ -648,10 +671,8 @@ pub(crate) enum PagedCallRead {
         max_blocks: usize,
         seq_lens: Vec<u32>,
     },
-    Prefill {
-        blocks: Vec<u32>,
-        len: usize,
-    },
+    /// Each row's blocks and length.
+    Prefill { rows: Vec<(Vec<u32>, usize)> },
 }
 
 impl PagedCall {
@@ -666,9 +687,12 @@ impl PagedCall {
                 block_tables: Tensor::from_slice(block_tables, (seq_lens.len(), *max_blocks), dev)?,
                 seq_lens: Tensor::from_slice(seq_lens, seq_lens.len(), dev)?,
             },
-            PagedCallRead::Prefill { blocks, len } => PagedRead::Prefill {
-                blocks: Tensor::from_slice(blocks, blocks.len(), dev)?,
-                len: *len,
+            PagedCallRead::Prefill { rows } => PagedRead::Prefill {
+                rows: rows
+                    .iter()
+                    .map(|(blocks, len)| Ok((Tensor::from_slice(blocks, blocks.len(), dev)?, *len)))
+                    .collect::<Result<_>>()?,
+                max_len: rows.iter().map(|(_, len)| *len).max().unwrap_or(0),
             },
         };
         Ok(PagedInputs { slots, read })

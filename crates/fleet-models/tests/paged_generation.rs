@@ -384,3 +384,32 @@ fn requests_submitted_as_others_finish_give_the_lock_step_tokens() {
         assert!(gen.step(&mut session, None).unwrap().is_empty(), "{what}");
     }
 }
+
+#[test]
+fn newcomers_of_a_step_share_one_prompt_pass_and_their_common_prefix() {
+    for (what, model) in models("qwen2-tiny") {
+        let gen = model.generator();
+        // Five prompts: a common 12-token instruction, then each its own question.
+        let common: Vec<u32> = (0..12).map(|t| (t * 5 + 1) % 90).collect();
+        let requests: Vec<GenerationRequest> = (0..5)
+            .map(|i| {
+                let mut p = common.clone();
+                p.extend((0..(i + 2)).map(|t| ((t * 11 + i * 7 + 40) % 90) as u32));
+                request(p, 4 + i, SamplingParams::greedy())
+            })
+            .collect();
+        let want = ids(&gen.generate(&requests, None).unwrap());
+        let options = PagedOptions {
+            max_batch: 8,
+            block_size: 4,
+            num_blocks: 64,
+            cuda_graphs: false,
+        };
+        let (got, stats) = gen.generate_paged(&requests, &options, None).unwrap();
+        assert_eq!(ids(&got), want, "{what}");
+        // All five in one pass; the later four find the first's three instruction blocks
+        // (written in that same pass, before any row reads them).
+        assert_eq!(stats.prefill_passes, 1, "{what}");
+        assert_eq!(stats.cached_prompt_tokens, 4 * 12, "{what}");
+    }
+}

@@ -65,28 +65,59 @@ impl QwenModel {
     /// keys and values at their slots, and returns the last token's logits `[1, 1, vocab]`
     /// (f32). The sequence's blocks must cover its tokens.
     pub fn prefill_paged(&self, seq: &SequenceBlocks, cache: &mut KvCache) -> Result<Tensor> {
+        self.prefill_paged_batch(&[seq], cache)
+    }
+
+    /// [`QwenModel::prefill_paged`] of several sequences in one pass: each row is the last
+    /// `window` tokens of its sequence (`window` = the longest uncached part; a shorter row's
+    /// window starts with cached tokens, or pads, which write nothing), its keys and values
+    /// left-padded to the longest sequence. Returns each row's last logits `[rows, 1, vocab]`.
+    pub fn prefill_paged_batch(
+        &self,
+        seqs: &[&SequenceBlocks],
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let bs = paged_block_size(cache)?;
-        let (start, len) = (seq.cached, seq.len());
-        if start >= len {
+        if let Some(s) = seqs.iter().find(|s| s.cached >= s.len()) {
             return Err(ModelError::BadInput(format!(
-                "a paged prefill needs a token to compute: {len} tokens, {start} cached"
+                "a paged prefill needs a token to compute: {} tokens, {} cached",
+                s.len(),
+                s.cached
             )));
         }
-        let ids = vec![seq.tokens[start..].to_vec()];
+        let (window, pad, positions, slots) = paged_prefill_layout(seqs, bs);
+        let ids: Vec<Vec<u32>> = seqs
+            .iter()
+            .map(|s| {
+                (0..window)
+                    .map(|k| {
+                        let t = s.len() as isize - window as isize + k as isize;
+                        if t < 0 {
+                            s.tokens[0]
+                        } else {
+                            s.tokens[t as usize]
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
         self.check_ids(&ids)?;
         let call = PagedCall {
-            slots: (start..len).map(|i| seq.slot(i, bs)).collect(),
+            slots,
             read: PagedCallRead::Prefill {
-                blocks: seq.blocks[..len.div_ceil(bs)].to_vec(),
-                len,
+                rows: seqs
+                    .iter()
+                    .map(|s| (s.blocks[..s.len().div_ceil(bs)].to_vec(), s.len()))
+                    .collect(),
             },
         };
-        let positions = Positions::Shared {
-            start,
-            len: len - start,
+        let positions = Positions::PerRow {
+            ids: positions,
+            batch: seqs.len(),
+            len: window,
         };
         let x = self.embed_ids(&ids)?;
-        self.forward_embeds(x, &[0], positions, cache, true, None, Some(&call))
+        self.forward_embeds(x, &pad, positions, cache, true, None, Some(&call))
     }
 
     /// One decode step of `seqs`: each sequence's last token (its slot given, its keys and
@@ -416,4 +447,36 @@ fn cuda_err(e: candle_core::cuda_backend::cudarc::driver::DriverError) -> ModelE
 pub(crate) fn paged_block_size(cache: &mut KvCache) -> Result<usize> {
     let (k, _) = cache.layer_mut(0).paged()?;
     Ok(k.dim(2)?)
+}
+
+/// The layout of a batched paged prefill of `seqs`: the window (the longest uncached part),
+/// each row's key padding (to the longest sequence), and per window position (row-major) its
+/// position (0 for a pad) and slot (`u32::MAX` for a pad or a cached token: nothing written).
+pub(crate) fn paged_prefill_layout(
+    seqs: &[&SequenceBlocks],
+    bs: usize,
+) -> (usize, Vec<usize>, Vec<u32>, Vec<u32>) {
+    let window = seqs.iter().map(|s| s.len() - s.cached).max().unwrap_or(0);
+    let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
+    let pad = seqs.iter().map(|s| max_len - s.len()).collect();
+    let mut positions = Vec::with_capacity(seqs.len() * window);
+    let mut slots = Vec::with_capacity(seqs.len() * window);
+    for s in seqs {
+        for k in 0..window {
+            let t = s.len() as isize - window as isize + k as isize;
+            if t < 0 {
+                positions.push(0);
+                slots.push(u32::MAX);
+            } else {
+                let t = t as usize;
+                positions.push(t as u32);
+                slots.push(if t >= s.cached {
+                    s.slot(t, bs)
+                } else {
+                    u32::MAX
+                });
+            }
+        }
+    }
+    (window, pad, positions, slots)
 }

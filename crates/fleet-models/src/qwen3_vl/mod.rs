@@ -264,44 +264,75 @@ impl Qwen3VlModel {
         Ok((logits, inputs.deltas))
     }
 
-    /// `prompt`'s tokens after the `seq.cached` already in a paged cache, run into their slots
-    /// of `cache`; its images, which all lie after the cached tokens (only the tokens before
-    /// the first image are shared), go through the vision tower. Returns the last token's f32
-    /// logits `[1, 1, vocab]` and the prompt's `rope_delta`.
-    pub fn prefill_paged(
+    /// The prompts' tokens after the `seqs[r].cached` already in a paged cache, run into their
+    /// slots of `cache` in one pass (the layout of [`QwenModel::prefill_paged_batch`]: each
+    /// row the last `window` tokens of its left-padded prompt). Their images, which all lie
+    /// after the cached tokens (only the tokens before a prompt's first image are shared), go
+    /// through the vision tower together. Returns each row's last f32 logits `[rows, 1, vocab]`
+    /// and each prompt's `rope_delta`.
+    pub fn prefill_paged_batch(
         &self,
-        prompt: &VlPrompt,
-        seq: &SequenceBlocks,
+        prompts: &[&VlPrompt],
+        seqs: &[&SequenceBlocks],
         cache: &mut KvCache,
-    ) -> Result<(Tensor, i64)> {
-        let (start, len) = (seq.cached, seq.len());
-        if seq.tokens != prompt.ids || start >= len {
+    ) -> Result<(Tensor, Vec<i64>)> {
+        if prompts.len() != seqs.len() {
             return Err(ModelError::BadInput(format!(
-                "a paged prefill of a prompt of {} tokens got a sequence of {len} with \
-                 {start} cached",
-                prompt.ids.len()
+                "a paged prefill of {} prompts got {} sequences",
+                prompts.len(),
+                seqs.len()
             )));
         }
-        if prompt.ids[..start].contains(&self.cfg.image_token_id) {
-            return Err(ModelError::BadInput(
-                "a paged prompt's image tokens must lie after its cached prefix".into(),
-            ));
+        for (p, seq) in prompts.iter().zip(seqs) {
+            if seq.tokens != p.ids || seq.cached >= seq.len() {
+                return Err(ModelError::BadInput(format!(
+                    "a paged prefill of a prompt of {} tokens got a sequence of {} with {} \
+                     cached",
+                    p.ids.len(),
+                    seq.len(),
+                    seq.cached
+                )));
+            }
+            if p.ids[..seq.cached].contains(&self.cfg.image_token_id) {
+                return Err(ModelError::BadInput(
+                    "a paged prompt's image tokens must lie after its cached prefix".into(),
+                ));
+            }
         }
         let bs = crate::qwen::paged_block_size(cache)?;
-        let inputs = self.prompt_inputs(&[prompt], std::slice::from_ref(&prompt.ids), &[0])?;
-        let n = len - start;
-        let x = inputs.x.narrow(1, start, n)?;
-        let axes = inputs.axes.map(|a| a[start..].to_vec());
-        // The image tokens' places within the computed tokens.
+        let (window, pad, _, slots) = crate::qwen::paged_prefill_layout(seqs, bs);
+        // The prompts left-padded to the longest, whose last `window` places are the call.
+        let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
+        let ids: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(&pad)
+            .map(|(p, &n)| {
+                let mut row = vec![p.ids[0]; n];
+                row.extend_from_slice(&p.ids);
+                row
+            })
+            .collect();
+        let inputs = self.prompt_inputs(prompts, &ids, &pad)?;
+        let skip = max_len - window;
+        let x = inputs.x.narrow(1, skip, window)?;
+        let axes = inputs.axes.map(|a| {
+            a.chunks(max_len)
+                .flat_map(|row| row[skip..].iter().copied())
+                .collect::<Vec<u32>>()
+        });
+        // The image tokens' places within the window (all inside it: they are uncached).
         let index = match &inputs.index {
             Some(i) => {
-                let shifted: Vec<u32> = inputs
+                let moved: Vec<u32> = inputs
                     .image_slots
                     .iter()
-                    .map(|&p| p - start as u32)
+                    .map(|&p| {
+                        let (r, j) = (p as usize / max_len, p as usize % max_len);
+                        (r * window + j - skip) as u32
+                    })
                     .collect();
                 Some(Tensor::from_vec(
-                    shifted,
+                    moved,
                     inputs.image_slots.len(),
                     i.device(),
                 )?)
@@ -313,22 +344,24 @@ impl Qwen3VlModel {
             features: &inputs.stack,
         });
         let call = PagedCall {
-            slots: (start..len).map(|i| seq.slot(i, bs)).collect(),
+            slots,
             read: PagedCallRead::Prefill {
-                blocks: seq.blocks[..len.div_ceil(bs)].to_vec(),
-                len,
+                rows: seqs
+                    .iter()
+                    .map(|s| (s.blocks[..s.len().div_ceil(bs)].to_vec(), s.len()))
+                    .collect(),
             },
         };
         let logits = self.text.forward_embeds(
             x,
-            &[0],
-            self.mrope(axes, 1, n),
+            &pad,
+            self.mrope(axes, seqs.len(), window),
             cache,
             true,
             deepstack.as_ref(),
             Some(&call),
         )?;
-        Ok((logits, inputs.deltas[0]))
+        Ok((logits, inputs.deltas))
     }
 
     /// The M-RoPE positions of a `[b, len]` call.
@@ -547,7 +580,11 @@ impl Qwen3VlModel {
             requests,
             &shareable,
             on_token,
-            &mut |i, seq, cache| self.prefill_paged(&prompts[i], seq, cache),
+            &mut |rows, cache| {
+                let batch: Vec<&VlPrompt> = rows.iter().map(|&(i, _)| &prompts[i]).collect();
+                let seqs: Vec<&SequenceBlocks> = rows.iter().map(|&(_, s)| s).collect();
+                self.prefill_paged_batch(&batch, &seqs, cache)
+            },
         )
     }
 }
