@@ -4,8 +4,9 @@
 #
 # Carried: dist/carry/fleet.xz (scripts/cuda/build.sh -p fleet, stripped, xz).
 #   PART=speed    7B shape (configs/models/qwen2.5-7b.json, random bf16 weights), prompt 512,
-#                 128 new tokens, batches $BATCHES: fleet static, fleet continuous,
-#                 transformers (benches/transformers_generate.py) — fleet_7b_*.json, hf_7b.json
+#                 128 new tokens, batches $BATCHES: fleet static, fleet continuous (reading
+#                 tokens every step, and every 8), transformers
+#                 (benches/transformers_generate.py) — fleet_7b_*.json, hf_7b.json
 #   PART=graphs   the paged tests on the GPU (dist/carry/paged-tests.tar.xz: paged_generation,
 #                 generation, parity), then the 7B speed as PART=speed with three fleet modes:
 #                 static, continuous, continuous --cuda-graphs; and GSPO's rollout shape
@@ -74,10 +75,14 @@ case "$PART" in
     ;;
   speed)
     C=configs/models/qwen2.5-7b.json
-    for mode in static continuous; do
+    for mode in static continuous continuous-sync8; do
       echo "== fleet $mode"
+      case "$mode" in
+        continuous-sync8) flags=(--batching continuous --sync-every 8) ;;
+        *) flags=(--batching "$mode") ;;
+      esac
       "$F" bench generate --config "$C" --batch "$BATCHES" --prompt-len 512 --new-tokens 128 \
-        --repeats 2 --batching "$mode" --json "$OUT/fleet_7b_$mode.json"
+        --repeats 2 "${flags[@]}" --json "$OUT/fleet_7b_$mode.json"
     done
     echo "== transformers"
     python3 benches/transformers_generate.py --config "$C" --dtype bf16 --prompt-len 512 \

@@ -266,6 +266,14 @@ pub struct PagedOptions {
     /// meets an illegal memory access, with or without capture (issue 26), so it is off by
     /// default.
     pub cuda_graphs: bool,
+    /// Decode steps queued before their tokens are read back (1: every step). With `k` > 1
+    /// the running rows take `k` steps at a time, each step's tokens fed to the next on the
+    /// device; the host then takes them in order, and a row that stopped inside the `k`
+    /// drops the tokens after its stop (their keys and values were written, but never into a
+    /// block another sequence shares). Finished rows' places are refilled every `k` steps.
+    /// The tokens are the same for any `k`. Rows with a repetition penalty (whose seen tokens
+    /// are read on the host) make the step a single one.
+    pub sync_every: usize,
 }
 
 impl PagedOptions {
@@ -276,6 +284,7 @@ impl PagedOptions {
             block_size: 16,
             num_blocks,
             cuda_graphs: false,
+            sync_every: 1,
         }
     }
 
@@ -298,6 +307,7 @@ impl PagedOptions {
             block_size,
             num_blocks: max_batch * longest.div_ceil(block_size.max(1)) + 1,
             cuda_graphs: false,
+            sync_every: 1,
         }
     }
 }
@@ -654,9 +664,9 @@ impl<'a> Generator<'a> {
 
     /// An empty paged session: the cache and the block pool of `options`.
     pub fn paged_session(&self, options: &PagedOptions) -> Result<PagedSession> {
-        if options.max_batch == 0 || options.block_size == 0 {
+        if options.max_batch == 0 || options.block_size == 0 || options.sync_every == 0 {
             return Err(ModelError::BadInput(
-                "paged generation needs max_batch and block_size of at least 1".into(),
+                "paged generation needs max_batch, block_size and sync_every of at least 1".into(),
             ));
         }
         Ok(PagedSession {
@@ -831,8 +841,51 @@ impl<'a> Generator<'a> {
             stats,
             ..
         } = session;
+        // Several decode steps of the running rows before one read (`sync_every`), the rows
+        // that stopped then leaving before the newcomers come in.
+        let burst = if options.sync_every > 1
+            && running
+                .iter()
+                .all(|r| r.row.sampling.repetition_penalty.is_none())
+        {
+            running
+                .iter()
+                .map(|r| r.row.max_new_tokens - r.row.generated.len())
+                .min()
+                .unwrap_or(1)
+                .min(options.sync_every)
+        } else {
+            1
+        };
+        let advanced = !running.is_empty() && burst > 1;
+        if advanced {
+            let drawn = self.decode_burst(running, burst, cache)?;
+            stats.decode_steps += burst;
+            stats.max_running = stats.max_running.max(running.len());
+            let mut still = Vec::with_capacity(running.len());
+            for (mut r, tokens) in running.drain(..).zip(drawn) {
+                let mut going = true;
+                for tok in tokens {
+                    going = self.accept(&mut r.row, tok, &mut on_token)?;
+                    if !going {
+                        break;
+                    }
+                    pool.append(&mut r.seq, tok.0)
+                        .expect("blocks for max_new_tokens are taken at admission");
+                }
+                if going {
+                    still.push(r);
+                } else {
+                    let written = r.seq.len();
+                    pool.register(&mut r.seq, written);
+                    pool.release(r.seq);
+                    finished.push((r.row.request, r.row.output()));
+                }
+            }
+            *running = still;
+        }
         let mut parts = Vec::new();
-        if !running.is_empty() {
+        if !running.is_empty() && !advanced {
             let seqs: Vec<&SequenceBlocks> = running.iter().map(|r| &r.seq).collect();
             let shifts: Vec<i64> = if running.iter().any(|r| r.shift != 0) {
                 running.iter().map(|r| r.shift).collect()
@@ -963,7 +1016,7 @@ impl<'a> Generator<'a> {
         for logits in first_logits {
             parts.push(logits.expect("every newcomer prefilled or forked"));
         }
-        if running.is_empty() {
+        if parts.is_empty() {
             return Ok(finished);
         }
         stats.max_running = stats.max_running.max(running.len());
@@ -972,12 +1025,18 @@ impl<'a> Generator<'a> {
         } else {
             Tensor::cat(&parts, 0)?
         };
+        // After a burst only the newcomers' first tokens are picked here.
+        let picked_from = if advanced { first_new } else { 0 };
         let next = {
-            let mut rows: Vec<&mut Row> = running.iter_mut().map(|r| &mut r.row).collect();
+            let mut rows: Vec<&mut Row> = running[picked_from..]
+                .iter_mut()
+                .map(|r| &mut r.row)
+                .collect();
             self.pick(&logits, &mut rows)?
         };
-        let mut still = Vec::with_capacity(running.len());
-        for (mut r, tok) in running.drain(..).zip(next) {
+        let picked: Vec<Running> = running.drain(picked_from..).collect();
+        let mut still: Vec<Running> = std::mem::take(running);
+        for (mut r, tok) in picked.into_iter().zip(next) {
             if self.accept(&mut r.row, tok, &mut on_token)? {
                 pool.append(&mut r.seq, tok.0)
                     .expect("blocks for max_new_tokens are taken at admission");
@@ -992,6 +1051,49 @@ impl<'a> Generator<'a> {
         }
         *running = still;
         Ok(finished)
+    }
+
+    /// `steps` decode steps of the running rows queued back to back, each step's tokens drawn
+    /// on the device and fed to the next; one read at the end. Returns each row's tokens and
+    /// log-probabilities in order.
+    fn decode_burst(
+        &self,
+        running: &[Running],
+        steps: usize,
+        cache: &mut KvCache,
+    ) -> Result<Vec<Vec<(u32, f32)>>> {
+        let seqs: Vec<&SequenceBlocks> = running.iter().map(|r| &r.seq).collect();
+        let shifts: Vec<i64> = if running.iter().any(|r| r.shift != 0) {
+            running.iter().map(|r| r.shift).collect()
+        } else {
+            Vec::new()
+        };
+        let seen: Vec<&[u32]> = vec![&[]; running.len()];
+        let mut ids: Option<Tensor> = None;
+        let mut drawn = Vec::with_capacity(steps);
+        for ahead in 0..steps {
+            let logits = self
+                .model
+                .decode_paged_ahead(&seqs, &shifts, ahead, ids.as_ref(), cache)?
+                .squeeze(1)?;
+            let params: Vec<crate::ops::RowSampling> = running
+                .iter()
+                .map(|r| r.row.sampling.row((r.row.generated.len() + ahead) as u32))
+                .collect();
+            let out = crate::ops::sample_tokens_on_device(&logits, &params, &seen)?;
+            ids = Some(out.narrow(1, 0, 1)?.contiguous()?);
+            drawn.push(out);
+        }
+        // [rows, 2 * steps]: each row's (token, log-probability bits) per step.
+        let all: Vec<Vec<u32>> = Tensor::cat(&drawn, 1)?.to_vec2()?;
+        Ok(all
+            .into_iter()
+            .map(|row| {
+                row.chunks(2)
+                    .map(|c| (c[0], f32::from_bits(c[1])))
+                    .collect()
+            })
+            .collect())
     }
 
     /// The text model's prompt pass ([`PagedPrefill`]).

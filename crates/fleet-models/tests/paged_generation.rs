@@ -77,20 +77,28 @@ fn refilled_paged_batches_give_the_lock_step_tokens() {
             let gen = model.generator();
             let greedy = varied_requests(|_| SamplingParams::greedy());
             let want = ids(&gen.generate(&greedy, None).unwrap());
-            for (max_batch, block_size, cuda_graphs) in
-                [(1, 4, false), (3, 4, true), (2, 8, false), (8, 16, true)]
-            {
+            // The last two read tokens back every 4 and 5 steps (refills wait for them).
+            for (max_batch, block_size, cuda_graphs, sync_every) in [
+                (1, 4, false, 1),
+                (3, 4, true, 1),
+                (2, 8, false, 1),
+                (8, 16, true, 1),
+                (2, 8, false, 4),
+                (3, 4, false, 5),
+            ] {
                 let options = PagedOptions {
                     max_batch,
                     block_size,
                     num_blocks: 256,
                     cuda_graphs,
+                    sync_every,
                 };
                 let (got, stats) = gen.generate_paged(&greedy, &options, None).unwrap();
                 assert_eq!(
                     ids(&got),
                     want,
-                    "{what}: greedy, {max_batch} slots, blocks of {block_size}"
+                    "{what}: greedy, {max_batch} slots, blocks of {block_size}, read every \
+                     {sync_every} steps"
                 );
                 assert_eq!(stats.max_running, max_batch.min(greedy.len()), "{what}");
             }
@@ -153,6 +161,7 @@ fn the_paged_decode_kernel_gives_the_lock_step_tokens_with_and_without_graphs() 
                 block_size: 16,
                 num_blocks: 128,
                 cuda_graphs,
+                sync_every: 1,
             };
             let (got, stats) = gen.generate_paged(&requests, &options, None).unwrap();
             assert_eq!(ids(&got), want, "{device:?}, graphs {cuda_graphs}");
@@ -167,24 +176,54 @@ fn the_paged_decode_kernel_gives_the_lock_step_tokens_with_and_without_graphs() 
 fn seeded_sampling_is_the_same_paged_or_lock_step() {
     for (what, model) in models("qwen2-tiny") {
         let gen = model.generator();
-        // Plain temperature samples on the device (Gumbel), top-k / top-p on the host.
+        // Every option of the device sampler; a repetition penalty on one row.
         let sampled = varied_requests(|i| SamplingParams {
             temperature: 0.9,
             top_k: (i % 2 == 0).then_some(20),
             top_p: (i % 3 == 0).then_some(0.9),
             seed: 100 + i as u64,
-            min_p: None,
-            repetition_penalty: None,
+            min_p: (i % 4 == 1).then_some(0.05),
+            repetition_penalty: (i == 5).then_some(1.3),
         });
         let want = ids(&gen.generate(&sampled, None).unwrap());
+        for sync_every in [1, 3] {
+            let options = PagedOptions {
+                max_batch: 3,
+                block_size: 4,
+                num_blocks: 64,
+                cuda_graphs: false,
+                sync_every,
+            };
+            let (got, _) = gen.generate_paged(&sampled, &options, None).unwrap();
+            assert_eq!(ids(&got), want, "{what}, read every {sync_every} steps");
+        }
+        // Without the penalised row, reads every 3 steps queue 3 steps at a time.
+        let plain: Vec<GenerationRequest> = sampled
+            .iter()
+            .filter(|r| r.sampling.repetition_penalty.is_none())
+            .cloned()
+            .collect();
+        let want = ids(&gen.generate(&plain, None).unwrap());
         let options = PagedOptions {
             max_batch: 3,
             block_size: 4,
             num_blocks: 64,
             cuda_graphs: false,
+            sync_every: 3,
         };
-        let (got, _) = gen.generate_paged(&sampled, &options, None).unwrap();
-        assert_eq!(ids(&got), want, "{what}");
+        let (got, stats) = gen.generate_paged(&plain, &options, None).unwrap();
+        assert_eq!(ids(&got), want, "{what}, bursts of 3");
+        let (_, every) = gen
+            .generate_paged(
+                &plain,
+                &PagedOptions {
+                    sync_every: 1,
+                    ..options
+                },
+                None,
+            )
+            .unwrap();
+        assert!(stats.decode_steps >= every.decode_steps, "{what}");
     }
 }
 
@@ -222,6 +261,7 @@ fn a_shared_prompt_is_computed_once_per_block() {
             block_size: 4,
             num_blocks: 64,
             cuda_graphs: false,
+            sync_every: 1,
         };
         let (got, stats) = gen.generate_paged(&requests, &options, None).unwrap();
         assert_eq!(ids(&got), want, "{what}");
@@ -250,6 +290,7 @@ fn a_session_keeps_earlier_calls_prefixes() {
             block_size: 4,
             num_blocks: 64,
             cuda_graphs: false,
+            sync_every: 1,
         };
         let mut session = gen.paged_session(&options).unwrap();
         // ARGO's second call extends the first call's prompt with what was retrieved.
@@ -285,6 +326,7 @@ fn streaming_reports_every_token_of_every_request() {
         block_size: 8,
         num_blocks: 64,
         cuda_graphs: false,
+        sync_every: 1,
     };
     let (out, _) = gen
         .generate_paged(&requests, &options, Some(&mut on_token))
@@ -303,6 +345,7 @@ fn a_pool_too_small_for_one_request_is_a_clear_error() {
         block_size: 4,
         num_blocks: 9,
         cuda_graphs: false,
+        sync_every: 1,
     };
     let err = gen
         .generate_paged(&requests, &options, None)
@@ -333,6 +376,7 @@ fn requests_submitted_as_others_finish_give_the_lock_step_tokens() {
             block_size: 4,
             num_blocks: 96,
             cuda_graphs: false,
+            sync_every: 1,
         };
         let mut session = gen.paged_session(&options).unwrap();
         let firsts = varied_requests(|_| SamplingParams::greedy());
@@ -404,6 +448,7 @@ fn newcomers_of_a_step_share_one_prompt_pass_and_their_common_prefix() {
             block_size: 4,
             num_blocks: 64,
             cuda_graphs: false,
+            sync_every: 1,
         };
         let (got, stats) = gen.generate_paged(&requests, &options, None).unwrap();
         assert_eq!(ids(&got), want, "{what}");

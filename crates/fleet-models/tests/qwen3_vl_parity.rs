@@ -234,6 +234,7 @@ fn check_checkpoint(name: &str) {
             block_size,
             num_blocks: 256,
             cuda_graphs: false,
+            sync_every: 1,
         };
         let (out, stats) = f
             .model

@@ -302,5 +302,5 @@ pub use paged_attention::{
 pub use qkv_rope::{qk_norm_rope, qkv_rope};
 pub use reduce::{sum_all_fast, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm};
-pub use sample::{sample_tokens, RowSampling, SAMPLER_VERSION};
+pub use sample::{sample_tokens, sample_tokens_on_device, RowSampling, SAMPLER_VERSION};
 pub use swiglu::swiglu;

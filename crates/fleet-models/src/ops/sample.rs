@@ -75,6 +75,19 @@ pub fn sample_tokens(
     rows: &[RowSampling],
     seen: &[&[u32]],
 ) -> Result<(Vec<u32>, Vec<f32>)> {
+    let out: Vec<u32> = sample_tokens_on_device(logits, rows, seen)?
+        .flatten_all()?
+        .to_vec1()?;
+    Ok(out.chunks(2).map(|c| (c[0], f32::from_bits(c[1]))).unzip())
+}
+
+/// [`sample_tokens`] left on the logits' device: `[rows, 2]` u32, each row's token and the f32
+/// bits of its log-probability (column 0 can feed the next decode step with no host read).
+pub fn sample_tokens_on_device(
+    logits: &Tensor,
+    rows: &[RowSampling],
+    seen: &[&[u32]],
+) -> Result<Tensor> {
     let (n, _) = logits.dims2()?;
     if rows.len() != n || seen.len() != n {
         return Err(candle_core::Error::Msg(format!(
@@ -102,11 +115,7 @@ pub fn sample_tokens(
     }
     pen.extend(ids);
     let pen = Tensor::from_vec(pen.clone(), pen.len(), dev)?;
-    let out: Vec<u32> = contig(logits)?
-        .apply_op3_no_bwd(&params, &pen, &SampleTokens)?
-        .flatten_all()?
-        .to_vec1()?;
-    Ok(out.chunks(2).map(|c| (c[0], f32::from_bits(c[1]))).unzip())
+    Ok(contig(logits)?.apply_op3_no_bwd(&params, &pen, &SampleTokens)?)
 }
 
 /// The uniform in (0, 1) of token `v` for a row with `seed` at step `counter` (SplitMix64's

@@ -130,10 +130,30 @@ impl QwenModel {
         shifts: &[i64],
         cache: &mut KvCache,
     ) -> Result<Tensor> {
+        self.decode_paged_ahead(seqs, shifts, 0, None, cache)
+    }
+
+    /// [`QwenModel::decode_paged`] `ahead` tokens past each sequence's last recorded token:
+    /// the step whose input is the token drawn `ahead` steps ago, still on the device as
+    /// `ids` (`[seqs, 1]` u32; `None` with `ahead` 0: each sequence's last token). Each
+    /// sequence's blocks must already hold the slot of its position `len - 1 + ahead` (they
+    /// are taken for all of `max_new_tokens` at admission). Lets several decode steps be
+    /// queued before their tokens are read back.
+    pub fn decode_paged_ahead(
+        &self,
+        seqs: &[&SequenceBlocks],
+        shifts: &[i64],
+        ahead: usize,
+        ids: Option<&Tensor>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let bs = paged_block_size(cache)?;
-        let max_blocks = seqs.iter().map(|s| s.len().div_ceil(bs)).max().unwrap_or(1);
-        let host = self.step_inputs(seqs, shifts, bs, seqs.len(), max_blocks)?;
-        let ids: Vec<Vec<u32>> = host.ids.iter().map(|&t| vec![t]).collect();
+        let max_blocks = seqs
+            .iter()
+            .map(|s| (s.len() + ahead).div_ceil(bs))
+            .max()
+            .unwrap_or(1);
+        let host = self.step_inputs_ahead(seqs, shifts, ahead, bs, seqs.len(), max_blocks)?;
         let call = PagedCall {
             slots: host.slots,
             read: PagedCallRead::Decode {
@@ -147,18 +167,26 @@ impl QwenModel {
             batch: seqs.len(),
             len: 1,
         };
-        let x = self.embed_ids(&ids)?;
+        let x = match ids {
+            Some(ids) => self.embed.forward(ids)?,
+            None => {
+                let ids: Vec<Vec<u32>> = host.ids.iter().map(|&t| vec![t]).collect();
+                self.embed_ids(&ids)?
+            }
+        };
         let pad = vec![0; seqs.len()];
         self.forward_embeds(x, &pad, positions, cache, true, None, Some(&call))
     }
 
     /// A decode step's inputs for `seqs` in `rows` rows (the rows past them inactive), with
-    /// block tables of `max_blocks`: each sequence's last token, its position and slot, its
-    /// blocks and length.
-    fn step_inputs(
+    /// block tables of `max_blocks`, `ahead` tokens past each sequence's last recorded one:
+    /// each sequence's last token (the step's input when `ahead` is 0), its position and slot,
+    /// its blocks and length.
+    fn step_inputs_ahead(
         &self,
         seqs: &[&SequenceBlocks],
         shifts: &[i64],
+        ahead: usize,
         bs: usize,
         rows: usize,
         max_blocks: usize,
@@ -177,24 +205,25 @@ impl QwenModel {
         }
         let mut host = StepInputs::inactive(rows, max_blocks);
         for (r, s) in seqs.iter().enumerate() {
-            let blocks = s.len().div_ceil(bs);
-            if blocks > max_blocks {
+            let len = s.len() + ahead;
+            let blocks = len.div_ceil(bs);
+            if blocks > max_blocks || blocks > s.blocks.len() {
                 return Err(ModelError::BadInput(format!(
-                    "sequence {r} of {} tokens needs {blocks} blocks; the step's tables hold \
-                     {max_blocks}",
-                    s.len()
+                    "sequence {r} at {len} tokens needs {blocks} blocks; it holds {} and the \
+                     step's tables {max_blocks}",
+                    s.blocks.len()
                 )));
             }
             host.ids[r] = s.tokens[s.len() - 1];
             let shift = shifts.get(r).copied().unwrap_or(0);
-            host.positions[r] = u32::try_from(s.len() as i64 - 1 + shift).map_err(|_| {
+            host.positions[r] = u32::try_from(len as i64 - 1 + shift).map_err(|_| {
                 ModelError::BadInput(format!(
                     "sequence {r}: position {} + shift {shift} is not a position",
-                    s.len() - 1
+                    len - 1
                 ))
             })?;
-            host.slots[r] = s.slot(s.len() - 1, bs);
-            host.seq_lens[r] = s.len() as u32;
+            host.slots[r] = s.slot(len - 1, bs);
+            host.seq_lens[r] = len as u32;
             host.tables[r * max_blocks..r * max_blocks + blocks]
                 .copy_from_slice(&s.blocks[..blocks]);
         }
@@ -319,7 +348,7 @@ impl QwenModel {
     ) -> Result<Tensor> {
         let bs = paged_block_size(cache)?;
         let n = seqs.len();
-        let host = self.step_inputs(seqs, shifts, bs, graph.batch, graph.max_blocks)?;
+        let host = self.step_inputs_ahead(seqs, shifts, 0, bs, graph.batch, graph.max_blocks)?;
         host.write(graph)?;
         #[cfg(feature = "cuda")]
         let launched = match &graph.graph {
