@@ -181,10 +181,11 @@ pub struct RealArgs {
     /// the same. Continuous needs every replica in this process.
     #[arg(long, value_enum, default_value = "continuous")]
     pub batching: fleet_cli::Batching,
-    /// With `--batching continuous`: GiB of each replica's paged KV cache (fewer when
-    /// --max-batch calls of the model's whole context need less).
-    #[arg(long, default_value_t = 8.0)]
-    pub kv_cache_gib: f64,
+    /// With `--batching continuous`: GiB of each replica's paged KV cache, allocated when the
+    /// run starts (fewer when --max-batch calls of the model's whole context need less).
+    /// Default: 8 on a GPU, 2 on the CPU.
+    #[arg(long)]
+    pub kv_cache_gib: Option<f64>,
     /// The retrieval index (`argo-exp ingest`).
     #[arg(long, default_value = "results/argo/index")]
     pub index: PathBuf,
@@ -295,8 +296,8 @@ fn real_config(args: &RealArgs, plan: Plan) -> Result<RealRunConfig> {
         max_batch: args.max_batch as usize,
         attention_budget_gib: args.attention_budget_gib,
         max_in_flight: args.max_in_flight as usize,
-        kv_cache_gib: (args.batching == fleet_cli::Batching::Continuous)
-            .then_some(args.kv_cache_gib),
+        continuous_batching: args.batching == fleet_cli::Batching::Continuous,
+        kv_cache_gib: args.kv_cache_gib,
         index: args.index.clone(),
         embedder: args.embedder.choice(),
         retrieval: RetrievalConfig {

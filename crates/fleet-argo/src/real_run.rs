@@ -138,8 +138,9 @@ pub struct RealRunConfig {
     pub attention_budget_gib: f64,
     /// Questions (jobs) advancing together.
     pub max_in_flight: usize,
-    /// Continuous batching with a paged KV cache of this many GiB per replica; `None`:
-    /// lock-step rounds.
+    /// Continuous batching (else lock-step rounds).
+    pub continuous_batching: bool,
+    /// Its paged KV cache per replica, in GiB; `None`: 8 on a GPU, 2 on the CPU.
     pub kv_cache_gib: Option<f64>,
     /// The retrieval index.
     pub index: PathBuf,
@@ -465,6 +466,13 @@ fn load_llm(
     run_dir: &RunDir,
 ) -> Result<(FleetLlm, String), RealRunError> {
     let attention_budget = (config.attention_budget_gib * (1u64 << 30) as f64) as u64;
+    if let Some(gib) = config.kv_cache_gib {
+        if !(gib.is_finite() && gib > 0.0) {
+            return Err(invalid(format!(
+                "--kv-cache-gib {gib}: must be a positive number of GiB"
+            )));
+        }
+    }
     let placement = PlacementRequest::from_flags(
         &config.gpu_mode,
         config.gpu_ids.clone(),
@@ -473,14 +481,16 @@ fn load_llm(
     )?;
     let replicas = Replicas::<Text>::load_planned(&config.model, &checkpoint.opts, &placement)?;
     let placement_text = format!("{} mode, {} replica(s)", placement.mode, replicas.len());
+    let on_gpu = replicas
+        .models
+        .first()
+        .is_some_and(|m| m.model.input_device().is_cuda());
     let mut llm = FleetLlm::new(replicas, checkpoint.model_id.clone(), config.max_batch)
         .with_attention_budget(attention_budget);
-    if let Some(gib) = config.kv_cache_gib {
-        if !(gib.is_finite() && gib > 0.0) {
-            return Err(invalid(format!(
-                "--kv-cache-gib {gib}: must be a positive number of GiB"
-            )));
-        }
+    if config.continuous_batching {
+        let gib = config
+            .kv_cache_gib
+            .unwrap_or(if on_gpu { 8.0 } else { 2.0 });
         llm = llm.with_continuous_batching((gib * (1u64 << 30) as f64) as u64);
     }
     let llm = llm.with_cache_file(
