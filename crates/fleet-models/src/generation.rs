@@ -864,22 +864,10 @@ impl<'a> Generator<'a> {
             stats.max_running = stats.max_running.max(running.len());
             let mut still = Vec::with_capacity(running.len());
             for (mut r, tokens) in running.drain(..).zip(drawn) {
-                let mut going = true;
-                for tok in tokens {
-                    going = self.accept(&mut r.row, tok, &mut on_token)?;
-                    if !going {
-                        break;
-                    }
-                    pool.append(&mut r.seq, tok.0)
-                        .expect("blocks for max_new_tokens are taken at admission");
-                }
-                if going {
+                if self.take_tokens(pool, &mut r, tokens, &mut on_token)? {
                     still.push(r);
                 } else {
-                    let written = r.seq.len();
-                    pool.register(&mut r.seq, written);
-                    pool.release(r.seq);
-                    finished.push((r.row.request, r.row.output()));
+                    finished.push(retire(pool, r));
                 }
             }
             *running = still;
@@ -1037,20 +1025,34 @@ impl<'a> Generator<'a> {
         let picked: Vec<Running> = running.drain(picked_from..).collect();
         let mut still: Vec<Running> = std::mem::take(running);
         for (mut r, tok) in picked.into_iter().zip(next) {
-            if self.accept(&mut r.row, tok, &mut on_token)? {
-                pool.append(&mut r.seq, tok.0)
-                    .expect("blocks for max_new_tokens are taken at admission");
+            if self.take_tokens(pool, &mut r, [tok], &mut on_token)? {
                 still.push(r);
             } else {
-                // Every token of the sequence has its keys and values written now.
-                let written = r.seq.len();
-                pool.register(&mut r.seq, written);
-                pool.release(r.seq);
-                finished.push((r.row.request, r.row.output()));
+                finished.push(retire(pool, r));
             }
         }
         *running = still;
         Ok(finished)
+    }
+
+    /// Takes a running request's new tokens in order ([`Generator::accept`]), each one that
+    /// does not end it getting its slot; returns whether the request goes on (the tokens after
+    /// its end are dropped).
+    fn take_tokens(
+        &self,
+        pool: &mut BlockPool,
+        r: &mut Running,
+        tokens: impl IntoIterator<Item = (u32, f32)>,
+        on_token: &mut Option<&mut dyn FnMut(StreamEvent<'_>)>,
+    ) -> Result<bool> {
+        for tok in tokens {
+            if !self.accept(&mut r.row, tok, on_token)? {
+                return Ok(false);
+            }
+            pool.append(&mut r.seq, tok.0)
+                .expect("blocks for max_new_tokens are taken at admission");
+        }
+        Ok(true)
     }
 
     /// `steps` decode steps of the running rows queued back to back, each step's tokens drawn
@@ -1160,6 +1162,15 @@ impl<'a> Generator<'a> {
         row.text = text;
         Ok(delta)
     }
+}
+
+/// A finished request's blocks back to the pool (its full blocks, every token's keys and
+/// values written, stay findable by prefix), and its output with its ticket.
+fn retire(pool: &mut BlockPool, mut r: Running) -> (usize, GenerationOutput) {
+    let written = r.seq.len();
+    pool.register(&mut r.seq, written);
+    pool.release(r.seq);
+    (r.row.request, r.row.output())
 }
 
 /// The rows at `active` (ascending indices), mutably.

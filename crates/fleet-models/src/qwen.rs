@@ -23,7 +23,7 @@ use crate::{attention, ops, profile};
 mod moe;
 mod paged;
 pub use paged::DecodeGraph;
-pub(crate) use paged::{paged_block_size, paged_prefill_layout};
+pub(crate) use paged::{paged_block_size, paged_prefill_layout, PrefillLayout};
 pub mod train;
 
 use moe::SparseMoe;

@@ -85,7 +85,12 @@ impl QwenModel {
                 s.cached
             )));
         }
-        let (window, pad, positions, slots) = paged_prefill_layout(seqs, bs);
+        let PrefillLayout {
+            window,
+            pad,
+            positions,
+            call,
+        } = paged_prefill_layout(seqs, bs);
         let ids: Vec<Vec<u32>> = seqs
             .iter()
             .map(|s| {
@@ -102,15 +107,6 @@ impl QwenModel {
             })
             .collect();
         self.check_ids(&ids)?;
-        let call = PagedCall {
-            slots,
-            read: PagedCallRead::Prefill {
-                rows: seqs
-                    .iter()
-                    .map(|s| (s.blocks[..s.len().div_ceil(bs)].to_vec(), s.len()))
-                    .collect(),
-            },
-        };
         let positions = Positions::PerRow {
             ids: positions,
             batch: seqs.len(),
@@ -478,13 +474,22 @@ pub(crate) fn paged_block_size(cache: &mut KvCache) -> Result<usize> {
     Ok(k.dim(2)?)
 }
 
-/// The layout of a batched paged prefill of `seqs`: the window (the longest uncached part),
-/// each row's key padding (to the longest sequence), and per window position (row-major) its
-/// position (0 for a pad) and slot (`u32::MAX` for a pad or a cached token: nothing written).
-pub(crate) fn paged_prefill_layout(
-    seqs: &[&SequenceBlocks],
-    bs: usize,
-) -> (usize, Vec<usize>, Vec<u32>, Vec<u32>) {
+/// The layout of a batched paged prefill ([`paged_prefill_layout`]).
+pub(crate) struct PrefillLayout {
+    /// Tokens per row: the longest uncached part.
+    pub(crate) window: usize,
+    /// Each row's key padding (to the longest sequence).
+    pub(crate) pad: Vec<usize>,
+    /// Per window place (row-major): its position (0 for a pad).
+    pub(crate) positions: Vec<u32>,
+    /// The call: per window place its slot (`u32::MAX` for a pad or a cached token: nothing
+    /// written), and each row's blocks and length.
+    pub(crate) call: PagedCall,
+}
+
+/// The layout of a batched paged prefill of `seqs`: each row the last `window` tokens of its
+/// sequence, its keys left-padded to the longest sequence.
+pub(crate) fn paged_prefill_layout(seqs: &[&SequenceBlocks], bs: usize) -> PrefillLayout {
     let window = seqs.iter().map(|s| s.len() - s.cached).max().unwrap_or(0);
     let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
     let pad = seqs.iter().map(|s| max_len - s.len()).collect();
@@ -507,5 +512,19 @@ pub(crate) fn paged_prefill_layout(
             }
         }
     }
-    (window, pad, positions, slots)
+    let call = PagedCall {
+        slots,
+        read: PagedCallRead::Prefill {
+            rows: seqs
+                .iter()
+                .map(|s| (s.blocks[..s.len().div_ceil(bs)].to_vec(), s.len()))
+                .collect(),
+        },
+    };
+    PrefillLayout {
+        window,
+        pad,
+        positions,
+        call,
+    }
 }

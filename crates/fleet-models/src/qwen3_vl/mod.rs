@@ -24,7 +24,7 @@ use crate::generation::{
 };
 use crate::kv_blocks::SequenceBlocks;
 use crate::kv_cache::KvCache;
-use crate::qwen::{Deepstack, PagedCall, PagedCallRead, Positions, QwenModel};
+use crate::qwen::{Deepstack, Positions, QwenModel};
 use crate::tokenizer::TextTokenizer;
 use crate::vision::PreprocessedImages;
 use crate::weights::Weights;
@@ -300,7 +300,9 @@ impl Qwen3VlModel {
             }
         }
         let bs = crate::qwen::paged_block_size(cache)?;
-        let (window, pad, _, slots) = crate::qwen::paged_prefill_layout(seqs, bs);
+        let crate::qwen::PrefillLayout {
+            window, pad, call, ..
+        } = crate::qwen::paged_prefill_layout(seqs, bs);
         // The prompts left-padded to the longest, whose last `window` places are the call.
         let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
         let ids: Vec<Vec<u32>> = prompts
@@ -343,15 +345,6 @@ impl Qwen3VlModel {
             index,
             features: &inputs.stack,
         });
-        let call = PagedCall {
-            slots,
-            read: PagedCallRead::Prefill {
-                rows: seqs
-                    .iter()
-                    .map(|s| (s.blocks[..s.len().div_ceil(bs)].to_vec(), s.len()))
-                    .collect(),
-            },
-        };
         let logits = self.text.forward_embeds(
             x,
             &pad,
