@@ -705,11 +705,26 @@ impl LlmStream for FleetStream<'_> {
                 .prompt_ids(&[&key.prompt])?
                 .pop()
                 .expect("one prompt");
-            // The replica with the least work takes it.
+            // The replica that holds most of the prompt's blocks takes it (a question's later
+            // calls extend its earlier prompts), unless it has a full batch more work than the
+            // least busy one; then the least busy.
+            let least = self
+                .engines
+                .iter()
+                .map(|e| e.session.in_flight())
+                .min()
+                .unwrap_or(0);
+            let slots = self.llm.max_batch;
             let engine = self
                 .engines
                 .iter_mut()
-                .min_by_key(|e| e.session.in_flight())
+                .filter(|e| e.session.in_flight() <= least + slots)
+                .max_by_key(|e| {
+                    (
+                        e.session.cached_prefix_len(&ids),
+                        std::cmp::Reverse(e.session.in_flight()),
+                    )
+                })
                 .expect("a replica");
             let generated = engine.generator.submit(
                 &mut engine.session,

@@ -666,8 +666,11 @@ fn continuous_batching_gives_the_lock_step_records() {
     )
     .unwrap();
     // Three decode slots for eight questions in flight: calls wait for slots and join as
-    // others finish.
-    let continuous = FleetLlm::new(load(), spec, 3).with_continuous_batching(64 << 20);
+    // others finish. Two replicas in this process: each call goes to the one with less work.
+    let two =
+        Replicas::<Text>::load(spec, &LoadOptions::default(), &[cpu_map(), cpu_map()]).unwrap();
+    assert_eq!(two.in_processes(), 0);
+    let continuous = FleetLlm::new(two, spec, 3).with_continuous_batching(64 << 20);
     let mut got = RecordsFile::open(&tmp.path().join("continuous.jsonl")).unwrap();
     let progress = run_jobs(
         jobs.clone(),

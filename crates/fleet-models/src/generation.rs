@@ -397,6 +397,12 @@ impl PagedSession {
         self.waiting.is_empty() && self.running.is_empty() && self.done.is_empty()
     }
 
+    /// Leading tokens of `prompt` whose keys and values the session's cache holds now (a
+    /// router sends a prompt where most of it is already computed).
+    pub fn cached_prefix_len(&self, prompt: &[u32]) -> usize {
+        self.pool.cached_prefix_len(prompt)
+    }
+
     /// Requests submitted and not yet returned.
     pub fn in_flight(&self) -> usize {
         self.waiting.len() + self.running.len() + self.done.len()

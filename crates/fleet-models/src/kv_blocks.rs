@@ -141,6 +141,28 @@ impl BlockPool {
         tokens.div_ceil(self.block_size)
     }
 
+    /// Leading tokens of `prompt` whose blocks the cache holds now (whole blocks, as
+    /// [`BlockPool::admit`] would share them; nothing is taken).
+    pub fn cached_prefix_len(&self, prompt: &[u32]) -> usize {
+        let bs = self.block_size;
+        let mut parent = None;
+        let mut found = 0;
+        for chunk in prompt.chunks(bs).take(prompt.len().saturating_sub(1) / bs) {
+            let key = BlockKey {
+                parent,
+                tokens: chunk.to_vec(),
+            };
+            match self.cached.get(&key) {
+                Some(&b) => {
+                    found += bs;
+                    parent = Some((b, self.generations[b as usize]));
+                }
+                None => break,
+            }
+        }
+        found
+    }
+
     /// Takes blocks for a new sequence whose first tokens are `prompt`, with room for
     /// `reserve` more tokens: the longest cached prefix of whole blocks is shared (leaving at
     /// least one prompt token to compute), fresh blocks cover the rest. `None`, with nothing
@@ -361,7 +383,10 @@ mod tests {
         let p: Vec<u32> = prompt(10, 0);
         let mut a = pool.admit(&p, 4).unwrap();
         pool.register(&mut a, 10);
-        // Same prompt: the two full blocks before the last token's block are shared.
+        // Same prompt: the two full blocks before the last token's block are shared (and
+        // the lookup that routes a prompt says so, taking nothing).
+        assert_eq!(pool.cached_prefix_len(&p), 8);
+        assert_eq!(pool.hit_counts(), (0, 10));
         let b = pool.admit(&p, 4).unwrap();
         assert_eq!(b.cached, 8);
         assert_eq!(&b.blocks[..2], &a.blocks[..2]);
@@ -370,6 +395,7 @@ mod tests {
         // A prompt differing in its second block shares the first only.
         let mut q = p.clone();
         q[5] = 999;
+        assert_eq!(pool.cached_prefix_len(&q), 4);
         let c = pool.admit(&q, 0).unwrap();
         assert_eq!(c.cached, 4);
         // A prompt differing in its first token shares nothing, though its later blocks are
