@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use fleet_models::CheckpointIdentity;
-use fleet_models::{ChatMessage, GenerationOutput, GenerationRequest, PagedOptions, PagedSession};
+use fleet_models::{ChatMessage, GenerationOutput, GenerationRequest};
 use fleet_runs::{JsonlLog, Manifest};
-use fleet_serve::{Replicas, Text};
+use fleet_serve::{ReplicaStream, Replicas, Text};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -593,76 +593,31 @@ impl Llm for FleetLlm {
         let Some(kv_bytes) = self.continuous_kv_bytes else {
             return Ok(None);
         };
-        if self.replicas.in_processes() > 0 {
-            tracing::warn!(
-                "continuous batching needs every replica in this process; {} run in processes \
-                 of their own, so the LLM answers lock-step batches",
-                self.replicas.in_processes()
-            );
-            return Ok(None);
-        }
-        Ok(Some(Box::new(FleetStream::new(self, kv_bytes)?)))
+        Ok(Some(Box::new(FleetStream {
+            llm: self,
+            replicas: self.replicas.streams(self.max_batch, kv_bytes)?,
+            next: 0,
+            ready: Vec::new(),
+            waiters: HashMap::new(),
+            running: HashMap::new(),
+        })))
     }
 }
 
-/// Tokens per block of a [`FleetStream`]'s paged caches (the unit of prompt sharing).
-const STREAM_BLOCK_SIZE: usize = 16;
-
-/// [`FleetLlm`]'s stream: one paged session per replica, the same cache of replies as
-/// [`Llm::complete`] (a request answered from the cache, or joined to the same request
-/// already generating, costs no model work).
+/// [`FleetLlm`]'s stream: a paged session per replica (in this process or in its replica
+/// process), the same cache of replies as [`Llm::complete`] (a request answered from the
+/// cache, or joined to the same request already generating, costs no model work).
 struct FleetStream<'l> {
     llm: &'l FleetLlm,
-    engines: Vec<Engine<'l>>,
+    replicas: Vec<ReplicaStream<'l>>,
     next: u64,
     /// Replies ready without model work.
     ready: Vec<(u64, LlmReply)>,
     /// Keys generating now, and the tickets waiting for each (the first is the one that
     /// runs) with their prompt tokens.
     waiters: HashMap<CacheKey, Vec<(u64, usize)>>,
-}
-
-/// One replica's generator, its paged session and the key of each request it runs.
-struct Engine<'l> {
-    generator: fleet_models::Generator<'l>,
-    session: PagedSession,
-    running: HashMap<usize, CacheKey>,
-}
-
-impl<'l> FleetStream<'l> {
-    /// A session per replica: `max_batch` decode slots, and KV blocks for that many requests
-    /// of the whole context or `kv_bytes`, whichever is less.
-    fn new(llm: &'l FleetLlm, kv_bytes: u64) -> Result<Self, LlmError> {
-        let context = llm.context_len();
-        let engines = llm
-            .replicas
-            .models
-            .iter()
-            .map(|model| {
-                let block_bytes = model.model.paged_block_bytes(STREAM_BLOCK_SIZE).max(1);
-                let whole = llm.max_batch * context.div_ceil(STREAM_BLOCK_SIZE);
-                let options = PagedOptions {
-                    block_size: STREAM_BLOCK_SIZE,
-                    num_blocks: whole.min((kv_bytes / block_bytes) as usize).max(1),
-                    ..PagedOptions::new(llm.max_batch, 1)
-                };
-                let generator = model.generator();
-                let session = generator.paged_session(&options)?;
-                Ok(Engine {
-                    generator,
-                    session,
-                    running: HashMap::new(),
-                })
-            })
-            .collect::<Result<_, LlmError>>()?;
-        Ok(FleetStream {
-            llm,
-            engines,
-            next: 0,
-            ready: Vec::new(),
-            waiters: HashMap::new(),
-        })
-    }
+    /// The key of each ticket that runs on a replica.
+    running: HashMap<u64, CacheKey>,
 }
 
 impl LlmStream for FleetStream<'_> {
@@ -675,18 +630,13 @@ impl LlmStream for FleetStream<'_> {
             prepared[0].tokens,
             keys.into_iter().next().expect("one key"),
         );
-        {
-            let mut stats = self.llm.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let hit = |llm: &FleetLlm, cached: bool| {
+            let mut stats = llm.stats.lock().unwrap_or_else(|e| e.into_inner());
             stats.calls += 1;
-        }
-        let hit = |llm: &FleetLlm| {
-            llm.stats
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .cache_hits += 1;
+            stats.cache_hits += u64::from(cached);
         };
         if let Some((text, new_tokens)) = self.llm.cached(&key) {
-            hit(self.llm);
+            hit(self.llm, true);
             self.ready.push((
                 ticket,
                 LlmReply {
@@ -697,40 +647,33 @@ impl LlmStream for FleetStream<'_> {
                 },
             ));
         } else if let Some(waiting) = self.waiters.get_mut(&key) {
-            hit(self.llm);
+            hit(self.llm, true);
             waiting.push((ticket, tokens));
         } else {
+            hit(self.llm, false);
             let ids = self
                 .llm
                 .prompt_ids(&[&key.prompt])?
                 .pop()
                 .expect("one prompt");
             // The replica that holds most of the prompt's blocks takes it (a question's later
-            // calls extend its earlier prompts), unless it has a full batch more work than the
-            // least busy one; then the least busy.
+            // calls extend its earlier prompts), unless it has a full batch more work than
+            // the least busy one.
             let least = self
-                .engines
+                .replicas
                 .iter()
-                .map(|e| e.session.in_flight())
+                .map(ReplicaStream::in_flight)
                 .min()
                 .unwrap_or(0);
             let slots = self.llm.max_batch;
-            let engine = self
-                .engines
+            let replica = self
+                .replicas
                 .iter_mut()
-                .filter(|e| e.session.in_flight() <= least + slots)
-                .max_by_key(|e| {
-                    (
-                        e.session.cached_prefix_len(&ids),
-                        std::cmp::Reverse(e.session.in_flight()),
-                    )
-                })
+                .filter(|r| r.in_flight() <= least + slots)
+                .max_by_key(|r| (r.cached_prefix_len(&ids), std::cmp::Reverse(r.in_flight())))
                 .expect("a replica");
-            let generated = engine.generator.submit(
-                &mut engine.session,
-                GenerationRequest::greedy(ids, key.max_new_tokens),
-            )?;
-            engine.running.insert(generated, key.clone());
+            replica.submit(ticket, GenerationRequest::greedy(ids, key.max_new_tokens))?;
+            self.running.insert(ticket, key.clone());
             self.waiters.insert(key, vec![(ticket, tokens)]);
         }
         self.llm.add_time(|s| &mut s.prepare_ms, started);
@@ -749,31 +692,34 @@ impl LlmStream for FleetStream<'_> {
         }
         let started = Instant::now();
         let mut out = Vec::new();
-        while out.is_empty() && self.engines.iter().any(|e| !e.session.is_idle()) {
-            for engine in &mut self.engines {
-                if engine.session.is_idle() {
-                    continue;
-                }
-                let finished = engine.generator.step(&mut engine.session, None)?;
+        while out.is_empty() && self.replicas.iter().any(|r| r.in_flight() > 0) {
+            // Every busy replica steps, the replica processes in parallel.
+            let busy: Vec<usize> = (0..self.replicas.len())
+                .filter(|&i| self.replicas[i].in_flight() > 0)
+                .collect();
+            for &i in &busy {
+                self.replicas[i].start_step()?;
+            }
+            for &i in &busy {
+                let finished = self.replicas[i].finish_step()?;
                 self.llm
                     .stats
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .cached_prompt_tokens +=
-                    engine.session.take_stats().cached_prompt_tokens as u64;
-                for (generated, output) in finished {
-                    let key = engine
+                    .cached_prompt_tokens += self.replicas[i].take_cached_prompt_tokens();
+                for (ticket, output) in finished {
+                    let key = self
                         .running
-                        .remove(&generated)
+                        .remove(&ticket)
                         .expect("a finished request was running");
                     let waiting = self.waiters.remove(&key).unwrap_or_default();
                     let Some(&(_, prompt_tokens)) = waiting.first() else {
                         continue;
                     };
                     self.llm.store(&key, prompt_tokens, &output)?;
-                    for (k, (ticket, tokens)) in waiting.into_iter().enumerate() {
+                    for (k, (t, tokens)) in waiting.into_iter().enumerate() {
                         out.push((
-                            ticket,
+                            t,
                             LlmReply {
                                 text: output.text.clone(),
                                 prompt_tokens: tokens,

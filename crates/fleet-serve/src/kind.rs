@@ -13,6 +13,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::chat::{generate_chats, ChatOutcome, ChatRequest};
+use crate::process::StreamWorker;
+use crate::stream::LocalStream;
 use crate::wire::{Spool, WireChat};
 
 mod sealed {
@@ -54,6 +56,20 @@ pub trait ModelKind: sealed::Sealed + Sized + 'static {
     /// In a replica process: a batch line read and generated; `Err` when the whole batch
     /// failed.
     fn serve(model: &Self::Model, line: &str) -> std::result::Result<Vec<Self::Output>, String>;
+
+    /// In a replica process: continuous batching on `model` ([`crate::ReplicaStream`]), for
+    /// the kinds that stream.
+    fn open_stream(
+        model: &Self::Model,
+        max_batch: usize,
+        kv_bytes: u64,
+    ) -> Result<Box<dyn StreamWorker + '_>> {
+        let _ = (model, max_batch, kv_bytes);
+        Err(ModelError::Replicas(format!(
+            "{} replicas do not stream",
+            Self::NAME
+        )))
+    }
 }
 
 fn encode_error(e: serde_json::Error) -> ModelError {
@@ -99,6 +115,14 @@ impl ModelKind for Text {
     fn serve(model: &TextModel, line: &str) -> std::result::Result<Vec<GenerationOutput>, String> {
         let batch: Vec<GenerationRequest> = serde_json::from_str(line).map_err(unparsed)?;
         model.generate(&batch, None).map_err(|e| e.to_string())
+    }
+
+    fn open_stream(
+        model: &TextModel,
+        max_batch: usize,
+        kv_bytes: u64,
+    ) -> Result<Box<dyn StreamWorker + '_>> {
+        Ok(Box::new(LocalStream::new(model, max_batch, kv_bytes)?))
     }
 }
 

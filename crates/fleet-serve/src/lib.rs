@@ -8,6 +8,9 @@
 //!   processes of their own when they use GPUs ([`process`]); batches spread over them by
 //!   fleet-dist's pool ([`Replicas::generate`]), or one replica per caller thread
 //!   ([`Replicas::into_replicas`]).
+//! - [`ReplicaStream`] — continuous batching over the replicas: requests one by one, replies as
+//!   they finish, every replica (in a process of its own too) stepping its own paged session
+//!   ([`Replicas::streams`]).
 //! - [`ChatRequest`] — the one request a job sends to a vision-language model: a chat
 //!   (transformers' messages), its images as `Arc`s, the token limit, sampling and stop
 //!   strings. It reaches the model's generate call as it was made ([`generate_chats`]); its
@@ -37,6 +40,7 @@ pub mod kind;
 pub mod placement;
 pub mod process;
 pub mod replica;
+pub mod stream;
 mod wire;
 
 pub use chat::{generate_chats, ChatOutcome, ChatRequest};
@@ -47,4 +51,5 @@ pub use placement::{
 };
 pub use process::{serve_if_replica_worker, EXIT_AFTER_ENV, PROCESSES_ENV, WORKER_ENV};
 pub use replica::{Replica, Replicas};
+pub use stream::{stream_options, ReplicaStream};
 pub use wire::Spool;

@@ -86,6 +86,25 @@ enum WorkerReply<O> {
     Done(Vec<O>),
     /// Loading or a batch failed.
     Failed(String),
+    /// A stream's step: the requests that finished, with their ids, and the prompt tokens the
+    /// step's newcomers found in the cache.
+    Stepped {
+        done: Vec<(u64, O)>,
+        cached_prompt_tokens: u64,
+    },
+}
+
+/// A stream line of the parent ([`crate::ReplicaStream`]): continuous batching in the worker,
+/// one step per `step` line. Text models only.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "stream", rename_all = "snake_case")]
+enum StreamLine {
+    /// Start the worker's paged session (answered by an empty `stepped`).
+    Open { max_batch: usize, kv_bytes: u64 },
+    /// Queue a request (no answer; a request that is refused fails the next step).
+    Submit { id: u64, request: serde_json::Value },
+    /// Run one step and answer with the requests that finished.
+    Step,
 }
 
 /// In a replica worker (started by [`crate::Replicas`]): loads the replica, serves batches
@@ -181,6 +200,8 @@ fn serve_as<K: ModelKind>(spec: &WorkerSpec) -> Result<()> {
         .and_then(|v| v.trim().parse().ok());
     let name = K::device_map(&model).to_string();
     send(&mut out, &WorkerReply::<K::Output>::Ready(name))?;
+    let mut stream: Option<Box<dyn StreamWorker + '_>> = None;
+    let mut refused: Option<String> = None;
     for (served, line) in std::io::stdin().lock().lines().enumerate() {
         let line =
             line.map_err(|e| ModelError::Replicas(format!("reading from the parent: {e}")))?;
@@ -191,6 +212,12 @@ fn serve_as<K: ModelKind>(spec: &WorkerSpec) -> Result<()> {
             );
             std::process::exit(3);
         }
+        if let Ok(msg) = serde_json::from_str::<StreamLine>(&line) {
+            if let Some(reply) = stream_line::<K>(&model, &mut stream, &mut refused, msg) {
+                send(&mut out, &reply)?;
+            }
+            continue;
+        }
         let reply = match K::serve(&model, &line) {
             Ok(outputs) => WorkerReply::Done(outputs),
             Err(e) => WorkerReply::Failed(e),
@@ -198,6 +225,63 @@ fn serve_as<K: ModelKind>(spec: &WorkerSpec) -> Result<()> {
         send(&mut out, &reply)?;
     }
     Ok(())
+}
+
+/// A stream line in the worker; the reply to send, if the line has one.
+fn stream_line<'m, K: ModelKind>(
+    model: &'m K::Model,
+    stream: &mut Option<Box<dyn StreamWorker + 'm>>,
+    refused: &mut Option<String>,
+    msg: StreamLine,
+) -> Option<WorkerReply<serde_json::Value>> {
+    match msg {
+        StreamLine::Open {
+            max_batch,
+            kv_bytes,
+        } => Some(match K::open_stream(model, max_batch, kv_bytes) {
+            Ok(s) => {
+                *stream = Some(s);
+                WorkerReply::Stepped {
+                    done: Vec::new(),
+                    cached_prompt_tokens: 0,
+                }
+            }
+            Err(e) => WorkerReply::Failed(e.to_string()),
+        }),
+        StreamLine::Submit { id, request } => {
+            let result = match stream.as_mut() {
+                Some(s) => s.submit(id, request),
+                None => Err(ModelError::Replicas(
+                    "a request before the stream opened".into(),
+                )),
+            };
+            if let Err(e) = result {
+                refused.get_or_insert(format!("request {id}: {e}"));
+            }
+            None
+        }
+        StreamLine::Step => Some(match (refused.take(), stream.as_mut()) {
+            (Some(e), _) => WorkerReply::Failed(e),
+            (None, None) => WorkerReply::Failed("a step before the stream opened".into()),
+            (None, Some(s)) => match s.step() {
+                Ok((done, cached_prompt_tokens)) => WorkerReply::Stepped {
+                    done,
+                    cached_prompt_tokens,
+                },
+                Err(e) => WorkerReply::Failed(e.to_string()),
+            },
+        }),
+    }
+}
+
+/// A replica worker's continuous batching ([`ModelKind::open_stream`]): requests and outputs
+/// as JSON, so that the serve loop stays the same for every kind.
+pub trait StreamWorker {
+    /// Queues a request.
+    fn submit(&mut self, id: u64, request: serde_json::Value) -> Result<()>;
+    /// One step; the requests that finished, with their ids, and the prompt tokens the step's
+    /// newcomers found in the cache.
+    fn step(&mut self) -> Result<(Vec<(u64, serde_json::Value)>, u64)>;
 }
 
 /// A replica of kind `K` in a child process.
@@ -266,7 +350,9 @@ impl<K: ModelKind> ReplicaProcess<K> {
                 "the replica process for {} could not load: {e}",
                 self.name
             ))),
-            WorkerReply::Done(_) => Err(self.protocol_error("an output before loading")),
+            WorkerReply::Done(_) | WorkerReply::Stepped { .. } => {
+                Err(self.protocol_error("an output before loading"))
+            }
         }
     }
 
@@ -292,12 +378,7 @@ impl<K: ModelKind> ReplicaProcess<K> {
         // reply (the worker removes those it read).
         let spool = Spool::new();
         let line = K::encode(batch, &spool)?;
-        let stdin = self.stdin.as_mut().ok_or_else(|| {
-            ModelError::Replicas(format!("replica process {} is closed", self.name))
-        })?;
-        writeln!(stdin, "{line}")
-            .and_then(|_| stdin.flush())
-            .map_err(|e| self.died(&e.to_string()))?;
+        self.send_line(&line)?;
         match self.receive()? {
             WorkerReply::Done(outputs) if outputs.len() == batch.len() => Ok(outputs),
             WorkerReply::Done(outputs) => Err(self.protocol_error(&format!(
@@ -307,7 +388,18 @@ impl<K: ModelKind> ReplicaProcess<K> {
             ))),
             WorkerReply::Failed(e) => Err(ModelError::Replicas(e)),
             WorkerReply::Ready(_) => Err(self.protocol_error("a second ready")),
+            WorkerReply::Stepped { .. } => Err(self.protocol_error("a stream step for a batch")),
         }
+    }
+
+    /// Writes one line to the worker.
+    fn send_line(&mut self, line: &str) -> Result<()> {
+        let stdin = self.stdin.as_mut().ok_or_else(|| {
+            ModelError::Replicas(format!("replica process {} is closed", self.name))
+        })?;
+        writeln!(stdin, "{line}")
+            .and_then(|_| stdin.flush())
+            .map_err(|e| self.died(&e.to_string()))
     }
 
     fn receive(&mut self) -> Result<WorkerReply<K::Output>> {
@@ -355,4 +447,63 @@ impl<K> Drop for ReplicaProcess<K> {
         drop(self.stdout.take());
         let _ = self.child.wait();
     }
+}
+
+/// The parent's side of a worker's stream (text models: [`crate::ReplicaStream`]).
+impl ReplicaProcess<Text> {
+    /// Opens the worker's paged session: `max_batch` decode slots, `kv_bytes` of KV cache at
+    /// most.
+    pub(crate) fn stream_open(&mut self, max_batch: usize, kv_bytes: u64) -> Result<()> {
+        let line = StreamLine::Open {
+            max_batch,
+            kv_bytes,
+        };
+        self.send_line(&serde_json::to_string(&line).map_err(stream_encode)?)?;
+        self.stream_receive().map(|_| ())
+    }
+
+    /// Queues a request in the worker's session.
+    pub(crate) fn stream_submit(
+        &mut self,
+        id: u64,
+        request: &fleet_models::GenerationRequest,
+    ) -> Result<()> {
+        let request = serde_json::to_value(request).map_err(stream_encode)?;
+        let line = StreamLine::Submit { id, request };
+        self.send_line(&serde_json::to_string(&line).map_err(stream_encode)?)
+    }
+
+    /// Asks the worker for one step (its answer is [`ReplicaProcess::stream_stepped`]'s).
+    pub(crate) fn stream_step(&mut self) -> Result<()> {
+        self.send_line(&serde_json::to_string(&StreamLine::Step).map_err(stream_encode)?)
+    }
+
+    /// The answer to the last step: the requests that finished, with their ids, and the
+    /// prompt tokens found in the cache.
+    pub(crate) fn stream_stepped(&mut self) -> Result<StreamStep> {
+        self.stream_receive()
+    }
+
+    fn stream_receive(&mut self) -> Result<StreamStep> {
+        match self.receive()? {
+            WorkerReply::Stepped {
+                done,
+                cached_prompt_tokens,
+            } => Ok((done, cached_prompt_tokens)),
+            WorkerReply::Failed(e) => Err(ModelError::Replicas(format!(
+                "replica process {}: {e}",
+                self.name
+            ))),
+            WorkerReply::Ready(_) | WorkerReply::Done(_) => {
+                Err(self.protocol_error("a batch answer to a stream line"))
+            }
+        }
+    }
+}
+
+/// A stream step's finished requests and the prompt tokens found in the cache.
+pub(crate) type StreamStep = (Vec<(u64, fleet_models::GenerationOutput)>, u64);
+
+fn stream_encode(e: serde_json::Error) -> ModelError {
+    ModelError::Replicas(format!("a stream line for a replica process: {e}"))
 }

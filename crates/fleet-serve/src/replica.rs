@@ -94,6 +94,11 @@ impl<K: ModelKind> Replicas<K> {
         self.processes.len()
     }
 
+    /// The replicas in processes of their own.
+    pub(crate) fn processes(&self) -> &[Mutex<ReplicaProcess<K>>] {
+        &self.processes
+    }
+
     /// Every replica on its own, the ones in this process first, for callers that drive each
     /// replica from a thread of their own (e.g. one worker of fleet-dist's pool each).
     pub fn into_replicas(self) -> Vec<Replica<K>> {

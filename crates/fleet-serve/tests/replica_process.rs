@@ -20,10 +20,11 @@ fn main() {
     // SAFETY: set before any other thread exists; the workers inherit it.
     unsafe { std::env::set_var(PROCESSES_ENV, "1") };
     replicas_in_processes_generate_what_one_model_generates();
+    streams_in_processes_generate_what_one_model_generates();
     a_batch_that_fails_in_every_process_is_reported();
     vl_replicas_in_processes_generate_what_one_model_generates();
     a_vl_replica_process_that_dies_is_an_error_naming_it();
-    println!("replica_process: 4 tests passed");
+    println!("replica_process: 5 tests passed");
 }
 
 fn replicas_in_processes_generate_what_one_model_generates() {
@@ -51,6 +52,53 @@ fn replicas_in_processes_generate_what_one_model_generates() {
             assert_eq!(g.text, e.text);
             assert_eq!(g.finish_reason, e.finish_reason);
         }
+    }
+}
+
+/// Continuous batching over replicas in processes (argo-exp's data-parallel LLM): requests
+/// submitted one by one to the replicas, some while others run, every replica stepping its
+/// own paged session; each reply is what one model gives.
+fn streams_in_processes_generate_what_one_model_generates() {
+    let dir = fixture("qwen2-tiny");
+    let spec = dir.to_str().unwrap();
+    let opts = LoadOptions::default();
+    let single = TextModel::load(spec, &opts).unwrap();
+    let requests = requests(9);
+    let expected = single.generate(&requests, None).unwrap();
+    let cpu = DeviceMap::single(DeviceLocation::Cpu, single.model.config().num_hidden_layers);
+    let replicas = Replicas::<Text>::load(spec, &opts, &[cpu.clone(), cpu.clone(), cpu]).unwrap();
+    assert_eq!(replicas.in_processes(), 2);
+    let mut streams = replicas.streams(2, 16 << 20).unwrap();
+    let mut got = vec![None; requests.len()];
+    let mut next = 0;
+    // Three requests per replica up front, the rest one per step as replies come in.
+    for (i, r) in requests.iter().enumerate().take(6) {
+        streams[i % 3].submit(i as u64, r.clone()).unwrap();
+        next = i + 1;
+    }
+    while streams.iter().any(|s| s.in_flight() > 0) {
+        let busy: Vec<usize> = (0..3).filter(|&i| streams[i].in_flight() > 0).collect();
+        for &i in &busy {
+            streams[i].start_step().unwrap();
+        }
+        for &i in &busy {
+            for (id, out) in streams[i].finish_step().unwrap() {
+                got[id as usize] = Some(out);
+                if next < requests.len() {
+                    streams[i]
+                        .submit(next as u64, requests[next].clone())
+                        .unwrap();
+                    next += 1;
+                }
+            }
+        }
+    }
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        let g = g
+            .as_ref()
+            .unwrap_or_else(|| panic!("request {i} came back"));
+        assert_eq!(g.token_ids, e.token_ids, "request {i}");
+        assert_eq!(g.finish_reason, e.finish_reason, "request {i}");
     }
 }
 
