@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use fleet_models::{
-    parse_dtype, ChatMessage, DeviceMap, GenerationRequest, LoadOptions, TextModel,
+    parse_dtype, ChatMessage, DeviceMap, GenerationRequest, LoadOptions, PagedOptions, TextModel,
 };
 use fleet_serve::{Replicas, Text};
 
@@ -204,13 +204,17 @@ pub struct GenerateArgs {
     #[arg(long, required_unless_present = "ids_file")]
     pub prompt: Option<String>,
     /// Instead of a chat prompt: a JSON file {"input_ids": [[...], ...]} of prompts (any
-    /// lengths) generated as one left-padded batch; prints one JSON line per prompt.
+    /// lengths); prints one JSON line per prompt, in order.
     #[arg(long, conflicts_with = "prompt")]
     pub ids_file: Option<PathBuf>,
-    /// With --ids-file: prompts per batch (one replica generates one batch at a time; at
-    /// least 1).
+    /// With --ids-file: sequences decoded at once per replica (at least 1).
     #[arg(long, default_value_t = 32, value_parser = at_least(1))]
     pub max_batch: usize,
+    /// With --ids-file: `continuous` (a finished prompt's place goes at once to the next, on a
+    /// paged KV cache that computes shared prompt prefixes once) or `static` (batches of
+    /// --max-batch, each waiting for its longest). The same tokens either way.
+    #[arg(long, value_enum, default_value = "continuous")]
+    pub batching: fleet_cli::Batching,
     /// A system message (else the template's default, if it has one).
     #[arg(long)]
     pub system: Option<String>,
@@ -227,6 +231,56 @@ pub struct GenerateArgs {
     /// Stop when this text appears (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+}
+
+/// `requests` with continuous batching over every replica (`max_batch` slots each, KV for
+/// that many of the longest request): each request goes to the least busy replica as slots
+/// free up. Outputs in request order.
+fn generate_streamed(
+    replicas: &Replicas<Text>,
+    requests: &[GenerationRequest],
+    max_batch: usize,
+) -> Result<Vec<fleet_models::GenerationOutput>> {
+    let options = PagedOptions::for_requests(requests, max_batch, 16);
+    let kv_bytes = options.num_blocks as u64 * replicas.models[0].model.paged_block_bytes(16);
+    let mut streams = replicas.streams(max_batch, kv_bytes)?;
+    let mut outputs = vec![None; requests.len()];
+    let mut next = 0;
+    let bar = indicatif::ProgressBar::new(requests.len() as u64);
+    loop {
+        // Keep every replica's slots (and a step's worth more) busy.
+        while next < requests.len() {
+            let s = streams
+                .iter_mut()
+                .min_by_key(|s| s.in_flight())
+                .expect("a replica");
+            if s.in_flight() >= 2 * max_batch {
+                break;
+            }
+            s.submit(next as u64, requests[next].clone())?;
+            next += 1;
+        }
+        let busy: Vec<usize> = (0..streams.len())
+            .filter(|&i| streams[i].in_flight() > 0)
+            .collect();
+        if busy.is_empty() {
+            break;
+        }
+        for &i in &busy {
+            streams[i].start_step()?;
+        }
+        for &i in &busy {
+            for (id, out) in streams[i].finish_step()? {
+                outputs[id as usize] = Some(out);
+                bar.inc(1);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    Ok(outputs
+        .into_iter()
+        .map(|o| o.expect("every request came back"))
+        .collect())
 }
 
 pub fn generate(args: &GenerateArgs) -> Result<()> {
@@ -266,7 +320,14 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
                     loading.elapsed().as_secs_f64()
                 );
                 let generating = std::time::Instant::now();
-                let outputs = replicas.generate(&requests, args.max_batch, true)?;
+                let outputs = match args.batching {
+                    fleet_cli::Batching::Static => {
+                        replicas.generate(&requests, args.max_batch, true)?
+                    }
+                    fleet_cli::Batching::Continuous => {
+                        generate_streamed(&replicas, &requests, args.max_batch)?
+                    }
+                };
                 let secs = generating.elapsed().as_secs_f64();
                 let tokens: usize = outputs.iter().map(|o| o.token_ids.len()).sum();
                 eprintln!(
@@ -277,11 +338,22 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
             }
             None => {
                 let model = args.model.load("fleet generate")?;
-                let mut outputs = Vec::with_capacity(requests.len());
-                for batch in requests.chunks(args.max_batch) {
-                    outputs.extend(model.generate(batch, None)?);
+                match args.batching {
+                    fleet_cli::Batching::Static => {
+                        let mut outputs = Vec::with_capacity(requests.len());
+                        for batch in requests.chunks(args.max_batch) {
+                            outputs.extend(model.generate(batch, None)?);
+                        }
+                        outputs
+                    }
+                    fleet_cli::Batching::Continuous => {
+                        let options = PagedOptions::for_requests(&requests, args.max_batch, 16);
+                        model
+                            .generator()
+                            .generate_paged(&requests, &options, None)?
+                            .0
+                    }
                 }
-                outputs
             }
         };
         for out in outputs {

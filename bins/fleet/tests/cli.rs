@@ -159,11 +159,13 @@ fn generate_batch_from_ids_file_matches_goldens() {
         serde_json::json!({ "input_ids": prompts }).to_string(),
     )
     .unwrap();
-    // One left-padded batch on --device, and the planned path (one CPU replica here, batches
-    // of 2 through the replica pool).
+    // Continuous batching (the default) and static batches, on --device and on the planned
+    // path (one CPU replica here, 2 decode slots or batches of 2).
     for extra in [
         &[][..],
+        &["--batching", "static"][..],
         &["--gpu-mode", "data-parallel", "--max-batch", "2"][..],
+        &["--gpu-mode", "data-parallel", "--max-batch", "2", "--batching", "static"][..],
     ] {
         let out = fleet()
             .args(["generate", "--model"])
