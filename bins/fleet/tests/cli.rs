@@ -165,7 +165,14 @@ fn generate_batch_from_ids_file_matches_goldens() {
         &[][..],
         &["--batching", "static"][..],
         &["--gpu-mode", "data-parallel", "--max-batch", "2"][..],
-        &["--gpu-mode", "data-parallel", "--max-batch", "2", "--batching", "static"][..],
+        &[
+            "--gpu-mode",
+            "data-parallel",
+            "--max-batch",
+            "2",
+            "--batching",
+            "static",
+        ][..],
     ] {
         let out = fleet()
             .args(["generate", "--model"])

@@ -1080,9 +1080,11 @@ impl<'a> Generator<'a> {
         let mut ids: Option<Tensor> = None;
         let mut drawn = Vec::with_capacity(steps);
         for ahead in 0..steps {
+            // Only the last step's logits are checked (one host read for the burst).
+            let last = ahead + 1 == steps;
             let logits = self
                 .model
-                .decode_paged_ahead(&seqs, &shifts, ahead, ids.as_ref(), cache)?
+                .decode_paged_ahead(&seqs, &shifts, ahead, ids.as_ref(), last, cache)?
                 .squeeze(1)?;
             let params: Vec<crate::ops::RowSampling> = running
                 .iter()

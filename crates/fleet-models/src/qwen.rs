@@ -661,6 +661,9 @@ pub(crate) struct PagedCall {
     /// The slot of each token of the call, row-major.
     pub(crate) slots: Vec<u32>,
     pub(crate) read: PagedCallRead,
+    /// Check the logits for NaN/inf here (a host read); a decode step inside a burst leaves
+    /// it to the burst's last step, whose logits a bad value reaches through the cache.
+    pub(crate) check_logits: bool,
 }
 
 /// [`PagedRead`] on the host.
@@ -1177,6 +1180,9 @@ impl QwenModel {
         let logits = self.decoder_and_head(x, &inputs, cache, last_only, deepstack)?;
         if paged.is_none() {
             cache.advance(q_len);
+        }
+        if paged.is_some_and(|p| !p.check_logits) {
+            return Ok(logits);
         }
         self.check_logits(&logits, |first| {
             let (_, len, vocab) = logits.dims3()?;

@@ -126,7 +126,7 @@ impl QwenModel {
         shifts: &[i64],
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        self.decode_paged_ahead(seqs, shifts, 0, None, cache)
+        self.decode_paged_ahead(seqs, shifts, 0, None, true, cache)
     }
 
     /// [`QwenModel::decode_paged`] `ahead` tokens past each sequence's last recorded token:
@@ -134,13 +134,17 @@ impl QwenModel {
     /// `ids` (`[seqs, 1]` u32; `None` with `ahead` 0: each sequence's last token). Each
     /// sequence's blocks must already hold the slot of its position `len - 1 + ahead` (they
     /// are taken for all of `max_new_tokens` at admission). Lets several decode steps be
-    /// queued before their tokens are read back.
+    /// queued before their tokens are read back: `check_logits` false skips this step's
+    /// NaN/inf check (a host read); the caller checks its last step, whose logits a bad value
+    /// reaches through the cache.
+    #[allow(clippy::too_many_arguments)]
     pub fn decode_paged_ahead(
         &self,
         seqs: &[&SequenceBlocks],
         shifts: &[i64],
         ahead: usize,
         ids: Option<&Tensor>,
+        check_logits: bool,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let bs = paged_block_size(cache)?;
@@ -157,6 +161,7 @@ impl QwenModel {
                 max_blocks,
                 seq_lens: host.seq_lens,
             },
+            check_logits,
         };
         let positions = Positions::PerRow {
             ids: host.positions,
@@ -520,6 +525,7 @@ pub(crate) fn paged_prefill_layout(seqs: &[&SequenceBlocks], bs: usize) -> Prefi
                 .map(|s| (s.blocks[..s.len().div_ceil(bs)].to_vec(), s.len()))
                 .collect(),
         },
+        check_logits: true,
     };
     PrefillLayout {
         window,
