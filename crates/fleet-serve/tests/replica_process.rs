@@ -21,10 +21,11 @@ fn main() {
     unsafe { std::env::set_var(PROCESSES_ENV, "1") };
     replicas_in_processes_generate_what_one_model_generates();
     streams_in_processes_generate_what_one_model_generates();
+    a_stream_whose_process_dies_is_an_error_naming_it();
     a_batch_that_fails_in_every_process_is_reported();
     vl_replicas_in_processes_generate_what_one_model_generates();
     a_vl_replica_process_that_dies_is_an_error_naming_it();
-    println!("replica_process: 5 tests passed");
+    println!("replica_process: 6 tests passed");
 }
 
 fn replicas_in_processes_generate_what_one_model_generates() {
@@ -99,6 +100,33 @@ fn streams_in_processes_generate_what_one_model_generates() {
             .unwrap_or_else(|| panic!("request {i} came back"));
         assert_eq!(g.token_ids, e.token_ids, "request {i}");
         assert_eq!(g.finish_reason, e.finish_reason, "request {i}");
+    }
+}
+
+/// A replica process that stops mid-stream: the step's error names it (its pid), instead of
+/// a hang or a reply that never comes.
+fn a_stream_whose_process_dies_is_an_error_naming_it() {
+    let dir = fixture("qwen2-tiny");
+    let spec = dir.to_str().unwrap();
+    let cpu = DeviceMap::single(DeviceLocation::Cpu, 4);
+    // SAFETY: no other thread runs now; only the worker started next inherits it. The worker
+    // answers the stream's open and takes one request, then exits on its first step.
+    unsafe { std::env::set_var(EXIT_AFTER_ENV, "2") };
+    let loaded = Replicas::<Text>::load(spec, &LoadOptions::default(), &[cpu.clone(), cpu]);
+    unsafe { std::env::remove_var(EXIT_AFTER_ENV) };
+    let replicas = loaded.unwrap();
+    assert_eq!(replicas.in_processes(), 1);
+    let mut streams = replicas.streams(2, 16 << 20).unwrap();
+    streams[1].submit(0, requests(1)[0].clone()).unwrap();
+    streams[1].start_step().unwrap();
+    let err = streams[1].finish_step().unwrap_err().to_string();
+    assert!(err.contains("stopped"), "{err}");
+    assert!(err.contains("pid"), "{err}");
+    // The replica in this process streams on.
+    streams[0].submit(1, requests(1)[0].clone()).unwrap();
+    while streams[0].in_flight() > 0 {
+        streams[0].start_step().unwrap();
+        streams[0].finish_step().unwrap();
     }
 }
 
