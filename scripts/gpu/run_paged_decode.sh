@@ -78,7 +78,7 @@ case "$PART" in
     for mode in static continuous continuous-sync8; do
       echo "== fleet $mode"
       case "$mode" in
-        continuous-sync8) flags=(--batching continuous --sync-every 8) ;;
+        continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
         *) flags=(--batching "$mode") ;;
       esac
       "$F" bench generate --config "$C" --batch "$BATCHES" --prompt-len 512 --new-tokens 128 \

@@ -45,11 +45,11 @@ pub struct BenchGenerateArgs {
     /// access (issue 26).
     #[arg(long)]
     pub cuda_graphs: bool,
-    /// With `--batching continuous`: decode steps queued before their tokens are read back
-    /// (each step's tokens fed to the next on the device; finished rows refilled every this
-    /// many steps).
+    /// With `--batching continuous` (vLLM's name): decode steps queued before their tokens
+    /// are read back (each step's tokens fed to the next on the device; finished rows
+    /// refilled every this many steps).
     #[arg(long, default_value_t = 1, value_parser = at_least(1))]
-    pub sync_every: usize,
+    pub num_scheduler_steps: usize,
     /// Also run the variable-length workload: this many requests, each with its own reply
     /// length (GSM8K-like, at most --new-tokens, a fixed seed), through `--batch` decode slots,
     /// static (batches of --batch wait for their longest) and continuous; reports both.
@@ -108,7 +108,7 @@ struct Report {
     batching: Batching,
     /// Continuous batching's settings: decode through captured graphs, steps per read.
     cuda_graphs: bool,
-    sync_every: usize,
+    num_scheduler_steps: usize,
     runs: Vec<Run>,
     /// The variable-length workload, static and continuous, per batch size.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -272,7 +272,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         weights_bytes,
         batching: args.batching,
         cuda_graphs: args.cuda_graphs,
-        sync_every: args.sync_every,
+        num_scheduler_steps: args.num_scheduler_steps,
         runs,
         variable,
         logical_devices: fleet_topology::logical::describe(),
@@ -382,7 +382,7 @@ fn paged_options(
 ) -> PagedOptions {
     PagedOptions {
         cuda_graphs: args.cuda_graphs,
-        sync_every: args.sync_every,
+        sync_every: args.num_scheduler_steps,
         ..PagedOptions::for_requests(requests, max_batch, args.block_size)
     }
 }

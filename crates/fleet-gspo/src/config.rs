@@ -344,6 +344,10 @@ pub struct GspoConfig {
     /// generation batch starts before the update. Unset (default): all of the process's
     /// completions at once.
     pub max_num_seqs: Option<usize>,
+    /// vLLM's name: decode steps the rollout engine queues before reading their tokens back
+    /// (each step's tokens fed to the next on the device; finished completions' slots refilled
+    /// every this many steps). The same completions for any value. Default 1.
+    pub num_scheduler_steps: usize,
     /// Gradient clipping by global L2 norm; 0 = no clipping. Default 1.0.
     pub max_grad_norm: f64,
     /// AdamW decoupled weight decay. Default 0.0.
@@ -410,6 +414,7 @@ impl Default for GspoConfig {
             top_p: 1.0,
             top_k: 0,
             max_num_seqs: None,
+            num_scheduler_steps: 1,
             max_grad_norm: 1.0,
             weight_decay: 0.0,
             adam_beta1: 0.9,
@@ -457,6 +462,7 @@ pub const KEYS: &[&str] = &[
     "top_p",
     "top_k",
     "max_num_seqs",
+    "num_scheduler_steps",
     "max_grad_norm",
     "weight_decay",
     "adam_beta1",
@@ -670,6 +676,7 @@ impl GspoConfig {
             "top_p" => self.top_p = parse_f64(key, value)?,
             "top_k" => self.top_k = parse_usize(key, value)?,
             "max_num_seqs" => self.max_num_seqs = parse_opt(key, value, parse_usize)?,
+            "num_scheduler_steps" => self.num_scheduler_steps = parse_usize(key, value)?,
             "max_grad_norm" => self.max_grad_norm = parse_f64(key, value)?,
             "weight_decay" => self.weight_decay = parse_f64(key, value)?,
             "adam_beta1" => self.adam_beta1 = parse_f64(key, value)?,
@@ -753,6 +760,7 @@ impl GspoConfig {
                 self.gradient_accumulation_steps,
             ),
             ("max_completion_length", self.max_completion_length),
+            ("num_scheduler_steps", self.num_scheduler_steps),
         ] {
             check(v >= 1, field, v, "at least 1")?;
         }

@@ -493,6 +493,7 @@ impl Trainer {
             ),
             &requests[mine.clone()],
             cfg.max_num_seqs,
+            cfg.num_scheduler_steps,
         )?;
         // Freed before the update: the training step never holds this copy.
         drop(model);
@@ -767,18 +768,23 @@ const ROLLOUT_BLOCK_SIZE: usize = 16;
 
 /// Samples `requests` (a prompt's G completions side by side) with continuous batching:
 /// `max_num_seqs` decode slots (unset: one per completion), a prompt prefilled once for its
-/// completions admitted together, a finished completion's slot refilled at once. Each
-/// completion's tokens depend on its request (its seed) only.
+/// completions admitted together, a finished completion's slot refilled at once (after at most
+/// `num_scheduler_steps` steps). Each completion's tokens depend on its request (its seed)
+/// only.
 fn generate_rollouts(
     generator: &Generator<'_>,
     requests: &[GenerationRequest],
     max_num_seqs: Option<usize>,
+    num_scheduler_steps: usize,
 ) -> Result<Vec<GenerationOutput>, TrainError> {
     if requests.is_empty() {
         return Ok(Vec::new());
     }
     let slots = max_num_seqs.unwrap_or(requests.len());
-    let options = PagedOptions::for_requests(requests, slots, ROLLOUT_BLOCK_SIZE);
+    let options = PagedOptions {
+        sync_every: num_scheduler_steps,
+        ..PagedOptions::for_requests(requests, slots, ROLLOUT_BLOCK_SIZE)
+    };
     let (outputs, stats) = generator.generate_paged(requests, &options, None)?;
     tracing::debug!(
         prompt_tokens = stats.prompt_tokens,

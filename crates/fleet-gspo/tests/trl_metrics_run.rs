@@ -129,13 +129,22 @@ fn rollouts_streamed_through_fewer_decode_slots_are_the_same_rollouts() {
     let tmp = tempfile::tempdir().unwrap();
     let longer = "max_completion_length=6";
     let all = run(&tmp.path().join("all"), 4, &[longer]);
-    let streamed = run(&tmp.path().join("streamed"), 4, &[longer, "max_num_seqs=3"]);
-    assert_eq!(all.len(), streamed.len());
-    for (a, s) in all.iter().zip(&streamed) {
-        assert_eq!(a.completions, s.completions);
-        assert_eq!(a.reward, s.reward);
-        assert_eq!(a.num_tokens, s.num_tokens);
-        assert_eq!(a.loss, s.loss);
-        assert_eq!(a.grad_norm, s.grad_norm);
+    // Three slots; and three slots reading tokens back every 4 steps (vLLM's
+    // num_scheduler_steps).
+    for (name, extra) in [
+        ("streamed", &["max_num_seqs=3"][..]),
+        ("bursts", &["max_num_seqs=3", "num_scheduler_steps=4"][..]),
+    ] {
+        let mut overrides = vec![longer];
+        overrides.extend(extra);
+        let streamed = run(&tmp.path().join(name), 4, &overrides);
+        assert_eq!(all.len(), streamed.len());
+        for (a, s) in all.iter().zip(&streamed) {
+            assert_eq!(a.completions, s.completions, "{name}");
+            assert_eq!(a.reward, s.reward, "{name}");
+            assert_eq!(a.num_tokens, s.num_tokens, "{name}");
+            assert_eq!(a.loss, s.loss, "{name}");
+            assert_eq!(a.grad_norm, s.grad_norm, "{name}");
+        }
     }
 }

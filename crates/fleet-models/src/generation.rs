@@ -266,7 +266,8 @@ pub struct PagedOptions {
     /// meets an illegal memory access, with or without capture (issue 26), so it is off by
     /// default.
     pub cuda_graphs: bool,
-    /// Decode steps queued before their tokens are read back (1: every step). With `k` > 1
+    /// Decode steps queued before their tokens are read back (vLLM's `num_scheduler_steps`;
+    /// 1: every step). With `k` > 1
     /// the running rows take `k` steps at a time, each step's tokens fed to the next on the
     /// device; the host then takes them in order, and a row that stopped inside the `k`
     /// drops the tokens after its stop (their keys and values were written, but never into a
