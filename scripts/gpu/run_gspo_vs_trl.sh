@@ -27,7 +27,8 @@
 # changes the algorithm's batch (fewer, larger optimizer steps per completion): a best-batch
 # figure is a throughput ceiling, not the same training run.
 #
-# VARIANTS picks fleet's runs (default "fleet fleet-bf16"; also fleet-bf16-mb8: each micro-batch
+# VARIANTS picks fleet's runs (default "fleet fleet-bf16"; also fleet-bf16-steps8: rollouts
+# reading tokens back every 8 decode steps; fleet-bf16-mb8: each micro-batch
 # run as micro-batches of 8 with gradient accumulation, the same optimizer steps, for batches that
 # are multiples of 8; and fleet-bf16-auto, whose --max-memory is TRL's peak measured just before
 # at the same batch).
@@ -108,6 +109,7 @@ fleet_run() {
   case "$variant" in
     fleet) extra="" ;;
     fleet-bf16) extra="--torch-dtype bfloat16" ;;
+    fleet-bf16-steps8) extra="--torch-dtype bfloat16 --set num_scheduler_steps=8" ;;
     fleet-bf16-mb8)
       if [ $((b % 8)) != 0 ] || [ "$b" -le 8 ]; then echo "$name: skipped (batch $b is not a multiple of 8 above 8)"; return 0; fi
       extra="--torch-dtype bfloat16 --set per_device_train_batch_size=8 --set steps_per_generation=$((b / 2)) --set gradient_accumulation_steps=$((b / 8))" ;;
