@@ -77,6 +77,11 @@ struct Run {
     /// Highest device memory in use seen during this batch size (all GPUs of the map, minus
     /// what was in use before the model loaded).
     peak_used_bytes: Option<u64>,
+    /// Continuous batching's counters of the last timed run: decode steps, prompt passes,
+    /// prompt tokens reused, and with --num-scheduler-steps above 1 the host's time queuing
+    /// the steps against its wait for their tokens (the decode step's host-bound share).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    paged: Option<fleet_models::PagedStats>,
 }
 
 /// One batch size of the variable-length workload.
@@ -166,12 +171,13 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
             .iter()
             .map(|p| GenerationRequest::greedy(p.clone(), args.new_tokens))
             .collect();
-        let run_all = |requests: &[GenerationRequest]| -> Result<Vec<GenerationOutput>> {
+        let run_all = |requests: &[GenerationRequest]| -> Result<RunOutputs> {
             Ok(match args.batching {
-                Batching::Static => generator.generate(requests, None)?,
+                Batching::Static => (generator.generate(requests, None)?, None),
                 Batching::Continuous => {
                     let options = paged_options(requests, b, args);
-                    generator.generate_paged(requests, &options, None)?.0
+                    let (out, stats) = generator.generate_paged(requests, &options, None)?;
+                    (out, Some(stats))
                 }
             })
         };
@@ -205,10 +211,12 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         });
         let mut t_prefill = Vec::new();
         let mut t_generate = Vec::new();
+        let mut paged = None;
         for _ in 0..args.repeats {
             t_prefill.push(time_prefill()?);
             let t = Instant::now();
-            let out = run_all(&requests)?;
+            let (out, stats) = run_all(&requests)?;
+            paged = stats;
             sync(&model)?;
             t_generate.push(t.elapsed().as_secs_f64());
             if out.iter().any(|o| o.token_ids.len() != args.new_tokens) {
@@ -232,6 +240,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
             t_prefill_s: tp,
             t_generate_s: tg,
             peak_used_bytes: peak.map(|p| p.max(weights_bytes.unwrap_or(0))),
+            paged,
         };
         eprintln!(
             "batch {:>3}: prefill {:>9.0} tok/s  decode {:>8.1} tok/s  peak {}",
@@ -242,6 +251,13 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
                 .map(|p| format!("{:.2} GiB", p as f64 / (1u64 << 30) as f64))
                 .unwrap_or_else(|| "-".into())
         );
+        if let Some(p) = run.paged.as_ref().filter(|p| p.burst_queue_us > 0) {
+            eprintln!(
+                "           decode bursts: host queued {:.1} ms, waited {:.1} ms for the device",
+                p.burst_queue_us as f64 / 1e3,
+                p.burst_wait_us as f64 / 1e3
+            );
+        }
         print_profile(b);
         runs.push(run);
         if let Some(n) = args.variable_lengths {
@@ -373,6 +389,9 @@ fn sync(model: &QwenModel) -> Result<()> {
     }
     Ok(())
 }
+
+/// A run's outputs and, for continuous batching, its counters.
+type RunOutputs = (Vec<GenerationOutput>, Option<fleet_models::PagedStats>);
 
 /// Decode slots `max_batch` and blocks enough for every request at once.
 fn paged_options(

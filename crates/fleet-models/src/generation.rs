@@ -440,6 +440,12 @@ pub struct PagedStats {
     pub graphs_captured: usize,
     /// Prompt passes run (each prefills every newcomer of a step that fits it).
     pub prefill_passes: usize,
+    /// Host time queuing the decode steps of bursts (`sync_every` > 1), microseconds: with
+    /// nothing read back inside a burst, the host's own cost of the steps.
+    pub burst_queue_us: u64,
+    /// Host time waiting for the bursts' tokens, microseconds: the device's time beyond the
+    /// host's. A decode step bound by the host shows little wait.
+    pub burst_wait_us: u64,
 }
 
 /// Per-row state during generation.
@@ -866,7 +872,7 @@ impl<'a> Generator<'a> {
         };
         let advanced = !running.is_empty() && burst > 1;
         if advanced {
-            let drawn = self.decode_burst(running, burst, cache)?;
+            let drawn = self.decode_burst(running, burst, cache, stats)?;
             stats.decode_steps += burst;
             stats.max_running = stats.max_running.max(running.len());
             let mut still = Vec::with_capacity(running.len());
@@ -1070,7 +1076,9 @@ impl<'a> Generator<'a> {
         running: &[Running],
         steps: usize,
         cache: &mut KvCache,
+        stats: &mut PagedStats,
     ) -> Result<Vec<Vec<(u32, f32)>>> {
+        let queued = std::time::Instant::now();
         let seqs: Vec<&SequenceBlocks> = running.iter().map(|r| &r.seq).collect();
         let shifts: Vec<i64> = if running.iter().any(|r| r.shift != 0) {
             running.iter().map(|r| r.shift).collect()
@@ -1080,12 +1088,12 @@ impl<'a> Generator<'a> {
         let seen: Vec<&[u32]> = vec![&[]; running.len()];
         let mut ids: Option<Tensor> = None;
         let mut drawn = Vec::with_capacity(steps);
+        let mut last_logits: Option<Tensor> = None;
         for ahead in 0..steps {
-            // Only the last step's logits are checked (one host read for the burst).
-            let last = ahead + 1 == steps;
+            // No step reads the host: the last step's logits are checked after the read.
             let logits = self
                 .model
-                .decode_paged_ahead(&seqs, &shifts, ahead, ids.as_ref(), last, cache)?
+                .decode_paged_ahead(&seqs, &shifts, ahead, ids.as_ref(), false, cache)?
                 .squeeze(1)?;
             let params: Vec<crate::ops::RowSampling> = running
                 .iter()
@@ -1094,9 +1102,24 @@ impl<'a> Generator<'a> {
             let out = crate::ops::sample_tokens_on_device(&logits, &params, &seen)?;
             ids = Some(out.narrow(1, 0, 1)?.contiguous()?);
             drawn.push(out);
+            last_logits = Some(logits);
         }
         // [rows, 2 * steps]: each row's (token, log-probability bits) per step.
-        let all: Vec<Vec<u32>> = Tensor::cat(&drawn, 1)?.to_vec2()?;
+        let drawn = Tensor::cat(&drawn, 1)?;
+        let waited = std::time::Instant::now();
+        stats.burst_queue_us += waited.duration_since(queued).as_micros() as u64;
+        let all: Vec<Vec<u32>> = drawn.to_vec2()?;
+        stats.burst_wait_us += waited.elapsed().as_micros() as u64;
+        // A bad value in any step reaches the last one's logits through the cache.
+        if let Some(logits) = &last_logits {
+            let vocab = logits.dim(1)?;
+            self.model.check_logits(logits, |first| {
+                Ok(format!(
+                    "the logits of row {} at the last of {steps} queued decode steps",
+                    first / vocab
+                ))
+            })?;
+        }
         Ok(all
             .into_iter()
             .map(|row| {
@@ -1205,6 +1228,8 @@ impl PagedStats {
         self.max_running = self.max_running.max(other.max_running);
         self.graphs_captured += other.graphs_captured;
         self.prefill_passes += other.prefill_passes;
+        self.burst_queue_us += other.burst_queue_us;
+        self.burst_wait_us += other.burst_wait_us;
     }
 }
 
