@@ -19,6 +19,8 @@
 #                                               # attention and MoE paths against references
 #   WHAT=fleet RUNS="8b:1024:8:16:0 30b:1024:8:8:1" bash scripts/gpu/run_vl.sh
 #                                               # fleet only: shape:size:batch:samples:profile
+#                                               # (FLEET_BENCH_FLAGS="--batching continuous
+#                                               # --max-num-seqs 16": the judge's paged path)
 #   WHAT=hf HF_RUNS="8b:1024:8,16:16 30b:1024:8:16" bash scripts/gpu/run_vl.sh
 #                                               # transformers only: shape:size:batches:samples
 #                                               # (fleet-only or transformers-only figures are
@@ -59,8 +61,9 @@ fleet)
     IFS=: read -r shape size batch samples prof <<< "$run"
     case "$shape" in 8b) C=configs/models/qwen3-vl-8b.json ;; *) C=configs/models/qwen3-vl-30b-a3b.json ;; esac
     tag="fleet-$shape-$size-b$batch$( [ "$prof" = 1 ] && echo -profile )"
+    # shellcheck disable=SC2086
     FLEET_PROFILE="$prof" "$BIN" bench --config "$C" --image-size "$size" --batch "$batch" --samples "$samples" \
-        --new-tokens 128 --json "$R/$tag.json" > "$R/$tag.log" 2>&1 || tail -20 "$R/$tag.log"
+        --new-tokens 128 ${FLEET_BENCH_FLAGS:-} --json "$R/$tag.json" > "$R/$tag.log" 2>&1 || tail -20 "$R/$tag.log"
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], round(d['samples_per_s'],3), 'samples/s', 'prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 'peak GiB', round(d['peak_used_bytes']/2**30,1))" "$R/$tag.json" "$tag" || true
   done
   ;;

@@ -48,6 +48,13 @@ pub struct BenchArgs {
     /// New tokens per sample (never stopped early).
     #[arg(long, default_value_t = 128)]
     pub new_tokens: usize,
+    /// How a batch generates: `static` (one left-padded batch, as edit-score without
+    /// --max-num-seqs) or `continuous` (a paged KV cache, --max-num-seqs decode slots).
+    #[arg(long, value_enum, default_value = "static")]
+    pub batching: fleet_cli::Batching,
+    /// With `--batching continuous`: decode slots (default: the batch).
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -68,6 +75,8 @@ struct Report {
     image_tokens_per_sample: usize,
     prompt_tokens_per_sample: usize,
     batch: usize,
+    batching: fleet_cli::Batching,
+    max_num_seqs: Option<usize>,
     samples: usize,
     new_tokens: usize,
     load_s: f64,
@@ -200,7 +209,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let prefill = t.elapsed().as_secs_f64();
         drop(cache);
         let t = Instant::now();
-        let out = model.generate(None, Vec::new(), 0, prompts, &requests, None)?;
+        let out = match args.batching {
+            fleet_cli::Batching::Static => {
+                model.generate(None, Vec::new(), 0, prompts, &requests, None)?
+            }
+            fleet_cli::Batching::Continuous => {
+                let slots = args.max_num_seqs.unwrap_or(requests.len());
+                let options = fleet_models::PagedOptions::for_requests(&requests, slots, 16);
+                model
+                    .generate_paged(None, Vec::new(), 0, prompts, &requests, &options, None)?
+                    .0
+            }
+        };
         sync(&model)?;
         if out.iter().any(|o| o.token_ids.len() != args.new_tokens) {
             bail!("a row stopped before {} tokens", args.new_tokens);
@@ -262,6 +282,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         image_tokens_per_sample: image_tokens,
         prompt_tokens_per_sample: prompt_tokens,
         batch: args.batch,
+        batching: args.batching,
+        max_num_seqs: args.max_num_seqs,
         samples,
         new_tokens: args.new_tokens,
         load_s,
