@@ -260,20 +260,12 @@ fn generate_streamed(
             s.submit(next as u64, requests[next].clone())?;
             next += 1;
         }
-        let busy: Vec<usize> = (0..streams.len())
-            .filter(|&i| streams[i].in_flight() > 0)
-            .collect();
-        if busy.is_empty() {
+        if streams.iter().all(|s| s.in_flight() == 0) {
             break;
         }
-        for &i in &busy {
-            streams[i].start_step()?;
-        }
-        for &i in &busy {
-            for (id, out) in streams[i].finish_step()? {
-                outputs[id as usize] = Some(out);
-                bar.inc(1);
-            }
+        for (id, out) in fleet_serve::step_all(&mut streams)? {
+            outputs[id as usize] = Some(out);
+            bar.inc(1);
         }
     }
     bar.finish_and_clear();

@@ -693,41 +693,37 @@ impl LlmStream for FleetStream<'_> {
         let started = Instant::now();
         let mut out = Vec::new();
         while out.is_empty() && self.replicas.iter().any(|r| r.in_flight() > 0) {
-            // Every busy replica steps, the replica processes in parallel.
-            let busy: Vec<usize> = (0..self.replicas.len())
-                .filter(|&i| self.replicas[i].in_flight() > 0)
-                .collect();
-            for &i in &busy {
-                self.replicas[i].start_step()?;
-            }
-            for &i in &busy {
-                let finished = self.replicas[i].finish_step()?;
-                self.llm
-                    .stats
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .cached_prompt_tokens += self.replicas[i].take_cached_prompt_tokens();
-                for (ticket, output) in finished {
-                    let key = self
-                        .running
-                        .remove(&ticket)
-                        .expect("a finished request was running");
-                    let waiting = self.waiters.remove(&key).unwrap_or_default();
-                    let Some(&(_, prompt_tokens)) = waiting.first() else {
-                        continue;
-                    };
-                    self.llm.store(&key, prompt_tokens, &output)?;
-                    for (k, (t, tokens)) in waiting.into_iter().enumerate() {
-                        out.push((
-                            t,
-                            LlmReply {
-                                text: output.text.clone(),
-                                prompt_tokens: tokens,
-                                new_tokens: output.token_ids.len(),
-                                cached: k > 0,
-                            },
-                        ));
-                    }
+            let finished = fleet_serve::step_all(&mut self.replicas)?;
+            let reused: u64 = self
+                .replicas
+                .iter_mut()
+                .map(ReplicaStream::take_cached_prompt_tokens)
+                .sum();
+            self.llm
+                .stats
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .cached_prompt_tokens += reused;
+            for (ticket, output) in finished {
+                let key = self
+                    .running
+                    .remove(&ticket)
+                    .expect("a finished request was running");
+                let waiting = self.waiters.remove(&key).unwrap_or_default();
+                let Some(&(_, prompt_tokens)) = waiting.first() else {
+                    continue;
+                };
+                self.llm.store(&key, prompt_tokens, &output)?;
+                for (k, (t, tokens)) in waiting.into_iter().enumerate() {
+                    out.push((
+                        t,
+                        LlmReply {
+                            text: output.text.clone(),
+                            prompt_tokens: tokens,
+                            new_tokens: output.token_ids.len(),
+                            cached: k > 0,
+                        },
+                    ));
                 }
             }
         }

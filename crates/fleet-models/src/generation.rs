@@ -418,11 +418,6 @@ impl PagedSession {
     pub fn take_stats(&mut self) -> PagedStats {
         std::mem::take(&mut self.stats)
     }
-
-    /// The options the session was made with.
-    pub fn options(&self) -> &PagedOptions {
-        &self.options
-    }
 }
 
 /// What a paged generation did.

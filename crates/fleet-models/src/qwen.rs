@@ -299,7 +299,7 @@ impl LayerHooks for DeepstackHooks<'_> {
 impl Attention {
     fn forward(&self, x: &Tensor, inputs: &DeviceInputs, cache: &mut LayerCache) -> Result<Tensor> {
         let (rope, pad) = (&inputs.rope, &inputs.pad);
-        let (b, q_len, _) = x.dims3()?;
+        let q_len = x.dim(1)?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let dev = x.device();
         let qkv = profile::time(dev, "attn.qkv_proj", || Ok(self.qkv.forward(x)?))?;
@@ -336,22 +336,29 @@ impl Attention {
             && !cache.is_passthrough()
             && !(q.track_op() || k.track_op() || v.track_op());
         let out = profile::time(dev, "attn.core", || {
-            let out = attention::attend(
-                &q,
-                &k,
-                &v,
-                1.0,
-                &attention::Mask {
-                    causal: true,
-                    key_start: Some(pad.clone()),
-                },
-                fused,
-                None,
-            )?; // [b, h, q_len, d]
-            Ok(out.transpose(1, 2)?.reshape((b, q_len, h * d))?)
+            causal_attention(&q, &k, &v, pad, fused)
         })?;
         profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?))
     }
+}
+
+/// Causal attention of head-major `q` (`[b, heads, q_len, d]`, the 1/sqrt(d) scale folded in)
+/// over `k`, `v` whose rows are left-padded by `pad` (u32 `[b]`), the queries at the end of
+/// the keys; the heads merged back: `[b, q_len, heads * d]`. `fused`: the flash kernel.
+fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pad: &Tensor,
+    fused: bool,
+) -> Result<Tensor> {
+    let (b, h, q_len, d) = q.dims4()?;
+    let mask = attention::Mask {
+        causal: true,
+        key_start: Some(pad.clone()),
+    };
+    let out = attention::attend(q, k, v, 1.0, &mask, fused, None)?;
+    Ok(out.transpose(1, 2)?.reshape((b, q_len, h * d))?)
 }
 
 impl Attention {
@@ -425,19 +432,7 @@ impl Attention {
                     })
                 };
                 let fused = q_len >= FLASH_MIN_QUERIES;
-                let out = attention::attend(
-                    q,
-                    &gather(kc)?,
-                    &gather(vc)?,
-                    1.0,
-                    &attention::Mask {
-                        causal: true,
-                        key_start: Some(pad.clone()),
-                    },
-                    fused,
-                    None,
-                )?;
-                Ok(out.transpose(1, 2)?.reshape((b, q_len, h * d))?)
+                causal_attention(q, &gather(kc)?, &gather(vc)?, pad, fused)
             }
         })
     }

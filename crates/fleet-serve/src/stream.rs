@@ -172,6 +172,22 @@ impl ReplicaStream<'_> {
     }
 }
 
+/// One step of every busy stream, the replica processes in parallel (each is asked first, the
+/// streams of this process step meanwhile): the requests that finished, with their ids.
+pub fn step_all(streams: &mut [ReplicaStream<'_>]) -> Result<Vec<(u64, GenerationOutput)>> {
+    let busy: Vec<usize> = (0..streams.len())
+        .filter(|&i| streams[i].in_flight() > 0)
+        .collect();
+    for &i in &busy {
+        streams[i].start_step()?;
+    }
+    let mut done = Vec::new();
+    for &i in &busy {
+        done.extend(streams[i].finish_step()?);
+    }
+    Ok(done)
+}
+
 fn lock<'a>(p: &'a Mutex<ReplicaProcess<Text>>) -> std::sync::MutexGuard<'a, ReplicaProcess<Text>> {
     p.lock().unwrap_or_else(|e| e.into_inner())
 }
