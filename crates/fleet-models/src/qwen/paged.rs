@@ -326,6 +326,14 @@ impl QwenModel {
         if capture && self.decode_graph_supported(bs) {
             #[cfg(feature = "cuda")]
             {
+                // candle uploads some kernels' shapes and strides from the host; a captured
+                // copy would read that host memory again at every replay, long after it was
+                // freed. With candle's capture cache on, the warm-up steps keep those uploads
+                // on the device and the capture reuses them (it fails on any it has not seen).
+                let Device::Cuda(cuda) = &dev else {
+                    unreachable!("decode_graph_supported checks the device")
+                };
+                let _uploads = cuda.enable_cuda_graph_htod_cache();
                 for _ in 0..2 {
                     let out = self.decode_step_on(&graph, cache)?;
                     graph.logits.slice_set(&out, 0, 0)?;
