@@ -8,9 +8,11 @@
 #                 tokens every step, and every 8), transformers
 #                 (benches/transformers_generate.py) — fleet_7b_*.json, hf_7b.json
 #   PART=graphs   the paged tests on the GPU (dist/carry/paged-tests.tar.xz: paged_generation,
-#                 generation, parity), then the 7B speed as PART=speed with three fleet modes:
-#                 static, continuous, continuous --cuda-graphs; and GSPO's rollout shape
-#                 (0.5B, 64 rows, prompt 128, 256 new) static vs continuous
+#                 generation, parity, paged_attention), then the 7B speed as PART=speed with
+#                 the fleet modes $MODES (default static; continuous-eager: no CUDA graphs;
+#                 continuous: graphs, a read every step; continuous-sync8: graphs, a read
+#                 every 8 steps); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
+#                 128, 256 new) in the same modes
 #   PART=sanitize the paged tests (dist/carry/paged-tests.tar.xz): the decode-graph test under
 #                 compute-sanitizer memcheck (sanitize.txt: the faulting kernel of the
 #                 illegal address), then the sampling kernel against its twin
@@ -36,24 +38,33 @@ case "$PART" in
     xz -dc dist/carry/paged-tests.tar.xz | tar xf - -C "$T"
     BUILT_AT="${BUILT_AT:-/work/main}"
     [ -e "$BUILT_AT/tests/fixtures" ] || { mkdir -p "$(dirname "$BUILT_AT")"; ln -sfn "$PWD" "$BUILT_AT"; }
-    for t in paged_generation generation parity; do
+    for t in paged_generation generation parity paged_attention; do
       echo "== $t"
-      "$T/$t" --test-threads 1 2>&1 | grep -E '^test |test result|panicked|FAILED|left|right'
+      timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_$t.txt" 2>&1
+      echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_$t.txt"
     done
     C=configs/models/qwen2.5-7b.json
-    for mode in static continuous continuous-graphs; do
-      echo "== fleet $mode"
-      case "$mode" in
-        continuous-graphs) flags=(--batching continuous --cuda-graphs) ;;
-        *) flags=(--batching "$mode") ;;
+    mode_flags() {
+      case "$1" in
+        continuous-eager) flags=(--batching continuous --enforce-eager) ;;
+        continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
+        *) flags=(--batching "$1") ;;
       esac
-      "$F" bench generate --config "$C" --batch "$BATCHES" --prompt-len 512 --new-tokens 128 \
-        --repeats 2 "${flags[@]}" --json "$OUT/fleet_7b_$mode.json"
+    }
+    for mode in ${MODES:-static continuous-eager continuous continuous-sync8}; do
+      echo "== fleet $mode"
+      mode_flags "$mode"
+      timeout 150 "$F" bench generate --config "$C" --batch "$BATCHES" --prompt-len 512 \
+        --new-tokens 128 --repeats 2 "${flags[@]}" --json "$OUT/fleet_7b_$mode.json"
     done
-    for mode in static continuous; do
-      echo "== fleet 0.5B rollouts $mode"
-      "$F" bench generate --config configs/models/qwen2.5-0.5b.json --batch 64 --prompt-len 128 \
-        --new-tokens 256 --repeats 3 --batching "$mode" --json "$OUT/fleet_05b_rollouts_$mode.json"
+    for shape in 0.5b 1.5b; do
+      for mode in static continuous-eager continuous continuous-sync8; do
+        echo "== fleet $shape rollouts $mode"
+        mode_flags "$mode"
+        timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
+          --prompt-len 128 --new-tokens 256 --repeats 3 "${flags[@]}" \
+          --json "$OUT/fleet_${shape}_rollouts_$mode.json"
+      done
     done
     echo "== transformers"
     python3 benches/transformers_generate.py --config "$C" --dtype bf16 --prompt-len 512 \

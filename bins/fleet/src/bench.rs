@@ -40,11 +40,10 @@ pub struct BenchGenerateArgs {
     /// Tokens per KV block with `--batching continuous`.
     #[arg(long, default_value_t = 16, value_parser = at_least(1))]
     pub block_size: usize,
-    /// With `--batching continuous`: decode through fixed-address buffers replayed as a
-    /// captured CUDA graph. Experimental: it fails on the GPU today with an illegal memory
-    /// access (issue 26).
+    /// With `--batching continuous` (vLLM's name): decode op by op, not through the captured
+    /// CUDA graph of each batch bucket (the default where the model allows it).
     #[arg(long)]
-    pub cuda_graphs: bool,
+    pub enforce_eager: bool,
     /// With `--batching continuous` (vLLM's name): decode steps queued before their tokens
     /// are read back (each step's tokens fed to the next on the device; finished rows
     /// refilled every this many steps).
@@ -287,7 +286,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         new_tokens: args.new_tokens,
         weights_bytes,
         batching: args.batching,
-        cuda_graphs: args.cuda_graphs,
+        cuda_graphs: !args.enforce_eager,
         num_scheduler_steps: args.num_scheduler_steps,
         runs,
         variable,
@@ -400,7 +399,7 @@ fn paged_options(
     args: &BenchGenerateArgs,
 ) -> PagedOptions {
     PagedOptions {
-        cuda_graphs: args.cuda_graphs,
+        cuda_graphs: !args.enforce_eager,
         sync_every: args.num_scheduler_steps,
         ..PagedOptions::for_requests(requests, max_batch, args.block_size)
     }

@@ -260,11 +260,10 @@ pub struct PagedOptions {
     /// ([`QwenModel::paged_block_bytes`] gives their size).
     pub num_blocks: usize,
     /// Decode through fixed-address step buffers, one per batch bucket, each step captured
-    /// once as a CUDA graph and replayed where the model allows it
-    /// ([`QwenModel::decode_graph_supported`]); elsewhere the same buffers drive the plain
-    /// step. Same tokens either way on the CPU. Not yet usable on a GPU: there the buffer path
-    /// meets an illegal memory access, with or without capture (issue 26), so it is off by
-    /// default.
+    /// once as a CUDA graph and replayed, where the model allows it
+    /// ([`QwenModel::decode_graph_supported`]: one CUDA device, a shape the paged kernel
+    /// takes); elsewhere (the CPU) the plain step. The same tokens either way (greedy and
+    /// seeded, tested on the GPU). On by default; vLLM's `enforce_eager` turns it off.
     pub cuda_graphs: bool,
     /// Decode steps queued before their tokens are read back (vLLM's `num_scheduler_steps`;
     /// 1: every step). With `k` > 1
@@ -278,13 +277,14 @@ pub struct PagedOptions {
 }
 
 impl PagedOptions {
-    /// `max_batch` slots, blocks of 16 tokens, `num_blocks` of them, CUDA graphs off.
+    /// `max_batch` slots, blocks of 16 tokens, `num_blocks` of them, CUDA graphs where the
+    /// model takes them, each step read back.
     pub fn new(max_batch: usize, num_blocks: usize) -> Self {
         PagedOptions {
             max_batch,
             block_size: 16,
             num_blocks,
-            cuda_graphs: false,
+            cuda_graphs: true,
             sync_every: 1,
         }
     }
@@ -307,7 +307,7 @@ impl PagedOptions {
             max_batch,
             block_size,
             num_blocks: max_batch * longest.div_ceil(block_size.max(1)) + 1,
-            cuda_graphs: false,
+            cuda_graphs: true,
             sync_every: 1,
         }
     }
@@ -320,6 +320,15 @@ fn graph_bucket(n: usize) -> usize {
         n.next_power_of_two()
     } else {
         n.div_ceil(8) * 8
+    }
+}
+
+/// The running rows' position shifts (empty where none has one: text).
+fn row_shifts(running: &[Running]) -> Vec<i64> {
+    if running.iter().any(|r| r.shift != 0) {
+        running.iter().map(|r| r.shift).collect()
+    } else {
+        Vec::new()
     }
 }
 
@@ -866,10 +875,17 @@ impl<'a> Generator<'a> {
             1
         };
         let advanced = !running.is_empty() && burst > 1;
-        if advanced {
-            let drawn = self.decode_burst(running, burst, cache, stats)?;
-            stats.decode_steps += burst;
+        if !running.is_empty() {
             stats.max_running = stats.max_running.max(running.len());
+        }
+        let mut graph = if running.is_empty() {
+            None
+        } else {
+            self.decode_graph_for(running, pool, options, graphs, graph_blocks, cache, stats)?
+        };
+        if advanced {
+            let drawn = self.decode_burst(running, burst, graph.take(), cache, stats)?;
+            stats.decode_steps += burst;
             let mut still = Vec::with_capacity(running.len());
             for (mut r, tokens) in running.drain(..).zip(drawn) {
                 if self.take_tokens(pool, &mut r, tokens, &mut on_token)? {
@@ -883,37 +899,12 @@ impl<'a> Generator<'a> {
         let mut parts = Vec::new();
         if !running.is_empty() && !advanced {
             let seqs: Vec<&SequenceBlocks> = running.iter().map(|r| &r.seq).collect();
-            let shifts: Vec<i64> = if running.iter().any(|r| r.shift != 0) {
-                running.iter().map(|r| r.shift).collect()
-            } else {
-                Vec::new()
-            };
-            let logits = if options.cuda_graphs {
-                // The graphs' block tables hold the longest running request's blocks; a longer
-                // newcomer makes them all again, twice as wide.
-                let need = running
-                    .iter()
-                    .map(|r| pool.blocks_for(r.request.prompt_ids.len() + r.request.max_new_tokens))
-                    .max()
-                    .unwrap_or(1);
-                if need > *graph_blocks {
-                    *graph_blocks = need.next_power_of_two();
-                    graphs.clear();
-                }
-                let bucket = graph_bucket(seqs.len());
-                let g = match graphs.entry(bucket) {
-                    std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-                    std::collections::btree_map::Entry::Vacant(e) => {
-                        let g = self
-                            .model
-                            .decode_graph(bucket, *graph_blocks, cache, true)?;
-                        stats.graphs_captured += usize::from(g.is_captured());
-                        e.insert(g)
-                    }
-                };
-                self.model.decode_paged_with(g, &seqs, &shifts, cache)?
-            } else {
-                self.model.decode_paged(&seqs, &shifts, cache)?
+            let shifts = row_shifts(running);
+            let logits = match graph {
+                Some(g) => self
+                    .model
+                    .decode_paged_with(g, &seqs, &shifts, 0, None, true, cache)?,
+                None => self.model.decode_paged(&seqs, &shifts, cache)?,
             };
             parts.push(logits);
             stats.decode_steps += 1;
@@ -1070,26 +1061,39 @@ impl<'a> Generator<'a> {
         &self,
         running: &[Running],
         steps: usize,
+        mut graph: Option<&mut DecodeGraph>,
         cache: &mut KvCache,
         stats: &mut PagedStats,
     ) -> Result<Vec<Vec<(u32, f32)>>> {
         let queued = std::time::Instant::now();
         let seqs: Vec<&SequenceBlocks> = running.iter().map(|r| &r.seq).collect();
-        let shifts: Vec<i64> = if running.iter().any(|r| r.shift != 0) {
-            running.iter().map(|r| r.shift).collect()
-        } else {
-            Vec::new()
-        };
+        let shifts = row_shifts(running);
         let seen: Vec<&[u32]> = vec![&[]; running.len()];
         let mut ids: Option<Tensor> = None;
         let mut drawn = Vec::with_capacity(steps);
         let mut last_logits: Option<Tensor> = None;
         for ahead in 0..steps {
             // No step reads the host: the last step's logits are checked after the read.
-            let logits = self
-                .model
-                .decode_paged_ahead(&seqs, &shifts, ahead, ids.as_ref(), false, cache)?
-                .squeeze(1)?;
+            let logits = match graph.as_deref_mut() {
+                Some(g) => self.model.decode_paged_with(
+                    g,
+                    &seqs,
+                    &shifts,
+                    ahead,
+                    ids.as_ref(),
+                    false,
+                    cache,
+                )?,
+                None => self.model.decode_paged_ahead(
+                    &seqs,
+                    &shifts,
+                    ahead,
+                    ids.as_ref(),
+                    false,
+                    cache,
+                )?,
+            }
+            .squeeze(1)?;
             let params: Vec<crate::ops::RowSampling> = running
                 .iter()
                 .map(|r| r.row.sampling.row((r.row.generated.len() + ahead) as u32))
@@ -1123,6 +1127,47 @@ impl<'a> Generator<'a> {
                     .collect()
             })
             .collect())
+    }
+
+    /// The decode graph of the running rows' batch bucket, captured on first use; `None`
+    /// where graphs are off or the model cannot capture a step
+    /// ([`QwenModel::decode_graph_supported`]: the CPU, a model over several devices), which
+    /// then takes the plain step. The graphs' block tables hold the longest running request's
+    /// blocks; a longer newcomer makes them all again, twice as wide.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_graph_for<'g>(
+        &self,
+        running: &[Running],
+        pool: &BlockPool,
+        options: &PagedOptions,
+        graphs: &'g mut BTreeMap<usize, DecodeGraph>,
+        graph_blocks: &mut usize,
+        cache: &mut KvCache,
+        stats: &mut PagedStats,
+    ) -> Result<Option<&'g mut DecodeGraph>> {
+        if !options.cuda_graphs || !self.model.decode_graph_supported(options.block_size) {
+            return Ok(None);
+        }
+        let need = running
+            .iter()
+            .map(|r| pool.blocks_for(r.request.prompt_ids.len() + r.request.max_new_tokens))
+            .max()
+            .unwrap_or(1);
+        if need > *graph_blocks {
+            *graph_blocks = need.next_power_of_two();
+            graphs.clear();
+        }
+        let bucket = graph_bucket(running.len());
+        Ok(Some(match graphs.entry(bucket) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                let g = self
+                    .model
+                    .decode_graph(bucket, *graph_blocks, cache, true)?;
+                stats.graphs_captured += usize::from(g.is_captured());
+                e.insert(g)
+            }
+        }))
     }
 
     /// The text model's prompt pass ([`PagedPrefill`]).

@@ -155,21 +155,82 @@ fn the_paged_decode_kernel_gives_the_lock_step_tokens_with_and_without_graphs() 
             })
             .collect();
         let want = ids(&gen.generate(&requests, None).unwrap());
-        for cuda_graphs in [false, true] {
+        // Seeded sampling (top-k, top-p, temperature): graphs change no token either.
+        let sampled: Vec<GenerationRequest> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| GenerationRequest {
+                sampling: SamplingParams {
+                    temperature: 0.9,
+                    top_k: Some(40),
+                    top_p: Some(0.9),
+                    seed: 11 + i as u64,
+                    ..SamplingParams::greedy()
+                },
+                ..r.clone()
+            })
+            .collect();
+        let mut sampled_want = None;
+        // Graphs step by step, and in bursts of 4 steps between reads.
+        for (cuda_graphs, sync_every) in [(false, 1), (true, 1), (true, 4)] {
             let options = PagedOptions {
                 max_batch: 4,
                 block_size: 16,
                 num_blocks: 128,
                 cuda_graphs,
-                sync_every: 1,
+                sync_every,
             };
+            let what = format!("{device:?}, graphs {cuda_graphs}, read every {sync_every}");
             let (got, stats) = gen.generate_paged(&requests, &options, None).unwrap();
-            assert_eq!(ids(&got), want, "{device:?}, graphs {cuda_graphs}");
+            assert_eq!(ids(&got), want, "{what}");
             // On a GPU every batch bucket used (4, 2, 1 as rows finish) is captured.
             let captured = cuda_graphs && device.is_cuda();
-            assert_eq!(stats.graphs_captured > 0, captured, "{device:?}");
+            assert_eq!(stats.graphs_captured > 0, captured, "{what}");
+            let (got, _) = gen.generate_paged(&sampled, &options, None).unwrap();
+            let got = ids(&got);
+            match &sampled_want {
+                None => sampled_want = Some(got),
+                Some(w) => assert_eq!(&got, w, "{what}: seeded sampling"),
+            }
         }
     }
+}
+
+/// The decode graph's fixed-address buffers (on the CPU they drive the plain step, uncaptured)
+/// give the plain step's logits: a first step, and a step `ahead` fed the drawn tokens on the
+/// device, with two live rows in a bucket of four (the spare rows inactive).
+#[test]
+fn the_decode_step_buffers_give_the_plain_steps_logits() {
+    let model = kernel_shaped_model(&candle_core::Device::Cpu);
+    let mut pool = fleet_models::kv_blocks::BlockPool::new(64, 16);
+    let mut cache = model.new_paged_cache(64, 16).unwrap();
+    let prompt = |n: usize, k: usize| {
+        (0..n)
+            .map(|t| ((t * 13 + k) % 500) as u32)
+            .collect::<Vec<_>>()
+    };
+    let mut a = pool.admit(&prompt(20, 1), 3).unwrap();
+    let mut b = pool.admit(&prompt(37, 2), 3).unwrap();
+    model.prefill_paged_batch(&[&a, &b], &mut cache).unwrap();
+    pool.append(&mut a, 7).unwrap();
+    pool.append(&mut b, 11).unwrap();
+    let seqs = [&a, &b];
+    let mut graph = model.decode_graph(4, 4, &mut cache, false).unwrap();
+    assert!(!graph.is_captured());
+    let plain = model.decode_paged(&seqs, &[], &mut cache).unwrap();
+    let buffered = model
+        .decode_paged_with(&mut graph, &seqs, &[], 0, None, true, &mut cache)
+        .unwrap();
+    let rows = |t: &candle_core::Tensor| t.to_vec3::<f32>().unwrap();
+    assert_eq!(rows(&buffered), rows(&plain));
+    let drawn = plain.squeeze(1).unwrap().argmax_keepdim(1).unwrap();
+    let plain = model
+        .decode_paged_ahead(&seqs, &[], 1, Some(&drawn), false, &mut cache)
+        .unwrap();
+    let buffered = model
+        .decode_paged_with(&mut graph, &seqs, &[], 1, Some(&drawn), false, &mut cache)
+        .unwrap();
+    assert_eq!(rows(&buffered), rows(&plain));
 }
 
 #[test]

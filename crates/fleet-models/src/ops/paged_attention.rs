@@ -10,10 +10,17 @@ use rayon::prelude::*;
 use super::*;
 use crate::error::Result;
 
-/// Tokens per partition of [`paged_decode_attention`]'s split-KV pass: one thread block per
-/// (row, KV head, partition), so a long sequence spreads over many SMs while a partition's
-/// scores still fit in shared memory. The CPU twin cuts sequences at the same points.
+/// The most tokens per partition of [`paged_decode_attention`]'s split-KV pass: one thread
+/// block per (row, KV head, partition), so a long sequence spreads over many SMs while a
+/// partition's scores still fit in shared memory. Small grids take smaller partitions (see
+/// [`PAGED_ATTENTION_MIN_BLOCKS`]); the CPU twin cuts sequences at the same points.
 pub const PAGED_ATTENTION_PARTITION: usize = 256;
+
+/// The grid [`paged_decode_attention`] aims for: partitions are halved (down to 16 tokens and
+/// the block size) until rows x KV heads x partitions reaches this many blocks, about four per
+/// SM of an H100. Measured on a 7B decode step at batch 1 (4 KV heads, 640 tokens): 256-token
+/// partitions gave 12 blocks and 20 us per layer, 7.7% of the step.
+pub const PAGED_ATTENTION_MIN_BLOCKS: usize = 512;
 
 /// Most query heads per KV head that [`paged_decode_attention`] takes (the kernel keeps the
 /// group's accumulators in registers).
@@ -77,8 +84,8 @@ pub fn paged_kv_write(cache: &Tensor, new: &Tensor, slots: &Tensor) -> Result<()
 /// the kernel clamps the length to the table and trusts the entries, as it cannot report without
 /// a host sync).
 ///
-/// On CUDA: pass 1, one block per (partition of [`PAGED_ATTENTION_PARTITION`] tokens, KV head,
-/// row), each reading its K and V once for the whole query group, writes the partition's max,
+/// On CUDA: pass 1, one block per (partition of up to [`PAGED_ATTENTION_PARTITION`] tokens, KV
+/// head, row), each reading its K and V once for the whole query group, writes the partition's max,
 /// sum of exp and unnormalised output (f32) to a workspace sized from `max_blocks`; pass 2
 /// combines a row's partitions (log-sum-exp rescale) into the output. Partitions past a row's
 /// length exit at once, so the grid depends on shapes only.
@@ -316,10 +323,25 @@ impl AttnDims {
         self.max_blocks * self.block_size
     }
 
+    /// Tokens per partition: [`PAGED_ATTENTION_PARTITION`], halved while the grid is smaller
+    /// than [`PAGED_ATTENTION_MIN_BLOCKS`] (shapes only, so the same for a captured graph's
+    /// every replay and for the twin).
+    fn partition(&self) -> usize {
+        let floor = self.block_size.max(16);
+        let mut part = PAGED_ATTENTION_PARTITION;
+        while part / 2 >= floor
+            && self.batch * self.kv_heads * self.capacity().div_ceil(part)
+                < PAGED_ATTENTION_MIN_BLOCKS
+        {
+            part /= 2;
+        }
+        part
+    }
+
     /// Partitions of the longest row the table can hold: the grid and the workspace.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn parts(&self) -> usize {
-        self.capacity().div_ceil(PAGED_ATTENTION_PARTITION)
+        self.capacity().div_ceil(self.partition())
     }
 }
 
@@ -442,10 +464,11 @@ fn decode_group<T: Float>(
         let at = ((table[t / bs] as usize * d.kv_heads + h) * bs + t % bs) * hd;
         cache[at..at + hd].iter().map(|x| x.to_f32()).collect()
     };
-    let parts: Vec<Partial> = (0..len.div_ceil(PAGED_ATTENTION_PARTITION))
+    let part = d.partition();
+    let parts: Vec<Partial> = (0..len.div_ceil(part))
         .map(|p| {
-            let start = p * PAGED_ATTENTION_PARTITION;
-            let n = PAGED_ATTENTION_PARTITION.min(len - start);
+            let start = p * part;
+            let n = part.min(len - start);
             // 1. Scores: lane i of a token sums q·k over chunks i, i + 4, ... in order, then
             // the butterfly over the token's lanes.
             let mut s = vec![0f32; group * n];
@@ -645,7 +668,7 @@ mod cuda {
 
     use super::super::cuda_util::*;
     use super::super::suffix;
-    use super::{AttnDims, PagedDecodeAttention, WriteDims, PAGED_ATTENTION_PARTITION, THREADS};
+    use super::{AttnDims, PagedDecodeAttention, WriteDims, THREADS};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx"));
     const MODULE: &str = "fleet_paged_attention";
@@ -758,7 +781,7 @@ mod cuda {
                 candle_core::bail!("paged_decode_attention: the caches must start 16-byte aligned");
             }
             let sfx = suffix(s1.dtype())?;
-            let (part, n_parts) = (PAGED_ATTENTION_PARTITION, d.parts());
+            let (part, n_parts) = (d.partition(), d.parts());
             let rows = d.batch * d.heads;
             // The combine kernel holds one weight per partition in shared memory.
             if n_parts * 4 > 48 * 1024 {

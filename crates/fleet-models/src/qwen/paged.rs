@@ -346,19 +346,30 @@ impl QwenModel {
     }
 
     /// One decode step of the live `seqs` (at most `graph.batch()`) through `graph`'s buffers:
-    /// the same as [`QwenModel::decode_paged`], returning logits `[seqs, 1, vocab]` (a view of
-    /// the step's output buffer, valid until the next step).
+    /// the same as [`QwenModel::decode_paged_ahead`] (`ahead` tokens past each sequence's last
+    /// recorded one, the input `ids` on the device or `None` for each sequence's last token),
+    /// returning logits `[seqs, 1, vocab]`: a view of the step's output buffer, valid until
+    /// the next step through `graph` (a step queued after it on the stream may read it).
+    #[allow(clippy::too_many_arguments)]
     pub fn decode_paged_with(
         &self,
         graph: &mut DecodeGraph,
         seqs: &[&SequenceBlocks],
         shifts: &[i64],
+        ahead: usize,
+        ids: Option<&Tensor>,
+        check_logits: bool,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let bs = paged_block_size(cache)?;
         let n = seqs.len();
-        let host = self.step_inputs_ahead(seqs, shifts, 0, bs, graph.batch, graph.max_blocks)?;
+        let host =
+            self.step_inputs_ahead(seqs, shifts, ahead, bs, graph.batch, graph.max_blocks)?;
         host.write(graph)?;
+        if let Some(ids) = ids {
+            // The tokens drawn by the step before, copied on the device into the graph's input.
+            graph.ids.slice_set(ids, 0, 0)?;
+        }
         #[cfg(feature = "cuda")]
         let launched = match &graph.graph {
             Some(g) => {
@@ -374,16 +385,18 @@ impl QwenModel {
             graph.logits.slice_set(&out, 0, 0)?;
         }
         let logits = graph.logits.narrow(0, 0, n)?;
-        // The step has no host reads inside: the logits are checked here, as the plain step
-        // checks them.
-        let vocab = self.cfg.vocab_size;
-        self.check_logits(&logits, |first| {
-            let row = first / vocab;
-            Ok(format!(
-                "the logits of row {row} at position {}",
-                seqs[row].len() - 1
-            ))
-        })?;
+        if check_logits {
+            // The step has no host reads inside: the logits are checked here, as the plain
+            // step checks them.
+            let vocab = self.cfg.vocab_size;
+            self.check_logits(&logits, |first| {
+                let row = first / vocab;
+                Ok(format!(
+                    "the logits of row {row} at position {}",
+                    seqs[row].len() - 1 + ahead
+                ))
+            })?;
+        }
         Ok(logits)
     }
 
