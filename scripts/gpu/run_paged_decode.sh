@@ -8,10 +8,13 @@
 #                 tokens every step, and every 8), transformers
 #                 (benches/transformers_generate.py) — fleet_7b_*.json, hf_7b.json
 #   PART=graphs   the paged tests on the GPU (dist/carry/paged-tests.tar.xz: paged_generation,
-#                 generation, parity, paged_attention), then the 7B speed as PART=speed with
-#                 the fleet modes $MODES (default static; continuous-eager: no CUDA graphs;
-#                 continuous: graphs, a read every step; continuous-sync8: graphs, a read
-#                 every 8 steps); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
+#                 generation, parity, paged_attention, and the library's linear-layer
+#                 kernel tests), then the 7B speed as PART=speed with
+#                 the fleet modes $MODES (default all but continuous-eager: static;
+#                 continuous-eager: no CUDA graphs;
+#                 continuous: graphs, a read every step; continuous-cublas: the same with
+#                 FLEET_DECODE_GEMV=0, batch 1 only; continuous-sync8: graphs, a read every
+#                 8 steps); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
 #                 128, 256 new) in the same modes
 #   PART=sanitize the paged tests (dist/carry/paged-tests.tar.xz): the decode-graph test under
 #                 compute-sanitizer memcheck (sanitize.txt: the faulting kernel of the
@@ -43,19 +46,28 @@ case "$PART" in
       timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_$t.txt" 2>&1
       echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_$t.txt"
     done
+    # The crate's own kernel tests (the library's unit tests): the GEMV and the linear layer.
+    echo "== fleet_models kernel_tests (linear)"
+    timeout 120 "$T/fleet_models" --test-threads 1 ops::linear > "$OUT/test_lib.txt" 2>&1
+    echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_lib.txt"
     C=configs/models/qwen2.5-7b.json
+    # continuous-cublas: as continuous, with cuBLAS for the few-row products too
+    # (FLEET_DECODE_GEMV=0), at batch 1 (the GEMV kernel takes up to 4 rows).
     mode_flags() {
+      gemv=1; batches=$BATCHES
       case "$1" in
         continuous-eager) flags=(--batching continuous --enforce-eager) ;;
         continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
+        continuous-cublas) flags=(--batching continuous); gemv=0; batches=1 ;;
         *) flags=(--batching "$1") ;;
       esac
     }
-    for mode in ${MODES:-static continuous-eager continuous continuous-sync8}; do
+    for mode in ${MODES:-static continuous continuous-cublas continuous-sync8}; do
       echo "== fleet $mode"
       mode_flags "$mode"
-      timeout 150 "$F" bench generate --config "$C" --batch "$BATCHES" --prompt-len 512 \
-        --new-tokens 128 --repeats 2 "${flags[@]}" --json "$OUT/fleet_7b_$mode.json"
+      FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
+        --prompt-len 512 --new-tokens 128 --repeats 2 "${flags[@]}" \
+        --json "$OUT/fleet_7b_$mode.json"
     done
     for shape in 0.5b 1.5b; do
       for mode in static continuous-eager continuous continuous-sync8; do

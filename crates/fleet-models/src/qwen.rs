@@ -302,7 +302,7 @@ impl Attention {
         let q_len = x.dim(1)?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let dev = x.device();
-        let qkv = profile::time(dev, "attn.qkv_proj", || Ok(self.qkv.forward(x)?))?;
+        let qkv = profile::time(dev, "attn.qkv_proj", || ops::linear(&self.qkv, x))?;
         let (q, k, v) = profile::time(dev, "attn.rope", || match (&self.q_norm, &self.k_norm) {
             // Qwen3 normalises each head before RoPE: bias, split, transpose, norms and rotate
             // in one kernel.
@@ -321,7 +321,7 @@ impl Attention {
         })?;
         if let Some(paged) = &inputs.paged {
             let out = self.paged_attention(&q, &k, &v, paged, pad, cache)?;
-            return profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?));
+            return profile::time(dev, "attn.o_proj", || ops::linear(&self.o_proj, &out));
         }
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
 
@@ -338,7 +338,7 @@ impl Attention {
         let out = profile::time(dev, "attn.core", || {
             causal_attention(&q, &k, &v, pad, fused)
         })?;
-        profile::time(dev, "attn.o_proj", || Ok(self.o_proj.forward(&out)?))
+        profile::time(dev, "attn.o_proj", || ops::linear(&self.o_proj, &out))
     }
 }
 
@@ -441,9 +441,9 @@ impl Attention {
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dev = x.device();
-        let gu = profile::time(dev, "mlp.gate_up", || Ok(self.gate_up.forward(x)?))?;
+        let gu = profile::time(dev, "mlp.gate_up", || ops::linear(&self.gate_up, x))?;
         let act = profile::time(dev, "mlp.act", || ops::swiglu(&gu))?;
-        profile::time(dev, "mlp.down", || Ok(self.down.forward(&act)?))
+        profile::time(dev, "mlp.down", || ops::linear(&self.down, &act))
     }
 }
 
@@ -1103,7 +1103,7 @@ impl QwenModel {
                 Some(p) => self.norm.add_forward(&x, p)?.1,
                 None => self.norm.forward(&x)?,
             };
-            Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+            Ok(ops::linear(&self.lm_head, &x)?.to_dtype(DType::F32)?)
         })
     }
 

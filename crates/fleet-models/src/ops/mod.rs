@@ -19,7 +19,8 @@
 //! - [`sample_tokens`]: the next token of every row (transformers' sampling processors and
 //!   the draw in one kernel) and its log-probability, on the device.
 //! - [`adamw_step_`]: the optimizer's fused step.
-//! - [`linear`]: a linear layer with the bias added in place after the GEMM.
+//! - [`linear`]: a linear layer with the bias added in place after the GEMM, and [`gemv`],
+//!   the decode step's few-row product that streams the weights once.
 //! - [`paged_kv_write`] and [`paged_decode_attention`]: the paged KV cache's write of new keys
 //!   and values into their slots, and split-KV decode attention over a row's blocks (GQA, each
 //!   KV head read once per query group); inference only, capturable in a CUDA graph.
@@ -121,6 +122,20 @@ macro_rules! float_cpu {
         }
     };
     (@pat $v:ident; $($x:ident),+) => { ($(CpuStorage::$v($x),)+) };
+}
+
+/// Sum of lane values in the order of a kernel's xor butterfly (`butterfly_sum` in
+/// paged_attention.cu, the GEMV's warp sum in linear.cu):
+/// at each offset `o` (half the lanes, then half that, ...), lane `l < o` adds lane `l + o`.
+fn butterfly<const N: usize>(mut lanes: [f32; N]) -> f32 {
+    let mut o = N / 2;
+    while o > 0 {
+        for l in 0..o {
+            lanes[l] += lanes[l + o];
+        }
+        o /= 2;
+    }
+    lanes[0]
 }
 
 fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> candle_core::Result<&'a [T]> {
@@ -292,7 +307,7 @@ mod swiglu;
 
 pub use adamw::{adamw_step_, AdamWStep};
 pub use gpu_delay::gpu_delay;
-pub use linear::linear;
+pub use linear::{gemv, linear, GEMV_MAX_ROWS};
 pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;
 pub use paged_attention::{

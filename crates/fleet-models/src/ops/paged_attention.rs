@@ -417,19 +417,6 @@ fn attn_dims(
     })
 }
 
-/// Sum of lane values in the order of the kernel's xor butterfly (`butterfly_sum` in the .cu):
-/// at each offset `o` (half the lanes, then half that, ...), lane `l < o` adds lane `l + o`.
-fn butterfly<const N: usize>(mut lanes: [f32; N]) -> f32 {
-    let mut o = N / 2;
-    while o > 0 {
-        for l in 0..o {
-            lanes[l] += lanes[l + o];
-        }
-        o /= 2;
-    }
-    lanes[0]
-}
-
 /// One partition's result for a query group: per head the score max and sum of exp, and the
 /// unnormalised output (`[group][head_dim]`).
 struct Partial {
