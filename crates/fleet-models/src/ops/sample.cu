@@ -44,11 +44,33 @@ __device__ __forceinline__ bool in_sorted(const uint32_t *ids, int n, unsigned i
 // The score sampling sees for token v: the logit, penalised when v was seen (transformers'
 // RepetitionPenaltyLogitsProcessor: divided when positive, multiplied when negative), then
 // times 1/temperature (a greedy row: inv_t = 0, the penalised logit itself).
-__device__ __forceinline__ float sample_score(const float *row, unsigned int v, const uint32_t *pen,
-                                              int n_pen, float penalty, float inv_t) {
-    float l = row[v];
+__device__ __forceinline__ float score_of(float l, unsigned int v, const uint32_t *pen, int n_pen,
+                                          float penalty, float inv_t) {
     if (n_pen > 0 && in_sorted(pen, n_pen, v)) l = l < 0.f ? l * penalty : l / penalty;
     return inv_t > 0.f ? l * inv_t : l;
+}
+
+__device__ __forceinline__ float sample_score(const float *row, unsigned int v, const uint32_t *pen,
+                                              int n_pen, float penalty, float inv_t) {
+    return score_of(row[v], v, pen, n_pen, penalty, inv_t);
+}
+
+// Calls f(v, row[v]) for v = threadIdx.x, threadIdx.x + SAMPLE_THREADS, ... in that order (the
+// order of the twin's sums), with the loads of four of them issued before the first call: with
+// one block per row, a pass is bound by the loads' latency (a 7B step's sampler took 100 us at
+// batch 1, loading one logit at a time).
+template <typename F>
+__device__ __forceinline__ void each_logit(const float *row, int vocab, F f) {
+    constexpr int U = 4;
+    int v = threadIdx.x;
+    for (; v + (U - 1) * SAMPLE_THREADS < vocab; v += U * SAMPLE_THREADS) {
+        float x[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) x[u] = row[v + u * SAMPLE_THREADS];
+#pragma unroll
+        for (int u = 0; u < U; ++u) f(v + u * SAMPLE_THREADS, x[u]);
+    }
+    for (; v < vocab; v += SAMPLE_THREADS) f(v, row[v]);
 }
 
 // (max, sum of exp(x - max)) pairs combined; the first pair wins ties of order.
@@ -218,10 +240,10 @@ extern "C" __global__ void sample_tokens(const float *logits, const uint32_t *pa
 
     // 1. The raw logits' (max, sum exp) for the log-probability; the scores' max.
     float m = -INFINITY, s = 0.f, smax = -INFINITY;
-    for (int v = threadIdx.x; v < vocab; v += SAMPLE_THREADS) {
-        online_merge(m, s, row[v], 1.f);
-        smax = fmaxf(smax, sample_score(row, v, pen_ids, n_pen, penalty, inv_t));
-    }
+    each_logit(row, vocab, [&](int v, float l) {
+        online_merge(m, s, l, 1.f);
+        smax = fmaxf(smax, score_of(l, v, pen_ids, n_pen, penalty, inv_t));
+    });
     block_online(m, s, sm, ss);
     {
         int unused = 0;
@@ -262,15 +284,15 @@ extern "C" __global__ void sample_tokens(const float *logits, const uint32_t *pa
     // 5. The draw: argmax of score + Gumbel noise over the kept tokens (greedy: of the score).
     float best = -INFINITY;
     int best_v = 0x7fffffff;
-    for (int v = threadIdx.x; v < vocab; v += SAMPLE_THREADS) {
-        const float sc = sample_score(row, v, pen_ids, n_pen, penalty, inv_t);
-        if (sort_key(sc) < threshold) continue;
+    each_logit(row, vocab, [&](int v, float l) {
+        const float sc = score_of(l, v, pen_ids, n_pen, penalty, inv_t);
+        if (sort_key(sc) < threshold) return;
         const float z = greedy ? sc : sc - logf(-logf(gumbel_uniform(seed, counter, (unsigned int)v)));
         if (z > best || (z == best && v < best_v)) {
             best = z;
             best_v = v;
         }
-    }
+    });
     block_argmax(best, best_v, sm, si);
     if (threadIdx.x == 0) {
         const int tok = best_v == 0x7fffffff ? 0 : best_v;
