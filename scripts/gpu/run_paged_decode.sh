@@ -51,6 +51,10 @@ case "$PART" in
     timeout 120 "$T/fleet_models" --test-threads 1 ops::linear > "$OUT/test_lib.txt" 2>&1
     echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_lib.txt"
     C=configs/models/qwen2.5-7b.json
+    # The reference first, so that a call cut short still has it.
+    echo "== transformers"
+    timeout 150 python3 benches/transformers_generate.py --config "$C" --dtype bf16 \
+      --prompt-len 512 --new-tokens 128 --batch "$BATCHES" --device cuda --json "$OUT/hf_7b.json"
     # continuous-cublas: as continuous, with cuBLAS for the few-row products too
     # (FLEET_DECODE_GEMV=0), at batch 1 (the GEMV kernel takes up to 4 rows).
     mode_flags() {
@@ -78,9 +82,6 @@ case "$PART" in
           --json "$OUT/fleet_${shape}_rollouts_$mode.json"
       done
     done
-    echo "== transformers"
-    python3 benches/transformers_generate.py --config "$C" --dtype bf16 --prompt-len 512 \
-      --new-tokens 128 --batch "$BATCHES" --device cuda --json "$OUT/hf_7b.json"
     ;;
   sanitize)
     T=/tmp/paged_tests; mkdir -p "$T"
