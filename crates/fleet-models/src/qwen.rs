@@ -403,33 +403,18 @@ impl Attention {
                 let out = attend(&q.squeeze(2)?, kc, vc, block_tables, seq_lens, 1.0)?;
                 Ok(out.reshape((b, 1, h * d))?)
             }
-            PagedRead::Prefill { rows, max_len } => {
-                // Each row's keys (or values) in order, left-padded with zeros to the longest:
-                // the mask's key_start (`pad`) hides the padding.
+            PagedRead::Prefill {
+                gather,
+                rows,
+                max_len,
+            } => {
+                // Every row's keys (or values) in order, left-padded to the longest: one
+                // gather of cache rows (the mask's key start, `pad`, hides the padding).
                 let gather = |c: &Tensor| -> Result<Tensor> {
-                    let (_, kvh, bs, d) = c.dims4()?;
-                    let parts = rows
-                        .iter()
-                        .map(|(blocks, len)| {
-                            let n = blocks.dim(0)?;
-                            let t = c
-                                .index_select(blocks, 0)?
-                                .transpose(0, 1)?
-                                .reshape((1, kvh, n * bs, d))?
-                                .narrow(2, 0, *len)?;
-                            if *len == *max_len {
-                                return Ok(t);
-                            }
-                            let zeros =
-                                Tensor::zeros((1, kvh, max_len - len, d), c.dtype(), c.device())?;
-                            Ok(Tensor::cat(&[zeros, t], 2)?)
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    Ok(if parts.len() == 1 {
-                        parts.into_iter().next().expect("one row")
-                    } else {
-                        Tensor::cat(&parts, 0)?
-                    })
+                    let (blocks, kvh, bs, d) = c.dims4()?;
+                    Ok(c.reshape((blocks * kvh * bs, d))?
+                        .index_select(gather, 0)?
+                        .reshape((*rows, kvh, *max_len, d))?)
                 };
                 let fused = q_len >= FLASH_MIN_QUERIES;
                 causal_attention(q, &gather(kc)?, &gather(vc)?, pad, fused)
@@ -643,10 +628,12 @@ enum PagedRead {
         block_tables: Tensor,
         seq_lens: Tensor,
     },
-    /// Each row's queries over its first `len` tokens, in its `blocks` (`[n]` u32); the rows'
-    /// keys are left-padded to the longest, `max_len`.
+    /// Each row's queries over its tokens, left-padded to the longest, `max_len`: `gather`
+    /// (`[rows * kv_heads * max_len]` u32) indexes the cache viewed as
+    /// `[blocks * kv_heads * block_size, head_dim]`.
     Prefill {
-        rows: Vec<(Tensor, usize)>,
+        gather: Tensor,
+        rows: usize,
         max_len: usize,
     },
 }
@@ -669,8 +656,12 @@ pub(crate) enum PagedCallRead {
         max_blocks: usize,
         seq_lens: Vec<u32>,
     },
-    /// Each row's blocks and length.
-    Prefill { rows: Vec<(Vec<u32>, usize)> },
+    /// The cache rows of each row's keys and values, left-padded (see [`PagedRead::Prefill`]).
+    Prefill {
+        gather: Vec<u32>,
+        rows: usize,
+        max_len: usize,
+    },
 }
 
 impl PagedCall {
@@ -685,12 +676,14 @@ impl PagedCall {
                 block_tables: Tensor::from_slice(block_tables, (seq_lens.len(), *max_blocks), dev)?,
                 seq_lens: Tensor::from_slice(seq_lens, seq_lens.len(), dev)?,
             },
-            PagedCallRead::Prefill { rows } => PagedRead::Prefill {
-                rows: rows
-                    .iter()
-                    .map(|(blocks, len)| Ok((Tensor::from_slice(blocks, blocks.len(), dev)?, *len)))
-                    .collect::<Result<_>>()?,
-                max_len: rows.iter().map(|(_, len)| *len).max().unwrap_or(0),
+            PagedCallRead::Prefill {
+                gather,
+                rows,
+                max_len,
+            } => PagedRead::Prefill {
+                gather: Tensor::from_slice(gather, gather.len(), dev)?,
+                rows: *rows,
+                max_len: *max_len,
             },
         };
         Ok(PagedInputs { slots, read })

@@ -90,7 +90,7 @@ impl QwenModel {
             pad,
             positions,
             call,
-        } = paged_prefill_layout(seqs, bs);
+        } = paged_prefill_layout(seqs, bs, self.cfg.num_kv_heads());
         let ids: Vec<Vec<u32>> = seqs
             .iter()
             .map(|s| {
@@ -509,13 +509,17 @@ pub(crate) struct PrefillLayout {
     /// Per window place (row-major): its position (0 for a pad).
     pub(crate) positions: Vec<u32>,
     /// The call: per window place its slot (`u32::MAX` for a pad or a cached token: nothing
-    /// written), and each row's blocks and length.
+    /// written), and where each row's keys and values are read from.
     pub(crate) call: PagedCall,
 }
 
 /// The layout of a batched paged prefill of `seqs`: each row the last `window` tokens of its
 /// sequence, its keys left-padded to the longest sequence.
-pub(crate) fn paged_prefill_layout(seqs: &[&SequenceBlocks], bs: usize) -> PrefillLayout {
+pub(crate) fn paged_prefill_layout(
+    seqs: &[&SequenceBlocks],
+    bs: usize,
+    kv_heads: usize,
+) -> PrefillLayout {
     let window = seqs.iter().map(|s| s.len() - s.cached).max().unwrap_or(0);
     let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
     let pad = seqs.iter().map(|s| max_len - s.len()).collect();
@@ -538,13 +542,26 @@ pub(crate) fn paged_prefill_layout(seqs: &[&SequenceBlocks], bs: usize) -> Prefi
             }
         }
     }
+    // Each row's keys (or values) left-padded to the longest, as rows of the cache viewed as
+    // [blocks * kv_heads * block_size, head_dim]: one gather for the whole pass. A pad points
+    // at row 0 (any finite values: the mask's key start hides them).
+    let mut gather = Vec::with_capacity(seqs.len() * kv_heads * max_len);
+    for s in seqs {
+        let pad = max_len - s.len();
+        for h in 0..kv_heads {
+            gather.extend(std::iter::repeat_n(0, pad));
+            gather.extend((0..s.len()).map(|t| {
+                let block = s.blocks[t / bs] as usize;
+                ((block * kv_heads + h) * bs + t % bs) as u32
+            }));
+        }
+    }
     let call = PagedCall {
         slots,
         read: PagedCallRead::Prefill {
-            rows: seqs
-                .iter()
-                .map(|s| (s.blocks[..s.len().div_ceil(bs)].to_vec(), s.len()))
-                .collect(),
+            gather,
+            rows: seqs.len(),
+            max_len,
         },
         check_logits: true,
     };

@@ -302,7 +302,7 @@ impl Qwen3VlModel {
         let bs = crate::qwen::paged_block_size(cache)?;
         let crate::qwen::PrefillLayout {
             window, pad, call, ..
-        } = crate::qwen::paged_prefill_layout(seqs, bs);
+        } = crate::qwen::paged_prefill_layout(seqs, bs, self.text.config().num_kv_heads());
         // The prompts left-padded to the longest, whose last `window` places are the call.
         let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
         let ids: Vec<Vec<u32>> = prompts
