@@ -8,13 +8,15 @@ and the time the step's bytes take at the limit.
 """
 import argparse
 import csv
+import lzma
 import re
 from collections import OrderedDict, defaultdict
 
 
 def launches(path):
     rows = OrderedDict()
-    with open(path) as f:
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt") as f:
         lines = [l for l in f if l.startswith('"')]
     for r in csv.DictReader(lines):
         k = rows.setdefault(r["ID"], {"name": r["Kernel Name"], "grid": r["Grid Size"],
@@ -31,7 +33,7 @@ def short(name):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("run", help="ncu CSV of a run with at least steps + 1 decode steps")
+    ap.add_argument("run", help="ncu CSV (or .csv.xz) of a run with at least steps + 1 decode steps")
     ap.add_argument("--layers", type=int, required=True)
     ap.add_argument("--steps", type=int, default=3, help="decode steps to sum (the last ones)")
     ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM 3.35e12)")

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Where a decode step's GPU time goes, kernel by kernel (ncu: duration and DRAM bytes of every
-# launch, caches flushed before each). For each shape, two runs of `fleet bench generate`
-# (continuous batching, no graphs: the same kernels the graph replays) that differ only in
-# new tokens (2 and NEW); the launches of the longer run past the shorter one's are decode
-# steps, which scripts/gpu/decode_profile.py sums by kernel.
+# Where a decode step's GPU time goes, kernel by kernel: ncu (duration and DRAM bytes of every
+# launch, caches flushed before each) over the timed run of `fleet bench generate` only
+# (`--cuda-profile-range` with `ncu --profile-from-start off`: not the model's build or the
+# warm-up): continuous batching without graphs (`--enforce-eager`: the kernels a graph replays),
+# prompt 16, NEW new tokens. scripts/gpu/decode_profile.py then sums its last decode steps by
+# kernel.
 #
-# Carried: dist/carry/fleet.xz. Writes $OUT/ncu_<shape>_<n>.csv and $OUT/profile.log.
+# Carried: dist/carry/fleet.xz. SHAPES: shape:batch pairs (default "7b:1 7b:64 0.5b:64").
+# Writes $OUT/ncu_<shape>_b<batch>.csv.xz, $OUT/decode_<shape>_b<batch>.txt (the parsed step)
+# and $OUT/profile.log. Run from the repo root.
 set -u
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 OUT="${OUT:-$PWD/out_profile}"
 NEW="${NEW:-6}"
-SHAPES="${SHAPES:-7b:1 0.5b:64}"
+SHAPES="${SHAPES:-7b:1 7b:64 0.5b:64}"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/profile.log") 2>&1
 F=/tmp/fleet
@@ -21,15 +24,18 @@ NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 "$NCU" --version | tail -1
 for s in $SHAPES; do
   shape=${s%%:*}; batch=${s##*:}
-  for n in 2 "$NEW"; do
-    echo "== $shape batch $batch, $n new tokens"
-    timeout 240 "$NCU" --csv --print-units base --metrics \
-      gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size \
-      "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch "$batch" \
-      --prompt-len 64 --new-tokens "$n" --repeats 1 --batching continuous \
-      > "$OUT/ncu_${shape}_$n.csv" 2> "$OUT/ncu_${shape}_$n.err"
-    echo "rc $? $(wc -l < "$OUT/ncu_${shape}_$n.csv") lines"
-  done
+  cfg="configs/models/qwen2.5-$shape.json"
+  layers=$(python3 -c "import json; print(json.load(open('$cfg'))['num_hidden_layers'])")
+  name="${shape}_b$batch"
+  echo "== $shape batch $batch ($layers layers), $NEW new tokens"
+  timeout 300 "$NCU" --profile-from-start off --csv --print-units base --metrics \
+    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size \
+    "$F" bench generate --config "$cfg" --batch "$batch" --prompt-len 16 --new-tokens "$NEW" \
+    --repeats 1 --batching continuous --enforce-eager --cuda-profile-range \
+    > "$OUT/ncu_$name.csv" 2> "$OUT/ncu_$name.err"
+  echo "rc $? $(wc -l < "$OUT/ncu_$name.csv") lines"
+  python3 scripts/gpu/decode_profile.py "$OUT/ncu_$name.csv" --layers "$layers" \
+    --steps $((NEW - 3)) | tee "$OUT/decode_$name.txt"
+  xz -T8 "$OUT/ncu_$name.csv"
 done
-xz -T8 "$OUT"/ncu_*.csv 2>/dev/null
 echo "== done"

@@ -49,6 +49,10 @@ pub struct BenchGenerateArgs {
     /// refilled every this many steps).
     #[arg(long, default_value_t = 1, value_parser = at_least(1))]
     pub num_scheduler_steps: usize,
+    /// Open the CUDA profiler's range around the timed runs only (for
+    /// `ncu --profile-from-start off`: scripts/gpu/profile_decode.sh).
+    #[arg(long)]
+    pub cuda_profile_range: bool,
     /// Also run the variable-length workload: this many requests, each with its own reply
     /// length (GSM8K-like, at most --new-tokens, a fixed seed), through `--batch` decode slots,
     /// static (batches of --batch wait for their longest) and continuous; reports both.
@@ -213,11 +217,17 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         let mut paged = None;
         for _ in 0..args.repeats {
             t_prefill.push(time_prefill()?);
+            if args.cuda_profile_range {
+                fleet_models::profile::cuda_profiler_range(true)?;
+            }
             let t = Instant::now();
             let (out, stats) = run_all(&requests)?;
             paged = stats;
             sync(&model)?;
             t_generate.push(t.elapsed().as_secs_f64());
+            if args.cuda_profile_range {
+                fleet_models::profile::cuda_profiler_range(false)?;
+            }
             if out.iter().any(|o| o.token_ids.len() != args.new_tokens) {
                 bail!("a row stopped before {} tokens", args.new_tokens);
             }

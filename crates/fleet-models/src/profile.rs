@@ -130,3 +130,32 @@ pub fn take_report() -> Vec<StageReport> {
     times.clear();
     out
 }
+
+/// Opens (`on`) or closes the range that `ncu --profile-from-start off` profiles (the driver's
+/// `cuProfilerStart` / `cuProfilerStop`), so that a profile holds the timed work only, not the
+/// model's build and warm-up. Does nothing without CUDA.
+pub fn cuda_profiler_range(on: bool) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        // SAFETY: both calls take no arguments and only toggle the attached profiler; a
+        // context is current on this thread once a CUDA device was opened (and without a
+        // profiler attached they do nothing).
+        let r = unsafe {
+            if on {
+                sys::cuProfilerStart()
+            } else {
+                sys::cuProfilerStop()
+            }
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(crate::error::ModelError::Candle(candle_core::Error::Msg(format!(
+                "cuProfiler{}: {r:?}",
+                if on { "Start" } else { "Stop" }
+            ))));
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = on;
+    Ok(())
+}
