@@ -263,7 +263,9 @@ pub struct PagedOptions {
     /// once as a CUDA graph and replayed, where the model allows it
     /// ([`QwenModel::decode_graph_supported`]: one CUDA device, a shape the paged kernel
     /// takes); elsewhere (the CPU) the plain step. The same tokens either way (greedy and
-    /// seeded, tested on the GPU). On by default; vLLM's `enforce_eager` turns it off.
+    /// seeded, tested on the GPU). On in [`PagedOptions::new`] and
+    /// [`PagedOptions::for_requests`] unless the environment sets `FLEET_ENFORCE_EAGER=1`
+    /// (vLLM's `enforce_eager`), which every job's generation then follows.
     pub cuda_graphs: bool,
     /// Decode steps queued before their tokens are read back (vLLM's `num_scheduler_steps`;
     /// 1: every step). With `k` > 1
@@ -284,7 +286,7 @@ impl PagedOptions {
             max_batch,
             block_size: 16,
             num_blocks,
-            cuda_graphs: true,
+            cuda_graphs: graphs_by_default(),
             sync_every: 1,
         }
     }
@@ -307,10 +309,18 @@ impl PagedOptions {
             max_batch,
             block_size,
             num_blocks: max_batch * longest.div_ceil(block_size.max(1)) + 1,
-            cuda_graphs: true,
+            cuda_graphs: graphs_by_default(),
             sync_every: 1,
         }
     }
+}
+
+/// Whether paged generation captures CUDA graphs unless told otherwise: yes, except with
+/// `FLEET_ENFORCE_EAGER=1` in the environment (the way out should a graph misbehave on some
+/// driver, without a flag in every job).
+fn graphs_by_default() -> bool {
+    static EAGER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*EAGER.get_or_init(|| std::env::var("FLEET_ENFORCE_EAGER").is_ok_and(|v| v == "1"))
 }
 
 /// The decode-graph bucket of `n` live rows: powers of two up to 8, then multiples of 8 (a

@@ -149,10 +149,9 @@ pub fn cuda_profiler_range(on: bool) -> Result<()> {
             }
         };
         if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(crate::error::ModelError::Candle(candle_core::Error::Msg(format!(
-                "cuProfiler{}: {r:?}",
-                if on { "Start" } else { "Stop" }
-            ))));
+            return Err(crate::error::ModelError::Candle(candle_core::Error::Msg(
+                format!("cuProfiler{}: {r:?}", if on { "Start" } else { "Stop" }),
+            )));
         }
     }
     #[cfg(not(feature = "cuda"))]
