@@ -910,12 +910,9 @@ impl<'a> Generator<'a> {
         if !running.is_empty() && !advanced {
             let seqs: Vec<&SequenceBlocks> = running.iter().map(|r| &r.seq).collect();
             let shifts = row_shifts(running);
-            let logits = match graph {
-                Some(g) => self
-                    .model
-                    .decode_paged_with(g, &seqs, &shifts, 0, None, true, cache)?,
-                None => self.model.decode_paged(&seqs, &shifts, cache)?,
-            };
+            let logits = self
+                .model
+                .decode_paged_step(graph, &seqs, &shifts, 0, None, true, cache)?;
             parts.push(logits);
             stats.decode_steps += 1;
         }
@@ -1084,26 +1081,18 @@ impl<'a> Generator<'a> {
         let mut last_logits: Option<Tensor> = None;
         for ahead in 0..steps {
             // No step reads the host: the last step's logits are checked after the read.
-            let logits = match graph.as_deref_mut() {
-                Some(g) => self.model.decode_paged_with(
-                    g,
+            let logits = self
+                .model
+                .decode_paged_step(
+                    graph.as_deref_mut(),
                     &seqs,
                     &shifts,
                     ahead,
                     ids.as_ref(),
                     false,
                     cache,
-                )?,
-                None => self.model.decode_paged_ahead(
-                    &seqs,
-                    &shifts,
-                    ahead,
-                    ids.as_ref(),
-                    false,
-                    cache,
-                )?,
-            }
-            .squeeze(1)?;
+                )?
+                .squeeze(1)?;
             let params: Vec<crate::ops::RowSampling> = running
                 .iter()
                 .map(|r| r.row.sampling.row((r.row.generated.len() + ahead) as u32))

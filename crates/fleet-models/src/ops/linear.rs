@@ -303,6 +303,21 @@ mod cuda {
 mod tests {
     use super::*;
 
+    /// The largest |a - b| over all elements, in f32.
+    pub(super) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        (f(a) - f(b))
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
     pub(super) fn randn(shape: &[usize], seed: u64) -> Tensor {
         let n: usize = shape.iter().product();
         // A small LCG: the same values every run, no RNG state shared between tests.
@@ -328,16 +343,7 @@ mod tests {
             let (x, w) = (randn(&[m, k], 1), randn(&[n, k], 2));
             let got = gemv(&x, &w).unwrap();
             let want = x.matmul(&w.t().unwrap()).unwrap();
-            let diff: f32 = (got - want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
+            let diff = max_abs_diff(&got, &want);
             assert!(diff < 1e-4 * (k as f32).sqrt(), "m {m} n {n} k {k}: {diff}");
         }
     }
@@ -421,17 +427,7 @@ mod kernel_tests {
                 let want = layer.forward(&x).unwrap();
                 let got = linear(&layer, &x).unwrap();
                 assert_eq!(want.dims(), got.dims());
-                let diff: f32 = (want.to_dtype(DType::F32).unwrap()
-                    - got.to_dtype(DType::F32).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
+                let diff = super::tests::max_abs_diff(&want, &got);
                 println!("linear {dtype:?} {shape:?}: max |candle - in place| = {diff}");
                 assert_eq!(diff, 0.0, "the bias add rounds differently");
             }

@@ -400,6 +400,25 @@ impl QwenModel {
         Ok(logits)
     }
 
+    /// A decode step through `graph`'s buffers ([`QwenModel::decode_paged_with`]) when there
+    /// is one, else the plain step ([`QwenModel::decode_paged_ahead`]): the same tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_paged_step(
+        &self,
+        graph: Option<&mut DecodeGraph>,
+        seqs: &[&SequenceBlocks],
+        shifts: &[i64],
+        ahead: usize,
+        ids: Option<&Tensor>,
+        check_logits: bool,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        match graph {
+            Some(g) => self.decode_paged_with(g, seqs, shifts, ahead, ids, check_logits, cache),
+            None => self.decode_paged_ahead(seqs, shifts, ahead, ids, check_logits, cache),
+        }
+    }
+
     /// The step itself, from `graph`'s buffers only (no host data: what the capture records).
     fn decode_step_on(&self, graph: &DecodeGraph, cache: &mut KvCache) -> Result<Tensor> {
         let (loc, tables) = &self.rope[0];
