@@ -106,30 +106,16 @@ fn refilled_paged_batches_give_the_lock_step_tokens() {
     }
 }
 
-/// A random-weight Qwen2 of head_dim 64 with groups of 7 query heads (Qwen2.5-7B's), which
-/// the paged decode kernel takes (the fixtures' head_dim 16 takes the reference path).
+#[path = "common/kernel_shaped.rs"]
+mod kernel_shaped;
+
+/// [`kernel_shaped::model`] all on `device`.
 fn kernel_shaped_model(device: &candle_core::Device) -> fleet_models::QwenModel {
-    let cfg = fleet_models::QwenConfig::from_json(
-        r#"{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 448,
-            "intermediate_size": 256, "num_attention_heads": 7, "num_key_value_heads": 1,
-            "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 512,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
-            "hidden_act": "silu"}"#,
-        Path::new("kernel_shaped.json"),
-    )
-    .unwrap();
     let location = match device {
         candle_core::Device::Cuda(_) => fleet_models::DeviceLocation::Cuda(0),
         _ => fleet_models::DeviceLocation::Cpu,
     };
-    let map = fleet_models::DeviceMap::single(location, cfg.num_hidden_layers);
-    fleet_models::QwenModel::new(
-        &cfg,
-        &fleet_models::Weights::Random { seed: 3 },
-        fleet_models::DType::F32,
-        &map,
-    )
-    .unwrap()
+    kernel_shaped::model(|layers| fleet_models::DeviceMap::single(location, layers))
 }
 
 #[test]

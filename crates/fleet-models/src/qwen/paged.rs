@@ -3,13 +3,13 @@
 //! the calls continuous batching and shared-prefix reuse are made of (see
 //! [`crate::kv_blocks`] for the blocks, [`crate::generation`] for the loop).
 
-#[cfg(feature = "cuda")]
-use candle_core::Device;
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+use fleet_topology::DeviceLocation;
 
 use super::{
-    DeviceInputs, LayerInputs, PagedCall, PagedCallRead, PagedInputs, PagedRead, Positions,
-    QwenModel,
+    run_layers, DeviceInputs, LayerInputs, PagedCall, PagedCallRead, PagedInputs, PagedRead, Plain,
+    Positions, QwenModel, Stream,
 };
 use crate::error::{ModelError, Result};
 use crate::kv_blocks::SequenceBlocks;
@@ -234,20 +234,35 @@ impl QwenModel {
 }
 
 /// A decode step of up to `batch` sequences whose inputs live in device memory at fixed
-/// addresses — token ids, positions, slots, block tables and lengths — so that the step can be
-/// captured once as a CUDA graph and replayed: one launch instead of hundreds, and no host work
-/// inside the step. The host writes the next step's inputs into these buffers (a few small
-/// copies) and replays; rows past the live ones are inactive (length 0: attention reads nothing
-/// and yields zeros, their slot `u32::MAX` writes nothing) and their logits are ignored.
+/// addresses — token ids, positions, slots, block tables and lengths, a copy on every device
+/// that holds layers — so that the step can be captured as CUDA graphs and replayed: one launch
+/// per device segment instead of hundreds, and no host work inside the step. The host writes
+/// the next step's inputs into these buffers (a few small copies) and replays; rows past the
+/// live ones are inactive (length 0: attention reads nothing and yields zeros, their slot
+/// `u32::MAX` writes nothing) and their logits are ignored.
 ///
-/// On the CPU, or where capture is not possible (a model over several devices, a shape the
-/// paged kernel does not take), the same buffers drive the plain step: the same kernels in the
-/// same order, so the tokens are the same with and without the graph.
+/// A model over several devices (layer sharding, logical devices) has one segment per run of
+/// layers on one device — the embedding joins the first, the head the last, each its own
+/// segment where it sits on another device — and one graph per segment; between segments the
+/// stream is copied through [`crate::device::transfer`] into the next segment's input buffers,
+/// outside the graphs. On the CPU, or where capture is not possible (a shape the paged kernel
+/// does not take), the same buffers drive the plain step: the same kernels in the same order,
+/// so the tokens are the same with and without the graphs.
 pub struct DecodeGraph {
     batch: usize,
     max_blocks: usize,
-    /// `[batch, 1]` u32: each row's last token.
+    /// `[batch, 1]` u32 on the embedding's device: each row's last token.
     ids: Tensor,
+    /// The step's inputs on each device that holds layers.
+    inputs: Vec<StepBuffers>,
+    segments: Vec<Segment>,
+    /// `[batch, 1, vocab]` f32 on the head's device, written by each step.
+    logits: Tensor,
+}
+
+/// A decode step's inputs on one device ([`DecodeGraph`]).
+struct StepBuffers {
+    location: DeviceLocation,
     /// `[batch]` u32: each row's position (its length - 1).
     positions: Tensor,
     /// `[batch]` u32: where each row's new keys and values go.
@@ -258,8 +273,21 @@ pub struct DecodeGraph {
     seq_lens: Tensor,
     /// `[batch]` u32 zeros: paged rows have no left padding.
     pad: Tensor,
-    /// `[batch, 1, vocab]` f32, written by each step.
-    logits: Tensor,
+}
+
+/// The layers a [`DecodeGraph`] runs on one device, with the stream's buffers at its ends.
+struct Segment {
+    location: DeviceLocation,
+    device: Device,
+    layers: std::ops::Range<usize>,
+    /// Whether it starts with the embedding (the first) and ends with the head (the last).
+    embed: bool,
+    head: bool,
+    /// The stream entering it (`x`, and the last layer's pending MLP output when a layer ran
+    /// before), `[batch, 1, hidden]` on its device; none for the first.
+    input: Option<(Tensor, Option<Tensor>)>,
+    /// The stream leaving it, written by the segment; none for the last (it writes logits).
+    output: Option<(Tensor, Option<Tensor>)>,
     #[cfg(feature = "cuda")]
     graph: Option<candle_core::cuda_backend::cudarc::driver::CudaGraph>,
 }
@@ -270,35 +298,66 @@ impl DecodeGraph {
         self.batch
     }
 
-    /// Whether the step replays a captured CUDA graph (else it runs op by op).
+    /// Device segments the step runs (one per run of layers on one device).
+    pub fn segments(&self) -> usize {
+        self.segments.len()
+    }
+
+    /// Whether the step replays captured CUDA graphs (else it runs op by op).
     pub fn is_captured(&self) -> bool {
         #[cfg(feature = "cuda")]
-        return self.graph.is_some();
+        return self.segments.iter().all(|s| s.graph.is_some());
         #[cfg(not(feature = "cuda"))]
         false
     }
 }
 
 impl QwenModel {
-    /// Whether a decode step of this model can be captured as one CUDA graph: every part on
-    /// one CUDA device, and attention shapes the paged kernel takes.
+    /// Whether a decode step of this model can be captured as CUDA graphs: every device it
+    /// uses is a CUDA device, and the attention shape is one the paged kernel takes.
     pub fn decode_graph_supported(&self, block_size: usize) -> bool {
-        let dev = self.input_device();
-        dev.is_cuda()
-            && self.rope.len() == 1
-            && self.output_device().same_device(dev)
-            && crate::ops::paged_decode_supported(
-                self.cfg.head_dim(),
-                self.cfg.num_attention_heads / self.cfg.num_kv_heads().max(1),
-                block_size,
-            )
+        let cuda = self.input_device().is_cuda()
+            && self.output_device().is_cuda()
+            && self
+                .layers
+                .iter()
+                .all(|l| self.devices.get(l.location).is_cuda());
+        cuda && crate::ops::paged_decode_supported(
+            self.cfg.head_dim(),
+            self.cfg.num_attention_heads / self.cfg.num_kv_heads().max(1),
+            block_size,
+        )
+    }
+
+    /// The step's device segments: runs of layers on one device, the embedding and the head
+    /// joining the first and the last when they share its device.
+    fn decode_segments(&self) -> Vec<(DeviceLocation, std::ops::Range<usize>)> {
+        let mut runs: Vec<(DeviceLocation, std::ops::Range<usize>)> = Vec::new();
+        if self
+            .layers
+            .first()
+            .is_none_or(|l| l.location != self.map.embed)
+        {
+            runs.push((self.map.embed, 0..0));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            match runs.last_mut() {
+                Some((loc, r)) if *loc == l.location => r.end = i + 1,
+                _ => runs.push((l.location, i..i + 1)),
+            }
+        }
+        if runs.last().is_none_or(|(loc, _)| *loc != self.map.head) {
+            let n = self.layers.len();
+            runs.push((self.map.head, n..n));
+        }
+        runs
     }
 
     /// The fixed-address buffers of a decode step of up to `batch` rows with block tables of
-    /// `max_blocks`, on the model's device, captured as a CUDA graph when `capture` and
-    /// [`QwenModel::decode_graph_supported`] (after two plain warm-up steps, which load the
-    /// kernels and let cuBLAS take its workspace). Writes nothing into the cache (every row
-    /// inactive).
+    /// `max_blocks`, on the model's devices, each segment captured as a CUDA graph when
+    /// `capture` and [`QwenModel::decode_graph_supported`] (after two plain warm-up steps,
+    /// which load the kernels and let cuBLAS take its workspace). Writes nothing into the
+    /// cache (every row inactive).
     pub fn decode_graph(
         &self,
         batch: usize,
@@ -306,40 +365,91 @@ impl QwenModel {
         cache: &mut KvCache,
         capture: bool,
     ) -> Result<DecodeGraph> {
-        let dev = self.input_device().clone();
         let bs = paged_block_size(cache)?;
-        let u32s = |n: usize, v: u32| Tensor::full(v, n, &dev);
+        let hidden = self.cfg.hidden_size;
+        let inputs = self
+            .rope
+            .iter()
+            .map(|(loc, _)| {
+                let dev = self.devices.get(*loc);
+                let u32s = |v: u32| Tensor::full(v, batch, dev);
+                Ok(StepBuffers {
+                    location: *loc,
+                    positions: u32s(0)?,
+                    slots: u32s(u32::MAX)?,
+                    tables: Tensor::zeros((batch, max_blocks), DType::U32, dev)?,
+                    seq_lens: u32s(0)?,
+                    pad: u32s(0)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let runs = self.decode_segments();
+        let last = runs.len() - 1;
+        let stream = |dev: &Device, pending: bool| -> Result<(Tensor, Option<Tensor>)> {
+            let t = || Tensor::zeros((batch, 1, hidden), self.dtype, dev);
+            Ok((t()?, if pending { Some(t()?) } else { None }))
+        };
+        let mut segments = Vec::with_capacity(runs.len());
+        for (k, (loc, layers)) in runs.into_iter().enumerate() {
+            let device = self.devices.get(loc).clone();
+            // A stream has a pending MLP output once a layer ran before it.
+            let input = match k {
+                0 => None,
+                _ => Some(stream(&device, layers.start > 0)?),
+            };
+            let output = match k == last {
+                true => None,
+                false => Some(stream(&device, layers.end > 0)?),
+            };
+            segments.push(Segment {
+                location: loc,
+                device,
+                layers,
+                embed: k == 0,
+                head: k == last,
+                input,
+                output,
+                #[cfg(feature = "cuda")]
+                graph: None,
+            });
+        }
         #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
         let mut graph = DecodeGraph {
             batch,
             max_blocks,
-            ids: Tensor::zeros((batch, 1), DType::U32, &dev)?,
-            positions: u32s(batch, 0)?,
-            slots: u32s(batch, u32::MAX)?,
-            tables: Tensor::zeros((batch, max_blocks), DType::U32, &dev)?,
-            seq_lens: u32s(batch, 0)?,
-            pad: u32s(batch, 0)?,
-            logits: Tensor::zeros((batch, 1, self.cfg.vocab_size), DType::F32, &dev)?,
-            #[cfg(feature = "cuda")]
-            graph: None,
+            ids: Tensor::zeros((batch, 1), DType::U32, self.input_device())?,
+            inputs,
+            segments,
+            logits: Tensor::zeros(
+                (batch, 1, self.cfg.vocab_size),
+                DType::F32,
+                self.output_device(),
+            )?,
         };
         if capture && self.decode_graph_supported(bs) {
             #[cfg(feature = "cuda")]
             {
                 // candle uploads some kernels' shapes and strides from the host; a captured
                 // copy would read that host memory again at every replay, long after it was
-                // freed. With candle's capture cache on, the warm-up steps keep those uploads
-                // on the device and the capture reuses them (it fails on any it has not seen).
-                let Device::Cuda(cuda) = &dev else {
-                    unreachable!("decode_graph_supported checks the device")
+                // freed. With candle's capture cache on (a per-thread switch), the warm-up
+                // steps keep those uploads on the device and the capture reuses them (it
+                // fails on any it has not seen).
+                let Device::Cuda(cuda) = self.input_device() else {
+                    unreachable!("decode_graph_supported checks the devices")
                 };
                 let _uploads = cuda.enable_cuda_graph_htod_cache();
                 for _ in 0..2 {
-                    let out = self.decode_step_on(&graph, cache)?;
-                    graph.logits.slice_set(&out, 0, 0)?;
+                    for k in 0..graph.segments.len() {
+                        self.run_segment(&mut graph, k, cache)?;
+                    }
                 }
-                dev.synchronize()?;
-                graph.graph = Some(self.capture_decode_step(&graph, cache)?);
+                for s in &graph.segments {
+                    s.device.synchronize()?;
+                }
+                for k in 0..graph.segments.len() {
+                    let g = self.capture_segment(&graph, k, cache)?;
+                    graph.segments[k].graph = Some(g);
+                }
             }
         }
         Ok(graph)
@@ -370,19 +480,8 @@ impl QwenModel {
             // The tokens drawn by the step before, copied on the device into the graph's input.
             graph.ids.slice_set(ids, 0, 0)?;
         }
-        #[cfg(feature = "cuda")]
-        let launched = match &graph.graph {
-            Some(g) => {
-                g.launch().map_err(cuda_err)?;
-                true
-            }
-            None => false,
-        };
-        #[cfg(not(feature = "cuda"))]
-        let launched = false;
-        if !launched {
-            let out = self.decode_step_on(graph, cache)?;
-            graph.logits.slice_set(&out, 0, 0)?;
+        for k in 0..graph.segments.len() {
+            self.run_segment(graph, k, cache)?;
         }
         let logits = graph.logits.narrow(0, 0, n)?;
         if check_logits {
@@ -419,49 +518,116 @@ impl QwenModel {
         }
     }
 
-    /// The step itself, from `graph`'s buffers only (no host data: what the capture records).
-    fn decode_step_on(&self, graph: &DecodeGraph, cache: &mut KvCache) -> Result<Tensor> {
-        let (loc, tables) = &self.rope[0];
-        let x = self.embed.forward(&graph.ids)?;
-        let inputs = LayerInputs(vec![(
-            *loc,
-            DeviceInputs {
-                rope: tables.rows_at(&graph.positions, graph.batch, 1)?,
-                pad: graph.pad.clone(),
-                paged: Some(PagedInputs {
-                    slots: graph.slots.clone(),
-                    read: PagedRead::Decode {
-                        block_tables: graph.tables.clone(),
-                        seq_lens: graph.seq_lens.clone(),
-                    },
-                }),
-            },
-        )]);
-        self.decoder_and_head(x, &inputs, cache, true, None)
+    /// Segment `k` of the step: its input copied in from the segment before (through
+    /// [`crate::device::transfer`]), then its graph replayed, or its ops run.
+    fn run_segment(&self, graph: &mut DecodeGraph, k: usize, cache: &mut KvCache) -> Result<()> {
+        if k > 0 {
+            let (prev, rest) = graph.segments.split_at_mut(k);
+            let from = prev[k - 1]
+                .output
+                .as_ref()
+                .expect("a segment before the last");
+            let to = rest[0].input.as_ref().expect("a segment after the first");
+            let dev = &rest[0].device;
+            to.0.slice_set(&crate::device::transfer(&from.0, dev)?, 0, 0)?;
+            if let (Some(p), Some(q)) = (&from.1, &to.1) {
+                q.slice_set(&crate::device::transfer(p, dev)?, 0, 0)?;
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &graph.segments[k].graph {
+            return g.launch().map_err(cuda_err);
+        }
+        self.segment_on(graph, k, cache)
     }
 
-    /// Records one step on the device's stream (thread-local capture: other replicas' threads
-    /// keep running) into a graph whose output is `graph.logits`. Every tensor the step makes
-    /// is dropped inside the capture, so the graph frees what it allocates.
+    /// Segment `k` itself, from the graph's buffers only (no host data: what a capture
+    /// records): the embedding of `ids` or the input stream, its layers, then the head into
+    /// `logits` or the stream into its output buffers.
+    fn segment_on(&self, graph: &DecodeGraph, k: usize, cache: &mut KvCache) -> Result<()> {
+        let seg = &graph.segments[k];
+        let mut stream = match &seg.input {
+            _ if seg.embed => Stream::new(self.embed.forward(&graph.ids)?),
+            Some((x, pending)) => Stream {
+                x: x.clone(),
+                pending: pending.clone(),
+            },
+            None => unreachable!("only the first segment has no input"),
+        };
+        if !seg.layers.is_empty() {
+            // The inputs of this segment's device only: a capture records one stream.
+            let inputs = LayerInputs(
+                self.rope
+                    .iter()
+                    .zip(&graph.inputs)
+                    .filter(|((loc, _), _)| *loc == seg.location)
+                    .map(|((loc, tables), b)| {
+                        debug_assert_eq!(*loc, b.location);
+                        Ok((
+                            *loc,
+                            DeviceInputs {
+                                rope: tables.rows_at(&b.positions, graph.batch, 1)?,
+                                pad: b.pad.clone(),
+                                paged: Some(PagedInputs {
+                                    slots: b.slots.clone(),
+                                    read: PagedRead::Decode {
+                                        block_tables: b.tables.clone(),
+                                        seq_lens: b.seq_lens.clone(),
+                                    },
+                                }),
+                            },
+                        ))
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            );
+            stream = run_layers(
+                seg.layers.clone(),
+                |i| Ok(&self.layers[i]),
+                &self.devices,
+                &inputs,
+                Some(cache),
+                &mut Plain,
+                stream,
+            )?;
+        }
+        if seg.head {
+            let x = match &stream.pending {
+                Some(p) => self.norm.add_forward(&stream.x, p)?.1,
+                None => self.norm.forward(&stream.x)?,
+            };
+            let logits = crate::ops::linear(&self.lm_head, &x)?.to_dtype(DType::F32)?;
+            return Ok(graph.logits.slice_set(&logits, 0, 0)?);
+        }
+        let (x, pending) = seg.output.as_ref().expect("a segment before the last");
+        x.slice_set(&stream.x, 0, 0)?;
+        if let (Some(buf), Some(p)) = (pending, &stream.pending) {
+            buf.slice_set(p, 0, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Records segment `k` on its device's stream (thread-local capture: other replicas'
+    /// threads keep running) into a graph that writes its output buffers (or the logits).
+    /// Every tensor the segment makes is dropped inside the capture, so the graph frees what
+    /// it allocates.
     #[cfg(feature = "cuda")]
-    fn capture_decode_step(
+    fn capture_segment(
         &self,
         graph: &DecodeGraph,
+        k: usize,
         cache: &mut KvCache,
     ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaGraph> {
         use candle_core::cuda_backend::cudarc::driver::sys;
-        let Device::Cuda(cuda) = self.input_device() else {
+        let Device::Cuda(cuda) = &graph.segments[k].device else {
             return Err(ModelError::BadInput(
-                "a decode graph needs a CUDA device".into(),
+                "a decode graph needs CUDA devices".into(),
             ));
         };
         let stream = cuda.cuda_stream();
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cuda_err)?;
-        let recorded = self
-            .decode_step_on(graph, cache)
-            .and_then(|out| Ok(graph.logits.slice_set(&out, 0, 0)?));
+        let recorded = self.segment_on(graph, k, cache);
         // End the capture whatever happened: a stream left capturing fails every later call.
         let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
         recorded?;
@@ -493,18 +659,21 @@ impl StepInputs {
         }
     }
 
-    /// Into the graph's buffers, in place (their addresses are what the graph reads).
+    /// Into the graph's buffers on every device, in place (their addresses are what the
+    /// graphs read).
     fn write(&self, g: &DecodeGraph) -> Result<()> {
-        let dev = g.ids.device();
         let put = |dst: &Tensor, src: &[u32]| -> Result<()> {
-            let t = Tensor::from_slice(src, dst.shape(), dev)?;
+            let t = Tensor::from_slice(src, dst.shape(), dst.device())?;
             Ok(dst.slice_set(&t, 0, 0)?)
         };
         put(&g.ids, &self.ids)?;
-        put(&g.positions, &self.positions)?;
-        put(&g.slots, &self.slots)?;
-        put(&g.tables, &self.tables)?;
-        put(&g.seq_lens, &self.seq_lens)
+        for b in &g.inputs {
+            put(&b.positions, &self.positions)?;
+            put(&b.slots, &self.slots)?;
+            put(&b.tables, &self.tables)?;
+            put(&b.seq_lens, &self.seq_lens)?;
+        }
+        Ok(())
     }
 }
 
