@@ -808,6 +808,16 @@ fn half_precision_forward_rounds_as_transformers() {
             assert_rounding_matches(&name, &k, &lo(&rope_ref(&part(h, kvh), &c32, &s32)));
             assert_rounding_matches(&name, &v, &lo(&part(h + kvh, kvh)));
 
+            // qkv_rope with f32 tables (the vision tower, as apply_rotary_pos_emb_vision):
+            // the tables unrounded, the rotation in f32 from the dtype's inputs, one rounding.
+            let (c32, s32) = (f32_(cos), f32_(sin));
+            let cs32 = Tensor::cat(&[&c32, &s32], D::Minus1).unwrap();
+            let (q, k, v) = ops::qkv_rope(&qkv, &bias, &cs32, (h, kvh), d).unwrap();
+            let name = format!("qkv_rope, f32 tables ({what})");
+            assert_rounding_matches(&name, &q, &lo(&rope_ref(&part(0, h), &c32, &s32)));
+            assert_rounding_matches(&name, &k, &lo(&rope_ref(&part(h, kvh), &c32, &s32)));
+            assert_rounding_matches(&name, &v, &lo(&part(h + kvh, kvh)));
+
             // qk_norm_rope (Qwen3): bias add in the dtype, per-head norm as Qwen3RMSNorm,
             // RoPE products and sum in the dtype with the tables cast to it.
             let qw = lo(&rng.tensor(&[d], 1.0, 0.3));
@@ -1128,6 +1138,44 @@ fn head_kernels_match_cpu() {
             } else {
                 assert_rounding_matches(&format!("logp_grad T={t}"), &got, &want);
             }
+        }
+    }
+}
+
+/// qkv_rope with f32 tables on half-precision inputs (the vision tower's shape: head_dim 72,
+/// 36 threads a head) on the GPU against its CPU twin.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_qkv_rope_with_f32_tables_matches_its_twin() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cuda_qkv_rope_with_f32_tables_matches_its_twin: no CUDA device ({e})");
+            return;
+        }
+    };
+    let mut rng = Rng(13);
+    let (t, heads, d) = (37, 4, 72);
+    let w = 3 * heads * d;
+    let ((cos, sin), _) = per_row_and_shared(&[0], t, d);
+    let cs = Tensor::cat(&[&cos.get(0).unwrap(), &sin.get(0).unwrap()], D::Minus1).unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        let qkv = rng.tensor(&[1, t, w], 0.0, 2.0).to_dtype(dtype).unwrap();
+        let bias = Tensor::zeros(w, dtype, &Device::Cpu).unwrap();
+        let run = |dev: &Device| {
+            let (q, k, v) = ops::qkv_rope(
+                &qkv.to_device(dev).unwrap(),
+                &bias.to_device(dev).unwrap(),
+                &cs.to_device(dev).unwrap(),
+                (heads, heads),
+                d,
+            )
+            .unwrap();
+            [q, k, v].map(|x| x.to_device(&Device::Cpu).unwrap())
+        };
+        let (want, got) = (run(&Device::Cpu), run(&gpu));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_rounding_matches(&format!("qkv_rope f32 tables, output {i}"), g, w);
         }
     }
 }

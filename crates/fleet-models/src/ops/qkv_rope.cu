@@ -5,10 +5,11 @@
 // Splits the fused q/k/v projection [b, t, (h + 2 kvh) * d] into head-major q [b, h, t, d],
 // k and v [b, kvh, t, d] (consecutive regions of `out`), adding the projection bias and
 // rotating q and k with RoPE (rotate-half convention, math in f32, one rounding). `cs` holds
-// cos then sin for each position: [t, d], or [b, t, d] when `per_row`. One block per
+// cos then sin for each position: [t, d], or [b, t, d] when `per_row`, in T (the text model's
+// tables) or f32 (C = float: the vision tower's, as transformers computes them). One block per
 // (token, head), d/2 threads.
-template <typename T>
-__device__ void qkv_rope(const T *x, const T *bias, const T *cs, T *out, int b, int t, int h,
+template <typename T, typename C>
+__device__ void qkv_rope(const T *x, const T *bias, const C *cs, T *out, int b, int t, int h,
                          int kvh, int d, int per_row) {
     const int heads = h + 2 * kvh;
     const int half = d / 2;
@@ -28,7 +29,7 @@ __device__ void qkv_rope(const T *x, const T *bias, const T *cs, T *out, int b, 
         dst[i + half] = from_f<T>(x1);
         return;
     }
-    const T *row = cs + (per_row ? (size_t)tok : (size_t)ti) * d;
+    const C *row = cs + (per_row ? (size_t)tok : (size_t)ti) * d;
     const float c = to_f(row[i]), s = to_f(row[half + i]);
     T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
                     : out + q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d;
@@ -93,7 +94,7 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
     extern "C" __global__ void qkv_rope_##SUFFIX(const T *x, const T *bias, const T *cs,      \
                                                  T *out, int b, int t, int h, int kvh, int d, \
                                                  int per_row) {                               \
-        qkv_rope<T>(x, bias, cs, out, b, t, h, kvh, d, per_row);                              \
+        qkv_rope<T, T>(x, bias, cs, out, b, t, h, kvh, d, per_row);                           \
     }                                                                                         \
     extern "C" __global__ void qk_norm_rope_##SUFFIX(                                         \
         const T *x, const T *bias, const T *cs, const T *qw, const T *kw,                     \
@@ -103,3 +104,14 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
 OPS(float, f32)
 OPS(__half, f16)
 OPS(__nv_bfloat16, bf16)
+
+// qkv_rope with f32 tables on half-precision inputs (the vision tower).
+#define OPS_CS_F32(T, SUFFIX)                                                                    \
+    extern "C" __global__ void qkv_rope_##SUFFIX##_csf32(const T *x, const T *bias,            \
+                                                         const float *cs, T *out, int b,       \
+                                                         int t, int h, int kvh, int d,         \
+                                                         int per_row) {                        \
+        qkv_rope<T, float>(x, bias, cs, out, b, t, h, kvh, d, per_row);                        \
+    }
+OPS_CS_F32(__half, f16)
+OPS_CS_F32(__nv_bfloat16, bf16)

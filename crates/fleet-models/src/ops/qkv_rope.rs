@@ -12,8 +12,9 @@ use crate::error::Result;
 
 /// Splits `qkv` (`[b, t, (h + 2 kvh) * d]`, the projection before its `bias`) into `q`
 /// `[b, h, t, d]`, `k` and `v` `[b, kvh, t, d]`, all contiguous, adding the bias and applying
-/// RoPE to q and k. `cs` holds cos then sin per position: `[t, d]`, or `[b, t, d]` per row.
-/// Gradients flow to `qkv` and `bias`, not to the tables.
+/// RoPE to q and k. `cs` holds cos then sin per position: `[t, d]`, or `[b, t, d]` per row, in
+/// qkv's dtype or in f32 (transformers' vision RoPE: f32 tables, the rotation in f32 rounded
+/// once). Gradients flow to `qkv` and `bias`, not to the tables.
 pub fn qkv_rope(
     qkv: &Tensor,
     bias: &Tensor,
@@ -153,11 +154,11 @@ impl QkvRope {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn cpu<T: Float>(
+    fn cpu<T: Float, C: Float>(
         &self,
         x: &[T],
         bias: &[T],
-        cs: &[T],
+        cs: &[C],
         b: usize,
         t: usize,
         per_row: bool,
@@ -215,8 +216,19 @@ impl CustomOp3 for QkvRope {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (b, t, per_row) = self.dims(l1, l2, l3)?;
-        let out = float_cpu!("qkv_rope", (s1, l1) => x, (s2, l2) => w, (s3, l3) => c;
-            self.cpu(x, w, c, b, t, per_row));
+        let out = match (s1, s2, s3) {
+            // f32 tables on half-precision inputs (the vision tower).
+            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::F32(c)) => {
+                let (x, w, c) = (contiguous(x, l1)?, contiguous(w, l2)?, contiguous(c, l3)?);
+                CpuStorage::BF16(self.cpu(x, w, c, b, t, per_row))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F32(c)) => {
+                let (x, w, c) = (contiguous(x, l1)?, contiguous(w, l2)?, contiguous(c, l3)?);
+                CpuStorage::F16(self.cpu(x, w, c, b, t, per_row))
+            }
+            _ => float_cpu!("qkv_rope", (s1, l1) => x, (s2, l2) => w, (s3, l3) => c;
+                self.cpu(x, w, c, b, t, per_row)),
+        };
         let n = b * t * (self.h + 2 * self.kvh) * self.d;
         Ok((out, Shape::from(n)))
     }
@@ -523,7 +535,7 @@ mod cuda {
         l3: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         #[allow(clippy::too_many_arguments)]
-        fn run<T: CudaDType + DeviceRepr>(
+        fn run<T: CudaDType + DeviceRepr, C: CudaDType + DeviceRepr>(
             op: &super::QkvRope,
             (b, t, per_row): (usize, usize, bool),
             s1: &CudaStorage,
@@ -537,12 +549,18 @@ mod cuda {
             let (x, bias, cs) = (
                 input::<T>(s1, l1)?,
                 input::<T>(s2, l2)?,
-                input::<T>(s3, l3)?,
+                input::<C>(s3, l3)?,
             );
             let heads = op.h + 2 * op.kvh;
             let n = b * t * heads * op.d;
+            // Tables in f32 on half-precision inputs: the `_csf32` kernels.
+            let tables = if s3.dtype() != s1.dtype() {
+                "_csf32"
+            } else {
+                ""
+            };
             let func = dev.get_or_load_custom_func(
-                &format!("qkv_rope_{}", suffix(s1.dtype())?),
+                &format!("qkv_rope_{}{tables}", suffix(s1.dtype())?),
                 MODULE,
                 PTX,
             )?;
@@ -574,11 +592,14 @@ mod cuda {
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
         let n = dims.0 * dims.1 * (op.h + 2 * op.kvh) * op.d;
-        let out = match s1.dtype() {
-            candle_core::DType::F32 => run::<f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
-            candle_core::DType::F16 => run::<f16>(op, dims, s1, l1, s2, l2, s3, l3)?,
-            candle_core::DType::BF16 => run::<bf16>(op, dims, s1, l1, s2, l2, s3, l3)?,
-            other => candle_core::bail!("qkv_rope: unsupported dtype {other:?}"),
+        use candle_core::DType as Dt;
+        let out = match (s1.dtype(), s3.dtype()) {
+            (Dt::F32, Dt::F32) => run::<f32, f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            (Dt::F16, Dt::F16) => run::<f16, f16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            (Dt::BF16, Dt::BF16) => run::<bf16, bf16>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            (Dt::F16, Dt::F32) => run::<f16, f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            (Dt::BF16, Dt::F32) => run::<bf16, f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
+            (x, c) => candle_core::bail!("qkv_rope: inputs {x:?} with tables {c:?}"),
         };
         Ok((out, Shape::from(n)))
     }

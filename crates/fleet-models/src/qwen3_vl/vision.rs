@@ -266,11 +266,11 @@ impl VisionEncoder {
             let pos = self.position_embeddings(grids)?;
             Ok((ops::linear(&self.patch_embed, &x)? + pos)?)
         })?;
-        let (cos, sin) = self.rotary(grids)?;
+        let rope = self.rotary(grids)?;
         let mut x = x;
         let mut deepstack = Vec::with_capacity(self.deepstack.len());
         for (i, block) in self.blocks.iter().enumerate() {
-            x = self.block(block, &x, grids, &cos, &sin)?;
+            x = self.block(block, &x, grids, &rope)?;
             for (_, merger) in self.deepstack.iter().filter(|(at, _)| *at == i) {
                 deepstack.push(profile::time(dev, "vision.merger", || merger.forward(&x))?);
             }
@@ -329,11 +329,13 @@ impl VisionEncoder {
         Ok(sum.expect("four taps").to_dtype(self.dtype)?)
     }
 
-    /// cos/sin `[n, head_dim / 2]` (f32) of every patch: the first half of the angles follow its
-    /// row, the second its column (the rotate-half kernel repeats them for the second half). A table
-    /// of `index * inv_freq` for every row/column index in use is made once on the host and
-    /// gathered on the device.
-    fn rotary(&self, grids: &[[usize; 3]]) -> Result<(Tensor, Tensor)> {
+    /// The RoPE tables of every patch, cos then sin (`[n, head_dim]`, f32, as transformers
+    /// computes them): the first half of each's angles follow the patch's row, the second its
+    /// column (the rotate-half kernel repeats them for the second half of the head); and the
+    /// zero bias that the split + RoPE kernel adds (the projection's bias is added by the
+    /// linear layer, rounded, as transformers adds it). A table of `index * inv_freq` for every
+    /// row/column index in use is made once on the host and gathered on the device.
+    fn rotary(&self, grids: &[[usize; 3]]) -> Result<VisionRope> {
         let m = self.cfg.spatial_merge_size;
         let n: usize = grids.iter().map(|g| g[0] * g[1] * g[2]).sum();
         let side = grids.iter().map(|g| g[1].max(g[2])).max().unwrap_or(0);
@@ -347,18 +349,16 @@ impl VisionEncoder {
         let dev = &self.device;
         let rows = Tensor::from_vec(rows, n, dev)?;
         let cols = Tensor::from_vec(cols, n, dev)?;
-        let gather = |table: Vec<f32>| -> Result<Tensor> {
+        let gather = |table: Vec<f32>| -> Result<[Tensor; 2]> {
             let table = Tensor::from_vec(table, (side, q), dev)?;
-            let half = Tensor::cat(
-                &[
-                    &table.index_select(&rows, 0)?,
-                    &table.index_select(&cols, 0)?,
-                ],
-                1,
-            )?;
-            Ok(half)
+            Ok([table.index_select(&rows, 0)?, table.index_select(&cols, 0)?])
         };
-        Ok((gather(cos_t)?, gather(sin_t)?))
+        let ([cr, cc], [sr, sc]) = (gather(cos_t)?, gather(sin_t)?);
+        let width = 3 * self.cfg.num_heads * self.cfg.head_dim();
+        Ok(VisionRope {
+            cs: Tensor::cat(&[cr, cc, sr, sc], 1)?,
+            zero_bias: Tensor::zeros(width, self.dtype, dev)?,
+        })
     }
 
     fn block(
@@ -366,12 +366,11 @@ impl VisionEncoder {
         block: &Block,
         x: &Tensor,
         grids: &[[usize; 3]],
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: &VisionRope,
     ) -> Result<Tensor> {
         let dev = x.device();
         let h = profile::time(dev, "vision.norm", || block.norm1.forward(x))?;
-        let attn = self.attention(block, &h, grids, cos, sin)?;
+        let attn = self.attention(block, &h, grids, rope)?;
         let attn = profile::time(dev, "vision.proj", || ops::linear(&block.proj, &attn))?;
         let x = (x + attn)?;
         let mlp = profile::time(dev, "vision.mlp", || {
@@ -390,31 +389,25 @@ impl VisionEncoder {
         block: &Block,
         x: &Tensor,
         grids: &[[usize; 3]],
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: &VisionRope,
     ) -> Result<Tensor> {
         let (n, hidden) = x.dims2()?;
         let heads = self.cfg.num_heads;
         let hd = self.cfg.head_dim();
         let dev = x.device();
-        let qkv = profile::time(dev, "vision.qkv", || {
-            Ok(ops::linear(&block.qkv, x)?.reshape((n, 3, heads, hd))?)
+        let qkv = profile::time(dev, "vision.qkv", || ops::linear(&block.qkv, x))?;
+        // The split into head-major q, k, v `[1, heads, n, hd]` with RoPE on q and k in one
+        // kernel: in f32 from the rounded projection, rounded once, as transformers'
+        // apply_rotary_pos_emb_vision (f32 tables; the bias is zero here, added above).
+        let (q, k, v) = profile::time(dev, "vision.rope", || {
+            ops::qkv_rope(
+                &qkv.reshape((1, n, 3 * heads * hd))?,
+                &rope.zero_bias,
+                &rope.cs,
+                (heads, heads),
+                hd,
+            )
         })?;
-        // RoPE on q and k in f32, cast back, as transformers' apply_rotary_pos_emb_vision.
-        // candle's rotate-half RoPE kernel on the token-major `[1, n, heads, hd]` layout, in f32
-        // (the cast makes the strided view contiguous; no transposes).
-        let rope = |t: Tensor| -> Result<Tensor> {
-            let t32 = t.to_dtype(DType::F32)?.contiguous()?.unsqueeze(0)?;
-            let r = candle_nn::rotary_emb::rope_thd(&t32, cos, sin)?;
-            Ok(r.squeeze(0)?.to_dtype(self.dtype)?)
-        };
-        let (q, k) = profile::time(dev, "vision.rope", || {
-            Ok((
-                rope(qkv.narrow(1, 0, 1)?.squeeze(1)?)?, // [n, heads, hd]
-                rope(qkv.narrow(1, 1, 1)?.squeeze(1)?)?,
-            ))
-        })?;
-        let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
         let scale = (hd as f64).powf(-0.5);
         // Each image (each frame of `t`) is its own segment: `[1, heads, len, hd]` views, the
         // fused kernel where it runs, else queries in chunks within `scores_bytes`.
@@ -424,7 +417,7 @@ impl VisionEncoder {
             for &[t, gh, gw] in grids {
                 let len = gh * gw;
                 for _ in 0..t {
-                    let seg = |z: &Tensor| z.narrow(0, start, len)?.unsqueeze(0)?.transpose(1, 2);
+                    let seg = |z: &Tensor| z.narrow(2, start, len);
                     let o = attention::attend(
                         &seg(&q)?,
                         &seg(&k)?,
@@ -447,6 +440,14 @@ impl VisionEncoder {
         })?;
         Ok(out)
     }
+}
+
+/// The vision tower's RoPE inputs for one forward ([`VisionEncoder::rotary`]).
+struct VisionRope {
+    /// `[n, head_dim]` f32: cos then sin of every patch.
+    cs: Tensor,
+    /// `[3 * heads * head_dim]` zeros in the model dtype.
+    zero_bias: Tensor,
 }
 
 /// Every patch's (row, column) and its image's grid, in the order the patches come: per image
