@@ -2,7 +2,8 @@
 # Issue 26 on one GPU: decode on the paged KV cache (continuous batching) against the static
 # left-padded batch and transformers, in one call, at the same batches.
 #
-# Carried: dist/carry/fleet.xz (scripts/cuda/build.sh -p fleet, stripped, xz).
+# Carried: dist/carry/fleet.xz (scripts/cuda/build.sh -p fleet, stripped, xz); the graphs and
+# sanitize parts also dist/carry/paged-tests.tar.xz (both built by scripts/gpu/build_paged_tests.sh).
 #   PART=speed    7B shape (configs/models/qwen2.5-7b.json, random bf16 weights), prompt 512,
 #                 128 new tokens, batches $BATCHES: fleet static, fleet continuous (reading
 #                 tokens every step, and every 8), transformers
@@ -46,10 +47,22 @@ case "$PART" in
       timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_$t.txt" 2>&1
       echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_$t.txt"
     done
-    # The crate's own kernel tests (the library's unit tests): the GEMV and the linear layer.
+    # The crate's own kernel tests (the library's unit tests): the GEMV and the linear layer;
+    # the CUDA ops against their twins; decode graphs on two logical devices (a binary of its
+    # own: the logical mapping is process-wide).
     echo "== fleet_models kernel_tests (linear)"
     timeout 120 "$T/fleet_models" --test-threads 1 ops::linear > "$OUT/test_lib.txt" 2>&1
     echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_lib.txt"
+    if [ -x "$T/ops_grad" ]; then
+      echo "== ops_grad (cuda)"
+      timeout 120 "$T/ops_grad" --test-threads 1 cuda > "$OUT/test_ops_grad.txt" 2>&1
+      echo "rc $?"; grep -E '^test |test result|panicked|FAILED' "$OUT/test_ops_grad.txt"
+    fi
+    if [ -x "$T/decode_graph_segments" ]; then
+      echo "== decode_graph_segments (two logical devices)"
+      timeout 120 "$T/decode_graph_segments" > "$OUT/test_segments.txt" 2>&1
+      echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_segments.txt"
+    fi
     C=configs/models/qwen2.5-7b.json
     # The reference first, so that a call cut short still has it.
     echo "== transformers"
