@@ -7,8 +7,8 @@
 # kernel.
 #
 # Carried: dist/carry/fleet.xz. SHAPES: shape:batch pairs (default "7b:1 7b:64 0.5b:64").
-# Writes $OUT/ncu_<shape>_b<batch>.csv.xz, $OUT/decode_<shape>_b<batch>.txt (the parsed step)
-# and $OUT/profile.log. Run from the repo root.
+# Writes $OUT/decode_<shape>_b<batch>.txt (the parsed step), $OUT/profile.log and $OUT/ncu.tar
+# (each run's ncu_<shape>_b<batch>.csv.xz and its stderr). Run from the repo root.
 set -u
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -38,4 +38,8 @@ for s in $SHAPES; do
     --steps $((NEW - 3)) | tee "$OUT/decode_$name.txt"
   xz -T8 "$OUT/ncu_$name.csv"
 done
+# A call brings back at most 8 files: the parsed steps stay beside the log, the rest in one
+# archive.
+(cd "$OUT" && tar cf ncu.tar --exclude profile.log --exclude 'decode_*.txt' . \
+  && find . -maxdepth 1 -type f ! -name ncu.tar ! -name profile.log ! -name 'decode_*.txt' -delete)
 echo "== done"

@@ -2,10 +2,11 @@
 # ARGO's speed goal on one GPU: the seed's experiment (hard questions x 4 strategies x 10 c_r
 # points, 7B model) with random Qwen2.5-7B-shaped weights and a real ingested corpus.
 #
-# Carried in dist/carry/: argo-exp.xz (CUDA build) and argo-data.tar.xz holding minilm16/
-# (all-MiniLM-L6-v2 in f16, the embedder the index was built with), argo-index/ (the ingested
-# corpus), benchtok/ (scripts/gpu/make_bench_tokenizer.py's tokenizer) and oran-bench-13k/
-# (fin_H.json). Run from the repo root:
+# Carried in dist/carry/: argo-exp.xz (CUDA build) and argo-data.tar.xz
+# (scripts/gpu/make_argo_data.sh: the corpus, all-MiniLM-L6-v2's shape and tokenizer without
+# its weights, oran-bench-13k/fin_H.json). The first call makes random embedder weights of
+# that shape, the index (argo-exp ingest) and the bench tokenizer, on the GPU machine. Run
+# from the repo root:
 #
 #     N_QUESTIONS=100 bash scripts/gpu/run_argo_speed.sh
 #
@@ -74,6 +75,27 @@ nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 >
 SMI_PID=$!
 cat COMMIT > "$RUN/commit.txt" 2>/dev/null
 {
+  # argo-data from scripts/gpu/make_argo_data.sh carries the corpus and the embedder's shape,
+  # not the embedder's weights (too large to carry beside the code): random weights of that
+  # shape, the index and the bench tokenizer are made here (older archives hold them built).
+  PY="env LD_LIBRARY_PATH=$ORIG_LD_LIBRARY_PATH python3"
+  EMB="$DATA/minilm16"
+  if [ -d "$DATA/minilm-config" ]; then
+    EMB="$DATA/embedder"
+    [ -f "$EMB/model.safetensors" ] || $PY scripts/gpu/make_random_embedder.py \
+        --from "$DATA/minilm-config" --out "$EMB"
+  fi
+  if [ ! -f "$DATA/benchtok/tokenizer.json" ]; then
+    echo "### bench tokenizer $(date -u +%T)"
+    $PY scripts/gpu/make_bench_tokenizer.py --text "$DATA/corpus" \
+        --text "$DATA/oran-bench-13k/fin_H.json" --out "$DATA/benchtok" \
+        --template-from tests/fixtures/qwen2-tiny
+  fi
+  if [ ! -d "$DATA/argo-index" ]; then
+    echo "### ingest $(date -u +%T)"
+    "$BIN" ingest --docs "$DATA/corpus" --index "$DATA/argo-index" --embedder "$EMB" \
+        --embed-device cuda:0
+  fi
   if [ ! -f /tmp/q7b/config.json ]; then
     echo "### make checkpoint $(date -u +%T)"
     env LD_LIBRARY_PATH="$ORIG_LD_LIBRARY_PATH" python3 scripts/gpu/make_random_checkpoint.py \
@@ -84,7 +106,7 @@ cat COMMIT > "$RUN/commit.txt" 2>/dev/null
       --model /tmp/q7b --dtype bf16 --gpu-mode "${GPU_MODE:-single}" \
       --dataset "$DATA/oran-bench-13k" --difficulty hard --n-questions "$N" \
       --strategies "$STRATEGIES" \
-      --index "$DATA/argo-index" --embedder "$DATA/minilm16" --embed-device cuda:0 \
+      --index "$DATA/argo-index" --embedder "$EMB" --embed-device cuda:0 \
       --max-batch "${MAX_BATCH:-128}" --max-in-flight "${MAX_IN_FLIGHT:-1024}" \
       --batching "${BATCHING:-continuous}" --kv-cache-gib "${KV_GIB:-24}" \
       --out "$WORK/real"

@@ -22,7 +22,7 @@
 #                 illegal address), then the sampling kernel against its twin
 #   PART=variable 0.5B shape, $VAR_REQUESTS requests with GSM8K-like reply lengths through 32
 #                 and 64 decode slots, static batches vs continuous — fleet_05b_variable.json
-# Writes $OUT/<part>.log and the JSON reports.
+# Writes $OUT/<part>.log and $OUT/<part>-results.tgz (the JSON reports and test logs).
 set -u
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -132,4 +132,7 @@ case "$PART" in
       --json "$OUT/fleet_05b_variable.json"
     ;;
 esac
+# A call brings back at most 8 files: everything but the log in one archive.
+(cd "$OUT" && tar czf "$PART-results.tgz" --exclude '*.tgz' --exclude "$PART.log" . \
+  && find . -maxdepth 1 -type f ! -name '*.tgz' ! -name "$PART.log" -delete)
 echo "== done"
