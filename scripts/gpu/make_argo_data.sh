@@ -8,7 +8,8 @@
 #                  (argo-exp ingest) and trains the bench tokenizer on the corpus and questions
 #                  (scripts/gpu/make_bench_tokenizer.py)
 #   oran-bench-13k/ the hard questions (fin_H.json) from ../shared/data
-# Run from the repo root after fetching the corpus into dist/argo-data-src/corpus.
+# Run from the repo root after building the corpus into dist/argo-data-src/corpus
+# (scripts/gpu/build_argo_corpus.py, from the repositories scripts/gpu/argo_corpus_repos.txt pins).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SRC=dist/argo-data-src

@@ -45,7 +45,7 @@ impl EmbedderArgs {
 /// `argo-exp ingest`.
 #[derive(Args, Debug)]
 pub struct IngestArgs {
-    /// Directory of .txt, .md and .pdf documents (searched recursively).
+    /// Directory of .txt, .md, .rst and .pdf documents (searched recursively).
     #[arg(long)]
     pub docs: PathBuf,
     /// The index directory (created when missing; new and changed files are added).

@@ -393,7 +393,7 @@ impl VectorIndex {
         })
     }
 
-    /// Ingests the `.txt`, `.md` and `.pdf` files under `docs` (recursively, in sorted order): new
+    /// Ingests the `.txt`, `.md`, `.rst` and `.pdf` files under `docs` (recursively, in sorted order): new
     /// files are chunked and embedded, unchanged ones skipped, changed ones replaced, and files
     /// of the index no longer under `docs` removed — the index mirrors one directory.
     /// `on_file` is called after each file (for a progress bar).
@@ -446,10 +446,11 @@ impl VectorIndex {
                 .and_then(|e| e.to_str())
                 .unwrap_or("")
                 .to_ascii_lowercase();
-            if ext != "txt" && ext != "md" && ext != "pdf" {
+            // reStructuredText and Markdown are read as they are, like plain text.
+            if !matches!(ext.as_str(), "txt" | "md" | "rst" | "pdf") {
                 report
                     .skipped
-                    .push((rel, "not a .txt, .md or .pdf file".into()));
+                    .push((rel, "not a .txt, .md, .rst or .pdf file".into()));
                 continue;
             }
             let bytes = std::fs::read(&path).map_err(|e| IndexError::Io {

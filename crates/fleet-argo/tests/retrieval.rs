@@ -34,7 +34,7 @@ fn minilm_dir() -> Option<PathBuf> {
 const DOCS: [(&str, &str); 5] = [
     ("e2.txt", "The E2 interface connects the near-real-time RAN Intelligent Controller to the E2 nodes, such as O-CU and O-DU, and carries E2 service models for control and monitoring."),
     ("a1.txt", "The A1 interface lets the non-real-time RIC in the service management and orchestration framework send policies and enrichment information to the near-RT RIC."),
-    ("fronthaul.txt", "The open fronthaul between the O-DU and the O-RU uses the 7.2x split, with control, user and synchronization planes and beamforming weights carried in C-plane messages."),
+    ("fronthaul.rst", "The open fronthaul between the O-DU and the O-RU uses the 7.2x split, with control, user and synchronization planes and beamforming weights carried in C-plane messages."),
     ("o1.txt", "O1 is the operations and maintenance interface: the SMO uses it for fault, configuration, performance and software management of O-RAN managed elements."),
     ("cooking.txt", "To bake bread, mix flour, water, salt and yeast, knead the dough, let it rise for an hour and bake it at 230 degrees Celsius."),
 ];
@@ -67,7 +67,7 @@ fn minilm_ranks_the_document_that_answers_first() {
         ("How does the non-RT RIC send policies?", "a1.txt"),
         (
             "What functional split does the open fronthaul use?",
-            "fronthaul.txt",
+            "fronthaul.rst",
         ),
         (
             "Which interface is used for fault and configuration management?",
