@@ -260,9 +260,10 @@ pub struct PagedOptions {
     /// ([`QwenModel::paged_block_bytes`] gives their size).
     pub num_blocks: usize,
     /// Decode through fixed-address step buffers, one per batch bucket, each step captured
-    /// once as CUDA graphs (one per device segment of a sharded model) and replayed, where
-    /// the model allows it ([`QwenModel::decode_graph_supported`]: CUDA devices, a shape the
-    /// paged kernel takes); elsewhere (the CPU) the plain step. The same tokens either way (greedy and
+    /// once as CUDA graphs and replayed, where the model allows it
+    /// ([`QwenModel::decode_graph_supported`]: one CUDA device — several, one graph per device
+    /// segment, with `FLEET_SEGMENT_GRAPHS=1` — and a shape the paged kernel takes); elsewhere
+    /// (the CPU) the plain step. The same tokens either way (greedy and
     /// seeded, tested on the GPU). On in [`PagedOptions::new`] and
     /// [`PagedOptions::for_requests`] unless the environment sets `FLEET_ENFORCE_EAGER=1`
     /// (vLLM's `enforce_eager`), which every job's generation then follows.

@@ -314,19 +314,26 @@ impl DecodeGraph {
 
 impl QwenModel {
     /// Whether a decode step of this model can be captured as CUDA graphs: every device it
-    /// uses is a CUDA device, and the attention shape is one the paged kernel takes.
+    /// uses is a CUDA device, and the attention shape is one the paged kernel takes. A model
+    /// over several devices (one graph per device segment) only with `FLEET_SEGMENT_GRAPHS=1`
+    /// in the environment, until its GPU test (`decode_graph_segments`) has passed on a GPU.
     pub fn decode_graph_supported(&self, block_size: usize) -> bool {
+        static SEGMENTS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let segments =
+            *SEGMENTS.get_or_init(|| std::env::var("FLEET_SEGMENT_GRAPHS").is_ok_and(|v| v == "1"));
         let cuda = self.input_device().is_cuda()
             && self.output_device().is_cuda()
             && self
                 .layers
                 .iter()
                 .all(|l| self.devices.get(l.location).is_cuda());
-        cuda && crate::ops::paged_decode_supported(
-            self.cfg.head_dim(),
-            self.cfg.num_attention_heads / self.cfg.num_kv_heads().max(1),
-            block_size,
-        )
+        let one_device = self.decode_segments().len() == 1;
+        cuda && (one_device || segments)
+            && crate::ops::paged_decode_supported(
+                self.cfg.head_dim(),
+                self.cfg.num_attention_heads / self.cfg.num_kv_heads().max(1),
+                block_size,
+            )
     }
 
     /// The step's device segments: runs of layers on one device, the embedding and the head
