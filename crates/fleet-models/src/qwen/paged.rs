@@ -312,6 +312,29 @@ impl DecodeGraph {
     }
 }
 
+/// Dropping the graphs hands their memory back: a graph's own allocations stay in the
+/// driver's graph memory pool after the graph is destroyed until the pool is trimmed, and what
+/// runs after generation (GSPO's update) must find that memory free.
+#[cfg(feature = "cuda")]
+impl Drop for DecodeGraph {
+    fn drop(&mut self) {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let mut devices = Vec::new();
+        for s in &mut self.segments {
+            if let (Some(graph), Device::Cuda(cuda)) = (s.graph.take(), &s.device) {
+                drop(graph);
+                devices.push(cuda.cuda_stream().context().cu_device());
+            }
+        }
+        devices.dedup();
+        for d in devices {
+            // SAFETY: frees only graph-pool blocks that no executing or scheduled graph
+            // uses; an error leaves the memory cached, which costs nothing but memory.
+            let _ = unsafe { sys::cuDeviceGraphMemTrim(d) };
+        }
+    }
+}
+
 impl QwenModel {
     /// Whether a decode step of this model can be captured as CUDA graphs: every device it
     /// uses is a CUDA device, and the attention shape is one the paged kernel takes. A model
