@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Module, Tensor};
 
-use fleet_topology::DeviceLocation;
+use fleet_topology::{DeviceLocation, DeviceMap};
 
 use super::{
     run_layers, DeviceInputs, LayerInputs, PagedCall, PagedCallRead, PagedInputs, PagedRead, Plain,
@@ -350,37 +350,13 @@ impl QwenModel {
                 .layers
                 .iter()
                 .all(|l| self.devices.get(l.location).is_cuda());
-        let one_device = self.decode_segments().len() == 1;
+        let one_device = decode_segments(&self.map).len() == 1;
         cuda && (one_device || segments)
             && crate::ops::paged_decode_supported(
                 self.cfg.head_dim(),
                 self.cfg.num_attention_heads / self.cfg.num_kv_heads().max(1),
                 block_size,
             )
-    }
-
-    /// The step's device segments: runs of layers on one device, the embedding and the head
-    /// joining the first and the last when they share its device.
-    fn decode_segments(&self) -> Vec<(DeviceLocation, std::ops::Range<usize>)> {
-        let mut runs: Vec<(DeviceLocation, std::ops::Range<usize>)> = Vec::new();
-        if self
-            .layers
-            .first()
-            .is_none_or(|l| l.location != self.map.embed)
-        {
-            runs.push((self.map.embed, 0..0));
-        }
-        for (i, l) in self.layers.iter().enumerate() {
-            match runs.last_mut() {
-                Some((loc, r)) if *loc == l.location => r.end = i + 1,
-                _ => runs.push((l.location, i..i + 1)),
-            }
-        }
-        if runs.last().is_none_or(|(loc, _)| *loc != self.map.head) {
-            let n = self.layers.len();
-            runs.push((self.map.head, n..n));
-        }
-        runs
     }
 
     /// The fixed-address buffers of a decode step of up to `batch` rows with block tables of
@@ -413,7 +389,7 @@ impl QwenModel {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let runs = self.decode_segments();
+        let runs = decode_segments(&self.map);
         let last = runs.len() - 1;
         let stream = |dev: &Device, pending: bool| -> Result<(Tensor, Option<Tensor>)> {
             let t = || Tensor::zeros((batch, 1, hidden), self.dtype, dev);
@@ -669,6 +645,27 @@ impl QwenModel {
     }
 }
 
+/// A decode step's device segments under `map`: runs of layers on one device, the embedding
+/// joining the first and the head the last when they share its device, else each a segment of
+/// its own (no layers).
+fn decode_segments(map: &DeviceMap) -> Vec<(DeviceLocation, std::ops::Range<usize>)> {
+    let mut runs: Vec<(DeviceLocation, std::ops::Range<usize>)> = Vec::new();
+    if map.layers.first() != Some(&map.embed) {
+        runs.push((map.embed, 0..0));
+    }
+    for (i, &loc) in map.layers.iter().enumerate() {
+        match runs.last_mut() {
+            Some((at, r)) if *at == loc => r.end = i + 1,
+            _ => runs.push((loc, i..i + 1)),
+        }
+    }
+    if runs.last().map(|(loc, _)| *loc) != Some(map.head) {
+        let n = map.layers.len();
+        runs.push((map.head, n..n));
+    }
+    runs
+}
+
 /// A decode step's inputs on the host, inactive rows included.
 struct StepInputs {
     ids: Vec<u32>,
@@ -788,5 +785,37 @@ pub(crate) fn paged_prefill_layout(
         pad,
         positions,
         call,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_segments_follow_the_device_map() {
+        let (a, b) = (DeviceLocation::Cuda(0), DeviceLocation::Cuda(1));
+        let map = |embed, layers: &[DeviceLocation], head| DeviceMap {
+            embed,
+            layers: layers.to_vec(),
+            head,
+        };
+        // One device: one segment with the embedding, every layer and the head.
+        assert_eq!(decode_segments(&map(a, &[a, a, a], a)), vec![(a, 0..3)]);
+        // Split layers: the embedding joins the first run, the head the last.
+        assert_eq!(
+            decode_segments(&map(a, &[a, a, b], b)),
+            vec![(a, 0..2), (b, 2..3)]
+        );
+        // The embedding and the head on a device of their own.
+        assert_eq!(
+            decode_segments(&map(a, &[b, b], a)),
+            vec![(a, 0..0), (b, 0..2), (a, 2..2)]
+        );
+        // A device used twice, not contiguously: two segments on it.
+        assert_eq!(
+            decode_segments(&map(a, &[a, b, a], a)),
+            vec![(a, 0..1), (b, 1..2), (a, 2..3)]
+        );
     }
 }
