@@ -246,8 +246,9 @@ impl QwenModel {
 /// segment where it sits on another device — and one graph per segment; between segments the
 /// stream is copied through [`crate::device::transfer`] into the next segment's input buffers,
 /// outside the graphs. On the CPU, or where capture is not possible (a shape the paged kernel
-/// does not take), the same buffers drive the plain step: the same kernels in the same order,
-/// so the tokens are the same with and without the graphs.
+/// does not take, a capture that failed: reported once, not retried), the same buffers drive
+/// the plain step: the same kernels in the same order, so the tokens are the same with and
+/// without the graphs.
 pub struct DecodeGraph {
     batch: usize,
     max_blocks: usize,
@@ -311,6 +312,11 @@ impl DecodeGraph {
         false
     }
 }
+
+/// Set once a decode step's capture failed in this process: later buckets run op by op
+/// without trying again (the failure is reported once).
+#[cfg(feature = "cuda")]
+static CAPTURE_FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Dropping the graphs hands their memory back: a graph's own allocations stay in the
 /// driver's graph memory pool after the graph is destroyed until the pool is trimmed, and what
@@ -432,6 +438,8 @@ impl QwenModel {
                 self.output_device(),
             )?,
         };
+        #[cfg(feature = "cuda")]
+        let capture = capture && !CAPTURE_FAILED.load(std::sync::atomic::Ordering::Relaxed);
         if capture && self.decode_graph_supported(bs) {
             #[cfg(feature = "cuda")]
             {
@@ -453,8 +461,23 @@ impl QwenModel {
                     s.device.synchronize()?;
                 }
                 for k in 0..graph.segments.len() {
-                    let g = self.capture_segment(&graph, k, cache)?;
-                    graph.segments[k].graph = Some(g);
+                    match self.capture_segment(&graph, k, cache) {
+                        Ok(g) => graph.segments[k].graph = Some(g),
+                        Err(e) => {
+                            // The step still runs from the same buffers, op by op: slower,
+                            // the same tokens. Said once, loudly; later buckets do not retry.
+                            CAPTURE_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
+                            tracing::warn!(
+                                "capturing the decode step as a CUDA graph failed ({e}); \
+                                 decoding op by op from now on (FLEET_ENFORCE_EAGER=1 skips \
+                                 the attempt)"
+                            );
+                            for s in &mut graph.segments {
+                                s.graph = None;
+                            }
+                            break;
+                        }
+                    }
                 }
             }
         }
