@@ -367,9 +367,9 @@ impl QwenModel {
 
     /// The fixed-address buffers of a decode step of up to `batch` rows with block tables of
     /// `max_blocks`, on the model's devices, each segment captured as a CUDA graph when
-    /// `capture` and [`QwenModel::decode_graph_supported`] (after two plain warm-up steps,
-    /// which load the kernels and let cuBLAS take its workspace). Writes nothing into the
-    /// cache (every row inactive).
+    /// `capture` and [`QwenModel::decode_graph_supported`] (after a plain warm-up step, which
+    /// loads the kernels and lets cuBLAS take its workspace). Writes nothing into the cache
+    /// (every row inactive).
     pub fn decode_graph(
         &self,
         batch: usize,
@@ -452,10 +452,11 @@ impl QwenModel {
                     unreachable!("decode_graph_supported checks the devices")
                 };
                 let _uploads = cuda.enable_cuda_graph_htod_cache();
-                for _ in 0..2 {
-                    for k in 0..graph.segments.len() {
-                        self.run_segment(&mut graph, k, cache)?;
-                    }
+                // One plain step of these shapes loads the kernels, lets cuBLAS take the
+                // workspace they need and fills the upload cache (a GSPO generation batch
+                // captures each bucket its draining rows pass through: every step saved counts).
+                for k in 0..graph.segments.len() {
+                    self.run_segment(&mut graph, k, cache)?;
                 }
                 for s in &graph.segments {
                     s.device.synchronize()?;
