@@ -118,7 +118,7 @@ impl ModelArgs {
 
 /// A clap value parser for a count that must be at least `min` (a batch, a length, a number of
 /// repeats): a smaller value is refused before any work starts, in clap's words
-/// ("invalid value '0' for '--batch <BATCH>': must be at least 1").
+/// (`invalid value '0' for '--batch <BATCH>': must be at least 1`).
 pub fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync {
     move |s: &str| {
         let n: usize = s

@@ -126,7 +126,7 @@ pub struct RealRunConfig {
     pub revision: Option<String>,
     /// bf16, f16 or f32; `None`: bf16 when there are GPUs, f32 on the CPU (said on stderr).
     pub dtype: Option<String>,
-    /// The placement mode (auto, single, data-parallel, layer-sharded, hybrid[:N]).
+    /// The placement mode (auto, single, data-parallel, layer-sharded, `hybrid[:N]`).
     pub gpu_mode: String,
     /// Only these GPUs.
     pub gpu_ids: Option<Vec<usize>>,

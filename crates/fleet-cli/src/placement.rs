@@ -62,6 +62,8 @@ pub struct PlacementArgs {
     /// Placement by plan (default auto): auto, single, data-parallel (one replica per GPU),
     /// layer-sharded or sharded (one replica over all GPUs) or hybrid[:N] (replicas of N GPUs
     /// each).
+    // The text is also --help's, where `hybrid[:N]` must read as written (not a doc link).
+    #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long)]
     pub gpu_mode: Option<String>,
     /// The GPUs and their budgets.

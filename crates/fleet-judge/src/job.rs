@@ -187,7 +187,7 @@ pub enum JudgePlacement {
     /// By the planner on this machine's GPUs (`fleet_serve::PlacementRequest::from_flags`'s
     /// mode, GPU ids and budgets); the CPU when there is none.
     Planned {
-        /// auto, single, data-parallel, layer-sharded / sharded, hybrid[:N].
+        /// auto, single, data-parallel, layer-sharded / sharded, `hybrid[:N]`.
         gpu_mode: String,
         /// Only these GPUs.
         gpu_ids: Option<Vec<usize>>,

@@ -6,7 +6,7 @@
 //! softmax, writes the probabilities and reads them again: for a 1024x1024 image's 4,096 vision
 //! patches that is 512 MiB per block and image, and the time goes to memory traffic rather than
 //! arithmetic. [`flash_attention`] runs where [`supported`] says so (CUDA, bf16/f16, head
-//! dimension a multiple of 8 up to 128); [`reference`] is the same function in plain tensor ops,
+//! dimension a multiple of 8 up to 128); [`reference()`] is the same function in plain tensor ops,
 //! which the GPU tests compare it with.
 
 use std::sync::Arc;
@@ -191,7 +191,7 @@ fn rows_packed(t: &Tensor) -> Result<Tensor> {
 /// `softmax(q kᵀ · scale + mask) v` for `q` `[b, q_len, heads, d]` and `k`, `v`
 /// `[b, kv_len, kv_heads, d]` (any strides; `heads` a multiple of `kv_heads`), giving
 /// `[b, q_len, heads, d]`. Statistics in f32, the probabilities rounded to the model dtype
-/// before they multiply `v` (as [`reference`]). CUDA only: check [`supported`] first.
+/// before they multiply `v` (as [`reference()`]). CUDA only: check [`supported`] first.
 pub fn flash_attention(
     q: &Tensor,
     k: &Tensor,

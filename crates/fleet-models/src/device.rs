@@ -201,7 +201,7 @@ pub fn set_transfer_waits(destination_waits: bool, source_waits: bool) {
 ///
 /// - the destination's stream waits for the source's stream before it copies: between two GPUs
 ///   cudarc waits for the source's writes itself, but between two streams of one context
-///   (logical devices; cudarc's event tracking is off, [`skip_event_tracking`]) nothing would,
+///   (logical devices; cudarc's event tracking is off, `skip_event_tracking`) nothing would,
 ///   and the copy could read the source before it is written;
 /// - the source's stream waits for the copy: candle frees the source buffer on the source's
 ///   stream as soon as the tensor is dropped, and work queued later there (the next

@@ -134,8 +134,8 @@ impl Default for ActivationCoefficients {
 ///   allocator's slack over them ([`ALLOCATOR_SLACK_PERCENT`]); or, if larger than the
 ///   activations, the optimizer update's temporaries after the backward
 ///   ([`RoleCost::optimizer_update`]: none where the fused GPU kernel updates f32 or bf16
-///   parameters in place, else [`COMPOSED_UPDATE_TENSORS`] f32 tensors of one slice of the
-///   largest parameter, at most [`COMPOSED_UPDATE_SLICE_ELEMENTS`]).
+///   parameters in place, else `COMPOSED_UPDATE_TENSORS` f32 tensors of one slice of the
+///   largest parameter, at most `COMPOSED_UPDATE_SLICE_ELEMENTS`).
 ///
 /// A device's peak is the persistent terms plus the larger phase ([`RoleCost::peak`]).
 ///

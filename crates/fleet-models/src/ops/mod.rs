@@ -312,7 +312,8 @@ pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;
 pub use paged_attention::{
     paged_decode_attention, paged_decode_attention_reference, paged_decode_supported,
-    paged_kv_write, PAGED_ATTENTION_MAX_GROUP, PAGED_ATTENTION_PARTITION,
+    paged_kv_write, PAGED_ATTENTION_MAX_GROUP, PAGED_ATTENTION_MIN_BLOCKS,
+    PAGED_ATTENTION_PARTITION,
 };
 pub use qkv_rope::{qk_norm_rope, qkv_rope};
 pub use reduce::{sum_all_fast, sum_squares, update_rows_in_place};
