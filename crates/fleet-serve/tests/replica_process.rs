@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use fleet_models::{
-    DeviceLocation, DeviceMap, LoadOptions, SamplingParams, TextModel, VisionLanguageModel,
+    DeviceLocation, DeviceMap, GenerationOutput, GenerationRequest, LoadOptions, SamplingParams,
+    TextModel, VisionLanguageModel,
 };
 use fleet_serve::{
     generate_chats, serve_if_replica_worker, ChatRequest, Replica, Replicas, Text, VisionLanguage,
@@ -28,16 +29,26 @@ fn main() {
     println!("replica_process: 6 tests passed");
 }
 
-fn replicas_in_processes_generate_what_one_model_generates() {
+/// Nine requests, what one model generates for them, and three CPU replicas of that model
+/// (the first in this process, two in processes of their own).
+fn one_model_and_three_replicas() -> (
+    Vec<GenerationRequest>,
+    Vec<GenerationOutput>,
+    Replicas<Text>,
+) {
     let dir = fixture("qwen2-tiny");
     let spec = dir.to_str().unwrap();
     let opts = LoadOptions::default();
     let single = TextModel::load(spec, &opts).unwrap();
     let requests = requests(9);
     let expected = single.generate(&requests, None).unwrap();
-
     let cpu = DeviceMap::single(DeviceLocation::Cpu, single.model.config().num_hidden_layers);
     let replicas = Replicas::<Text>::load(spec, &opts, &[cpu.clone(), cpu.clone(), cpu]).unwrap();
+    (requests, expected, replicas)
+}
+
+fn replicas_in_processes_generate_what_one_model_generates() {
+    let (requests, expected, replicas) = one_model_and_three_replicas();
     assert_eq!(replicas.len(), 3);
     assert_eq!(
         replicas.in_processes(),
@@ -60,14 +71,7 @@ fn replicas_in_processes_generate_what_one_model_generates() {
 /// submitted one by one to the replicas, some while others run, every replica stepping its
 /// own paged session; each reply is what one model gives.
 fn streams_in_processes_generate_what_one_model_generates() {
-    let dir = fixture("qwen2-tiny");
-    let spec = dir.to_str().unwrap();
-    let opts = LoadOptions::default();
-    let single = TextModel::load(spec, &opts).unwrap();
-    let requests = requests(9);
-    let expected = single.generate(&requests, None).unwrap();
-    let cpu = DeviceMap::single(DeviceLocation::Cpu, single.model.config().num_hidden_layers);
-    let replicas = Replicas::<Text>::load(spec, &opts, &[cpu.clone(), cpu.clone(), cpu]).unwrap();
+    let (requests, expected, replicas) = one_model_and_three_replicas();
     assert_eq!(replicas.in_processes(), 2);
     let mut streams = replicas.streams(2, 16 << 20).unwrap();
     let mut got = vec![None; requests.len()];

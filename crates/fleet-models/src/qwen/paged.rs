@@ -505,7 +505,7 @@ impl QwenModel {
         let n = seqs.len();
         let host =
             self.step_inputs_ahead(seqs, shifts, ahead, bs, graph.batch, graph.max_blocks)?;
-        host.write(graph)?;
+        host.write(graph, ids.is_none())?;
         if let Some(ids) = ids {
             // The tokens drawn by the step before, copied on the device into the graph's input.
             graph.ids.slice_set(ids, 0, 0)?;
@@ -711,13 +711,16 @@ impl StepInputs {
     }
 
     /// Into the graph's buffers on every device, in place (their addresses are what the
-    /// graphs read).
-    fn write(&self, g: &DecodeGraph) -> Result<()> {
+    /// graphs read); the token ids only with `ids` (else the caller copies the drawn ones in
+    /// on the device).
+    fn write(&self, g: &DecodeGraph, ids: bool) -> Result<()> {
         let put = |dst: &Tensor, src: &[u32]| -> Result<()> {
             let t = Tensor::from_slice(src, dst.shape(), dst.device())?;
             Ok(dst.slice_set(&t, 0, 0)?)
         };
-        put(&g.ids, &self.ids)?;
+        if ids {
+            put(&g.ids, &self.ids)?;
+        }
         for b in &g.inputs {
             put(&b.positions, &self.positions)?;
             put(&b.slots, &self.slots)?;
