@@ -102,15 +102,20 @@ def best_lines(best: dict, unit: str) -> list[str]:
 
 def gpu_of(d: Path) -> dict:
     """The GPU the call ran on, from the nvidia-smi output the scripts save beside their
-    results (nvidia-smi*.txt, or run_foundation.sh's env.json): H100 or H200; H200 when it
-    cannot be told, as the scripts' default machine."""
+    results (nvidia-smi*.txt, or run_foundation.sh's env.json): H100 or H200. FLEET_GPU
+    (h100 or h200) names it where no such file is there; without either this is an error,
+    not a guess (a guess once put an H200's limits under an H100's figures)."""
     for f in sorted(d.glob("nvidia-smi*.txt")) + sorted(d.glob("env.json")):
         text = f.read_text(errors="replace")
         if "H100" in text:
             return limits.GPUS["h100"]
         if "H200" in text:
             return limits.GPUS["h200"]
-    return limits.GPUS["h200"]
+    named = os.environ.get("FLEET_GPU", "").lower()
+    if named in limits.GPUS:
+        return limits.GPUS[named]
+    sys.exit(f"{d}: no nvidia-smi*.txt or env.json naming an H100 or H200; save nvidia-smi's "
+             "output there or set FLEET_GPU=h100|h200")
 
 
 def finish(d: Path, kind: str, metric: str, unit: str, rows: list, best: dict, meta: dict,

@@ -40,6 +40,9 @@ for s in $SHAPES; do
 done
 # A call brings back at most 8 files: the parsed steps stay beside the log, the rest in one
 # archive.
-(cd "$OUT" && tar cf ncu.tar --exclude profile.log --exclude 'decode_*.txt' . \
-  && find . -maxdepth 1 -type f ! -name ncu.tar ! -name profile.log ! -name 'decode_*.txt' -delete)
+# The archive is written outside $OUT: tar fails on a directory that changes as it reads it.
+tmp=$(mktemp)
+(cd "$OUT" && tar cf "$tmp" --exclude profile.log --exclude 'decode_*.txt' . \
+  && find . -maxdepth 1 -type f ! -name profile.log ! -name 'decode_*.txt' -delete) \
+  && mv "$tmp" "$OUT/ncu.tar"
 echo "== done"

@@ -57,7 +57,8 @@ chmod +x "$WORK/gspo-train"
     --upgrade --target "$WORK/site" .whl/*.whl
 export PYTHONPATH="$WORK/site"
 python3 -c "import trl, datasets, transformers, torch; print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# pair_results.py reads the GPU's name (and so its limits) from nvidia-smi.txt.
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
 python3 scripts/gpu/make_gspo_prompts.py --out "$WORK/prompts.jsonl" --n 512
 
 used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0; }
@@ -166,7 +167,10 @@ done
 
 python3 scripts/gpu/pair_results.py gspo "$OUT"
 # Few files come back from a device call: the per-run files travel as one archive.
-KEEP=(details.tgz gspo_vs_trl.json log.txt pairs.md pairs.json search.tsv)
+KEEP=(details.tgz gspo_vs_trl.json log.txt pairs.md pairs.json search.tsv nvidia-smi.txt)
 EXCLUDE=(); NOT=()
 for k in "${KEEP[@]}"; do EXCLUDE+=(--exclude "$k"); NOT+=(! -name "$k"); done
-(cd "$OUT" && tar czf details.tgz "${EXCLUDE[@]}" . && find . -maxdepth 1 -type f "${NOT[@]}" -delete)
+# The archive is written outside $OUT: tar fails on a directory that changes as it reads it.
+tmp=$(mktemp)
+(cd "$OUT" && tar czf "$tmp" "${EXCLUDE[@]}" . && find . -maxdepth 1 -type f "${NOT[@]}" -delete) \
+  && mv "$tmp" "$OUT/details.tgz"

@@ -133,6 +133,9 @@ case "$PART" in
     ;;
 esac
 # A call brings back at most 8 files: everything but the log in one archive.
-(cd "$OUT" && tar czf "$PART-results.tgz" --exclude '*.tgz' --exclude "$PART.log" . \
-  && find . -maxdepth 1 -type f ! -name '*.tgz' ! -name "$PART.log" -delete)
+# The archive is written outside $OUT: tar fails on a directory that changes as it reads it.
+tmp=$(mktemp)
+(cd "$OUT" && tar czf "$tmp" --exclude '*.tgz' --exclude "$PART.log" . \
+  && find . -maxdepth 1 -type f ! -name '*.tgz' ! -name "$PART.log" -delete) \
+  && mv "$tmp" "$OUT/$PART-results.tgz"
 echo "== done"

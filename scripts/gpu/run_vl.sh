@@ -8,6 +8,8 @@
 #                                               # both engines at every batch of BATCHES, in this
 #                                               # call; pairs.md / pairs.json pair them by batch
 #                                               # with the limit of the work (limits.py)
+#   FLEET_BENCH_FLAGS="--batching continuous" WHAT=speed ...
+#                                               # fleet's runs on the paged path
 #   BEST=1 WHAT=speed ...                       # and each engine's best batch that fits: batches
 #                                               # doubling from BEST_FROM (default: twice the
 #                                               # largest of BATCHES) to BEST_MAX (256) until one
@@ -131,8 +133,9 @@ speed|speed8b|speed30b)
     tag="fleet-$(basename "$C" .json)-$size-b$b"
     t=$(cap "${FLEET_TIMEOUT:-240}")
     if [ "$t" = 0 ]; then printf 'fleet\t%s:%s\t%s\tskipped\ttime budget used up\n' "$mode" "$key" "$b" >> "$TSV"; return 1; fi
+    # shellcheck disable=SC2086
     timeout "$t" "$BIN" bench --config "$C" --image-size "$size" --batch "$b" --samples "$((b * SPB))" \
-        --new-tokens 128 --json "$R/$tag.json" > "$R/$tag.log" 2>&1
+        --new-tokens 128 ${FLEET_BENCH_FLAGS:-} --json "$R/$tag.json" > "$R/$tag.log" 2>&1
     rc=$?
     if [ "$rc" = 0 ]; then status=ok; note=""
     elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status=timeout; note="killed after ${t}s"

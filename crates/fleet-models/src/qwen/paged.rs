@@ -169,7 +169,7 @@ impl QwenModel {
             len: 1,
         };
         let x = match ids {
-            Some(ids) => self.embed.forward(ids)?,
+            Some(ids) => self.embed.forward(&self.ids_on_input_device(ids)?)?,
             None => {
                 let ids: Vec<Vec<u32>> = host.ids.iter().map(|&t| vec![t]).collect();
                 self.embed_ids(&ids)?
@@ -508,7 +508,7 @@ impl QwenModel {
         host.write(graph, ids.is_none())?;
         if let Some(ids) = ids {
             // The tokens drawn by the step before, copied on the device into the graph's input.
-            graph.ids.slice_set(ids, 0, 0)?;
+            graph.ids.slice_set(&self.ids_on_input_device(ids)?, 0, 0)?;
         }
         for k in 0..graph.segments.len() {
             self.run_segment(graph, k, cache)?;
@@ -546,6 +546,15 @@ impl QwenModel {
             Some(g) => self.decode_paged_with(g, seqs, shifts, ahead, ids, check_logits, cache),
             None => self.decode_paged_ahead(seqs, shifts, ahead, ids, check_logits, cache),
         }
+    }
+
+    /// Token ids drawn on the head's device, on the embedding's, through
+    /// [`crate::device::transfer`]: a copy made by the embedding device's stream must wait for
+    /// the sampler on the head's. Between two logical devices of one GPU candle would take the
+    /// tensor as it is (one location) and read it unordered; the next step then embedded the
+    /// token before last (the GPU test `decode_graph_segments` caught it).
+    fn ids_on_input_device(&self, ids: &Tensor) -> Result<Tensor> {
+        Ok(crate::device::transfer(ids, self.input_device())?)
     }
 
     /// Segment `k` of the step: its input copied in from the segment before (through
