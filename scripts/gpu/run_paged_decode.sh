@@ -14,7 +14,7 @@
 #                 the fleet modes $MODES (default all but continuous-eager: static;
 #                 continuous-eager: no CUDA graphs;
 #                 continuous: graphs, a read every step; continuous-cublas: the same with
-#                 FLEET_DECODE_GEMV=0, batch 1 only; continuous-sync8: graphs, a read every
+#                 FLEET_DECODE_GEMV=0 (cuBLAS for every product); continuous-sync8: graphs, a read every
 #                 8 steps); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
 #                 128, 256 new) in the same modes
 #   PART=sanitize the paged tests (dist/carry/paged-tests.tar.xz): the decode-graph test under
@@ -69,13 +69,13 @@ case "$PART" in
     timeout 150 python3 benches/transformers_generate.py --config "$C" --dtype bf16 \
       --prompt-len 512 --new-tokens 128 --batch "$BATCHES" --device cuda --json "$OUT/hf_7b.json"
     # continuous-cublas: as continuous, with cuBLAS for the few-row products too
-    # (FLEET_DECODE_GEMV=0), at batch 1 (the GEMV kernel takes up to 4 rows).
+    # (FLEET_DECODE_GEMV=0: no GEMV for up to 4 rows, no skinny GEMM for 5 to 64).
     mode_flags() {
       gemv=1; batches=$BATCHES
       case "$1" in
         continuous-eager) flags=(--batching continuous --enforce-eager) ;;
         continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
-        continuous-cublas) flags=(--batching continuous); gemv=0; batches=1 ;;
+        continuous-cublas) flags=(--batching continuous); gemv=0 ;;
         *) flags=(--batching "$1") ;;
       esac
     }
@@ -87,7 +87,7 @@ case "$PART" in
         --json "$OUT/fleet_7b_$mode.json"
     done
     for shape in 0.5b 1.5b; do
-      for mode in static continuous-eager continuous continuous-sync8; do
+      for mode in ${ROLLOUT_MODES:-static continuous continuous-cublas continuous-sync8}; do
         echo "== fleet $shape rollouts $mode"
         mode_flags "$mode"
         timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \

@@ -1,5 +1,6 @@
 //! Linear layers: `x · wᵀ + b` with the bias added in place on CUDA, and the decode steps'
-//! few-row products as a GEMV kernel that streams the weights once (with its CPU twin).
+//! few-row products as kernels that stream the weights once, each with its CPU twin: a GEMV
+//! for up to 4 rows, a tensor-core "skinny" GEMM for 5 to 64.
 
 use std::sync::OnceLock;
 
@@ -12,11 +13,17 @@ use crate::error::Result;
 /// sequences); more go to cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 4;
 
+/// Most rows of `x` that [`linear`] sends to the skinny GEMM kernel ([`skinny_gemm`]); more go
+/// to cuBLAS.
+pub const SKINNY_MAX_ROWS: usize = 64;
+
 /// `x · wᵀ + b` of a linear layer ([`candle_nn::Linear`]'s result). On CUDA, when nothing is
 /// tracked for a backward:
 /// - up to [`GEMV_MAX_ROWS`] rows in f16 or bf16 (a decode step) take [`gemv`], which reads
 ///   each weight once at close to the memory bandwidth (cuBLAS reached 57–86% on a 7B decode
-///   step at batch 1, measured with ncu on an H100); `FLEET_DECODE_GEMV=0` turns it off;
+///   step at batch 1, measured with ncu on an H100); up to [`SKINNY_MAX_ROWS`] take
+///   [`skinny_gemm`] (cuBLAS's kernels for 64 rows of the 0.5B read 1.0–1.6 TB/s of the
+///   H100's 3.35); `FLEET_DECODE_GEMV=0` turns both off;
 /// - the bias is added in place by one kernel after the product: candle's broadcast add is a
 ///   strided kernel that took 4x the GEMM itself on the vision tower's `[65536, 4304]`
 ///   activations (measured on an H200).
@@ -33,6 +40,8 @@ pub fn linear(layer: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
     let rows = x.elem_count() / k.max(1);
     let y = if gemv_takes(x, w, rows) {
         gemv(&x.reshape((rows, k))?, w)?
+    } else if skinny_takes(x, w, rows) {
+        skinny_gemm(&x.reshape((rows, k))?, w)?
     } else if bias.is_none() {
         return Ok(layer.forward(x)?);
     } else {
@@ -46,9 +55,10 @@ pub fn linear(layer: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
     Ok(y.reshape(out_dims)?)
 }
 
-/// Whether [`linear`] sends this product to [`gemv`]: f16 or bf16, at most [`GEMV_MAX_ROWS`]
-/// rows, contiguous inputs whose rows start on 16 bytes, and `FLEET_DECODE_GEMV` not `0`.
-fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
+/// Whether the decode kernels ([`gemv`], [`skinny_gemm`]) may take this product: f16 or bf16,
+/// a 2-D weight of the input's dtype, contiguous inputs whose rows start on 16 bytes, `k` a
+/// multiple of `k_multiple`, and `FLEET_DECODE_GEMV` not `0`.
+fn decode_kernel_takes(x: &Tensor, w: &Tensor, k_multiple: usize) -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("FLEET_DECODE_GEMV").map_or(true, |v| v != "0"));
     let k = w.dims().last().copied().unwrap_or(0);
@@ -59,10 +69,25 @@ fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
     on && matches!(x.dtype(), DType::BF16 | DType::F16)
         && x.dtype() == w.dtype()
         && w.rank() == 2
-        && (1..=GEMV_MAX_ROWS).contains(&rows)
-        && k.is_multiple_of(8)
+        && k.is_multiple_of(k_multiple)
         && aligned(x)
         && aligned(w)
+}
+
+/// Whether [`linear`] sends this product to [`gemv`]: at most [`GEMV_MAX_ROWS`] rows, `k` a
+/// multiple of 8 ([`decode_kernel_takes`]).
+fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
+    (1..=GEMV_MAX_ROWS).contains(&rows) && decode_kernel_takes(x, w, GEMV_CHUNK)
+}
+
+/// Whether [`linear`] sends this product to [`skinny_gemm`]: more than [`GEMV_MAX_ROWS`] and at
+/// most [`SKINNY_MAX_ROWS`] rows, `k` a multiple of 32 and `n` of 16 ([`decode_kernel_takes`]).
+fn skinny_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
+    (GEMV_MAX_ROWS + 1..=SKINNY_MAX_ROWS).contains(&rows)
+        && w.dims()
+            .first()
+            .is_some_and(|n| n.is_multiple_of(SKINNY_N_MULTIPLE))
+        && decode_kernel_takes(x, w, SKINNY_K_MULTIPLE)
 }
 
 /// `x · wᵀ` for `x` `[m, k]` with few rows and `w` `[n, k]` (f32, f16 or bf16, contiguous;
@@ -139,6 +164,121 @@ impl candle_core::CustomOp2 for Gemv {
         let (m, n, k) = gemv_dims(l1, l2)?;
         Ok((cuda::gemv(s1, l1, s2, l2, (m, n, k))?, Shape::from((m, n))))
     }
+}
+
+/// `x · wᵀ` for `x` `[m, k]` with 1 to [`SKINNY_MAX_ROWS`] rows and `w` `[n, k]` (f32, f16 or
+/// bf16, contiguous; on CUDA f16 or bf16, `k` a multiple of 32, `n` of 16, rows starting on 16
+/// bytes): `[m, n]` in the inputs' dtype. On CUDA a tensor-core kernel that reads `w` once
+/// (`mma.sync`, f32 accumulators, long `k` split over blocks and the splits summed in order:
+/// deterministic), rounded once to the dtype. Its CPU twin is the product summed in f32 in `k`
+/// order and rounded once: the kernel's sums run in another order (the tensor cores' own), so
+/// the two agree to a unit in the last place of the dtype, not bit for bit. [`linear`] uses
+/// it on CUDA only.
+pub fn skinny_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(x.apply_op2_no_bwd(w, &SkinnyGemm)?)
+}
+
+struct SkinnyGemm;
+
+/// `k` is walked in blocks of 32 (two mma k-steps of 16).
+const SKINNY_K_MULTIPLE: usize = 32;
+/// Each warp computes 16 output columns.
+const SKINNY_N_MULTIPLE: usize = 16;
+
+fn skinny_cpu<T: Float>(x: &[T], w: &[T], k: usize) -> Vec<T> {
+    let mut y = Vec::with_capacity(x.len() / k * (w.len() / k));
+    for xr in x.chunks(k) {
+        for wr in w.chunks(k) {
+            let acc = xr
+                .iter()
+                .zip(wr)
+                .fold(0f32, |acc, (a, b)| a.to_f32().mul_add(b.to_f32(), acc));
+            y.push(T::from_f32(acc));
+        }
+    }
+    y
+}
+
+fn skinny_dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    let ((m, k), (n, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
+    if k != k2
+        || !k.is_multiple_of(SKINNY_K_MULTIPLE)
+        || !n.is_multiple_of(SKINNY_N_MULTIPLE)
+        || !(1..=SKINNY_MAX_ROWS).contains(&m)
+    {
+        candle_core::bail!(
+            "skinny_gemm: x [{m}, {k}] and w [{n}, {k2}] (1 to {SKINNY_MAX_ROWS} rows, k a \
+             multiple of {SKINNY_K_MULTIPLE}, n of {SKINNY_N_MULTIPLE})"
+        );
+    }
+    Ok((m, n, k))
+}
+
+impl candle_core::CustomOp2 for SkinnyGemm {
+    fn name(&self) -> &'static str {
+        "fleet-skinny-gemm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, n, k) = skinny_dims(l1, l2)?;
+        let out = float_cpu!("skinny_gemm", (s1, l1) => x, (s2, l2) => w; skinny_cpu(x, w, k));
+        Ok((out, Shape::from((m, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (m, n, k) = skinny_dims(l1, l2)?;
+        Ok((
+            cuda::skinny_gemm(s1, l1, s2, l2, (m, n, k))?,
+            Shape::from((m, n)),
+        ))
+    }
+}
+
+/// Output columns per block of the skinny GEMM (`SK_COLS`: 4 warps of 16).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const SKINNY_COLS: usize = 64;
+/// Threads per block of the skinny GEMM.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const SKINNY_THREADS: u32 = 128;
+/// `k` a block stages at a time (`SK_KCHUNK`): splits of `k` are multiples of it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const SKINNY_KCHUNK: usize = 128;
+/// Blocks per SM the split of `k` aims for (three fit by registers; four leave no SM idle
+/// at the tail).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const SKINNY_BLOCKS_PER_SM: usize = 4;
+/// Column tiles a device's split counters cover; a product of more tiles is not split.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const SKINNY_COUNTERS: usize = 4096;
+
+/// How `k` is split over blocks: `(splits, k per split)`, enough blocks for
+/// [`SKINNY_BLOCKS_PER_SM`] per SM where the columns alone give fewer, each split a whole
+/// number of staged chunks.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn skinny_splits(n: usize, k: usize, sms: usize, counters: bool) -> (usize, usize) {
+    let tiles = n.div_ceil(SKINNY_COLS);
+    let chunks = k.div_ceil(SKINNY_KCHUNK);
+    if !counters || tiles > SKINNY_COUNTERS {
+        return (1, k);
+    }
+    let want = (SKINNY_BLOCKS_PER_SM * sms)
+        .div_ceil(tiles)
+        .clamp(1, chunks);
+    let per = chunks.div_ceil(want) * SKINNY_KCHUNK;
+    (k.div_ceil(per), per)
 }
 
 /// In place `y[r, :] += bias` (CUDA only; [`linear`] takes candle's path elsewhere).
@@ -241,6 +381,125 @@ mod cuda {
             candle_core::DType::F16 => run::<f16>(s1, l1, s2, l2, (m, n, k)),
             candle_core::DType::BF16 => run::<bf16>(s1, l1, s2, l2, (m, n, k)),
             other => candle_core::bail!("gemv: {other:?} on CUDA (f16 or bf16)"),
+        }
+    }
+
+    /// A device's split counters (zero between launches: the last split resets its own) and
+    /// its SM count, made once per device outside any capture.
+    struct SkinnyState {
+        counters: CudaSlice<u32>,
+        sms: usize,
+    }
+
+    type SkinnyStates = std::sync::Mutex<
+        Vec<(
+            candle_core::cuda_backend::DeviceId,
+            std::sync::Arc<SkinnyState>,
+        )>,
+    >;
+
+    /// The device's [`SkinnyState`]; `None` while its stream is capturing a graph and none
+    /// exists yet (an allocation inside a capture would belong to the graph).
+    fn skinny_state(
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<Option<std::sync::Arc<SkinnyState>>> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        static STATES: std::sync::OnceLock<SkinnyStates> = std::sync::OnceLock::new();
+        let states = STATES.get_or_init(Default::default);
+        let mut states = states.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, s)) = states.iter().find(|(id, _)| *id == dev.id()) {
+            return Ok(Some(s.clone()));
+        }
+        let stream = dev.cuda_stream();
+        let capturing = stream.capture_status().w()?
+            != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        if capturing {
+            return Ok(None);
+        }
+        let sms = stream
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()? as usize;
+        let state = std::sync::Arc::new(SkinnyState {
+            counters: dev.alloc_zeros::<u32>(super::SKINNY_COUNTERS)?,
+            sms,
+        });
+        states.push((dev.id(), state.clone()));
+        Ok(Some(state))
+    }
+
+    pub(super) fn skinny_gemm(
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        (m, n, k): (usize, usize, usize),
+    ) -> candle_core::Result<CudaStorage> {
+        fn run<T: CudaDType + DeviceRepr>(
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            (m, n, k): (usize, usize, usize),
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            if !(l1.start_offset().is_multiple_of(8) && l2.start_offset().is_multiple_of(8)) {
+                candle_core::bail!("skinny_gemm: the inputs' rows must start on 16 bytes");
+            }
+            let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
+            // x's rows in tiles of 8: 1, 2, 4 or 8 tiles (a kernel each).
+            let tiles = m.div_ceil(8).next_power_of_two();
+            let func = dev.get_or_load_custom_func(
+                &format!("skinny_gemm_{}_t{tiles}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            let state = skinny_state(&dev)?;
+            let sms = state.as_ref().map_or(1, |s| s.sms);
+            let (splits, per) = super::skinny_splits(n, k, sms, state.is_some());
+            // SAFETY: the kernel (or the last split) writes every one of the m x n outputs.
+            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
+            // One f32 per split, row and column when k is split (one float when not: unread).
+            // SAFETY: each split writes its partials before the last one reads them.
+            let partial: CudaSlice<f32> =
+                unsafe { dev.alloc::<f32>(if splits > 1 { splits * m * n } else { 1 })? };
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(super::SKINNY_COLS) as u32, splits as u32, 1),
+                block_dim: (super::SKINNY_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let unsplit;
+            let counters = match &state {
+                Some(s) => &s.counters,
+                None => {
+                    // Not read: one split never touches the counters.
+                    unsplit = dev.alloc_zeros::<u32>(1)?;
+                    &unsplit
+                }
+            };
+            let mut builder = func.builder();
+            builder.arg(&x);
+            builder.arg(&w);
+            builder.arg(&y);
+            builder.arg(&partial);
+            builder.arg(counters);
+            let (m, n, k, per) = (m as i32, n as i32, k as i32, per as i32);
+            builder.arg(&m);
+            builder.arg(&n);
+            builder.arg(&k);
+            builder.arg(&per);
+            // SAFETY: block (b, s) reads rows 64b..64b+64 of w (n a multiple of 16: a warp's 16
+            // rows are all in or all out) and the m rows of x over split s of k (a multiple of
+            // 32), 16 bytes at a time (rows aligned: checked); it writes its partials (one
+            // split: its outputs) and, if last of its column tile, the tile's outputs and
+            // counter (SKINNY_COUNTERS tiles at most: checked by skinny_splits).
+            unsafe { builder.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(y, dev))
+        }
+        match s1.dtype() {
+            candle_core::DType::F16 => run::<f16>(s1, l1, s2, l2, (m, n, k)),
+            candle_core::DType::BF16 => run::<bf16>(s1, l1, s2, l2, (m, n, k)),
+            other => candle_core::bail!("skinny_gemm: {other:?} on CUDA (f16 or bf16)"),
         }
     }
 
@@ -348,6 +607,41 @@ mod tests {
         }
     }
 
+    /// The split of `k` over blocks: enough blocks to fill the device, whole staged
+    /// chunks per split, none without counters or where the columns alone fill it.
+    #[test]
+    fn k_splits_fill_the_device_in_whole_chunks() {
+        // 7B down projection: 56 column tiles, k 18944 over 132 SMs.
+        let (splits, per) = skinny_splits(3584, 18944, 132, true);
+        assert_eq!((splits, per), (10, 1920));
+        assert!(splits * per >= 18944 && (splits - 1) * per < 18944);
+        // Many columns: no split; no counters: no split.
+        assert_eq!(skinny_splits(37888, 3584, 132, true), (1, 3584));
+        assert_eq!(skinny_splits(3584, 18944, 132, false), (1, 18944));
+        // 0.5B down projection: 14 tiles, k 4864 = 38 chunks, one chunk a split.
+        assert_eq!(skinny_splits(896, 4864, 132, true), (38, 128));
+        // k not a multiple of the chunk: the last split is short.
+        let (splits, per) = skinny_splits(64, 96, 132, true);
+        assert_eq!((splits, per), (1, 128));
+    }
+
+    /// The skinny GEMM's twin is the product (in f32, to rounding), and shapes the kernel does
+    /// not take are refused with the shapes named.
+    #[test]
+    fn skinny_twin_is_the_product_and_refuses_other_shapes() {
+        for (m, n, k) in [(5, 16, 32), (17, 48, 96), (64, 32, 1024)] {
+            let (x, w) = (randn(&[m, k], 1), randn(&[n, k], 2));
+            let got = skinny_gemm(&x, &w).unwrap();
+            let want = x.matmul(&w.t().unwrap()).unwrap();
+            let diff = max_abs_diff(&got, &want);
+            assert!(diff < 1e-4 * (k as f32).sqrt(), "m {m} n {n} k {k}: {diff}");
+        }
+        for (m, n, k) in [(5, 16, 48), (5, 20, 32), (65, 16, 32)] {
+            let err = skinny_gemm(&randn(&[m, k], 1), &randn(&[n, k], 2)).unwrap_err();
+            assert!(err.to_string().contains(&format!("[{m}, {k}]")), "{err}");
+        }
+    }
+
     /// Shapes the kernel does not take are refused with the shapes named.
     #[test]
     fn gemv_refuses_mismatched_or_unaligned_k() {
@@ -398,6 +692,90 @@ mod kernel_tests {
                 .broadcast_add(layer.bias().unwrap())
                 .unwrap()
                 .reshape((3, 1, 40))
+                .unwrap();
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            assert_eq!(
+                f(&got).to_vec1::<f32>().unwrap(),
+                f(&want).to_vec1::<f32>().unwrap(),
+                "{dtype:?} linear"
+            );
+        }
+    }
+
+    /// The skinny GEMM kernel agrees with its twin to a unit in the last place of the dtype
+    /// (the tensor cores sum in their own order; both accumulate in f32 and round once), for
+    /// every row-tile count (5 to 64 rows, rows past a tile's last padded), one split and many
+    /// (the last split sums them), columns past a block's last warp, k with a short last chunk;
+    /// a second launch gives the same bits (the split counters were reset; the sums are in a
+    /// fixed order), and [`linear`] takes it for 5 to 64 rows with the bias added after.
+    #[test]
+    fn skinny_gemm_kernel_agrees_with_its_twin() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        let r = |s: &[usize], seed: u64, dtype: DType| {
+            super::tests::randn(s, seed).to_dtype(dtype).unwrap()
+        };
+        let host = |t: &Tensor| {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .to_device(&candle_core::Device::Cpu)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+        };
+        for dtype in [DType::BF16, DType::F16] {
+            // (rows, columns, k): 7B's o and down projections, the 0.5B's down, a qkv shape,
+            // and small ones for the edges.
+            let shapes = [
+                (5, 16, 32),
+                (8, 80, 96),
+                (13, 4608, 3584),
+                (16, 3584, 3584),
+                (33, 3584, 18944),
+                (64, 896, 4864),
+                (64, 9728, 896),
+            ];
+            for (m, n, k) in shapes {
+                let (x, w) = (r(&[m, k], 3, dtype), r(&[n, k], 4, dtype));
+                let want = host(&skinny_gemm(&x, &w).unwrap());
+                // sum_k |x w|: the scale of the f32 sums' rounding, whatever their order.
+                let abs = |t: &Tensor| t.to_dtype(DType::F32).unwrap().abs().unwrap();
+                let scale = host(&abs(&x).matmul(&abs(&w).t().unwrap()).unwrap());
+                let (xd, wd) = (x.to_device(&dev).unwrap(), w.to_device(&dev).unwrap());
+                let got = skinny_gemm(&xd, &wd).unwrap();
+                let again = skinny_gemm(&xd, &wd).unwrap();
+                let got = host(&got);
+                assert_eq!(
+                    got,
+                    host(&again),
+                    "{dtype:?} m {m} n {n} k {k}: not repeatable"
+                );
+                // One unit in the last place of |want| in the dtype (bf16: 8 bits of
+                // significand, f16: 11; at least the smallest normal f16's), plus 2^-18 of
+                // sum |x w| for the f32 sums' own rounding in another order. A fragment or
+                // split mixed up is off by the size of the values themselves.
+                let bits = if dtype == DType::BF16 { 8 } else { 11 };
+                let (got, want, scale) = (got.concat(), want.concat(), scale.concat());
+                for (i, ((g, w), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
+                    let ulp = w.abs().max(6.1e-5).log2().floor().exp2() / (1 << (bits - 1)) as f32;
+                    let tol = ulp + s / (1 << 18) as f32;
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{dtype:?} m {m} n {n} k {k}: element {i}: {g} against {w} (within {tol})"
+                    );
+                }
+            }
+            // Through linear: 12 rows of a 3-D input take the kernel, the bias added after.
+            let layer = candle_nn::Linear::new(
+                r(&[48, 64], 5, dtype).to_device(&dev).unwrap(),
+                Some(r(&[48], 6, dtype).to_device(&dev).unwrap()),
+            );
+            let x = r(&[12, 1, 64], 7, dtype).to_device(&dev).unwrap();
+            let got = linear(&layer, &x).unwrap();
+            let product = skinny_gemm(&x.reshape((12, 64)).unwrap(), layer.weight()).unwrap();
+            let want = product
+                .broadcast_add(layer.bias().unwrap())
+                .unwrap()
+                .reshape((12, 1, 48))
                 .unwrap();
             let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
             assert_eq!(
