@@ -493,6 +493,61 @@ fn a_reward_model_scores_completions_beside_a_rule() {
     assert!(err.contains("not a reward model"), "{err}");
 }
 
+/// Issue 28, item 1: the user's own TRL-style Python function, unchanged, as a command
+/// beside a built-in rule: its scores reach the metrics under its own name with its failures
+/// counted; a function that fails on every completion stops training with its message.
+#[test]
+fn a_users_python_reward_function_trains_beside_a_rule() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The user's file: TRL's signature, nothing of fleet's.
+    let user = tmp.path().join("my_rewards.py");
+    std::fs::write(
+        &user,
+        "def prefers_seven(completions, answer, **kwargs):\n    \
+         return [1.0 if c.strip() == '7' else 0.0 for c in completions]\n\n\
+         def broken(completions, **kwargs):\n    raise ValueError('no reference column')\n",
+    )
+    .unwrap();
+    let server = repo().join("examples/rewards/fleet_reward.py");
+    let shipped = std::fs::read_to_string(repo().join("configs/gspo/default.toml")).unwrap();
+    let head = shipped.split("[[reward_funcs]]").next().unwrap();
+    let config = |function: &str| {
+        format!(
+            "{head}[[reward_funcs]]\nname = \"gsm8k_exact\"\n\n[[reward_funcs]]\nname = \"command\"\n\
+             weight = 0.5\ncommand = [\"python3\", \"{}\", \"{}:{function}\"]\n",
+            server.display(),
+            user.display()
+        )
+    };
+    let path = tmp.path().join("user.toml");
+    std::fs::write(&path, config("prefers_seven")).unwrap();
+    let out = tmp.path().join("run");
+    ok(&run(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--max-steps",
+        "2",
+    ]));
+    let m = metrics(&out);
+    assert!(m[0]["rewards/prefers_seven/mean"].is_number(), "{}", m[0]);
+    assert_eq!(m[0]["rewards/prefers_seven/failed"], 0.0);
+    assert_eq!(m[0]["failed_rewards"], 0);
+
+    std::fs::write(&path, config("broken")).unwrap();
+    let err = fails(&run(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--output-dir",
+        tmp.path().join("run2").to_str().unwrap(),
+        "--max-steps",
+        "2",
+    ]));
+    assert!(err.contains("none of its"), "{err}");
+    assert!(err.contains("ValueError: no reference column"), "{err}");
+}
+
 /// Issue 10, item 9: end to end, the reward rises on the synthetic task. The bundled model
 /// starts at chance (one answer in thirteen); a trainer whose gradients do not reach the model,
 /// or whose advantages or loss are wrong, stays there.

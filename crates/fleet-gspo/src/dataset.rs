@@ -22,7 +22,8 @@
 //!   option's text ([`Sample::correct_option`]).
 //! - `id` (optional, string or integer, unique): default `<file stem>-<line, 6 digits>`.
 //!
-//! Other fields are ignored.
+//! Other fields are kept as written in [`Sample::extra`] (with `answer`, `options` and `id`):
+//! external reward functions receive them, as TRL passes a dataset's columns.
 //!
 //! # What is skipped
 //!
@@ -169,6 +170,11 @@ pub struct Sample {
     pub correct_option: Option<usize>,
     /// File and line.
     pub source: SourceLocation,
+    /// Every field of the line but the prompt (`prompt`, or `question` when it is the prompt),
+    /// as written: what an external reward function receives beside the prompts and
+    /// completions, as TRL passes a dataset's other columns to its reward functions.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 impl Sample {
@@ -184,6 +190,7 @@ impl Sample {
                 file: PathBuf::from("<memory>"),
                 line: 0,
             },
+            extra: serde_json::Map::new(),
         }
     }
 }
@@ -462,6 +469,7 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
     let Value::Object(mut obj) = value else {
         return Err(bad_format("expected a JSON object"));
     };
+    let written_id = obj.get("id").cloned();
     let id = match obj.remove("id") {
         None | Some(Value::Null) => format!("{stem}-{:06}", source.line),
         Some(Value::String(s)) if !s.trim().is_empty() => s.trim().to_string(),
@@ -477,6 +485,11 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
     } else {
         "question"
     };
+    let mut extra = obj.clone();
+    extra.remove(prompt_field);
+    if let Some(id) = written_id {
+        extra.insert("id".to_string(), id);
+    }
     let prompt = match obj.remove(prompt_field) {
         None | Some(Value::Null) => {
             return Err((
@@ -593,6 +606,7 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
         options,
         correct_option,
         source,
+        extra,
     })
 }
 

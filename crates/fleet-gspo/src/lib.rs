@@ -42,6 +42,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod dataset;
 pub mod dist;
+pub mod external;
 pub mod loss;
 pub mod metrics;
 pub mod optim;

@@ -10,7 +10,7 @@ use candle_core::DType;
 use fleet_models::{ChatMessage, DeviceLocation, DeviceMap, LoadOptions, TextModel};
 
 use crate::dataset::{Prompt, Sample};
-use crate::rewards::{RewardError, RewardFunction};
+use crate::rewards::{Completion, RewardError, RewardFunction};
 
 /// A loaded reward model.
 pub struct RewardModel {
@@ -121,17 +121,21 @@ impl RewardFunction for RewardModel {
         completion: &str,
         sample: &Sample,
     ) -> Result<Option<f64>, RewardError> {
-        self.score_many(&[(prompt, completion, sample)])
-            .pop()
-            .unwrap_or(Ok(None))
+        let item = Completion {
+            prompt,
+            text: completion,
+            ids: &[],
+            sample,
+        };
+        self.score_many(&[item]).pop().unwrap_or(Ok(None))
     }
 
-    fn score_many(&self, items: &[(&str, &str, &Sample)]) -> Vec<Result<Option<f64>, RewardError>> {
+    fn score_many(&self, items: &[Completion<'_>]) -> Vec<Result<Option<f64>, RewardError>> {
         let mut out: Vec<Result<Option<f64>, RewardError>> = Vec::with_capacity(items.len());
         let mut batch = Vec::new();
         let mut slots = Vec::new();
-        for (i, (p, c, s)) in items.iter().enumerate() {
-            match self.ids(p, c, s) {
+        for (i, c) in items.iter().enumerate() {
+            match self.ids(c.prompt, c.text, c.sample) {
                 Ok(ids) => {
                     batch.push(ids);
                     slots.push(i);
@@ -186,14 +190,22 @@ mod tests {
             .map(|i| Sample::text(&format!("s{i}"), &format!("Question {i}?"), "#### 1"))
             .collect();
         let completions = ["yes", "a longer answer here", "no"];
-        let items: Vec<(&str, &str, &Sample)> = samples
+        let items: Vec<Completion<'_>> = samples
             .iter()
             .zip(completions)
-            .map(|(s, c)| (s.prompt.question_text(), c, s))
+            .map(|(s, c)| Completion {
+                prompt: s.prompt.question_text(),
+                text: c,
+                ids: &[],
+                sample: s,
+            })
             .collect();
         let batched = rm.score_many(&items);
         for (item, b) in items.iter().zip(&batched) {
-            let one = rm.score(item.0, item.1, item.2).unwrap().unwrap();
+            let one = rm
+                .score(item.prompt, item.text, item.sample)
+                .unwrap()
+                .unwrap();
             let b = b.as_ref().unwrap().unwrap();
             assert!((one - b).abs() < 1e-4, "{one} vs {b}");
         }

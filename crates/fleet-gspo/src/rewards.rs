@@ -153,14 +153,40 @@ pub enum RewardError {
         message: String,
     },
     /// Batch inputs of different lengths.
-    #[error("score_batch got {prompts} prompts, {completions} completions and {samples} samples: pass one of each per completion")]
+    #[error("score_batch got {prompts} prompts, {completions} completions, {completion_ids} completion id lists and {samples} samples: pass one of each per completion")]
     LengthMismatch {
         /// Prompts given.
         prompts: usize,
         /// Completions given.
         completions: usize,
+        /// Completion token id lists given.
+        completion_ids: usize,
         /// Samples given.
         samples: usize,
+    },
+    /// No completion of a generation batch has a reward: nothing to train on.
+    #[error(
+        "generation batch {batch}: none of its {completions} completions has a reward ({detail}); \
+         fix the reward function or the dataset rows it cannot score"
+    )]
+    BatchUnscored {
+        /// The generation batch (1-based).
+        batch: u64,
+        /// Its completions.
+        completions: usize,
+        /// Per function: its failures and first error, or that it returned null.
+        detail: String,
+    },
+    /// An external reward function (a command or an HTTP endpoint, [`crate::external`]) failed
+    /// on a batch or on one completion of it.
+    #[error("reward function {function} ({source_desc}): {message}")]
+    External {
+        /// The function's name.
+        function: String,
+        /// The command line or URL.
+        source_desc: String,
+        /// What went wrong and what to do.
+        message: String,
     },
 }
 
@@ -179,9 +205,13 @@ pub trait RewardFunction: Send + Sync {
     ) -> Result<Option<f64>, RewardError>;
 
     /// Scores several completions at once (one result per item, in order). The default scores
-    /// them one by one; a reward model overrides it to run them as one batch.
-    fn score_many(&self, items: &[(&str, &str, &Sample)]) -> Vec<Result<Option<f64>, RewardError>> {
-        items.iter().map(|(p, c, s)| self.score(p, c, s)).collect()
+    /// them one by one; a reward model overrides it to run them as one batch, an external
+    /// function to send them in one message.
+    fn score_many(&self, items: &[Completion<'_>]) -> Vec<Result<Option<f64>, RewardError>> {
+        items
+            .iter()
+            .map(|c| self.score(c.prompt, c.text, c.sample))
+            .collect()
     }
 
     /// Completions scored 0 because their answer could not be read, since the last call (the
@@ -195,6 +225,21 @@ pub trait RewardFunction: Send + Sync {
     fn check_sample(&self, _sample: &Sample) -> Result<(), RewardError> {
         Ok(())
     }
+}
+
+/// One completion to score: the prompt shown to the model, the completion's text and token
+/// ids, and the dataset row it answers (TRL's `prompts`, `completions`, `completion_ids` and
+/// the row's other columns).
+#[derive(Debug, Clone, Copy)]
+pub struct Completion<'a> {
+    /// The prompt as shown to the model (the chat template applied).
+    pub prompt: &'a str,
+    /// The completion's text.
+    pub text: &'a str,
+    /// The completion's token ids.
+    pub ids: &'a [u32],
+    /// The dataset row.
+    pub sample: &'a Sample,
 }
 
 /// A number as an exact fraction `num / den` (den > 0, lowest terms).
@@ -871,6 +916,41 @@ pub enum RewardSpec {
         /// `chars` or `tokens`.
         unit: LengthUnit,
     },
+    /// The user's own function as a command fleet starts once and talks to over JSON lines
+    /// ([`crate::external::CommandReward`]).
+    Command {
+        /// Weight in the sum (default 1.0).
+        #[serde(default = "one")]
+        weight: f64,
+        /// The program and its arguments, e.g. `["python3", "examples/rewards/fleet_reward.py",
+        /// "my_rewards.py:reward_len"]`.
+        command: Vec<String>,
+        /// The metric name (`rewards/<label>/mean`); default: the name the command greets with.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        label: Option<String>,
+        /// Seconds to wait for the greeting and for each batch's answer (default 60).
+        #[serde(default = "default_timeout_s")]
+        timeout_s: f64,
+    },
+    /// The user's own function behind an HTTP endpoint that takes each batch as a POST
+    /// ([`crate::external::HttpReward`]).
+    Http {
+        /// Weight in the sum (default 1.0).
+        #[serde(default = "one")]
+        weight: f64,
+        /// The endpoint, `http://...` or `https://...`.
+        url: String,
+        /// The metric name (`rewards/<label>/mean`); default `http`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        label: Option<String>,
+        /// Seconds to wait for each batch's answer (default 60).
+        #[serde(default = "default_timeout_s")]
+        timeout_s: f64,
+    },
+}
+
+fn default_timeout_s() -> f64 {
+    60.0
 }
 
 impl RewardSpec {
@@ -881,6 +961,8 @@ impl RewardSpec {
         FormatReward::NAME,
         LengthPenalty::NAME,
         crate::reward_model::RewardModel::NAME,
+        "command",
+        "http",
     ];
 
     /// The function's name.
@@ -891,6 +973,8 @@ impl RewardSpec {
             RewardSpec::Format { .. } => FormatReward::NAME,
             RewardSpec::Length { .. } => LengthPenalty::NAME,
             RewardSpec::RewardModel { .. } => crate::reward_model::RewardModel::NAME,
+            RewardSpec::Command { .. } => "command",
+            RewardSpec::Http { .. } => "http",
         }
     }
 
@@ -901,7 +985,9 @@ impl RewardSpec {
             | RewardSpec::MultipleChoice { weight }
             | RewardSpec::Format { weight, .. }
             | RewardSpec::Length { weight, .. }
-            | RewardSpec::RewardModel { weight, .. } => *weight,
+            | RewardSpec::RewardModel { weight, .. }
+            | RewardSpec::Command { weight, .. }
+            | RewardSpec::Http { weight, .. } => *weight,
         }
     }
 
@@ -928,6 +1014,23 @@ impl RewardSpec {
                 LengthPenalty::new(*max_length, *cache_length, LengthUnit::Tokens, Some(dummy))
                     .map(|_| ())
                     .map_err(|e| message_of(&e))
+            }
+            RewardSpec::Command {
+                command, timeout_s, ..
+            } => {
+                if command.is_empty() || command[0].trim().is_empty() {
+                    return Err("command = [] names no program: give the program and its \
+                                arguments, e.g. [\"python3\", \"examples/rewards/fleet_reward.py\", \
+                                \"my_rewards.py:reward_len\"]"
+                        .into());
+                }
+                check_timeout(*timeout_s)
+            }
+            RewardSpec::Http { url, timeout_s, .. } => {
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    return Err(format!("url = {url:?} must start with http:// or https://"));
+                }
+                check_timeout(*timeout_s)
             }
             _ => Ok(()),
         }
@@ -974,7 +1077,37 @@ impl RewardSpec {
                 *unit,
                 counter,
             )?),
+            RewardSpec::Command {
+                command,
+                label,
+                timeout_s,
+                ..
+            } => Box::new(crate::external::CommandReward::start(
+                command.clone(),
+                label.clone(),
+                std::time::Duration::from_secs_f64(*timeout_s),
+            )?),
+            RewardSpec::Http {
+                url,
+                label,
+                timeout_s,
+                ..
+            } => Box::new(crate::external::HttpReward::new(
+                url.clone(),
+                label.clone(),
+                std::time::Duration::from_secs_f64(*timeout_s),
+            )?),
         })
+    }
+}
+
+fn check_timeout(timeout_s: f64) -> Result<(), String> {
+    if timeout_s.is_finite() && timeout_s > 0.0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "timeout_s = {timeout_s}: give the seconds to wait for an answer, a positive number"
+        ))
     }
 }
 
@@ -1064,6 +1197,27 @@ impl BatchRewards {
         out
     }
 
+    /// When no completion has a total reward, why, per function (for
+    /// [`RewardError::BatchUnscored`]); `None` when some completion has one.
+    pub fn unscored(&self) -> Option<String> {
+        if self.totals.is_empty() || self.totals.iter().any(Option::is_some) {
+            return None;
+        }
+        let parts: Vec<String> = self
+            .per_func
+            .iter()
+            .map(|f| {
+                let absent = f.values.iter().filter(|v| v.is_none()).count() - f.failed;
+                let mut part = format!("{}: {} failed, {absent} null", f.name, f.failed);
+                if let Some((i, e)) = f.errors.first() {
+                    part.push_str(&format!(" (first, completion {i}: {e})"));
+                }
+                part
+            })
+            .collect();
+        Some(parts.join("; "))
+    }
+
     /// Completions without a total reward.
     pub fn failed(&self) -> usize {
         self.totals.iter().filter(|t| t.is_none()).count()
@@ -1081,6 +1235,7 @@ impl BatchRewards {
             let (mean, std) = nan_mean_std(&f.values);
             out.insert(format!("rewards/{}/mean", f.name), mean);
             out.insert(format!("rewards/{}/std", f.name), std);
+            out.insert(format!("rewards/{}/failed", f.name), Some(f.failed as f64));
         }
         out
     }
@@ -1172,19 +1327,22 @@ impl WeightedSum {
         self.funcs.iter().map(|(f, _)| f.name()).collect()
     }
 
-    /// Scores a batch: completion `i` answers `prompts[i]` for `samples[i]` (a prompt's sample
-    /// repeated for each of its G completions).
+    /// Scores a batch: completion `i` (text `completions[i]`, tokens `completion_ids[i]`)
+    /// answers `prompts[i]` for `samples[i]` (a prompt's sample repeated for each of its G
+    /// completions).
     pub fn score_batch<P: AsRef<str>, C: AsRef<str>>(
         &self,
         prompts: &[P],
         completions: &[C],
+        completion_ids: &[Vec<u32>],
         samples: &[&Sample],
     ) -> Result<BatchRewards, RewardError> {
         let n = completions.len();
-        if prompts.len() != n || samples.len() != n {
+        if prompts.len() != n || samples.len() != n || completion_ids.len() != n {
             return Err(RewardError::LengthMismatch {
                 prompts: prompts.len(),
                 completions: n,
+                completion_ids: completion_ids.len(),
                 samples: samples.len(),
             });
         }
@@ -1199,8 +1357,13 @@ impl WeightedSum {
                 errors: Vec::new(),
                 unparsed: 0,
             };
-            let items: Vec<(&str, &str, &Sample)> = (0..n)
-                .map(|i| (prompts[i].as_ref(), completions[i].as_ref(), samples[i]))
+            let items: Vec<Completion<'_>> = (0..n)
+                .map(|i| Completion {
+                    prompt: prompts[i].as_ref(),
+                    text: completions[i].as_ref(),
+                    ids: &completion_ids[i],
+                    sample: samples[i],
+                })
                 .collect();
             for (i, outcome) in func.score_many(&items).into_iter().enumerate() {
                 match finite(func.as_ref(), samples[i], outcome) {
@@ -1513,7 +1676,10 @@ mod tests {
         let samples = [&ok, &ok, &fail, &skip, &nan];
         let completions = ["3", "what?", "3", "3", "3"];
         let prompts = [""; 5];
-        let b = sum.score_batch(&prompts, &completions, &samples).unwrap();
+        let ids = vec![Vec::new(); 5];
+        let b = sum
+            .score_batch(&prompts, &completions, &ids, &samples)
+            .unwrap();
         assert_eq!(b.totals, vec![Some(2.0), Some(1.0), None, None, None]);
         assert_eq!(b.failed(), 3);
         assert_eq!(b.unparsed(), 1);
@@ -1530,7 +1696,7 @@ mod tests {
         assert_eq!(sum.score("", "3", &skip), Ok(None));
         assert!(sum.score("", "3", &fail).is_err());
         assert!(matches!(
-            sum.score_batch(&prompts[..2], &completions, &samples)
+            sum.score_batch(&prompts[..2], &completions, &ids, &samples)
                 .unwrap_err(),
             RewardError::LengthMismatch { .. }
         ));

@@ -42,7 +42,7 @@ use crate::metrics::{
 };
 use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule, OptimError};
 use crate::prompt::RenderedPrompt;
-use crate::rewards::{BatchRewards, WeightedSum};
+use crate::rewards::{BatchRewards, RewardError, WeightedSum};
 use crate::TrainError;
 
 /// What rollouts need of the policy's checkpoint besides its weights. The inference model is
@@ -514,6 +514,7 @@ impl Trainer {
         let mut rewards = self.rewards.score_batch(
             &prompts_rep[mine.clone()],
             &texts,
+            &completions,
             &samples_rep[mine.clone()],
         )?;
         // ... and gathers the others' (completions and rewards, in row order).
@@ -530,6 +531,14 @@ impl Trainer {
             }
             completions = all_completions;
             rewards = BatchRewards::concat(parts);
+        }
+        if let Some(detail) = rewards.unscored() {
+            return Err(RewardError::BatchUnscored {
+                batch: self.state.generation_batch + 1,
+                completions: rewards.totals.len(),
+                detail,
+            }
+            .into());
         }
         let advantages = group_advantages(&rewards.totals, g, cfg.scale_rewards)?;
         let width = cfg.max_completion_length.max(1);

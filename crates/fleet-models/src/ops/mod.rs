@@ -19,8 +19,9 @@
 //! - [`sample_tokens`]: the next token of every row (transformers' sampling processors and
 //!   the draw in one kernel) and its log-probability, on the device.
 //! - [`adamw_step_`]: the optimizer's fused step.
-//! - [`linear`]: a linear layer with the bias added in place after the GEMM, and [`gemv`],
-//!   the decode step's few-row product that streams the weights once.
+//! - [`linear`]: a linear layer with the bias added in place after the GEMM, and the decode
+//!   step's few-row products that stream the weights once: [`gemv`] (up to 4 rows) and
+//!   [`skinny_gemm`] (5 to 64, on the tensor cores).
 //! - [`paged_kv_write`] and [`paged_decode_attention`]: the paged KV cache's write of new keys
 //!   and values into their slots, and split-KV decode attention over a row's blocks (GQA, each
 //!   KV head read once per query group); inference only, capturable in a CUDA graph.
@@ -307,7 +308,7 @@ mod swiglu;
 
 pub use adamw::{adamw_step_, AdamWStep};
 pub use gpu_delay::gpu_delay;
-pub use linear::{gemv, linear, GEMV_MAX_ROWS};
+pub use linear::{gemv, linear, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS};
 pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;
 pub use paged_attention::{
