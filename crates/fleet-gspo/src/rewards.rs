@@ -23,6 +23,10 @@
 //! - `format` ([`FormatReward`]): 1.0 when the completion has the required tag pairs and/or
 //!   final-line prefix, else 0.0.
 //! - `length` ([`LengthPenalty`]): DAPO's soft over-length punishment, 0 down to −1.
+//! - `reward_model` ([`crate::reward_model::RewardModel`]): a sequence-classification
+//!   checkpoint's score.
+//! - `command` and `http` ([`crate::external`]): the user's own function, in any language, with
+//!   TRL's arguments (prompts, completions, completion ids and the rows' other columns).
 //!
 //! ```toml
 //! [[reward_funcs]]
