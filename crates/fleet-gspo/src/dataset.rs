@@ -14,9 +14,11 @@
 //! - `prompt`: a string, or a list of chat messages `{role, content}` (other message fields are
 //!   kept for the chat template). Without `prompt`, GSM8K's `question` is the prompt (a line with
 //!   both uses `prompt`).
-//! - `answer` (required): a string or a number (kept as its JSON text). For GSM8K it is the whole
+//! - `answer`: a string or a number (kept as its JSON text). For GSM8K it is the whole
 //!   solution ending in `#### <number>`; the reward function reads the number
-//!   ([`crate::rewards`]).
+//!   ([`crate::rewards`]). Required (a row without it is skipped) unless the dataset is loaded
+//!   for reward functions that read none ([`load_prompts_with`]: gspo-train does so when no
+//!   `gsm8k_exact` or `multiple_choice` is configured).
 //! - `options` (optional, multiple choice): 2 to 6 non-empty strings. The answer must then name
 //!   exactly one option, read by fleet-data's answer parser: a 1-based number, a letter, or the
 //!   option's text ([`Sample::correct_option`]).
@@ -162,8 +164,10 @@ pub struct Sample {
     pub id: String,
     /// The prompt.
     pub prompt: Prompt,
-    /// The reference answer as written (a JSON number is kept as its text).
-    pub answer: String,
+    /// The reference answer as written (a JSON number is kept as its text); `None` for a row
+    /// without one, which only a dataset loaded for reward functions that need no answer keeps
+    /// ([`load_prompts_with`]).
+    pub answer: Option<String>,
     /// Multiple-choice options, without labels, when the line has them.
     pub options: Option<Vec<String>>,
     /// The correct option (0-based) when `options` is set.
@@ -183,7 +187,7 @@ impl Sample {
         Sample {
             id: id.to_string(),
             prompt: Prompt::Text(prompt.to_string()),
-            answer: answer.to_string(),
+            answer: Some(answer.to_string()),
             options: None,
             correct_option: None,
             source: SourceLocation {
@@ -389,6 +393,13 @@ impl PromptDataset {
 /// Loads a prompt dataset (format in the module docs). Fails if the file is missing or
 /// unreadable or has no usable line; bad lines are skipped and reported.
 pub fn load_prompts(path: &Path) -> Result<PromptDataset, DatasetError> {
+    load_prompts_with(path, true)
+}
+
+/// [`load_prompts`], with `require_answer` false for reward functions that read no `answer`
+/// (a row without one is then kept, [`Sample::answer`] `None`, instead of skipped as
+/// [`SkipReason::MissingAnswer`]).
+pub fn load_prompts_with(path: &Path, require_answer: bool) -> Result<PromptDataset, DatasetError> {
     let bytes = std::fs::read(path).map_err(|source| {
         if source.kind() == io::ErrorKind::NotFound {
             DatasetError::MissingFile {
@@ -427,7 +438,7 @@ pub fn load_prompts(path: &Path) -> Result<PromptDataset, DatasetError> {
             file: path.to_path_buf(),
             line,
         };
-        match parse_line(&stem, value, source) {
+        match parse_line(&stem, value, source, require_answer) {
             Ok(sample) => {
                 if let Some(first) = ids.get(&sample.id) {
                     report.skip(
@@ -465,11 +476,17 @@ fn bad_format(detail: impl Into<String>) -> Skip {
     (SkipReason::BadFormat, detail.into())
 }
 
-fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample, Skip> {
+fn parse_line(
+    stem: &str,
+    value: Value,
+    source: SourceLocation,
+    require_answer: bool,
+) -> Result<Sample, Skip> {
     let Value::Object(mut obj) = value else {
         return Err(bad_format("expected a JSON object"));
     };
-    let written_id = obj.get("id").cloned();
+    // The row as written, for external reward functions (the prompt taken out below).
+    let mut extra = obj.clone();
     let id = match obj.remove("id") {
         None | Some(Value::Null) => format!("{stem}-{:06}", source.line),
         Some(Value::String(s)) if !s.trim().is_empty() => s.trim().to_string(),
@@ -485,11 +502,8 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
     } else {
         "question"
     };
-    let mut extra = obj.clone();
-    extra.remove(prompt_field);
-    if let Some(id) = written_id {
-        extra.insert("id".to_string(), id);
-    }
+    // shift_remove keeps the other fields in the file's order.
+    extra.shift_remove(prompt_field);
     let prompt = match obj.remove(prompt_field) {
         None | Some(Value::Null) => {
             return Err((
@@ -533,11 +547,12 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
         }
     };
     let answer = match obj.remove("answer") {
+        None | Some(Value::Null) if !require_answer => None,
         None | Some(Value::Null) => {
             return Err((SkipReason::MissingAnswer, "needs `answer`".to_string()))
         }
-        Some(Value::String(s)) => s,
-        Some(Value::Number(n)) => n.to_string(),
+        Some(Value::String(s)) => Some(s),
+        Some(Value::Number(n)) => Some(n.to_string()),
         Some(other) => {
             return Err(bad_format(format!(
                 "`answer` must be a string or a number, got {}",
@@ -545,7 +560,7 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
             )))
         }
     };
-    if answer.trim().is_empty() {
+    if answer.as_ref().is_some_and(|a| a.trim().is_empty()) {
         return Err((SkipReason::EmptyAnswer, String::new()));
     }
     let (options, correct_option) = match obj.remove("options") {
@@ -574,6 +589,19 @@ fn parse_line(stem: &str, value: Value, source: SourceLocation) -> Result<Sample
                     }
                 }
             }
+            // Without an answer (allowed only when no reward function reads one) the options
+            // are kept with no correct one.
+            let Some(answer) = &answer else {
+                return Ok(Sample {
+                    id,
+                    prompt,
+                    answer: None,
+                    options: Some(options),
+                    correct_option: None,
+                    source,
+                    extra,
+                });
+            };
             let parsed = parse_answer_with_options(answer.trim(), &options);
             match parsed.index() {
                 Some(i) => (Some(options), Some(i)),
@@ -776,17 +804,46 @@ mod tests {
         let s = &ds.samples;
         assert_eq!(s[0].id, "a");
         assert_eq!(s[1].id, "prompts-000002");
-        assert_eq!(s[1].answer, "4");
+        assert_eq!(s[1].answer.as_deref(), Some("4"));
         assert_eq!(s[1].prompt.question_text(), "2+2?");
         assert_eq!(s[1].prompt.messages().len(), 2);
         assert_eq!(
             s[2].prompt,
             Prompt::Text("Natalia sold 48 clips ...".into())
         );
-        assert!(s[2].answer.ends_with("#### 72"));
+        assert!(s[2].answer.as_ref().unwrap().ends_with("#### 72"));
         assert_eq!(s[3].id, "7");
         assert_eq!(s[3].correct_option, Some(1));
         assert_eq!(s[3].source.line, 4);
+    }
+
+    /// For functions that read no answer, rows without one are kept, and every field but the
+    /// prompt reaches [`Sample::extra`] as written; with the answer required they are skipped.
+    #[test]
+    fn rows_without_an_answer_are_kept_when_no_function_reads_one() {
+        let text = concat!(
+            "{\"prompt\": \"q1\", \"solution\": \"x = 1\", \"level\": 3}\n",
+            "{\"id\": \"b\", \"prompt\": \"q2\", \"answer\": 2, \"options\": [\"a\", \"b\"]}\n",
+            "{\"prompt\": \"q3\", \"options\": [\"a\", \"b\"]}\n",
+        );
+        let (_d, path) = write(text);
+        let ds = load_prompts_with(&path, false).unwrap();
+        assert_eq!(ds.len(), 3);
+        let s = &ds.samples;
+        assert_eq!(s[0].answer, None);
+        assert_eq!(
+            serde_json::Value::Object(s[0].extra.clone()).to_string(),
+            r#"{"solution":"x = 1","level":3}"#
+        );
+        assert_eq!(
+            serde_json::Value::Object(s[1].extra.clone()).to_string(),
+            r#"{"id":"b","answer":2,"options":["a","b"]}"#
+        );
+        assert_eq!(s[1].correct_option, Some(1));
+        assert_eq!((s[2].options.is_some(), s[2].correct_option), (true, None));
+        let required = load_prompts(&path).unwrap();
+        assert_eq!(required.len(), 1);
+        assert_eq!(required.report.skipped_for(SkipReason::MissingAnswer), 2);
     }
 
     #[test]

@@ -58,8 +58,8 @@ pub use config::{
     TorchDtype,
 };
 pub use dataset::{
-    load_prompts, DataCursor, DatasetError, Prompt, PromptBatch, PromptDataset, PromptSampler,
-    Sample,
+    load_prompts, load_prompts_with, DataCursor, DatasetError, Prompt, PromptBatch, PromptDataset,
+    PromptSampler, Sample,
 };
 pub use dist::{AllReduceGrads, BatchLayout, BatchScaling, DataParallel};
 pub use loss::{

@@ -564,10 +564,18 @@ impl Gsm8kExact {
     }
 
     fn reference(&self, sample: &Sample) -> Result<Rational, RewardError> {
-        extract_reference_number(&sample.answer).map_err(|reason| RewardError::BadReference {
+        let Some(answer) = &sample.answer else {
+            return Err(RewardError::MissingField {
+                function: Self::NAME.to_string(),
+                id: sample.id.clone(),
+                field: "answer",
+                hint: "gsm8k_exact needs rows with an `answer` ending in `#### <number>`",
+            });
+        };
+        extract_reference_number(answer).map_err(|reason| RewardError::BadReference {
             function: Self::NAME.to_string(),
             id: sample.id.clone(),
-            answer: truncate(&sample.answer, 200),
+            answer: truncate(answer, 200),
             reason,
         })
     }
@@ -980,6 +988,15 @@ impl RewardSpec {
             RewardSpec::Command { .. } => "command",
             RewardSpec::Http { .. } => "http",
         }
+    }
+
+    /// Whether the function reads the rows' `answer` (a dataset for functions that do not may
+    /// lack it).
+    pub fn reads_answer(&self) -> bool {
+        matches!(
+            self,
+            RewardSpec::Gsm8kExact { .. } | RewardSpec::MultipleChoice { .. }
+        )
     }
 
     /// Its weight.

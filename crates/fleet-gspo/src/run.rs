@@ -32,11 +32,11 @@ use fleet_topology::{
 
 use crate::checkpoint::{self, TrainerState};
 use crate::config::GspoConfig;
-use crate::dataset::{load_prompts, PromptSampler};
+use crate::dataset::{load_prompts_with, PromptSampler};
 use crate::dist::{BatchLayout, BatchScaling, DataParallel};
 use crate::metrics::MetricsLog;
 use crate::optim::{AdamW, AdamWConfig, LrSchedule, OptimizerState};
-use crate::rewards::WeightedSum;
+use crate::rewards::{RewardSpec, WeightedSum};
 use crate::trainer::Trainer;
 use crate::TrainError;
 
@@ -188,7 +188,9 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     let qwen = QwenConfig::from_file(&files.config).map_err(ModelError::from)?;
 
     // The data and the rewards first: a bad dataset is found before anything is loaded.
-    let data = load_prompts(&opts.dataset)?;
+    // Rows without `answer` are skipped only when a function reads it.
+    let require_answer = config.reward_funcs.iter().any(RewardSpec::reads_answer);
+    let data = load_prompts_with(&opts.dataset, require_answer)?;
     let dataset_report = data.report.to_string();
     // Length rewards counted in tokens use the policy's tokenizer.
     let counter: Option<crate::rewards::TokenCounter> = match &files.tokenizer {
