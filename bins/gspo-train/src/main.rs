@@ -381,16 +381,45 @@ fn run(cli: &Cli) -> Result<()> {
     // The rewards of this run's steps, for the summary line (the full records are in
     // metrics.jsonl).
     let mut rewards: Vec<Option<f64>> = Vec::new();
-    trainer.train(&mut |m: &StepMetrics| {
-        bar.set_position(m.step);
-        bar.set_message(format!(
-            "reward {} loss {:.4}",
-            m.reward.map_or("-".into(), |r| format!("{r:.3}")),
-            m.loss
-        ));
-        rewards.push(m.reward);
-    })?;
+    let value = |v: Option<f64>| v.map_or("-".into(), |r| format!("{r:.3}"));
+    trainer.train_with(
+        &mut |m: &StepMetrics| {
+            bar.set_position(m.step);
+            bar.set_message(format!(
+                "reward {} loss {:.4}{}",
+                value(m.reward),
+                m.loss,
+                m.kl.map_or(String::new(), |kl| format!(" kl {kl:.4}"))
+            ));
+            rewards.push(m.reward);
+        },
+        &mut |e: &fleet_gspo::EvalMetrics| {
+            let passes: Vec<String> = e
+                .values
+                .iter()
+                .filter(|(k, _)| k.starts_with("eval_pass@"))
+                .map(|(k, v)| format!("{} {}", &k[5..], value(*v)))
+                .collect();
+            bar.println(format!(
+                "eval at step {}: reward {}, {} ({} prompts, {:.1} s)",
+                e.step,
+                value(e.get("eval_reward")),
+                passes.join(", "),
+                value(e.get("eval_prompts")),
+                e.eval_runtime
+            ));
+        },
+    )?;
     bar.finish_and_clear();
+    if let Some(best) = trainer.export_best()? {
+        outln!(
+            "best checkpoint {} ({} = {}): its model files are in {}",
+            best.display(),
+            config.best_metric().map(|m| m.0).unwrap_or_default(),
+            value(trainer.state.best_metric),
+            trainer.config.output_dir.display()
+        )?;
+    }
     // FLEET_PROFILE=1: where the time went (each stage synchronized; read the shares).
     // Memory (coarse stages): the driver's figure, then the allocator's live and reserved bytes.
     let gib = |b: u64| b as f64 / f64::from(1u32 << 30);

@@ -548,6 +548,110 @@ fn a_users_python_reward_function_trains_beside_a_rule() {
     assert!(err.contains("ValueError: no reference column"), "{err}");
 }
 
+/// Issue 28, item 2: evaluation during training on prompts held out of the training file,
+/// k samples per prompt, TRL's eval_* keys in metrics.jsonl, and the best checkpoint kept
+/// (never pruned by save_total_limit) and exported at the end.
+#[test]
+fn evaluation_logs_eval_metrics_and_keeps_the_best_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let stdout = ok(&run(&[
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--max-steps",
+        "12",
+        "--set",
+        "save_steps=4",
+        "--set",
+        "save_total_limit=1",
+        "--set",
+        "eval_strategy=steps",
+        "--set",
+        "eval_steps=4",
+        "--set",
+        "eval_holdout=0.1",
+        "--set",
+        "num_generations_eval=2",
+        "--set",
+        "per_device_eval_batch_size=16",
+        "--set",
+        "load_best_model_at_end=true",
+    ]));
+    let m = metrics(&out);
+    let evals: Vec<&serde_json::Value> = m
+        .iter()
+        .filter(|l| l.get("eval_runtime").is_some())
+        .collect();
+    assert_eq!(
+        evals
+            .iter()
+            .map(|e| e["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![4, 8, 12]
+    );
+    for e in &evals {
+        for key in [
+            "eval_reward",
+            "eval_pass@1",
+            "eval_pass@2",
+            "eval_rewards/gsm8k_exact/mean",
+        ] {
+            assert!(e[key].is_number(), "{key} in {e}");
+        }
+        assert!(e["eval_prompts"].as_f64().unwrap() >= 1.0, "{e}");
+    }
+    assert_eq!(m.len(), 12 + 3, "12 step lines and 3 evaluations");
+    // The best checkpoint is the one at the best eval_reward (the first on ties).
+    let rewards: Vec<f64> = evals
+        .iter()
+        .map(|e| e["eval_reward"].as_f64().unwrap())
+        .collect();
+    let best = rewards
+        .iter()
+        .enumerate()
+        .fold(0, |b, (i, r)| if *r > rewards[b] { i } else { b });
+    let best_name = format!("checkpoint-{}", 4 * (best + 1));
+    let pointer = std::fs::read_to_string(out.join("best")).unwrap();
+    assert_eq!(pointer.trim(), best_name);
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("checkpoint-12/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["best_model_checkpoint"], best_name.as_str());
+    assert_eq!(state["best_metric"].as_f64(), Some(rewards[best]));
+    // save_total_limit = 1 keeps the newest and the best.
+    assert!(out.join(&best_name).is_dir() && out.join("checkpoint-12").is_dir());
+    // The best model's files in output_dir, as transformers' save_model writes them.
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        std::fs::read(out.join(&best_name).join("model.safetensors")).unwrap()
+    );
+    assert!(
+        stdout.contains(&format!(
+            "best checkpoint {}",
+            out.join(&best_name).display()
+        )),
+        "{stdout}"
+    );
+
+    // Evaluation without prompts, and a best model that might not be saved, are refused.
+    let err = fails(&run(&["--set", "eval_strategy=steps", "--max-steps", "1"]));
+    assert!(err.contains("eval_holdout"), "{err}");
+    let err = fails(&run(&[
+        "--set",
+        "eval_strategy=steps",
+        "--set",
+        "eval_holdout=0.1",
+        "--set",
+        "eval_steps=3",
+        "--set",
+        "save_steps=4",
+        "--set",
+        "load_best_model_at_end=true",
+    ]));
+    assert!(err.contains("a multiple of eval_steps"), "{err}");
+}
+
 /// Issue 10, item 9: end to end, the reward rises on the synthetic task. The bundled model
 /// starts at chance (one answer in thirteen); a trainer whose gradients do not reach the model,
 /// or whose advantages or loss are wrong, stays there.

@@ -105,6 +105,16 @@ pub struct TrainerState {
     /// in older checkpoints).
     #[serde(default = "first_sampler_version")]
     pub sampler_version: u32,
+    /// The best value of `metric_for_best_model` so far (HF's `best_metric`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_metric: Option<f64>,
+    /// The checkpoint that holds it, a name in the output directory (HF's
+    /// `best_model_checkpoint`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_model_checkpoint: Option<String>,
+    /// The step of the best evaluation (HF's `best_global_step`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_global_step: Option<u64>,
 }
 
 /// The sampler version of checkpoints written before versions were recorded.
@@ -135,6 +145,10 @@ pub fn check_sampler(
 
 /// The file `latest` in an output directory.
 pub const LATEST: &str = "latest";
+
+/// The file `best` in an output directory: the name of the checkpoint with the best
+/// `metric_for_best_model` (HF's `best_model_checkpoint`).
+pub const BEST: &str = "best";
 /// Prefix of checkpoint directories.
 pub const PREFIX: &str = "checkpoint-";
 
@@ -157,8 +171,9 @@ pub struct CheckpointContents<'a> {
     pub base: &'a CheckpointFiles,
 }
 
-/// Writes `checkpoint-<step>` into `output_dir`, points `latest` at it, and removes the oldest
-/// checkpoints beyond `keep` (None: keep all). Returns the checkpoint's path.
+/// Writes `checkpoint-<step>` into `output_dir`, points `latest` at it (and `best` when
+/// `state.best_model_checkpoint` names it), and removes the oldest checkpoints beyond `keep`
+/// (None: keep all) but the best one, as HF's Trainer keeps it. Returns the checkpoint's path.
 pub fn save(
     output_dir: &Path,
     contents: &CheckpointContents<'_>,
@@ -183,8 +198,12 @@ pub fn save(
     std::fs::rename(&tmp, &target).map_err(|e| io(&target, e))?;
     sync_dir(output_dir);
     fleet_runs::write_atomic(&output_dir.join(LATEST), format!("{name}\n").as_bytes())?;
+    let best = contents.state.best_model_checkpoint.as_deref();
+    if best == Some(name.as_str()) {
+        fleet_runs::write_atomic(&output_dir.join(BEST), format!("{name}\n").as_bytes())?;
+    }
     if let Some(keep) = keep {
-        prune(output_dir, keep.max(1))?;
+        prune(output_dir, keep.max(1), best)?;
     }
     Ok(target)
 }
@@ -261,11 +280,22 @@ pub fn list(output_dir: &Path) -> Vec<(u64, PathBuf)> {
     out
 }
 
-fn prune(output_dir: &Path, keep: usize) -> Result<(), CheckpointError> {
-    let all = list(output_dir);
-    let n = all.len();
-    for (_, path) in all.into_iter().take(n.saturating_sub(keep)) {
+/// Removes the oldest checkpoints beyond `keep`, never the newest nor `best` (as HF's Trainer:
+/// with a limit of 1 and a best checkpoint that is not the newest, both stay).
+fn prune(output_dir: &Path, keep: usize, best: Option<&str>) -> Result<(), CheckpointError> {
+    let is_best = |path: &Path| best.is_some_and(|b| path.file_name() == Some(b.as_ref()));
+    let mut all = list(output_dir);
+    all.pop(); // the newest
+    let mut excess = (all.len() + 1).saturating_sub(keep);
+    for (_, path) in all {
+        if excess == 0 {
+            break;
+        }
+        if is_best(&path) {
+            continue;
+        }
         std::fs::remove_dir_all(&path).map_err(|e| io(&path, e))?;
+        excess -= 1;
     }
     Ok(())
 }
@@ -345,7 +375,8 @@ pub fn resume_point(output_dir: &Path, chosen: Option<&Path>) -> Result<PathBuf,
             }
         }
     };
-    if let Err(e) = verify(&path) {
+    let resumed = verify(&path);
+    if let Err(e) = &resumed {
         let step = step_of(&path).unwrap_or(u64::MAX);
         let intact = list(output_dir)
             .into_iter()
@@ -378,6 +409,16 @@ pub fn resume_point(output_dir: &Path, chosen: Option<&Path>) -> Result<PathBuf,
     }
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     fleet_runs::write_atomic(&output_dir.join(LATEST), format!("{name}\n").as_bytes())?;
+    // `best` as the resumed state has it (it may have named a checkpoint just removed).
+    let best = resumed?
+        .best_model_checkpoint
+        .filter(|b| output_dir.join(b).is_dir());
+    match best {
+        Some(b) => fleet_runs::write_atomic(&output_dir.join(BEST), format!("{b}\n").as_bytes())?,
+        None => {
+            let _ = std::fs::remove_file(output_dir.join(BEST));
+        }
+    }
     Ok(path)
 }
 

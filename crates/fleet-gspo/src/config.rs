@@ -211,6 +211,17 @@ pub enum TorchDtype {
     Bfloat16,
 }
 
+/// When to evaluate (HF `eval_strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvalStrategy {
+    /// Never.
+    No,
+    /// Every `eval_steps` optimizer steps (at the end of the generation batch in which a
+    /// multiple falls, as checkpoints are written).
+    Steps,
+}
+
 /// The learning-rate schedule (HF `lr_scheduler_type`); each has the linear warm-up of
 /// `warmup_steps` / `warmup_ratio`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -272,6 +283,10 @@ enum_names!(ScaleRewards, "a reward scaling", {
     "group" => ScaleRewards::Group,
     "batch" => ScaleRewards::Batch,
     "none" => ScaleRewards::None,
+});
+enum_names!(EvalStrategy, "an evaluation strategy", {
+    "no" => EvalStrategy::No,
+    "steps" => EvalStrategy::Steps,
 });
 enum_names!(LrSchedulerType, "a scheduler type", {
     "constant" => LrSchedulerType::Constant,
@@ -386,6 +401,39 @@ pub struct GspoConfig {
     pub output_dir: PathBuf,
     /// The reward functions and their weights (TRL `reward_funcs` + `reward_weights`).
     pub reward_funcs: Vec<RewardSpec>,
+    /// When to evaluate (HF `eval_strategy`): `no` (default) or `steps`.
+    pub eval_strategy: EvalStrategy,
+    /// Evaluate every this many optimizer steps; unset: `logging_steps` (HF).
+    pub eval_steps: Option<u64>,
+    /// The evaluation prompts: a JSONL file in the training file's format (TRL takes an
+    /// `eval_dataset`; the CLI's `--eval-dataset`).
+    pub eval_dataset: Option<PathBuf>,
+    /// Hold out this fraction of the training file's prompts for evaluation instead (a seeded
+    /// choice, never trained on); 0: none. Default 0.
+    pub eval_holdout: f64,
+    /// Completions per evaluation batch on each process (HF). Default 8; a multiple of
+    /// `num_generations_eval`.
+    pub per_device_eval_batch_size: usize,
+    /// Completions per evaluation prompt, k of pass@k (TRL); unset: `num_generations`.
+    pub num_generations_eval: Option<usize>,
+    /// Evaluation completions sampled with the training's temperature, top-k and top-p (true,
+    /// as TRL does), or greedy (false; needs `num_generations_eval = 1`). Default true.
+    pub eval_do_sample: bool,
+    /// A completion passes (pass@1, pass@k) when its total reward is at least this. Default
+    /// 1.0 (a correct answer of `gsm8k_exact` or `multiple_choice`).
+    pub eval_pass_threshold: f64,
+    /// The evaluation metric that picks the best checkpoint (HF; `eval_` is prefixed when
+    /// missing, e.g. `reward` or `pass@1`). Unset: `eval_reward` when
+    /// `load_best_model_at_end`, else no best checkpoint is tracked.
+    pub metric_for_best_model: Option<String>,
+    /// Whether a larger `metric_for_best_model` is better (HF); unset: true unless the
+    /// metric's name ends in `loss`.
+    pub greater_is_better: Option<bool>,
+    /// At the end, the best checkpoint's model files are copied into `output_dir` (what HF's
+    /// Trainer holds after loading the best model); the best checkpoint is never removed by
+    /// `save_total_limit`. Needs `eval_strategy = "steps"` and `save_steps` a multiple of
+    /// `eval_steps` (HF's rule). Default false.
+    pub load_best_model_at_end: bool,
 }
 
 impl Default for GspoConfig {
@@ -432,6 +480,17 @@ impl Default for GspoConfig {
             save_total_limit: None,
             output_dir: PathBuf::from("trainer_output"),
             reward_funcs: Vec::new(),
+            eval_strategy: EvalStrategy::No,
+            eval_steps: None,
+            eval_dataset: None,
+            eval_holdout: 0.0,
+            per_device_eval_batch_size: 8,
+            num_generations_eval: None,
+            eval_do_sample: true,
+            eval_pass_threshold: 1.0,
+            metric_for_best_model: None,
+            greater_is_better: None,
+            load_best_model_at_end: false,
         }
     }
 }
@@ -479,6 +538,17 @@ pub const KEYS: &[&str] = &[
     "save_steps",
     "save_total_limit",
     "output_dir",
+    "eval_strategy",
+    "eval_steps",
+    "eval_dataset",
+    "eval_holdout",
+    "per_device_eval_batch_size",
+    "num_generations_eval",
+    "eval_do_sample",
+    "eval_pass_threshold",
+    "metric_for_best_model",
+    "greater_is_better",
+    "load_best_model_at_end",
     "BATCH_SIZE",
     "GROUP_SIZE",
     "GSPO_EPOCHS",
@@ -706,6 +776,25 @@ impl GspoConfig {
                 }
                 self.output_dir = PathBuf::from(v)
             }
+            "eval_strategy" => self.eval_strategy = parse_enum(key, value)?,
+            "eval_steps" => self.eval_steps = parse_opt(key, value, parse_u64)?,
+            "eval_dataset" => {
+                self.eval_dataset = parse_opt(key, value, |_, v| Ok(PathBuf::from(v)))?
+            }
+            "eval_holdout" => self.eval_holdout = parse_f64(key, value)?,
+            "per_device_eval_batch_size" => {
+                self.per_device_eval_batch_size = parse_usize(key, value)?
+            }
+            "num_generations_eval" => {
+                self.num_generations_eval = parse_opt(key, value, parse_usize)?
+            }
+            "eval_do_sample" => self.eval_do_sample = parse_bool(key, value)?,
+            "eval_pass_threshold" => self.eval_pass_threshold = parse_f64(key, value)?,
+            "metric_for_best_model" => {
+                self.metric_for_best_model = parse_opt(key, value, |_, v| Ok(v.to_string()))?
+            }
+            "greater_is_better" => self.greater_is_better = parse_opt(key, value, parse_bool)?,
+            "load_best_model_at_end" => self.load_best_model_at_end = parse_bool(key, value)?,
             "reward_funcs" | "reward_weights" => {
                 return Err(ConfigError::NotOverridable {
                     key: key.to_string(),
@@ -897,6 +986,7 @@ impl GspoConfig {
             "a directory path",
         )?;
         self.check_batch_arithmetic()?;
+        self.check_eval()?;
         self.check_reward_funcs()
     }
 
@@ -941,6 +1031,115 @@ impl GspoConfig {
         })
     }
 
+    /// Completions per evaluation prompt.
+    pub fn eval_generations(&self) -> usize {
+        self.num_generations_eval.unwrap_or(self.num_generations)
+    }
+
+    /// Optimizer steps between evaluations; `None` when `eval_strategy = "no"`.
+    pub fn eval_every(&self) -> Option<u64> {
+        match self.eval_strategy {
+            EvalStrategy::No => None,
+            EvalStrategy::Steps => Some(self.eval_steps.unwrap_or(self.logging_steps)),
+        }
+    }
+
+    /// The metric that picks the best checkpoint (`eval_`-prefixed) and whether larger is
+    /// better; `None` when no best checkpoint is tracked.
+    pub fn best_metric(&self) -> Option<(String, bool)> {
+        let name = match (&self.metric_for_best_model, self.load_best_model_at_end) {
+            (Some(m), _) => m.trim().to_string(),
+            (None, true) => "eval_reward".to_string(),
+            (None, false) => return None,
+        };
+        let name = if name.starts_with("eval_") {
+            name
+        } else {
+            format!("eval_{name}")
+        };
+        let greater = self.greater_is_better.unwrap_or(!name.ends_with("loss"));
+        Some((name, greater))
+    }
+
+    fn check_eval(&self) -> Result<(), ConfigError> {
+        let h = self.eval_holdout;
+        check(
+            h.is_finite() && (0.0..1.0).contains(&h),
+            "eval_holdout",
+            h,
+            "0 <= eval_holdout < 1 (the fraction of the training prompts held out; 0: none)",
+        )?;
+        let Some(every) = self.eval_every() else {
+            if self.load_best_model_at_end {
+                return Err(ConfigError::BadValue {
+                    key: "load_best_model_at_end".into(),
+                    value: "true".into(),
+                    expected: "eval_strategy = \"steps\" (no evaluation, no best model)".into(),
+                });
+            }
+            // The evaluation's settings matter only when it runs.
+            return Ok(());
+        };
+        check(
+            self.per_device_eval_batch_size >= 1,
+            "per_device_eval_batch_size",
+            self.per_device_eval_batch_size,
+            "at least 1",
+        )?;
+        let k = self.eval_generations();
+        check(
+            k >= 1,
+            "num_generations_eval",
+            k,
+            "at least 1, or none for num_generations",
+        )?;
+        check(
+            self.per_device_eval_batch_size.is_multiple_of(k),
+            "per_device_eval_batch_size",
+            self.per_device_eval_batch_size,
+            &format!(
+                "a multiple of num_generations_eval ({k}): a prompt's k completions are \
+                 evaluated together"
+            ),
+        )?;
+        check(
+            self.eval_do_sample || k == 1,
+            "num_generations_eval",
+            k,
+            "1 with eval_do_sample = false (greedy completions of a prompt are all the same)",
+        )?;
+        check(
+            self.eval_pass_threshold.is_finite(),
+            "eval_pass_threshold",
+            self.eval_pass_threshold,
+            "a finite reward",
+        )?;
+        {
+            check(every >= 1, "eval_steps", every, "at least 1")?;
+            if self.eval_dataset.is_none() && self.eval_holdout == 0.0 {
+                return Err(ConfigError::BadValue {
+                    key: "eval_strategy".into(),
+                    value: "steps".into(),
+                    expected: "evaluation prompts: eval_dataset = \"FILE.jsonl\" (--eval-dataset) \
+                               or eval_holdout = 0.05 (a fraction of the training file)"
+                        .into(),
+                });
+            }
+            if self.load_best_model_at_end && !self.save_steps.is_multiple_of(every) {
+                return Err(ConfigError::BadValue {
+                    key: "load_best_model_at_end".into(),
+                    value: "true".into(),
+                    expected: format!(
+                        "save_steps ({}) a multiple of eval_steps ({every}), so that an \
+                         evaluated model is saved (HF's rule)",
+                        self.save_steps
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn check_reward_funcs(&self) -> Result<(), ConfigError> {
         if self.reward_funcs.is_empty() {
             return Err(ConfigError::NoRewardFuncs {
@@ -953,9 +1152,12 @@ impl GspoConfig {
                 name: spec.name().to_string(),
                 message,
             })?;
+            // Functions named by their process (a command without `label`) are told apart
+            // when they greet (WeightedSum refuses two of one name).
+            let name = spec.config_name();
             if let Some(first) = self.reward_funcs[..i]
                 .iter()
-                .position(|other| other.name() == spec.name())
+                .position(|other| name.is_some() && other.config_name() == name)
             {
                 return Err(ConfigError::DuplicateRewardFunc {
                     name: spec.name().to_string(),

@@ -54,8 +54,8 @@ pub mod trainer;
 
 pub use advantage::{group_advantages, AdvantageError, GroupAdvantages};
 pub use config::{
-    ConfigError, GspoConfig, ImportanceSamplingLevel, LossType, LrSchedulerType, ScaleRewards,
-    TorchDtype,
+    ConfigError, EvalStrategy, GspoConfig, ImportanceSamplingLevel, LossType, LrSchedulerType,
+    ScaleRewards, TorchDtype,
 };
 pub use dataset::{
     load_prompts, load_prompts_with, DataCursor, DatasetError, Prompt, PromptBatch, PromptDataset,
@@ -67,7 +67,8 @@ pub use loss::{
     PolicyLoss,
 };
 pub use metrics::{
-    plot_training, CompletionStats, MetricsError, MetricsLog, StepMetrics, StepParts, StepTimings,
+    eval_records, plot_training, step_records, CompletionStats, EvalMetrics, MetricsError,
+    MetricsLine, MetricsLog, StepMetrics, StepParts, StepTimings,
 };
 pub use optim::{
     clip_grad_norm, grad_norm, AdamW, AdamWConfig, Gradients, LrSchedule, OptimError,
@@ -75,7 +76,7 @@ pub use optim::{
 };
 pub use rewards::{BatchRewards, RewardError, RewardFunction, RewardSpec, WeightedSum};
 pub use run::{prepare, DistOptions, Prepared, RunOptions};
-pub use trainer::Trainer;
+pub use trainer::{EvalPrompts, Trainer};
 
 /// Errors of a training run: each names the file, field or value at fault and what to do.
 #[derive(Debug, thiserror::Error)]

@@ -60,6 +60,18 @@
 //!
 //! A NaN or infinite float is written as `null` (JSON has no NaN) and read back as NaN.
 //!
+//! # Evaluations
+//!
+//! With `eval_strategy = "steps"` an evaluation writes a line of its own ([`EvalMetrics`]),
+//! with `step` and `epoch` and HF's `eval_*` keys (TRL logs its evaluation's means with the
+//! `eval_` prefix): `eval_reward`, `eval_reward_std`, `eval_rewards/<fn>/mean|std|failed`
+//! (the training keys' definitions, over the evaluation's completions), `eval_pass@1` (the mean
+//! over prompts of the fraction of its k completions whose total reward reaches
+//! `eval_pass_threshold`; a failed reward does not pass), `eval_pass@<k>` for k > 1 (the
+//! fraction of prompts with at least one passing completion: the unbiased estimator of Chen et
+//! al. 2021 with n = k), `eval_completions/mean_length`, `eval_failed_rewards`, `eval_prompts`,
+//! `eval_runtime` and `eval_samples_per_second` (HF's, samples being prompts).
+//!
 //! # Resume
 //!
 //! A run resumed from a checkpoint appends the steps after it again; [`latest_per_step`] keeps
@@ -488,8 +500,8 @@ impl MetricsLog {
     /// Opens (or creates) `path` and returns the records already there; a line torn by a kill
     /// is repaired first (see [`fleet_runs::JsonlLog::open`]; `contents.problems(path)` says
     /// what was wrong, for the log).
-    pub fn open(path: &Path) -> Result<(MetricsLog, JsonlContents<StepMetrics>), MetricsError> {
-        let (log, contents) = JsonlLog::open::<StepMetrics>(path)?;
+    pub fn open(path: &Path) -> Result<(MetricsLog, JsonlContents<MetricsLine>), MetricsError> {
+        let (log, contents) = JsonlLog::open::<MetricsLine>(path)?;
         Ok((MetricsLog { log }, contents))
     }
 
@@ -498,10 +510,133 @@ impl MetricsLog {
         Ok(self.log.append(metrics)?)
     }
 
+    /// Appends one evaluation's record (one write).
+    pub fn append_eval(&mut self, metrics: &EvalMetrics) -> Result<(), MetricsError> {
+        Ok(self.log.append(metrics)?)
+    }
+
     /// The file.
     pub fn path(&self) -> &Path {
         self.log.path()
     }
+}
+
+/// One evaluation's line of `metrics.jsonl` (module docs, "Evaluations").
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalMetrics {
+    /// Optimizer steps done when it ran.
+    pub step: u64,
+    /// HF's `state.epoch` then.
+    pub epoch: f64,
+    /// Seconds it took (HF's `eval_runtime`).
+    pub eval_runtime: f64,
+    /// Prompts per second (HF's `eval_samples_per_second`).
+    pub eval_samples_per_second: f64,
+    /// The `eval_*` metrics; `null` where undefined (no completion scored).
+    #[serde(flatten)]
+    pub values: BTreeMap<String, Option<f64>>,
+}
+
+impl EvalMetrics {
+    /// The metrics of an evaluation whose completions (k per prompt, in prompt order) got
+    /// `rewards` and have `lengths` tokens.
+    pub fn from_parts(
+        (step, epoch, seconds): (u64, f64, f64),
+        rewards: &BatchRewards,
+        lengths: &[usize],
+        k: usize,
+        pass_threshold: f64,
+    ) -> EvalMetrics {
+        let k = k.max(1);
+        let prompts = rewards.totals.len() / k;
+        let mut v: BTreeMap<String, Option<f64>> = BTreeMap::new();
+        let (mean, std) = nan_mean_std(&rewards.totals);
+        v.insert("eval_reward".into(), mean);
+        v.insert("eval_reward_std".into(), std);
+        for (key, value) in rewards.metrics() {
+            v.insert(format!("eval_{key}"), value);
+        }
+        let passes: Vec<usize> = rewards
+            .totals
+            .chunks(k)
+            .map(|g| {
+                g.iter()
+                    .filter(|t| t.is_some_and(|t| t >= pass_threshold))
+                    .count()
+            })
+            .collect();
+        let per_prompt = |f: &dyn Fn(usize) -> f64| {
+            (prompts > 0).then(|| passes.iter().map(|&c| f(c)).sum::<f64>() / prompts as f64)
+        };
+        v.insert("eval_pass@1".into(), per_prompt(&|c| c as f64 / k as f64));
+        if k > 1 {
+            v.insert(
+                format!("eval_pass@{k}"),
+                per_prompt(&|c| if c > 0 { 1.0 } else { 0.0 }),
+            );
+        }
+        let mean_length = (!lengths.is_empty())
+            .then(|| lengths.iter().sum::<usize>() as f64 / lengths.len() as f64);
+        v.insert("eval_completions/mean_length".into(), mean_length);
+        v.insert(
+            "eval_failed_rewards".into(),
+            Some(rewards.totals.iter().filter(|t| t.is_none()).count() as f64),
+        );
+        v.insert("eval_prompts".into(), Some(prompts as f64));
+        EvalMetrics {
+            step,
+            epoch,
+            eval_runtime: seconds,
+            eval_samples_per_second: if seconds > 0.0 {
+                prompts as f64 / seconds
+            } else {
+                0.0
+            },
+            values: v,
+        }
+    }
+
+    /// The value of `key` (`eval_runtime` and `eval_samples_per_second` too); `None` when
+    /// absent or undefined.
+    pub fn get(&self, key: &str) -> Option<f64> {
+        match key {
+            "eval_runtime" => Some(self.eval_runtime),
+            "eval_samples_per_second" => Some(self.eval_samples_per_second),
+            _ => self.values.get(key).copied().flatten(),
+        }
+    }
+}
+
+/// One line of `metrics.jsonl`: an evaluation's, or an optimizer step's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum MetricsLine {
+    /// An evaluation (it has `eval_runtime`, which no step line has).
+    Eval(EvalMetrics),
+    /// An optimizer step.
+    Step(Box<StepMetrics>),
+}
+
+/// The step records of `lines`, in file order.
+pub fn step_records(lines: &[MetricsLine]) -> Vec<StepMetrics> {
+    lines
+        .iter()
+        .filter_map(|l| match l {
+            MetricsLine::Step(s) => Some((**s).clone()),
+            MetricsLine::Eval(_) => None,
+        })
+        .collect()
+}
+
+/// The evaluation records of `lines`, the last of each step, in step order.
+pub fn eval_records(lines: &[MetricsLine]) -> Vec<EvalMetrics> {
+    let mut by_step: BTreeMap<u64, &EvalMetrics> = BTreeMap::new();
+    for l in lines {
+        if let MetricsLine::Eval(e) = l {
+            by_step.insert(e.step, e);
+        }
+    }
+    by_step.into_values().cloned().collect()
 }
 
 /// The last record of each step, in step order (a resumed run logs the steps after its
@@ -574,6 +709,7 @@ const BLUE: RGBColor = RGBColor(0x2E, 0x86, 0xAB);
 const LIGHT_BLUE: RGBColor = RGBColor(0x8C, 0xC4, 0xDA);
 const RED: RGBColor = RGBColor(0xC7, 0x3E, 0x1D);
 const LIGHT_RED: RGBColor = RGBColor(0xE8, 0xA8, 0x98);
+const GREEN: RGBColor = RGBColor(0x3B, 0x8E, 0x3B);
 
 /// Trailing mean over `window` points (fewer at the start).
 fn moving_average(points: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
@@ -637,10 +773,11 @@ fn with_trend(
 /// written.
 pub fn plot_training(
     dir: &Path,
-    records: &[StepMetrics],
+    lines: &[MetricsLine],
     subtitle: &str,
 ) -> Result<Vec<PathBuf>, MetricsError> {
-    let rows = latest_per_step(records);
+    let rows = latest_per_step(&step_records(lines));
+    let evals = eval_records(lines);
     if rows.is_empty() {
         return Err(MetricsError::NoData);
     }
@@ -666,17 +803,36 @@ pub fn plot_training(
         .iter()
         .filter_map(|r| Some((r.step as f64, finite(r.loss)?)))
         .collect();
+    let mut series = with_trend(
+        per_batch,
+        "reward of each generation batch",
+        "generation batches",
+        (BLUE, LIGHT_BLUE),
+    );
+    let eval_points: Vec<(f64, f64)> = evals
+        .iter()
+        .filter_map(|e| Some((e.step as f64, finite(e.get("eval_reward")?)?)))
+        .collect();
+    if !eval_points.is_empty() {
+        series.push(Series {
+            label: "evaluation reward (eval_reward)".into(),
+            color: GREEN,
+            line: LineStyle::solid(2),
+            marker: Some(Marker {
+                shape: MarkerShape::Circle,
+                size: 4,
+                filled: true,
+            }),
+            points: eval_points,
+            intervals: None,
+        });
+    }
     let reward = LineChart {
         title: "GSPO training: reward".into(),
         subtitle: subtitle.to_string(),
         x_label: "optimizer step".into(),
-        y_label: "reward (mean over the generation batch)".into(),
-        series: with_trend(
-            per_batch,
-            "reward of each generation batch",
-            "generation batches",
-            (BLUE, LIGHT_BLUE),
-        ),
+        y_label: "reward (mean over the generation batch; evaluations)".into(),
+        series,
         x_integer: true,
     };
     let loss = LineChart {
@@ -698,6 +854,55 @@ mod tests {
     use crate::advantage::group_advantages;
     use crate::loss::LossMetrics;
     use crate::rewards::FuncScores;
+
+    /// pass@1 and pass@k per prompt of k completions, failures never passing; the eval line
+    /// reads back beside the step lines, is cut on resume like them, and is drawn.
+    #[test]
+    fn evaluations_are_lines_of_their_own() {
+        // Two prompts of k = 3: rewards 1, 0, failed | 0, 0, 1.5; threshold 1.
+        let totals = vec![Some(1.0), Some(0.0), None, Some(0.0), Some(0.0), Some(1.5)];
+        let rewards = BatchRewards {
+            totals: totals.clone(),
+            per_func: vec![FuncScores {
+                name: "exact".into(),
+                weight: 1.0,
+                values: totals,
+                failed: 1,
+                errors: vec![],
+                unparsed: 0,
+            }],
+        };
+        let e = EvalMetrics::from_parts((4, 0.5, 2.0), &rewards, &[3, 4, 5, 6, 7, 8], 3, 1.0);
+        assert_eq!(e.get("eval_pass@1"), Some((1.0 / 3.0 + 1.0 / 3.0) / 2.0));
+        assert_eq!(e.get("eval_pass@3"), Some(1.0));
+        assert_eq!(e.get("eval_reward"), Some(0.5));
+        assert_eq!(e.get("eval_rewards/exact/failed"), Some(1.0));
+        assert_eq!(e.get("eval_failed_rewards"), Some(1.0));
+        assert_eq!(e.get("eval_completions/mean_length"), Some(5.5));
+        assert_eq!(e.get("eval_prompts"), Some(2.0));
+        assert_eq!(e.eval_samples_per_second, 1.0);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let (mut log, _) = MetricsLog::open(&path).unwrap();
+        for step in 1..=4 {
+            log.append(&record(step, 0.5, 0.1)).unwrap();
+        }
+        log.append_eval(&e).unwrap();
+        drop(log);
+        let (_, contents) = MetricsLog::open(&path).unwrap();
+        assert!(contents.bad_lines.is_empty());
+        assert_eq!(step_records(&contents.records).len(), 4);
+        assert_eq!(eval_records(&contents.records), vec![e.clone()]);
+        plot_training(dir.path(), &contents.records, "eval run").unwrap();
+        let svg = std::fs::read_to_string(dir.path().join("reward.svg")).unwrap();
+        assert!(svg.contains("evaluation reward"), "no eval series");
+        // A resume from step 3 drops the step-4 line and the evaluation after it.
+        truncate_after(&path, 3).unwrap();
+        let (_, contents) = MetricsLog::open(&path).unwrap();
+        assert_eq!(contents.records.len(), 3);
+        assert!(eval_records(&contents.records).is_empty());
+    }
 
     fn record(step: u64, reward: f64, loss: f64) -> StepMetrics {
         let totals = vec![Some(reward - 0.5), Some(reward + 0.5), None, Some(reward)];
@@ -846,7 +1051,7 @@ mod tests {
         log.append(&record(4, 1.0, 0.25)).unwrap();
         drop(log);
         let (_, contents) = MetricsLog::open(&path).unwrap();
-        let latest = latest_per_step(&contents.records);
+        let latest = latest_per_step(&step_records(&contents.records));
         assert_eq!(
             latest.iter().map(|r| r.step).collect::<Vec<_>>(),
             vec![1, 2, 3, 4]
@@ -929,7 +1134,12 @@ mod tests {
             })
             .collect();
         let dir = tempfile::tempdir().unwrap();
-        let files = plot_training(dir.path(), &records, "synthetic run").unwrap();
+        let lines = |r: &[StepMetrics]| -> Vec<MetricsLine> {
+            r.iter()
+                .map(|r| MetricsLine::Step(Box::new(r.clone())))
+                .collect()
+        };
+        let files = plot_training(dir.path(), &lines(&records), "synthetic run").unwrap();
         assert_eq!(files.len(), 4);
         let loss = std::fs::read_to_string(dir.path().join("loss.svg")).unwrap();
         let reward = std::fs::read_to_string(dir.path().join("reward.svg")).unwrap();
@@ -966,7 +1176,7 @@ mod tests {
         // A short run has no moving average, and its points carry markers.
         let short: Vec<StepMetrics> = (1..=10).map(|s| record(s, 0.5, 0.1)).collect();
         let dir = tempfile::tempdir().unwrap();
-        plot_training(dir.path(), &short, "short run").unwrap();
+        plot_training(dir.path(), &lines(&short), "short run").unwrap();
         for stem in [stems::LOSS, stems::REWARD] {
             let svg = std::fs::read_to_string(dir.path().join(format!("{stem}.svg"))).unwrap();
             let legend = svg_legend(&svg);

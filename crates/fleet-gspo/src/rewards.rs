@@ -990,6 +990,17 @@ impl RewardSpec {
         }
     }
 
+    /// The function's metric name as far as the config says it: the built-in name, or a
+    /// command's or endpoint's `label` (`None` when the command names itself when it greets;
+    /// an endpoint without one is `http`).
+    pub fn config_name(&self) -> Option<String> {
+        match self {
+            RewardSpec::Command { label, .. } => label.clone(),
+            RewardSpec::Http { label, .. } => Some(label.clone().unwrap_or_else(|| "http".into())),
+            other => Some(other.name().to_string()),
+        }
+    }
+
     /// Whether the function reads the rows' `answer` (a dataset for functions that do not may
     /// lack it).
     pub fn reads_answer(&self) -> bool {

@@ -156,6 +156,18 @@ pub fn run_manifest(
             "output_dir",
             "model_name_or_path",
             "dataset_name",
+            // Evaluation settings change what is measured, not what is trained (the prompts
+            // held out, `eval_holdout`, stay).
+            "eval_strategy",
+            "eval_steps",
+            "eval_dataset",
+            "per_device_eval_batch_size",
+            "num_generations_eval",
+            "eval_do_sample",
+            "eval_pass_threshold",
+            "metric_for_best_model",
+            "greater_is_better",
+            "load_best_model_at_end",
         ] {
             obj.remove(key);
         }
@@ -190,8 +202,22 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     // The data and the rewards first: a bad dataset is found before anything is loaded.
     // Rows without `answer` are skipped only when a function reads it.
     let require_answer = config.reward_funcs.iter().any(RewardSpec::reads_answer);
-    let data = load_prompts_with(&opts.dataset, require_answer)?;
-    let dataset_report = data.report.to_string();
+    let mut data = load_prompts_with(&opts.dataset, require_answer)?;
+    let eval_samples = eval_samples(config, &mut data, require_answer)?;
+    let mut dataset_report = data.report.to_string();
+    if !eval_samples.is_empty() {
+        dataset_report.push_str(&format!(
+            "\nevaluation: {} prompts ({})",
+            eval_samples.len(),
+            match &config.eval_dataset {
+                Some(p) => p.display().to_string(),
+                None => format!(
+                    "eval_holdout = {} of the training file, not trained on",
+                    config.eval_holdout
+                ),
+            }
+        ));
+    }
     // Length rewards counted in tokens use the policy's tokenizer.
     let counter: Option<crate::rewards::TokenCounter> = match &files.tokenizer {
         Some(path) => {
@@ -213,11 +239,16 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         .iter()
         .map(|s| renderer.render(s))
         .collect::<Result<Vec<_>, _>>()?;
+    let eval_prompts = eval_samples
+        .iter()
+        .map(|s| renderer.render(s))
+        .collect::<Result<Vec<_>, _>>()?;
     let room = qwen.max_position_embeddings;
     let too_long: Vec<&str> = data
         .samples
         .iter()
-        .zip(&prompts)
+        .chain(&eval_samples)
+        .zip(prompts.iter().chain(&eval_prompts))
         .filter(|(_, p)| p.ids.len() + config.max_completion_length > room)
         .map(|(s, _)| s.id.as_str())
         .collect();
@@ -275,16 +306,18 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         counter,
         plan.reward.as_ref().map(|m| (m, opts.dtype)),
     )?;
-    let problems = rewards.check_samples(&data.samples);
-    if let Some(p) = problems.first() {
-        return Err(TrainError::Setup(format!(
-            "{} of {} samples cannot be scored by the reward functions (first: {}: {}); fix \
-             the dataset or choose other reward_funcs",
-            problems.len(),
-            data.samples.len(),
-            p.id,
-            p.error
-        )));
+    for (what, samples) in [("training", &data.samples), ("evaluation", &eval_samples)] {
+        let problems = rewards.check_samples(samples);
+        if let Some(p) = problems.first() {
+            return Err(TrainError::Setup(format!(
+                "{} of {} {what} samples cannot be scored by the reward functions (first: {}: \
+                 {}); fix the dataset or choose other reward_funcs",
+                problems.len(),
+                samples.len(),
+                p.id,
+                p.error
+            )));
+        }
     }
 
     // The output directory: one writer, and the same run or none.
@@ -387,6 +420,9 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
                 commit: fleet_runs::commit_id(),
                 fleet_version: fleet_runs::fleet_version(),
                 sampler_version: fleet_models::ops::SAMPLER_VERSION,
+                best_metric: None,
+                best_model_checkpoint: None,
+                best_global_step: None,
             };
             (files.weights.clone(), st, None)
         }
@@ -397,12 +433,18 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         state: state_now,
         resumed_from,
     };
+    let eval = (config.eval_every().is_some() && !eval_samples.is_empty()).then_some(
+        crate::trainer::EvalPrompts {
+            samples: eval_samples,
+            prompts: eval_prompts,
+        },
+    );
     finish(
         config,
         opts,
         files,
         source,
-        data,
+        (data, eval),
         prompts,
         rewards,
         plan,
@@ -413,6 +455,43 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         state,
         dataset_report,
     )
+}
+
+/// The evaluation prompts: `eval_dataset`'s, or `eval_holdout` of the training file's (a
+/// seeded choice, taken out of `data`: never trained on); none without either. The held-out
+/// prompts are chosen whether or not `eval_strategy` evaluates, so that the training set is the
+/// same either way.
+fn eval_samples(
+    config: &GspoConfig,
+    data: &mut crate::dataset::PromptDataset,
+    require_answer: bool,
+) -> Result<Vec<crate::dataset::Sample>, TrainError> {
+    if let Some(path) = &config.eval_dataset {
+        if config.eval_every().is_none() {
+            return Ok(Vec::new());
+        }
+        return Ok(load_prompts_with(path, require_answer)?.samples);
+    }
+    if config.eval_holdout <= 0.0 {
+        return Ok(Vec::new());
+    }
+    let n = data.samples.len();
+    let held = ((n as f64 * config.eval_holdout).ceil() as usize).clamp(1, n.max(2) - 1);
+    if n < 2 {
+        return Err(TrainError::Setup(format!(
+            "eval_holdout = {} needs at least 2 prompts in the training file ({n} loaded)",
+            config.eval_holdout
+        )));
+    }
+    // A permutation of its own (an epoch no training order uses), its first `held` rows.
+    let mut chosen = crate::dataset::epoch_order(n, config.seed, u64::MAX)[..held].to_vec();
+    chosen.sort_unstable();
+    let mut out = Vec::with_capacity(held);
+    for &i in chosen.iter().rev() {
+        out.push(data.samples.remove(i));
+    }
+    out.reverse();
+    Ok(out)
 }
 
 /// What [`prepare`] hands on to [`finish`].
@@ -633,7 +712,10 @@ fn finish(
     opts: &RunOptions,
     files: CheckpointFiles,
     source: ModelSource,
-    data: crate::dataset::PromptDataset,
+    (data, eval): (
+        crate::dataset::PromptDataset,
+        Option<crate::trainer::EvalPrompts>,
+    ),
     prompts: Vec<crate::prompt::RenderedPrompt>,
     rewards: WeightedSum,
     plan: TrainingPlan,
@@ -733,6 +815,7 @@ fn finish(
         rewards,
         data,
         prompts,
+        eval,
         sampler,
         optimizer,
         schedule,

@@ -38,7 +38,7 @@ use crate::loss::{
     completion_mask, masked_sum, policy_loss, LossConfig, LossInputs, LossMetrics, StepLossMetrics,
 };
 use crate::metrics::{
-    trainer_epoch, CompletionStats, MetricsLog, StepMetrics, StepParts, StepTimings,
+    trainer_epoch, CompletionStats, EvalMetrics, MetricsLog, StepMetrics, StepParts, StepTimings,
 };
 use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule, OptimError};
 use crate::prompt::RenderedPrompt;
@@ -70,6 +70,14 @@ impl RolloutText {
     }
 }
 
+/// The prompts an evaluation generates for, rendered once.
+pub struct EvalPrompts {
+    /// The dataset rows.
+    pub samples: Vec<Sample>,
+    /// Their prompts, rendered and tokenized.
+    pub prompts: Vec<RenderedPrompt>,
+}
+
 /// Everything a run trains with, loaded and placed.
 pub struct Trainer {
     /// The configuration.
@@ -88,6 +96,8 @@ pub struct Trainer {
     pub data: PromptDataset,
     /// Every sample's prompt, rendered and tokenized once.
     pub prompts: Vec<RenderedPrompt>,
+    /// The evaluation prompts (`eval_strategy = "steps"`), if any.
+    pub eval: Option<EvalPrompts>,
     /// Where the next generation batch's prompts come from.
     pub sampler: PromptSampler,
     /// AdamW over the policy's parameters.
@@ -137,17 +147,38 @@ struct Rollouts {
 /// What the loop reports after each optimizer step.
 pub type OnStep<'a> = dyn FnMut(&StepMetrics) + 'a;
 
+/// What the loop reports after each evaluation.
+pub type OnEval<'a> = dyn FnMut(&EvalMetrics) + 'a;
+
+/// Salt of the evaluation's sampling seeds: its draws never repeat a training batch's.
+const EVAL_SEED: u64 = 0x6576_616c_7561_7465;
+
 impl Trainer {
-    /// Trains until `total_steps` optimizer steps are done, checkpointing as configured.
+    /// Trains until `total_steps` optimizer steps are done, checkpointing (and evaluating) as
+    /// configured.
     pub fn train(&mut self, on_step: &mut OnStep<'_>) -> Result<(), TrainError> {
+        self.train_with(on_step, &mut |_| {})
+    }
+
+    /// [`Trainer::train`], reporting each evaluation too.
+    pub fn train_with(
+        &mut self,
+        on_step: &mut OnStep<'_>,
+        on_eval: &mut OnEval<'_>,
+    ) -> Result<(), TrainError> {
         while self.state.step < self.total_steps {
-            self.generation_batch(on_step)?;
+            self.generation_batch(on_step, on_eval)?;
         }
         Ok(())
     }
 
-    /// Draws, scores and trains on one generation batch.
-    pub fn generation_batch(&mut self, on_step: &mut OnStep<'_>) -> Result<(), TrainError> {
+    /// Draws, scores and trains on one generation batch; evaluates and checkpoints after it
+    /// when a multiple of `eval_steps` or `save_steps` falls in it.
+    pub fn generation_batch(
+        &mut self,
+        on_step: &mut OnStep<'_>,
+        on_eval: &mut OnEval<'_>,
+    ) -> Result<(), TrainError> {
         let step_before = self.state.step;
         let rollouts = self.rollouts()?;
         self.state.generation_batch += 1;
@@ -169,6 +200,7 @@ impl Trainer {
         let mut step_started = Instant::now();
         let mut first_step = true;
         let mut step_in_batch = 0u64;
+        let mut last_epoch = self.epoch(0);
         // A micro-batch fitted to memory (auto_find_batch_size) runs as `split` smaller ones;
         // the loss is still normalised over the configured micro-batch (its sequences, and
         // gradient_accumulation_steps / split of them per step), as TRL computes it.
@@ -232,9 +264,10 @@ impl Trainer {
                     update_seconds,
                 };
                 let peak = self.peak_memory();
+                last_epoch = self.epoch(step_in_batch);
                 let record = StepMetrics::from_parts(&StepParts {
                     step: self.state.step,
-                    epoch: self.epoch(step_in_batch),
+                    epoch: last_epoch,
                     advantages: &rollouts.advantages,
                     rewards: &rollouts.rewards,
                     num_generations: cfg.num_generations,
@@ -267,13 +300,184 @@ impl Trainer {
         // steps when save_steps is a multiple of the optimizer steps per generation batch;
         // otherwise the next batch end, never drifting further). Rank 0 writes them; the
         // ranks hold the same weights.
+        // Evaluations at the same boundaries (every rank takes part), before the checkpoint:
+        // the checkpoint written here holds the weights just evaluated.
+        let mut new_best = false;
+        let eval_crossed = self
+            .config
+            .eval_every()
+            .is_some_and(|every| self.state.step / every > step_before / every);
+        if eval_crossed && self.eval.is_some() {
+            let m = self.evaluate(last_epoch)?;
+            new_best = self.note_best(&m)?;
+            if let Some(metrics) = &mut self.metrics {
+                metrics.append_eval(&m)?;
+            }
+            on_eval(&m);
+        }
         let save_every = self.config.save_steps;
         let last = self.state.step >= self.total_steps;
         let crossed = save_every > 0 && self.state.step / save_every > step_before / save_every;
-        if self.is_main() && save_every > 0 && (last || crossed) {
-            self.save()?;
+        if save_every > 0 && (last || crossed) {
+            if new_best {
+                // HF: a checkpoint written with a new best metric becomes the best one.
+                self.state.best_model_checkpoint =
+                    Some(format!("{}{}", checkpoint::PREFIX, self.state.step));
+            }
+            if self.is_main() {
+                self.save()?;
+            }
         }
         Ok(())
+    }
+
+    /// Scores this rank's completions `outputs` (of `prompts`, for `samples`: one per output)
+    /// and gathers every rank's completions and rewards, in row order (ranks hold consecutive
+    /// rows).
+    fn score_and_gather(
+        &self,
+        outputs: &[GenerationOutput],
+        prompts: &[&str],
+        samples: &[&Sample],
+    ) -> Result<(Vec<Vec<u32>>, BatchRewards), TrainError> {
+        let mut completions: Vec<Vec<u32>> = outputs.iter().map(|o| o.token_ids.clone()).collect();
+        let texts: Vec<&str> = outputs.iter().map(|o| o.text.as_str()).collect();
+        let mut rewards = self
+            .rewards
+            .score_batch(prompts, &texts, &completions, samples)?;
+        if let Some(dp) = &self.dp {
+            let part = serde_json::to_vec(&(&completions, &rewards))
+                .map_err(|e| TrainError::Setup(format!("rollouts for the other ranks: {e}")))?;
+            let mut all_completions = Vec::new();
+            let mut parts = Vec::new();
+            for bytes in dp.collective.all_gather_bytes(part)? {
+                let (c, r): (Vec<Vec<u32>>, BatchRewards) = serde_json::from_slice(&bytes)
+                    .map_err(|e| TrainError::Setup(format!("rollouts from another rank: {e}")))?;
+                all_completions.extend(c);
+                parts.push(r);
+            }
+            completions = all_completions;
+            rewards = BatchRewards::concat(parts);
+        }
+        Ok((completions, rewards))
+    }
+
+    /// Generates `num_generations_eval` completions of every evaluation prompt with the
+    /// current weights (sampled with the training's settings and seeds of their own, or
+    /// greedy), `per_device_eval_batch_size` completions per process at a time, scores them
+    /// with the training's reward functions and returns the evaluation's metrics
+    /// ([`EvalMetrics`]). Nothing of it reaches the training: no weight, seed or data cursor.
+    pub fn evaluate(&self, epoch: f64) -> Result<EvalMetrics, TrainError> {
+        let started = Instant::now();
+        let cfg = &self.config;
+        let eval = self.eval.as_ref().ok_or_else(|| {
+            TrainError::Setup("evaluate: the trainer has no evaluation prompts".into())
+        })?;
+        let k = cfg.eval_generations();
+        let shares = self.shares();
+        let per_chunk = (cfg.per_device_eval_batch_size * shares.world_size / k).max(1);
+        let timer = Stage::start(self, "eval");
+        let model = self.policy.inference_model()?;
+        let generator = Generator::new(
+            &model,
+            self.text.tokenizer.as_ref(),
+            self.text.eos_ids.clone(),
+            self.text.pad_id,
+        );
+        let mut parts = Vec::new();
+        let mut lengths = Vec::new();
+        let indices: Vec<usize> = (0..eval.samples.len()).collect();
+        for chunk in indices.chunks(per_chunk) {
+            let mut requests = Vec::with_capacity(chunk.len() * k);
+            for &p in chunk {
+                for j in 0..k {
+                    let row = (p * k + j) as u64;
+                    let sampling = if cfg.eval_do_sample {
+                        SamplingParams {
+                            temperature: cfg.temperature,
+                            top_k: (cfg.top_k > 0).then_some(cfg.top_k),
+                            top_p: (cfg.top_p < 1.0).then_some(cfg.top_p),
+                            seed: sampling_seed(cfg.seed ^ EVAL_SEED, self.state.step, row),
+                            min_p: None,
+                            repetition_penalty: None,
+                        }
+                    } else {
+                        SamplingParams::greedy()
+                    };
+                    requests.push(GenerationRequest {
+                        prompt_ids: eval.prompts[p].ids.clone(),
+                        max_new_tokens: cfg.max_completion_length,
+                        sampling,
+                        stop_strings: Vec::new(),
+                    });
+                }
+            }
+            // Consecutive rows per rank; the last chunk need not divide evenly.
+            let n = requests.len();
+            let mine =
+                shares.rank * n / shares.world_size..(shares.rank + 1) * n / shares.world_size;
+            let outputs = generate_rollouts(
+                &generator,
+                &requests[mine.clone()],
+                cfg.max_num_seqs,
+                cfg.num_scheduler_steps,
+            )?;
+            let prompts: Vec<&str> = chunk
+                .iter()
+                .flat_map(|&p| std::iter::repeat_n(eval.prompts[p].text.as_str(), k))
+                .collect();
+            let samples: Vec<&Sample> = chunk
+                .iter()
+                .flat_map(|&p| std::iter::repeat_n(&eval.samples[p], k))
+                .collect();
+            let (completions, rewards) =
+                self.score_and_gather(&outputs, &prompts[mine.clone()], &samples[mine])?;
+            lengths.extend(completions.iter().map(Vec::len));
+            parts.push(rewards);
+        }
+        drop(model);
+        timer.stop(self)?;
+        Ok(EvalMetrics::from_parts(
+            (self.state.step, epoch, started.elapsed().as_secs_f64()),
+            &BatchRewards::concat(parts),
+            &lengths,
+            k,
+            cfg.eval_pass_threshold,
+        ))
+    }
+
+    /// Whether `m` improves on the best `metric_for_best_model` so far (recorded in the state
+    /// when it does); an error when the metric is not among the evaluation's.
+    fn note_best(&mut self, m: &EvalMetrics) -> Result<bool, TrainError> {
+        let Some((name, greater)) = self.config.best_metric() else {
+            return Ok(false);
+        };
+        if !m.values.contains_key(&name) && m.get(&name).is_none() {
+            let known: Vec<&str> = m.values.keys().map(String::as_str).collect();
+            return Err(TrainError::Setup(format!(
+                "metric_for_best_model = {name:?} is not an evaluation metric; the evaluation \
+                 logs {}",
+                known.join(", ")
+            )));
+        }
+        let Some(value) = m.get(&name).filter(|v| v.is_finite()) else {
+            return Ok(false);
+        };
+        let better = match self.state.best_metric {
+            None => true,
+            Some(best) => {
+                if greater {
+                    value > best
+                } else {
+                    value < best
+                }
+            }
+        };
+        if better {
+            self.state.best_metric = Some(value);
+            self.state.best_global_step = Some(m.step);
+        }
+        Ok(better)
     }
 
     /// Sums the step's gradients, loss, tokens and per-micro-batch loss metrics over the
@@ -386,6 +590,40 @@ impl Trainer {
             self.config.save_total_limit,
         )?;
         Ok(path)
+    }
+
+    /// With `load_best_model_at_end`: the best checkpoint's model files (weights, config,
+    /// tokenizer) copied into `output_dir`, each through a temporary file, where HF's
+    /// `trainer.save_model()` writes them after loading the best model; returns the best
+    /// checkpoint. `None` without the setting or a best checkpoint (rank 0 only).
+    pub fn export_best(&self) -> Result<Option<std::path::PathBuf>, TrainError> {
+        let out = &self.config.output_dir;
+        let Some(best) = self
+            .state
+            .best_model_checkpoint
+            .as_ref()
+            .filter(|_| self.config.load_best_model_at_end && self.is_main())
+        else {
+            return Ok(None);
+        };
+        let dir = out.join(best);
+        let files = std::fs::read_dir(&dir).map_err(|e| {
+            TrainError::Setup(format!("the best checkpoint {}: {e}", dir.display()))
+        })?;
+        for entry in files.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            // The model, not the training state (optimizer, trainer_state).
+            if name.starts_with("optimizer") || name == "trainer_state.json" {
+                continue;
+            }
+            let tmp = out.join(format!(".{name}.best-{}", std::process::id()));
+            std::fs::copy(entry.path(), &tmp)
+                .and_then(|_| std::fs::rename(&tmp, out.join(&name)))
+                .map_err(|e| {
+                    TrainError::Setup(format!("copying {} into {}: {e}", name, out.display()))
+                })?;
+        }
+        Ok(Some(dir))
     }
 
     /// Ends a data-parallel run cleanly on this rank (every rank calls it after training);
@@ -501,8 +739,6 @@ impl Trainer {
         let generation_seconds = started.elapsed().as_secs_f64();
 
         let scoring = Instant::now();
-        let mut completions: Vec<Vec<u32>> = outputs.iter().map(|o| o.token_ids.clone()).collect();
-        let texts: Vec<&str> = outputs.iter().map(|o| o.text.as_str()).collect();
         let prompts_rep: Vec<&str> = prompt_texts
             .iter()
             .flat_map(|t| std::iter::repeat_n(*t, g))
@@ -511,27 +747,11 @@ impl Trainer {
             .iter()
             .flat_map(|s| std::iter::repeat_n(*s, g))
             .collect();
-        let mut rewards = self.rewards.score_batch(
+        let (completions, rewards) = self.score_and_gather(
+            &outputs,
             &prompts_rep[mine.clone()],
-            &texts,
-            &completions,
             &samples_rep[mine.clone()],
         )?;
-        // ... and gathers the others' (completions and rewards, in row order).
-        if let Some(dp) = &self.dp {
-            let part = serde_json::to_vec(&(&completions, &rewards))
-                .map_err(|e| TrainError::Setup(format!("rollouts for the other ranks: {e}")))?;
-            let mut all_completions = Vec::with_capacity(requests.len());
-            let mut parts = Vec::new();
-            for bytes in dp.collective.all_gather_bytes(part)? {
-                let (c, r): (Vec<Vec<u32>>, BatchRewards) = serde_json::from_slice(&bytes)
-                    .map_err(|e| TrainError::Setup(format!("rollouts from another rank: {e}")))?;
-                all_completions.extend(c);
-                parts.push(r);
-            }
-            completions = all_completions;
-            rewards = BatchRewards::concat(parts);
-        }
         if let Some(detail) = rewards.unscored() {
             return Err(RewardError::BatchUnscored {
                 batch: self.state.generation_batch + 1,
