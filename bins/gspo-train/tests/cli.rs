@@ -652,6 +652,53 @@ fn evaluation_logs_eval_metrics_and_keeps_the_best_checkpoint() {
     assert!(err.contains("a multiple of eval_steps"), "{err}");
 }
 
+/// Issue 28, item 3: log_completions writes each generation batch's first rows (prompt,
+/// completion, each reward, the advantage) once, at its first logged step, to
+/// completions.jsonl, and the latest as a Markdown table.
+#[test]
+fn log_completions_writes_a_table_of_each_logged_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    ok(&run(&[
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--max-steps",
+        "8",
+        "--set",
+        "log_completions=true",
+        "--set",
+        "num_completions_to_print=3",
+    ]));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("completions.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // Two generation batches of 4 steps, 3 rows each, logged at steps 1 and 5.
+    assert_eq!(lines.len(), 6);
+    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, vec![1, 1, 1, 5, 5, 5]);
+    for l in &lines {
+        assert!(l["prompt"].as_str().unwrap().contains('+'), "{l}");
+        assert!(l["rewards"]["gsm8k_exact"].is_number(), "{l}");
+        assert!(l["advantage"].is_number() && l["reward"].is_number(), "{l}");
+    }
+    let table = std::fs::read_to_string(out.join("completions.md")).unwrap();
+    assert!(
+        table.starts_with("# Completions at step 5 (generation batch 2)"),
+        "{table}"
+    );
+    assert!(
+        table.contains("| id | prompt | completion | gsm8k_exact | reward | advantage |"),
+        "{table}"
+    );
+    assert_eq!(
+        table.lines().filter(|l| l.starts_with("| ")).count(),
+        1 + 3,
+        "{table}"
+    );
+}
+
 /// Issue 10, item 9: end to end, the reward rises on the synthetic task. The bundled model
 /// starts at chance (one answer in thirteen); a trainer whose gradients do not reach the model,
 /// or whose advantages or loss are wrong, stays there.

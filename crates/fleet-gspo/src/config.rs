@@ -401,6 +401,13 @@ pub struct GspoConfig {
     pub output_dir: PathBuf,
     /// The reward functions and their weights (TRL `reward_funcs` + `reward_weights`).
     pub reward_funcs: Vec<RewardSpec>,
+    /// Write each logged generation batch's completions (prompt, completion, each reward, the
+    /// advantage) to `completions.jsonl` and the latest as a table to `completions.md` (TRL).
+    /// A generation batch is logged at its first step that is a multiple of `logging_steps`.
+    /// Default false.
+    pub log_completions: bool,
+    /// Rows of a logged batch written (TRL); unset: every completion.
+    pub num_completions_to_print: Option<usize>,
     /// When to evaluate (HF `eval_strategy`): `no` (default) or `steps`.
     pub eval_strategy: EvalStrategy,
     /// Evaluate every this many optimizer steps; unset: `logging_steps` (HF).
@@ -480,6 +487,8 @@ impl Default for GspoConfig {
             save_total_limit: None,
             output_dir: PathBuf::from("trainer_output"),
             reward_funcs: Vec::new(),
+            log_completions: false,
+            num_completions_to_print: None,
             eval_strategy: EvalStrategy::No,
             eval_steps: None,
             eval_dataset: None,
@@ -538,6 +547,8 @@ pub const KEYS: &[&str] = &[
     "save_steps",
     "save_total_limit",
     "output_dir",
+    "log_completions",
+    "num_completions_to_print",
     "eval_strategy",
     "eval_steps",
     "eval_dataset",
@@ -775,6 +786,10 @@ impl GspoConfig {
                     return Err(bad(key, value, "a directory path"));
                 }
                 self.output_dir = PathBuf::from(v)
+            }
+            "log_completions" => self.log_completions = parse_bool(key, value)?,
+            "num_completions_to_print" => {
+                self.num_completions_to_print = parse_opt(key, value, parse_usize)?
             }
             "eval_strategy" => self.eval_strategy = parse_enum(key, value)?,
             "eval_steps" => self.eval_steps = parse_opt(key, value, parse_u64)?,

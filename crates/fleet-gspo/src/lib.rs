@@ -67,8 +67,9 @@ pub use loss::{
     PolicyLoss,
 };
 pub use metrics::{
-    eval_records, plot_training, step_records, CompletionStats, EvalMetrics, MetricsError,
-    MetricsLine, MetricsLog, StepMetrics, StepParts, StepTimings,
+    completions_table, eval_records, plot_training, step_records, CompletionRecord,
+    CompletionStats, EvalMetrics, MetricsError, MetricsLine, MetricsLog, StepMetrics, StepParts,
+    StepTimings, COMPLETIONS_FILE, COMPLETIONS_TABLE,
 };
 pub use optim::{
     clip_grad_norm, grad_norm, AdamW, AdamWConfig, Gradients, LrSchedule, OptimError,

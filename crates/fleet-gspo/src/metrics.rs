@@ -521,6 +521,78 @@ impl MetricsLog {
     }
 }
 
+/// The file of logged completions in a run directory (`log_completions`).
+pub const COMPLETIONS_FILE: &str = "completions.jsonl";
+
+/// The table of the latest logged completions in a run directory (`log_completions`).
+pub const COMPLETIONS_TABLE: &str = "completions.md";
+
+/// One logged completion (`log_completions`): a line of [`COMPLETIONS_FILE`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionRecord {
+    /// The optimizer step it was logged at.
+    pub step: u64,
+    /// Its generation batch.
+    pub generation_batch: u64,
+    /// The dataset row's id.
+    pub id: String,
+    /// The prompt as shown to the model.
+    pub prompt: String,
+    /// The completion (special tokens skipped).
+    pub completion: String,
+    /// Each function's reward (`null`: not applicable or failed), by name.
+    pub rewards: BTreeMap<String, Option<f64>>,
+    /// The weighted sum (`null` when any function gave none).
+    pub reward: Option<f64>,
+    /// The completion's advantage.
+    pub advantage: f32,
+}
+
+/// `records` as a Markdown table (prompt and completion cut to 300 characters, `|` and line
+/// breaks escaped), headed by their step.
+pub fn completions_table(records: &[CompletionRecord]) -> String {
+    let cell = |s: &str| {
+        let mut t: String = s.chars().take(300).collect();
+        if s.chars().count() > 300 {
+            t.push('…');
+        }
+        t.replace('|', "\\|").replace('\n', "<br>")
+    };
+    let names: Vec<&String> = records
+        .first()
+        .map_or(Vec::new(), |r| r.rewards.keys().collect());
+    let num = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.4}"));
+    let mut out = String::new();
+    if let Some(r) = records.first() {
+        out.push_str(&format!(
+            "# Completions at step {} (generation batch {})\n\n",
+            r.step, r.generation_batch
+        ));
+    }
+    out.push_str("| id | prompt | completion |");
+    for n in &names {
+        out.push_str(&format!(" {n} |"));
+    }
+    out.push_str(" reward | advantage |\n|---|---|---|");
+    for _ in &names {
+        out.push_str("---:|");
+    }
+    out.push_str("---:|---:|\n");
+    for r in records {
+        out.push_str(&format!(
+            "| {} | {} | {} |",
+            cell(&r.id),
+            cell(&r.prompt),
+            cell(&r.completion)
+        ));
+        for n in &names {
+            out.push_str(&format!(" {} |", num(r.rewards.get(*n).copied().flatten())));
+        }
+        out.push_str(&format!(" {} | {:.4} |\n", num(r.reward), r.advantage));
+    }
+    out
+}
+
 /// One evaluation's line of `metrics.jsonl` (module docs, "Evaluations").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EvalMetrics {

@@ -156,6 +156,8 @@ pub fn run_manifest(
             "output_dir",
             "model_name_or_path",
             "dataset_name",
+            "log_completions",
+            "num_completions_to_print",
             // Evaluation settings change what is measured, not what is trained (the prompts
             // held out, `eval_holdout`, stay).
             "eval_strategy",
@@ -795,6 +797,10 @@ fn finish(
         let metrics_path = out.join("metrics.jsonl");
         if resumed_from.is_some() {
             crate::metrics::truncate_after(&metrics_path, state.step)?;
+            crate::metrics::truncate_after(
+                &out.join(crate::metrics::COMPLETIONS_FILE),
+                state.step,
+            )?;
         }
         Some(MetricsLog::open(&metrics_path)?.0)
     } else {

@@ -38,7 +38,8 @@ use crate::loss::{
     completion_mask, masked_sum, policy_loss, LossConfig, LossInputs, LossMetrics, StepLossMetrics,
 };
 use crate::metrics::{
-    trainer_epoch, CompletionStats, EvalMetrics, MetricsLog, StepMetrics, StepParts, StepTimings,
+    completions_table, trainer_epoch, CompletionRecord, CompletionStats, EvalMetrics, MetricsError,
+    MetricsLog, StepMetrics, StepParts, StepTimings, COMPLETIONS_FILE, COMPLETIONS_TABLE,
 };
 use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule, OptimError};
 use crate::prompt::RenderedPrompt;
@@ -120,6 +121,8 @@ pub struct Trainer {
 
 /// One generation batch, scored, ready for the updates.
 struct Rollouts {
+    /// The dataset row of each prompt (G completions each).
+    indices: Vec<usize>,
     /// Prompt ids per completion (a prompt repeated G times).
     prompts: Vec<Vec<u32>>,
     /// Completion ids (EOS included when generated).
@@ -201,6 +204,7 @@ impl Trainer {
         let mut first_step = true;
         let mut step_in_batch = 0u64;
         let mut last_epoch = self.epoch(0);
+        let mut completions_logged = false;
         // A micro-batch fitted to memory (auto_find_batch_size) runs as `split` smaller ones;
         // the loss is still normalised over the configured micro-batch (its sequences, and
         // gradient_accumulation_steps / split of them per step), as TRL computes it.
@@ -286,6 +290,14 @@ impl Trainer {
                 if let Some(metrics) = &mut self.metrics {
                     metrics.append(&record)?;
                 }
+                if cfg.log_completions
+                    && !completions_logged
+                    && self.state.step.is_multiple_of(cfg.logging_steps)
+                    && self.is_main()
+                {
+                    self.log_completions(&rollouts)?;
+                    completions_logged = true;
+                }
                 on_step(&record);
                 step_loss = 0.0;
                 step_metrics = StepLossMetrics::default();
@@ -328,6 +340,55 @@ impl Trainer {
                 self.save()?;
             }
         }
+        Ok(())
+    }
+
+    /// Appends the generation batch's first `num_completions_to_print` completions (all when
+    /// unset) to `completions.jsonl` and writes them as the table `completions.md`
+    /// (`log_completions`).
+    fn log_completions(&self, r: &Rollouts) -> Result<(), TrainError> {
+        let g = self.config.num_generations;
+        let n = self
+            .config
+            .num_completions_to_print
+            .unwrap_or(r.completions.len())
+            .min(r.completions.len());
+        let tokenizer = self.text.tokenizer.as_ref();
+        let mut records = Vec::with_capacity(n);
+        for row in 0..n {
+            let index = r.indices[row / g];
+            let completion = match tokenizer {
+                Some(t) => t.decode(&r.completions[row], true)?,
+                None => format!("{:?}", r.completions[row]),
+            };
+            records.push(CompletionRecord {
+                step: self.state.step,
+                generation_batch: self.state.generation_batch,
+                id: self.data.samples[index].id.clone(),
+                prompt: self.prompts[index].text.clone(),
+                completion,
+                rewards: r
+                    .rewards
+                    .per_func
+                    .iter()
+                    .map(|f| (f.name.clone(), f.values[row]))
+                    .collect(),
+                reward: r.rewards.totals[row],
+                advantage: r.advantages.advantages[row],
+            });
+        }
+        let out = &self.config.output_dir;
+        let mut log = fleet_runs::JsonlLog::open::<CompletionRecord>(&out.join(COMPLETIONS_FILE))
+            .map_err(MetricsError::from)?
+            .0;
+        for rec in &records {
+            log.append(rec).map_err(MetricsError::from)?;
+        }
+        fleet_runs::write_atomic(
+            &out.join(COMPLETIONS_TABLE),
+            completions_table(&records).as_bytes(),
+        )
+        .map_err(MetricsError::from)?;
         Ok(())
     }
 
@@ -802,6 +863,7 @@ impl Trainer {
         let tokens = prompts.iter().map(Vec::len).sum::<usize>() as u64
             + cm.lengths.iter().sum::<usize>() as u64;
         let mut rollouts = Rollouts {
+            indices: batch.indices.clone(),
             prompts,
             completions,
             rewards,
