@@ -699,6 +699,90 @@ fn log_completions_writes_a_table_of_each_logged_batch() {
     );
 }
 
+/// Issue 28, item 3: report_to = "tensorboard" writes event files that TensorBoard's own
+/// reader (the tensorboard package's EventAccumulator) loads, with every step's and every
+/// evaluation's scalars under transformers' tags. Needs the package
+/// (scripts/fixtures/fetch_tensorboard.sh; FLEET_TENSORBOARD_PY, set by CI, makes a missing
+/// one a failure instead of a skip).
+#[test]
+fn tensorboard_reads_the_event_files() {
+    let python_path = match std::env::var("FLEET_TENSORBOARD_PY") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => repo().join("target/tensorboard-py"),
+    };
+    if !python_path.join("tensorboard").is_dir() {
+        assert!(
+            std::env::var("FLEET_TENSORBOARD_PY").is_err(),
+            "FLEET_TENSORBOARD_PY={} holds no tensorboard package: run \
+             scripts/fixtures/fetch_tensorboard.sh",
+            python_path.display()
+        );
+        eprintln!("SKIPPED: no tensorboard package (scripts/fixtures/fetch_tensorboard.sh)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    ok(&run(&[
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--max-steps",
+        "8",
+        "--set",
+        "report_to=tensorboard",
+        "--set",
+        "eval_strategy=steps",
+        "--set",
+        "eval_steps=4",
+        "--set",
+        "eval_holdout=0.1",
+    ]));
+    let m = metrics(&out);
+    let losses: Vec<f64> = m
+        .iter()
+        .filter(|l| l.get("loss").is_some())
+        .map(|l| l["loss"].as_f64().unwrap())
+        .collect();
+    let script = r#"
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+acc = EventAccumulator(sys.argv[1])
+acc.Reload()
+tags = acc.Tags()["scalars"]
+print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in tags}))
+"#;
+    let read = Command::new("python3")
+        .args(["-c", script, out.join("runs").to_str().unwrap()])
+        .env("PYTHONPATH", &python_path)
+        .output()
+        .unwrap();
+    assert!(
+        read.status.success(),
+        "{}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    let scalars: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
+    let loss = scalars["train/loss"].as_array().unwrap();
+    assert_eq!(loss.len(), 8);
+    for (i, point) in loss.iter().enumerate() {
+        assert_eq!(point[0].as_u64(), Some(i as u64 + 1));
+        let v = point[1].as_f64().unwrap();
+        assert!(
+            (v - losses[i]).abs() <= 1e-6 * losses[i].abs().max(1.0),
+            "{v} vs {}",
+            losses[i]
+        );
+    }
+    let eval = scalars["eval/reward"].as_array().unwrap();
+    assert_eq!(
+        eval.iter()
+            .map(|p| p[0].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![4, 8]
+    );
+    assert!(scalars["train/rewards/gsm8k_exact/mean"].is_array());
+    assert!(scalars["eval/pass@1"].is_array());
+}
+
 /// Issue 10, item 9: end to end, the reward rises on the synthetic task. The bundled model
 /// starts at chance (one answer in thirteen); a trainer whose gradients do not reach the model,
 /// or whose advantages or loss are wrong, stays there.

@@ -211,6 +211,16 @@ pub enum TorchDtype {
     Bfloat16,
 }
 
+/// Where metrics go besides `metrics.jsonl` (HF `report_to`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReportTo {
+    /// Nowhere else.
+    None,
+    /// TensorBoard event files in `<output_dir>/runs/` ([`crate::tensorboard`]).
+    Tensorboard,
+}
+
 /// When to evaluate (HF `eval_strategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -283,6 +293,10 @@ enum_names!(ScaleRewards, "a reward scaling", {
     "group" => ScaleRewards::Group,
     "batch" => ScaleRewards::Batch,
     "none" => ScaleRewards::None,
+});
+enum_names!(ReportTo, "a report destination", {
+    "none" => ReportTo::None,
+    "tensorboard" => ReportTo::Tensorboard,
 });
 enum_names!(EvalStrategy, "an evaluation strategy", {
     "no" => EvalStrategy::No,
@@ -401,6 +415,9 @@ pub struct GspoConfig {
     pub output_dir: PathBuf,
     /// The reward functions and their weights (TRL `reward_funcs` + `reward_weights`).
     pub reward_funcs: Vec<RewardSpec>,
+    /// Also write the metrics as TensorBoard event files (`tensorboard`, in
+    /// `<output_dir>/runs/`) or not (`none`, the default).
+    pub report_to: ReportTo,
     /// Write each logged generation batch's completions (prompt, completion, each reward, the
     /// advantage) to `completions.jsonl` and the latest as a table to `completions.md` (TRL).
     /// A generation batch is logged at its first step that is a multiple of `logging_steps`.
@@ -487,6 +504,7 @@ impl Default for GspoConfig {
             save_total_limit: None,
             output_dir: PathBuf::from("trainer_output"),
             reward_funcs: Vec::new(),
+            report_to: ReportTo::None,
             log_completions: false,
             num_completions_to_print: None,
             eval_strategy: EvalStrategy::No,
@@ -547,6 +565,7 @@ pub const KEYS: &[&str] = &[
     "save_steps",
     "save_total_limit",
     "output_dir",
+    "report_to",
     "log_completions",
     "num_completions_to_print",
     "eval_strategy",
@@ -787,6 +806,7 @@ impl GspoConfig {
                 }
                 self.output_dir = PathBuf::from(v)
             }
+            "report_to" => self.report_to = parse_enum(key, value)?,
             "log_completions" => self.log_completions = parse_bool(key, value)?,
             "num_completions_to_print" => {
                 self.num_completions_to_print = parse_opt(key, value, parse_usize)?

@@ -50,12 +50,13 @@ pub mod prompt;
 pub mod reward_model;
 pub mod rewards;
 pub mod run;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use advantage::{group_advantages, AdvantageError, GroupAdvantages};
 pub use config::{
     ConfigError, EvalStrategy, GspoConfig, ImportanceSamplingLevel, LossType, LrSchedulerType,
-    ScaleRewards, TorchDtype,
+    ReportTo, ScaleRewards, TorchDtype,
 };
 pub use dataset::{
     load_prompts, load_prompts_with, DataCursor, DatasetError, Prompt, PromptBatch, PromptDataset,

@@ -156,6 +156,7 @@ pub fn run_manifest(
             "output_dir",
             "model_name_or_path",
             "dataset_name",
+            "report_to",
             "log_completions",
             "num_completions_to_print",
             // Evaluation settings change what is measured, not what is trained (the prompts
@@ -806,6 +807,15 @@ fn finish(
     } else {
         None
     };
+    let tensorboard = match (&metrics, config.report_to) {
+        (Some(_), crate::config::ReportTo::Tensorboard) => {
+            let dir = out.join("runs");
+            Some(crate::tensorboard::EventWriter::create(&dir).map_err(|e| {
+                TrainError::Setup(format!("TensorBoard event file in {}: {e}", dir.display()))
+            })?)
+        }
+        _ => None,
+    };
 
     let text = crate::trainer::RolloutText::from_text_model(TextModel::with_model(
         source,
@@ -828,6 +838,7 @@ fn finish(
         total_steps,
         state,
         metrics,
+        tensorboard,
         // Every device of the placement: a reference and reward model on a device of their own
         // (the seed's 3gpu) have their peak recorded too.
         memory: fleet_topology::MemoryWatch::start(

@@ -111,6 +111,8 @@ pub struct Trainer {
     pub state: TrainerState,
     /// One line per optimizer step (rank 0 only).
     pub metrics: Option<MetricsLog>,
+    /// The same scalars as TensorBoard events (`report_to = "tensorboard"`, rank 0 only).
+    pub tensorboard: Option<crate::tensorboard::EventWriter>,
     /// Peak memory per device, for the metrics.
     pub memory: fleet_topology::MemoryWatch,
     /// The other ranks of a data-parallel run (`None`: one process).
@@ -290,6 +292,7 @@ impl Trainer {
                 if let Some(metrics) = &mut self.metrics {
                     metrics.append(&record)?;
                 }
+                self.report(record.step, &record)?;
                 if cfg.log_completions
                     && !completions_logged
                     && self.state.step.is_multiple_of(cfg.logging_steps)
@@ -325,6 +328,7 @@ impl Trainer {
             if let Some(metrics) = &mut self.metrics {
                 metrics.append_eval(&m)?;
             }
+            self.report(m.step, &m)?;
             on_eval(&m);
         }
         let save_every = self.config.save_steps;
@@ -341,6 +345,18 @@ impl Trainer {
             }
         }
         Ok(())
+    }
+
+    /// `record`'s scalars to TensorBoard, when it is on ([`crate::tensorboard::scalars_of`]).
+    fn report(&mut self, step: u64, record: &impl serde::Serialize) -> Result<(), TrainError> {
+        let Some(tb) = &mut self.tensorboard else {
+            return Ok(());
+        };
+        let value = serde_json::to_value(record)
+            .map_err(|e| TrainError::Setup(format!("metrics for TensorBoard: {e}")))?;
+        let scalars = crate::tensorboard::scalars_of(&value);
+        tb.scalars(step, scalars.iter().map(|(t, v)| (t.as_str(), *v)))
+            .map_err(|e| TrainError::Setup(format!("writing {}: {e}", tb.path().display())))
     }
 
     /// Appends the generation batch's first `num_completions_to_print` completions (all when
