@@ -332,13 +332,7 @@ impl RewardFunction for CommandReward {
         completion: &str,
         sample: &crate::dataset::Sample,
     ) -> Result<Option<f64>, RewardError> {
-        let item = Completion {
-            prompt,
-            text: completion,
-            ids: &[],
-            sample,
-        };
-        self.score_many(&[item]).pop().unwrap_or(Ok(None))
+        crate::rewards::score_one_via_batch(self, prompt, completion, sample)
     }
 
     fn score_many(&self, items: &[Completion<'_>]) -> Vec<Result<Option<f64>, RewardError>> {
@@ -423,13 +417,7 @@ impl RewardFunction for HttpReward {
         completion: &str,
         sample: &crate::dataset::Sample,
     ) -> Result<Option<f64>, RewardError> {
-        let item = Completion {
-            prompt,
-            text: completion,
-            ids: &[],
-            sample,
-        };
-        self.score_many(&[item]).pop().unwrap_or(Ok(None))
+        crate::rewards::score_one_via_batch(self, prompt, completion, sample)
     }
 
     fn score_many(&self, items: &[Completion<'_>]) -> Vec<Result<Option<f64>, RewardError>> {

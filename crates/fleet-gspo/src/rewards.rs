@@ -246,6 +246,23 @@ pub struct Completion<'a> {
     pub sample: &'a Sample,
 }
 
+/// One completion through `f`'s batched path ([`RewardFunction::score_many`]): the `score` of
+/// functions that score whole batches (reward models, external functions), with no token ids.
+pub fn score_one_via_batch(
+    f: &dyn RewardFunction,
+    prompt: &str,
+    completion: &str,
+    sample: &Sample,
+) -> Result<Option<f64>, RewardError> {
+    let item = Completion {
+        prompt,
+        text: completion,
+        ids: &[],
+        sample,
+    };
+    f.score_many(&[item]).pop().unwrap_or(Ok(None))
+}
+
 /// A number as an exact fraction `num / den` (den > 0, lowest terms).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Rational {

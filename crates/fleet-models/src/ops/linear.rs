@@ -98,10 +98,15 @@ fn skinny_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
 /// GEMM rounds it. On the CPU it is the kernel's twin (the same sums in the same order), for
 /// testing; [`linear`] uses it on CUDA only.
 pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(x.apply_op2_no_bwd(w, &Gemv)?)
+    Ok(x.apply_op2_no_bwd(w, &FewRows::Gemv)?)
 }
 
-struct Gemv;
+/// Which few-row product ([`gemv`] or [`skinny_gemm`]).
+#[derive(Debug, Clone, Copy)]
+enum FewRows {
+    Gemv,
+    Skinny,
+}
 
 /// Lanes of a warp, each summing its chunks of a row.
 const GEMV_LANES: usize = 32;
@@ -136,36 +141,6 @@ fn gemv_dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usi
     Ok((m, n, k))
 }
 
-impl candle_core::CustomOp2 for Gemv {
-    fn name(&self) -> &'static str {
-        "fleet-gemv"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, n, k) = gemv_dims(l1, l2)?;
-        let out = float_cpu!("gemv", (s1, l1) => x, (s2, l2) => w; gemv_cpu(x, w, k));
-        Ok((out, Shape::from((m, n))))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (m, n, k) = gemv_dims(l1, l2)?;
-        Ok((cuda::gemv(s1, l1, s2, l2, (m, n, k))?, Shape::from((m, n))))
-    }
-}
-
 /// `x · wᵀ` for `x` `[m, k]` with 1 to [`SKINNY_MAX_ROWS`] rows and `w` `[n, k]` (f32, f16 or
 /// bf16, contiguous; on CUDA f16 or bf16, `k` a multiple of 32, `n` of 16, rows starting on 16
 /// bytes): `[m, n]` in the inputs' dtype. On CUDA a tensor-core kernel that reads `w` once
@@ -175,10 +150,8 @@ impl candle_core::CustomOp2 for Gemv {
 /// the two agree to a unit in the last place of the dtype, not bit for bit. [`linear`] uses
 /// it on CUDA only.
 pub fn skinny_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(x.apply_op2_no_bwd(w, &SkinnyGemm)?)
+    Ok(x.apply_op2_no_bwd(w, &FewRows::Skinny)?)
 }
-
-struct SkinnyGemm;
 
 /// `k` is walked in blocks of 32 (two mma k-steps of 16).
 const SKINNY_K_MULTIPLE: usize = 32;
@@ -214,9 +187,14 @@ fn skinny_dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, u
     Ok((m, n, k))
 }
 
-impl candle_core::CustomOp2 for SkinnyGemm {
+/// The two few-row products ([`gemv`], [`skinny_gemm`]) as one custom op: their checks,
+/// twins and launchers by kind.
+impl candle_core::CustomOp2 for FewRows {
     fn name(&self) -> &'static str {
-        "fleet-skinny-gemm"
+        match self {
+            FewRows::Gemv => "fleet-gemv",
+            FewRows::Skinny => "fleet-skinny-gemm",
+        }
     }
 
     fn cpu_fwd(
@@ -226,8 +204,11 @@ impl candle_core::CustomOp2 for SkinnyGemm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, n, k) = skinny_dims(l1, l2)?;
-        let out = float_cpu!("skinny_gemm", (s1, l1) => x, (s2, l2) => w; skinny_cpu(x, w, k));
+        let (m, n, k) = self.dims(l1, l2)?;
+        let out = float_cpu!("few-row product", (s1, l1) => x, (s2, l2) => w; match self {
+            FewRows::Gemv => gemv_cpu(x, w, k),
+            FewRows::Skinny => skinny_cpu(x, w, k),
+        });
         Ok((out, Shape::from((m, n))))
     }
 
@@ -239,11 +220,21 @@ impl candle_core::CustomOp2 for SkinnyGemm {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (m, n, k) = skinny_dims(l1, l2)?;
-        Ok((
-            cuda::skinny_gemm(s1, l1, s2, l2, (m, n, k))?,
-            Shape::from((m, n)),
-        ))
+        let dims = self.dims(l1, l2)?;
+        let y = match self {
+            FewRows::Gemv => cuda::gemv(s1, l1, s2, l2, dims)?,
+            FewRows::Skinny => cuda::skinny_gemm(s1, l1, s2, l2, dims)?,
+        };
+        Ok((y, Shape::from((dims.0, dims.1))))
+    }
+}
+
+impl FewRows {
+    fn dims(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+        match self {
+            FewRows::Gemv => gemv_dims(l1, l2),
+            FewRows::Skinny => skinny_dims(l1, l2),
+        }
     }
 }
 
