@@ -13,7 +13,8 @@
 #                 kernel tests), then the 7B speed as PART=speed with
 #                 the fleet modes $MODES (default all but continuous-eager: static;
 #                 continuous-eager: no CUDA graphs;
-#                 continuous: graphs, a read every step; continuous-cublas: the same with
+#                 continuous: graphs, a read every step; continuous-skinny: the same with
+#                 the skinny GEMM for 5-64 rows (FLEET_SKINNY_GEMM=1); continuous-cublas: with
 #                 FLEET_DECODE_GEMV=0 (cuBLAS for every product); continuous-sync8: graphs, a read every
 #                 8 steps); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
 #                 128, 256 new) in the same modes
@@ -47,6 +48,13 @@ case "$PART" in
       timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_$t.txt" 2>&1
       echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_$t.txt"
     done
+    # The same generation tests with the skinny GEMM on for 5-64 rows (off by default until
+    # its kernel test has passed on a GPU).
+    for t in paged_generation generation; do
+      echo "== $t (FLEET_SKINNY_GEMM=1)"
+      FLEET_SKINNY_GEMM=1 timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_${t}_skinny.txt" 2>&1
+      echo "rc $?"; grep -E 'test result|panicked|FAILED' "$OUT/test_${t}_skinny.txt"
+    done
     # The crate's own kernel tests (the library's unit tests): the GEMV and the linear layer;
     # the CUDA ops against their twins; decode graphs on two logical devices (a binary of its
     # own: the logical mapping is process-wide).
@@ -72,25 +80,27 @@ case "$PART" in
     # (FLEET_DECODE_GEMV=0: no GEMV for up to 4 rows, no skinny GEMM for 5 to 64).
     mode_flags() {
       gemv=1; batches=$BATCHES
+      skinny=0
       case "$1" in
+        continuous-skinny) flags=(--batching continuous); skinny=1 ;;
         continuous-eager) flags=(--batching continuous --enforce-eager) ;;
         continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
         continuous-cublas) flags=(--batching continuous); gemv=0 ;;
         *) flags=(--batching "$1") ;;
       esac
     }
-    for mode in ${MODES:-static continuous continuous-cublas continuous-sync8}; do
+    for mode in ${MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
       echo "== fleet $mode"
       mode_flags "$mode"
-      FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
+      FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
         --prompt-len 512 --new-tokens 128 --repeats 2 "${flags[@]}" \
         --json "$OUT/fleet_7b_$mode.json"
     done
     for shape in 0.5b 1.5b; do
-      for mode in ${ROLLOUT_MODES:-static continuous continuous-cublas continuous-sync8}; do
+      for mode in ${ROLLOUT_MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
         echo "== fleet $shape rollouts $mode"
         mode_flags "$mode"
-        timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
+        FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
           --prompt-len 128 --new-tokens 256 --repeats 3 "${flags[@]}" \
           --json "$OUT/fleet_${shape}_rollouts_$mode.json"
       done

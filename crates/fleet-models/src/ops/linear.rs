@@ -22,8 +22,9 @@ pub const SKINNY_MAX_ROWS: usize = 64;
 /// - up to [`GEMV_MAX_ROWS`] rows in f16 or bf16 (a decode step) take [`gemv`], which reads
 ///   each weight once at close to the memory bandwidth (cuBLAS reached 57–86% on a 7B decode
 ///   step at batch 1, measured with ncu on an H100); up to [`SKINNY_MAX_ROWS`] take
-///   [`skinny_gemm`] (cuBLAS's kernels for 64 rows of the 0.5B read 1.0–1.6 TB/s of the
-///   H100's 3.35); `FLEET_DECODE_GEMV=0` turns both off;
+///   [`skinny_gemm`] with `FLEET_SKINNY_GEMM=1` (not yet run on a GPU: off by default; cuBLAS's
+///   kernels for 64 rows of the 0.5B read 1.0–1.6 TB/s of the H100's 3.35);
+///   `FLEET_DECODE_GEMV=0` turns both off;
 /// - the bias is added in place by one kernel after the product: candle's broadcast add is a
 ///   strided kernel that took 4x the GEMM itself on the vision tower's `[65536, 4304]`
 ///   activations (measured on an H200).
@@ -81,9 +82,12 @@ fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
 }
 
 /// Whether [`linear`] sends this product to [`skinny_gemm`]: more than [`GEMV_MAX_ROWS`] and at
-/// most [`SKINNY_MAX_ROWS`] rows, `k` a multiple of 32 and `n` of 16 ([`decode_kernel_takes`]).
+/// most [`SKINNY_MAX_ROWS`] rows, `k` a multiple of 32 and `n` of 16 ([`decode_kernel_takes`]),
+/// and `FLEET_SKINNY_GEMM=1` in the environment: off by default until its GPU test
+/// (`skinny_gemm_kernel_agrees_with_its_twin`) has passed on a GPU.
 fn skinny_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
-    (GEMV_MAX_ROWS + 1..=SKINNY_MAX_ROWS).contains(&rows)
+    skinny_gemm_enabled()
+        && (GEMV_MAX_ROWS + 1..=SKINNY_MAX_ROWS).contains(&rows)
         && w.dims()
             .first()
             .is_some_and(|n| n.is_multiple_of(SKINNY_N_MULTIPLE))
@@ -185,6 +189,34 @@ fn skinny_dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, u
         );
     }
     Ok((m, n, k))
+}
+
+/// Whether [`linear`] may take [`skinny_gemm`]: 0 not read yet, 1 off, 2 on.
+static SKINNY_GEMM: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// `FLEET_SKINNY_GEMM=1`, read once (or as [`set_skinny_gemm`] set it).
+fn skinny_gemm_enabled() -> bool {
+    use std::sync::atomic::Ordering;
+    let mut v = SKINNY_GEMM.load(Ordering::Relaxed);
+    if v == 0 {
+        v = if std::env::var("FLEET_SKINNY_GEMM").is_ok_and(|v| v == "1") {
+            2
+        } else {
+            1
+        };
+        SKINNY_GEMM.store(v, Ordering::Relaxed);
+    }
+    v == 2
+}
+
+/// Test switch: whether [`linear`] takes [`skinny_gemm`] in this process, whatever
+/// `FLEET_SKINNY_GEMM` says.
+#[doc(hidden)]
+pub fn set_skinny_gemm(enabled: bool) {
+    SKINNY_GEMM.store(
+        if enabled { 2 } else { 1 },
+        std::sync::atomic::Ordering::Relaxed,
+    );
 }
 
 /// The two few-row products ([`gemv`], [`skinny_gemm`]) as one custom op: their checks,
@@ -758,7 +790,9 @@ mod kernel_tests {
                     );
                 }
             }
-            // Through linear: 12 rows of a 3-D input take the kernel, the bias added after.
+            // Through linear: 12 rows of a 3-D input take the kernel (switched on for this
+            // process), the bias added after.
+            set_skinny_gemm(true);
             let layer = candle_nn::Linear::new(
                 r(&[48, 64], 5, dtype).to_device(&dev).unwrap(),
                 Some(r(&[48], 6, dtype).to_device(&dev).unwrap()),
