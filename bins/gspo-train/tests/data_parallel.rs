@@ -217,6 +217,102 @@ fn a_run_resumes_on_another_number_of_ranks() {
     );
 }
 
+/// Issue 28, item 5: ZeRO stage 1 (each rank keeps and updates the moments of its share of the
+/// parameters, then gathers the others') trains exactly as unsharded data parallelism: the same
+/// weights bit for bit on two ranks; on three, the curve of one process; a sharded checkpoint
+/// (the moments gathered by rank 0) resumes on another number of ranks; one process is refused.
+#[test]
+fn zero_stage_1_gives_the_unsharded_weights_and_resumes_on_other_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plain = tmp.path().join("plain");
+    let zero = tmp.path().join("zero");
+    let two = |out: &Path, extra: &[&str]| {
+        let mut e = vec!["--nproc-per-node", "2"];
+        e.extend_from_slice(extra);
+        let port = port();
+        e.extend_from_slice(&["--master-port", &port]);
+        ok(&gspo_train().args(args(out, 8, &e)).output().unwrap());
+    };
+    two(&plain, &[]);
+    two(&zero, &["--set", "zero_stage=1"]);
+    assert_same_weights(&plain.join("checkpoint-8"), &zero.join("checkpoint-8"), 0.0);
+    // The optimizer state is whole in the checkpoint, and the same as unsharded.
+    let moments = |p: &Path| {
+        candle_core::safetensors::load(
+            p.join("checkpoint-8/optimizer.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap()
+    };
+    let (a, b) = (moments(&plain), moments(&zero));
+    assert_eq!(a.len(), b.len());
+    for (k, t) in &a {
+        let u = &b[k];
+        assert_eq!(t.dims(), u.dims(), "{k}");
+        let d = (t.to_dtype(candle_core::DType::F64).unwrap()
+            - u.to_dtype(candle_core::DType::F64).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+        assert_eq!(d, 0.0, "{k}");
+    }
+
+    // Three ranks (a batch three can share), sharded, from a two-rank sharded checkpoint at
+    // step 4: the curve of one process.
+    let batch = ["--set", "per_device_train_batch_size=24"];
+    let one = tmp.path().join("one");
+    ok(&gspo_train().args(args(&one, 8, &batch)).output().unwrap());
+    let moved = tmp.path().join("moved");
+    let mut e: Vec<&str> = batch.to_vec();
+    let p = port();
+    e.extend_from_slice(&[
+        "--set",
+        "zero_stage=1",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        &p,
+    ]);
+    ok(&gspo_train().args(args(&moved, 4, &e)).output().unwrap());
+    let mut e: Vec<&str> = batch.to_vec();
+    let p = port();
+    e.extend_from_slice(&[
+        "--set",
+        "zero_stage=1",
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        &p,
+        "--resume",
+    ]);
+    let (_, stderr) = ok(&gspo_train().args(args(&moved, 8, &e)).output().unwrap());
+    assert!(stderr.contains("resuming from"), "{stderr}");
+    assert_same_curve(&metrics(&one), &metrics(&moved), "zero 2 -> 3 ranks");
+    assert_same_weights(&one.join("checkpoint-8"), &moved.join("checkpoint-8"), 1e-5);
+
+    // One process has nothing to shard.
+    let out = gspo_train()
+        .args(args(
+            &tmp.path().join("solo"),
+            1,
+            &["--set", "zero_stage=1"],
+        ))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("zero_stage = 1") && err.contains("--nproc-per-node"),
+        "{err}"
+    );
+}
+
 /// A rank started by hand, torchrun-style.
 fn rank(rank: usize, world: usize, port: &str, out: &Path, extra: &[&str]) -> Command {
     let mut c = gspo_train();

@@ -415,6 +415,11 @@ pub struct GspoConfig {
     pub output_dir: PathBuf,
     /// The reward functions and their weights (TRL `reward_funcs` + `reward_weights`).
     pub reward_funcs: Vec<RewardSpec>,
+    /// ZeRO stage (DeepSpeed's and accelerate's name): 0, every process keeps the whole
+    /// optimizer state; 1, each data-parallel process keeps and updates the AdamW moments of
+    /// its share of the parameters, and the updated parameters are gathered after each step.
+    /// The same weights either way. Default 0.
+    pub zero_stage: u8,
     /// Also write the metrics as TensorBoard event files (`tensorboard`, in
     /// `<output_dir>/runs/`) or not (`none`, the default).
     pub report_to: ReportTo,
@@ -504,6 +509,7 @@ impl Default for GspoConfig {
             save_total_limit: None,
             output_dir: PathBuf::from("trainer_output"),
             reward_funcs: Vec::new(),
+            zero_stage: 0,
             report_to: ReportTo::None,
             log_completions: false,
             num_completions_to_print: None,
@@ -565,6 +571,7 @@ pub const KEYS: &[&str] = &[
     "save_steps",
     "save_total_limit",
     "output_dir",
+    "zero_stage",
     "report_to",
     "log_completions",
     "num_completions_to_print",
@@ -806,6 +813,12 @@ impl GspoConfig {
                 }
                 self.output_dir = PathBuf::from(v)
             }
+            "zero_stage" => {
+                self.zero_stage = value
+                    .trim()
+                    .parse::<u8>()
+                    .map_err(|_| bad(key, value, "0 or 1"))?
+            }
             "report_to" => self.report_to = parse_enum(key, value)?,
             "log_completions" => self.log_completions = parse_bool(key, value)?,
             "num_completions_to_print" => {
@@ -1019,6 +1032,12 @@ impl GspoConfig {
             "output_dir",
             "\"\"",
             "a directory path",
+        )?;
+        check(
+            self.zero_stage <= 1,
+            "zero_stage",
+            self.zero_stage,
+            "0 (no sharding) or 1 (optimizer state sharded over data-parallel processes)",
         )?;
         self.check_batch_arithmetic()?;
         self.check_eval()?;

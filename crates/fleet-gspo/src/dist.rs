@@ -69,6 +69,68 @@ impl<C: Collective + ?Sized> AllReduceGrads for C {
     }
 }
 
+/// ZeRO stage 1's partition of the parameters (their element counts, in order) over `world`
+/// ranks: the owner of each, largest first to the rank with the fewest elements so far (ties:
+/// the lower rank; equal sizes: parameter order). The same on every rank and every run.
+pub fn zero_partition(sizes: &[usize], world: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
+    let mut load = vec![0usize; world.max(1)];
+    let mut owner = vec![0; sizes.len()];
+    for i in order {
+        let r = (0..load.len())
+            .min_by_key(|&r| (load[r], r))
+            .expect("at least one rank");
+        owner[i] = r;
+        load[r] += sizes[i];
+    }
+    owner
+}
+
+/// Every rank's `tensors` as their owners hold them: each rank contributes the tensors it
+/// `owned` and zeros for the others (an entry it does not own only gives the shape, dtype and
+/// device), summed over the ranks (`x + 0` is exact in any float
+/// dtype) about [`GRAD_BUCKET_BYTES`] at a time; returned in the tensors' dtypes and shapes
+/// (ZeRO stage 1: the updated parameters after a step, the moments for a checkpoint).
+pub fn gather_owned<C: Collective + ?Sized>(
+    collective: &C,
+    tensors: &[Tensor],
+    owned: &[bool],
+) -> Result<Vec<Tensor>, TrainError> {
+    let mut out = Vec::with_capacity(tensors.len());
+    let mut start = 0;
+    while start < tensors.len() {
+        // One bucket's worth of tensors at a time: the f32 sums of all of them at once would be
+        // a whole f32 copy of the model.
+        let mut end = start;
+        let mut bytes = 0;
+        while end < tensors.len()
+            && (end == start || bytes + 4 * tensors[end].elem_count() <= GRAD_BUCKET_BYTES)
+        {
+            bytes += 4 * tensors[end].elem_count();
+            end += 1;
+        }
+        let mine: Vec<Tensor> = (start..end)
+            .map(|i| {
+                if owned[i] {
+                    Ok(tensors[i].clone())
+                } else {
+                    Tensor::zeros(tensors[i].shape(), tensors[i].dtype(), tensors[i].device())
+                }
+            })
+            .collect::<candle_core::Result<_>>()?;
+        for (sum, t) in collective
+            .all_reduce_sum_bucketed(&mine, GRAD_BUCKET_BYTES)?
+            .into_iter()
+            .zip(&tensors[start..end])
+        {
+            out.push(sum.to_dtype(t.dtype())?);
+        }
+        start = end;
+    }
+    Ok(out)
+}
+
 /// Gradients with every missing one as zeros (a rank whose share gave a parameter no gradient
 /// still contributes to the sum).
 fn dense_grads(grads: &ParamGrads, params: &[Var]) -> Result<Vec<Tensor>, TrainError> {

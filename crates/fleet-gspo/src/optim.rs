@@ -384,6 +384,9 @@ pub struct AdamW {
     params: Vec<(String, Var)>,
     config: AdamWConfig,
     state: Vec<ParamState>,
+    /// Which parameters this process updates: all, or its share under ZeRO stage 1
+    /// ([`AdamW::shard`]); the others' moments are not held.
+    owned: Vec<bool>,
     /// Elements per slice of the composed update ([`COMPOSED_SLICE_ELEMENTS`]; tests make it
     /// small).
     slice_elements: usize,
@@ -498,12 +501,63 @@ impl AdamW {
                 exp_avg_sq: zeros,
             });
         }
+        let owned = vec![true; params.len()];
         Ok(AdamW {
             params,
             config,
             state,
+            owned,
             slice_elements: COMPOSED_SLICE_ELEMENTS,
         })
+    }
+
+    /// ZeRO stage 1: keeps the moments of the parameters `owned` marks and frees the others';
+    /// [`AdamW::step`] then updates only the owned ones (their new values reach the other
+    /// processes through the trainer's sync). Step counts are kept for every parameter.
+    pub fn shard(&mut self, owned: &[bool]) -> Result<(), OptimError> {
+        if owned.len() != self.params.len() {
+            return Err(OptimError::GradCount {
+                expected: self.params.len(),
+                got: owned.len(),
+            });
+        }
+        for ((st, &mine), (_, var)) in self.state.iter_mut().zip(owned).zip(&self.params) {
+            if !mine {
+                let empty = Tensor::zeros(0, var.dtype(), var.device())?;
+                st.exp_avg = empty.clone();
+                st.exp_avg_sq = empty;
+            }
+        }
+        self.owned = owned.to_vec();
+        Ok(())
+    }
+
+    /// Whether this process updates each parameter (all unless [`AdamW::shard`]ed).
+    pub fn owned(&self) -> &[bool] {
+        &self.owned
+    }
+
+    /// Parameter `i`'s moments (`exp_avg`, `exp_avg_sq`) and step; the moments are empty for
+    /// a parameter another process owns.
+    pub fn moments(&self, i: usize) -> Option<(&Tensor, &Tensor, u64)> {
+        self.state
+            .get(i)
+            .map(|st| (&st.exp_avg, &st.exp_avg_sq, st.step))
+    }
+
+    /// A state from moments gathered over the processes ([`AdamW::state`]'s layout): `moments`
+    /// holds every parameter's `(exp_avg, exp_avg_sq)`, the step counts are this process's.
+    pub fn state_from(&self, moments: Vec<(Tensor, Tensor)>) -> Result<OptimizerState, OptimError> {
+        let mut tensors = BTreeMap::new();
+        for (((name, _), st), (m, v)) in self.params.iter().zip(&self.state).zip(moments) {
+            tensors.insert(format!("{EXP_AVG}/{name}"), m);
+            tensors.insert(format!("{EXP_AVG_SQ}/{name}"), v);
+            tensors.insert(
+                format!("{STEP}/{name}"),
+                Tensor::new(&[st.step as i64], &Device::Cpu)?,
+            );
+        }
+        Ok(OptimizerState { tensors })
     }
 
     /// The parameters, in order.
@@ -576,6 +630,11 @@ impl AdamW {
         } = self.config;
         for (i, ((name, var), st)) in self.params.iter().zip(self.state.iter_mut()).enumerate() {
             let Some(grad) = grads.get(i) else { continue };
+            if !self.owned[i] {
+                // Another process updates it (ZeRO stage 1); the count stays in step.
+                st.step += 1;
+                continue;
+            }
             if grad.dims() != var.dims() {
                 return Err(OptimError::GradShape {
                     name: name.clone(),

@@ -156,6 +156,8 @@ pub fn run_manifest(
             "output_dir",
             "model_name_or_path",
             "dataset_name",
+            // Sharding changes where the optimizer state lives, not the weights.
+            "zero_stage",
             "report_to",
             "log_completions",
             "num_completions_to_print",
@@ -273,6 +275,14 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     }
     let longest_prompt = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(1);
     let world_size = opts.dist.as_ref().map_or(1, |d| d.world.world_size);
+    if config.zero_stage == 1 && world_size == 1 {
+        return Err(TrainError::Setup(
+            "zero_stage = 1 shards the optimizer state over data-parallel processes, and this \
+             run has one: start several (--nproc-per-node N, torchrun or SLURM) or drop \
+             zero_stage"
+                .into(),
+        ));
+    }
     let scaling = opts
         .dist
         .as_ref()
@@ -784,6 +794,19 @@ fn finish(
         let saved = OptimizerState::load(&ckpt.join("optimizer.safetensors"), &device)?;
         optimizer.load_state(&saved)?;
     }
+    if let (Some(dp), 1) = (&dp, config.zero_stage) {
+        // ZeRO stage 1: this rank keeps its share of the moments (a resumed state is loaded
+        // whole, then cut: a checkpoint resumes on any number of ranks).
+        let sizes: Vec<usize> = optimizer
+            .params()
+            .iter()
+            .map(|(_, v)| v.elem_count())
+            .collect();
+        let world = dp.world();
+        let owners = crate::dist::zero_partition(&sizes, world.world_size);
+        let owned: Vec<bool> = owners.iter().map(|&o| o == world.rank).collect();
+        optimizer.shard(&owned)?;
+    }
     let sampler = PromptSampler::resume(
         data.len(),
         config.seed,
@@ -971,6 +994,10 @@ fn plan(
         gradient_checkpointing: opts.gradient_checkpointing,
         master_dtype: plan_dtype(master_dtype(config)),
         head_chunk_rows: fleet_models::qwen::train::default_head_chunk_rows(shape.vocab_size),
+        optimizer_shards: match config.zero_stage {
+            1 => opts.dist.as_ref().map_or(1, |d| d.world.world_size),
+            _ => 1,
+        },
         ..TrainingWorkload::default()
     };
     // A reward model is sized from its config.json and headers.

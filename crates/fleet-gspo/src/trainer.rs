@@ -41,7 +41,7 @@ use crate::metrics::{
     completions_table, trainer_epoch, CompletionRecord, CompletionStats, EvalMetrics, MetricsError,
     MetricsLog, StepMetrics, StepParts, StepTimings, COMPLETIONS_FILE, COMPLETIONS_TABLE,
 };
-use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule, OptimError};
+use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule, OptimError, OptimizerState};
 use crate::prompt::RenderedPrompt;
 use crate::rewards::{BatchRewards, RewardError, WeightedSum};
 use crate::TrainError;
@@ -340,9 +340,7 @@ impl Trainer {
                 self.state.best_model_checkpoint =
                     Some(format!("{}{}", checkpoint::PREFIX, self.state.step));
             }
-            if self.is_main() {
-                self.save()?;
-            }
+            self.save()?;
         }
         Ok(())
     }
@@ -640,33 +638,106 @@ impl Trainer {
         Ok((g, grad_norm))
     }
 
-    /// One AdamW update with `g` at this step's learning rate, which it returns.
+    /// One AdamW update with `g` at this step's learning rate, which it returns. Under ZeRO
+    /// stage 1 each rank updates its share of the parameters, then every rank takes the others'
+    /// shares from their owners ([`crate::dist::gather_owned`]).
     fn optimizer_step(&mut self, g: &Gradients) -> Result<f64, TrainError> {
         let timer = Stage::start(self, "optim.3_adamw");
         let lr = self.schedule.lr(self.state.step) * self.layout.lr_scale;
         self.optimizer.step(g, lr)?;
         timer.stop(self)?;
+        if let (Some(dp), true) = (&self.dp, self.is_sharded()) {
+            let timer = Stage::start(self, "optim.4_zero_gather");
+            let vars: Vec<candle_core::Var> = self
+                .optimizer
+                .params()
+                .iter()
+                .map(|(_, v)| v.clone())
+                .collect();
+            let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let full =
+                crate::dist::gather_owned(&*dp.collective, &tensors, self.optimizer.owned())?;
+            for (var, t) in vars.iter().zip(full) {
+                var.set(&t)?;
+            }
+            timer.stop(self)?;
+        }
         Ok(lr)
     }
 
-    /// Writes a checkpoint of the current step.
-    pub fn save(&mut self) -> Result<std::path::PathBuf, TrainError> {
+    /// Whether the optimizer state is sharded over the ranks (ZeRO stage 1).
+    fn is_sharded(&self) -> bool {
+        self.optimizer.owned().iter().any(|o| !o)
+    }
+
+    /// The optimizer state a checkpoint holds: the live moments, or under ZeRO stage 1 every
+    /// rank's share gathered (every rank takes part; rank 0 writes).
+    fn checkpoint_optimizer_state(&self) -> Result<Option<OptimizerState>, TrainError> {
+        let Some(dp) = self.dp.as_ref().filter(|_| self.is_sharded()) else {
+            return Ok(None);
+        };
+        let owned = self.optimizer.owned();
+        let mut gathered = Vec::new();
+        for which in 0..2 {
+            let tensors: Vec<Tensor> = self
+                .optimizer
+                .params()
+                .iter()
+                .enumerate()
+                .map(|(i, (_, var))| {
+                    let (m, v, _) = self.optimizer.moments(i).expect("one state per parameter");
+                    match (owned[i], which) {
+                        (true, 0) => m.clone(),
+                        (true, _) => v.clone(),
+                        // Not ours: the parameter gives the shape (moments are in its dtype).
+                        (false, _) => var.as_tensor().clone(),
+                    }
+                })
+                .collect();
+            let full = crate::dist::gather_owned(&*dp.collective, &tensors, owned)?;
+            gathered.push(
+                full.into_iter()
+                    .map(|t| t.to_device(&candle_core::Device::Cpu))
+                    .collect::<candle_core::Result<Vec<_>>>()?,
+            );
+        }
+        let v = gathered.pop().expect("two passes");
+        let m = gathered.pop().expect("two passes");
+        Ok(Some(
+            self.optimizer.state_from(m.into_iter().zip(v).collect())?,
+        ))
+    }
+
+    /// Writes a checkpoint of the current step (rank 0; under ZeRO stage 1 every rank must
+    /// call it, to gather the optimizer state, and rank 0 alone writes).
+    pub fn save(&mut self) -> Result<Option<std::path::PathBuf>, TrainError> {
+        let gathered = self.checkpoint_optimizer_state()?;
+        if !self.is_main() {
+            return Ok(None);
+        }
         self.state.commit = fleet_runs::commit_id();
         self.state.fleet_version = fleet_runs::fleet_version();
         // The moments as they are, no copy: a checkpoint must not need the optimizer's memory
-        // twice.
-        let optimizer = self.optimizer.state_view()?;
+        // twice (under ZeRO the gathered copy, on the host).
+        let view;
+        let optimizer: &OptimizerState = match &gathered {
+            Some(state) => state,
+            None => {
+                view = self.optimizer.state_view()?;
+                &view
+            }
+        };
         let path = checkpoint::save(
             &self.config.output_dir,
             &CheckpointContents {
                 weights: self.policy.named_tensors(),
-                optimizer: &optimizer,
+                optimizer,
                 state: &self.state,
                 base: &self.base,
             },
             self.config.save_total_limit,
         )?;
-        Ok(path)
+        Ok(Some(path))
     }
 
     /// With `load_best_model_at_end`: the best checkpoint's model files (weights, config,

@@ -226,10 +226,18 @@ pub struct TrainingWorkload {
     /// each, and the rollouts read the weights without a copy of most of them).
     #[serde(default = "f32_master")]
     pub master_dtype: DType,
+    /// Processes AdamW's moments are split over (ZeRO stage 1: each keeps its share); 1: every
+    /// process keeps them whole.
+    #[serde(default = "one_shard")]
+    pub optimizer_shards: usize,
 }
 
 fn f32_master() -> DType {
     DType::F32
+}
+
+fn one_shard() -> usize {
+    1
 }
 
 impl Default for TrainingWorkload {
@@ -250,6 +258,7 @@ impl Default for TrainingWorkload {
             master_dtype: DType::F32,
             max_attention_bytes: None,
             coefficients: ActivationCoefficients::default(),
+            optimizer_shards: 1,
         }
     }
 }
@@ -472,7 +481,10 @@ impl TrainingWorkload {
         RoleCost {
             weights: params * MASTER_WEIGHT_BYTES * m / 4,
             gradients: params * GRADIENT_BYTES * m / 4,
-            optimizer: params * ADAM_MOMENT_BYTES * m / 4,
+            // ZeRO stage 1: this process's share of the moments (whole parameters are
+            // assigned, so a share is about a 1/shards of them).
+            optimizer: (params * ADAM_MOMENT_BYTES * m / 4)
+                .div_ceil(self.optimizer_shards.max(1) as u64),
             inference_copy,
             kv_cache,
             generation_workspace,
@@ -694,6 +706,21 @@ mod tests {
         let want =
             b * l * d * (12 * 3584 + 6 * 18944 + 4 * (28 + 8) * 128) + b * 28 * l * l * d * 3;
         assert_eq!(w.block_bytes(&s, &C_PEAK), want);
+    }
+
+    /// ZeRO stage 1: each of N processes plans a 1/N share of AdamW's moments, nothing else.
+    #[test]
+    fn sharded_moments_are_a_share_per_process() {
+        let s = qwen05();
+        let one = TrainingWorkload::default().policy_cost(&s, whole(&s));
+        let four = TrainingWorkload {
+            optimizer_shards: 4,
+            ..TrainingWorkload::default()
+        }
+        .policy_cost(&s, whole(&s));
+        assert_eq!(four.optimizer, one.optimizer.div_ceil(4));
+        assert_eq!(four.weights, one.weights);
+        assert_eq!(four.gradients, one.gradients);
     }
 
     #[test]
