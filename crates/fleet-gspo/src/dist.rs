@@ -276,6 +276,30 @@ impl DataParallel {
 
 #[cfg(test)]
 mod tests {
+
+    /// Whole parameters, largest first to the least-loaded rank: balanced, and the same
+    /// partition every time.
+    #[test]
+    fn zero_partition_balances_whole_parameters() {
+        let sizes = [10, 100, 30, 30, 5, 70];
+        let owners = zero_partition(&sizes, 2);
+        // 100 -> 0; 70 -> 1; 30 -> 1 (70 < 100); 30 -> 0 (100 = 100: the lower rank);
+        // 10 -> 1 (100 < 130); 5 -> 1 (110 < 130).
+        assert_eq!(owners, vec![1, 0, 1, 0, 1, 1]);
+        let load = |r: usize| -> usize {
+            sizes
+                .iter()
+                .zip(&owners)
+                .filter(|(_, &o)| o == r)
+                .map(|(s, _)| s)
+                .sum()
+        };
+        assert_eq!((load(0), load(1)), (130, 115));
+        assert_eq!(owners, zero_partition(&sizes, 2));
+        assert_eq!(zero_partition(&sizes, 1), vec![0; 6]);
+        // More ranks than parameters: some own nothing.
+        assert_eq!(zero_partition(&[3, 2], 4), vec![0, 1]);
+    }
     use super::*;
     use candle_core::{DType, IndexOp};
 
