@@ -35,6 +35,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -94,7 +95,12 @@ def greeting(fn):
 
 
 def serve_lines(fn):
-    out = sys.stdout
+    # The protocol keeps a copy of standard output for itself; file descriptor 1 then points
+    # at standard error, so that anything else written there (the function's prints, a C
+    # library's) cannot break the protocol.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     out.write(json.dumps(greeting(fn)) + "\n")
     out.flush()
     for line in sys.stdin:
