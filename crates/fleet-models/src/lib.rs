@@ -23,6 +23,7 @@ mod error;
 pub mod generation;
 pub mod kv_blocks;
 pub mod kv_cache;
+pub mod lora;
 pub mod ops;
 pub mod profile;
 pub mod qwen;

@@ -248,3 +248,78 @@ fn one_call_loads_a_trainable_model_and_gradients_come_back_by_name() {
         assert!(e < 1e-4, "gradient of {name}: rel err {e}");
     }
 }
+
+/// Issue 28, item 4: LoRA adapters as PEFT writes them, on a frozen base: the adapters are the
+/// only parameters and their gradients match PEFT + transformers' (goldens by
+/// scripts/fixtures/make_lora_goldens.py); new adapters leave the model as the base was; a
+/// target that names no module is refused with the model's module names.
+#[test]
+fn lora_adapter_gradients_match_peft() {
+    use fleet_models::lora::LoraConfig;
+    let dir = fixtures().join("qwen2-tiny-lora");
+    let config = LoraConfig::from_dir(&dir).unwrap();
+    assert_eq!((config.r, config.scaling()), (4, 2.0));
+    let adapters = Weights::from_safetensors(&[dir.join("adapter_model.safetensors")]).unwrap();
+    let model = load("qwen2-tiny", None)
+        .with_lora(config.clone(), Some(&adapters), 0)
+        .unwrap();
+    check("qwen2-tiny-lora", &model);
+
+    // Fresh adapters (B = 0): the base model's log-probs exactly.
+    let g = golden("qwen2-tiny");
+    let base = load("qwen2-tiny", None)
+        .logprobs(&g.batch, TEMPERATURE)
+        .unwrap();
+    let fresh = load("qwen2-tiny", None)
+        .with_lora(config.clone(), None, 7)
+        .unwrap();
+    let lp = fresh.logprobs(&g.batch, TEMPERATURE).unwrap();
+    assert_eq!(rel_err(&lp.logp, &base.logp), 0.0);
+
+    // The merged weights hold no adapter; the saved adapter has PEFT's file layout (the
+    // committed file's names, shapes and dtypes) and reads back to the same model.
+    let merged = model.merged_weights().unwrap();
+    assert!(merged.keys().all(|k| !k.contains("lora_")));
+    let out = tempfile::tempdir().unwrap();
+    model
+        .save_adapter(out.path(), "tests/fixtures/qwen2-tiny")
+        .unwrap();
+    let read = |p: &Path| {
+        candle_core::safetensors::load(p.join("adapter_model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let (ours, peft) = (read(out.path()), read(&dir));
+    assert_eq!(ours.len(), peft.len());
+    for (k, t) in &peft {
+        let u = &ours[k];
+        assert_eq!((u.dims(), u.dtype()), (t.dims(), t.dtype()), "{k}");
+        assert_eq!(rel_err(u, t), 0.0, "{k}");
+    }
+    // FLEET_SAVE_ADAPTER_TO=DIR keeps a copy for PEFT to load (scripts/fixtures/
+    // check_peft_loads.py; PEFT needs torch, which CI does not install).
+    if let Ok(keep) = std::env::var("FLEET_SAVE_ADAPTER_TO") {
+        model
+            .save_adapter(Path::new(&keep), "tests/fixtures/qwen2-tiny")
+            .unwrap();
+    }
+    let again = LoraConfig::from_dir(out.path()).unwrap();
+    assert_eq!(
+        (again.r, again.scaling(), again.modules().len()),
+        (4, 2.0, 3)
+    );
+    let mut bad = config;
+    bad.target_modules = fleet_models::lora::TargetModules::List(vec!["qkv_proj".into()]);
+    let err = load("qwen2-tiny", None)
+        .with_lora(bad, None, 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("q_proj, k_proj"), "{err}");
+    let twice = load("qwen2-tiny", None)
+        .with_lora(LoraConfig::new(2, 4.0, &["q_proj"]), None, 0)
+        .unwrap()
+        .with_lora(LoraConfig::new(2, 4.0, &["q_proj"]), None, 0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(twice.contains("already carries LoRA adapters"), "{twice}");
+}

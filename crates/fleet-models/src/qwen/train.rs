@@ -313,6 +313,27 @@ pub struct TrainableQwen {
     /// this many at a time (64 MiB of f32 by default): the same numbers, without a second
     /// tensor of the parameter's size. Tests make it small.
     pub gradient_slice_elements: usize,
+    /// With LoRA ([`TrainableQwen::with_lora`]): the base weights, not trained, by checkpoint
+    /// name; empty otherwise.
+    frozen: HashMap<String, Tensor>,
+    /// With LoRA: the adapters' config and targets.
+    lora: Option<LoraState>,
+}
+
+/// A model's LoRA adapters: the config, the scale, and per adapted weight its name and the
+/// indices of its `A` and `B` among the parameters.
+struct LoraState {
+    config: crate::lora::LoraConfig,
+    scaling: f64,
+    targets: Vec<LoraTarget>,
+}
+
+struct LoraTarget {
+    layer: usize,
+    /// The adapted weight's checkpoint name.
+    weight: String,
+    a: usize,
+    b: usize,
 }
 
 impl TrainableQwen {
@@ -420,16 +441,206 @@ impl TrainableQwen {
             gradient_checkpointing: true,
             head_chunk_rows: default_head_chunk_rows(cfg.vocab_size),
             gradient_slice_elements: ACCUMULATE_SLICE_ELEMENTS,
+            frozen: HashMap::new(),
+            lora: None,
         };
-        // Building every block once checks names and shapes against config.json now, not at
-        // the first step.
-        let w = model.weights(false);
-        model.embedding(&w)?;
-        for i in 0..cfg.num_hidden_layers {
-            model.block(&w, i)?;
-        }
-        model.head(&w)?;
+        model.check_blocks()?;
         Ok(model)
+    }
+
+    /// Builds every block once: names and shapes are checked against config.json now, not at
+    /// the first step.
+    fn check_blocks(&self) -> Result<()> {
+        let w = self.weights(false);
+        self.embedding(&w)?;
+        for i in 0..self.cfg.num_hidden_layers {
+            self.block(&w, i)?;
+        }
+        self.head(&w)?;
+        Ok(())
+    }
+
+    /// This model with LoRA adapters (PEFT's, [`crate::lora`]) on `config`'s target modules:
+    /// the base weights are frozen (kept once, no gradients, no optimizer state) and the
+    /// adapters are the parameters, under PEFT's names. `adapters` (an
+    /// `adapter_model.safetensors`' weights) gives their values; without it they start as
+    /// PEFT's do (`A` Kaiming-uniform from `seed`, `B` zero), so the model is the base.
+    pub fn with_lora(
+        mut self,
+        config: crate::lora::LoraConfig,
+        adapters: Option<&Weights>,
+        seed: u64,
+    ) -> Result<Self> {
+        config.validate().map_err(ModelError::BadInput)?;
+        if self.lora.is_some() {
+            return Err(ModelError::BadInput(
+                "the model already carries LoRA adapters: merge them first".into(),
+            ));
+        }
+        let modules = config.modules();
+        let master = self
+            .params
+            .first()
+            .map(|p| p.var.dtype())
+            .unwrap_or(DType::F32);
+        let base: Vec<Param> = std::mem::take(&mut self.params);
+        let mut params = Vec::new();
+        let mut targets = Vec::new();
+        let mut rng = splitmix_uniform(seed);
+        for p in &base {
+            let Some((layer, module)) = crate::lora::target_of(&p.name, &modules) else {
+                continue;
+            };
+            let (out, inp) = p.var.dims2()?;
+            let (a_name, b_name) = crate::lora::adapter_names(&module);
+            let dev = p.var.device();
+            let (a, b) = match adapters {
+                Some(w) => (
+                    w.load_any(&a_name, master, dev)?,
+                    w.load_any(&b_name, master, dev)?,
+                ),
+                None => {
+                    // PEFT: kaiming_uniform_(a = sqrt(5)) on [r, in], bound 1/sqrt(in).
+                    let bound = 1.0 / (inp as f64).sqrt();
+                    let vals: Vec<f32> = (0..config.r * inp)
+                        .map(|_| ((rng() * 2.0 - 1.0) * bound) as f32)
+                        .collect();
+                    (
+                        Tensor::from_vec(vals, (config.r, inp), dev)?.to_dtype(master)?,
+                        Tensor::zeros((out, config.r), master, dev)?,
+                    )
+                }
+            };
+            if a.dims() != [config.r, inp] || b.dims() != [out, config.r] {
+                return Err(ModelError::BadInput(format!(
+                    "adapter of {module}: A {:?} and B {:?}, expected [{}, {inp}] and [{out}, {}]                      (r = {})",
+                    a.dims(),
+                    b.dims(),
+                    config.r,
+                    config.r,
+                    config.r
+                )));
+            }
+            targets.push(LoraTarget {
+                layer,
+                weight: p.name.clone(),
+                a: params.len(),
+                b: params.len() + 1,
+            });
+            params.push(Param {
+                name: a_name,
+                var: Var::from_tensor(&a)?,
+                part: p.part,
+            });
+            params.push(Param {
+                name: b_name,
+                var: Var::from_tensor(&b)?,
+                part: p.part,
+            });
+        }
+        if targets.is_empty() {
+            let linear: Vec<&str> = base
+                .iter()
+                .filter(|p| p.name.contains(".layers.0.") && p.name.ends_with("proj.weight"))
+                .map(|p| p.name.as_str())
+                .collect();
+            return Err(ModelError::BadInput(format!(
+                "target_modules {:?} name no module of this model; its linear layers (layer 0): {}",
+                modules,
+                linear.join(", ")
+            )));
+        }
+        self.frozen = base
+            .into_iter()
+            .map(|p| (p.name, p.var.as_detached_tensor()))
+            .collect();
+        self.by_name = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.clone(), i))
+            .collect();
+        self.params = params;
+        self.lora = Some(LoraState {
+            scaling: config.scaling(),
+            config,
+            targets,
+        });
+        self.check_blocks()?;
+        Ok(self)
+    }
+
+    /// The adapters' config, with LoRA.
+    pub fn lora_config(&self) -> Option<&crate::lora::LoraConfig> {
+        self.lora.as_ref().map(|l| &l.config)
+    }
+
+    /// Writes the adapters as PEFT does (`adapter_config.json`, `adapter_model.safetensors`
+    /// with PEFT's names, in the master dtype), each file through a temporary one renamed into
+    /// place; `base` names the base model in the config (PEFT's `base_model_name_or_path`).
+    pub fn save_adapter(&self, dir: &std::path::Path, base: &str) -> Result<()> {
+        let l = self
+            .lora
+            .as_ref()
+            .ok_or_else(|| ModelError::BadInput("the model has no LoRA adapters".into()))?;
+        let io = |e: std::io::Error| ModelError::BadInput(format!("{}: {e}", dir.display()));
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let mut config = l.config.clone();
+        config.base_model_name_or_path = Some(base.to_string());
+        config.inference_mode = true;
+        let json = serde_json::to_string_pretty(&config)
+            .map_err(|e| ModelError::BadInput(format!("adapter_config.json: {e}")))?;
+        let tmp = dir.join(".adapter_config.json.tmp");
+        std::fs::write(&tmp, json + "\n").map_err(io)?;
+        std::fs::rename(&tmp, dir.join("adapter_config.json")).map_err(io)?;
+        let tensors: HashMap<String, Tensor> = self
+            .params
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.name.clone(),
+                    p.var.as_detached_tensor().to_device(&Device::Cpu)?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let tmp = dir.join(".adapter_model.safetensors.tmp");
+        candle_core::safetensors::save(&tensors, &tmp)?;
+        std::fs::rename(&tmp, dir.join("adapter_model.safetensors")).map_err(io)?;
+        Ok(())
+    }
+
+    /// The weights the model computes with, detached, by checkpoint name: the master weights,
+    /// or with LoRA the base with every adapter merged (`W + scaling·B·A`): what a merged
+    /// export writes.
+    pub fn merged_weights(&self) -> Result<HashMap<String, Tensor>> {
+        let Weights::Tensors(mut map) = self.weights(false) else {
+            unreachable!("weights() holds tensors")
+        };
+        if let Some(l) = &self.lora {
+            for t in &l.targets {
+                let merged = self.merge(&map, t)?;
+                map.insert(t.weight.clone(), merged);
+            }
+            for t in &l.targets {
+                map.remove(&self.params[t.a].name);
+                map.remove(&self.params[t.b].name);
+            }
+        }
+        Ok(map)
+    }
+
+    /// `target`'s weight with its adapter merged, from `map` (base weights and the adapters,
+    /// tracked or detached as `map` holds them).
+    fn merge(&self, map: &HashMap<String, Tensor>, t: &LoraTarget) -> Result<Tensor> {
+        let l = self.lora.as_ref().expect("a LoRA target");
+        let get = |name: &str| {
+            map.get(name)
+                .ok_or_else(|| ModelError::BadInput(format!("no tensor {name}")))
+        };
+        let a = get(&self.params[t.a].name)?;
+        let b = get(&self.params[t.b].name)?;
+        let w = get(&t.weight)?;
+        let delta = (b.matmul(a)? * l.scaling)?;
+        Ok((w + delta.to_dtype(w.dtype())?)?)
     }
 
     /// The config.
@@ -474,7 +685,7 @@ impl TrainableQwen {
     pub fn inference_model(&self) -> Result<QwenModel> {
         QwenModel::on_devices(
             &self.cfg,
-            &self.weights(false),
+            &Weights::Tensors(self.merged_weights()?),
             self.dtype,
             &self.map,
             self.devices.clone(),
@@ -484,19 +695,18 @@ impl TrainableQwen {
     /// The weights as the blocks read them: the master tensors, tracked (gradients reach the
     /// `Var`s) or detached (no graph is recorded).
     fn weights(&self, tracked: bool) -> Weights {
-        Weights::Tensors(
-            self.params
-                .iter()
-                .map(|p| {
-                    let t = if tracked {
-                        p.var.as_tensor().clone()
-                    } else {
-                        p.var.as_detached_tensor()
-                    };
-                    (p.name.clone(), t)
-                })
-                .collect(),
-        )
+        // With LoRA: the frozen base under its names, and the adapters under theirs (merged
+        // per block, in `block`).
+        let mut map = self.frozen.clone();
+        map.extend(self.params.iter().map(|p| {
+            let t = if tracked {
+                p.var.as_tensor().clone()
+            } else {
+                p.var.as_detached_tensor()
+            };
+            (p.name.clone(), t)
+        }));
+        Weights::Tensors(map)
     }
 
     fn loader<'a>(&'a self, w: &'a Weights, loc: DeviceLocation) -> Loader<'a> {
@@ -513,6 +723,24 @@ impl TrainableQwen {
 
     fn block(&self, w: &Weights, i: usize) -> Result<DecoderLayer> {
         let loc = self.map.layers[i];
+        if let (Some(l), Weights::Tensors(map)) = (&self.lora, w) {
+            // The layer's weights with its adapters merged (tracked when `w` is: the gradients
+            // reach A and B through the product).
+            let mut merged = HashMap::new();
+            for t in l.targets.iter().filter(|t| t.layer == i) {
+                merged.insert(t.weight.clone(), self.merge(map, t)?);
+            }
+            if !merged.is_empty() {
+                let prefix = format!("{}layers.{i}.", self.cfg.prefix());
+                for (k, v) in map {
+                    if k.starts_with(&prefix) && !merged.contains_key(k) {
+                        merged.insert(k.clone(), v.clone());
+                    }
+                }
+                let layer = Weights::Tensors(merged);
+                return DecoderLayer::load(&self.cfg, &self.loader(&layer, loc), i, loc);
+            }
+        }
         DecoderLayer::load(&self.cfg, &self.loader(w, loc), i, loc)
     }
 
@@ -828,10 +1056,16 @@ impl TrainableQwen {
         } else {
             "lm_head.weight"
         };
-        let lm_idx = *self
-            .by_name
-            .get(lm_name)
-            .ok_or_else(|| ModelError::BadInput(format!("the trainable model has no {lm_name}")))?;
+        // Frozen (LoRA): only the gradient of the head's input is needed.
+        let lm_idx = match self.by_name.get(lm_name) {
+            Some(&i) => Some(i),
+            None if self.frozen.contains_key(lm_name) => None,
+            None => {
+                return Err(ModelError::BadInput(format!(
+                    "the trainable model has no {lm_name}"
+                )))
+            }
+        };
         let lm_w = head.1.weight().detach();
         let (mut gx_rows, n) = (Vec::new(), xs.dim(0)?);
         for (start, len) in chunks(n, self.head_chunk_rows) {
@@ -850,20 +1084,22 @@ impl TrainableQwen {
             })?;
             let g = profile::time(&head_dev, "head.backward", || {
                 let grad_h = grad_logits.matmul(&lm_w)?;
-                let lm = &self.params[lm_idx].var;
-                let slice_elements = self.gradient_slice_elements.max(1);
-                let h_values = h.detach();
-                // The projection's weight gradient `grad_logits^T h`, added to its sum in
-                // vocabulary slices: a whole [vocab, hidden] product per chunk would be one
-                // more tensor of the embedding's size.
-                let (acc, _) = grads.slot(&self.params, lm_idx)?;
-                let slice = (slice_elements / acc.dim(1)?.max(1)).max(1);
-                for (v0, n) in chunks(acc.dim(0)?, slice) {
-                    let gl = grad_logits.narrow(1, v0, n)?.contiguous()?;
-                    let w = gl.t()?.matmul(&h_values)?.to_dtype(lm.dtype())?;
-                    let w = crate::device::transfer(&w, lm.device())?;
-                    let sum = (acc.narrow(0, v0, n)? + w)?;
-                    acc.slice_set(&sum, 0, v0)?;
+                if let Some(lm_idx) = lm_idx {
+                    let lm = &self.params[lm_idx].var;
+                    let slice_elements = self.gradient_slice_elements.max(1);
+                    let h_values = h.detach();
+                    // The projection's weight gradient `grad_logits^T h`, added to its sum in
+                    // vocabulary slices: a whole [vocab, hidden] product per chunk would be one
+                    // more tensor of the embedding's size.
+                    let (acc, _) = grads.slot(&self.params, lm_idx)?;
+                    let slice = (slice_elements / acc.dim(1)?.max(1)).max(1);
+                    for (v0, n) in chunks(acc.dim(0)?, slice) {
+                        let gl = grad_logits.narrow(1, v0, n)?.contiguous()?;
+                        let w = gl.t()?.matmul(&h_values)?.to_dtype(lm.dtype())?;
+                        let w = crate::device::transfer(&w, lm.device())?;
+                        let sum = (acc.narrow(0, v0, n)? + w)?;
+                        acc.slice_set(&sum, 0, v0)?;
+                    }
                 }
                 let surrogate = crate::ops::sum_all_fast(&(&h * grad_h.to_dtype(h.dtype())?)?)?;
                 Ok(surrogate.backward()?)
@@ -960,9 +1196,16 @@ impl TrainableQwen {
         grads: &mut ParamGrads,
     ) -> Result<()> {
         let embed_name = self.embed_name();
-        let embed_idx = *self.by_name.get(&embed_name).ok_or_else(|| {
-            ModelError::BadInput(format!("the trainable model has no {embed_name}"))
-        })?;
+        let embed_idx = match self.by_name.get(&embed_name) {
+            Some(&i) => i,
+            // Frozen (LoRA): nothing to compute.
+            None if self.frozen.contains_key(&embed_name) => return Ok(()),
+            None => {
+                return Err(ModelError::BadInput(format!(
+                    "the trainable model has no {embed_name}"
+                )))
+            }
+        };
         let embed = &self.params[embed_idx].var;
         let dev = embed.device();
         let mut slot_of: std::collections::HashMap<u32, u32> = Default::default();
@@ -1024,6 +1267,20 @@ impl TrainableQwen {
             }
         }
         Ok(())
+    }
+}
+
+/// Uniform numbers in [0, 1) from SplitMix64 seeded with `seed`: the adapters' starting `A`,
+/// the same on every machine.
+fn splitmix_uniform(seed: u64) -> impl FnMut() -> f64 {
+    let mut state = seed;
+    move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 
