@@ -411,6 +411,12 @@ fn run(cli: &Cli) -> Result<()> {
         },
     )?;
     bar.finish_and_clear();
+    if let Some(merged) = trainer.export_merged()? {
+        outln!(
+            "merged the LoRA adapters into {} (transformers: AutoModelForCausalLM.from_pretrained)",
+            merged.display()
+        )?;
+    }
     if let Some(best) = trainer.export_best()? {
         outln!(
             "best checkpoint {} ({} = {}): its model files are in {}",
@@ -605,10 +611,15 @@ fn summarize(records: &[Option<f64>], seconds: f64, out: &Path) -> Result<()> {
         )?;
     }
     if let Ok(latest) = fleet_gspo::checkpoint::latest(out) {
-        outln!(
-            "checkpoint {} (transformers: AutoModelForCausalLM.from_pretrained)",
-            latest.display()
-        )?;
+        let loader = if latest
+            .join(fleet_gspo::checkpoint::ADAPTER_WEIGHTS)
+            .exists()
+        {
+            "PEFT: PeftModel.from_pretrained(base, dir)"
+        } else {
+            "transformers: AutoModelForCausalLM.from_pretrained"
+        };
+        outln!("checkpoint {} ({loader})", latest.display())?;
     }
     outln!("metrics {}", out.join("metrics.jsonl").display())?;
     Ok(())

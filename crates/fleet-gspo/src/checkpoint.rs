@@ -13,6 +13,11 @@
 //! latest                      the name of the newest complete checkpoint
 //! ```
 //!
+//! With LoRA (`use_peft`) a checkpoint holds PEFT's adapter files instead of `config.json` and
+//! `model.safetensors`: `adapter_config.json` (naming the base model) and
+//! `adapter_model.safetensors` (the adapters, PEFT's names), which
+//! `PeftModel.from_pretrained(base, checkpoint)` loads.
+//!
 //! A checkpoint is assembled in a hidden temporary directory and renamed into place, then
 //! `latest` is replaced atomically: a kill at any moment leaves the previous checkpoint and
 //! pointer intact. Weights are saved in f32 so that a resume continues bit for bit.
@@ -169,7 +174,22 @@ pub struct CheckpointContents<'a> {
     pub state: &'a TrainerState,
     /// The base checkpoint's files (config and tokenizer are copied from it).
     pub base: &'a CheckpointFiles,
+    /// With LoRA: the adapters' PEFT config; `weights` are then the adapters.
+    pub adapter: Option<&'a fleet_models::lora::LoraConfig>,
 }
+
+/// The weights file of a checkpoint: PEFT's adapter file with LoRA, else the model's.
+pub fn weights_file(checkpoint: &Path) -> PathBuf {
+    let adapter = checkpoint.join(ADAPTER_WEIGHTS);
+    if adapter.exists() {
+        adapter
+    } else {
+        checkpoint.join("model.safetensors")
+    }
+}
+
+/// PEFT's adapter weights file.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
 /// Writes `checkpoint-<step>` into `output_dir`, points `latest` at it (and `best` when
 /// `state.best_model_checkpoint` names it), and removes the oldest checkpoints beyond `keep`
@@ -209,21 +229,15 @@ pub fn save(
 }
 
 fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointError> {
-    // The config says what the weights are: f32 masters.
-    let config_text = std::fs::read_to_string(&c.base.config).map_err(|e| io(&c.base.config, e))?;
-    let mut config: serde_json::Value =
-        serde_json::from_str(&config_text).map_err(|e| io(&c.base.config, e))?;
-    if let Some(obj) = config.as_object_mut() {
-        for key in ["torch_dtype", "dtype"] {
-            if obj.contains_key(key) {
-                obj.insert(key.into(), "float32".into());
-            }
-        }
-        if !obj.contains_key("torch_dtype") && !obj.contains_key("dtype") {
-            obj.insert("torch_dtype".into(), "float32".into());
-        }
+    if let Some(adapter) = c.adapter {
+        // PEFT's layout: the adapter config names the base model.
+        let mut config = adapter.clone();
+        config.base_model_name_or_path = Some(c.state.base_model_id.clone());
+        config.inference_mode = true;
+        fleet_runs::write_json_atomic(&dir.join("adapter_config.json"), &config)?;
+    } else {
+        write_model_config(dir, c.base)?;
     }
-    fleet_runs::write_json_atomic(&dir.join("config.json"), &config)?;
     for file in [
         &c.base.tokenizer,
         &c.base.tokenizer_config,
@@ -235,7 +249,11 @@ fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointEr
         let name = file.file_name().unwrap_or_default();
         std::fs::copy(file, dir.join(name)).map_err(|e| io(file, e))?;
     }
-    let weights_path = dir.join("model.safetensors");
+    let weights_path = dir.join(if c.adapter.is_some() {
+        ADAPTER_WEIGHTS
+    } else {
+        "model.safetensors"
+    });
     // Where they are: the writer brings one tensor at a time to the host, so a checkpoint
     // needs one tensor's worth of host memory, not the model's. (candle's writer cannot return
     // an error from that copy: a CUDA failure in the middle of a save panics, leaving the
@@ -247,6 +265,68 @@ fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointEr
     sync_file(&weights_path)?;
     c.optimizer.save(&dir.join("optimizer.safetensors"))?;
     fleet_runs::write_json_atomic(&dir.join("trainer_state.json"), c.state)?;
+    Ok(())
+}
+
+/// Writes `output_dir/merged`: a LoRA-trained model with its adapters merged, in Hugging Face
+/// layout (config.json, model.safetensors in f32, the tokenizer files), assembled in a
+/// temporary directory and renamed into place (replacing an earlier one). Returns its path.
+pub fn write_merged(
+    output_dir: &Path,
+    base: &CheckpointFiles,
+    weights: &std::collections::HashMap<String, Tensor>,
+) -> Result<PathBuf, CheckpointError> {
+    let target = output_dir.join("merged");
+    let tmp = output_dir.join(format!(".merged.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    write_model_config(&tmp, base)?;
+    for file in [
+        &base.tokenizer,
+        &base.tokenizer_config,
+        &base.generation_config,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let name = file.file_name().unwrap_or_default();
+        std::fs::copy(file, tmp.join(name)).map_err(|e| io(file, e))?;
+    }
+    let path = tmp.join("model.safetensors");
+    let f32s: std::collections::HashMap<String, Tensor> = weights
+        .iter()
+        .map(|(k, v)| Ok((k.clone(), v.to_dtype(candle_core::DType::F32)?)))
+        .collect::<candle_core::Result<_>>()
+        .map_err(|e| io(&path, e))?;
+    candle_core::safetensors::save(&f32s, &path).map_err(|e| io(&path, e))?;
+    fleet_runs::set_created_permissions(&path)?;
+    sync_file(&path)?;
+    if target.exists() {
+        std::fs::remove_dir_all(&target).map_err(|e| io(&target, e))?;
+    }
+    std::fs::rename(&tmp, &target).map_err(|e| io(&target, e))?;
+    sync_dir(output_dir);
+    Ok(target)
+}
+
+/// The base's config.json, saying what the weights are: f32 masters.
+fn write_model_config(dir: &Path, base: &CheckpointFiles) -> Result<(), CheckpointError> {
+    let config_text = std::fs::read_to_string(&base.config).map_err(|e| io(&base.config, e))?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&config_text).map_err(|e| io(&base.config, e))?;
+    if let Some(obj) = config.as_object_mut() {
+        for key in ["torch_dtype", "dtype"] {
+            if obj.contains_key(key) {
+                obj.insert(key.into(), "float32".into());
+            }
+        }
+        if !obj.contains_key("torch_dtype") && !obj.contains_key("dtype") {
+            obj.insert("torch_dtype".into(), "float32".into());
+        }
+    }
+    fleet_runs::write_json_atomic(&dir.join("config.json"), &config)?;
     Ok(())
 }
 
@@ -327,8 +407,10 @@ pub fn latest(output_dir: &Path) -> Result<PathBuf, CheckpointError> {
 /// Checks that a checkpoint is whole: its trainer state reads, and its weights and optimizer
 /// state hold every byte their headers promise. Returns the trainer state.
 pub fn verify(checkpoint: &Path) -> Result<TrainerState, CheckpointError> {
-    for name in ["model.safetensors", "optimizer.safetensors"] {
-        let path = checkpoint.join(name);
+    for path in [
+        weights_file(checkpoint),
+        checkpoint.join("optimizer.safetensors"),
+    ] {
         fleet_models::weights::check_shard(&path).map_err(|e| CheckpointError::Damaged {
             path: path.clone(),
             message: e.to_string(),

@@ -415,6 +415,24 @@ pub struct GspoConfig {
     pub output_dir: PathBuf,
     /// The reward functions and their weights (TRL `reward_funcs` + `reward_weights`).
     pub reward_funcs: Vec<RewardSpec>,
+    /// Train LoRA adapters instead of the whole model (TRL's `ModelConfig.use_peft`): the base
+    /// is frozen (no gradients, no optimizer state; the reference model is the base with the
+    /// adapters off), checkpoints hold PEFT's adapter files, and the merged model is written to
+    /// `<output_dir>/merged` at the end. Default false.
+    pub use_peft: bool,
+    /// The adapters' rank (TRL's `lora_r`). Default 16.
+    pub lora_r: usize,
+    /// The adapters' alpha (TRL's `lora_alpha`). Default 32.
+    pub lora_alpha: f64,
+    /// Dropout on the adapters' input (TRL's `lora_dropout`): only 0 is supported (fleet merges
+    /// the adapters into the weights; TRL's default is 0.05). Default 0.
+    pub lora_dropout: f64,
+    /// The modules adapted (TRL's `lora_target_modules`): some of q_proj, k_proj, v_proj,
+    /// o_proj, gate_proj, up_proj, down_proj, or `all-linear`. Default q_proj and v_proj
+    /// (PEFT's default for Qwen2).
+    pub lora_target_modules: Vec<String>,
+    /// `lora_alpha / sqrt(r)` as the scale (TRL's `use_rslora`). Default false.
+    pub use_rslora: bool,
     /// ZeRO stage (DeepSpeed's and accelerate's name): 0, every process keeps the whole
     /// optimizer state; 1, each data-parallel process keeps and updates the AdamW moments of
     /// its share of the parameters, and the updated parameters are gathered after each step.
@@ -509,6 +527,12 @@ impl Default for GspoConfig {
             save_total_limit: None,
             output_dir: PathBuf::from("trainer_output"),
             reward_funcs: Vec::new(),
+            use_peft: false,
+            lora_r: 16,
+            lora_alpha: 32.0,
+            lora_dropout: 0.0,
+            lora_target_modules: vec!["q_proj".into(), "v_proj".into()],
+            use_rslora: false,
             zero_stage: 0,
             report_to: ReportTo::None,
             log_completions: false,
@@ -571,6 +595,12 @@ pub const KEYS: &[&str] = &[
     "save_steps",
     "save_total_limit",
     "output_dir",
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "use_rslora",
     "zero_stage",
     "report_to",
     "log_completions",
@@ -813,6 +843,18 @@ impl GspoConfig {
                 }
                 self.output_dir = PathBuf::from(v)
             }
+            "use_peft" => self.use_peft = parse_bool(key, value)?,
+            "lora_r" => self.lora_r = parse_usize(key, value)?,
+            "lora_alpha" => self.lora_alpha = parse_f64(key, value)?,
+            "lora_dropout" => self.lora_dropout = parse_f64(key, value)?,
+            "lora_target_modules" => {
+                self.lora_target_modules = value
+                    .split(',')
+                    .map(|m| m.trim().to_string())
+                    .filter(|m| !m.is_empty())
+                    .collect()
+            }
+            "use_rslora" => self.use_rslora = parse_bool(key, value)?,
             "zero_stage" => {
                 self.zero_stage = value
                     .trim()
@@ -1039,6 +1081,15 @@ impl GspoConfig {
             self.zero_stage,
             "0 (no sharding) or 1 (optimizer state sharded over data-parallel processes)",
         )?;
+        if self.use_peft {
+            self.lora_config()
+                .validate()
+                .map_err(|message| ConfigError::BadValue {
+                    key: "use_peft".into(),
+                    value: "true".into(),
+                    expected: message,
+                })?;
+        }
         self.check_batch_arithmetic()?;
         self.check_eval()?;
         self.check_reward_funcs()
@@ -1083,6 +1134,22 @@ impl GspoConfig {
                 "set {batch_fix}, or steps_per_generation to a multiple of {steps_step}{group_fix}"
             ),
         })
+    }
+
+    /// The adapters' PEFT config (`use_peft`).
+    pub fn lora_config(&self) -> fleet_models::lora::LoraConfig {
+        let modules: Vec<&str> = self
+            .lora_target_modules
+            .iter()
+            .map(String::as_str)
+            .collect();
+        let mut c = fleet_models::lora::LoraConfig::new(self.lora_r, self.lora_alpha, &modules);
+        if let [one] = modules.as_slice() {
+            c.target_modules = fleet_models::lora::TargetModules::One(one.to_string());
+        }
+        c.lora_dropout = self.lora_dropout;
+        c.use_rslora = self.use_rslora;
+        c
     }
 
     /// Completions per evaluation prompt.

@@ -420,7 +420,13 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
             let mut st = checkpoint::load_state(&ckpt, &base)?;
             let filtered = config.top_k > 0 || config.top_p < 1.0;
             checkpoint::check_sampler(&ckpt, &mut st, filtered)?;
-            (vec![ckpt.join("model.safetensors")], st, Some(ckpt))
+            // With LoRA the base comes from the model and the adapters from the checkpoint.
+            let weights = if config.use_peft {
+                files.weights.clone()
+            } else {
+                vec![ckpt.join("model.safetensors")]
+            };
+            (weights, st, Some(ckpt))
         }
         None => {
             let st = TrainerState {
@@ -753,6 +759,15 @@ fn finish(
         master_dtype(config),
         &plan.policy,
     )?;
+    if config.use_peft {
+        let adapters = match &resumed_from {
+            Some(ckpt) => Some(Weights::from_safetensors(&[
+                crate::checkpoint::weights_file(ckpt),
+            ])?),
+            None => None,
+        };
+        policy = policy.with_lora(config.lora_config(), adapters.as_ref(), config.seed)?;
+    }
     policy.gradient_checkpointing = opts.gradient_checkpointing;
     // Every rank starts from rank 0's weights.
     let environment = match &dp {
@@ -774,6 +789,8 @@ fn finish(
         None => None,
     };
     let reference = match &plan.reference {
+        // With LoRA, the base with the adapters off: the same tensors, no second copy.
+        Some(_) if config.beta > 0.0 && config.use_peft => policy.base_view(),
         // Frozen: held in the compute dtype (no master copy is needed).
         Some(map) if config.beta > 0.0 => Some(TrainableQwen::with_master_dtype(
             qwen,
@@ -998,6 +1015,15 @@ fn plan(
             1 => opts.dist.as_ref().map_or(1, |d| d.world.world_size),
             _ => 1,
         },
+        trainable_fraction: if config.use_peft {
+            lora_elements(
+                config,
+                &QwenConfig::from_file(&files.config).map_err(ModelError::from)?,
+            ) as f64
+                / shape.total_params().max(1) as f64
+        } else {
+            1.0
+        },
         ..TrainingWorkload::default()
     };
     // A reward model is sized from its config.json and headers.
@@ -1036,6 +1062,29 @@ fn plan(
             reference: config.beta > 0.0,
         },
     )?)
+}
+
+/// The elements LoRA trains (`use_peft`): `r · (in + out)` per adapted linear layer.
+fn lora_elements(config: &GspoConfig, qwen: &QwenConfig) -> u64 {
+    let h = qwen.hidden_size as u64;
+    let hd = qwen.head_dim() as u64;
+    let q = qwen.num_attention_heads as u64 * hd;
+    let kv = qwen.num_kv_heads() as u64 * hd;
+    let i = qwen.intermediate_size as u64;
+    let r = config.lora_r as u64;
+    let per_layer: u64 = config
+        .lora_config()
+        .modules()
+        .iter()
+        .map(|m| match m.as_str() {
+            "q_proj" => h + q,
+            "k_proj" | "v_proj" => h + kv,
+            "o_proj" => q + h,
+            "gate_proj" | "up_proj" | "down_proj" => h + i,
+            _ => 0,
+        })
+        .sum();
+    r * per_layer * qwen.num_hidden_layers as u64
 }
 
 /// The dtype of the policy's master weights: f32, or with `torch_dtype = "bfloat16"` bf16

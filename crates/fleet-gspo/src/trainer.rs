@@ -734,6 +734,7 @@ impl Trainer {
                 optimizer,
                 state: &self.state,
                 base: &self.base,
+                adapter: self.policy.lora_config(),
             },
             self.config.save_total_limit,
         )?;
@@ -772,6 +773,21 @@ impl Trainer {
                 })?;
         }
         Ok(Some(dir))
+    }
+
+    /// With LoRA (`use_peft`): the model with its adapters merged, written to
+    /// `<output_dir>/merged` in Hugging Face layout ([`checkpoint::write_merged`]); returns
+    /// the directory. `None` without LoRA (rank 0 only).
+    pub fn export_merged(&self) -> Result<Option<std::path::PathBuf>, TrainError> {
+        if self.policy.lora_config().is_none() || !self.is_main() {
+            return Ok(None);
+        }
+        let weights = self.policy.merged_weights()?;
+        Ok(Some(checkpoint::write_merged(
+            &self.config.output_dir,
+            &self.base,
+            &weights,
+        )?))
     }
 
     /// Ends a data-parallel run cleanly on this rank (every rank calls it after training);

@@ -115,6 +115,7 @@ struct DecoderLayer {
 /// cos/sin tables for every position up to `max_position_embeddings`, computed in f32 as
 /// transformers does and then cast to the model dtype (transformers casts before applying),
 /// in the one layout every RoPE op reads: `[cos | sin]` per position, `[n, head_dim]`.
+#[derive(Clone)]
 struct RopeTables {
     cs: Tensor,
     /// The `head_dim / 2` frequencies, for positions computed per call (M-RoPE).

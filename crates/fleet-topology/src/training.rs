@@ -230,6 +230,14 @@ pub struct TrainingWorkload {
     /// process keeps them whole.
     #[serde(default = "one_shard")]
     pub optimizer_shards: usize,
+    /// The share of the parameters trained (gradients and moments held): 1 for the whole
+    /// model, an adapter's share with LoRA (whose base is frozen).
+    #[serde(default = "whole_model")]
+    pub trainable_fraction: f64,
+}
+
+fn whole_model() -> f64 {
+    1.0
 }
 
 fn f32_master() -> DType {
@@ -259,6 +267,7 @@ impl Default for TrainingWorkload {
             max_attention_bytes: None,
             coefficients: ActivationCoefficients::default(),
             optimizer_shards: 1,
+            trainable_fraction: 1.0,
         }
     }
 }
@@ -410,6 +419,8 @@ impl TrainingWorkload {
     pub fn policy_cost(&self, shape: &ModelShape, part: DevicePart) -> RoleCost {
         let d = self.compute_dtype.size_in_bytes();
         let params = shape.part_params(part);
+        // LoRA: gradients and moments for the adapters' share only.
+        let trained = (params as f64 * self.trainable_fraction.clamp(0.0, 1.0)).ceil() as u64;
         let n = part.layers as u64;
         let rollout = self.rollout_workload();
         let kv_cache =
@@ -480,10 +491,10 @@ impl TrainingWorkload {
         };
         RoleCost {
             weights: params * MASTER_WEIGHT_BYTES * m / 4,
-            gradients: params * GRADIENT_BYTES * m / 4,
+            gradients: trained * GRADIENT_BYTES * m / 4,
             // ZeRO stage 1: this process's share of the moments (whole parameters are
             // assigned, so a share is about a 1/shards of them).
-            optimizer: (params * ADAM_MOMENT_BYTES * m / 4)
+            optimizer: (trained * ADAM_MOMENT_BYTES * m / 4)
                 .div_ceil(self.optimizer_shards.max(1) as u64),
             inference_copy,
             kv_cache,

@@ -569,6 +569,32 @@ impl TrainableQwen {
         Ok(self)
     }
 
+    /// With LoRA, the base model alone (the adapters off), sharing the frozen weights (no
+    /// copy): a reference model for a KL term, as PEFT's `disable_adapter()` gives TRL. It has
+    /// no parameters to train.
+    pub fn base_view(&self) -> Option<TrainableQwen> {
+        self.lora.as_ref()?;
+        Some(TrainableQwen {
+            cfg: self.cfg.clone(),
+            map: self.map.clone(),
+            devices: self.devices.clone(),
+            dtype: self.dtype,
+            params: Vec::new(),
+            by_name: HashMap::new(),
+            rope: self.rope.clone(),
+            gradient_checkpointing: self.gradient_checkpointing,
+            head_chunk_rows: self.head_chunk_rows,
+            gradient_slice_elements: self.gradient_slice_elements,
+            frozen: self.frozen.clone(),
+            lora: None,
+        })
+    }
+
+    /// The number of trained elements (the adapters' with LoRA).
+    pub fn trainable_elements(&self) -> usize {
+        self.params.iter().map(|p| p.var.elem_count()).sum()
+    }
+
     /// The adapters' config, with LoRA.
     pub fn lora_config(&self) -> Option<&crate::lora::LoraConfig> {
         self.lora.as_ref().map(|l| &l.config)
