@@ -881,6 +881,19 @@ fn lora_trains_adapters_resumes_and_exports_the_merged_model() {
         "1",
     ]));
     assert!(err.contains("q_proj, k_proj"), "{err}");
+    // A checkpoint that carries adapters is not a model to start from.
+    let err = fails(&run(&[
+        "--model",
+        ckpt.to_str().unwrap(),
+        "--dataset",
+        dataset.to_str().unwrap(),
+        "--max-steps",
+        "1",
+    ]));
+    assert!(
+        err.contains("holds LoRA adapters") && err.contains("merged"),
+        "{err}"
+    );
 }
 
 /// Issue 10, item 9: end to end, the reward rises on the synthetic task. The bundled model

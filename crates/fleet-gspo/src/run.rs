@@ -195,6 +195,22 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
         )));
     }
     let hub = HubOptions::from_env();
+    // A PEFT adapter directory is not a model: its base is.
+    let adapter_config = std::path::Path::new(&opts.model).join("adapter_config.json");
+    if adapter_config.is_file() {
+        let base = fleet_models::lora::LoraConfig::from_dir(
+            adapter_config.parent().unwrap_or(Path::new(".")),
+        )
+        .ok()
+        .and_then(|c| c.base_model_name_or_path)
+        .unwrap_or_else(|| "its base model".into());
+        return Err(TrainError::Setup(format!(
+            "--model {} holds LoRA adapters (adapter_config.json), not a model: train from its \
+             base ({base}) with --set use_peft=true, or from the merged model \
+             (<output_dir>/merged of the run that trained them)",
+            opts.model
+        )));
+    }
     let source = ModelSource::parse(&opts.model, opts.revision.as_deref())?;
     // A plan needs no weights: their headers when they are here, else config.json.
     let files = if opts.plan_only {
