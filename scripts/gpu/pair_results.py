@@ -246,7 +246,7 @@ def judge(d: Path) -> None:
 
 
 # ---------------------------------------------------------------- gspo (gspo-train vs TRL)
-VARIANTS = ("fleet", "fleet-bf16", "fleet-bf16-mb8", "fleet-bf16-auto")
+VARIANTS = ("fleet", "fleet-bf16", "fleet-bf16-mb8", "fleet-bf16-auto", "fleet-lora", "fleet-bf16-lora")
 
 
 def gspo(d: Path) -> None:
