@@ -884,8 +884,10 @@ impl Trainer {
         // This rank samples and scores its share of the rows.
         let shares = self.shares();
         let mine = shares.range(requests.len());
-        let timer = Stage::start(self, "rollout.generate");
+        let timer = Stage::start(self, "rollout.inference_model");
         let model = self.policy.inference_model()?;
+        timer.stop(self)?;
+        let timer = Stage::start(self, "rollout.generate");
         let outputs = generate_rollouts(
             &Generator::new(
                 &model,

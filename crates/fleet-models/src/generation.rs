@@ -993,7 +993,10 @@ impl<'a> Generator<'a> {
                 .iter()
                 .map(|&i| (running[i].row.request, &running[i].seq))
                 .collect();
-            let (logits, shifts) = prefill(&rows, cache)?;
+            let (logits, shifts) =
+                crate::profile::time(self.model.input_device(), "gen.prefill", || {
+                    prefill(&rows, cache)
+                })?;
             stats.prefill_passes += 1;
             for (k, &i) in group.iter().enumerate() {
                 first_logits[i - first_new] = Some(logits.narrow(0, k, 1)?);
@@ -1161,9 +1164,11 @@ impl<'a> Generator<'a> {
         Ok(Some(match graphs.entry(bucket) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::btree_map::Entry::Vacant(e) => {
-                let g = self
-                    .model
-                    .decode_graph(bucket, *graph_blocks, cache, true)?;
+                // FLEET_PROFILE=1: the capture's share of a generation (warm-up step included).
+                let g =
+                    crate::profile::time(self.model.input_device(), "gen.graph_capture", || {
+                        self.model.decode_graph(bucket, *graph_blocks, cache, true)
+                    })?;
                 stats.graphs_captured += usize::from(g.is_captured());
                 e.insert(g)
             }
