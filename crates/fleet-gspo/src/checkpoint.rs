@@ -189,7 +189,7 @@ pub fn weights_file(checkpoint: &Path) -> PathBuf {
 }
 
 /// PEFT's adapter weights file.
-pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+pub const ADAPTER_WEIGHTS: &str = fleet_models::lora::WEIGHTS_FILE;
 
 /// Writes `checkpoint-<step>` into `output_dir`, points `latest` at it (and `best` when
 /// `state.best_model_checkpoint` names it), and removes the oldest checkpoints beyond `keep`
@@ -200,23 +200,8 @@ pub fn save(
     keep: Option<usize>,
 ) -> Result<PathBuf, CheckpointError> {
     let name = format!("{PREFIX}{}", contents.state.step);
-    let target = output_dir.join(&name);
-    let tmp = output_dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-    }
-    std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-    let written = write_into(&tmp, contents);
-    if let Err(e) = written {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if target.exists() {
-        // A checkpoint of this step from a run that was killed after writing it: replace it.
-        std::fs::remove_dir_all(&target).map_err(|e| io(&target, e))?;
-    }
-    std::fs::rename(&tmp, &target).map_err(|e| io(&target, e))?;
-    sync_dir(output_dir);
+    // A checkpoint of this step from a run that was killed after writing it is replaced.
+    let target = install_dir(output_dir, &name, |dir| write_into(dir, contents))?;
     fleet_runs::write_atomic(&output_dir.join(LATEST), format!("{name}\n").as_bytes())?;
     let best = contents.state.best_model_checkpoint.as_deref();
     if best == Some(name.as_str()) {
@@ -229,40 +214,22 @@ pub fn save(
 }
 
 fn write_into(dir: &Path, c: &CheckpointContents<'_>) -> Result<(), CheckpointError> {
-    if let Some(adapter) = c.adapter {
+    let tensors = c.weights.iter().cloned().collect();
+    match c.adapter {
         // PEFT's layout: the adapter config names the base model.
-        let mut config = adapter.clone();
-        config.base_model_name_or_path = Some(c.state.base_model_id.clone());
-        config.inference_mode = true;
-        fleet_runs::write_json_atomic(&dir.join("adapter_config.json"), &config)?;
-    } else {
-        write_model_config(dir, c.base)?;
+        Some(adapter) => {
+            fleet_models::lora::write_adapter(dir, adapter, &c.state.base_model_id, &tensors)
+                .map_err(|e| io(dir, e))?;
+            let path = dir.join(ADAPTER_WEIGHTS);
+            fleet_runs::set_created_permissions(&path)?;
+            sync_file(&path)?;
+        }
+        None => {
+            write_model_config(dir, c.base)?;
+            write_weights(&dir.join("model.safetensors"), tensors)?;
+        }
     }
-    for file in [
-        &c.base.tokenizer,
-        &c.base.tokenizer_config,
-        &c.base.generation_config,
-    ]
-    .into_iter()
-    .flatten()
-    {
-        let name = file.file_name().unwrap_or_default();
-        std::fs::copy(file, dir.join(name)).map_err(|e| io(file, e))?;
-    }
-    let weights_path = dir.join(if c.adapter.is_some() {
-        ADAPTER_WEIGHTS
-    } else {
-        "model.safetensors"
-    });
-    // Where they are: the writer brings one tensor at a time to the host, so a checkpoint
-    // needs one tensor's worth of host memory, not the model's. (candle's writer cannot return
-    // an error from that copy: a CUDA failure in the middle of a save panics, leaving the
-    // temporary directory and the previous checkpoints as they were.)
-    let tensors: std::collections::HashMap<String, Tensor> = c.weights.iter().cloned().collect();
-    candle_core::safetensors::save(&tensors, &weights_path).map_err(|e| io(&weights_path, e))?;
-    // safetensors writes through a private (0600) temporary file.
-    fleet_runs::set_created_permissions(&weights_path)?;
-    sync_file(&weights_path)?;
+    copy_tokenizer(dir, c.base)?;
     c.optimizer.save(&dir.join("optimizer.safetensors"))?;
     fleet_runs::write_json_atomic(&dir.join("trainer_state.json"), c.state)?;
     Ok(())
@@ -276,13 +243,47 @@ pub fn write_merged(
     base: &CheckpointFiles,
     weights: &std::collections::HashMap<String, Tensor>,
 ) -> Result<PathBuf, CheckpointError> {
-    let target = output_dir.join("merged");
-    let tmp = output_dir.join(format!(".merged.tmp-{}", std::process::id()));
+    install_dir(output_dir, "merged", |dir| {
+        write_model_config(dir, base)?;
+        copy_tokenizer(dir, base)?;
+        let path = dir.join("model.safetensors");
+        let f32s = weights
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.to_dtype(candle_core::DType::F32)?)))
+            .collect::<candle_core::Result<_>>()
+            .map_err(|e| io(&path, e))?;
+        write_weights(&path, f32s)
+    })
+}
+
+/// Assembles `output_dir/name` in a hidden temporary directory with `fill`, then renames it
+/// into place (replacing one already there): a kill at any moment leaves the old one or the
+/// new one whole. A failed `fill` leaves nothing behind.
+fn install_dir(
+    output_dir: &Path,
+    name: &str,
+    fill: impl FnOnce(&Path) -> Result<(), CheckpointError>,
+) -> Result<PathBuf, CheckpointError> {
+    let target = output_dir.join(name);
+    let tmp = output_dir.join(format!(".{name}.tmp-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-    write_model_config(&tmp, base)?;
+    if let Err(e) = fill(&tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if target.exists() {
+        std::fs::remove_dir_all(&target).map_err(|e| io(&target, e))?;
+    }
+    std::fs::rename(&tmp, &target).map_err(|e| io(&target, e))?;
+    sync_dir(output_dir);
+    Ok(target)
+}
+
+/// Copies the base's tokenizer and generation files into `dir`.
+fn copy_tokenizer(dir: &Path, base: &CheckpointFiles) -> Result<(), CheckpointError> {
     for file in [
         &base.tokenizer,
         &base.tokenizer_config,
@@ -292,23 +293,24 @@ pub fn write_merged(
     .flatten()
     {
         let name = file.file_name().unwrap_or_default();
-        std::fs::copy(file, tmp.join(name)).map_err(|e| io(file, e))?;
+        std::fs::copy(file, dir.join(name)).map_err(|e| io(file, e))?;
     }
-    let path = tmp.join("model.safetensors");
-    let f32s: std::collections::HashMap<String, Tensor> = weights
-        .iter()
-        .map(|(k, v)| Ok((k.clone(), v.to_dtype(candle_core::DType::F32)?)))
-        .collect::<candle_core::Result<_>>()
-        .map_err(|e| io(&path, e))?;
-    candle_core::safetensors::save(&f32s, &path).map_err(|e| io(&path, e))?;
-    fleet_runs::set_created_permissions(&path)?;
-    sync_file(&path)?;
-    if target.exists() {
-        std::fs::remove_dir_all(&target).map_err(|e| io(&target, e))?;
-    }
-    std::fs::rename(&tmp, &target).map_err(|e| io(&target, e))?;
-    sync_dir(output_dir);
-    Ok(target)
+    Ok(())
+}
+
+/// Writes `tensors` to `path` as safetensors, durably. Where they are: the writer brings one
+/// tensor at a time to the host, so a checkpoint needs one tensor's worth of host memory, not
+/// the model's. (candle's writer cannot return an error from that copy: a CUDA failure in the
+/// middle of a save panics, leaving the temporary directory and the previous checkpoints as
+/// they were.)
+fn write_weights(
+    path: &Path,
+    tensors: std::collections::HashMap<String, Tensor>,
+) -> Result<(), CheckpointError> {
+    candle_core::safetensors::save(&tensors, path).map_err(|e| io(path, e))?;
+    // safetensors writes through a private (0600) temporary file.
+    fleet_runs::set_created_permissions(path)?;
+    sync_file(path)
 }
 
 /// The base's config.json, saying what the weights are: f32 masters.

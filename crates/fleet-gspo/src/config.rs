@@ -1144,8 +1144,10 @@ impl GspoConfig {
             .map(String::as_str)
             .collect();
         let mut c = fleet_models::lora::LoraConfig::new(self.lora_r, self.lora_alpha, &modules);
-        if let [one] = modules.as_slice() {
-            c.target_modules = fleet_models::lora::TargetModules::One(one.to_string());
+        // PEFT takes "all-linear" as a string only (a one-element list would name a module);
+        // a single module stays a list, since PEFT reads a string as a pattern of full names.
+        if modules == ["all-linear"] {
+            c.target_modules = fleet_models::lora::TargetModules::One("all-linear".into());
         }
         c.lora_dropout = self.lora_dropout;
         c.use_rslora = self.use_rslora;

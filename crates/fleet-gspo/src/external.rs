@@ -126,11 +126,7 @@ fn read_reply(reply: &Value, n: usize) -> Result<Vec<Result<Option<f64>, String>
 
 /// `v` as JSON, cut at 200 characters.
 fn short(v: &Value) -> String {
-    let s = v.to_string();
-    match s.char_indices().nth(200) {
-        Some((i, _)) => format!("{}...", &s[..i]),
-        None => s,
-    }
+    cut(&v.to_string())
 }
 
 /// A reward function run as a command that fleet starts once (module docs).

@@ -593,6 +593,44 @@ pub fn completions_table(records: &[CompletionRecord]) -> String {
     out
 }
 
+/// Writes `records` as [`COMPLETIONS_TABLE`] in `dir` (atomically), or removes the table when
+/// there are none.
+pub fn write_completions_table(
+    dir: &Path,
+    records: &[CompletionRecord],
+) -> Result<(), MetricsError> {
+    let path = dir.join(COMPLETIONS_TABLE);
+    if records.is_empty() {
+        return match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(MetricsError::Io { path, source: e })
+            }
+            _ => Ok(()),
+        };
+    }
+    Ok(fleet_runs::write_atomic(
+        &path,
+        completions_table(records).as_bytes(),
+    )?)
+}
+
+/// Opens `dir`'s [`COMPLETIONS_FILE`] for appending after a run (re)starts at `step`: the lines
+/// of later steps are cut (they are redone) and the table shows the last batch logged up to
+/// `step`, so that both agree with the checkpoint.
+pub fn open_completions(dir: &Path, step: u64) -> Result<JsonlLog, MetricsError> {
+    let path = dir.join(COMPLETIONS_FILE);
+    truncate_after(&path, step)?;
+    let (log, contents) = JsonlLog::open::<CompletionRecord>(&path)?;
+    let last = contents.records.iter().map(|r| r.step).max();
+    let latest: Vec<CompletionRecord> = contents
+        .records
+        .into_iter()
+        .filter(|r| Some(r.step) == last)
+        .collect();
+    write_completions_table(dir, &latest)?;
+    Ok(log)
+}
+
 /// One evaluation's line of `metrics.jsonl` (module docs, "Evaluations").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EvalMetrics {
@@ -926,6 +964,41 @@ mod tests {
     use crate::advantage::group_advantages;
     use crate::loss::LossMetrics;
     use crate::rewards::FuncScores;
+
+    /// A run resumed at step 4 keeps the completions logged up to it, and the table shows the
+    /// last of them, not the batch of step 5 that is redone.
+    #[test]
+    fn resumed_completions_agree_with_the_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = |step: u64, id: &str| CompletionRecord {
+            step,
+            generation_batch: step,
+            id: id.into(),
+            prompt: "1+2=".into(),
+            completion: "3".into(),
+            rewards: [("exact".to_string(), Some(1.0))].into_iter().collect(),
+            reward: Some(1.0),
+            advantage: 0.5,
+        };
+        let mut log = open_completions(dir.path(), 0).unwrap();
+        for r in [rec(1, "a"), rec(1, "b"), rec(5, "c")] {
+            log.append(&r).unwrap();
+        }
+        write_completions_table(dir.path(), &[rec(5, "c")]).unwrap();
+        drop(log);
+        let _log = open_completions(dir.path(), 4).unwrap();
+        let lines = std::fs::read_to_string(dir.path().join(COMPLETIONS_FILE)).unwrap();
+        assert_eq!(lines.lines().count(), 2);
+        let table = std::fs::read_to_string(dir.path().join(COMPLETIONS_TABLE)).unwrap();
+        assert!(table.starts_with("# Completions at step 1"), "{table}");
+        assert!(
+            table.contains("| b |") && !table.contains("| c |"),
+            "{table}"
+        );
+        // Resumed before anything was logged: no table.
+        let _log = open_completions(dir.path(), 0).unwrap();
+        assert!(!dir.path().join(COMPLETIONS_TABLE).exists());
+    }
 
     /// pass@1 and pass@k per prompt of k completions, failures never passing; the eval line
     /// reads back beside the step lines, is cut on resume like them, and is drawn.

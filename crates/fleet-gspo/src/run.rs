@@ -196,7 +196,7 @@ pub fn prepare(config: &GspoConfig, opts: &RunOptions) -> Result<Prepared, Train
     }
     let hub = HubOptions::from_env();
     // A PEFT adapter directory is not a model: its base is.
-    let adapter_config = std::path::Path::new(&opts.model).join("adapter_config.json");
+    let adapter_config = Path::new(&opts.model).join(fleet_models::lora::CONFIG_FILE);
     if adapter_config.is_file() {
         let base = fleet_models::lora::LoraConfig::from_dir(
             adapter_config.parent().unwrap_or(Path::new(".")),
@@ -511,13 +511,14 @@ fn eval_samples(
         return Ok(Vec::new());
     }
     let n = data.samples.len();
-    let held = ((n as f64 * config.eval_holdout).ceil() as usize).clamp(1, n.max(2) - 1);
     if n < 2 {
         return Err(TrainError::Setup(format!(
             "eval_holdout = {} needs at least 2 prompts in the training file ({n} loaded)",
             config.eval_holdout
         )));
     }
+    // At least one prompt each side.
+    let held = ((n as f64 * config.eval_holdout).ceil() as usize).clamp(1, n - 1);
     // A permutation of its own (an epoch no training order uses), its first `held` rows.
     let mut chosen = crate::dataset::epoch_order(n, config.seed, u64::MAX)[..held].to_vec();
     chosen.sort_unstable();
@@ -854,21 +855,24 @@ fn finish(
         let metrics_path = out.join("metrics.jsonl");
         if resumed_from.is_some() {
             crate::metrics::truncate_after(&metrics_path, state.step)?;
-            crate::metrics::truncate_after(
-                &out.join(crate::metrics::COMPLETIONS_FILE),
-                state.step,
-            )?;
         }
         Some(MetricsLog::open(&metrics_path)?.0)
     } else {
         None
     };
+    let completions = match (&metrics, config.log_completions) {
+        (Some(_), true) => Some(crate::metrics::open_completions(out, state.step)?),
+        _ => None,
+    };
     let tensorboard = match (&metrics, config.report_to) {
         (Some(_), crate::config::ReportTo::Tensorboard) => {
             let dir = out.join("runs");
-            Some(crate::tensorboard::EventWriter::create(&dir).map_err(|e| {
-                TrainError::Setup(format!("TensorBoard event file in {}: {e}", dir.display()))
-            })?)
+            let tb_err = |e: std::io::Error| {
+                TrainError::Setup(format!("TensorBoard event files in {}: {e}", dir.display()))
+            };
+            // Events of steps after the checkpoint are redone: the old files lose them.
+            crate::tensorboard::truncate_after(&dir, state.step).map_err(tb_err)?;
+            Some(crate::tensorboard::EventWriter::create(&dir).map_err(tb_err)?)
         }
         _ => None,
     };
@@ -895,6 +899,7 @@ fn finish(
         state,
         metrics,
         tensorboard,
+        completions,
         // Every device of the placement: a reference and reward model on a device of their own
         // (the seed's 3gpu) have their peak recorded too.
         memory: fleet_topology::MemoryWatch::start(
@@ -1032,11 +1037,7 @@ fn plan(
             _ => 1,
         },
         trainable_fraction: if config.use_peft {
-            lora_elements(
-                config,
-                &QwenConfig::from_file(&files.config).map_err(ModelError::from)?,
-            ) as f64
-                / shape.total_params().max(1) as f64
+            lora_elements(config, &shape) as f64 / shape.total_params().max(1) as f64
         } else {
             1.0
         },
@@ -1080,14 +1081,13 @@ fn plan(
     )?)
 }
 
-/// The elements LoRA trains (`use_peft`): `r · (in + out)` per adapted linear layer.
-fn lora_elements(config: &GspoConfig, qwen: &QwenConfig) -> u64 {
-    let h = qwen.hidden_size as u64;
-    let hd = qwen.head_dim() as u64;
-    let q = qwen.num_attention_heads as u64 * hd;
-    let kv = qwen.num_kv_heads() as u64 * hd;
-    let i = qwen.intermediate_size as u64;
-    let r = config.lora_r as u64;
+/// The elements LoRA trains (`use_peft`): `r · (in + out)` per adapted linear layer, from the
+/// planner's model shape.
+fn lora_elements(config: &GspoConfig, shape: &ModelShape) -> u64 {
+    let h = shape.hidden_size as u64;
+    let q = (shape.num_heads * shape.head_dim) as u64;
+    let kv = (shape.num_kv_heads * shape.head_dim) as u64;
+    let i = shape.intermediate_size as u64;
     let per_layer: u64 = config
         .lora_config()
         .modules()
@@ -1100,7 +1100,7 @@ fn lora_elements(config: &GspoConfig, qwen: &QwenConfig) -> u64 {
             _ => 0,
         })
         .sum();
-    r * per_layer * qwen.num_hidden_layers as u64
+    config.lora_r as u64 * per_layer * shape.num_layers as u64
 }
 
 /// The dtype of the policy's master weights: f32, or with `torch_dtype = "bfloat16"` bf16

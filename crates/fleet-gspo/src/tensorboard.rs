@@ -7,7 +7,8 @@
 //! `Event` protobuf (`tensorflow/core/util/event.proto`), the first holding the file version
 //! `brain.Event:2`, the others a `Summary` of `simple_value`s at a step. Every event is written
 //! and flushed as it comes, so a killed run leaves a file TensorBoard reads to its last event;
-//! a resumed run writes a new file (TensorBoard shows the later value of a step written twice).
+//! a resumed run first cuts the events of steps after its checkpoint out of the older files
+//! ([`truncate_after`]), then writes a new file.
 
 use std::fs::File;
 use std::io::Write;
@@ -128,6 +129,76 @@ impl EventWriter {
     }
 }
 
+/// The events of one event file's bytes, in order; a torn last record (a kill mid-write) and
+/// anything after a record whose CRC does not match are left out.
+fn read_events(bytes: &[u8]) -> Vec<Event> {
+    let mut events = Vec::new();
+    let mut at = 0;
+    while at + 12 <= bytes.len() {
+        let len_bytes = &bytes[at..at + 8];
+        let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")) as usize;
+        let crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().expect("4 bytes"));
+        let end = at + 12 + len;
+        if crc != masked_crc(len_bytes) || end + 4 > bytes.len() {
+            break;
+        }
+        let data = &bytes[at + 12..end];
+        let crc = u32::from_le_bytes(bytes[end..end + 4].try_into().expect("4 bytes"));
+        match Event::decode(data) {
+            Ok(e) if crc == masked_crc(data) => events.push(e),
+            _ => break,
+        }
+        at = end + 4;
+    }
+    events
+}
+
+/// Cuts the events of steps after `step` out of every event file in `dir` (a run resumed from
+/// the checkpoint at `step` redoes them), each file rewritten through a temporary one; does
+/// nothing when `dir` does not exist.
+pub fn truncate_after(dir: &Path, step: u64) -> std::io::Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with("events.out.tfevents.")
+        {
+            continue;
+        }
+        let bytes = std::fs::read(&path)?;
+        let events = read_events(&bytes);
+        let kept: Vec<&Event> = events
+            .iter()
+            .filter(|e| matches!(e.what, Some(What::FileVersion(_))) || e.step as u64 <= step)
+            .collect();
+        if kept.len() == events.len() && bytes.len() == encoded_len(&events) {
+            continue;
+        }
+        let tmp = path.with_extension("truncating");
+        let mut w = EventWriter {
+            file: File::create(&tmp)?,
+            path: tmp.clone(),
+        };
+        for e in kept {
+            w.write(e)?;
+        }
+        w.file.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+    }
+    Ok(())
+}
+
+/// Bytes `events` take as records.
+fn encoded_len(events: &[Event]) -> usize {
+    events.iter().map(|e| e.encoded_len() + 16).sum()
+}
+
 fn wall_time() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -187,18 +258,8 @@ mod tests {
         w.scalars(3, [("train/loss", 0.5), ("train/nan", f64::NAN)])
             .unwrap();
         let bytes = std::fs::read(w.path()).unwrap();
-        let mut events = Vec::new();
-        let mut at = 0;
-        while at < bytes.len() {
-            let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
-            let crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap());
-            assert_eq!(crc, masked_crc(&bytes[at..at + 8]));
-            let data = &bytes[at + 12..at + 12 + len];
-            let crc = u32::from_le_bytes(bytes[at + 12 + len..at + 16 + len].try_into().unwrap());
-            assert_eq!(crc, masked_crc(data));
-            events.push(Event::decode(data).unwrap());
-            at += 16 + len;
-        }
+        let events = read_events(&bytes);
+        assert_eq!(encoded_len(&events), bytes.len(), "every record reads back");
         assert_eq!(events.len(), 2);
         assert_eq!(
             events[0].what,
@@ -211,6 +272,33 @@ mod tests {
         assert_eq!(s.value.len(), 1, "the NaN is left out");
         assert_eq!(s.value[0].tag, "train/loss");
         assert_eq!(s.value[0].simple_value, Some(0.5));
+    }
+
+    /// A resume from step 2 keeps the file version and the events up to step 2; a torn last
+    /// record goes too.
+    #[test]
+    fn a_resume_cuts_the_later_steps() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = EventWriter::create(dir.path()).unwrap();
+        for step in 1..=4 {
+            w.scalars(step, [("train/loss", step as f64)]).unwrap();
+        }
+        let path = w.path().to_path_buf();
+        drop(w);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.extend_from_slice(&[7, 0, 0]); // a torn record
+        std::fs::write(&path, &bytes).unwrap();
+        truncate_after(dir.path(), 2).unwrap();
+        let events = read_events(&std::fs::read(&path).unwrap());
+        let steps: Vec<i64> = events.iter().map(|e| e.step).collect();
+        assert_eq!(steps, vec![0, 1, 2]);
+        assert_eq!(
+            encoded_len(&events),
+            std::fs::metadata(&path).unwrap().len() as usize
+        );
+        // Nothing to cut: the file stays as it is.
+        truncate_after(dir.path(), 9).unwrap();
+        assert_eq!(read_events(&std::fs::read(&path).unwrap()).len(), 3);
     }
 
     #[test]

@@ -38,8 +38,8 @@ use crate::loss::{
     completion_mask, masked_sum, policy_loss, LossConfig, LossInputs, LossMetrics, StepLossMetrics,
 };
 use crate::metrics::{
-    completions_table, trainer_epoch, CompletionRecord, CompletionStats, EvalMetrics, MetricsError,
-    MetricsLog, StepMetrics, StepParts, StepTimings, COMPLETIONS_FILE, COMPLETIONS_TABLE,
+    trainer_epoch, CompletionRecord, CompletionStats, EvalMetrics, MetricsError, MetricsLog,
+    StepMetrics, StepParts, StepTimings,
 };
 use crate::optim::{clip_grad_norm, AdamW, Gradients, LrSchedule, OptimError, OptimizerState};
 use crate::prompt::RenderedPrompt;
@@ -113,6 +113,8 @@ pub struct Trainer {
     pub metrics: Option<MetricsLog>,
     /// The same scalars as TensorBoard events (`report_to = "tensorboard"`, rank 0 only).
     pub tensorboard: Option<crate::tensorboard::EventWriter>,
+    /// The logged completions (`log_completions`, rank 0 only).
+    pub completions: Option<fleet_runs::JsonlLog>,
     /// Peak memory per device, for the metrics.
     pub memory: fleet_topology::MemoryWatch,
     /// The other ranks of a data-parallel run (`None`: one process).
@@ -293,10 +295,9 @@ impl Trainer {
                     metrics.append(&record)?;
                 }
                 self.report(record.step, &record)?;
-                if cfg.log_completions
+                if self.completions.is_some()
                     && !completions_logged
                     && self.state.step.is_multiple_of(cfg.logging_steps)
-                    && self.is_main()
                 {
                     self.log_completions(&rollouts)?;
                     completions_logged = true;
@@ -310,13 +311,8 @@ impl Trainer {
                 step_started = Instant::now();
             }
         }
-        // Checkpoints only between generation batches: a resume starts a fresh one. One is
-        // written after the generation batch in which a multiple of save_steps falls (TRL's
-        // steps when save_steps is a multiple of the optimizer steps per generation batch;
-        // otherwise the next batch end, never drifting further). Rank 0 writes them; the
-        // ranks hold the same weights.
-        // Evaluations at the same boundaries (every rank takes part), before the checkpoint:
-        // the checkpoint written here holds the weights just evaluated.
+        // Evaluations at the same boundaries as checkpoints (every rank takes part), before
+        // the checkpoint: the checkpoint written here holds the weights just evaluated.
         let mut new_best = false;
         let eval_crossed = self
             .config
@@ -331,6 +327,11 @@ impl Trainer {
             self.report(m.step, &m)?;
             on_eval(&m);
         }
+        // Checkpoints only between generation batches: a resume starts a fresh one. One is
+        // written after the generation batch in which a multiple of save_steps falls (TRL's
+        // steps when save_steps is a multiple of the optimizer steps per generation batch;
+        // otherwise the next batch end, never drifting further). Rank 0 writes them; the
+        // ranks hold the same weights.
         let save_every = self.config.save_steps;
         let last = self.state.step >= self.total_steps;
         let crossed = save_every > 0 && self.state.step / save_every > step_before / save_every;
@@ -360,7 +361,7 @@ impl Trainer {
     /// Appends the generation batch's first `num_completions_to_print` completions (all when
     /// unset) to `completions.jsonl` and writes them as the table `completions.md`
     /// (`log_completions`).
-    fn log_completions(&self, r: &Rollouts) -> Result<(), TrainError> {
+    fn log_completions(&mut self, r: &Rollouts) -> Result<(), TrainError> {
         let g = self.config.num_generations;
         let n = self
             .config
@@ -391,18 +392,12 @@ impl Trainer {
                 advantage: r.advantages.advantages[row],
             });
         }
-        let out = &self.config.output_dir;
-        let mut log = fleet_runs::JsonlLog::open::<CompletionRecord>(&out.join(COMPLETIONS_FILE))
-            .map_err(MetricsError::from)?
-            .0;
-        for rec in &records {
-            log.append(rec).map_err(MetricsError::from)?;
+        if let Some(log) = &mut self.completions {
+            for rec in &records {
+                log.append(rec).map_err(MetricsError::from)?;
+            }
         }
-        fleet_runs::write_atomic(
-            &out.join(COMPLETIONS_TABLE),
-            completions_table(&records).as_bytes(),
-        )
-        .map_err(MetricsError::from)?;
+        crate::metrics::write_completions_table(&self.config.output_dir, &records)?;
         Ok(())
     }
 
@@ -468,14 +463,10 @@ impl Trainer {
                 for j in 0..k {
                     let row = (p * k + j) as u64;
                     let sampling = if cfg.eval_do_sample {
-                        SamplingParams {
-                            temperature: cfg.temperature,
-                            top_k: (cfg.top_k > 0).then_some(cfg.top_k),
-                            top_p: (cfg.top_p < 1.0).then_some(cfg.top_p),
-                            seed: sampling_seed(cfg.seed ^ EVAL_SEED, self.state.step, row),
-                            min_p: None,
-                            repetition_penalty: None,
-                        }
+                        rollout_sampling(
+                            cfg,
+                            sampling_seed(cfg.seed ^ EVAL_SEED, self.state.step, row),
+                        )
                     } else {
                         SamplingParams::greedy()
                     };
@@ -677,32 +668,25 @@ impl Trainer {
             return Ok(None);
         };
         let owned = self.optimizer.owned();
-        let mut gathered = Vec::new();
-        for which in 0..2 {
+        // One moment (0: exp_avg, 1: exp_avg_sq) of every parameter, gathered, on the host.
+        let gather = |which: usize| -> Result<Vec<Tensor>, TrainError> {
             let tensors: Vec<Tensor> = self
                 .optimizer
                 .params()
                 .iter()
                 .enumerate()
-                .map(|(i, (_, var))| {
-                    let (m, v, _) = self.optimizer.moments(i).expect("one state per parameter");
-                    match (owned[i], which) {
-                        (true, 0) => m.clone(),
-                        (true, _) => v.clone(),
-                        // Not ours: the parameter gives the shape (moments are in its dtype).
-                        (false, _) => var.as_tensor().clone(),
-                    }
+                .map(|(i, (_, var))| match self.optimizer.moments(i) {
+                    Some((m, v, _)) if owned[i] => [m, v][which].clone(),
+                    // Not ours: the parameter gives the shape (moments are in its dtype).
+                    _ => var.as_tensor().clone(),
                 })
                 .collect();
-            let full = crate::dist::gather_owned(&*dp.collective, &tensors, owned)?;
-            gathered.push(
-                full.into_iter()
-                    .map(|t| t.to_device(&candle_core::Device::Cpu))
-                    .collect::<candle_core::Result<Vec<_>>>()?,
-            );
-        }
-        let v = gathered.pop().expect("two passes");
-        let m = gathered.pop().expect("two passes");
+            Ok(crate::dist::gather_owned(&*dp.collective, &tensors, owned)?
+                .into_iter()
+                .map(|t| t.to_device(&candle_core::Device::Cpu))
+                .collect::<candle_core::Result<Vec<_>>>()?)
+        };
+        let (m, v) = (gather(0)?, gather(1)?);
         Ok(Some(
             self.optimizer.state_from(m.into_iter().zip(v).collect())?,
         ))
@@ -869,14 +853,10 @@ impl Trainer {
                 requests.push(GenerationRequest {
                     prompt_ids: ids.clone(),
                     max_new_tokens: cfg.max_completion_length,
-                    sampling: SamplingParams {
-                        temperature: cfg.temperature,
-                        top_k: (cfg.top_k > 0).then_some(cfg.top_k),
-                        top_p: (cfg.top_p < 1.0).then_some(cfg.top_p),
-                        seed: sampling_seed(cfg.seed, self.state.generation_batch, row),
-                        min_p: None,
-                        repetition_penalty: None,
-                    },
+                    sampling: rollout_sampling(
+                        &cfg,
+                        sampling_seed(cfg.seed, self.state.generation_batch, row),
+                    ),
                     stop_strings: Vec::new(),
                 });
             }
@@ -1189,6 +1169,19 @@ fn generate_rollouts(
         "rollouts generated"
     );
     Ok(outputs)
+}
+
+/// How a completion is sampled (TRL's `temperature`, `top_k`, `top_p`) with its `seed`: the
+/// rollouts' and the sampled evaluation's.
+fn rollout_sampling(cfg: &GspoConfig, seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: cfg.temperature,
+        top_k: (cfg.top_k > 0).then_some(cfg.top_k),
+        top_p: (cfg.top_p < 1.0).then_some(cfg.top_p),
+        seed,
+        min_p: None,
+        repetition_penalty: None,
+    }
 }
 
 /// The sampling seed of row `row` of generation batch `batch`: SplitMix64 of the run seed

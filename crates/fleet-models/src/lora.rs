@@ -133,7 +133,7 @@ impl LoraConfig {
 
     /// Reads `dir/adapter_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
-        let path = dir.join("adapter_config.json");
+        let path = dir.join(CONFIG_FILE);
         let text = std::fs::read_to_string(&path).map_err(|e| {
             ModelError::BadInput(format!(
                 "{}: {e}; a PEFT adapter directory holds adapter_config.json and \
@@ -232,6 +232,39 @@ impl LoraConfig {
         Ok(())
     }
 }
+
+/// Writes an adapter as PEFT does into `dir` (created if needed): `adapter_config.json`
+/// (`config` naming `base` as `base_model_name_or_path`, for inference) and
+/// `adapter_model.safetensors` (`tensors`, PEFT's names), each through a temporary file renamed
+/// into place. The one writer of adapter files: `TrainableQwen::save_adapter` and gspo-train's
+/// checkpoints.
+pub fn write_adapter(
+    dir: &Path,
+    config: &LoraConfig,
+    base: &str,
+    tensors: &std::collections::HashMap<String, candle_core::Tensor>,
+) -> Result<()> {
+    let io = |e: std::io::Error| ModelError::BadInput(format!("{}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let mut config = config.clone();
+    config.base_model_name_or_path = Some(base.to_string());
+    config.inference_mode = true;
+    let json = serde_json::to_string_pretty(&config)
+        .map_err(|e| ModelError::BadInput(format!("adapter_config.json: {e}")))?;
+    let tmp = dir.join(".adapter_config.json.tmp");
+    std::fs::write(&tmp, json + "\n").map_err(io)?;
+    std::fs::rename(&tmp, dir.join(CONFIG_FILE)).map_err(io)?;
+    let tmp = dir.join(".adapter_model.safetensors.tmp");
+    candle_core::safetensors::save(tensors, &tmp)?;
+    std::fs::rename(&tmp, dir.join(WEIGHTS_FILE)).map_err(io)?;
+    Ok(())
+}
+
+/// PEFT's adapter config file.
+pub const CONFIG_FILE: &str = "adapter_config.json";
+
+/// PEFT's adapter weights file.
+pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
 
 /// The saved names of a module's adapter (`module`: the weight's path without `.weight`).
 pub fn adapter_names(module: &str) -> (String, String) {

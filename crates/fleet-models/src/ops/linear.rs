@@ -707,25 +707,41 @@ mod kernel_tests {
                 );
             }
             // Through linear: 3 rows of a 3-D input take the kernel, the bias added after.
-            let layer = candle_nn::Linear::new(
-                r(&[40, 64], 5, dtype).to_device(&dev).unwrap(),
-                Some(r(&[40], 6, dtype).to_device(&dev).unwrap()),
-            );
-            let x = r(&[3, 1, 64], 7, dtype).to_device(&dev).unwrap();
-            let got = linear(&layer, &x).unwrap();
-            let product = gemv(&x.reshape((3, 64)).unwrap(), layer.weight()).unwrap();
-            let want = product
-                .broadcast_add(layer.bias().unwrap())
-                .unwrap()
-                .reshape((3, 1, 40))
-                .unwrap();
-            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-            assert_eq!(
-                f(&got).to_vec1::<f32>().unwrap(),
-                f(&want).to_vec1::<f32>().unwrap(),
-                "{dtype:?} linear"
-            );
+            linear_takes(&dev, dtype, 3, 40, gemv);
         }
+    }
+
+    /// [`linear`] on `rows` rows of a 3-D input (64 features in, `out` out, with a bias) gives
+    /// `product` (the kernel it should take) with the bias added after, bit for bit.
+    fn linear_takes(
+        dev: &candle_core::Device,
+        dtype: DType,
+        rows: usize,
+        out: usize,
+        product: fn(&Tensor, &Tensor) -> Result<Tensor>,
+    ) {
+        let r = |s: &[usize], seed: u64| {
+            super::tests::randn(s, seed)
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(dev)
+                .unwrap()
+        };
+        let layer = candle_nn::Linear::new(r(&[out, 64], 5), Some(r(&[out], 6)));
+        let x = r(&[rows, 1, 64], 7);
+        let got = linear(&layer, &x).unwrap();
+        let want = product(&x.reshape((rows, 64)).unwrap(), layer.weight())
+            .unwrap()
+            .broadcast_add(layer.bias().unwrap())
+            .unwrap()
+            .reshape((rows, 1, out))
+            .unwrap();
+        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        assert_eq!(
+            f(&got).to_vec1::<f32>().unwrap(),
+            f(&want).to_vec1::<f32>().unwrap(),
+            "{dtype:?} linear"
+        );
     }
 
     /// The skinny GEMM kernel agrees with its twin to a unit in the last place of the dtype
@@ -793,24 +809,7 @@ mod kernel_tests {
             // Through linear: 12 rows of a 3-D input take the kernel (switched on for this
             // process), the bias added after.
             set_skinny_gemm(true);
-            let layer = candle_nn::Linear::new(
-                r(&[48, 64], 5, dtype).to_device(&dev).unwrap(),
-                Some(r(&[48], 6, dtype).to_device(&dev).unwrap()),
-            );
-            let x = r(&[12, 1, 64], 7, dtype).to_device(&dev).unwrap();
-            let got = linear(&layer, &x).unwrap();
-            let product = skinny_gemm(&x.reshape((12, 64)).unwrap(), layer.weight()).unwrap();
-            let want = product
-                .broadcast_add(layer.bias().unwrap())
-                .unwrap()
-                .reshape((12, 1, 48))
-                .unwrap();
-            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-            assert_eq!(
-                f(&got).to_vec1::<f32>().unwrap(),
-                f(&want).to_vec1::<f32>().unwrap(),
-                "{dtype:?} linear"
-            );
+            linear_takes(&dev, dtype, 12, 48, skinny_gemm);
         }
     }
 

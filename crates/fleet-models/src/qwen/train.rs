@@ -608,30 +608,12 @@ impl TrainableQwen {
             .lora
             .as_ref()
             .ok_or_else(|| ModelError::BadInput("the model has no LoRA adapters".into()))?;
-        let io = |e: std::io::Error| ModelError::BadInput(format!("{}: {e}", dir.display()));
-        std::fs::create_dir_all(dir).map_err(io)?;
-        let mut config = l.config.clone();
-        config.base_model_name_or_path = Some(base.to_string());
-        config.inference_mode = true;
-        let json = serde_json::to_string_pretty(&config)
-            .map_err(|e| ModelError::BadInput(format!("adapter_config.json: {e}")))?;
-        let tmp = dir.join(".adapter_config.json.tmp");
-        std::fs::write(&tmp, json + "\n").map_err(io)?;
-        std::fs::rename(&tmp, dir.join("adapter_config.json")).map_err(io)?;
         let tensors: HashMap<String, Tensor> = self
             .params
             .iter()
-            .map(|p| {
-                Ok((
-                    p.name.clone(),
-                    p.var.as_detached_tensor().to_device(&Device::Cpu)?,
-                ))
-            })
-            .collect::<Result<_>>()?;
-        let tmp = dir.join(".adapter_model.safetensors.tmp");
-        candle_core::safetensors::save(&tensors, &tmp)?;
-        std::fs::rename(&tmp, dir.join("adapter_model.safetensors")).map_err(io)?;
-        Ok(())
+            .map(|p| (p.name.clone(), p.var.as_detached_tensor()))
+            .collect();
+        crate::lora::write_adapter(dir, &l.config, base, &tensors)
     }
 
     /// The weights the model computes with, detached, by checkpoint name: the master weights,
