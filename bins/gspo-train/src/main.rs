@@ -465,7 +465,17 @@ fn run(cli: &Cli) -> Result<()> {
 /// variables; `None` for a plain run.
 fn dist_options(cli: &Cli) -> Result<Option<fleet_gspo::DistOptions>> {
     let scaling: fleet_gspo::BatchScaling = cli.scale_lr.parse()?;
-    let Some(world) = fleet_dist::World::from_env()? else {
+    let world = match (fleet_dist::World::from_env()?, cli.nproc_per_node) {
+        // --plan --nproc-per-node N: the plan of rank 0 of N processes on this node (each
+        // rank's batch share, ZeRO's shards); nothing is started.
+        (None, Some(n)) if cli.plan && n > 1 => Some(fleet_dist::World {
+            world_size: n,
+            local_world_size: n,
+            ..fleet_dist::World::single()
+        }),
+        (world, _) => world,
+    };
+    let Some(world) = world else {
         if scaling != fleet_gspo::BatchScaling::FixedGlobal {
             eprintln!(
                 "warning: --scale-lr applies to data-parallel runs only; one process trains as \

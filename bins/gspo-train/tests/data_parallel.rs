@@ -226,16 +226,35 @@ fn zero_stage_1_gives_the_unsharded_weights_and_resumes_on_other_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let plain = tmp.path().join("plain");
     let zero = tmp.path().join("zero");
-    let two = |out: &Path, extra: &[&str]| {
+    let two = |out: &Path, steps: u32, extra: &[&str]| {
         let mut e = vec!["--nproc-per-node", "2"];
         e.extend_from_slice(extra);
         let port = port();
         e.extend_from_slice(&["--master-port", &port]);
-        ok(&gspo_train().args(args(out, 8, &e)).output().unwrap());
+        ok(&gspo_train().args(args(out, steps, &e)).output().unwrap());
     };
-    two(&plain, &[]);
-    two(&zero, &["--set", "zero_stage=1"]);
+    two(&plain, 8, &[]);
+    two(&zero, 8, &["--set", "zero_stage=1"]);
     assert_same_weights(&plain.join("checkpoint-8"), &zero.join("checkpoint-8"), 0.0);
+    // bf16 compute with f32 masters: each rank also keeps the f32 masters of its share only
+    // (the others' parameters in bf16, refreshed from their owners): still the same bits, and
+    // the checkpoint holds every f32 master.
+    let (plain16, zero16) = (tmp.path().join("plain16"), tmp.path().join("zero16"));
+    two(&plain16, 4, &["--dtype", "bf16"]);
+    two(&zero16, 4, &["--dtype", "bf16", "--set", "zero_stage=1"]);
+    assert_same_weights(
+        &plain16.join("checkpoint-4"),
+        &zero16.join("checkpoint-4"),
+        0.0,
+    );
+    let masters = candle_core::safetensors::load(
+        zero16.join("checkpoint-4/model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert!(masters
+        .values()
+        .all(|t| t.dtype() == candle_core::DType::F32));
     // The optimizer state is whole in the checkpoint, and the same as unsharded.
     let moments = |p: &Path| {
         candle_core::safetensors::load(
@@ -468,4 +487,50 @@ fn the_all_reduce_bench_reports_nccl_tests_columns_with_right_sums() {
     assert!(!alone.status.success());
     let err = String::from_utf8_lossy(&alone.stderr);
     assert!(err.contains("--nproc-per-node"), "{err}");
+}
+
+/// `--plan --nproc-per-node 2` plans one rank of two without starting any: under ZeRO stage 1
+/// the rank's moments halve and, with bf16 compute, its f32 masters too (the other half held
+/// in bf16); gradients stay whole.
+#[test]
+fn the_plan_shows_zero_stage_1_saving_per_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let policy_row = |zero: &str| -> Vec<u64> {
+        let out = gspo_train()
+            .args([
+                "--plan",
+                "--dtype",
+                "bf16",
+                "--nproc-per-node",
+                "2",
+                "--output-dir",
+            ])
+            .arg(tmp.path().join(zero))
+            .args(["--set", &format!("zero_stage={zero}")])
+            .output()
+            .unwrap();
+        let (stdout, _) = ok(&out);
+        let row = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with("policy ") && l.contains(" B "))
+            .unwrap_or_else(|| panic!("no policy row in\n{stdout}"));
+        // weights, gradients, optimizer: the first three byte counts.
+        let words: Vec<&str> = row.split_whitespace().collect();
+        words
+            .windows(2)
+            .filter(|w| w[1] == "B")
+            .map(|w| w[0].parse().unwrap())
+            .take(3)
+            .collect()
+    };
+    let (plain, zero) = (policy_row("0"), policy_row("1"));
+    let (weights, grads, moments) = (plain[0], plain[1], plain[2]);
+    // 4 bytes of f32 master per parameter, 2 of bf16 for the other rank's half.
+    let params = weights / 4;
+    assert_eq!(
+        zero[0],
+        params.div_ceil(2) * 4 + (params - params.div_ceil(2)) * 2
+    );
+    assert_eq!(zero[1], grads);
+    assert_eq!(zero[2], moments.div_ceil(2));
 }

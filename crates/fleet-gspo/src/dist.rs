@@ -88,14 +88,19 @@ pub fn zero_partition(sizes: &[usize], world: usize) -> Vec<usize> {
 }
 
 /// Every rank's `tensors` as their owners hold them: each rank contributes the tensors it
-/// `owned` and zeros for the others (an entry it does not own only gives the shape, dtype and
-/// device), summed over the ranks (`x + 0` is exact in any float
-/// dtype) about [`GRAD_BUCKET_BYTES`] at a time; returned in the tensors' dtypes and shapes
-/// (ZeRO stage 1: the updated parameters after a step, the moments for a checkpoint).
+/// `owned` and zeros for the others (an entry it does not own only gives the shape and
+/// device), summed over the ranks in f32 (`x + 0` is exact) about [`GRAD_BUCKET_BYTES`] at a
+/// time; returned in `dtypes` (one per tensor: an owner's master may be wider than the copy
+/// the others hold) and the tensors' shapes, on their devices or, with `on_host`, each
+/// bucket moved to the host as it arrives (a checkpoint's gathered state never needs a
+/// whole copy on a device) (ZeRO stage 1: the updated parameters after a step, the masters
+/// and moments for a checkpoint).
 pub fn gather_owned<C: Collective + ?Sized>(
     collective: &C,
     tensors: &[Tensor],
     owned: &[bool],
+    dtypes: &[candle_core::DType],
+    on_host: bool,
 ) -> Result<Vec<Tensor>, TrainError> {
     let mut out = Vec::with_capacity(tensors.len());
     let mut start = 0;
@@ -119,12 +124,17 @@ pub fn gather_owned<C: Collective + ?Sized>(
                 }
             })
             .collect::<candle_core::Result<_>>()?;
-        for (sum, t) in collective
+        for (sum, &dtype) in collective
             .all_reduce_sum_bucketed(&mine, GRAD_BUCKET_BYTES)?
             .into_iter()
-            .zip(&tensors[start..end])
+            .zip(&dtypes[start..end])
         {
-            out.push(sum.to_dtype(t.dtype())?);
+            let sum = sum.to_dtype(dtype)?;
+            out.push(if on_host {
+                sum.to_device(&candle_core::Device::Cpu)?
+            } else {
+                sum
+            });
         }
         start = end;
     }

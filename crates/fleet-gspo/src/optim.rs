@@ -49,6 +49,14 @@ use crate::config::{GspoConfig, LrSchedulerType};
 /// tensor or value at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum OptimError {
+    /// [`AdamW::rebind`] was given another parameter than the one in its place.
+    #[error("rebinding the optimizer: `{name}` is not {expected} (name, shape, and the dtype of a parameter this process updates must stay)")]
+    Rebind {
+        /// The parameter given.
+        name: String,
+        /// What was in its place.
+        expected: String,
+    },
     /// Two parameters with one name.
     #[error("parameter name `{name}` is used twice: names key the optimizer state, give each parameter its own")]
     DuplicateName {
@@ -529,6 +537,30 @@ impl AdamW {
             }
         }
         self.owned = owned.to_vec();
+        Ok(())
+    }
+
+    /// Takes `params` (the same names and shapes, in order) in place of the parameters it
+    /// was made with: after [`AdamW::shard`], the model may hold the others' shares in a
+    /// narrower dtype (ZeRO stage 1's sharded masters), and the optimizer must not keep the
+    /// old, wider tensors alive. A parameter this process updates keeps its dtype.
+    pub fn rebind(&mut self, params: Vec<(String, Var)>) -> Result<(), OptimError> {
+        if params.len() != self.params.len() {
+            return Err(OptimError::GradCount {
+                expected: self.params.len(),
+                got: params.len(),
+            });
+        }
+        for (i, ((name, var), (old, was))) in params.iter().zip(&self.params).enumerate() {
+            let same_dtype = !self.owned[i] || var.dtype() == was.dtype();
+            if name != old || var.shape() != was.shape() || !same_dtype {
+                return Err(OptimError::Rebind {
+                    name: name.clone(),
+                    expected: format!("{old} {:?} {:?}", was.shape(), was.dtype()),
+                });
+            }
+        }
+        self.params = params;
         Ok(())
     }
 

@@ -840,6 +840,23 @@ fn finish(
         let owners = crate::dist::zero_partition(&sizes, world.world_size);
         let owned: Vec<bool> = owners.iter().map(|&o| o == world.rank).collect();
         optimizer.shard(&owned)?;
+        // ... and the f32 masters of that share only: the others' parameters are held in the
+        // compute dtype, each refreshed from its owner after every step.
+        let narrowed = policy.shard_masters(&owned)?;
+        if narrowed > 0 {
+            optimizer.rebind(policy.params())?;
+        }
+        tracing::info!(
+            "zero_stage = 1: rank {} keeps the moments of {} of {} parameters{}",
+            world.rank,
+            owned.iter().filter(|&&o| o).count(),
+            owned.len(),
+            if narrowed > 0 {
+                ", and their masters (the others' in the compute dtype)"
+            } else {
+                ""
+            }
+        );
     }
     let sampler = PromptSampler::resume(
         data.len(),

@@ -646,8 +646,15 @@ impl Trainer {
                 .map(|(_, v)| v.clone())
                 .collect();
             let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-            let full =
-                crate::dist::gather_owned(&*dp.collective, &tensors, self.optimizer.owned())?;
+            // Each rank's copy in its own dtype: the owner's f32 master, the others' rounding.
+            let dtypes: Vec<DType> = tensors.iter().map(Tensor::dtype).collect();
+            let full = crate::dist::gather_owned(
+                &*dp.collective,
+                &tensors,
+                self.optimizer.owned(),
+                &dtypes,
+                false,
+            )?;
             for (var, t) in vars.iter().zip(full) {
                 var.set(&t)?;
             }
@@ -668,6 +675,8 @@ impl Trainer {
             return Ok(None);
         };
         let owned = self.optimizer.owned();
+        // Moments are in the master dtype.
+        let dtypes = self.policy.master_dtypes();
         // One moment (0: exp_avg, 1: exp_avg_sq) of every parameter, gathered, on the host.
         let gather = |which: usize| -> Result<Vec<Tensor>, TrainError> {
             let tensors: Vec<Tensor> = self
@@ -677,14 +686,11 @@ impl Trainer {
                 .enumerate()
                 .map(|(i, (_, var))| match self.optimizer.moments(i) {
                     Some((m, v, _)) if owned[i] => [m, v][which].clone(),
-                    // Not ours: the parameter gives the shape (moments are in its dtype).
+                    // Not ours: the parameter gives the shape.
                     _ => var.as_tensor().clone(),
                 })
                 .collect();
-            Ok(crate::dist::gather_owned(&*dp.collective, &tensors, owned)?
-                .into_iter()
-                .map(|t| t.to_device(&candle_core::Device::Cpu))
-                .collect::<candle_core::Result<Vec<_>>>()?)
+            crate::dist::gather_owned(&*dp.collective, &tensors, owned, &dtypes, true)
         };
         let (m, v) = (gather(0)?, gather(1)?);
         Ok(Some(
@@ -692,10 +698,29 @@ impl Trainer {
         ))
     }
 
+    /// The master weights a checkpoint holds: `None` when this process holds them all, or
+    /// under ZeRO stage 1's sharded masters every owner's f32 masters gathered (every rank
+    /// takes part), on the host.
+    fn checkpoint_masters(&self) -> Result<Option<Vec<(String, Tensor)>>, TrainError> {
+        let named = self.policy.named_tensors();
+        let dtypes = self.policy.master_dtypes();
+        let narrowed = named.iter().zip(&dtypes).any(|((_, t), &d)| t.dtype() != d);
+        let Some(dp) = self.dp.as_ref().filter(|_| narrowed) else {
+            return Ok(None);
+        };
+        let tensors: Vec<Tensor> = named.iter().map(|(_, t)| t.clone()).collect();
+        let owned = self.optimizer.owned();
+        let full = crate::dist::gather_owned(&*dp.collective, &tensors, owned, &dtypes, true)?;
+        Ok(Some(
+            named.into_iter().map(|(name, _)| name).zip(full).collect(),
+        ))
+    }
+
     /// Writes a checkpoint of the current step (rank 0; under ZeRO stage 1 every rank must
-    /// call it, to gather the optimizer state, and rank 0 alone writes).
+    /// call it, to gather the optimizer state and the masters, and rank 0 alone writes).
     pub fn save(&mut self) -> Result<Option<std::path::PathBuf>, TrainError> {
         let gathered = self.checkpoint_optimizer_state()?;
+        let masters = self.checkpoint_masters()?;
         if !self.is_main() {
             return Ok(None);
         }
@@ -714,7 +739,7 @@ impl Trainer {
         let path = checkpoint::save(
             &self.config.output_dir,
             &CheckpointContents {
-                weights: self.policy.named_tensors(),
+                weights: masters.unwrap_or_else(|| self.policy.named_tensors()),
                 optimizer,
                 state: &self.state,
                 base: &self.base,

@@ -119,7 +119,11 @@ impl Default for ActivationCoefficients {
 /// update, in one buffer per device, freed after it); plus 2 B/param for the inference copy
 /// while a rollout runs (it is built before each rollout and dropped after it). With masters in the compute dtype (`master_dtype`, TRL's arithmetic) each term scales with
 /// that dtype's width, and the inference copy is only the concatenated q/k/v and gate/up of
-/// each block (the rollouts read the other weights in place).
+/// each block (the rollouts read the other weights in place). ZeRO stage 1 over `N`
+/// processes (`optimizer_shards`) keeps a 1/N share of the moments, and of the wider masters:
+/// the other parameters are held in the compute dtype (4 → 4/N + 2·(N−1)/N B/param with f32
+/// masters). With LoRA (`trainable_fraction`) gradients, moments and masters are the
+/// adapters' and the frozen base is held in the compute dtype.
 ///
 /// Transient terms come in two phases that do not overlap, because the rollout buffers are
 /// dropped before the first micro-batch's forward (fleet-models' KV cache lives per generate
@@ -489,8 +493,19 @@ impl TrainingWorkload {
         } else {
             COMPOSED_UPDATE_TENSORS * largest.min(COMPOSED_UPDATE_SLICE_ELEMENTS) * 4
         };
+        // The masters of the trained parameters; with LoRA the frozen base is held in the
+        // compute dtype. ZeRO stage 1 over several processes keeps the wider masters of this
+        // process's share only, the others' parameters in the compute dtype (not with LoRA:
+        // the adapters stay whole).
+        let shards = self.optimizer_shards.max(1) as u64;
+        let masters = if shards > 1 && m != d && self.trainable_fraction >= 1.0 {
+            let own = trained.div_ceil(shards);
+            own * m + (trained - own) * d
+        } else {
+            trained * m
+        };
         RoleCost {
-            weights: params * MASTER_WEIGHT_BYTES * m / 4,
+            weights: params.saturating_sub(trained) * d + masters * MASTER_WEIGHT_BYTES / 4,
             gradients: trained * GRADIENT_BYTES * m / 4,
             // ZeRO stage 1: this process's share of the moments (whole parameters are
             // assigned, so a share is about a 1/shards of them).
@@ -719,10 +734,13 @@ mod tests {
         assert_eq!(w.block_bytes(&s, &C_PEAK), want);
     }
 
-    /// ZeRO stage 1: each of N processes plans a 1/N share of AdamW's moments, nothing else.
+    /// ZeRO stage 1: each of N processes plans a 1/N share of AdamW's moments and of the f32
+    /// masters (the rest of the weights in bf16); gradients stay whole. With bf16 masters
+    /// only the moments shrink.
     #[test]
-    fn sharded_moments_are_a_share_per_process() {
+    fn sharded_moments_and_masters_are_a_share_per_process() {
         let s = qwen05();
+        let p = s.part_params(whole(&s));
         let one = TrainingWorkload::default().policy_cost(&s, whole(&s));
         let four = TrainingWorkload {
             optimizer_shards: 4,
@@ -730,8 +748,19 @@ mod tests {
         }
         .policy_cost(&s, whole(&s));
         assert_eq!(four.optimizer, one.optimizer.div_ceil(4));
-        assert_eq!(four.weights, one.weights);
+        assert_eq!(one.weights, p * 4);
+        assert_eq!(four.weights, p.div_ceil(4) * 4 + (p - p.div_ceil(4)) * 2);
         assert_eq!(four.gradients, one.gradients);
+        let bf16 = |shards| {
+            TrainingWorkload {
+                optimizer_shards: shards,
+                master_dtype: DType::Bf16,
+                ..TrainingWorkload::default()
+            }
+            .policy_cost(&s, whole(&s))
+        };
+        assert_eq!(bf16(4).weights, bf16(1).weights);
+        assert_eq!(bf16(4).optimizer, bf16(1).optimizer.div_ceil(4));
     }
 
     #[test]

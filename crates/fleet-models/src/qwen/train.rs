@@ -149,6 +149,10 @@ struct Param {
     name: String,
     var: Var,
     part: Part,
+    /// The master dtype: what the gradient sums and the optimizer's update are in. The `Var`
+    /// holds it, except a parameter another rank owns under sharded masters
+    /// ([`TrainableQwen::shard_masters`]), which is held in the compute dtype.
+    master: DType,
 }
 
 /// Gradients of the parameters summed over the micro-batches of one optimizer step, in
@@ -251,7 +255,7 @@ impl ParamGrads {
         // stream — a device's gradients in a buffer of another raced with its backward.
         let keys: Vec<SameDevice> = missing
             .iter()
-            .map(|&i| SameDevice(params[i].var.device().clone(), params[i].var.dtype()))
+            .map(|&i| SameDevice(params[i].var.device().clone(), params[i].master))
             .collect();
         for group in groups(&keys) {
             let (dev, dtype) = (params[missing[group[0]]].var.device(), keys[group[0]].1);
@@ -421,6 +425,7 @@ impl TrainableQwen {
                 name,
                 var: Var::from_tensor(&t)?,
                 part,
+                master,
             });
         }
         params.sort_by(|a, b| a.name.cmp(&b.name));
@@ -478,11 +483,7 @@ impl TrainableQwen {
             ));
         }
         let modules = config.modules();
-        let master = self
-            .params
-            .first()
-            .map(|p| p.var.dtype())
-            .unwrap_or(DType::F32);
+        let master = self.params.first().map(|p| p.master).unwrap_or(DType::F32);
         let base: Vec<Param> = std::mem::take(&mut self.params);
         let mut params = Vec::new();
         let mut targets = Vec::new();
@@ -531,11 +532,13 @@ impl TrainableQwen {
                 name: a_name,
                 var: Var::from_tensor(&a)?,
                 part: p.part,
+                master,
             });
             params.push(Param {
                 name: b_name,
                 var: Var::from_tensor(&b)?,
                 part: p.part,
+                master,
             });
         }
         if targets.is_empty() {
@@ -550,10 +553,12 @@ impl TrainableQwen {
                 linear.join(", ")
             )));
         }
+        // The frozen base in the compute dtype, as the blocks read it: f32 masters need no f32
+        // copy of weights nothing updates (a bf16 checkpoint's values are the same either way).
         self.frozen = base
             .into_iter()
-            .map(|p| (p.name, p.var.as_detached_tensor()))
-            .collect();
+            .map(|p| Ok((p.name, p.var.as_detached_tensor().to_dtype(self.dtype)?)))
+            .collect::<Result<_>>()?;
         self.by_name = params
             .iter()
             .enumerate()
@@ -647,8 +652,9 @@ impl TrainableQwen {
         let a = get(&self.params[t.a].name)?;
         let b = get(&self.params[t.b].name)?;
         let w = get(&t.weight)?;
+        // In the adapters' (master) dtype: the base is held in the compute dtype.
         let delta = (b.matmul(a)? * l.scaling)?;
-        Ok((w + delta.to_dtype(w.dtype())?)?)
+        Ok((w.to_dtype(delta.dtype())? + delta)?)
     }
 
     /// The config.
@@ -679,7 +685,43 @@ impl TrainableQwen {
         self.by_name.get(name).map(|&i| &self.params[i].var)
     }
 
-    /// The master weights as tensors (detached, in the master dtype), for saving a checkpoint.
+    /// ZeRO stage 1's sharded masters: each parameter `owned` does not mark is held in the
+    /// compute dtype instead of its (wider) master dtype — the owner keeps the master, updates
+    /// it and hands back its rounding — so a rank holds f32 masters for its share only. The
+    /// forward reads a parameter in the compute dtype either way, and the gradient sums stay
+    /// in the master dtype, so training is unchanged bit for bit. Returns how many parameters
+    /// were narrowed: none when the masters are already in the compute dtype, and none with
+    /// LoRA (the adapters are merged in their master dtype, and are small).
+    pub fn shard_masters(&mut self, owned: &[bool]) -> Result<usize> {
+        if owned.len() != self.params.len() {
+            return Err(ModelError::BadInput(format!(
+                "{} ownership flags for {} parameters",
+                owned.len(),
+                self.params.len()
+            )));
+        }
+        if self.lora.is_some() {
+            return Ok(0);
+        }
+        let mut narrowed = 0;
+        for (p, &mine) in self.params.iter_mut().zip(owned) {
+            if !mine && p.var.dtype() != self.dtype {
+                p.var = Var::from_tensor(&p.var.as_detached_tensor().to_dtype(self.dtype)?)?;
+                narrowed += 1;
+            }
+        }
+        Ok(narrowed)
+    }
+
+    /// Each parameter's master dtype (what its gradient and its checkpointed value are in),
+    /// in [`TrainableQwen::params`] order.
+    pub fn master_dtypes(&self) -> Vec<DType> {
+        self.params.iter().map(|p| p.master).collect()
+    }
+
+    /// The master weights as tensors (detached, in the master dtype), for saving a checkpoint;
+    /// after [`TrainableQwen::shard_masters`] the others' shares are in the compute dtype
+    /// (gather the owners' masters instead).
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
         self.params
             .iter()
@@ -1103,7 +1145,7 @@ impl TrainableQwen {
                     let slice = (slice_elements / acc.dim(1)?.max(1)).max(1);
                     for (v0, n) in chunks(acc.dim(0)?, slice) {
                         let gl = grad_logits.narrow(1, v0, n)?.contiguous()?;
-                        let w = gl.t()?.matmul(&h_values)?.to_dtype(lm.dtype())?;
+                        let w = gl.t()?.matmul(&h_values)?.to_dtype(acc.dtype())?;
                         let w = crate::device::transfer(&w, lm.device())?;
                         let sum = (acc.narrow(0, v0, n)? + w)?;
                         acc.slice_set(&sum, 0, v0)?;
@@ -1243,7 +1285,7 @@ impl TrainableQwen {
             .broadcast_as((n_distinct, hs))?
             .contiguous()?;
         let (acc, _) = grads.slot(&self.params, embed_idx)?;
-        acc.scatter_add_set(&rows, &sums.to_dtype(embed.dtype())?.contiguous()?, 0)?;
+        acc.scatter_add_set(&rows, &sums.to_dtype(acc.dtype())?.contiguous()?, 0)?;
 
         Ok(())
     }
