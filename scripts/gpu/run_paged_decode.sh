@@ -15,7 +15,8 @@
 #                 continuous-eager: no CUDA graphs;
 #                 continuous: graphs, a read every step; continuous-skinny: the same with
 #                 the skinny GEMM for 5-64 rows (FLEET_SKINNY_GEMM=1); continuous-cublas: with
-#                 FLEET_DECODE_GEMV=0 (cuBLAS for every product); continuous-sync8: graphs, a read every
+#                 FLEET_DECODE_GEMV=0 (cuBLAS for every product); continuous-scalarnorm: with
+#                 FLEET_VEC_NORM=0 (the norms' first kernel); continuous-sync8: graphs, a read every
 #                 8 steps); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
 #                 128, 256 new) in the same modes
 #   PART=sanitize the paged tests (dist/carry/paged-tests.tar.xz): the decode-graph test under
@@ -80,19 +81,20 @@ case "$PART" in
     # (FLEET_DECODE_GEMV=0: no GEMV for up to 4 rows, no skinny GEMM for 5 to 64).
     mode_flags() {
       gemv=1; batches=$BATCHES
-      skinny=0
+      skinny=0; vecnorm=1
       case "$1" in
         continuous-skinny) flags=(--batching continuous); skinny=1 ;;
         continuous-eager) flags=(--batching continuous --enforce-eager) ;;
         continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
         continuous-cublas) flags=(--batching continuous); gemv=0 ;;
+        continuous-scalarnorm) flags=(--batching continuous); vecnorm=0 ;;
         *) flags=(--batching "$1") ;;
       esac
     }
     for mode in ${MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
       echo "== fleet $mode"
       mode_flags "$mode"
-      FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
+      FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
         --prompt-len 512 --new-tokens 128 --repeats 2 "${flags[@]}" \
         --json "$OUT/fleet_7b_$mode.json"
     done
@@ -100,7 +102,7 @@ case "$PART" in
       for mode in ${ROLLOUT_MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
         echo "== fleet $shape rollouts $mode"
         mode_flags "$mode"
-        FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
+        FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
           --prompt-len 128 --new-tokens 256 --repeats 3 "${flags[@]}" \
           --json "$OUT/fleet_${shape}_rollouts_$mode.json"
       done

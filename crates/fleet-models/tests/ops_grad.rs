@@ -1142,6 +1142,81 @@ fn head_kernels_match_cpu() {
     }
 }
 
+/// The norms' one-pass kernels (rows of whole 16-byte vectors: 1, 2 and 4 vectors a thread)
+/// and the scalar kernel they fall back to (a row that is not, an input that does not start
+/// on a vector) against the CPU twin, with the decode shapes' rows (one to a few).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_norm_kernels_match_their_twin_on_every_path() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cuda_norm_kernels_match_their_twin_on_every_path: no CUDA device ({e})");
+            return;
+        }
+    };
+    let mut rng = Rng(41);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        // 896/1536/3584: the 0.5B/1.5B/7B hidden sizes; 12288 and 20000: two and four vectors
+        // a thread (f32: four and five, so the scalar kernel); 1500: not whole vectors.
+        for (rows, n) in [
+            (1, 3584),
+            (3, 896),
+            (64, 1536),
+            (2, 12288),
+            (1, 20000),
+            (3, 1500),
+        ] {
+            let lo = |x: Tensor| x.to_dtype(dtype).unwrap();
+            // One spare element in front: the inputs then also run from an odd offset.
+            let x = lo(rng.tensor(&[rows * n + 1], 0.2, 3.0));
+            let r = lo(rng.tensor(&[rows * n + 1], 0.0, 1.0));
+            let w = lo(rng.tensor(&[n], 1.0, 0.5));
+            for skew in [0, 1] {
+                let cut = |t: &Tensor| {
+                    t.narrow(0, skew, rows * n)
+                        .unwrap()
+                        .reshape((rows, n))
+                        .unwrap()
+                };
+                let (xc, rc) = (cut(&x), cut(&r));
+                let on = |t: &Tensor| t.to_device(&gpu).unwrap();
+                let want = [
+                    ops::rms_norm(&xc, &w, EPS).unwrap(),
+                    ops::add_rms_norm(&xc, &rc, &w, EPS).unwrap().0,
+                    ops::add_rms_norm(&xc, &rc, &w, EPS).unwrap().1,
+                ];
+                // The GPU's inputs are views into one buffer, as the CPU's are.
+                let (xg, rg) = (on(&x), on(&r));
+                let cut_g = |t: &Tensor| {
+                    t.narrow(0, skew, rows * n)
+                        .unwrap()
+                        .reshape((rows, n))
+                        .unwrap()
+                };
+                let (xg, rg, wg) = (cut_g(&xg), cut_g(&rg), on(&w));
+                let (sg, yg) = ops::add_rms_norm(&xg, &rg, &wg, EPS).unwrap();
+                let got = [ops::rms_norm(&xg, &wg, EPS).unwrap(), sg, yg];
+                for (what, g, w) in [
+                    ("rms_norm", &got[0], &want[0]),
+                    ("add (sum)", &got[1], &want[1]),
+                    ("add (norm)", &got[2], &want[2]),
+                ] {
+                    let g = g.to_device(&Device::Cpu).unwrap();
+                    let what = format!("{what} {rows}x{n} skew {skew}");
+                    if dtype == DType::F32 {
+                        let (d, scale) = (max_diff(&g, w), max_abs(w).max(1e-3));
+                        eprintln!("{what} f32: gpu vs cpu {d:.2e}");
+                        assert!(d <= 2e-5 * scale, "{what} f32: {d} (scale {scale})");
+                    } else {
+                        assert_rounding_matches(&what, &g, w);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// qkv_rope with f32 tables on half-precision inputs (the vision tower's shape: head_dim 72,
 /// 36 threads a head) on the GPU against its CPU twin.
 #[cfg(feature = "cuda")]
