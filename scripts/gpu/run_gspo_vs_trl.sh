@@ -17,6 +17,9 @@
 #     SHAPES=1.5b BATCHES="8 16 32" STEPS=12 bash scripts/gpu/run_gspo_vs_trl.sh
 #     SHAPES=1.5b BATCHES=16 BEST=1 bash scripts/gpu/run_gspo_vs_trl.sh
 #
+# TRL=0 runs fleet's variants only (a shape TRL cannot train on this GPU, or fleet against
+# itself: LoRA against full fine-tuning).
+#
 # BATCHES: even numbers (a generation batch of 4 x batch must hold whole groups of 8). BEST=1
 # then searches each engine's best batch that fits in this call: batches doubling from BEST_FROM
 # (default twice the largest of BATCHES) to BEST_MAX (default 128), BEST_STEPS optimizer steps
@@ -156,7 +159,7 @@ for shape in $SHAPES; do
   # bf16 with micro-batches of 8 (gradient accumulation: the same optimizer steps); bf16 with
   # --auto-find-batch-size under TRL's peak as --max-memory (the plan picks the micro-batch).
   for b in $BATCHES; do
-    trl_run "$shape" "$b" "$STEPS" list
+    [ "${TRL:-1}" = 1 ] && trl_run "$shape" "$b" "$STEPS" list
     for variant in ${VARIANTS:-fleet fleet-bf16}; do fleet_run "$variant" "$shape" "$b" "$STEPS" list; done
   done
   if [ "$BEST" = 1 ]; then
