@@ -302,6 +302,50 @@ fn flags_with_trl_names_and_the_seeds_aliases_override_the_config() {
     assert_eq!(cfg["num_iterations"], 2);
 }
 
+/// `save_strategy = "no"` (HF's name) trains and logs without writing any checkpoint, and a
+/// best model to load at the end then has nothing to come from.
+#[test]
+fn save_strategy_no_writes_no_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let o = out.to_str().unwrap();
+    let args = [
+        "--output-dir",
+        o,
+        "--max-steps",
+        "2",
+        "--set",
+        "save_steps=1",
+    ];
+    let stdout = ok(&run(&[&args[..], &["--set", "save_strategy=no"]].concat()));
+    assert_eq!(metrics(&out).len(), 2);
+    let checkpoints: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("checkpoint-"))
+        .collect();
+    assert!(checkpoints.is_empty(), "{checkpoints:?}");
+    assert!(!stdout.contains("checkpoint "), "{stdout}");
+    let err = fails(&run(&[
+        &args[..],
+        &[
+            "--set",
+            "save_strategy=no",
+            "--set",
+            "load_best_model_at_end=true",
+        ],
+    ]
+    .concat()));
+    assert!(err.contains("save_strategy"), "{err}");
+    let err = fails(&run(
+        &[&args[..], &["--set", "save_strategy=epoch"]].concat()
+    ));
+    assert!(
+        err.contains("save_strategy") && err.contains("steps"),
+        "{err}"
+    );
+}
+
 #[test]
 fn plan_says_what_fits_where_without_loading() {
     let out = ok(&run(&["--plan"]));

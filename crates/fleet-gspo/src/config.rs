@@ -221,14 +221,14 @@ pub enum ReportTo {
     Tensorboard,
 }
 
-/// When to evaluate (HF `eval_strategy`).
+/// When to evaluate or save (HF's `IntervalStrategy`: `eval_strategy`, `save_strategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum EvalStrategy {
+pub enum IntervalStrategy {
     /// Never.
     No,
-    /// Every `eval_steps` optimizer steps (at the end of the generation batch in which a
-    /// multiple falls, as checkpoints are written).
+    /// Every `eval_steps` / `save_steps` optimizer steps (at the end of the generation batch
+    /// in which a multiple falls).
     Steps,
 }
 
@@ -298,9 +298,9 @@ enum_names!(ReportTo, "a report destination", {
     "none" => ReportTo::None,
     "tensorboard" => ReportTo::Tensorboard,
 });
-enum_names!(EvalStrategy, "an evaluation strategy", {
-    "no" => EvalStrategy::No,
-    "steps" => EvalStrategy::Steps,
+enum_names!(IntervalStrategy, "a strategy", {
+    "no" => IntervalStrategy::No,
+    "steps" => IntervalStrategy::Steps,
 });
 enum_names!(LrSchedulerType, "a scheduler type", {
     "constant" => LrSchedulerType::Constant,
@@ -409,6 +409,10 @@ pub struct GspoConfig {
     /// batch in which a multiple of save_steps falls: at TRL's steps when save_steps is a
     /// multiple of the optimizer steps per generation batch, else up to one batch later.
     pub save_steps: u64,
+    /// When to write checkpoints (HF `save_strategy`): `steps` (default: every `save_steps`,
+    /// and after the last step) or `no` (none at all: nothing to resume from or load; for
+    /// speed runs and sweeps that only read metrics.jsonl).
+    pub save_strategy: IntervalStrategy,
     /// Keep at most this many checkpoints (oldest removed); unset: keep all.
     pub save_total_limit: Option<usize>,
     /// Run directory: metrics, checkpoints, plots. Default `trainer_output` (HF).
@@ -449,7 +453,7 @@ pub struct GspoConfig {
     /// Rows of a logged batch written (TRL); unset: every completion.
     pub num_completions_to_print: Option<usize>,
     /// When to evaluate (HF `eval_strategy`): `no` (default) or `steps`.
-    pub eval_strategy: EvalStrategy,
+    pub eval_strategy: IntervalStrategy,
     /// Evaluate every this many optimizer steps; unset: `logging_steps` (HF).
     pub eval_steps: Option<u64>,
     /// The evaluation prompts: a JSONL file in the training file's format (TRL takes an
@@ -524,6 +528,7 @@ impl Default for GspoConfig {
             shuffle_dataset: true,
             logging_steps: 1,
             save_steps: 500,
+            save_strategy: IntervalStrategy::Steps,
             save_total_limit: None,
             output_dir: PathBuf::from("trainer_output"),
             reward_funcs: Vec::new(),
@@ -537,7 +542,7 @@ impl Default for GspoConfig {
             report_to: ReportTo::None,
             log_completions: false,
             num_completions_to_print: None,
-            eval_strategy: EvalStrategy::No,
+            eval_strategy: IntervalStrategy::No,
             eval_steps: None,
             eval_dataset: None,
             eval_holdout: 0.0,
@@ -593,6 +598,7 @@ pub const KEYS: &[&str] = &[
     "shuffle_dataset",
     "logging_steps",
     "save_steps",
+    "save_strategy",
     "save_total_limit",
     "output_dir",
     "use_peft",
@@ -835,6 +841,7 @@ impl GspoConfig {
             "auto_find_batch_size" => self.auto_find_batch_size = parse_bool(key, value)?,
             "logging_steps" => self.logging_steps = parse_u64(key, value)?,
             "save_steps" => self.save_steps = parse_u64(key, value)?,
+            "save_strategy" => self.save_strategy = parse_enum(key, value)?,
             "save_total_limit" => self.save_total_limit = parse_opt(key, value, parse_usize)?,
             "output_dir" => {
                 let v = value.trim();
@@ -1162,8 +1169,8 @@ impl GspoConfig {
     /// Optimizer steps between evaluations; `None` when `eval_strategy = "no"`.
     pub fn eval_every(&self) -> Option<u64> {
         match self.eval_strategy {
-            EvalStrategy::No => None,
-            EvalStrategy::Steps => Some(self.eval_steps.unwrap_or(self.logging_steps)),
+            IntervalStrategy::No => None,
+            IntervalStrategy::Steps => Some(self.eval_steps.unwrap_or(self.logging_steps)),
         }
     }
 
@@ -1192,6 +1199,13 @@ impl GspoConfig {
             h,
             "0 <= eval_holdout < 1 (the fraction of the training prompts held out; 0: none)",
         )?;
+        if self.load_best_model_at_end && self.save_strategy == IntervalStrategy::No {
+            return Err(ConfigError::BadValue {
+                key: "load_best_model_at_end".into(),
+                value: "true".into(),
+                expected: "save_strategy = \"steps\" (the best model is a checkpoint)".into(),
+            });
+        }
         let Some(every) = self.eval_every() else {
             if self.load_best_model_at_end {
                 return Err(ConfigError::BadValue {

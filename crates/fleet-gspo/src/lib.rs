@@ -55,7 +55,7 @@ pub mod trainer;
 
 pub use advantage::{group_advantages, AdvantageError, GroupAdvantages};
 pub use config::{
-    ConfigError, EvalStrategy, GspoConfig, ImportanceSamplingLevel, LossType, LrSchedulerType,
+    ConfigError, GspoConfig, ImportanceSamplingLevel, IntervalStrategy, LossType, LrSchedulerType,
     ReportTo, ScaleRewards, TorchDtype,
 };
 pub use dataset::{

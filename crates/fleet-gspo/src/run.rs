@@ -151,6 +151,7 @@ pub fn run_manifest(
             "max_steps",
             "num_train_epochs",
             "save_steps",
+            "save_strategy",
             "save_total_limit",
             "logging_steps",
             "output_dir",

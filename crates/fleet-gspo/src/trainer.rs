@@ -332,7 +332,10 @@ impl Trainer {
         // steps when save_steps is a multiple of the optimizer steps per generation batch;
         // otherwise the next batch end, never drifting further). Rank 0 writes them; the
         // ranks hold the same weights.
-        let save_every = self.config.save_steps;
+        let save_every = match self.config.save_strategy {
+            crate::config::IntervalStrategy::Steps => self.config.save_steps,
+            crate::config::IntervalStrategy::No => 0,
+        };
         let last = self.state.step >= self.total_steps;
         let crossed = save_every > 0 && self.state.step / save_every > step_before / save_every;
         if save_every > 0 && (last || crossed) {

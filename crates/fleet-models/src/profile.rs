@@ -18,6 +18,19 @@ use candle_core::Device;
 use crate::error::Result;
 
 static ENABLED: OnceLock<bool> = OnceLock::new();
+
+thread_local! {
+    /// Set while this thread records a CUDA graph: a synchronize then would end the capture
+    /// with an error, so stages inside it are not timed (the capture as a whole is).
+    static CAPTURING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as recording a CUDA graph (`true`) or no longer (`false`): [`time`] then
+/// runs its stages untimed.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn set_capturing(on: bool) {
+    CAPTURING.with(|c| c.set(on));
+}
 /// Stage -> its totals so far.
 static TIMES: Mutex<BTreeMap<&'static str, StageReport>> = Mutex::new(BTreeMap::new());
 
@@ -78,7 +91,7 @@ pub(crate) fn time<T>(
     stage: &'static str,
     f: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
-    if !enabled() {
+    if !enabled() || CAPTURING.with(|c| c.get()) {
         return f();
     }
     dev.synchronize()?;

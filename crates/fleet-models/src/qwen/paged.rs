@@ -666,9 +666,25 @@ impl QwenModel {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cuda_err)?;
+        crate::profile::set_capturing(true);
         let recorded = self.segment_on(graph, k, cache);
+        crate::profile::set_capturing(false);
         // End the capture whatever happened: a stream left capturing fails every later call.
-        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        let flags = sys::CUgraphInstantiate_flags(0);
+        let ended = stream.end_capture(flags);
+        if ended.is_err() {
+            // cudarc returns an error an op recorded in the context earlier (a failed free in
+            // the capture, say) before it ends the capture; that read cleared it, so a second
+            // call ends the capture for real and the op-by-op fallback finds a usable stream.
+            use sys::CUstreamCaptureStatus as Status;
+            if matches!(
+                stream.capture_status(),
+                Ok(Status::CU_STREAM_CAPTURE_STATUS_ACTIVE
+                    | Status::CU_STREAM_CAPTURE_STATUS_INVALIDATED)
+            ) {
+                let _ = stream.end_capture(flags);
+            }
+        }
         recorded?;
         let g = ended.map_err(cuda_err)?.ok_or_else(|| {
             ModelError::BadInput("the decode step's capture recorded nothing".into())
