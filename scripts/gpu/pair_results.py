@@ -246,7 +246,8 @@ def judge(d: Path) -> None:
 
 
 # ---------------------------------------------------------------- gspo (gspo-train vs TRL)
-VARIANTS = ("fleet", "fleet-bf16", "fleet-bf16-mb8", "fleet-bf16-auto", "fleet-lora", "fleet-bf16-lora")
+VARIANTS = ("fleet", "fleet-bf16", "fleet-bf16-mb8", "fleet-bf16-auto", "fleet-lora", "fleet-bf16-lora",
+            "fleet-bf16-release")
 
 
 def gspo(d: Path) -> None:

@@ -15,10 +15,10 @@ echo "== profile (1.5B, bf16 masters)"
 OUT="$OUT/profile" SHAPES=1.5b EXTRA="--torch-dtype bfloat16" PROFILE_STEPS="${PROFILE_STEPS:-8}" \
   timeout 150 bash scripts/gpu/profile_gspo.sh
 echo "== LoRA vs full fine-tuning, 1.5B, with TRL ($(( $(date +%s) - start )) s in)"
-OUT="$OUT/lora-1.5b" SHAPES=1.5b BATCHES=16 STEPS="${STEPS_15:-12}" BUDGET_S=220 \
+OUT="$OUT/lora-1.5b" SHAPES=1.5b BATCHES=16 STEPS="${STEPS_15:-12}" BUDGET_S="${BUDGET_15:-260}" \
   VARIANTS="fleet-bf16 fleet-bf16-lora" bash scripts/gpu/run_gspo_vs_trl.sh
 echo "== LoRA vs full fine-tuning, 7B, fleet only ($(( $(date +%s) - start )) s in)"
-OUT="$OUT/lora-7b" SHAPES=7b BATCHES="${BATCHES_7B:-8}" STEPS=8 TRL=0 BUDGET_S="${BUDGET_7B:-200}" \
+OUT="$OUT/lora-7b" SHAPES=7b BATCHES="${BATCHES_7B:-8}" STEPS="${STEPS_7B:-12}" TRL=0 BUDGET_S="${BUDGET_7B:-220}" \
   VARIANTS="fleet-bf16 fleet-bf16-lora" bash scripts/gpu/run_gspo_vs_trl.sh
 {
   echo "# profile"; grep -h profile "$OUT"/profile/profile-*.txt

@@ -822,10 +822,7 @@ fn finish(
 
     let mut optimizer = AdamW::new(policy.params(), AdamWConfig::from(config))?;
     if let Some(ckpt) = &resumed_from {
-        let device = policy
-            .param("model.norm.weight")
-            .map(|v| v.device().clone())
-            .unwrap_or(candle_core::Device::Cpu);
+        let device = policy.head_device();
         let saved = OptimizerState::load(&ckpt.join("optimizer.safetensors"), &device)?;
         optimizer.load_state(&saved)?;
     }

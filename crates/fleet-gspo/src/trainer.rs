@@ -1009,10 +1009,7 @@ impl Trainer {
     }
 
     fn policy_head_device(&self) -> candle_core::Device {
-        self.policy
-            .param("model.norm.weight")
-            .map(|v| v.device().clone())
-            .unwrap_or(candle_core::Device::Cpu)
+        self.policy.head_device()
     }
 
     /// Log-probs of `rows` under `model`, in this rank's micro-batches (the same batches the

@@ -667,6 +667,12 @@ impl TrainableQwen {
         self.dtype
     }
 
+    /// The device of the final norm and the output projection: where log-probs, masks and the
+    /// loss live (with LoRA too, whose trained parameters may all sit elsewhere).
+    pub fn head_device(&self) -> Device {
+        self.devices.get(self.map.head).clone()
+    }
+
     /// Where each block lives.
     pub fn device_map(&self) -> &DeviceMap {
         &self.map
@@ -733,12 +739,13 @@ impl TrainableQwen {
     /// compute dtype: what GSPO's rollouts run on. A copy in the compute dtype, made in one
     /// pass over the weights.
     pub fn inference_model(&self) -> Result<QwenModel> {
-        QwenModel::on_devices(
+        QwenModel::with_rope(
             &self.cfg,
             &Weights::Tensors(self.merged_weights()?),
             self.dtype,
             &self.map,
             self.devices.clone(),
+            Some(self.rope.clone()),
         )
     }
 
