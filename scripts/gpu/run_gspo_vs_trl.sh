@@ -32,9 +32,7 @@
 #
 # VARIANTS picks fleet's runs (default "fleet fleet-bf16"; fleet-lora and fleet-bf16-lora: LoRA
 # adapters, r 16, alpha 32, on every linear layer, against full fine-tuning in the same call;
-# fleet-bf16-release: the GPU memory pool handing freed blocks back to the driver at every
-# synchronization, CUDA's default (FLEET_KEEP_FREED_GPU_MEMORY=0), against fleet-bf16's pool that
-# keeps them; also fleet-bf16-steps8: rollouts
+# also fleet-bf16-steps8: rollouts
 # reading tokens back every 8 decode steps; fleet-bf16-mb8: each micro-batch
 # run as micro-batches of 8 with gradient accumulation, the same optimizer steps, for batches that
 # are multiples of 8; and fleet-bf16-auto, whose --max-memory is TRL's peak measured just before
@@ -113,12 +111,11 @@ trl_run() {
   [ "$st" = ok ]
 }
 fleet_run() {
-  local variant=$1 shape=$2 b=$3 steps=$4 mode=$5 name="$1-$2-b$3" extra rc st trl_mib t keep=1
+  local variant=$1 shape=$2 b=$3 steps=$4 mode=$5 name="$1-$2-b$3" extra rc st trl_mib t
   case "$variant" in
     fleet) extra="" ;;
     fleet-bf16) extra="--torch-dtype bfloat16" ;;
     fleet-bf16-steps8) extra="--torch-dtype bfloat16 --set num_scheduler_steps=8" ;;
-    fleet-bf16-release) extra="--torch-dtype bfloat16"; keep=0 ;;
     fleet-bf16-lora) extra="--torch-dtype bfloat16 --set use_peft=true --set lora_r=16 --set lora_alpha=32 --set lora_target_modules=all-linear" ;;
     fleet-lora) extra="--set use_peft=true --set lora_r=16 --set lora_alpha=32 --set lora_target_modules=all-linear" ;;
     fleet-bf16-mb8)
@@ -134,7 +131,7 @@ fleet_run() {
   if [ "$t" = 0 ]; then printf '%s\t%s:%s\t%s\tskipped\ttime budget used up\n' "$variant" "$mode" "$shape" "$b" >> "$SEARCH_TSV"; return 1; fi
   rm -rf "${WORK:?}/$name"
   # shellcheck disable=SC2086
-  with_peak "$name" env FLEET_KEEP_FREED_GPU_MEMORY=$keep timeout "$t" "$WORK/gspo-train" --config configs/gspo/bench.toml \
+  with_peak "$name" timeout "$t" "$WORK/gspo-train" --config configs/gspo/bench.toml \
       --model "$WORK/q$shape" --dataset "$WORK/prompts.jsonl" --output-dir "$WORK/$name" \
       --max-steps "$steps" --dtype bf16 --per-device-train-batch-size "$b" $extra
   rc=$?

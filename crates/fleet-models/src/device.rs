@@ -72,13 +72,7 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
             }
             };
             let dev = match fleet_topology::logical::installed() {
-                None => {
-                    let dev = Device::new_cuda(n).map_err(unavailable)?;
-                    if !fleet_topology::keep_freed_gpu_memory(n) {
-                        tracing::debug!("{loc}: the driver's memory pool releases freed blocks");
-                    }
-                    dev
-                }
+                None => Device::new_cuda(n).map_err(unavailable)?,
                 Some(_) if logical_opened().contains_key(&n) => {
                     return Ok(logical_opened()[&n].clone());
                 }

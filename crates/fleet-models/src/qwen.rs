@@ -116,7 +116,7 @@ struct DecoderLayer {
 /// transformers does and then cast to the model dtype (transformers casts before applying),
 /// in the one layout every RoPE op reads: `[cos | sin]` per position, `[n, head_dim]`.
 #[derive(Clone)]
-pub(crate) struct RopeTables {
+struct RopeTables {
     cs: Tensor,
     /// The `head_dim / 2` frequencies, for positions computed per call (M-RoPE).
     inv_freq: Vec<f32>,
@@ -863,20 +863,6 @@ impl QwenModel {
         map: &DeviceMap,
         devices: Devices,
     ) -> Result<Self> {
-        Self::with_rope(cfg, weights, dtype, map, devices, None)
-    }
-
-    /// [`QwenModel::on_devices`] with the RoPE tables given (a trainer's, for the same config,
-    /// dtype and map): a GSPO generation batch builds its inference model without computing
-    /// the tables again on the host.
-    pub(crate) fn with_rope(
-        cfg: &QwenConfig,
-        weights: &Weights,
-        dtype: DType,
-        map: &DeviceMap,
-        devices: Devices,
-        rope: Option<Vec<(DeviceLocation, RopeTables)>>,
-    ) -> Result<Self> {
         map.validate(cfg.num_hidden_layers)?;
         let all: Vec<&Device> = devices.iter().map(|(_, d)| d).collect();
         weights.seed_devices(&all)?;
@@ -891,17 +877,32 @@ impl QwenModel {
         for (i, &loc) in map.layers.iter().enumerate() {
             layers.push(DecoderLayer::load(cfg, &loader(loc), i, loc)?);
         }
-        let (norm, lm_head) = load_head(cfg, &loader(map.head), || Ok(embed.embeddings().clone()))?;
-        let rope = match rope {
-            Some(rope) => rope,
-            None => load_rope(cfg, dtype, map, &devices)?,
-        };
+        let head = load_head(cfg, &loader(map.head), || Ok(embed.embeddings().clone()))?;
+        let rope = load_rope(cfg, dtype, map, &devices)?;
         // Every block, whichever device it went to, was read above: a tensor still unread is
         // one the config does not account for (fewer layers, no bias, tied head...).
         weights.check_unread(
             |name| classify_unread(cfg, name),
             |names| unread_hint(cfg, names),
         )?;
+        Self::from_parts(cfg, dtype, map, devices, embed, layers, head, rope)
+    }
+
+    /// A model of blocks built with this file's loaders elsewhere (a trainer's blocks of its
+    /// current weights: [`crate::qwen::train::TrainableQwen::inference_model`]) and RoPE
+    /// tables, for the same config, dtype and map.
+    #[allow(clippy::too_many_arguments)]
+    fn from_parts(
+        cfg: &QwenConfig,
+        dtype: DType,
+        map: &DeviceMap,
+        devices: Devices,
+        embed: Embedding,
+        layers: Vec<DecoderLayer>,
+        (norm, lm_head): (RmsNorm, Linear),
+        rope: Vec<(DeviceLocation, RopeTables)>,
+    ) -> Result<Self> {
+        map.validate(cfg.num_hidden_layers)?;
         Ok(QwenModel {
             cfg: cfg.clone(),
             dtype,

@@ -280,6 +280,24 @@ fn lora_adapter_gradients_match_peft() {
     // committed file's names, shapes and dtypes) and reads back to the same model.
     let merged = model.merged_weights().unwrap();
     assert!(merged.keys().all(|k| !k.contains("lora_")));
+    // The rollouts' inference copy (built block by block) is the model of the merged weights.
+    let of_merged = fleet_models::qwen::QwenModel::new(
+        model.config(),
+        &Weights::Tensors(merged.clone()),
+        model.dtype(),
+        model.device_map(),
+    )
+    .unwrap();
+    let row = g.batch.ids[0].clone();
+    let (a, b) = (
+        model
+            .inference_model()
+            .unwrap()
+            .logits(std::slice::from_ref(&row))
+            .unwrap(),
+        of_merged.logits(std::slice::from_ref(&row)).unwrap(),
+    );
+    assert_eq!(rel_err(&a, &b), 0.0);
     let out = tempfile::tempdir().unwrap();
     model
         .save_adapter(out.path(), "tests/fixtures/qwen2-tiny")

@@ -53,8 +53,7 @@ pub use memory::{
     CONTEXT_OVERHEAD_BYTES, GIB, MIB,
 };
 pub use memory_watch::{
-    cpu_peak_bytes, gpu_pool_high_water, gpu_used_bytes, keep_freed_gpu_memory,
-    reset_gpu_pool_high_water, MemoryWatch,
+    cpu_peak_bytes, gpu_pool_high_water, gpu_used_bytes, reset_gpu_pool_high_water, MemoryWatch,
 };
 pub use planner::{plan, DevicePlan, Plan, PlanMode, PlanRequest, ReplicaPlan};
 pub use topology::{Gpu, PeerAccess, Topology};

@@ -87,42 +87,6 @@ pub fn reset_gpu_pool_high_water(ordinal: usize) {
     let _ = ordinal;
 }
 
-/// Makes GPU `ordinal`'s default memory pool (where candle's stream-ordered allocations come
-/// from) keep freed blocks for reuse instead of handing them back to the driver at every
-/// synchronization — the CUDA default, a release threshold of 0, under which a buffer freed
-/// before a synchronization is mapped again at its next allocation (a GSPO generation batch's
-/// inference copy, a backward's activations). What the process holds then follows its
-/// high-water mark, as PyTorch's caching allocator's does. `FLEET_KEEP_FREED_GPU_MEMORY=0`
-/// keeps the driver's default (for comparisons). Logical devices' pools keep theirs already.
-/// Returns whether the threshold was set (`false` without a CUDA build or driver, or when
-/// turned off).
-pub fn keep_freed_gpu_memory(ordinal: usize) -> bool {
-    if std::env::var("FLEET_KEEP_FREED_GPU_MEMORY").is_ok_and(|v| v == "0") {
-        return false;
-    }
-    #[cfg(feature = "cuda")]
-    {
-        let Some(pool) = default_pool(ordinal) else {
-            return false;
-        };
-        let mut keep: u64 = u64::MAX;
-        // SAFETY: the release threshold is a u64 attribute of a valid pool.
-        let r = unsafe {
-            cudarc::driver::sys::cuMemPoolSetAttribute(
-                pool,
-                cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut keep as *mut u64).cast(),
-            )
-        };
-        r == cudarc::driver::sys::CUresult::CUDA_SUCCESS
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = ordinal;
-        false
-    }
-}
-
 /// The pool `ordinal`'s allocations come from: a logical device's own, else the GPU's default.
 #[cfg(feature = "cuda")]
 fn default_pool(ordinal: usize) -> Option<cudarc::driver::sys::CUmemoryPool> {

@@ -739,13 +739,27 @@ impl TrainableQwen {
     /// compute dtype: what GSPO's rollouts run on. A copy in the compute dtype, made in one
     /// pass over the weights.
     pub fn inference_model(&self) -> Result<QwenModel> {
-        QwenModel::with_rope(
+        // The training forward's own builders, on detached weights: one block at a time, so
+        // that with LoRA only one block's merged weights exist beside the copy being built
+        // (merging every adapter first held a second copy of the model's linear layers), and
+        // the trainer's RoPE tables (not computed again on the host).
+        let w = self.weights(false);
+        let embed = self.embedding(&w)?;
+        let layers = (0..self.cfg.num_hidden_layers)
+            .map(|i| self.block(&w, i))
+            .collect::<Result<Vec<_>>>()?;
+        let head = load_head(&self.cfg, &self.loader(&w, self.map.head), || {
+            Ok(embed.embeddings().clone())
+        })?;
+        QwenModel::from_parts(
             &self.cfg,
-            &Weights::Tensors(self.merged_weights()?),
             self.dtype,
             &self.map,
             self.devices.clone(),
-            Some(self.rope.clone()),
+            embed,
+            layers,
+            head,
+            self.rope.clone(),
         )
     }
 
