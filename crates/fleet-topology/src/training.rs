@@ -123,7 +123,8 @@ impl Default for ActivationCoefficients {
 /// processes (`optimizer_shards`) keeps a 1/N share of the moments, and of the wider masters:
 /// the other parameters are held in the compute dtype (4 → 4/N + 2·(N−1)/N B/param with f32
 /// masters). With LoRA (`trainable_fraction`) gradients, moments and masters are the
-/// adapters' and the frozen base is held in the compute dtype.
+/// adapters' and the frozen base is held in the compute dtype; the inference copy is every
+/// linear layer, merged with its adapter (an upper bound when fewer modules are adapted).
 ///
 /// Transient terms come in two phases that do not overlap, because the rollout buffers are
 /// dropped before the first micro-batch's forward (fleet-models' KV cache lives per generate
@@ -466,7 +467,13 @@ impl TrainingWorkload {
         }
         // f32 masters: the constants; others scale with the master dtype's width.
         let m = self.master_dtype.size_in_bytes();
-        let inference_copy = if self.master_dtype == self.compute_dtype {
+        let inference_copy = if self.trainable_fraction < 1.0 {
+            // LoRA: every adapted linear layer is a merged copy (all of them with
+            // `all-linear`, the bound taken here), the fused ones concatenated from it.
+            let o_and_down = (shape.num_heads * shape.head_dim * shape.hidden_size
+                + mlp_width(shape) * shape.hidden_size) as u64;
+            n * (fused_params_per_layer(shape) + o_and_down) * d
+        } else if self.master_dtype == self.compute_dtype {
             // Only the concatenated q/k/v and gate/up are new tensors, and a tied embedding
             // copied to the head's device when that is another one.
             let tied_head = if shape.tie_word_embeddings && part.head && !part.embed {

@@ -621,24 +621,34 @@ impl TrainableQwen {
         crate::lora::write_adapter(dir, &l.config, base, &tensors)
     }
 
-    /// The weights the model computes with, detached, by checkpoint name: the master weights,
-    /// or with LoRA the base with every adapter merged (`W + scaling·B·A`): what a merged
-    /// export writes.
+    /// The weights the model computes with, detached, by checkpoint name, on the host: the
+    /// master weights, or with LoRA the base with every adapter merged (`W + scaling·B·A`):
+    /// what a merged export writes. Each merged weight leaves the device as soon as it is
+    /// made, so the device never holds a second copy of the model.
     pub fn merged_weights(&self) -> Result<HashMap<String, Tensor>> {
-        let Weights::Tensors(mut map) = self.weights(false) else {
+        let Weights::Tensors(map) = self.weights(false) else {
             unreachable!("weights() holds tensors")
         };
+        let mut out = HashMap::with_capacity(map.len());
         if let Some(l) = &self.lora {
             for t in &l.targets {
-                let merged = self.merge(&map, t)?;
-                map.insert(t.weight.clone(), merged);
-            }
-            for t in &l.targets {
-                map.remove(&self.params[t.a].name);
-                map.remove(&self.params[t.b].name);
+                let merged = self.merge(&map, t)?.to_device(&Device::Cpu)?;
+                out.insert(t.weight.clone(), merged);
             }
         }
-        Ok(map)
+        let adapter = |name: &str| {
+            self.lora.as_ref().is_some_and(|l| {
+                l.targets
+                    .iter()
+                    .any(|t| self.params[t.a].name == name || self.params[t.b].name == name)
+            })
+        };
+        for (name, t) in &map {
+            if !out.contains_key(name) && !adapter(name) {
+                out.insert(name.clone(), t.to_device(&Device::Cpu)?);
+            }
+        }
+        Ok(out)
     }
 
     /// `target`'s weight with its adapter merged, from `map` (base weights and the adapters,
