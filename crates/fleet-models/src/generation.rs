@@ -261,8 +261,8 @@ pub struct PagedOptions {
     pub num_blocks: usize,
     /// Decode through fixed-address step buffers, one per batch bucket, each step captured
     /// once as CUDA graphs and replayed, where the model allows it
-    /// ([`QwenModel::decode_graph_supported`]: one CUDA device — several, one graph per device
-    /// segment, with `FLEET_SEGMENT_GRAPHS=1` — and a shape the paged kernel takes); elsewhere
+    /// ([`QwenModel::decode_graph_supported`]: CUDA devices — several, one graph per device
+    /// segment — and a shape the paged kernel takes); elsewhere
     /// (the CPU) the plain step. The same tokens either way (greedy and
     /// seeded, tested on the GPU). On in [`PagedOptions::new`] and
     /// [`PagedOptions::for_requests`] unless the environment sets `FLEET_ENFORCE_EAGER=1`

@@ -19,8 +19,6 @@ fn sharded_decode_graphs_give_the_lock_step_tokens() {
         eprintln!("SKIPPED: logical devices need a GPU and a CUDA build");
         return;
     }
-    // Graphs over several devices are behind this switch until this test has passed on a GPU.
-    std::env::set_var("FLEET_SEGMENT_GRAPHS", "1");
     logical::install(logical::LogicalGpus::parse_flag("2:2GiB").unwrap()).unwrap();
     let (a, b) = (DeviceLocation::Cuda(0), DeviceLocation::Cuda(1));
     let placements = [

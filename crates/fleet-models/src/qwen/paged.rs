@@ -344,12 +344,13 @@ impl Drop for DecodeGraph {
 impl QwenModel {
     /// Whether a decode step of this model can be captured as CUDA graphs: every device it
     /// uses is a CUDA device, and the attention shape is one the paged kernel takes. A model
-    /// over several devices (one graph per device segment) only with `FLEET_SEGMENT_GRAPHS=1`
-    /// in the environment, until its GPU test (`decode_graph_segments`) has passed on a GPU.
+    /// over several devices gets one graph per device segment (its GPU test,
+    /// `decode_graph_segments`, passed on two logical devices of an H100 on 2026-11-27;
+    /// `FLEET_SEGMENT_GRAPHS=0` in the environment keeps such a model op by op).
     pub fn decode_graph_supported(&self, block_size: usize) -> bool {
         static SEGMENTS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let segments =
-            *SEGMENTS.get_or_init(|| std::env::var("FLEET_SEGMENT_GRAPHS").is_ok_and(|v| v == "1"));
+        let segments = *SEGMENTS
+            .get_or_init(|| std::env::var("FLEET_SEGMENT_GRAPHS").map_or(true, |v| v != "0"));
         let cuda = self.input_device().is_cuda()
             && self.output_device().is_cuda()
             && self
