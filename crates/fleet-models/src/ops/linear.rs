@@ -22,8 +22,9 @@ pub const SKINNY_MAX_ROWS: usize = 64;
 /// - up to [`GEMV_MAX_ROWS`] rows in f16 or bf16 (a decode step) take [`gemv`], which reads
 ///   each weight once at close to the memory bandwidth (cuBLAS reached 57–86% on a 7B decode
 ///   step at batch 1, measured with ncu on an H100); up to [`SKINNY_MAX_ROWS`] take
-///   [`skinny_gemm`] with `FLEET_SKINNY_GEMM=1` (not yet run on a GPU: off by default; cuBLAS's
-///   kernels for 64 rows of the 0.5B read 1.0–1.6 TB/s of the H100's 3.35);
+///   [`skinny_gemm`] with `FLEET_SKINNY_GEMM=1` (correct on an H100, but 0.45–0.6x cuBLAS's
+///   speed at 32–64 rows there, so off by default: its split-k reduction and partials cost
+///   more than cuBLAS's kernels lose, which read 1.0–1.6 TB/s of the H100's 3.35);
 ///   `FLEET_DECODE_GEMV=0` turns both off;
 /// - the bias is added in place by one kernel after the product: candle's broadcast add is a
 ///   strided kernel that took 4x the GEMM itself on the vision tower's `[65536, 4304]`
@@ -83,8 +84,8 @@ fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
 
 /// Whether [`linear`] sends this product to [`skinny_gemm`]: more than [`GEMV_MAX_ROWS`] and at
 /// most [`SKINNY_MAX_ROWS`] rows, `k` a multiple of 32 and `n` of 16 ([`decode_kernel_takes`]),
-/// and `FLEET_SKINNY_GEMM=1` in the environment: off by default until its GPU test
-/// (`skinny_gemm_kernel_agrees_with_its_twin`) has passed on a GPU.
+/// and `FLEET_SKINNY_GEMM=1` in the environment: off by default, slower than cuBLAS (its GPU
+/// test passes; docs/benchmarks.md has the speeds).
 fn skinny_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
     skinny_gemm_enabled()
         && (GEMV_MAX_ROWS + 1..=SKINNY_MAX_ROWS).contains(&rows)
