@@ -510,6 +510,11 @@ fn the_plan_shows_zero_stage_1_saving_per_rank() {
             .output()
             .unwrap();
         let (stdout, _) = ok(&out);
+        assert_eq!(
+            stdout.contains("zero_stage = 1: this process of 2 keeps about 1/2 of the AdamW moments and of the f32 masters"),
+            zero == "1",
+            "{stdout}"
+        );
         let row = stdout
             .lines()
             .find(|l| l.trim_start().starts_with("policy ") && l.contains(" B "))

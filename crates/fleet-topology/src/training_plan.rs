@@ -239,6 +239,22 @@ impl fmt::Display for TrainingPlan {
             w.num_generations,
             w.prompts_per_step,
         )?;
+        if w.optimizer_shards > 1 {
+            writeln!(
+                f,
+                "zero_stage = 1: this process of {} keeps about 1/{} of the AdamW moments{}",
+                w.optimizer_shards,
+                w.optimizer_shards,
+                if w.master_dtype != w.compute_dtype && w.trainable_fraction >= 1.0 {
+                    format!(
+                        " and of the {} masters (the rest in {})",
+                        w.master_dtype, w.compute_dtype
+                    )
+                } else {
+                    String::new()
+                }
+            )?;
+        }
         writeln!(f, "policy:    {}", map_text(&self.policy))?;
         match &self.reference {
             Some(m) => writeln!(f, "reference: {}", map_text(m))?,
