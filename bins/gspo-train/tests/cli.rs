@@ -828,7 +828,8 @@ print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in tags})
 }
 
 /// Issue 28, item 4: LoRA through gspo-train: the adapters train (PEFT's files in each
-/// checkpoint, the base untouched), a killed run resumes to the same adapters, the merged model
+/// checkpoint, the base untouched), with TRL's dropout on the adapters' input a killed run
+/// resumes to the same adapters (the masks are keyed by step and micro-batch), the merged model
 /// is written in Hugging Face layout and fleet loads it, and a target naming no module is
 /// refused before training with the model's module names.
 #[test]
@@ -843,6 +844,8 @@ fn lora_trains_adapters_resumes_and_exports_the_merged_model() {
         "lora_alpha=8",
         "--set",
         "lora_target_modules=q_proj,v_proj,down_proj",
+        "--set",
+        "lora_dropout=0.1",
         "--set",
         "save_steps=4",
         "--set",

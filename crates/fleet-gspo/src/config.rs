@@ -428,8 +428,9 @@ pub struct GspoConfig {
     pub lora_r: usize,
     /// The adapters' alpha (TRL's `lora_alpha`). Default 32.
     pub lora_alpha: f64,
-    /// Dropout on the adapters' input (TRL's `lora_dropout`): only 0 is supported (fleet merges
-    /// the adapters into the weights; TRL's default is 0.05). Default 0.
+    /// Dropout on the adapters' input (TRL's `lora_dropout`; TRL's default is 0.05) in the
+    /// training passes, with a mask per optimizer step and micro-batch (a resume draws the
+    /// same); the log-prob passes and the rollouts run without (PEFT's eval mode). Default 0.
     pub lora_dropout: f64,
     /// The modules adapted (TRL's `lora_target_modules`): some of q_proj, k_proj, v_proj,
     /// o_proj, gate_proj, up_proj, down_proj, or `all-linear`. Default q_proj and v_proj

@@ -1100,7 +1100,14 @@ impl Trainer {
         // The configured accumulation (a split micro-batch's parts add up to one of its steps).
         let gas = (cfg.gradient_accumulation_steps / split).max(1) as f64;
         let mut metrics = None;
-        let (lp, loss) = self.policy.forward_backward(
+        // LoRA's dropout masks: one key per optimizer step and micro-batch (its first row),
+        // so a resumed run draws the same; cleared after, for the log-prob passes.
+        if cfg.use_peft && cfg.lora_dropout > 0.0 {
+            let first = rows.first().copied().unwrap_or(0) as u64;
+            let key = sampling_seed(cfg.seed ^ LORA_DROPOUT_SALT, self.state.step, first);
+            self.policy.set_dropout_key(Some(key));
+        }
+        let passed = self.policy.forward_backward(
             &batch,
             cfg.temperature,
             &mut |logp| {
@@ -1127,7 +1134,9 @@ impl Trainer {
                 Ok(((loss / gas)?, value))
             },
             grads,
-        )?;
+        );
+        self.policy.set_dropout_key(None);
+        let (lp, loss) = passed?;
         let mut metrics = metrics.unwrap_or_default();
         metrics.entropy_sum = Some(
             masked_sum(&lp.entropy, &mask)
@@ -1163,6 +1172,9 @@ impl Stage {
         Ok(())
     }
 }
+
+/// Mixed into the run seed for LoRA's dropout keys (apart from the sampling seeds).
+const LORA_DROPOUT_SALT: u64 = 0x6c6f_7261_5f64_726f;
 
 /// Blocks of this many tokens in the rollout engine's KV cache.
 const ROLLOUT_BLOCK_SIZE: usize = 16;

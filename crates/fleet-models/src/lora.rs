@@ -7,9 +7,9 @@
 //! `base_model.model.<module path>.lora_A.weight` and `.lora_B.weight`; `scaling` is
 //! `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`). New adapters start as PEFT's:
 //! `A` Kaiming-uniform with `a = sqrt(5)` (uniform in `±1/sqrt(in)`), `B` zero, so the model
-//! starts as the base. The delta is merged into the weight the layer reads (one `[out, in]`
-//! product per module and pass), which is PEFT's `x·Wᵀ + scaling·(x·Aᵀ)·Bᵀ` up to rounding when
-//! no dropout applies; `lora_dropout > 0` is refused until the unmerged path exists.
+//! starts as the base. Training runs PEFT's unmerged forward, `x·Wᵀ + scaling·(dropout(x)·Aᵀ)·Bᵀ`
+//! (no product of the frozen weight's size is made or differentiated); the rollouts' copy and
+//! the merged export read `W + scaling·B·A`.
 
 use std::path::Path;
 
@@ -182,10 +182,9 @@ impl LoraConfig {
         if !self.lora_alpha.is_finite() {
             return Err(format!("lora_alpha = {}: a finite number", self.lora_alpha));
         }
-        if self.lora_dropout != 0.0 {
+        if !(0.0..1.0).contains(&self.lora_dropout) {
             return Err(format!(
-                "lora_dropout = {}: fleet merges the adapter into the weight, which needs no \
-                 dropout on its input; set lora_dropout = 0",
+                "lora_dropout = {}: a probability, 0 <= lora_dropout < 1",
                 self.lora_dropout
             ));
         }
@@ -309,7 +308,12 @@ mod tests {
         assert!(e.contains("\"qkv\"") && e.contains("q_proj, k_proj"), "{e}");
         let mut drop = c;
         drop.lora_dropout = 0.05;
-        assert!(drop.validate().unwrap_err().contains("lora_dropout = 0"));
+        drop.validate().unwrap();
+        drop.lora_dropout = 1.0;
+        assert!(drop
+            .validate()
+            .unwrap_err()
+            .contains("0 <= lora_dropout < 1"));
     }
 
     #[test]

@@ -80,9 +80,78 @@ fn fused(parts: Vec<(Tensor, Option<Tensor>)>) -> Result<Linear> {
     Ok(Linear::new(weight, bias))
 }
 
+/// A LoRA adapter beside a frozen projection, PEFT's unmerged forward: the projection's output
+/// columns `cols` gain `scale · (dropout(x) · Aᵀ) · Bᵀ`, computed in the adapter's dtype and
+/// added in the output's (PEFT casts the input to the adapter's dtype and the sum back).
+/// Training builds its blocks with these ([`crate::qwen::train`]); inference merges them.
+#[derive(Clone)]
+pub(crate) struct Adapter {
+    /// `A`, `[r, in]`.
+    pub(crate) a: Tensor,
+    /// `B`, `[cols.len(), r]`.
+    pub(crate) b: Tensor,
+    /// `lora_alpha / r` (or rsLoRA's), times what the layer folds into this projection.
+    pub(crate) scale: f64,
+    /// The output columns it adds to (a part of a fused projection).
+    pub(crate) cols: std::ops::Range<usize>,
+    /// `(p, key)`: dropout on the adapter's input with probability `p`, its mask drawn from
+    /// `key` ([`crate::ops::dropout_mask`]: the same mask whenever the block is rebuilt with
+    /// the same key, as the backward's recompute is).
+    pub(crate) dropout: Option<(f64, u64)>,
+}
+
+/// The adapters of one (possibly fused) projection, in column order; none for a plain layer.
+#[derive(Clone, Default)]
+pub(crate) struct Adapters(Vec<Adapter>);
+
+impl Adapters {
+    /// `y` (the projection of `x`) with every adapter's term added.
+    fn apply(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        if self.0.is_empty() {
+            return Ok(y);
+        }
+        let width = y.dim(candle_core::D::Minus1)?;
+        let lead = &y.dims()[..y.rank() - 1];
+        let zeros = |n: usize, like: &Tensor| -> Result<Tensor> {
+            let mut dims = lead.to_vec();
+            dims.push(n);
+            Ok(Tensor::zeros(dims, like.dtype(), like.device())?)
+        };
+        let mut parts = Vec::with_capacity(2 * self.0.len() + 1);
+        let mut at = 0;
+        for ad in &self.0 {
+            if ad.cols.start > at {
+                parts.push(zeros(ad.cols.start - at, &y)?);
+            }
+            let mut xin = x.to_dtype(ad.a.dtype())?;
+            if let Some((p, key)) = ad.dropout {
+                xin = (xin * ops::dropout_mask(x.shape(), p, key, ad.a.dtype(), x.device())?)?;
+            }
+            let rows = xin.elem_count() / xin.dim(candle_core::D::Minus1)?;
+            let flat = xin.reshape((rows, ()))?;
+            let delta = flat
+                .matmul(&ad.a.t()?)?
+                .matmul(&ad.b.t()?)?
+                .affine(ad.scale, 0.0)?;
+            let mut dims = lead.to_vec();
+            dims.push(ad.cols.len());
+            parts.push(delta.reshape(dims)?.to_dtype(y.dtype())?);
+            at = ad.cols.end;
+        }
+        if at < width {
+            parts.push(zeros(width - at, &y)?);
+        }
+        Ok((y + Tensor::cat(&parts, candle_core::D::Minus1)?)?)
+    }
+}
+
 struct Attention {
     /// The q, k and v projections as one matrix, without bias.
     qkv: Linear,
+    /// LoRA adapters of q_proj, k_proj, v_proj (training only).
+    qkv_lora: Adapters,
+    /// LoRA adapters of o_proj (training only).
+    o_lora: Adapters,
     /// Their bias (zeros when the checkpoint has none), added by the kernel that splits them.
     qkv_bias: Tensor,
     o_proj: Linear,
@@ -96,6 +165,10 @@ struct Attention {
 struct Mlp {
     gate_up: Linear,
     down: Linear,
+    /// LoRA adapters of gate_proj, up_proj (training only).
+    gate_up_lora: Adapters,
+    /// LoRA adapters of down_proj (training only).
+    down_lora: Adapters,
 }
 
 /// The feed-forward part of a layer: a dense SwiGLU MLP or a sparse mixture of experts.
@@ -303,7 +376,9 @@ impl Attention {
         let q_len = x.dim(1)?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let dev = x.device();
-        let qkv = profile::time(dev, "attn.qkv_proj", || ops::linear(&self.qkv, x))?;
+        let qkv = profile::time(dev, "attn.qkv_proj", || {
+            self.qkv_lora.apply(x, ops::linear(&self.qkv, x)?)
+        })?;
         let (q, k, v) = profile::time(dev, "attn.rope", || match (&self.q_norm, &self.k_norm) {
             // Qwen3 normalises each head before RoPE: bias, split, transpose, norms and rotate
             // in one kernel.
@@ -322,7 +397,9 @@ impl Attention {
         })?;
         if let Some(paged) = &inputs.paged {
             let out = self.paged_attention(&q, &k, &v, paged, pad, cache)?;
-            return profile::time(dev, "attn.o_proj", || ops::linear(&self.o_proj, &out));
+            return profile::time(dev, "attn.o_proj", || {
+                self.o_lora.apply(&out, ops::linear(&self.o_proj, &out)?)
+            });
         }
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
 
@@ -339,7 +416,9 @@ impl Attention {
         let out = profile::time(dev, "attn.core", || {
             causal_attention(&q, &k, &v, pad, fused)
         })?;
-        profile::time(dev, "attn.o_proj", || ops::linear(&self.o_proj, &out))
+        profile::time(dev, "attn.o_proj", || {
+            self.o_lora.apply(&out, ops::linear(&self.o_proj, &out)?)
+        })
     }
 }
 
@@ -427,9 +506,13 @@ impl Attention {
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dev = x.device();
-        let gu = profile::time(dev, "mlp.gate_up", || ops::linear(&self.gate_up, x))?;
+        let gu = profile::time(dev, "mlp.gate_up", || {
+            self.gate_up_lora.apply(x, ops::linear(&self.gate_up, x)?)
+        })?;
         let act = profile::time(dev, "mlp.act", || ops::swiglu(&gu))?;
-        profile::time(dev, "mlp.down", || ops::linear(&self.down, &act))
+        profile::time(dev, "mlp.down", || {
+            self.down_lora.apply(&act, ops::linear(&self.down, &act)?)
+        })
     }
 }
 
@@ -500,6 +583,8 @@ impl DecoderLayer {
             Ffn::Dense(Mlp {
                 gate_up: fused(vec![gate, up])?,
                 down: Linear::new(dw, None),
+                gate_up_lora: Adapters::default(),
+                down_lora: Adapters::default(),
             })
         };
         let qkv = fused(vec![q, k, v])?;
@@ -516,6 +601,8 @@ impl DecoderLayer {
                     )?,
                 },
                 o_proj: Linear::new(ow, ob),
+                qkv_lora: Adapters::default(),
+                o_lora: Adapters::default(),
                 q_norm,
                 k_norm,
                 num_heads: h,
@@ -531,6 +618,67 @@ impl DecoderLayer {
             mlp,
             location,
         })
+    }
+
+    /// Puts a LoRA adapter (`a` `[r, in]`, `b` `[out, r]`, `scale`) beside `module` (PEFT's
+    /// name: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), on its columns
+    /// of the fused projection. Qwen2 folds the attention scale into q_proj, so a q adapter
+    /// takes it too (as merging the adapter before the fold would).
+    pub(crate) fn attach_adapter(
+        &mut self,
+        module: &str,
+        a: Tensor,
+        b: Tensor,
+        scale: f64,
+        dropout: Option<(f64, u64)>,
+    ) -> Result<()> {
+        let at = &mut self.attn;
+        let (q, kv) = (at.num_heads * at.head_dim, at.num_kv_heads * at.head_dim);
+        let folded = if at.q_norm.is_none() {
+            1.0 / (at.head_dim as f64).sqrt()
+        } else {
+            1.0
+        };
+        let (list, cols, scale) = match (module, &mut self.mlp) {
+            ("q_proj", _) => (&mut at.qkv_lora, 0..q, scale * folded),
+            ("k_proj", _) => (&mut at.qkv_lora, q..q + kv, scale),
+            ("v_proj", _) => (&mut at.qkv_lora, q + kv..q + 2 * kv, scale),
+            ("o_proj", _) => (&mut at.o_lora, 0..at.o_proj.weight().dim(0)?, scale),
+            ("gate_proj" | "up_proj", Ffn::Dense(m)) => {
+                let im = m.gate_up.weight().dim(0)? / 2;
+                let cols = if module == "gate_proj" {
+                    0..im
+                } else {
+                    im..2 * im
+                };
+                (&mut m.gate_up_lora, cols, scale)
+            }
+            ("down_proj", Ffn::Dense(m)) => (&mut m.down_lora, 0..m.down.weight().dim(0)?, scale),
+            _ => {
+                return Err(ModelError::BadInput(format!(
+                    "no LoRA adapter can sit on `{module}` of this layer (a mixture of experts \
+                     takes none; the dense modules are q_proj, k_proj, v_proj, o_proj, \
+                     gate_proj, up_proj, down_proj)"
+                )))
+            }
+        };
+        if b.dim(0)? != cols.len() || a.dim(0)? != b.dim(1)? {
+            return Err(ModelError::BadInput(format!(
+                "adapter of {module}: A {:?} and B {:?} for {} output columns",
+                a.dims(),
+                b.dims(),
+                cols.len()
+            )));
+        }
+        list.0.push(Adapter {
+            a,
+            b,
+            scale,
+            cols,
+            dropout,
+        });
+        list.0.sort_by_key(|ad| ad.cols.start);
+        Ok(())
     }
 
     /// The residual stream arrives as `x + pending` (the previous layer's MLP output is added

@@ -341,3 +341,58 @@ fn lora_adapter_gradients_match_peft() {
         .to_string();
     assert!(twice.contains("already carries LoRA adapters"), "{twice}");
 }
+
+/// LoRA dropout (PEFT's on the adapters' input): the backward's recompute of each block draws
+/// the masks its forward drew (the same gradients with gradient checkpointing as without, where
+/// each block runs once), a key always gives the same gradients and another key others, and
+/// without a key (the log-prob passes) nothing is dropped.
+#[test]
+fn lora_dropout_masks_are_drawn_again_by_the_recompute() {
+    use fleet_models::lora::LoraConfig;
+    let dir = fixtures().join("qwen2-tiny-lora");
+    let mut config = LoraConfig::from_dir(&dir).unwrap();
+    config.lora_dropout = 0.3;
+    let adapters = Weights::from_safetensors(&[dir.join("adapter_model.safetensors")]).unwrap();
+    let model = |checkpointing: bool| {
+        let mut m = load("qwen2-tiny", None)
+            .with_lora(config.clone(), Some(&adapters), 0)
+            .unwrap();
+        m.gradient_checkpointing = checkpointing;
+        m
+    };
+    let g = golden("qwen2-tiny");
+    let grads_of = |m: &TrainableQwen, key: Option<u64>| -> (f32, Vec<Tensor>) {
+        m.set_dropout_key(key);
+        let mut grads = ParamGrads::new();
+        let (_, loss) = backward_into(m, &g, &mut grads);
+        m.set_dropout_key(None);
+        (loss, grads.iter().map(|t| cpu(t.unwrap())).collect())
+    };
+    let (on, off) = (model(true), model(false));
+    let (loss, a) = grads_of(&on, Some(11));
+    let (loss_once, b) = grads_of(&off, Some(11));
+    assert_eq!(loss, loss_once);
+    for (x, y) in a.iter().zip(&b) {
+        assert!(
+            rel_err(x, y) < 1e-6,
+            "recompute against one pass: {}",
+            rel_err(x, y)
+        );
+    }
+    let (again, c) = grads_of(&on, Some(11));
+    assert_eq!(loss, again);
+    assert!(a.iter().zip(&c).all(|(x, y)| rel_err(x, y) == 0.0));
+    let (other, d) = grads_of(&on, Some(12));
+    assert_ne!(loss, other);
+    assert!(a.iter().zip(&d).any(|(x, y)| rel_err(x, y) > 1e-3));
+    // No key: PEFT's adapters with dropout off, exactly the model without dropout.
+    let mut plain_config = config.clone();
+    plain_config.lora_dropout = 0.0;
+    let plain = load("qwen2-tiny", None)
+        .with_lora(plain_config, Some(&adapters), 0)
+        .unwrap();
+    let (no_key, e) = grads_of(&on, None);
+    let (no_dropout, f) = grads_of(&plain, None);
+    assert_eq!(no_key, no_dropout);
+    assert!(e.iter().zip(&f).all(|(x, y)| rel_err(x, y) == 0.0));
+}

@@ -295,6 +295,7 @@ mod cuda_util {
 }
 
 mod adamw;
+mod dropout;
 mod gpu_delay;
 mod linear;
 mod logp;
@@ -307,6 +308,7 @@ mod sample;
 mod swiglu;
 
 pub use adamw::{adamw_step_, AdamWStep};
+pub use dropout::dropout_mask;
 pub use gpu_delay::gpu_delay;
 pub use linear::{gemv, linear, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS};
 pub use logp::{logp_entropy, logp_grad};

@@ -322,6 +322,9 @@ pub struct TrainableQwen {
     frozen: HashMap<String, Tensor>,
     /// With LoRA: the adapters' config and targets.
     lora: Option<LoraState>,
+    /// With LoRA and `lora_dropout > 0`: the key of the dropout masks of the training pass
+    /// under way ([`TrainableQwen::set_dropout_key`]); none: no dropout (log-prob passes).
+    dropout_key: std::cell::Cell<Option<u64>>,
 }
 
 /// A model's LoRA adapters: the config, the scale, and per adapted weight its name and the
@@ -448,6 +451,7 @@ impl TrainableQwen {
             gradient_slice_elements: ACCUMULATE_SLICE_ELEMENTS,
             frozen: HashMap::new(),
             lora: None,
+            dropout_key: std::cell::Cell::new(None),
         };
         model.check_blocks()?;
         Ok(model)
@@ -592,7 +596,16 @@ impl TrainableQwen {
             gradient_slice_elements: self.gradient_slice_elements,
             frozen: self.frozen.clone(),
             lora: None,
+            dropout_key: std::cell::Cell::new(None),
         })
+    }
+
+    /// With LoRA and `lora_dropout > 0`: the training passes that follow drop the adapters'
+    /// inputs with masks drawn from `key` (one per optimizer step and micro-batch, so that a
+    /// resumed run draws the same), until `None` (PEFT's eval mode: the log-prob passes, the
+    /// rollouts). The backward's recompute of a block draws its forward's masks again.
+    pub fn set_dropout_key(&self, key: Option<u64>) {
+        self.dropout_key.set(key);
     }
 
     /// The number of trained elements (the adapters' with LoRA).
@@ -756,7 +769,7 @@ impl TrainableQwen {
         let w = self.weights(false);
         let embed = self.embedding(&w)?;
         let layers = (0..self.cfg.num_hidden_layers)
-            .map(|i| self.block(&w, i))
+            .map(|i| self.merged_block(&w, i))
             .collect::<Result<Vec<_>>>()?;
         let head = load_head(&self.cfg, &self.loader(&w, self.map.head), || {
             Ok(embed.embeddings().clone())
@@ -802,7 +815,41 @@ impl TrainableQwen {
         load_embedding(&self.cfg, &self.loader(w, self.map.embed))
     }
 
+    /// Block `i` of `w` as the training passes run it: with LoRA, the frozen base and each
+    /// adapter beside its projection (PEFT's unmerged forward, dropout on the adapters' input
+    /// while a key is set: [`TrainableQwen::set_dropout_key`]). No product of the frozen
+    /// weight's size is made or differentiated.
     fn block(&self, w: &Weights, i: usize) -> Result<DecoderLayer> {
+        let loc = self.map.layers[i];
+        let mut layer = DecoderLayer::load(&self.cfg, &self.loader(w, loc), i, loc)?;
+        if let (Some(l), Weights::Tensors(map)) = (&self.lora, w) {
+            let get = |name: &str| {
+                map.get(name)
+                    .ok_or_else(|| ModelError::BadInput(format!("no tensor {name}")))
+            };
+            let p = l.config.lora_dropout;
+            for (m, t) in l.targets.iter().enumerate().filter(|(_, t)| t.layer == i) {
+                let path = t.weight.strip_suffix(".weight").unwrap_or(&t.weight);
+                let module = path.rsplit('.').next().unwrap_or_default();
+                let dropout = match self.dropout_key.get() {
+                    Some(key) if p > 0.0 => Some((p, mix_key(key, m as u64))),
+                    _ => None,
+                };
+                layer.attach_adapter(
+                    module,
+                    get(&self.params[t.a].name)?.clone(),
+                    get(&self.params[t.b].name)?.clone(),
+                    l.scaling,
+                    dropout,
+                )?;
+            }
+        }
+        Ok(layer)
+    }
+
+    /// Block `i` of `w` with its adapters merged into the weights (`W + scaling·B·A`): the
+    /// rollouts' inference copy, whose decode kernels read one matrix per projection.
+    fn merged_block(&self, w: &Weights, i: usize) -> Result<DecoderLayer> {
         let loc = self.map.layers[i];
         if let (Some(l), Weights::Tensors(map)) = (&self.lora, w) {
             // The layer's weights with its adapters merged (tracked when `w` is: the gradients
@@ -1349,6 +1396,14 @@ impl TrainableQwen {
         }
         Ok(())
     }
+}
+
+/// `key` mixed with `salt` (SplitMix64's finaliser): one dropout key per adapter of a pass.
+fn mix_key(key: u64, salt: u64) -> u64 {
+    let mut z = key ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// Uniform numbers in [0, 1) from SplitMix64 seeded with `seed`: the adapters' starting `A`,
