@@ -35,8 +35,9 @@ pub fn dropout_mask(
     Ok((uniform.ge(p)?.to_dtype(DType::F32)? * keep)?.to_dtype(dtype)?)
 }
 
-/// SplitMix64's output for state `z`.
-fn splitmix(z: u64) -> u64 {
+/// SplitMix64's output for state `z` (its finaliser of `z` plus the golden-ratio step): the
+/// crate's one counter-based hash (dropout draws, LoRA's starting `A`, dropout keys).
+pub(crate) fn splitmix(z: u64) -> u64 {
     let mut z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

@@ -309,6 +309,7 @@ mod swiglu;
 
 pub use adamw::{adamw_step_, AdamWStep};
 pub use dropout::dropout_mask;
+pub(crate) use dropout::splitmix;
 pub use gpu_delay::gpu_delay;
 pub use linear::{gemv, linear, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS};
 pub use logp::{logp_entropy, logp_grad};

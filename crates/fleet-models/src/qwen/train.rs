@@ -1400,10 +1400,7 @@ impl TrainableQwen {
 
 /// `key` mixed with `salt` (SplitMix64's finaliser): one dropout key per adapter of a pass.
 fn mix_key(key: u64, salt: u64) -> u64 {
-    let mut z = key ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    crate::ops::splitmix(key ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
 /// Uniform numbers in [0, 1) from SplitMix64 seeded with `seed`: the adapters' starting `A`,
@@ -1411,11 +1408,8 @@ fn mix_key(key: u64, salt: u64) -> u64 {
 fn splitmix_uniform(seed: u64) -> impl FnMut() -> f64 {
     let mut state = seed;
     move || {
+        let z = crate::ops::splitmix(state);
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
