@@ -334,16 +334,30 @@ impl RewardFunction for CommandReward {
     fn score_many(&self, items: &[Completion<'_>]) -> Vec<Result<Option<f64>, RewardError>> {
         let body = request_body(items).to_string();
         let mut slot = self.process.lock().unwrap_or_else(|e| e.into_inner());
-        let reply = self.attempt(&mut slot, &body).or_else(|first| {
-            tracing::warn!(
-                "reward function {} {first}; starting it again and sending the batch once more",
-                self.name
-            );
-            self.attempt(&mut slot, &body)
-                .map_err(|second| format!("{second} (and the first time: {first})"))
-        });
+        let reply = twice(
+            || self.attempt(&mut slot, &body),
+            |first| {
+                tracing::warn!(
+                    "reward function {} {first}; starting it again and sending the batch once \
+                     more",
+                    self.name
+                )
+            },
+        );
         outcomes(reply, items.len(), |m| self.error(m))
     }
+}
+
+/// `attempt`, and once more when it fails (`again` hears the first failure): a failed second
+/// try's message quotes the first.
+fn twice(
+    mut attempt: impl FnMut() -> Result<Value, String>,
+    again: impl FnOnce(&str),
+) -> Result<Value, String> {
+    attempt().or_else(|first| {
+        again(&first);
+        attempt().map_err(|second| format!("{second} (and the first time: {first})"))
+    })
 }
 
 /// One outcome per completion from a reply, or the batch's failure for every completion.
@@ -418,11 +432,10 @@ impl RewardFunction for HttpReward {
 
     fn score_many(&self, items: &[Completion<'_>]) -> Vec<Result<Option<f64>, RewardError>> {
         let body = request_body(items);
-        let reply = self.post(&body).or_else(|first| {
-            tracing::warn!("reward endpoint {} {first}; asking once more", self.url);
-            self.post(&body)
-                .map_err(|second| format!("{second} (and the first time: {first})"))
-        });
+        let reply = twice(
+            || self.post(&body),
+            |first| tracing::warn!("reward endpoint {} {first}; asking once more", self.url),
+        );
         outcomes(reply, items.len(), |message| RewardError::External {
             function: self.name.clone(),
             source_desc: self.url.clone(),

@@ -84,25 +84,24 @@ fn fused(parts: Vec<(Tensor, Option<Tensor>)>) -> Result<Linear> {
 /// columns `cols` gain `scale · (dropout(x) · Aᵀ) · Bᵀ`, computed in the adapter's dtype and
 /// added in the output's (PEFT casts the input to the adapter's dtype and the sum back).
 /// Training builds its blocks with these ([`crate::qwen::train`]); inference merges them.
-#[derive(Clone)]
-pub(crate) struct Adapter {
+struct Adapter {
     /// `A`, `[r, in]`.
-    pub(crate) a: Tensor,
+    a: Tensor,
     /// `B`, `[cols.len(), r]`.
-    pub(crate) b: Tensor,
+    b: Tensor,
     /// `lora_alpha / r` (or rsLoRA's), times what the layer folds into this projection.
-    pub(crate) scale: f64,
+    scale: f64,
     /// The output columns it adds to (a part of a fused projection).
-    pub(crate) cols: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
     /// `(p, key)`: dropout on the adapter's input with probability `p`, its mask drawn from
     /// `key` ([`crate::ops::dropout_mask`]: the same mask whenever the block is rebuilt with
     /// the same key, as the backward's recompute is).
-    pub(crate) dropout: Option<(f64, u64)>,
+    dropout: Option<(f64, u64)>,
 }
 
 /// The adapters of one (possibly fused) projection, in column order; none for a plain layer.
-#[derive(Clone, Default)]
-pub(crate) struct Adapters(Vec<Adapter>);
+#[derive(Default)]
+struct Adapters(Vec<Adapter>);
 
 impl Adapters {
     /// `y` (the projection of `x`) with every adapter's term added.
@@ -117,19 +116,23 @@ impl Adapters {
             dims.push(n);
             Ok(Tensor::zeros(dims, like.dtype(), like.device())?)
         };
+        // The input as rows, in the adapters' dtype (one for a model's adapters), once.
+        let dtype = self.0[0].a.dtype();
+        let rows = x.elem_count() / x.dim(candle_core::D::Minus1)?;
+        let flat = x.to_dtype(dtype)?.reshape((rows, ()))?;
         let mut parts = Vec::with_capacity(2 * self.0.len() + 1);
         let mut at = 0;
         for ad in &self.0 {
             if ad.cols.start > at {
                 parts.push(zeros(ad.cols.start - at, &y)?);
             }
-            let mut xin = x.to_dtype(ad.a.dtype())?;
-            if let Some((p, key)) = ad.dropout {
-                xin = (xin * ops::dropout_mask(x.shape(), p, key, ad.a.dtype(), x.device())?)?;
-            }
-            let rows = xin.elem_count() / xin.dim(candle_core::D::Minus1)?;
-            let flat = xin.reshape((rows, ()))?;
-            let delta = flat
+            let xin = match ad.dropout {
+                Some((p, key)) => {
+                    (&flat * ops::dropout_mask(flat.shape(), p, key, dtype, x.device())?)?
+                }
+                None => flat.clone(),
+            };
+            let delta = xin
                 .matmul(&ad.a.t()?)?
                 .matmul(&ad.b.t()?)?
                 .affine(ad.scale, 0.0)?;

@@ -254,6 +254,10 @@ impl candle_core::CustomOp2 for FewRows {
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.dims(l1, l2)?;
+        // Both kernels read rows 16 bytes at a time (8 half-precision values).
+        if !(l1.start_offset().is_multiple_of(8) && l2.start_offset().is_multiple_of(8)) {
+            candle_core::bail!("{}: the inputs' rows must start on 16 bytes", self.name());
+        }
         let y = match self {
             FewRows::Gemv => cuda::gemv(s1, l1, s2, l2, dims)?,
             FewRows::Skinny => cuda::skinny_gemm(s1, l1, s2, l2, dims)?,
@@ -375,9 +379,6 @@ mod cuda {
             if !(1..=super::GEMV_MAX_ROWS).contains(&m) {
                 candle_core::bail!("gemv: {m} rows (1 to {})", super::GEMV_MAX_ROWS);
             }
-            if !(l1.start_offset().is_multiple_of(8) && l2.start_offset().is_multiple_of(8)) {
-                candle_core::bail!("gemv: the inputs' rows must start on 16 bytes");
-            }
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
             let func = dev.get_or_load_custom_func(
                 &format!("gemv_{}_m{m}", suffix(s1.dtype())?),
@@ -470,9 +471,6 @@ mod cuda {
             (m, n, k): (usize, usize, usize),
         ) -> candle_core::Result<CudaStorage> {
             let dev = s1.device().clone();
-            if !(l1.start_offset().is_multiple_of(8) && l2.start_offset().is_multiple_of(8)) {
-                candle_core::bail!("skinny_gemm: the inputs' rows must start on 16 bytes");
-            }
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
             // x's rows in tiles of 8: 1, 2, 4 or 8 tiles (a kernel each).
             let tiles = m.div_ceil(8).next_power_of_two();

@@ -649,15 +649,13 @@ impl TrainableQwen {
                 out.insert(t.weight.clone(), merged);
             }
         }
-        let adapter = |name: &str| {
-            self.lora.as_ref().is_some_and(|l| {
-                l.targets
-                    .iter()
-                    .any(|t| self.params[t.a].name == name || self.params[t.b].name == name)
-            })
+        // With LoRA the parameters are the adapters: merged above, not written themselves.
+        let adapters: std::collections::HashSet<&str> = match &self.lora {
+            Some(_) => self.params.iter().map(|p| p.name.as_str()).collect(),
+            None => Default::default(),
         };
         for (name, t) in &map {
-            if !out.contains_key(name) && !adapter(name) {
+            if !out.contains_key(name) && !adapters.contains(name.as_str()) {
                 out.insert(name.clone(), t.to_device(&Device::Cpu)?);
             }
         }
@@ -720,7 +718,7 @@ impl TrainableQwen {
     /// forward reads a parameter in the compute dtype either way, and the gradient sums stay
     /// in the master dtype, so training is unchanged bit for bit. Returns how many parameters
     /// were narrowed: none when the masters are already in the compute dtype, and none with
-    /// LoRA (the adapters are merged in their master dtype, and are small).
+    /// LoRA (the adapters compute in their master dtype, and are small).
     pub fn shard_masters(&mut self, owned: &[bool]) -> Result<usize> {
         if owned.len() != self.params.len() {
             return Err(ModelError::BadInput(format!(
@@ -852,8 +850,7 @@ impl TrainableQwen {
     fn merged_block(&self, w: &Weights, i: usize) -> Result<DecoderLayer> {
         let loc = self.map.layers[i];
         if let (Some(l), Weights::Tensors(map)) = (&self.lora, w) {
-            // The layer's weights with its adapters merged (tracked when `w` is: the gradients
-            // reach A and B through the product).
+            // The layer's weights with its adapters merged.
             let mut merged = HashMap::new();
             for t in l.targets.iter().filter(|t| t.layer == i) {
                 merged.insert(t.weight.clone(), self.merge(map, t)?);
