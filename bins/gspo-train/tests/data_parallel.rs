@@ -88,15 +88,23 @@ fn assert_same_curve(a: &[serde_json::Value], b: &[serde_json::Value], what: &st
 
 /// Weights of two checkpoints within `tol`.
 fn assert_same_weights(a: &Path, b: &Path, tol: f32) {
-    let load = |p: &Path| {
-        candle_core::safetensors::load(p.join("model.safetensors"), &candle_core::Device::Cpu)
-            .unwrap()
-    };
-    let (wa, wb) = (load(a), load(b));
-    assert_eq!(wa.len(), wb.len());
-    for (name, x) in &wa {
-        let y = &wb[name];
-        let d = (x - y)
+    assert_same_tensors(
+        &a.join("model.safetensors"),
+        &b.join("model.safetensors"),
+        tol as f64,
+    );
+}
+
+/// Every tensor of two safetensors files, by name, of one shape and within `tol` (in f64).
+fn assert_same_tensors(a: &Path, b: &Path, tol: f64) {
+    let load = |p: &Path| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
+    let (ta, tb) = (load(a), load(b));
+    assert_eq!(ta.len(), tb.len());
+    let f64_ = |t: &candle_core::Tensor| t.to_dtype(candle_core::DType::F64).unwrap();
+    for (name, x) in &ta {
+        let y = &tb[name];
+        assert_eq!(x.dims(), y.dims(), "{name}");
+        let d = (f64_(x) - f64_(y))
             .unwrap()
             .abs()
             .unwrap()
@@ -104,7 +112,7 @@ fn assert_same_weights(a: &Path, b: &Path, tol: f32) {
             .unwrap()
             .max(0)
             .unwrap()
-            .to_scalar::<f32>()
+            .to_scalar::<f64>()
             .unwrap();
         assert!(d <= tol, "{name}: max |diff| {d} > {tol}");
     }
@@ -256,31 +264,8 @@ fn zero_stage_1_gives_the_unsharded_weights_and_resumes_on_other_ranks() {
         .values()
         .all(|t| t.dtype() == candle_core::DType::F32));
     // The optimizer state is whole in the checkpoint, and the same as unsharded.
-    let moments = |p: &Path| {
-        candle_core::safetensors::load(
-            p.join("checkpoint-8/optimizer.safetensors"),
-            &candle_core::Device::Cpu,
-        )
-        .unwrap()
-    };
-    let (a, b) = (moments(&plain), moments(&zero));
-    assert_eq!(a.len(), b.len());
-    for (k, t) in &a {
-        let u = &b[k];
-        assert_eq!(t.dims(), u.dims(), "{k}");
-        let d = (t.to_dtype(candle_core::DType::F64).unwrap()
-            - u.to_dtype(candle_core::DType::F64).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-        assert_eq!(d, 0.0, "{k}");
-    }
+    let moments = |p: &Path| p.join("checkpoint-8/optimizer.safetensors");
+    assert_same_tensors(&moments(&plain), &moments(&zero), 0.0);
 
     // Three ranks (a batch three can share), sharded, from a two-rank sharded checkpoint at
     // step 4: the curve of one process.
