@@ -943,6 +943,100 @@ fn lora_trains_adapters_resumes_and_exports_the_merged_model() {
     );
 }
 
+/// Issue 28, item 4: PEFT's own loader takes the adapters gspo-train trained:
+/// `PeftModel.from_pretrained` on the base gives the logits of the merged export (loaded by
+/// transformers) and not the base's. Needs torch, transformers and peft
+/// (scripts/fixtures/fetch_peft.sh; FLEET_PEFT_PY, set by CI, makes a missing one a failure
+/// instead of a skip).
+#[test]
+fn peft_loads_the_trained_adapters() {
+    let python_path = match std::env::var("FLEET_PEFT_PY") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => repo().join("target/peft-py"),
+    };
+    if !python_path.join("peft").is_dir() {
+        assert!(
+            std::env::var("FLEET_PEFT_PY").is_err(),
+            "FLEET_PEFT_PY={} holds no peft package: run scripts/fixtures/fetch_peft.sh",
+            python_path.display()
+        );
+        eprintln!("SKIPPED: no peft package (scripts/fixtures/fetch_peft.sh)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    ok(&run(&[
+        "--output-dir",
+        out.to_str().unwrap(),
+        "--max-steps",
+        "4",
+        "--set",
+        "use_peft=true",
+        "--set",
+        "lora_r=4",
+        "--set",
+        "lora_alpha=8",
+        "--set",
+        "lora_target_modules=all-linear",
+        "--set",
+        "lora_dropout=0.1",
+        "--set",
+        "save_steps=4",
+        "--set",
+        "learning_rate=1e-2",
+    ]));
+    let script = r#"
+import json, sys
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base_dir, adapter_dir, merged_dir = sys.argv[1:4]
+ids = torch.tensor([[1, 5, 9, 14, 3, 7, 11, 2], [4, 8, 15, 0, 13, 12, 6, 10]])
+def logits(model):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+plain = logits(base)
+adapted = logits(PeftModel.from_pretrained(base, adapter_dir))
+merged = logits(AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32))
+print(json.dumps({
+    "scale": plain.abs().max().item(),
+    "adapted_vs_merged": (adapted - merged).abs().max().item(),
+    "adapted_vs_base": (adapted - plain).abs().max().item(),
+}))
+"#;
+    let read = Command::new("python3")
+        .args([
+            "-c",
+            script,
+            gspo_default_model().to_str().unwrap(),
+            out.join("checkpoint-4").to_str().unwrap(),
+            out.join("merged").to_str().unwrap(),
+        ])
+        .env("PYTHONPATH", &python_path)
+        .output()
+        .unwrap();
+    assert!(
+        read.status.success(),
+        "{}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&read.stdout);
+    let report: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap();
+    let scale = report["scale"].as_f64().unwrap();
+    let merged = report["adapted_vs_merged"].as_f64().unwrap();
+    let moved = report["adapted_vs_base"].as_f64().unwrap();
+    eprintln!("PEFT against the merged export: {report}");
+    // The merge rounds W + s·B·A once in f32.
+    assert!(merged <= 1e-5 * scale.max(1.0), "{report}");
+    assert!(
+        moved > 1e3 * merged.max(1e-7),
+        "the adapters change nothing: {report}"
+    );
+}
+
 /// Issue 10, item 9: end to end, the reward rises on the synthetic task. The bundled model
 /// starts at chance (one answer in thirteen); a trainer whose gradients do not reach the model,
 /// or whose advantages or loss are wrong, stays there.

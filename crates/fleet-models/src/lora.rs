@@ -248,6 +248,13 @@ pub fn write_adapter(
     let mut config = config.clone();
     config.base_model_name_or_path = Some(base.to_string());
     config.inference_mode = true;
+    // As PEFT writes them: its loader reads the patterns as dicts (`null` fails) and the saved
+    // targets are the modules `all-linear` matched.
+    config.rank_pattern.get_or_insert_with(Default::default);
+    config.alpha_pattern.get_or_insert_with(Default::default);
+    let mut modules = config.modules();
+    modules.sort();
+    config.target_modules = TargetModules::List(modules);
     let json = serde_json::to_string_pretty(&config)
         .map_err(|e| ModelError::BadInput(format!("adapter_config.json: {e}")))?;
     let tmp = dir.join(".adapter_config.json.tmp");
