@@ -2,7 +2,7 @@
 # Builds what scripts/gpu/run_paged_decode.sh carries, on this (CPU) machine: the CUDA test
 # binaries of fleet-models that generation relies on, stripped, in dist/carry/paged-tests.tar.xz
 # (the library's unit tests as `fleet_models`, and paged_generation, generation, parity,
-# qwen3_vl_parity, paged_attention, decode_graph_segments, ops_grad), then the four binaries
+# qwen3_vl_parity, paged_attention, decode_graph_segments, ops_grad, train_grads), then the four binaries
 # (scripts/cuda/build.sh) as dist/carry/<name>.xz. About 5 minutes on 2 cores, then xz.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -10,7 +10,7 @@ source scripts/cuda/env.sh
 json=$(mktemp)
 cargo test --release --no-run -p fleet-models --features fleet-models/cuda --lib \
   --test paged_generation --test generation --test parity --test qwen3_vl_parity \
-  --test paged_attention --test decode_graph_segments --test ops_grad \
+  --test paged_attention --test decode_graph_segments --test ops_grad --test train_grads \
   --message-format=json-render-diagnostics > "$json"
 stage=$(mktemp -d)
 python3 - "$json" "$stage" <<'PY'

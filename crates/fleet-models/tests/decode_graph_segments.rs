@@ -1,8 +1,9 @@
 //! Issue 26: a model over several devices decodes through one CUDA graph per device segment,
 //! the stream copied between them, and gives the tokens of its plain lock-step decode. The
-//! devices are two logical devices of one GPU (process-wide, so a test binary of its own);
-//! two placements cover every kind of segment: the embedding and the head sharing a layer's
-//! device, and each on a device of its own. On a machine without a GPU it prints SKIPPED.
+//! devices are the first two real GPUs where there are two, then two logical devices of one
+//! GPU (process-wide, so a test binary of its own, and the real GPUs first); two placements
+//! cover every kind of segment: the embedding and the head sharing a layer's device, and each
+//! on a device of its own. On a machine without a GPU it prints SKIPPED.
 
 use fleet_models::{DeviceLocation, DeviceMap, GenerationRequest, PagedOptions, SamplingParams};
 use fleet_topology::logical;
@@ -12,14 +13,30 @@ mod kernel_shaped;
 
 #[test]
 fn sharded_decode_graphs_give_the_lock_step_tokens() {
-    let gpus = fleet_topology::discover()
-        .map(|d| d.iter().any(|d| d.location.cuda_ordinal().is_some()))
-        .unwrap_or(false);
-    if !gpus || !candle_core::utils::cuda_is_available() {
+    let real = fleet_topology::discover()
+        .map(|d| {
+            d.iter()
+                .filter(|d| d.location.cuda_ordinal().is_some())
+                .count()
+        })
+        .unwrap_or(0);
+    if real == 0 || !candle_core::utils::cuda_is_available() {
         eprintln!("SKIPPED: logical devices need a GPU and a CUDA build");
         return;
     }
+    if real >= 2 {
+        eprintln!("two real GPUs");
+        segments_decode_as_lock_step();
+    } else {
+        eprintln!("one real GPU: the two-GPU case is not run");
+    }
     logical::install(logical::LogicalGpus::parse_flag("2:2GiB").unwrap()).unwrap();
+    eprintln!("two logical devices of GPU 0");
+    segments_decode_as_lock_step();
+}
+
+/// Both placements over `cuda:0` and `cuda:1`, whatever they are in this process.
+fn segments_decode_as_lock_step() {
     let (a, b) = (DeviceLocation::Cuda(0), DeviceLocation::Cuda(1));
     let placements = [
         // Segments: embedding + layer 0 on a, layer 1 + head on b.
