@@ -673,10 +673,7 @@ pub fn all_reduce_bench(
         .map_or(fleet_topology::DeviceLocation::Cpu, |&g| {
             fleet_topology::DeviceLocation::Cuda(g)
         });
-    let device = match location.cuda_ordinal() {
-        Some(g) => candle_core::Device::new_cuda(g)?,
-        None => candle_core::Device::Cpu,
-    };
+    let device = fleet_models::open_device(location)?;
     let dp = join(
         d,
         format!("all-reduce bench {max_bytes}:{}", fleet_runs::commit_id()),
@@ -727,8 +724,9 @@ fn gpu_collective(
     group: fleet_dist::Group,
     device: &fleet_topology::DeviceLocation,
 ) -> Result<Box<dyn Collective>, TrainError> {
-    let ordinal = device.cuda_ordinal().unwrap_or(0);
-    let dev = candle_core::Device::new_cuda(ordinal)?;
+    // The models' own device (one stream per GPU in a process): the collectives are ordered
+    // after the work that wrote the gradients.
+    let dev = fleet_models::open_device(*device)?;
     Ok(Box::new(fleet_dist::nccl::NcclCollective::new(
         group, &dev,
     )?))

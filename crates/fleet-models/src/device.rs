@@ -50,11 +50,18 @@ impl Devices {
 
 /// Opens one device with an error that says what to do when it is not there.
 ///
+/// A GPU is opened once per process with a stream of its own (`Device::new_cuda_with_stream`),
+/// and every later call returns that device: all of fleet's work on one GPU — every model,
+/// the NCCL collective — is ordered on one stream. Not CUDA's per-thread default stream
+/// (candle's `Device::new_cuda`): its handle means "this thread's stream of the *current*
+/// context", and cudarc frees a buffer on its stream's handle without making the buffer's
+/// context current, so with two GPUs in one thread a buffer of one was freed in the order of
+/// the other's stream and its memory handed out again while still being read (gradients,
+/// hidden states and sampled tokens were wrong on two H100s, never on one GPU).
+///
 /// With logical devices installed ([`fleet_topology::logical`]), `cuda:N` is logical device N:
-/// a stream of its own on its physical GPU (`Device::new_cuda_with_stream`), so that work on
-/// two logical devices is ordered only as work on two GPUs is. Call it once per device and
-/// share the result ([`Devices`]); a logical device is opened once per process (one stream, one
-/// pool) and every later call returns it.
+/// a stream of its own on its physical GPU, so that work on two logical devices is ordered
+/// only as work on two GPUs is, with its memory pool capped; also opened once per process.
 pub fn open_device(loc: DeviceLocation) -> Result<Device> {
     match loc {
         DeviceLocation::Cpu => Ok(Device::Cpu),
@@ -71,10 +78,19 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
                 hint: format!("{e}; `fleet devices` lists the GPUs this process can see (CUDA_VISIBLE_DEVICES applies)"),
             }
             };
-            let dev = match fleet_topology::logical::installed() {
-                None => Device::new_cuda(n).map_err(unavailable)?,
-                Some(_) if logical_opened().contains_key(&n) => {
-                    return Ok(logical_opened()[&n].clone());
+            let logical = fleet_topology::logical::installed();
+            let key = (logical.is_some(), n);
+            // Held until the device is in the map: two threads opening one GPU get one stream.
+            let mut opened = opened();
+            if let Some(dev) = opened.get(&key) {
+                return Ok(dev.clone());
+            }
+            match logical {
+                None => {
+                    let dev = Device::new_cuda_with_stream(n).map_err(unavailable)?;
+                    skip_event_tracking(&dev);
+                    opened.insert(key, dev.clone());
+                    Ok(dev)
                 }
                 Some(logical) => {
                     let physical =
@@ -96,21 +112,20 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
                     let dev = Device::new_cuda_with_stream(physical).map_err(unavailable)?;
                     cap_logical(&dev, loc, physical)?;
                     skip_event_tracking(&dev);
-                    logical_opened().insert(n, dev.clone());
-                    return Ok(dev);
+                    opened.insert(key, dev.clone());
+                    Ok(dev)
                 }
-            };
-            skip_event_tracking(&dev);
-            Ok(dev)
+            }
         }
     }
 }
 
-/// The logical devices opened so far: one stream and one memory pool per logical `cuda:N` for
-/// the whole process, whichever model asks for it (a policy and a reference model on one
-/// logical GPU share it, as they would share a physical one), so that its cap holds for all.
-fn logical_opened() -> std::sync::MutexGuard<'static, BTreeMap<usize, Device>> {
-    static OPENED: std::sync::Mutex<BTreeMap<usize, Device>> =
+/// The GPUs opened so far, by (logical, ordinal): one stream per GPU (and one memory pool per
+/// logical `cuda:N`) for the whole process, whichever model asks for it (a policy and a
+/// reference model on one GPU share it), so that their work is ordered and a logical cap
+/// holds for all.
+fn opened() -> std::sync::MutexGuard<'static, BTreeMap<(bool, usize), Device>> {
+    static OPENED: std::sync::Mutex<BTreeMap<(bool, usize), Device>> =
         std::sync::Mutex::new(BTreeMap::new());
     OPENED.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -140,10 +155,10 @@ fn cap_logical(dev: &Device, loc: DeviceLocation, physical: usize) -> Result<()>
 /// Turns off cudarc's per-allocation CUDA events on `dev`.
 ///
 /// cudarc creates two CUDA events for every buffer it allocates (and destroys them when the
-/// buffer is freed) so that it can order buffers shared between streams. candle runs each
-/// device's work on one stream (the calling thread's default stream, or a logical device's own
-/// stream), and fleet orders every copy between devices itself ([`transfer`], both ways), so
-/// the events are not needed: four driver calls per tensor for nothing. With several GPUs
+/// buffer is freed) so that it can order buffers shared between streams. fleet runs each
+/// device's work on one stream ([`open_device`]: one per GPU, or per logical device), and
+/// orders every copy between devices itself ([`transfer`], both ways), so the events are not
+/// needed: four driver calls per tensor for nothing. With several GPUs
 /// driven from one process those calls contend inside the driver.
 /// `FLEET_CUDA_EVENTS=1` keeps them, to measure what this saves.
 fn skip_event_tracking(dev: &Device) {

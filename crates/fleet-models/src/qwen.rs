@@ -1015,8 +1015,6 @@ impl QwenModel {
         devices: Devices,
     ) -> Result<Self> {
         map.validate(cfg.num_hidden_layers)?;
-        let all: Vec<&Device> = devices.iter().map(|(_, d)| d).collect();
-        weights.seed_devices(&all)?;
         let loader = |loc: DeviceLocation| Loader {
             weights,
             dtype,

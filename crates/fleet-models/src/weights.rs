@@ -74,8 +74,10 @@ pub enum Weights {
     Safetensors(SafetensorsWeights),
     /// Random tensors made on the target device (for benchmarks of real shapes).
     Random {
-        /// Seed of each GPU's generator ([`Weights::seed_devices`]) and of the CPU's
-        /// per-tensor generators: the same seed gives the same CPU weights.
+        /// With each tensor's name, the key of its draw (a CPU generator's stream, or the
+        /// GPU's generator seeded for that tensor): the same seed gives the same weights
+        /// whatever the load order and, on one kind of device, whatever the placement (a
+        /// model split over two GPUs has the weights it has on one).
         seed: u64,
     },
     /// Tensors held in memory by name: a trained model's master weights, from which the blocks
@@ -132,6 +134,7 @@ impl Weights {
                         random_normal_cpu(*seed, name, shape, std)?.to_dtype(dtype)?
                     }
                     Init::Normal(std) => {
+                        device.set_seed(crate::ops::splitmix(*seed ^ name_hash(name)))?;
                         Tensor::randn(0f32, std as f32, shape, device)?.to_dtype(dtype)?
                     }
                     Init::Ones => Tensor::ones(shape, dtype, device)?,
@@ -188,18 +191,6 @@ impl Weights {
                 "random weights have no tensor `{name}` to load by name"
             ))),
         }
-    }
-
-    /// Seeds the random generator of every device that will receive random weights. The CPU
-    /// needs no seeding: its random tensors come from a generator keyed by the seed and the
-    /// tensor's name, so they do not depend on the order or placement of the loads.
-    pub fn seed_devices(&self, devices: &[&Device]) -> Result<()> {
-        if let Weights::Random { seed } = self {
-            for d in devices.iter().filter(|d| !d.is_cpu()) {
-                d.set_seed(*seed)?;
-            }
-        }
-        Ok(())
     }
 
     /// The checkpoint's tensors that no [`Weights::get`] has read yet, sorted (none for random
@@ -327,10 +318,15 @@ pub(crate) fn summarize_names(names: &[String]) -> String {
 /// FNV-1a hash of the name.
 fn tensor_rng(seed: u64, name: &str) -> ChaCha8Rng {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    rng.set_stream(name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    }));
+    rng.set_stream(name_hash(name));
     rng
+}
+
+/// FNV-1a of a tensor's name: the part of a random tensor's key that its name gives.
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// Normal(0, std) values for the tensor `name`, from a ChaCha generator keyed by `seed` on a
@@ -871,12 +867,11 @@ mod tests {
             let want = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
             assert_eq!(big[i], want, "value {i}");
         }
-        // Odd sizes, and seeding the CPU is not an error.
+        // Odd sizes.
         let w = Weights::Random { seed: 3 };
         let t = w
             .get("odd", &[7], Init::Normal(0.02), DType::BF16, &Device::Cpu)
             .unwrap();
         assert_eq!(t.dims(), [7]);
-        w.seed_devices(&[&Device::Cpu]).unwrap();
     }
 }

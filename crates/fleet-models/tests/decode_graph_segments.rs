@@ -52,23 +52,39 @@ fn segments_decode_as_lock_step() {
             head: a,
         },
     ];
+    let requests: Vec<GenerationRequest> = (0..5)
+        .map(|i| GenerationRequest {
+            prompt_ids: (0..(3 + 37 * i))
+                .map(|t| ((t * 29 + i * 5) % 500) as u32)
+                .collect(),
+            max_new_tokens: 4 + 3 * i,
+            sampling: SamplingParams::greedy(),
+            stop_strings: vec![],
+        })
+        .collect();
+    let tokens = |o: &[fleet_models::GenerationOutput]| -> Vec<Vec<u32>> {
+        o.iter().map(|o| o.token_ids.clone()).collect()
+    };
+    // The plain lock-step decode on one device: random weights are keyed by name, so every
+    // placement holds the same model.
+    let one = kernel_shaped::model(|n| DeviceMap {
+        embed: a,
+        layers: vec![a; n],
+        head: a,
+    });
+    let on_one = tokens(
+        &fleet_models::Generator::new(&one, None, Vec::new(), 0)
+            .generate(&requests, None)
+            .unwrap(),
+    );
     for (p, map) in placements.into_iter().enumerate() {
         let model = kernel_shaped::model(|_| map.clone());
         let gen = fleet_models::Generator::new(&model, None, Vec::new(), 0);
-        let requests: Vec<GenerationRequest> = (0..5)
-            .map(|i| GenerationRequest {
-                prompt_ids: (0..(3 + 37 * i))
-                    .map(|t| ((t * 29 + i * 5) % 500) as u32)
-                    .collect(),
-                max_new_tokens: 4 + 3 * i,
-                sampling: SamplingParams::greedy(),
-                stop_strings: vec![],
-            })
-            .collect();
-        let tokens = |o: &[fleet_models::GenerationOutput]| -> Vec<Vec<u32>> {
-            o.iter().map(|o| o.token_ids.clone()).collect()
-        };
         let want = tokens(&gen.generate(&requests, None).unwrap());
+        assert_eq!(
+            want, on_one,
+            "placement {p}: the plain decode against one device"
+        );
         for sync_every in [1, 3] {
             let options = PagedOptions {
                 max_batch: 4,

@@ -192,8 +192,6 @@ impl Qwen3VlModel {
     ) -> Result<Self> {
         map.validate(cfg.text.num_hidden_layers)?;
         let devices = Devices::open(map, dtype)?;
-        let all: Vec<&candle_core::Device> = devices.iter().map(|(_, d)| d).collect();
-        weights.seed_devices(&all)?;
         let vision = VisionEncoder::new(&cfg.vision, weights, dtype, devices.get(map.embed))?;
         let text = QwenModel::on_devices(&cfg.text, weights, dtype, map, devices)?;
         Ok(Qwen3VlModel {
