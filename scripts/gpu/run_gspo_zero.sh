@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # ZeRO stage 1 (issue 28, item 5) on two real GPUs through NCCL, in one call on nvidia-h100-x2:
-# the same data-parallel run with zero_stage 0 and 1 — the Qwen2.5-1.5B shape with f32 masters
+# the same data-parallel run (configs/gspo/bench.toml plus a random reward model, so that every
+# step has gradients) with zero_stage 0 and 1 — the Qwen2.5-1.5B shape with f32 masters
 # (--dtype bf16) and the 7B shape with bf16 masters (--torch-dtype bfloat16) — each with the
 # plan of one rank, the peak memory of each GPU (nvidia-smi every 100 ms, above the idle
 # baseline), the peak fleet's allocator saw (metrics.jsonl), seconds per generation batch, and
@@ -27,6 +28,12 @@ BIN="$W/gspo-train"
 export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$R/gpus.txt"
 [ -f "$W/prompts.jsonl" ] || python3 scripts/gpu/make_gspo_prompts.py --out "$W/prompts.jsonl" --n 512 > /dev/null
+# Random weights earn no gsm8k reward, so nothing would train: a random Qwen2.5-0.5B-shaped
+# reward model scores the completions as well, giving every step gradients to compare.
+[ -f "$W/rm05/config.json" ] || python3 scripts/gpu/make_random_checkpoint.py --classifier \
+  --config configs/models/qwen2.5-0.5b.json --out "$W/rm05" --tokenizer-from tests/fixtures/qwen2-tiny > "$R/make-rm.log" 2>&1
+cp configs/gspo/bench.toml "$W/zero.toml"
+printf '\n[[reward_funcs]]\nname = "reward_model"\nweight = 1.0\nmodel = "%s"\n' "$W/rm05" >> "$W/zero.toml"
 used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | paste -sd' '; }
 for shape in $SHAPES; do
   c="$W/q$shape"
@@ -38,7 +45,7 @@ for shape in $SHAPES; do
   esac
   for z in 0 1; do
     name="$shape-zero$z"
-    common=(--config configs/gspo/bench.toml --model "$c" --dataset "$W/prompts.jsonl" --dtype bf16
+    common=(--config "$W/zero.toml" --model "$c" --dataset "$W/prompts.jsonl" --dtype bf16
             "${masters[@]}" --per-device-train-batch-size "$BATCH" --max-steps "$STEPS" --set "zero_stage=$z")
     "$BIN" --plan --nproc-per-node 2 "${common[@]}" --output-dir "$W/plan" > "$R/$name.plan.txt" 2>&1
     echo "== $name ($(date +%T)); plan of one rank:"; grep -iE "zero|per rank|policy" "$R/$name.plan.txt" | head -6
@@ -88,7 +95,7 @@ for plan in sorted(r.glob("*.plan.txt")):
 for shape, v in out.items():
     a, b = metrics(f"{shape}-zero0"), metrics(f"{shape}-zero1")
     if a and b:
-        keys = ("loss", "reward", "grad_norm")
+        keys = ("loss", "reward", "grad_norm", "entropy", "num_tokens")
         v["same_metrics_every_step"] = len(a) == len(b) and all(x.get(k) == y.get(k) for x, y in zip(a, b) for k in keys)
 print(json.dumps(out, indent=1))
 PY

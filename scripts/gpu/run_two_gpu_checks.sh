@@ -69,7 +69,9 @@ m = {k: [json.loads(l) for l in (r / f"sharded-{k}.metrics.jsonl").read_text().s
      for k in ("1gpu", "2gpu") if (r / f"sharded-{k}.metrics.jsonl").exists()}
 if len(m) == 2:
     a, b = m["1gpu"], m["2gpu"]
-    keys = ("loss", "reward", "grad_norm")
+    # With random weights every reward is 0 (so loss and grad_norm too): the entropy and the
+    # unparsed answers are what the rollouts and the scoring pass leave to compare.
+    keys = ("loss", "reward", "grad_norm", "entropy", "unparsed_answers", "num_tokens")
     print("sharded: steps", len(a), len(b), "same metrics every step:",
           len(a) == len(b) and all(x.get(k) == y.get(k) for x, y in zip(a, b) for k in keys))
     for x, y in zip(a, b):

@@ -95,13 +95,15 @@ impl InplaceOp1 for NcclOp {
     }
 
     fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
-        if !l.is_contiguous() || l.start_offset() != 0 {
-            candle_core::bail!("NCCL needs a contiguous tensor from offset 0")
+        // A contiguous view anywhere in its storage (a parameter inside a flat buffer): the
+        // collective runs on its elements alone.
+        if !l.is_contiguous() {
+            candle_core::bail!("NCCL needs a contiguous tensor")
         }
-        let n = l.shape().elem_count();
+        let range = l.start_offset()..l.start_offset() + l.shape().elem_count();
         match s.dtype() {
-            candle_core::DType::F32 => call::<f32>(&self.comm, self.op, s, n),
-            candle_core::DType::BF16 => call::<half::bf16>(&self.comm, self.op, s, n),
+            candle_core::DType::F32 => call::<f32>(&self.comm, self.op, s, range),
+            candle_core::DType::BF16 => call::<half::bf16>(&self.comm, self.op, s, range),
             other => {
                 candle_core::bail!("NCCL collectives here take f32 or bf16, not {other:?}")
             }
@@ -109,14 +111,14 @@ impl InplaceOp1 for NcclOp {
     }
 }
 
-/// One collective in place on the first `n` values of `s`.
+/// One collective in place on the values `range` of `s`.
 fn call<T: candle_core::cuda_backend::CudaDType + NcclType>(
     comm: &Comm,
     op: Op,
     s: &mut CudaStorage,
-    n: usize,
+    range: std::ops::Range<usize>,
 ) -> candle_core::Result<()> {
-    let mut view = s.as_cuda_slice_mut::<T>()?.slice_mut(0..n);
+    let mut view = s.as_cuda_slice_mut::<T>()?.slice_mut(range);
     let done = match op {
         Op::Sum => comm.all_reduce_in_place(&mut view, &ReduceOp::Sum),
         Op::BroadcastFromRoot => comm.broadcast_in_place(&mut view, 0),
@@ -131,6 +133,7 @@ impl Collective for NcclCollective {
     }
 
     fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor> {
+        // A view inside a larger buffer is copied: the caller's buffer keeps its values.
         let t = if t.is_contiguous() && t.layout().start_offset() == 0 {
             t
         } else {
