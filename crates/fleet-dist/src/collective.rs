@@ -58,7 +58,9 @@ pub trait Collective {
             // share a storage (backward does, for two parameters), which would then be added
             // twice. `cat` copies, except a bucket of one tensor, which it returns as it is.
             let own = match flat.as_slice() {
-                [one] => one.copy()?,
+                // Not `copy()`: candle's copy clones the view's whole storage (a gradient inside
+                // the flat gradient buffer would copy the buffer, for every bucket).
+                [one] => one.force_contiguous()?,
                 _ => Tensor::cat(&flat, 0)?,
             };
             let sums = self.all_reduce_sum(own)?;
@@ -300,6 +302,66 @@ mod tests {
             vec![0., 1., 2., 3., 4., 5.]
         );
         assert_eq!(sums[1].to_vec1::<f32>().unwrap(), vec![7., 8.]);
+    }
+
+    /// The TCP collective, checking that every tensor handed to `all_reduce_sum` is a buffer
+    /// of its own: offset 0 and a storage of exactly its elements (what NCCL sums in place).
+    struct OwnBuffersOnly(TcpCollective);
+
+    impl Collective for OwnBuffersOnly {
+        fn group(&self) -> &Group {
+            self.0.group()
+        }
+        fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor> {
+            let held = match &*t.storage_and_layout().0 {
+                candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
+                _ => panic!("f32 on the CPU expected"),
+            };
+            assert_eq!(t.layout().start_offset(), 0);
+            assert_eq!(
+                held,
+                t.elem_count(),
+                "a bucket holds a storage larger than itself"
+            );
+            self.0.all_reduce_sum(t)
+        }
+        fn broadcast_vars(&self, vars: &[Var]) -> Result<()> {
+            self.0.broadcast_vars(vars)
+        }
+        fn backend(&self) -> &'static str {
+            "test"
+        }
+        fn finish(self: Box<Self>) -> Result<()> {
+            Box::new(self.0).finish()
+        }
+    }
+
+    /// Gradients that are views inside one flat buffer (as a trainer's are) go to the
+    /// collective as buckets of their own elements only: a 2-rank run on two H100s ran out of
+    /// memory when each one-tensor bucket cloned the whole buffer (and NCCL refused its
+    /// offset).
+    #[test]
+    fn buckets_of_views_copy_only_the_views() {
+        let dev = candle_core::Device::Cpu;
+        let flat = Tensor::arange(0f32, 1000., &dev).unwrap();
+        let views = [
+            flat.narrow(0, 0, 100).unwrap(),
+            flat.narrow(0, 100, 300).unwrap(),
+            flat.narrow(0, 400, 600).unwrap().reshape((20, 30)).unwrap(),
+        ];
+        // 400 f32 per bucket: each view alone, then the first two together.
+        for bucket_bytes in [400, 1600] {
+            let sums = OwnBuffersOnly(solo())
+                .all_reduce_sum_bucketed(&views, bucket_bytes)
+                .unwrap();
+            for (s, v) in sums.iter().zip(&views) {
+                assert_eq!(s.dims(), v.dims());
+                assert_eq!(
+                    s.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    v.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                );
+            }
+        }
     }
 
     #[test]

@@ -133,11 +133,12 @@ impl Collective for NcclCollective {
     }
 
     fn all_reduce_sum(&self, t: Tensor) -> Result<Tensor> {
-        // A view inside a larger buffer is copied: the caller's buffer keeps its values.
+        // Summed in place (see the trait); a view elsewhere in a larger buffer is copied first,
+        // the view alone (`copy()` would clone the whole buffer and keep the offset).
         let t = if t.is_contiguous() && t.layout().start_offset() == 0 {
             t
         } else {
-            t.copy()?
+            t.force_contiguous()?
         };
         self.in_place(&t, Op::Sum)?;
         Ok(t)
