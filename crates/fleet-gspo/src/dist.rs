@@ -126,21 +126,17 @@ pub fn zero_partition(sizes: &[usize], world: usize) -> Vec<usize> {
 /// Every rank's `tensors` as their owners hold them: each rank contributes the tensors it
 /// `owned` and zeros for the others (an entry it does not own only gives the shape and
 /// device), summed over the ranks in f32 (`x + 0` is exact) about [`GRAD_BUCKET_BYTES`] at a
-/// time; returned in `dtypes` (one per tensor: an owner's master may be wider than the copy
-/// the others hold) and the tensors' shapes, on their devices or, with `on_host`, each
-/// bucket moved to the host as it arrives (a checkpoint's gathered state never needs a
-/// whole copy on a device) (ZeRO stage 1: the updated parameters after a step, the masters
-/// and moments for a checkpoint).
+/// time; each handed to `each` with its index, in `dtypes` (one per tensor: an owner's master
+/// may be wider than the copy the others hold) and its shape, as its bucket arrives — so that
+/// no whole gathered copy of the model need exist (ZeRO stage 1: the updated parameters set
+/// after a step; the masters and moments for a checkpoint, moved to the host).
 pub fn gather_owned<C: Collective + ?Sized>(
     collective: &C,
     tensors: &[Tensor],
     owned: &[bool],
     dtypes: &[candle_core::DType],
-    on_host: bool,
-) -> Result<Vec<Tensor>, TrainError> {
-    let mut out = Vec::with_capacity(tensors.len());
-    // One bucket's worth of tensors at a time: the f32 sums of all of them at once would be a
-    // whole f32 copy of the model.
+    mut each: impl FnMut(usize, Tensor) -> Result<(), TrainError>,
+) -> Result<(), TrainError> {
     for std::ops::Range { start, end } in bucket_ranges(tensors) {
         let mine: Vec<Tensor> = (start..end)
             .map(|i| {
@@ -151,20 +147,11 @@ pub fn gather_owned<C: Collective + ?Sized>(
                 }
             })
             .collect::<candle_core::Result<_>>()?;
-        for (sum, &dtype) in collective
-            .all_reduce_sum_bucketed(&mine, GRAD_BUCKET_BYTES)?
-            .into_iter()
-            .zip(&dtypes[start..end])
-        {
-            let sum = sum.to_dtype(dtype)?;
-            out.push(if on_host {
-                sum.to_device(&candle_core::Device::Cpu)?
-            } else {
-                sum
-            });
+        for (i, sum) in (start..end).zip(collective.all_reduce_sum_bucketed(&mine, usize::MAX)?) {
+            each(i, sum.to_dtype(dtypes[i])?)?;
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Gradients with every missing one as zeros (a rank whose share gave a parameter no gradient
@@ -412,8 +399,12 @@ mod tests {
         }
     }
 
+    /// The sums replace the gradients in place (no second copy of them), each computed once
+    /// from a buffer of the collective's own: a bucket of one tensor is not summed where it
+    /// lies, and two parameters that backward handed one storage each get the sum, not twice
+    /// it.
     #[test]
-    fn in_place_sums_never_write_into_the_gradients_given() {
+    fn sums_replace_the_gradients_in_place_each_once() {
         let dev = candle_core::Device::Cpu;
         let g = Tensor::new(&[1f32, 2., 3.], &dev).unwrap();
         // One parameter: a bucket of one tensor, which `cat` would hand back as it is.
@@ -424,12 +415,17 @@ mod tests {
             .unwrap();
         let summed: Vec<f32> = grads.get(0).unwrap().to_vec1().unwrap();
         assert_eq!(summed, vec![2., 4., 6.]);
-        assert_eq!(g.to_vec1::<f32>().unwrap(), vec![1., 2., 3.]);
+        assert_eq!(
+            g.to_vec1::<f32>().unwrap(),
+            vec![2., 4., 6.],
+            "not in place"
+        );
         // Two parameters handed the same storage by backward: each summed once.
         let two = [
             Var::zeros(3, DType::F32, &dev).unwrap(),
             Var::zeros(3, DType::F32, &dev).unwrap(),
         ];
+        let g = Tensor::new(&[1f32, 2., 3.], &dev).unwrap();
         let mut grads = ParamGrads::from_vec(vec![Some(g.clone()), Some(g.clone())]);
         LoopbackCollective(single(), true)
             .all_reduce_grads(&mut grads, &two)
@@ -437,7 +433,22 @@ mod tests {
         for s in grads.iter() {
             assert_eq!(s.unwrap().to_vec1::<f32>().unwrap(), vec![2., 4., 6.]);
         }
-        assert_eq!(g.to_vec1::<f32>().unwrap(), vec![1., 2., 3.]);
+        // bf16 gradients: summed in f32, written back rounded to bf16.
+        let g = Tensor::new(&[1f32, 2., 3.], &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let bf = [Var::zeros(3, DType::BF16, &dev).unwrap()];
+        let mut grads = ParamGrads::from_vec(vec![Some(g.clone())]);
+        LoopbackCollective(single(), true)
+            .all_reduce_grads(&mut grads, &bf)
+            .unwrap();
+        let s = grads.get(0).unwrap();
+        assert_eq!(s.dtype(), DType::BF16);
+        assert_eq!(
+            s.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(),
+            vec![2., 4., 6.]
+        );
     }
 
     /// One rank alone (a group of one: its metadata collectives are the identity): the tensor

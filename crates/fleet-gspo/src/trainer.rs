@@ -651,16 +651,15 @@ impl Trainer {
             let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
             // Each rank's copy in its own dtype: the owner's f32 master, the others' rounding.
             let dtypes: Vec<DType> = tensors.iter().map(Tensor::dtype).collect();
-            let full = crate::dist::gather_owned(
+            // Each parameter set as its bucket arrives: a gathered copy of the whole model
+            // beside the weights did not fit a 7B run on an H100.
+            crate::dist::gather_owned(
                 &*dp.collective,
                 &tensors,
                 self.optimizer.owned(),
                 &dtypes,
-                false,
+                |i, t| Ok(vars[i].set(&t)?),
             )?;
-            for (var, t) in vars.iter().zip(full) {
-                var.set(&t)?;
-            }
             timer.stop(self)?;
         }
         Ok(lr)
@@ -693,7 +692,12 @@ impl Trainer {
                     _ => var.as_tensor().clone(),
                 })
                 .collect();
-            crate::dist::gather_owned(&*dp.collective, &tensors, owned, &dtypes, true)
+            let mut out = Vec::with_capacity(tensors.len());
+            crate::dist::gather_owned(&*dp.collective, &tensors, owned, &dtypes, |_, t| {
+                out.push(t.to_device(&candle_core::Device::Cpu)?);
+                Ok(())
+            })?;
+            Ok(out)
         };
         let (m, v) = (gather(0)?, gather(1)?);
         Ok(Some(
@@ -713,7 +717,11 @@ impl Trainer {
         };
         let tensors: Vec<Tensor> = named.iter().map(|(_, t)| t.clone()).collect();
         let owned = self.optimizer.owned();
-        let full = crate::dist::gather_owned(&*dp.collective, &tensors, owned, &dtypes, true)?;
+        let mut full = Vec::with_capacity(tensors.len());
+        crate::dist::gather_owned(&*dp.collective, &tensors, owned, &dtypes, |_, t| {
+            full.push(t.to_device(&candle_core::Device::Cpu)?);
+            Ok(())
+        })?;
         Ok(Some(
             named.into_iter().map(|(name, _)| name).zip(full).collect(),
         ))
