@@ -59,8 +59,8 @@ case "$PART" in
     # The crate's own kernel tests (the library's unit tests): the GEMV and the linear layer;
     # the CUDA ops against their twins; decode graphs on two logical devices (a binary of its
     # own: the logical mapping is process-wide).
-    echo "== fleet_models kernel_tests (linear)"
-    timeout 120 "$T/fleet_models" --test-threads 1 ops::linear > "$OUT/test_lib.txt" 2>&1
+    echo "== fleet_models kernel tests (linear, dropout)"
+    timeout 120 "$T/fleet_models" --test-threads 1 ops::linear ops::dropout > "$OUT/test_lib.txt" 2>&1
     echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_lib.txt"
     if [ -x "$T/ops_grad" ]; then
       echo "== ops_grad (cuda)"
