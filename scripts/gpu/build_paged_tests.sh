@@ -2,8 +2,9 @@
 # Builds what scripts/gpu/run_paged_decode.sh carries, on this (CPU) machine: the CUDA test
 # binaries of fleet-models that generation relies on, stripped, in dist/carry/paged-tests.tar.xz
 # (the library's unit tests as `fleet_models`, and paged_generation, generation, parity,
-# qwen3_vl_parity, paged_attention, decode_graph_segments, ops_grad, train_grads), then the four binaries
-# (scripts/cuda/build.sh) as dist/carry/<name>.xz. About 5 minutes on 2 cores, then xz.
+# qwen3_vl_parity, paged_attention, decode_graph_segments, ops_grad, train_grads; four of them
+# again in two-gpu-tests.tar.xz), then the four binaries (scripts/cuda/build.sh) as
+# dist/carry/<name>.xz. About 5 minutes on 2 cores, then xz.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/cuda/env.sh
@@ -28,6 +29,9 @@ PY
 strip "$stage"/*
 mkdir -p dist/carry
 (cd "$stage" && tar cf - . | xz -T2 -9e > "$OLDPWD/dist/carry/paged-tests.tar.xz")
+# The four that run_two_gpu_checks.sh runs, small enough to carry beside gspo-train.
+(cd "$stage" && tar cf - ./decode_graph_segments ./parity ./qwen3_vl_parity ./train_grads \
+  | xz -T2 -9e > "$OLDPWD/dist/carry/two-gpu-tests.tar.xz")
 rm -rf "$stage" "$json"
 git rev-parse --short HEAD > COMMIT
 bash scripts/cuda/build.sh -p fleet -p argo-exp -p gspo-train -p edit-score
