@@ -104,47 +104,41 @@ struct Adapter {
 struct Adapters(Vec<Adapter>);
 
 impl Adapters {
-    /// `y` (the projection of `x`) with every adapter's term added.
+    /// `y` (the projection of `x`) with every adapter's term added. Two GEMMs past the
+    /// adapters' own `A`: their low-rank activations side by side (`[rows, Σ r]`, each scaled)
+    /// times every `B` in one `[width, Σ r]` matrix, zero where an adapter does not reach — one
+    /// product adds every term at its columns, with no full-width zeros or concatenation of
+    /// the terms (per-adapter terms and their concatenation made LoRA's scoring pass 2.4x
+    /// full fine-tuning's on an H100).
     fn apply(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
         if self.0.is_empty() {
             return Ok(y);
         }
         let width = y.dim(candle_core::D::Minus1)?;
-        let lead = &y.dims()[..y.rank() - 1];
-        let zeros = |n: usize, like: &Tensor| -> Result<Tensor> {
-            let mut dims = lead.to_vec();
-            dims.push(n);
-            Ok(Tensor::zeros(dims, like.dtype(), like.device())?)
-        };
         // The input as rows, in the adapters' dtype (one for a model's adapters), once.
         let dtype = self.0[0].a.dtype();
         let rows = x.elem_count() / x.dim(candle_core::D::Minus1)?;
         let flat = x.to_dtype(dtype)?.reshape((rows, ()))?;
-        let mut parts = Vec::with_capacity(2 * self.0.len() + 1);
-        let mut at = 0;
+        let mut low = Vec::with_capacity(self.0.len());
+        let mut b_cols = Vec::with_capacity(self.0.len());
         for ad in &self.0 {
-            if ad.cols.start > at {
-                parts.push(zeros(ad.cols.start - at, &y)?);
-            }
             let xin = match ad.dropout {
                 Some((p, key)) => {
                     (&flat * ops::dropout_mask(flat.shape(), p, key, dtype, x.device())?)?
                 }
                 None => flat.clone(),
             };
-            let delta = xin
-                .matmul(&ad.a.t()?)?
-                .matmul(&ad.b.t()?)?
-                .affine(ad.scale, 0.0)?;
-            let mut dims = lead.to_vec();
-            dims.push(ad.cols.len());
-            parts.push(delta.reshape(dims)?.to_dtype(y.dtype())?);
-            at = ad.cols.end;
+            low.push(xin.matmul(&ad.a.t()?)?.affine(ad.scale, 0.0)?);
+            b_cols.push(ad.b.pad_with_zeros(0, ad.cols.start, width - ad.cols.end)?);
         }
-        if at < width {
-            parts.push(zeros(width - at, &y)?);
-        }
-        Ok((y + Tensor::cat(&parts, candle_core::D::Minus1)?)?)
+        let (low, b) = match (low.len(), &b_cols[..]) {
+            (1, [one]) => (low.remove(0), one.clone()),
+            _ => (Tensor::cat(&low, 1)?, Tensor::cat(&b_cols, 1)?),
+        };
+        let mut dims = y.dims()[..y.rank() - 1].to_vec();
+        dims.push(width);
+        let delta = low.matmul(&b.t()?)?.reshape(dims)?.to_dtype(y.dtype())?;
+        Ok((y + delta)?)
     }
 }
 
