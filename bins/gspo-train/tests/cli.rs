@@ -38,6 +38,27 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// The directory holding the Python `package` a test needs (installed by
+/// `scripts/fixtures/fetch_<package>.sh` into `target/<package>-py`, or where `env` points):
+/// `None`, with SKIPPED on stderr, when it is not there — a failure instead when `env` is set
+/// (as CI sets it).
+fn python_package(env: &str, package: &str) -> Option<PathBuf> {
+    let dir = match std::env::var(env) {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => repo().join(format!("target/{package}-py")),
+    };
+    if dir.join(package).is_dir() {
+        return Some(dir);
+    }
+    assert!(
+        std::env::var(env).is_err(),
+        "{env}={} holds no {package} package: run scripts/fixtures/fetch_{package}.sh",
+        dir.display()
+    );
+    eprintln!("SKIPPED: no {package} package (scripts/fixtures/fetch_{package}.sh)");
+    None
+}
+
 fn metrics(dir: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
@@ -750,20 +771,9 @@ fn log_completions_writes_a_table_of_each_logged_batch() {
 /// one a failure instead of a skip).
 #[test]
 fn tensorboard_reads_the_event_files() {
-    let python_path = match std::env::var("FLEET_TENSORBOARD_PY") {
-        Ok(p) => PathBuf::from(p),
-        Err(_) => repo().join("target/tensorboard-py"),
-    };
-    if !python_path.join("tensorboard").is_dir() {
-        assert!(
-            std::env::var("FLEET_TENSORBOARD_PY").is_err(),
-            "FLEET_TENSORBOARD_PY={} holds no tensorboard package: run \
-             scripts/fixtures/fetch_tensorboard.sh",
-            python_path.display()
-        );
-        eprintln!("SKIPPED: no tensorboard package (scripts/fixtures/fetch_tensorboard.sh)");
+    let Some(python_path) = python_package("FLEET_TENSORBOARD_PY", "tensorboard") else {
         return;
-    }
+    };
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
     ok(&run(&[
@@ -950,19 +960,9 @@ fn lora_trains_adapters_resumes_and_exports_the_merged_model() {
 /// instead of a skip).
 #[test]
 fn peft_loads_the_trained_adapters() {
-    let python_path = match std::env::var("FLEET_PEFT_PY") {
-        Ok(p) => PathBuf::from(p),
-        Err(_) => repo().join("target/peft-py"),
-    };
-    if !python_path.join("peft").is_dir() {
-        assert!(
-            std::env::var("FLEET_PEFT_PY").is_err(),
-            "FLEET_PEFT_PY={} holds no peft package: run scripts/fixtures/fetch_peft.sh",
-            python_path.display()
-        );
-        eprintln!("SKIPPED: no peft package (scripts/fixtures/fetch_peft.sh)");
+    let Some(python_path) = python_package("FLEET_PEFT_PY", "peft") else {
         return;
-    }
+    };
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
     ok(&run(&[

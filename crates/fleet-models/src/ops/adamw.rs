@@ -83,7 +83,7 @@ impl candle_core::InplaceOp1 for AdamWOp {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{CudaStorage, Layout};
     use half::bf16;
@@ -137,13 +137,7 @@ mod cuda {
             other => candle_core::bail!("fleet-adamw: {other:?} parameters"),
         };
         let func = dev.get_or_load_custom_func(kernel, MODULE, PTX)?;
-        let threads = 256u32;
-        let blocks = (n as u64).div_ceil(threads as u64).clamp(1, 65_535) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = super::super::cuda_util::grid_stride(n);
         let mut b = func.builder();
         b.arg(&pp);
         b.arg(&gp);

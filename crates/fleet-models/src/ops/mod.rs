@@ -242,6 +242,21 @@ mod cuda_util {
     use candle_core::cuda_backend::CudaDType;
     use candle_core::{CudaStorage, Layout};
 
+    /// Blocks of 256 threads covering `n` elements, at most 65,535 of them: the element-wise
+    /// kernels, whose grid-stride loops take what one round does not cover.
+    pub(super) fn grid_stride(n: usize) -> LaunchConfig {
+        let threads = 256u32;
+        LaunchConfig {
+            grid_dim: (
+                (n as u64).div_ceil(threads as u64).clamp(1, 65_535) as u32,
+                1,
+                1,
+            ),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
     /// One block of 1024 threads per row: the kernels that reduce over a row of logits.
     pub(super) fn row_blocks(rows: usize) -> LaunchConfig {
         LaunchConfig {

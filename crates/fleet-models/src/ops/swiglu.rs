@@ -92,9 +92,7 @@ cuda_only_op!(CustomOp2 for SwiGluBwd, "fleet-swiglu-bwd", |_op, s1, l1, s2, l2|
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-    };
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, Layout, Shape};
     use half::{bf16, f16};
@@ -123,13 +121,7 @@ mod cuda {
             )?;
             // SAFETY: every element is written by the kernel.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(el)? };
-            let threads = 256u32;
-            let blocks = (el as u32).div_ceil(threads).clamp(1, 65_535);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = super::super::cuda_util::grid_stride(el);
             let mut b = func.builder();
             b.arg(&x);
             b.arg(&y);
@@ -184,13 +176,7 @@ mod cuda {
             )?;
             // SAFETY: the kernel writes both halves of every row.
             let dx: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * el)? };
-            let threads = 256u32;
-            let blocks = (el as u32).div_ceil(threads).clamp(1, 65_535);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = super::super::cuda_util::grid_stride(el);
             let mut b = func.builder();
             b.arg(&x);
             b.arg(&g);
