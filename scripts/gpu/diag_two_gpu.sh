@@ -1,3 +1,8 @@
+#!/usr/bin/env bash
+# The diagnosis of 2026-11-27 on nvidia-h100-x2 (benchmarks/results/2026-11-27-h100x2-two-gpu-checks/):
+# the three tests that failed with layers on two real GPUs, run again with cudarc's events kept
+# (FLEET_CUDA_EVENTS=1), with blocking launches, with segment graphs off, and with everything on
+# cuda:1 alone. Carried: dist/carry/two-gpu-tests.tar.xz, COMMIT.   bash scripts/gpu/diag_two_gpu.sh
 set -u
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
