@@ -59,6 +59,25 @@ fn python_package(env: &str, package: &str) -> Option<PathBuf> {
     None
 }
 
+/// Runs `script` with python3 on `args`, the packages in `python_path`, and parses the last
+/// line it prints as JSON (the library's own output may precede it).
+fn python_json(python_path: &Path, script: &str, args: &[&Path]) -> serde_json::Value {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .env("PYTHONPATH", python_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap()
+}
+
 fn metrics(dir: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
@@ -804,17 +823,7 @@ acc.Reload()
 tags = acc.Tags()["scalars"]
 print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in tags}))
 "#;
-    let read = Command::new("python3")
-        .args(["-c", script, out.join("runs").to_str().unwrap()])
-        .env("PYTHONPATH", &python_path)
-        .output()
-        .unwrap();
-    assert!(
-        read.status.success(),
-        "{}",
-        String::from_utf8_lossy(&read.stderr)
-    );
-    let scalars: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
+    let scalars = python_json(&python_path, script, &[&out.join("runs")]);
     let loss = scalars["train/loss"].as_array().unwrap();
     assert_eq!(loss.len(), 8);
     for (i, point) in loss.iter().enumerate() {
@@ -1006,25 +1015,15 @@ print(json.dumps({
     "adapted_vs_base": (adapted - plain).abs().max().item(),
 }))
 "#;
-    let read = Command::new("python3")
-        .args([
-            "-c",
-            script,
-            gspo_default_model().to_str().unwrap(),
-            out.join("checkpoint-4").to_str().unwrap(),
-            out.join("merged").to_str().unwrap(),
-        ])
-        .env("PYTHONPATH", &python_path)
-        .output()
-        .unwrap();
-    assert!(
-        read.status.success(),
-        "{}",
-        String::from_utf8_lossy(&read.stderr)
+    let report = python_json(
+        &python_path,
+        script,
+        &[
+            &gspo_default_model(),
+            &out.join("checkpoint-4"),
+            &out.join("merged"),
+        ],
     );
-    let stdout = String::from_utf8_lossy(&read.stdout);
-    let report: serde_json::Value =
-        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap();
     let scale = report["scale"].as_f64().unwrap();
     let merged = report["adapted_vs_merged"].as_f64().unwrap();
     let moved = report["adapted_vs_base"].as_f64().unwrap();

@@ -120,8 +120,9 @@ fn from_host(buf: &[f32], like: &[Tensor]) -> Result<Vec<Tensor>> {
 }
 
 /// Consecutive index ranges of `tensors`, each of at most `max_elems` elements unless a single
-/// tensor is larger.
-fn buckets(tensors: &[Tensor], max_elems: usize) -> Vec<Range<usize>> {
+/// tensor is larger (the buckets of [`Collective::all_reduce_sum_bucketed`]; callers that
+/// process a bucket at a time cut them the same way).
+pub fn buckets(tensors: &[Tensor], max_elems: usize) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut elems) = (0, 0);
     for (i, t) in tensors.iter().enumerate() {

@@ -43,7 +43,7 @@ mod wire;
 mod world;
 
 #[cfg(feature = "tensors")]
-pub use collective::{bench_all_reduce, AllReducePerf, Collective, TcpCollective};
+pub use collective::{bench_all_reduce, buckets, AllReducePerf, Collective, TcpCollective};
 pub use group::{FailureHandler, Group, PeerFailure, PeerInfo, FAILURE_EXIT_CODE};
 pub use launch::{
     launch, launch_with_grace, pick_free_port, strip_launcher_args, LaunchReport, LaunchSpec,

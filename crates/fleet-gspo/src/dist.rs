@@ -67,7 +67,7 @@ pub trait AllReduceGrads {
 impl<C: Collective + ?Sized> AllReduceGrads for C {
     fn all_reduce_grads(&self, grads: &mut ParamGrads, params: &[Var]) -> Result<(), TrainError> {
         let dense = dense_grads(grads, params)?;
-        for range in bucket_ranges(&dense) {
+        for range in fleet_dist::buckets(&dense, GRAD_BUCKET_BYTES / 4) {
             let part = &dense[range];
             for (g, sum) in part
                 .iter()
@@ -84,25 +84,6 @@ impl<C: Collective + ?Sized> AllReduceGrads for C {
         *grads = ParamGrads::from_vec(dense.into_iter().map(Some).collect());
         Ok(())
     }
-}
-
-/// Consecutive ranges of `tensors` of about [`GRAD_BUCKET_BYTES`] as f32 each (a tensor
-/// larger than that alone).
-fn bucket_ranges(tensors: &[Tensor]) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::new();
-    let mut start = 0;
-    while start < tensors.len() {
-        let (mut end, mut bytes) = (start, 0);
-        while end < tensors.len()
-            && (end == start || bytes + 4 * tensors[end].elem_count() <= GRAD_BUCKET_BYTES)
-        {
-            bytes += 4 * tensors[end].elem_count();
-            end += 1;
-        }
-        out.push(start..end);
-        start = end;
-    }
-    out
 }
 
 /// ZeRO stage 1's partition of the parameters (their element counts, in order) over `world`
@@ -137,7 +118,7 @@ pub fn gather_owned<C: Collective + ?Sized>(
     dtypes: &[candle_core::DType],
     mut each: impl FnMut(usize, Tensor) -> Result<(), TrainError>,
 ) -> Result<(), TrainError> {
-    for std::ops::Range { start, end } in bucket_ranges(tensors) {
+    for std::ops::Range { start, end } in fleet_dist::buckets(tensors, GRAD_BUCKET_BYTES / 4) {
         let mine: Vec<Tensor> = (start..end)
             .map(|i| {
                 if owned[i] {
