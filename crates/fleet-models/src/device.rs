@@ -85,13 +85,8 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
             if let Some(dev) = opened.get(&key) {
                 return Ok(dev.clone());
             }
-            match logical {
-                None => {
-                    let dev = Device::new_cuda_with_stream(n).map_err(unavailable)?;
-                    skip_event_tracking(&dev);
-                    opened.insert(key, dev.clone());
-                    Ok(dev)
-                }
+            let dev = match logical {
+                None => Device::new_cuda_with_stream(n).map_err(unavailable)?,
                 Some(logical) => {
                     let physical =
                         logical
@@ -111,11 +106,12 @@ pub fn open_device(loc: DeviceLocation) -> Result<Device> {
                     );
                     let dev = Device::new_cuda_with_stream(physical).map_err(unavailable)?;
                     cap_logical(&dev, loc, physical)?;
-                    skip_event_tracking(&dev);
-                    opened.insert(key, dev.clone());
-                    Ok(dev)
+                    dev
                 }
-            }
+            };
+            skip_event_tracking(&dev);
+            opened.insert(key, dev.clone());
+            Ok(dev)
         }
     }
 }
