@@ -131,10 +131,8 @@ impl Adapters {
             low.push(xin.matmul(&ad.a.t()?)?.affine(ad.scale, 0.0)?);
             b_cols.push(ad.b.pad_with_zeros(0, ad.cols.start, width - ad.cols.end)?);
         }
-        let (low, b) = match (low.len(), &b_cols[..]) {
-            (1, [one]) => (low.remove(0), one.clone()),
-            _ => (Tensor::cat(&low, 1)?, Tensor::cat(&b_cols, 1)?),
-        };
+        // (`cat` of one tensor returns it as it is.)
+        let (low, b) = (Tensor::cat(&low, 1)?, Tensor::cat(&b_cols, 1)?);
         let mut dims = y.dims()[..y.rank() - 1].to_vec();
         dims.push(width);
         let delta = low.matmul(&b.t()?)?.reshape(dims)?.to_dtype(y.dtype())?;
