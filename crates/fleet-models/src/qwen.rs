@@ -374,6 +374,33 @@ impl Attention {
         let qkv = profile::time(dev, "attn.qkv_proj", || {
             self.qkv_lora.apply(x, ops::linear(&self.qkv, x)?)
         })?;
+        if let Some(paged) = &inputs.paged {
+            // The keys and values go straight into the paged cache at this call's slots.
+            let (kc, vc) = cache.paged()?;
+            let kv = ops::PagedKvWrite {
+                k_cache: kc.clone(),
+                v_cache: vc.clone(),
+                slots: paged.slots.clone(),
+            };
+            let q = profile::time(dev, "attn.rope", || match (&self.q_norm, &self.k_norm) {
+                (Some(qn), Some(kn)) => ops::qk_norm_rope_paged(
+                    &qkv,
+                    &self.qkv_bias,
+                    &rope.cs,
+                    &qn.weight,
+                    &kn.weight,
+                    qn.eps,
+                    (h, kvh),
+                    d,
+                    &kv,
+                ),
+                _ => ops::qkv_rope_paged(&qkv, &self.qkv_bias, &rope.cs, (h, kvh), d, &kv),
+            })?;
+            let out = self.paged_attention(&q, paged, pad, cache)?;
+            return profile::time(dev, "attn.o_proj", || {
+                self.o_lora.apply(&out, ops::linear(&self.o_proj, &out)?)
+            });
+        }
         let (q, k, v) = profile::time(dev, "attn.rope", || match (&self.q_norm, &self.k_norm) {
             // Qwen3 normalises each head before RoPE: bias, split, transpose, norms and rotate
             // in one kernel.
@@ -390,12 +417,6 @@ impl Attention {
             // Qwen2: bias, split, transpose and rotate in one kernel.
             _ => ops::qkv_rope(&qkv, &self.qkv_bias, &rope.cs, (h, kvh), d),
         })?;
-        if let Some(paged) = &inputs.paged {
-            let out = self.paged_attention(&q, &k, &v, paged, pad, cache)?;
-            return profile::time(dev, "attn.o_proj", || {
-                self.o_lora.apply(&out, ops::linear(&self.o_proj, &out)?)
-            });
-        }
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
 
         // Prefills of many queries on a GPU: the fused kernel (no score buffer). Never in the
@@ -437,15 +458,13 @@ fn causal_attention(
 }
 
 impl Attention {
-    /// Attention over a paged cache (q, k, v head-major `[b, heads, q_len, d]`, RoPE applied):
-    /// this call's keys and values are written at its slots, then a decode step attends with
-    /// the paged kernel (each row over its own length), a prefill of one row over its blocks
-    /// gathered in order. Returns `[b, q_len, heads * d]`.
+    /// Attention of head-major `q` (`[b, heads, q_len, d]`, RoPE applied) over a paged cache
+    /// that already holds this call's keys and values: a decode step attends with the paged
+    /// kernel (each row over its own length), a prefill of one row over its blocks gathered in
+    /// order. Returns `[b, q_len, heads * d]`.
     fn paged_attention(
         &self,
         q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
         paged: &PagedInputs,
         pad: &Tensor,
         cache: &LayerCache,
@@ -453,15 +472,6 @@ impl Attention {
         let (b, h, q_len, d) = q.dims4()?;
         let dev = q.device();
         let (kc, vc) = cache.paged()?;
-        // [b, kv_heads, n, d] -> one row per token, [b * n, kv_heads, d].
-        let tokens = |t: &Tensor| -> Result<Tensor> {
-            let (b, kvh, n, d) = t.dims4()?;
-            Ok(t.transpose(1, 2)?.contiguous()?.reshape((b * n, kvh, d))?)
-        };
-        profile::time(dev, "attn.cache", || {
-            ops::paged_kv_write(kc, &tokens(k)?, &paged.slots)?;
-            ops::paged_kv_write(vc, &tokens(v)?, &paged.slots)
-        })?;
         profile::time(dev, "attn.core", || match &paged.read {
             PagedRead::Decode {
                 block_tables,

@@ -13,7 +13,8 @@
 //!   add with the RMSNorm after it in one pass.
 //! - [`qkv_rope`]: the fused q/k/v projection split into head-major q, k, v with RoPE applied
 //!   to q and k (replaces a transpose copy, per-part copies and the RoPE kernels);
-//!   [`qk_norm_rope`]: the same for Qwen3, with the per-head RMSNorm of q and k before RoPE.
+//!   [`qk_norm_rope`]: the same for Qwen3, with the per-head RMSNorm of q and k before RoPE;
+//!   [`qkv_rope_paged`] and [`qk_norm_rope_paged`] write k and v into a paged cache instead.
 //!   Both read one RoPE table layout: `[cos | sin]` per position.
 //! - [`logp_entropy`] and [`logp_grad`]: the training head's log-softmax, forward and backward.
 //! - [`sample_tokens`]: the next token of every row (transformers' sampling processors and
@@ -334,7 +335,7 @@ pub use paged_attention::{
     paged_kv_write, PAGED_ATTENTION_MAX_GROUP, PAGED_ATTENTION_MIN_BLOCKS,
     PAGED_ATTENTION_PARTITION,
 };
-pub use qkv_rope::{qk_norm_rope, qkv_rope};
+pub use qkv_rope::{qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_paged, PagedKvWrite};
 pub use reduce::{sum_all_fast, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm};
 pub use sample::{sample_tokens, sample_tokens_on_device, RowSampling, SAMPLER_VERSION};

@@ -2,15 +2,31 @@
 // launcher and the CPU twin are in the .rs file of the same name.
 #include "common.cuh"
 
+// Where a k or v head of token `tok` goes. Without a cache (`cache` null): `out + offset`, the
+// head-major output. With one (the paged decode and prefill): the token's slot of the paged
+// cache [num_blocks, kvh, block_size, d], or null for a slot of u32::MAX (a padding token) or
+// past the cache, which the caller skips, as paged_kv_write does.
+template <typename T>
+__device__ T *kv_dst(T *out, size_t offset, T *cache, const uint32_t *slots, int tok, int head,
+                     int kvh, int d, int block_size, long long num_slots) {
+    if (cache == nullptr) return out + offset;
+    const uint32_t slot = slots[tok];
+    if (slot == 0xffffffffu || (long long)slot >= num_slots) return nullptr;
+    const size_t blk = slot / block_size, off = slot % block_size;
+    return cache + ((blk * kvh + head) * block_size + off) * d;
+}
+
 // Splits the fused q/k/v projection [b, t, (h + 2 kvh) * d] into head-major q [b, h, t, d],
 // k and v [b, kvh, t, d] (consecutive regions of `out`), adding the projection bias and
 // rotating q and k with RoPE (rotate-half convention, math in f32, one rounding). `cs` holds
 // cos then sin for each position: [t, d], or [b, t, d] when `per_row`, in T (the text model's
-// tables) or f32 (C = float: the vision tower's, as transformers computes them). One block per
-// (token, head), d/2 threads.
+// tables) or f32 (C = float: the vision tower's, as transformers computes them). With `kc` set,
+// k and v go to the paged caches kc, vc at `slots` instead (kv_dst) and `out` holds q only.
+// One block per (token, head), d/2 threads.
 template <typename T, typename C>
 __device__ void qkv_rope(const T *x, const T *bias, const C *cs, T *out, int b, int t, int h,
-                         int kvh, int d, int per_row) {
+                         int kvh, int d, int per_row, T *kc, T *vc, const uint32_t *slots,
+                         int block_size, long long num_slots) {
     const int heads = h + 2 * kvh;
     const int half = d / 2;
     const int blk = blockIdx.x; // (bi * t + ti) * heads + hh
@@ -24,7 +40,10 @@ __device__ void qkv_rope(const T *x, const T *bias, const C *cs, T *out, int b, 
     const float x1 = to_f(src[i + half]) + to_f(bias[hh * d + i + half]);
     const size_t q_size = (size_t)b * h * t * d, kv_size = (size_t)b * kvh * t * d;
     if (hh >= h + kvh) {
-        T *dst = out + q_size + kv_size + (((size_t)bi * kvh + (hh - h - kvh)) * t + ti) * d;
+        const int vh = hh - h - kvh;
+        T *dst = kv_dst(out, q_size + kv_size + (((size_t)bi * kvh + vh) * t + ti) * d, vc, slots,
+                        tok, vh, kvh, d, block_size, num_slots);
+        if (dst == nullptr) return;
         dst[i] = from_f<T>(x0);
         dst[i + half] = from_f<T>(x1);
         return;
@@ -32,7 +51,9 @@ __device__ void qkv_rope(const T *x, const T *bias, const C *cs, T *out, int b, 
     const C *row = cs + (per_row ? (size_t)tok : (size_t)ti) * d;
     const float c = to_f(row[i]), s = to_f(row[half + i]);
     T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
-                    : out + q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d;
+                    : kv_dst(out, q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d, kc,
+                             slots, tok, hh - h, kvh, d, block_size, num_slots);
+    if (dst == nullptr) return;
     dst[i] = from_f<T>(x0 * c - x1 * s);
     dst[i + half] = from_f<T>(x1 * c + x0 * s);
 }
@@ -43,12 +64,13 @@ __device__ void qkv_rope(const T *x, const T *bias, const C *cs, T *out, int b, 
 // transformers' Qwen3RMSNorm (y = T(T(s * rsqrt(mean(s^2) + eps)) * w), with qw for q heads,
 // kw for k heads), then rotated as apply_rotary_pos_emb does in the model dtype:
 // T(T(y0 c) - T(y1 s)) and T(T(y1 c) + T(y0 s)). `cs` holds cos then sin for each position,
-// as for qkv_rope: [t, d], or [b, t, d] when `per_row`. One warp (block of 32) per
-// (token, head).
+// as for qkv_rope: [t, d], or [b, t, d] when `per_row`; `kc`, `vc`, `slots` as for qkv_rope.
+// One warp (block of 32) per (token, head).
 template <typename T>
 __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw, const T *kw,
                              T *out, int b, int t, int h, int kvh, int d, int per_row,
-                             int has_bias, float eps) {
+                             int has_bias, float eps, T *kc, T *vc, const uint32_t *slots,
+                             int block_size, long long num_slots) {
     const int heads = h + 2 * kvh;
     const int half = d / 2;
     const int blk = blockIdx.x; // (bi * t + ti) * heads + hh
@@ -64,10 +86,17 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
     };
     const size_t q_size = (size_t)b * h * t * d, kv_size = (size_t)b * kvh * t * d;
     if (hh >= h + kvh) {
-        T *dst = out + q_size + kv_size + (((size_t)bi * kvh + (hh - h - kvh)) * t + ti) * d;
+        const int vh = hh - h - kvh;
+        T *dst = kv_dst(out, q_size + kv_size + (((size_t)bi * kvh + vh) * t + ti) * d, vc, slots,
+                        tok, vh, kvh, d, block_size, num_slots);
+        if (dst == nullptr) return; // uniform over the block: one slot per token
         for (int i = lane; i < d; i += 32) dst[i] = from_f<T>(at(i));
         return;
     }
+    T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
+                    : kv_dst(out, q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d, kc,
+                             slots, tok, hh - h, kvh, d, block_size, num_slots);
+    if (dst == nullptr) return; // uniform over the block
     float ss = 0.f;
     for (int i = lane; i < d; i += 32) {
         const float f = at(i);
@@ -77,8 +106,6 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
     const float inv = rsqrtf(ss / d + eps);
     const T *w = hh < h ? qw : kw;
     const T *row = cs + (per_row ? (size_t)tok : (size_t)ti) * d;
-    T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
-                    : out + q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d;
     for (int i = lane; i < half; i += 32) {
         const float y0 = rnd<T>(rnd<T>(at(i) * inv) * to_f(w[i]));
         const float y1 = rnd<T>(rnd<T>(at(i + half) * inv) * to_f(w[i + half]));
@@ -91,15 +118,19 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
 }
 
 #define OPS(T, SUFFIX)                                                                             \
-    extern "C" __global__ void qkv_rope_##SUFFIX(const T *x, const T *bias, const T *cs,      \
-                                                 T *out, int b, int t, int h, int kvh, int d, \
-                                                 int per_row) {                               \
-        qkv_rope<T, T>(x, bias, cs, out, b, t, h, kvh, d, per_row);                           \
+    extern "C" __global__ void qkv_rope_##SUFFIX(                                             \
+        const T *x, const T *bias, const T *cs, T *out, int b, int t, int h, int kvh, int d,  \
+        int per_row, T *kc, T *vc, const uint32_t *slots, int block_size,                     \
+        long long num_slots) {                                                                \
+        qkv_rope<T, T>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots, block_size, \
+                       num_slots);                                                            \
     }                                                                                         \
     extern "C" __global__ void qk_norm_rope_##SUFFIX(                                         \
         const T *x, const T *bias, const T *cs, const T *qw, const T *kw,                     \
-        T *out, int b, int t, int h, int kvh, int d, int per_row, int has_bias, float eps) {  \
-        qk_norm_rope<T>(x, bias, cs, qw, kw, out, b, t, h, kvh, d, per_row, has_bias, eps);  \
+        T *out, int b, int t, int h, int kvh, int d, int per_row, int has_bias, float eps,    \
+        T *kc, T *vc, const uint32_t *slots, int block_size, long long num_slots) {           \
+        qk_norm_rope<T>(x, bias, cs, qw, kw, out, b, t, h, kvh, d, per_row, has_bias, eps,   \
+                        kc, vc, slots, block_size, num_slots);                                \
     }
 OPS(float, f32)
 OPS(__half, f16)
@@ -110,8 +141,12 @@ OPS(__nv_bfloat16, bf16)
     extern "C" __global__ void qkv_rope_##SUFFIX##_csf32(const T *x, const T *bias,            \
                                                          const float *cs, T *out, int b,       \
                                                          int t, int h, int kvh, int d,         \
-                                                         int per_row) {                        \
-        qkv_rope<T, float>(x, bias, cs, out, b, t, h, kvh, d, per_row);                        \
+                                                         int per_row, T *kc, T *vc,            \
+                                                         const uint32_t *slots,                \
+                                                         int block_size,                       \
+                                                         long long num_slots) {                \
+        qkv_rope<T, float>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,         \
+                           block_size, num_slots);                                             \
     }
 OPS_CS_F32(__half, f16)
 OPS_CS_F32(__nv_bfloat16, bf16)

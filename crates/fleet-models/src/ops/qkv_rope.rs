@@ -28,6 +28,7 @@ pub fn qkv_rope(
         h,
         kvh,
         d: head_dim,
+        cache: None,
     }));
     let flat = contig(qkv)?.apply_op3_arc(&contig(bias)?, &contig(cs)?, op)?;
     split_heads(&flat, (b, t), heads, head_dim)
@@ -69,9 +70,138 @@ pub fn qk_norm_rope(
         eps,
         cs: contig(cs)?,
         bias,
+        cache: None,
     }));
     let flat = qkv.apply_op3_arc(&contig(q_weight)?, &contig(k_weight)?, op)?;
     split_heads(&flat, (b, t), heads, head_dim)
+}
+
+/// The paged KV caches a call's keys and values go into ([`qkv_rope_paged`],
+/// [`qk_norm_rope_paged`]): `k_cache` and `v_cache` `[num_blocks, kv_heads, block_size,
+/// head_dim]`, contiguous, in the projection's dtype, and `slots` (u32 `[b * t]`) the slot of
+/// each token `bi * t + ti`, as [`paged_kv_write`] takes them (`u32::MAX`: a padding token, not
+/// written).
+#[derive(Clone, Debug)]
+pub struct PagedKvWrite {
+    /// The keys' cache.
+    pub k_cache: Tensor,
+    /// The values' cache.
+    pub v_cache: Tensor,
+    /// One slot per token.
+    pub slots: Tensor,
+}
+
+impl PagedKvWrite {
+    /// Writes head-major `k`, `v` (`[b, kv_heads, t, d]`) at the slots: the two
+    /// [`paged_kv_write`]s the fused kernels replace.
+    fn write(&self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let tokens = |t: &Tensor| -> Result<Tensor> {
+            let (b, kvh, n, d) = t.dims4()?;
+            Ok(t.transpose(1, 2)?.contiguous()?.reshape((b * n, kvh, d))?)
+        };
+        paged_kv_write(&self.k_cache, &tokens(k)?, &self.slots)?;
+        paged_kv_write(&self.v_cache, &tokens(v)?, &self.slots)
+    }
+
+    /// Whether one kernel may write the caches: on CUDA, nothing tracked (the fused op has no
+    /// backward), the caches of the projection's dtype.
+    fn fused(&self, qkv: &Tensor, tracked: bool) -> bool {
+        qkv.device().is_cuda()
+            && !tracked
+            && self.k_cache.dtype() == qkv.dtype()
+            && self.v_cache.dtype() == qkv.dtype()
+    }
+
+    /// `(block_size, num_slots)` after checking the caches against `(b, t, kv_heads, d)`.
+    #[cfg(feature = "cuda")]
+    fn dims(
+        &self,
+        (b, t): (usize, usize),
+        kvh: usize,
+        d: usize,
+    ) -> candle_core::Result<(usize, usize)> {
+        let (kd, vd) = (self.k_cache.dims(), self.v_cache.dims());
+        if kd.len() != 4 || kd != vd || kd[1] != kvh || kd[3] != d {
+            candle_core::bail!(
+                "paged q/k/v write: caches {kd:?} / {vd:?} must both be [num_blocks, {kvh}, \
+                 block_size, {d}]"
+            );
+        }
+        if self.slots.dims() != [b * t] || self.slots.dtype() != DType::U32 {
+            candle_core::bail!(
+                "paged q/k/v write: slots {:?} {:?}, expected u32 [{}]",
+                self.slots.dims(),
+                self.slots.dtype(),
+                b * t
+            );
+        }
+        Ok((kd[2], kd[0] * kd[2]))
+    }
+}
+
+/// [`qkv_rope`] with this call's keys and values written into the paged caches at `kv.slots`
+/// instead of returned: on CUDA (nothing tracked) one kernel instead of three launches (a decode
+/// step's K/V writes were two launches a layer); elsewhere [`qkv_rope`] then [`paged_kv_write`]
+/// twice, which the kernel equals bit for bit. Returns `q`, `[b, h, t, d]`.
+pub fn qkv_rope_paged(
+    qkv: &Tensor,
+    bias: &Tensor,
+    cs: &Tensor,
+    heads: (usize, usize),
+    head_dim: usize,
+    kv: &PagedKvWrite,
+) -> Result<Tensor> {
+    let tracked = qkv.track_op() || bias.track_op();
+    if !kv.fused(qkv, tracked) {
+        let (q, k, v) = qkv_rope(qkv, bias, cs, heads, head_dim)?;
+        kv.write(&k, &v)?;
+        return Ok(q);
+    }
+    let (b, t, _) = qkv.dims3()?;
+    let (h, kvh) = heads;
+    let op = QkvRope {
+        h,
+        kvh,
+        d: head_dim,
+        cache: Some(kv.clone()),
+    };
+    let q = contig(qkv)?.apply_op3_no_bwd(&contig(bias)?, &contig(cs)?, &op)?;
+    Ok(q.reshape((b, h, t, head_dim))?)
+}
+
+/// [`qk_norm_rope`] with the keys and values written into the paged caches, as
+/// [`qkv_rope_paged`] does for [`qkv_rope`]. Returns `q`, `[b, h, t, d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_paged(
+    qkv: &Tensor,
+    bias: &Tensor,
+    cs: &Tensor,
+    q_weight: &Tensor,
+    k_weight: &Tensor,
+    eps: f32,
+    heads: (usize, usize),
+    head_dim: usize,
+    kv: &PagedKvWrite,
+) -> Result<Tensor> {
+    let tracked = [qkv, bias, q_weight, k_weight].iter().any(|t| t.track_op());
+    if !kv.fused(qkv, tracked) {
+        let (q, k, v) = qk_norm_rope(qkv, bias, cs, q_weight, k_weight, eps, heads, head_dim)?;
+        kv.write(&k, &v)?;
+        return Ok(q);
+    }
+    let (b, t, _) = qkv.dims3()?;
+    let (h, kvh) = heads;
+    let op = QkNormRope {
+        h,
+        kvh,
+        d: head_dim,
+        eps,
+        cs: contig(cs)?,
+        bias: Some(contig(bias)?),
+        cache: Some(kv.clone()),
+    };
+    let q = contig(qkv)?.apply_op3_no_bwd(&contig(q_weight)?, &contig(k_weight)?, &op)?;
+    Ok(q.reshape((b, h, t, head_dim))?)
 }
 
 /// The flat output of the q/k/v kernels as head-major `q`, `k`, `v` (views, no copies).
@@ -123,6 +253,8 @@ struct QkvRope {
     h: usize,
     kvh: usize,
     d: usize,
+    /// Where k and v go instead of the output (CUDA only): the output is then q alone.
+    cache: Option<PagedKvWrite>,
 }
 
 impl QkvRope {
@@ -215,6 +347,9 @@ impl CustomOp3 for QkvRope {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if self.cache.is_some() {
+            candle_core::bail!("qkv_rope: the paged write is a CUDA kernel (qkv_rope_paged)");
+        }
         let (b, t, per_row) = self.dims(l1, l2, l3)?;
         let out = match (s1, s2, s3) {
             // f32 tables on half-precision inputs (the vision tower).
@@ -282,6 +417,8 @@ struct QkNormRope {
     eps: f32,
     cs: Tensor,
     bias: Option<Tensor>,
+    /// As [`QkvRope`]'s.
+    cache: Option<PagedKvWrite>,
 }
 
 impl QkNormRope {
@@ -430,6 +567,11 @@ impl CustomOp3 for QkNormRope {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if self.cache.is_some() {
+            candle_core::bail!(
+                "qk_norm_rope: the paged write is a CUDA kernel (qk_norm_rope_paged)"
+            );
+        }
         let dims = self.dims(l1, l2, l3)?;
         let dtype = s1.dtype();
         let tables = [Some(&self.cs), self.bias.as_ref()];
@@ -509,8 +651,10 @@ impl CustomOp3 for QkNormRope {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
+    use std::ops::Deref;
+
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Shape};
@@ -518,10 +662,102 @@ mod cuda {
 
     use super::super::cuda_util::*;
     use super::super::suffix;
-    use super::QkNormRope;
+    use super::{PagedKvWrite, QkNormRope};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qkv_rope.ptx"));
     const MODULE: &str = "fleet_qkv_rope";
+
+    /// The kernels' output length: q, k and v, or q alone when k and v go to a cache.
+    fn out_len(
+        cache: Option<&PagedKvWrite>,
+        (b, t): (usize, usize),
+        (h, kvh): (usize, usize),
+        d: usize,
+    ) -> usize {
+        b * t * d * if cache.is_some() { h } else { h + 2 * kvh }
+    }
+
+    /// The caches' and the slots' device views.
+    type CacheViews<'a, T> = (CudaView<'a, T>, CudaView<'a, T>, CudaView<'a, u32>);
+
+    /// The storages (read guards) and layouts of a paged write's caches and slots.
+    fn cache_guards(
+        cache: Option<&PagedKvWrite>,
+    ) -> Option<[(impl Deref<Target = candle_core::Storage> + '_, &Layout); 3]> {
+        cache.map(|c| [&c.k_cache, &c.v_cache, &c.slots].map(|t| t.storage_and_layout()))
+    }
+
+    /// The device views of [`cache_guards`]' storages, each checked to be on `dev` and
+    /// contiguous.
+    fn cache_views<'a, T: CudaDType + DeviceRepr, G: Deref<Target = candle_core::Storage>>(
+        guards: &'a Option<[(G, &Layout); 3]>,
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<Option<CacheViews<'a, T>>> {
+        let Some([(k, kl), (v, vl), (sl, sll)]) = guards else {
+            return Ok(None);
+        };
+        let op = "paged q/k/v write";
+        fn whole<'s>(
+            s: &'s CudaStorage,
+            l: &Layout,
+            what: &str,
+        ) -> candle_core::Result<(&'s CudaStorage, usize, usize)> {
+            match l.contiguous_offsets() {
+                Some((a, b)) => Ok((s, a, b)),
+                None => candle_core::bail!("paged q/k/v write: the {what} must be contiguous"),
+            }
+        }
+        let (ks, ka, kb) = whole(held(op, "k cache", k, dev)?, kl, "k cache")?;
+        let (vs, va, vb) = whole(held(op, "v cache", v, dev)?, vl, "v cache")?;
+        let (ss, sa, sb) = whole(held(op, "slots", sl, dev)?, sll, "slots")?;
+        Ok(Some((
+            ks.as_cuda_slice::<T>()?.slice(ka..kb),
+            vs.as_cuda_slice::<T>()?.slice(va..vb),
+            ss.as_cuda_slice::<u32>()?.slice(sa..sb),
+        )))
+    }
+
+    /// The block size and the number of slots of a paged write (zeros without one), after
+    /// checking its caches against `(b, t)`, `kvh` and `d`.
+    fn cache_dims(
+        cache: Option<&PagedKvWrite>,
+        bt: (usize, usize),
+        kvh: usize,
+        d: usize,
+    ) -> candle_core::Result<(i32, i64)> {
+        Ok(match cache {
+            Some(c) => {
+                let (bs, n) = c.dims(bt, kvh, d)?;
+                (bs as i32, n as i64)
+            }
+            None => (0, 0),
+        })
+    }
+
+    /// Pushes the kernels' last five arguments: the caches, the slots, the block size and the
+    /// number of slots, or null pointers and zeros without a cache. The caches are written in
+    /// place, as paged_kv_write does, through the views' device pointers.
+    fn push_cache<'b, T>(
+        bld: &mut LaunchArgs<'b>,
+        views: &'b Option<CacheViews<'b, T>>,
+        dims: &'b (i32, i64),
+    ) {
+        const NULL: u64 = 0;
+        match views {
+            Some((k, v, slots)) => {
+                bld.arg(k);
+                bld.arg(v);
+                bld.arg(slots);
+            }
+            None => {
+                bld.arg(&NULL);
+                bld.arg(&NULL);
+                bld.arg(&NULL);
+            }
+        }
+        bld.arg(&dims.0);
+        bld.arg(&dims.1);
+    }
 
     #[allow(clippy::too_many_arguments)]
     pub(super) fn qkv_rope(
@@ -552,7 +788,7 @@ mod cuda {
                 input::<C>(s3, l3)?,
             );
             let heads = op.h + 2 * op.kvh;
-            let n = b * t * heads * op.d;
+            let n = out_len(op.cache.as_ref(), (b, t), (op.h, op.kvh), op.d);
             // Tables in f32 on half-precision inputs: the `_csf32` kernels.
             let tables = if s3.dtype() != s1.dtype() {
                 "_csf32"
@@ -564,6 +800,9 @@ mod cuda {
                 MODULE,
                 PTX,
             )?;
+            let cache_dims = cache_dims(op.cache.as_ref(), (b, t), op.kvh, op.d)?;
+            let guards = cache_guards(op.cache.as_ref());
+            let views = cache_views::<T, _>(&guards, &dev)?;
             // SAFETY: every (token, head) block writes its d outputs.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
             let cfg = LaunchConfig {
@@ -587,11 +826,13 @@ mod cuda {
             for a in &args {
                 bld.arg(a);
             }
-            // SAFETY: grid covers b * t * heads blocks of d/2 threads.
+            push_cache(&mut bld, &views, &cache_dims);
+            // SAFETY: grid covers b * t * heads blocks of d/2 threads; with a cache, k and v
+            // rows go to checked slots of it (cache_views), q alone to `out`.
             unsafe { bld.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
-        let n = dims.0 * dims.1 * (op.h + 2 * op.kvh) * op.d;
+        let n = out_len(op.cache.as_ref(), (dims.0, dims.1), (op.h, op.kvh), op.d);
         use candle_core::DType as Dt;
         let out = match (s1.dtype(), s3.dtype()) {
             (Dt::F32, Dt::F32) => run::<f32, f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
@@ -640,12 +881,15 @@ mod cuda {
                 None => None,
             };
             let heads = op.h + 2 * op.kvh;
-            let n = b * t * heads * op.d;
+            let n = out_len(op.cache.as_ref(), (b, t), (op.h, op.kvh), op.d);
             let func = dev.get_or_load_custom_func(
                 &format!("qk_norm_rope_{}", suffix(s1.dtype())?),
                 MODULE,
                 PTX,
             )?;
+            let cache_dims = cache_dims(op.cache.as_ref(), (b, t), op.kvh, op.d)?;
+            let guards = cache_guards(op.cache.as_ref());
+            let views = cache_views::<T, _>(&guards, &dev)?;
             // SAFETY: every (token, head) block writes its d outputs.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
             let cfg = LaunchConfig {
@@ -677,7 +921,9 @@ mod cuda {
                 bld.arg(a);
             }
             bld.arg(&op.eps);
-            // SAFETY: grid covers b * t * heads blocks of one warp each.
+            push_cache(&mut bld, &views, &cache_dims);
+            // SAFETY: grid covers b * t * heads blocks of one warp each; with a cache, k and v
+            // rows go to checked slots of it (cache_views), q alone to `out`.
             unsafe { bld.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
@@ -689,7 +935,7 @@ mod cuda {
         {
             candle_core::bail!("qk_norm_rope: inputs must share one of f32, f16, bf16");
         }
-        let n = dims.0 * dims.1 * (op.h + 2 * op.kvh) * op.d;
+        let n = out_len(op.cache.as_ref(), (dims.0, dims.1), (op.h, op.kvh), op.d);
         let out = match dtype {
             DType::F32 => run::<f32>(op, dims, s1, l1, s2, l2, s3, l3)?,
             DType::F16 => run::<f16>(op, dims, s1, l1, s2, l2, s3, l3)?,
@@ -739,5 +985,92 @@ mod tests {
         // Shared positions ([t, d] table): row 0 of the batch uses the same tables.
         let (q, _, _) = qkv_rope(&raw, &bias, &cs.get(0).unwrap(), (h, kvh), d).unwrap();
         assert!(diff(&q.get(0).unwrap(), &want_q.get(0).unwrap()) < 1e-5);
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod kernel_tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The fused paged write on the GPU against the three kernels it replaces (q/k/v split,
+    /// then two `paged_kv_write`s), bit for bit: q, and both caches, whose other slots keep
+    /// their values; a `u32::MAX` slot (padding) writes nothing. Qwen2's and Qwen3's kernels,
+    /// f32 and bf16, a decode step (t = 1) and a prefill (t = 3).
+    #[test]
+    fn paged_write_equals_the_split_and_the_two_cache_writes() {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("paged_write_equals_the_split_and_the_two_cache_writes: no CUDA device");
+            return;
+        };
+        let (h, kvh, d, blocks, bs) = (4, 2, 64, 5, 16);
+        for dtype in [DType::F32, DType::BF16] {
+            for (b, t) in [(3, 1), (2, 3)] {
+                let rnd = |shape: &[usize], seed: u64| -> Tensor {
+                    let n: usize = shape.iter().product();
+                    let v: Vec<f32> = (0..n)
+                        .map(|i| {
+                            let x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
+                            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+                        })
+                        .collect();
+                    Tensor::from_vec(v, shape, &gpu)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap()
+                };
+                let qkv = rnd(&[b, t, (h + 2 * kvh) * d], 1);
+                let bias = rnd(&[(h + 2 * kvh) * d], 2);
+                let cs = rnd(&[b, t, d], 3);
+                let (qw, kw) = (rnd(&[d], 4), rnd(&[d], 5));
+                // Slots scattered over the blocks; the last token is padding.
+                let mut slots: Vec<u32> = (0..b * t).map(|i| (i * 7 + 3) as u32 % 80).collect();
+                *slots.last_mut().unwrap() = u32::MAX;
+                let cache = |seed| rnd(&[blocks, kvh, bs, d], seed);
+                let target = |seed| PagedKvWrite {
+                    k_cache: cache(seed),
+                    v_cache: cache(seed + 1),
+                    slots: Tensor::new(slots.as_slice(), &gpu).unwrap(),
+                };
+                let host = |x: &Tensor| -> Vec<f32> {
+                    let x = x.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                    x.to_vec1::<f32>().unwrap()
+                };
+                for qwen3 in [false, true] {
+                    let (fused, split) = (target(10), target(10));
+                    let q_fused = if qwen3 {
+                        qk_norm_rope_paged(&qkv, &bias, &cs, &qw, &kw, 1e-6, (h, kvh), d, &fused)
+                    } else {
+                        qkv_rope_paged(&qkv, &bias, &cs, (h, kvh), d, &fused)
+                    }
+                    .unwrap();
+                    let (q, k, v) = if qwen3 {
+                        qk_norm_rope(&qkv, &bias, &cs, &qw, &kw, 1e-6, (h, kvh), d)
+                    } else {
+                        qkv_rope(&qkv, &bias, &cs, (h, kvh), d)
+                    }
+                    .unwrap();
+                    split.write(&k, &v).unwrap();
+                    let what = format!("{dtype:?} b {b} t {t} qwen3 {qwen3}");
+                    assert_eq!(q_fused.dims(), q.dims(), "{what}");
+                    assert_eq!(host(&q_fused), host(&q), "q, {what}");
+                    assert_eq!(
+                        host(&fused.k_cache),
+                        host(&split.k_cache),
+                        "k cache, {what}"
+                    );
+                    assert_eq!(
+                        host(&fused.v_cache),
+                        host(&split.v_cache),
+                        "v cache, {what}"
+                    );
+                    assert_ne!(
+                        host(&fused.k_cache),
+                        host(&cache(10)),
+                        "nothing written, {what}"
+                    );
+                }
+            }
+        }
     }
 }
