@@ -104,9 +104,13 @@ impl PagedKvWrite {
     }
 
     /// Whether one kernel may write the caches: on CUDA, nothing tracked (the fused op has no
-    /// backward), the caches of the projection's dtype.
+    /// backward), the caches of the projection's dtype, and `FLEET_FUSED_KV_WRITE` not `0`
+    /// (which keeps the three launches, for comparison).
     fn fused(&self, qkv: &Tensor, tracked: bool) -> bool {
-        qkv.device().is_cuda()
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on =
+            *ON.get_or_init(|| std::env::var("FLEET_FUSED_KV_WRITE").map_or(true, |v| v != "0"));
+        on && qkv.device().is_cuda()
             && !tracked
             && self.k_cache.dtype() == qkv.dtype()
             && self.v_cache.dtype() == qkv.dtype()
