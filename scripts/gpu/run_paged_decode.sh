@@ -16,7 +16,8 @@
 #                 continuous: graphs, a read every step; continuous-skinny: the same with
 #                 the skinny GEMM for 5-64 rows (FLEET_SKINNY_GEMM=1); continuous-cublas: with
 #                 FLEET_DECODE_GEMV=0 (cuBLAS for every product); continuous-scalarnorm: with
-#                 FLEET_VEC_NORM=0 (the norms' first kernel); continuous-sync8: graphs, a read every
+#                 FLEET_VEC_NORM=0 (the norms' first kernel); continuous-splitkv: with
+#                 FLEET_FUSED_KV_WRITE=0 (K/V written by their own launches); continuous-sync8: graphs, a read every
 #                 8 steps); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
 #                 128, 256 new) in the same modes
 #   PART=sanitize the paged tests (dist/carry/paged-tests.tar.xz): the decode-graph test under
@@ -41,17 +42,18 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT
 case "$PART" in
   graphs)
     T=/tmp/paged_tests; mkdir -p "$T"
-    xz -dc dist/carry/paged-tests.tar.xz | tar xf - -C "$T"
+    xz -dc "${TESTS_TAR:-dist/carry/paged-tests.tar.xz}" | tar xf - -C "$T"
     BUILT_AT="${BUILT_AT:-/work/main}"
     [ -e "$BUILT_AT/tests/fixtures" ] || { mkdir -p "$(dirname "$BUILT_AT")"; ln -sfn "$PWD" "$BUILT_AT"; }
-    for t in paged_generation generation parity paged_attention; do
+    for t in paged_generation generation parity paged_attention qwen3_vl_parity; do
+      [ -x "$T/$t" ] || { echo "== $t: not carried"; continue; }
       echo "== $t"
       timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_$t.txt" 2>&1
       echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_$t.txt"
     done
     # The same generation tests with the skinny GEMM on for 5-64 rows (off by default until
     # its kernel test has passed on a GPU).
-    for t in paged_generation generation; do
+    for t in ${SKINNY_TESTS-paged_generation generation}; do
       echo "== $t (FLEET_SKINNY_GEMM=1)"
       FLEET_SKINNY_GEMM=1 timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_${t}_skinny.txt" 2>&1
       echo "rc $?"; grep -E 'test result|panicked|FAILED' "$OUT/test_${t}_skinny.txt"
@@ -59,8 +61,8 @@ case "$PART" in
     # The crate's own kernel tests (the library's unit tests): the GEMV and the linear layer;
     # the CUDA ops against their twins; decode graphs on two logical devices (a binary of its
     # own: the logical mapping is process-wide).
-    echo "== fleet_models kernel tests (linear, dropout)"
-    timeout 120 "$T/fleet_models" --test-threads 1 ops::linear ops::dropout > "$OUT/test_lib.txt" 2>&1
+    echo "== fleet_models kernel tests (linear, dropout, the q/k/v kernels' paged write)"
+    timeout 120 "$T/fleet_models" --test-threads 1 ops::linear ops::dropout ops::qkv_rope > "$OUT/test_lib.txt" 2>&1
     echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_lib.txt"
     if [ -x "$T/ops_grad" ]; then
       echo "== ops_grad (cuda)"
@@ -81,8 +83,9 @@ case "$PART" in
     # (FLEET_DECODE_GEMV=0: no GEMV for up to 4 rows, no skinny GEMM for 5 to 64).
     mode_flags() {
       gemv=1; batches=$BATCHES
-      skinny=0; vecnorm=1
+      skinny=0; vecnorm=1; fusedkv=1
       case "$1" in
+        continuous-splitkv) flags=(--batching continuous); fusedkv=0 ;;
         continuous-skinny) flags=(--batching continuous); skinny=1 ;;
         continuous-eager) flags=(--batching continuous --enforce-eager) ;;
         continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
@@ -94,7 +97,7 @@ case "$PART" in
     for mode in ${MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
       echo "== fleet $mode"
       mode_flags "$mode"
-      FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
+      FLEET_FUSED_KV_WRITE=$fusedkv FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
         --prompt-len 512 --new-tokens 128 --repeats 2 "${flags[@]}" \
         --json "$OUT/fleet_7b_$mode.json"
     done
@@ -102,7 +105,7 @@ case "$PART" in
       for mode in ${ROLLOUT_MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
         echo "== fleet $shape rollouts $mode"
         mode_flags "$mode"
-        FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
+        FLEET_FUSED_KV_WRITE=$fusedkv FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
           --prompt-len 128 --new-tokens 256 --repeats 3 "${flags[@]}" \
           --json "$OUT/fleet_${shape}_rollouts_$mode.json"
       done
@@ -110,7 +113,7 @@ case "$PART" in
     ;;
   sanitize)
     T=/tmp/paged_tests; mkdir -p "$T"
-    xz -dc dist/carry/paged-tests.tar.xz | tar xf - -C "$T"
+    xz -dc "${TESTS_TAR:-dist/carry/paged-tests.tar.xz}" | tar xf - -C "$T"
     BUILT_AT="${BUILT_AT:-/work/main}"
     [ -e "$BUILT_AT/tests/fixtures" ] || { mkdir -p "$(dirname "$BUILT_AT")"; ln -sfn "$PWD" "$BUILT_AT"; }
     echo "== memcheck: refilled_paged_batches_give_the_lock_step_tokens"
