@@ -6,7 +6,7 @@
 //! cache instead: a finished row's place is refilled at once, and shared prompt prefixes are
 //! computed once.
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use std::collections::{BTreeMap, VecDeque};
@@ -1021,6 +1021,12 @@ impl<'a> Generator<'a> {
         let logits = if parts.len() == 1 {
             parts.pop().expect("one part")
         } else {
+            // A graph step's logits are in the model's dtype, a prefill's in f32: widened
+            // (exactly) to one dtype.
+            let parts: Vec<Tensor> = parts
+                .iter()
+                .map(|p| p.to_dtype(DType::F32))
+                .collect::<candle_core::Result<_>>()?;
             Tensor::cat(&parts, 0)?
         };
         // After a burst only the newcomers' first tokens are picked here.

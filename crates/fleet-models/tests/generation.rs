@@ -414,4 +414,15 @@ fn gpu_sampling_kernel_matches_its_twin() {
     // Replays draw the same.
     let (again, _) = sample_tokens(&cpu.to_device(&gpu).unwrap(), &params, &seen_rows).unwrap();
     assert_eq!(again, got);
+    // bf16 and f16 logits (a graph step's, in the model's dtype) read as they are: the same
+    // draws and log-probabilities, bit for bit, as the f32 kernel on the same values widened.
+    for dtype in [candle_core::DType::BF16, candle_core::DType::F16] {
+        let half = cpu.to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
+        let widened = half.to_dtype(candle_core::DType::F32).unwrap();
+        let (got_half, lp_half) = sample_tokens(&half, &params, &seen_rows).unwrap();
+        let (got_wide, lp_wide) = sample_tokens(&widened, &params, &seen_rows).unwrap();
+        assert_eq!(got_half, got_wide, "{dtype:?}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&lp_half), bits(&lp_wide), "{dtype:?}");
+    }
 }

@@ -50,27 +50,28 @@ __device__ __forceinline__ float score_of(float l, unsigned int v, const uint32_
     return inv_t > 0.f ? l * inv_t : l;
 }
 
-__device__ __forceinline__ float sample_score(const float *row, unsigned int v, const uint32_t *pen,
+template <typename L>
+__device__ __forceinline__ float sample_score(const L *row, unsigned int v, const uint32_t *pen,
                                               int n_pen, float penalty, float inv_t) {
-    return score_of(row[v], v, pen, n_pen, penalty, inv_t);
+    return score_of(to_f(row[v]), v, pen, n_pen, penalty, inv_t);
 }
 
 // Calls f(v, row[v]) for v = threadIdx.x, threadIdx.x + SAMPLE_THREADS, ... in that order (the
 // order of the twin's sums), with the loads of four of them issued before the first call: with
 // one block per row, a pass is bound by the loads' latency (a 7B step's sampler took 100 us at
 // batch 1, loading one logit at a time).
-template <typename F>
-__device__ __forceinline__ void each_logit(const float *row, int vocab, F f) {
+template <typename L, typename F>
+__device__ __forceinline__ void each_logit(const L *row, int vocab, F f) {
     constexpr int U = 4;
     int v = threadIdx.x;
     for (; v + (U - 1) * SAMPLE_THREADS < vocab; v += U * SAMPLE_THREADS) {
         float x[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) x[u] = row[v + u * SAMPLE_THREADS];
+        for (int u = 0; u < U; ++u) x[u] = to_f(row[v + u * SAMPLE_THREADS]);
 #pragma unroll
         for (int u = 0; u < U; ++u) f(v + u * SAMPLE_THREADS, x[u]);
     }
-    for (; v < vocab; v += SAMPLE_THREADS) f(v, row[v]);
+    for (; v < vocab; v += SAMPLE_THREADS) f(v, to_f(row[v]));
 }
 
 // (max, sum of exp(x - max)) pairs combined; the first pair wins ties of order.
@@ -164,7 +165,8 @@ __device__ __forceinline__ void block_online(float &m, float &s, float *sm, floa
 // lowest key whose higher keys' mass stays below target (top-p). 0 (keep all) when the total
 // stays below target. Called by every thread of the block; `hist`, `pick` and `left` are
 // shared memory.
-__device__ unsigned int radix_select(const float *row, int vocab, const uint32_t *pen, int n_pen,
+template <typename L>
+__device__ unsigned int radix_select(const L *row, int vocab, const uint32_t *pen, int n_pen,
                                      float penalty, float inv_t, unsigned int t_min, bool mass,
                                      float smax, unsigned long long target,
                                      unsigned long long *hist, unsigned int *pick,
@@ -216,9 +218,13 @@ __device__ unsigned int radix_select(const float *row, int vocab, const uint32_t
 // sort keys, 8 bits a pass, from integer histograms (counts; masses in 2^-40 units), so the
 // result does not depend on the order of atomics. Every token whose score ties the threshold
 // stays, as transformers keeps top-k ties.
-extern "C" __global__ void sample_tokens(const float *logits, const uint32_t *params,
-                                         const uint32_t *pen, uint32_t *out, int vocab,
-                                         int rows) {
+//
+// The logits are f32, or the model's bf16/f16 read as they are (each converted to f32 exactly
+// on load, so the draw is the f32 kernel's on the converted logits, without a cast kernel and
+// its buffer before every step).
+template <typename L>
+__device__ void sample_tokens(const L *logits, const uint32_t *params, const uint32_t *pen,
+                              uint32_t *out, int vocab, int rows) {
     const int r = blockIdx.x;
     const uint32_t *p = params + 8 * (size_t)r;
     const unsigned long long seed = (unsigned long long)p[0] | ((unsigned long long)p[1] << 32);
@@ -228,7 +234,7 @@ extern "C" __global__ void sample_tokens(const float *logits, const uint32_t *pa
     const float top_p = __uint_as_float(p[5]);
     const float min_p = __uint_as_float(p[6]);
     const float penalty = __uint_as_float(p[7]);
-    const float *row = logits + (size_t)r * vocab;
+    const L *row = logits + (size_t)r * vocab;
     const uint32_t *pen_ids = pen + (rows + 1) + pen[r];
     const int n_pen = penalty != 1.f ? (int)(pen[r + 1] - pen[r]) : 0;
 
@@ -297,6 +303,15 @@ extern "C" __global__ void sample_tokens(const float *logits, const uint32_t *pa
     if (threadIdx.x == 0) {
         const int tok = best_v == 0x7fffffff ? 0 : best_v;
         out[2 * r] = (uint32_t)tok;
-        out[2 * r + 1] = __float_as_uint(row[tok] - m - logf(s));
+        out[2 * r + 1] = __float_as_uint(to_f(row[tok]) - m - logf(s));
     }
 }
+
+#define SAMPLE(L, NAME)                                                                           \
+    extern "C" __global__ void NAME(const L *logits, const uint32_t *params, const uint32_t *pen, \
+                                    uint32_t *out, int vocab, int rows) {                         \
+        sample_tokens<L>(logits, params, pen, out, vocab, rows);                                  \
+    }
+SAMPLE(float, sample_tokens_f32)
+SAMPLE(__nv_bfloat16, sample_tokens_bf16)
+SAMPLE(__half, sample_tokens_f16)

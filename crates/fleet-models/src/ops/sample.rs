@@ -54,7 +54,8 @@ impl RowSampling {
     }
 }
 
-/// Picks the next token of every row of `logits` (`[rows, vocab]` f32) and returns
+/// Picks the next token of every row of `logits` (`[rows, vocab]`, f32, or bf16/f16 read as
+/// f32) and returns
 /// `(ids [rows] u32, logprobs [rows] f32)` on the host: each row's token and its log-probability
 /// under the raw logits (before penalty, temperature and filters; vLLM's `raw_logprobs`).
 ///
@@ -284,13 +285,23 @@ impl CustomOp3 for SampleTokens {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, vocab) = l1.shape().dims2()?;
-        let CpuStorage::F32(logits) = s1 else {
-            candle_core::bail!("sample_tokens: logits must be f32")
+        // Half-precision logits are read as the kernel reads them: converted to f32 exactly.
+        let widened: Vec<f32>;
+        let logits: &[f32] = match s1 {
+            CpuStorage::F32(l) => contiguous(l, l1)?,
+            CpuStorage::BF16(l) => {
+                widened = contiguous(l, l1)?.iter().map(|x| x.to_f32()).collect();
+                &widened
+            }
+            CpuStorage::F16(l) => {
+                widened = contiguous(l, l1)?.iter().map(|x| x.to_f32()).collect();
+                &widened
+            }
+            _ => candle_core::bail!("sample_tokens: logits must be f32, bf16 or f16"),
         };
         let (CpuStorage::U32(params), CpuStorage::U32(pen)) = (s2, s3) else {
             candle_core::bail!("sample_tokens: params and penalty ids must be u32")
         };
-        let logits = contiguous(logits, l1)?;
         let params = contiguous(params, l2)?;
         let pen = contiguous(pen, l3)?;
         if params.len() != rows * 8 || pen.len() < rows + 1 {
@@ -340,9 +351,10 @@ mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{CudaSlice, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
-    use candle_core::{CudaStorage, Layout, Shape};
+    use candle_core::{CudaStorage, DType, Layout, Shape};
 
     use super::super::cuda_util::*;
+    use super::super::suffix;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sample.ptx"));
     const MODULE: &str = "fleet_sample";
@@ -362,15 +374,36 @@ mod cuda {
                 "sample_tokens: params must be [rows, 8] and pen hold rows + 1 offsets"
             );
         }
-        let logits = input::<f32>(s1, l1)?;
         let params = input::<u32>(s2, l2)?;
         let pen = input::<u32>(s3, l3)?;
-        let func = dev.get_or_load_custom_func("sample_tokens", MODULE, PTX)?;
+        let dtype = s1.dtype();
+        let name = match dtype {
+            DType::F32 | DType::BF16 | DType::F16 => format!("sample_tokens_{}", suffix(dtype)?),
+            other => {
+                candle_core::bail!("sample_tokens: logits must be f32, bf16 or f16, not {other:?}")
+            }
+        };
+        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         // SAFETY: the kernel writes two words per row.
         let out: CudaSlice<u32> = unsafe { dev.alloc::<u32>(rows * 2)? };
         let cfg = row_blocks(rows);
+        // The logits are passed as a view of their own dtype (a device pointer either way).
+        let (f32_l, bf16_l, f16_l);
         let mut b = func.builder();
-        b.arg(&logits);
+        match dtype {
+            DType::F32 => {
+                f32_l = input::<f32>(s1, l1)?;
+                b.arg(&f32_l);
+            }
+            DType::BF16 => {
+                bf16_l = input::<half::bf16>(s1, l1)?;
+                b.arg(&bf16_l);
+            }
+            _ => {
+                f16_l = input::<half::f16>(s1, l1)?;
+                b.arg(&f16_l);
+            }
+        }
         b.arg(&params);
         b.arg(&pen);
         b.arg(&out);
@@ -551,6 +584,32 @@ mod tests {
             let one = t.narrow(0, r, 1).unwrap();
             let (alone, _) = sample_tokens(&one, &rows[r..r + 1], &seen[..1]).unwrap();
             assert_eq!(alone[0], batch[r]);
+        }
+    }
+
+    #[test]
+    fn half_precision_logits_draw_as_their_widened_values() {
+        let vocab = 300;
+        let logits: Vec<f32> = (0..4 * vocab)
+            .map(|i| ((i * 7919) % 1009) as f32 * 0.013 - 6.0)
+            .collect();
+        let rows: Vec<RowSampling> = (0..4)
+            .map(|i| RowSampling {
+                seed: 5 + i,
+                top_k: [0, 20, 0, 0][i as usize],
+                top_p: [1.0, 1.0, 0.7, 1.0][i as usize],
+                ..row([0.8, 0.8, 1.1, 0.0][i as usize])
+            })
+            .collect();
+        let seen: [&[u32]; 4] = [&[], &[3, 9], &[], &[]];
+        let t = Tensor::from_slice(&logits, (4, vocab), &Device::Cpu).unwrap();
+        for dtype in [DType::BF16, DType::F16] {
+            let half = t.to_dtype(dtype).unwrap();
+            let widened = half.to_dtype(DType::F32).unwrap();
+            let (a, lp_a) = sample_tokens(&half, &rows, &seen).unwrap();
+            let (b, lp_b) = sample_tokens(&widened, &rows, &seen).unwrap();
+            assert_eq!(a, b, "{dtype:?}");
+            assert_eq!(lp_a, lp_b, "{dtype:?}");
         }
     }
 }

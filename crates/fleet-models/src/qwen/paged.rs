@@ -257,7 +257,8 @@ pub struct DecodeGraph {
     /// The step's inputs on each device that holds layers.
     inputs: Vec<StepBuffers>,
     segments: Vec<Segment>,
-    /// `[batch, 1, vocab]` f32 on the head's device, written by each step.
+    /// `[batch, 1, vocab]` in the model's dtype on the head's device, written by each step
+    /// (the sampler reads bf16/f16 logits as they are: no cast kernel in the step).
     logits: Tensor,
 }
 
@@ -435,7 +436,7 @@ impl QwenModel {
             segments,
             logits: Tensor::zeros(
                 (batch, 1, self.cfg.vocab_size),
-                DType::F32,
+                self.lm_head.weight().dtype(),
                 self.output_device(),
             )?,
         };
@@ -490,7 +491,8 @@ impl QwenModel {
     /// the same as [`QwenModel::decode_paged_ahead`] (`ahead` tokens past each sequence's last
     /// recorded one, the input `ids` on the device or `None` for each sequence's last token),
     /// returning logits `[seqs, 1, vocab]`: a view of the step's output buffer, valid until
-    /// the next step through `graph` (a step queued after it on the stream may read it).
+    /// the next step through `graph` (a step queued after it on the stream may read it), in
+    /// the model's dtype (the plain step's f32 logits are these values widened).
     #[allow(clippy::too_many_arguments)]
     pub fn decode_paged_with(
         &self,
@@ -635,7 +637,7 @@ impl QwenModel {
                 Some(p) => self.norm.add_forward(&stream.x, p)?.1,
                 None => self.norm.forward(&stream.x)?,
             };
-            let logits = crate::ops::linear(&self.lm_head, &x)?.to_dtype(DType::F32)?;
+            let logits = crate::ops::linear(&self.lm_head, &x)?;
             return Ok(graph.logits.slice_set(&logits, 0, 0)?);
         }
         let (x, pending) = seg.output.as_ref().expect("a segment before the last");
