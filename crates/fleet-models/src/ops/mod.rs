@@ -9,6 +9,9 @@
 //!   cast, and the mask tensor itself).
 //! - [`swiglu`]: `silu(gate) * up` on the fused gate/up projection (replaces two strided
 //!   element-wise kernels).
+//! - [`linear_bias_epilogue`] and [`linear_gelu_tanh`]: an inference-only linear layer's
+//!   bias, and a tanh GELU, in the GEMM's cuBLASLt epilogue ([`linear_epilogue`]; replaces the
+//!   bias and activation passes).
 //! - [`rms_norm`] and [`add_rms_norm`]: RMSNorm with transformers' roundings, and a residual
 //!   add with the RMSNorm after it in one pass.
 //! - [`qkv_rope`]: the fused q/k/v projection split into head-major q, k, v with RoPE applied
@@ -312,6 +315,7 @@ mod cuda_util {
 
 mod adamw;
 mod dropout;
+mod epilogue;
 mod gpu_delay;
 mod linear;
 mod logp;
@@ -326,6 +330,7 @@ mod swiglu;
 pub use adamw::{adamw_step_, AdamWStep};
 pub use dropout::dropout_mask;
 pub(crate) use dropout::splitmix;
+pub use epilogue::{linear_bias_epilogue, linear_epilogue, linear_gelu_tanh, Epilogue};
 pub use gpu_delay::gpu_delay;
 pub use linear::{gemv, linear, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS};
 pub use logp::{logp_entropy, logp_grad};

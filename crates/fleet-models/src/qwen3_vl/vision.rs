@@ -95,8 +95,8 @@ impl Merger {
         } else {
             self.norm.forward(x)?.reshape((n / self.unit, wide))?
         };
-        let x = ops::linear(&self.fc1, &x)?.gelu_erf()?;
-        ops::linear(&self.fc2, &x)
+        let x = ops::linear_bias_epilogue(&self.fc1, &x)?.gelu_erf()?;
+        ops::linear_bias_epilogue(&self.fc2, &x)
     }
 }
 
@@ -264,7 +264,7 @@ impl VisionEncoder {
         let x = pixel_values.to_device(dev)?.to_dtype(self.dtype)?;
         let x = profile::time(dev, "vision.patch_embed", || {
             let pos = self.position_embeddings(grids)?;
-            Ok((ops::linear(&self.patch_embed, &x)? + pos)?)
+            Ok((ops::linear_bias_epilogue(&self.patch_embed, &x)? + pos)?)
         })?;
         let rope = self.rotary(grids)?;
         let mut x = x;
@@ -371,14 +371,20 @@ impl VisionEncoder {
         let dev = x.device();
         let h = profile::time(dev, "vision.norm", || block.norm1.forward(x))?;
         let attn = self.attention(block, &h, grids, rope)?;
-        let attn = profile::time(dev, "vision.proj", || ops::linear(&block.proj, &attn))?;
+        let attn = profile::time(dev, "vision.proj", || {
+            ops::linear_bias_epilogue(&block.proj, &attn)
+        })?;
         let x = (x + attn)?;
         let mlp = profile::time(dev, "vision.mlp", || {
             let h = block.norm2.forward(&x)?;
-            ops::linear(
-                &block.fc2,
-                &self.act.forward(&ops::linear(&block.fc1, &h)?)?,
-            )
+            let act = match self.act {
+                // The tanh GELU rides in the first projection's epilogue.
+                Act::GeluTanh => ops::linear_gelu_tanh(&block.fc1, &h)?,
+                Act::GeluErf => self
+                    .act
+                    .forward(&ops::linear_bias_epilogue(&block.fc1, &h)?)?,
+            };
+            ops::linear_bias_epilogue(&block.fc2, &act)
         })?;
         Ok((x + mlp)?)
     }
@@ -395,7 +401,9 @@ impl VisionEncoder {
         let heads = self.cfg.num_heads;
         let hd = self.cfg.head_dim();
         let dev = x.device();
-        let qkv = profile::time(dev, "vision.qkv", || ops::linear(&block.qkv, x))?;
+        let qkv = profile::time(dev, "vision.qkv", || {
+            ops::linear_bias_epilogue(&block.qkv, x)
+        })?;
         // The split into head-major q, k, v `[1, heads, n, hd]` with RoPE on q and k in one
         // kernel: in f32 from the rounded projection, rounded once, as transformers'
         // apply_rotary_pos_emb_vision (f32 tables; the bias is zero here, added above).
