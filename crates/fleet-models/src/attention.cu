@@ -89,21 +89,23 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <typename T, int DP>
+template <typename T, int DP, int RT>
 __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k,
                                 const T *__restrict__ v, T *__restrict__ out,
                                 const uint32_t *__restrict__ key_start, int H, int KVH, int Lq,
                                 int Lk, int D, long qsb, long qsl, long qsh, long ksb, long ksl,
                                 long ksh, long vsb, long vsl, long vsh, float scale, int causal) {
     constexpr int LD = DP + 8;
-    constexpr int KD = DP / 16; // 16-wide chunks of the head dimension
+    constexpr int KD = DP / 16;               // 16-wide chunks of the head dimension
+    constexpr int WARP_ROWS = RT * ROWS;      // query rows per warp: RT tiles of 16
+    constexpr int BM = WARPS * WARP_ROWS;     // query rows per block
     using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
     __shared__ __align__(32) T tiles[2 * BLOCK_N * LD]; // K tile then V tile (Q staging first)
-    __shared__ __align__(32) T probs[WARPS][ROWS * P_LD];
-    static_assert(BLOCK_N >= BLOCK_M, "Q staging fits the K tile");
+    __shared__ __align__(32) T probs[WARPS][WARP_ROWS * P_LD];
+    static_assert(2 * BLOCK_N >= BM, "Q staging fits the K and V tiles");
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q0 = blockIdx.x * BLOCK_M;
+    const int q0 = blockIdx.x * BM;
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (H / KVH);
     const int shift = Lk - Lq;
@@ -111,23 +113,33 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 
     // Q: staged, then held as WMMA fragments for the whole pass.
     const T *qh = q + b * qsb + h * qsh;
-    stage_rows<T, DP>(tiles, qh, qsl, q0, BLOCK_M, Lq, D);
+    stage_rows<T, DP>(tiles, qh, qsl, q0, BM, Lq, D);
     __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[KD];
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[RT][KD];
 #pragma unroll
-    for (int c = 0; c < KD; ++c) wmma::load_matrix_sync(qf[c], tiles + warp * ROWS * LD + c * 16, LD);
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int c = 0; c < KD; ++c)
+            wmma::load_matrix_sync(qf[r][c], tiles + (warp * WARP_ROWS + r * ROWS) * LD + c * 16,
+                                   LD);
 
-    // This lane's two query rows (of the warp's 16): lane / 4 and lane / 4 + 8.
-    const int row_base = q0 + warp * ROWS + (lane >> 2);
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    Acc o[KD];
+    // This lane's two query rows of each of the warp's row tiles: lane / 4 and lane / 4 + 8.
+    int row_base[RT];
+    float m[RT][2], l[RT][2];
+    Acc o[RT][KD];
 #pragma unroll
-    for (int c = 0; c < KD; ++c) wmma::fill_fragment(o[c], 0.f);
+    for (int r = 0; r < RT; ++r) {
+        row_base[r] = q0 + warp * WARP_ROWS + r * ROWS + (lane >> 2);
+        m[r][0] = m[r][1] = -INFINITY;
+        l[r][0] = l[r][1] = 0.f;
+#pragma unroll
+        for (int c = 0; c < KD; ++c) wmma::fill_fragment(o[r][c], 0.f);
+    }
 
     // Keys this block can see: from the first tile holding an unpadded key (a padding query's
     // own key lies before it; those tiles are visited too when the block has such queries) to
     // the causal limit of its last query.
-    const int q_last = min(q0 + BLOCK_M, Lq) - 1;
+    const int q_last = min(q0 + BM, Lq) - 1;
     const int k_end = causal ? min(Lk, q_last + shift + 1) : Lk;
     int k_begin = 0;
     if (key_start) k_begin = min(kstart, max(q0 + shift, 0));
@@ -136,7 +148,6 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     const T *kh = k + b * ksb + kvh * ksh;
     const T *vh = v + b * vsb + kvh * vsh;
     T *ks = tiles, *vs = tiles + BLOCK_N * LD;
-    T *pw = probs[warp];
     // Scores in log2 units: exp2(x * scale * log2 e) = exp(x * scale).
     const float scale_log2 = scale * 1.4426950408889634f;
 
@@ -151,100 +162,117 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
         cp_async_wait<1>(); // K_t has landed (V_t may still be in flight)
         __syncthreads();
 
-        // S = Q Kᵀ for this warp's 16 rows and the tile's keys.
-        Acc s[NS];
+        // S = Q Kᵀ for this warp's rows and the tile's keys: each K fragment read from shared
+        // memory serves the warp's RT row tiles.
+        Acc s[RT][NS];
 #pragma unroll
         for (int n = 0; n < NS; ++n) {
-            wmma::fill_fragment(s[n], 0.f);
+#pragma unroll
+            for (int r = 0; r < RT; ++r) wmma::fill_fragment(s[r][n], 0.f);
 #pragma unroll
             for (int c = 0; c < KD; ++c) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
                 wmma::load_matrix_sync(kf, ks + n * 16 * LD + c * 16, LD);
-                wmma::mma_sync(s[n], qf[c], kf, s[n]);
+#pragma unroll
+                for (int r = 0; r < RT; ++r) wmma::mma_sync(s[r][n], qf[r][c], kf, s[r][n]);
             }
         }
 
         // Online softmax in registers; a row's 64 scores are spread over 4 lanes. A tile that
         // every query of the block sees whole skips the mask.
-        const bool whole = kt + BLOCK_N <= Lk && q0 + BLOCK_M <= Lq && kt >= kstart &&
+        const bool whole = kt + BLOCK_N <= Lk && q0 + BM <= Lq && kt >= kstart &&
                            (!causal || kt + BLOCK_N - 1 <= q0 + shift);
-        float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+        for (int r = 0; r < RT; ++r) {
+            float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int i = 0; i < s[n].num_elements; ++i) {
-                const int rs = (i >> 1) & 1;
-                bool visible = true;
-                if (!whole) {
-                    const int qi = row_base + 8 * rs, qabs = qi + shift;
-                    const int j = kt + n * 16 + acc_col(lane, i);
-                    visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
-                              (j >= kstart || j == qabs);
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int i = 0; i < s[r][n].num_elements; ++i) {
+                    const int rs = (i >> 1) & 1;
+                    bool visible = true;
+                    if (!whole) {
+                        const int qi = row_base[r] + 8 * rs, qabs = qi + shift;
+                        const int j = kt + n * 16 + acc_col(lane, i);
+                        visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
+                                  (j >= kstart || j == qabs);
+                    }
+                    const float x = visible ? s[r][n].x[i] * scale_log2 : -INFINITY;
+                    s[r][n].x[i] = x;
+                    tile_max[rs] = fmaxf(tile_max[rs], x);
                 }
-                const float x = visible ? s[n].x[i] * scale_log2 : -INFINITY;
-                s[n].x[i] = x;
-                tile_max[rs] = fmaxf(tile_max[rs], x);
+            float alpha[2], m_new[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int rs = 0; rs < 2; ++rs) {
+                tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 1));
+                tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 2));
+                m_new[rs] = fmaxf(m[r][rs], tile_max[rs]);
+                // 0 if m was -inf
+                alpha[rs] = m_new[rs] == -INFINITY ? 1.f : exp2f(m[r][rs] - m_new[rs]);
             }
-        float alpha[2], m_new[2], sum[2] = {0.f, 0.f};
+            T *pw = probs[warp] + r * ROWS * P_LD;
 #pragma unroll
-        for (int rs = 0; rs < 2; ++rs) {
-            tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 1));
-            tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 2));
-            m_new[rs] = fmaxf(m[rs], tile_max[rs]);
-            alpha[rs] = m_new[rs] == -INFINITY ? 1.f : exp2f(m[rs] - m_new[rs]); // 0 if m was -inf
-        }
+            for (int n = 0; n < NS; ++n)
 #pragma unroll
-        for (int n = 0; n < NS; ++n)
+                for (int i = 0; i < s[r][n].num_elements; ++i) {
+                    const int rs = (i >> 1) & 1;
+                    const float p = m_new[rs] == -INFINITY ? 0.f : exp2f(s[r][n].x[i] - m_new[rs]);
+                    sum[rs] += p;
+                    pw[acc_row(lane, i) * P_LD + n * 16 + acc_col(lane, i)] = from_f<T>(p);
+                }
 #pragma unroll
-            for (int i = 0; i < s[n].num_elements; ++i) {
-                const int rs = (i >> 1) & 1;
-                const float p = m_new[rs] == -INFINITY ? 0.f : exp2f(s[n].x[i] - m_new[rs]);
-                sum[rs] += p;
-                pw[acc_row(lane, i) * P_LD + n * 16 + acc_col(lane, i)] = from_f<T>(p);
+            for (int rs = 0; rs < 2; ++rs) {
+                sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 1);
+                sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 2);
+                l[r][rs] = l[r][rs] * alpha[rs] + sum[rs];
+                m[r][rs] = m_new[rs];
             }
 #pragma unroll
-        for (int rs = 0; rs < 2; ++rs) {
-            sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 1);
-            sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 2);
-            l[rs] = l[rs] * alpha[rs] + sum[rs];
-            m[rs] = m_new[rs];
+            for (int c = 0; c < KD; ++c)
+#pragma unroll
+                for (int i = 0; i < o[r][c].num_elements; ++i) o[r][c].x[i] *= alpha[(i >> 1) & 1];
         }
-#pragma unroll
-        for (int c = 0; c < KD; ++c)
-#pragma unroll
-            for (int i = 0; i < o[c].num_elements; ++i) o[c].x[i] *= alpha[(i >> 1) & 1];
 
         cp_async_wait<0>(); // V_t has landed
         __syncthreads();    // ... for every warp, and no warp reads K_t any more
         if (kt + BLOCK_N < k_end) stage_rows_async<T, DP>(ks, kh, ksl, kt + BLOCK_N, BLOCK_N, Lk, D);
         cp_async_commit();
 
-        // O += P V.
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[NS];
+        // O += P V: each V fragment read from shared memory serves the warp's RT row tiles.
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[RT][NS];
 #pragma unroll
-        for (int n = 0; n < NS; ++n) wmma::load_matrix_sync(pf[n], pw + n * 16, P_LD);
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int n = 0; n < NS; ++n)
+                wmma::load_matrix_sync(pf[r][n], probs[warp] + r * ROWS * P_LD + n * 16, P_LD);
 #pragma unroll
         for (int c = 0; c < KD; ++c)
 #pragma unroll
             for (int n = 0; n < NS; ++n) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
                 wmma::load_matrix_sync(vf, vs + n * 16 * LD + c * 16, LD);
-                wmma::mma_sync(o[c], pf[n], vf, o[c]);
+#pragma unroll
+                for (int r = 0; r < RT; ++r) wmma::mma_sync(o[r][c], pf[r][n], vf, o[r][c]);
             }
         __syncthreads(); // V_t and P are read before the next tile overwrites them
     }
     cp_async_wait<0>();
 
-    const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
 #pragma unroll
-    for (int c = 0; c < KD; ++c)
+    for (int r = 0; r < RT; ++r) {
+        const float inv[2] = {l[r][0] > 0.f ? 1.f / l[r][0] : 0.f,
+                              l[r][1] > 0.f ? 1.f / l[r][1] : 0.f};
 #pragma unroll
-        for (int i = 0; i < o[c].num_elements; ++i) {
-            const int rs = (i >> 1) & 1;
-            const int qi = row_base + 8 * rs;
-            const int col = c * 16 + acc_col(lane, i);
-            if (qi < Lq && col < D) out[(((long)b * Lq + qi) * H + h) * D + col] = from_f<T>(o[c].x[i] * inv[rs]);
-        }
+        for (int c = 0; c < KD; ++c)
+#pragma unroll
+            for (int i = 0; i < o[r][c].num_elements; ++i) {
+                const int rs = (i >> 1) & 1;
+                const int qi = row_base[r] + 8 * rs;
+                const int col = c * 16 + acc_col(lane, i);
+                if (qi < Lq && col < D)
+                    out[(((long)b * Lq + qi) * H + h) * D + col] = from_f<T>(o[r][c].x[i] * inv[rs]);
+            }
+    }
 }
 
 } // namespace
@@ -252,29 +280,35 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 // bf16 tensor cores and cp.async need sm_80: built for an older GPU, the kernels are empty and
 // the probe below fails, so fleet takes the unfused path there.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#define FLASH_BODY(T, DP)                                                                        \
-    flash_attention<T, DP>(q, k, v, out, key_start, H, KVH, Lq, Lk, D, qsb, qsl, qsh, ksb, ksl,  \
-                           ksh, vsb, vsl, vsh, scale, causal);
+#define FLASH_BODY(T, DP, RT)                                                                    \
+    flash_attention<T, DP, RT>(q, k, v, out, key_start, H, KVH, Lq, Lk, D, qsb, qsl, qsh, ksb,   \
+                               ksl, ksh, vsb, vsl, vsh, scale, causal);
 #else
-#define FLASH_BODY(T, DP)
+#define FLASH_BODY(T, DP, RT)
 #endif
 
-#define FLASH(NAME, T, DP)                                                                       \
+#define FLASH(NAME, T, DP, RT)                                                                   \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                     \
         NAME(const T *q, const T *k, const T *v, T *out, const uint32_t *key_start, int H,       \
              int KVH, int Lq, int Lk, int D, long qsb, long qsl, long qsh, long ksb, long ksl,   \
              long ksh, long vsb, long vsl, long vsh, float scale, int causal) {                  \
-        FLASH_BODY(T, DP)                                                                        \
+        FLASH_BODY(T, DP, RT)                                                                    \
     }
 
 // Head dimensions padded to a multiple of 16: 64 (tiny and small models), 80 (Qwen3-VL's vision
-// tower: 72), 128 (Qwen text decoders).
-FLASH(flash_attention_bf16_d64, __nv_bfloat16, 64)
-FLASH(flash_attention_bf16_d80, __nv_bfloat16, 80)
-FLASH(flash_attention_bf16_d128, __nv_bfloat16, 128)
-FLASH(flash_attention_f16_d64, __half, 64)
-FLASH(flash_attention_f16_d80, __half, 80)
-FLASH(flash_attention_f16_d128, __half, 128)
+// tower: 72), 128 (Qwen text decoders). `_r2`: 32 query rows a warp (two row tiles share each
+// K and V fragment read from shared memory), 128 a block; up to head dimension 80, where the
+// fragments fit the registers and the tiles the 48 KiB of static shared memory.
+FLASH(flash_attention_bf16_d64, __nv_bfloat16, 64, 1)
+FLASH(flash_attention_bf16_d80, __nv_bfloat16, 80, 1)
+FLASH(flash_attention_bf16_d128, __nv_bfloat16, 128, 1)
+FLASH(flash_attention_f16_d64, __half, 64, 1)
+FLASH(flash_attention_f16_d80, __half, 80, 1)
+FLASH(flash_attention_f16_d128, __half, 128, 1)
+FLASH(flash_attention_bf16_d64_r2, __nv_bfloat16, 64, 2)
+FLASH(flash_attention_bf16_d80_r2, __nv_bfloat16, 80, 2)
+FLASH(flash_attention_f16_d64_r2, __half, 64, 2)
+FLASH(flash_attention_f16_d80_r2, __half, 80, 2)
 
 // Checks acc_row/acc_col against this GPU's WMMA accumulator layout: one warp loads a 16x16
 // matrix whose entries are their own row-major index and compares each element it holds. ok[0]

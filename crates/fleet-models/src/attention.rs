@@ -307,8 +307,16 @@ mod cuda {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
     const MODULE: &str = "fleet_attention";
-    /// Queries per thread block (4 warps of 16 rows).
+    /// Queries per thread block: 4 warps of 16 rows, or of 32 with the `_r2` kernels.
     const BLOCK_M: usize = 64;
+
+    /// Whether a head dimension padded to `padded` takes the `_r2` kernels (two row tiles a
+    /// warp: up to 80) unless `FLEET_FLASH_R2=0` (for comparison).
+    fn two_row_tiles(padded: usize) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        padded <= 80
+            && *ON.get_or_init(|| std::env::var("FLEET_FLASH_R2").map_or(true, |v| v != "0"))
+    }
 
     /// Runs `wmma_layout_probe`: whether the kernel's reading of accumulator elements holds.
     pub(super) fn layout_probe(dev: &candle_core::CudaDevice) -> candle_core::Result<bool> {
@@ -358,13 +366,16 @@ mod cuda {
                 65..=80 => 80,
                 _ => 128,
             };
+            let r2 = two_row_tiles(padded);
             let name = format!(
-                "flash_attention_{}_d{padded}",
+                "flash_attention_{}_d{padded}{}",
                 match s1.dtype() {
                     DType::BF16 => "bf16",
                     _ => "f16",
-                }
+                },
+                if r2 { "_r2" } else { "" }
             );
+            let block_m = if r2 { 2 * BLOCK_M } else { BLOCK_M };
             let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             let n = b * q_len * h * d;
             // SAFETY: the kernel writes every element of every query row.
@@ -383,7 +394,7 @@ mod cuda {
                 _ => None,
             };
             let cfg = LaunchConfig {
-                grid_dim: (q_len.div_ceil(BLOCK_M) as u32, h as u32, b as u32),
+                grid_dim: (q_len.div_ceil(block_m) as u32, h as u32, b as u32),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };

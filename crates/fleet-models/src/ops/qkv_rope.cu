@@ -22,19 +22,21 @@ __device__ T *kv_dst(T *out, size_t offset, T *cache, const uint32_t *slots, int
 // cos then sin for each position: [t, d], or [b, t, d] when `per_row`, in T (the text model's
 // tables) or f32 (C = float: the vision tower's, as transformers computes them). With `kc` set,
 // k and v go to the paged caches kc, vc at `slots` instead (kv_dst) and `out` holds q only.
-// One block per (token, head), d/2 threads.
+// One block per (token, group of `hpb` consecutive heads), d/2 threads per head: blocks of one
+// head's d/2 threads (36 for the vision tower's d = 72) kept the SMs a quarter full.
 template <typename T, typename C>
 __device__ void qkv_rope(const T *x, const T *bias, const C *cs, T *out, int b, int t, int h,
                          int kvh, int d, int per_row, T *kc, T *vc, const uint32_t *slots,
-                         int block_size, long long num_slots) {
+                         int block_size, long long num_slots, int hpb) {
     const int heads = h + 2 * kvh;
     const int half = d / 2;
-    const int blk = blockIdx.x; // (bi * t + ti) * heads + hh
-    const int hh = blk % heads;
-    const int tok = blk / heads;
+    const int groups = (heads + hpb - 1) / hpb;
+    const int blk = blockIdx.x; // (bi * t + ti) * groups + group
+    const int hh = (blk % groups) * hpb + threadIdx.x / half;
+    const int tok = blk / groups;
     const int ti = tok % t, bi = tok / t;
-    const int i = threadIdx.x;
-    if (bi >= b || i >= half) return;
+    const int i = threadIdx.x % half;
+    if (bi >= b || hh >= heads) return;
     const T *src = x + (size_t)tok * heads * d + (size_t)hh * d;
     const float x0 = to_f(src[i]) + to_f(bias[hh * d + i]);
     const float x1 = to_f(src[i + half]) + to_f(bias[hh * d + i + half]);
@@ -121,9 +123,9 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
     extern "C" __global__ void qkv_rope_##SUFFIX(                                             \
         const T *x, const T *bias, const T *cs, T *out, int b, int t, int h, int kvh, int d,  \
         int per_row, T *kc, T *vc, const uint32_t *slots, int block_size,                     \
-        long long num_slots) {                                                                \
+        long long num_slots, int hpb) {                                                       \
         qkv_rope<T, T>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots, block_size, \
-                       num_slots);                                                            \
+                       num_slots, hpb);                                                       \
     }                                                                                         \
     extern "C" __global__ void qk_norm_rope_##SUFFIX(                                         \
         const T *x, const T *bias, const T *cs, const T *qw, const T *kw,                     \
@@ -144,9 +146,9 @@ OPS(__nv_bfloat16, bf16)
                                                          int per_row, T *kc, T *vc,            \
                                                          const uint32_t *slots,                \
                                                          int block_size,                       \
-                                                         long long num_slots) {                \
+                                                         long long num_slots, int hpb) {       \
         qkv_rope<T, float>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,         \
-                           block_size, num_slots);                                             \
+                           block_size, num_slots, hpb);                                        \
     }
 OPS_CS_F32(__half, f16)
 OPS_CS_F32(__nv_bfloat16, bf16)

@@ -809,9 +809,11 @@ mod cuda {
             let views = cache_views::<T, _>(&guards, &dev)?;
             // SAFETY: every (token, head) block writes its d outputs.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+            // Heads per block: up to 256 threads of d/2 each.
+            let hpb = (256 / (op.d / 2).max(1)).clamp(1, heads);
             let cfg = LaunchConfig {
-                grid_dim: ((b * t * heads) as u32, 1, 1),
-                block_dim: ((op.d / 2) as u32, 1, 1),
+                grid_dim: ((b * t * heads.div_ceil(hpb)) as u32, 1, 1),
+                block_dim: ((hpb * (op.d / 2)) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             let mut bld = func.builder();
@@ -831,7 +833,9 @@ mod cuda {
                 bld.arg(a);
             }
             push_cache(&mut bld, &views, &cache_dims);
-            // SAFETY: grid covers b * t * heads blocks of d/2 threads; with a cache, k and v
+            let hpb = hpb as i32;
+            bld.arg(&hpb);
+            // SAFETY: grid covers b * t tokens, each in blocks of hpb heads of d/2 threads; with a cache, k and v
             // rows go to checked slots of it (cache_views), q alone to `out`.
             unsafe { bld.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
