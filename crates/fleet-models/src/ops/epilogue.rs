@@ -356,15 +356,8 @@ mod kernel_tests {
             return;
         };
         let (rows, k, n) = (333, 1152, 4304);
-        let rnd = |shape: &[usize], seed: u64, scale: f32| -> Tensor {
-            let len: usize = shape.iter().product();
-            let v: Vec<f32> = (0..len)
-                .map(|i| {
-                    let z = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
-                    (((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
-                })
-                .collect();
-            Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+        let rnd = |shape: &[usize], seed: u64, scale: f64| -> Tensor {
+            (test_tensor(shape, seed) * scale).unwrap()
         };
         let (x, w, b) = (
             rnd(&[rows, k], 1, 1.0),

@@ -602,29 +602,12 @@ mod tests {
             .unwrap()
     }
 
-    pub(super) fn randn(shape: &[usize], seed: u64) -> Tensor {
-        let n: usize = shape.iter().product();
-        // A small LCG: the same values every run, no RNG state shared between tests.
-        let mut s = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let v: Vec<f32> = (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect();
-        Tensor::from_vec(v, shape, &candle_core::Device::Cpu).unwrap()
-    }
-
     /// The CPU twin is the product (in f32, to rounding), for every row count the kernel
     /// takes and k with and without a remainder past the unrolled chunks.
     #[test]
     fn gemv_twin_is_the_product() {
         for (m, n, k) in [(1, 5, 8), (2, 33, 264), (3, 7, 1032), (4, 19, 3584)] {
-            let (x, w) = (randn(&[m, k], 1), randn(&[n, k], 2));
+            let (x, w) = (test_tensor(&[m, k], 1), test_tensor(&[n, k], 2));
             let got = gemv(&x, &w).unwrap();
             let want = x.matmul(&w.t().unwrap()).unwrap();
             let diff = max_abs_diff(&got, &want);
@@ -655,14 +638,14 @@ mod tests {
     #[test]
     fn skinny_twin_is_the_product_and_refuses_other_shapes() {
         for (m, n, k) in [(5, 16, 32), (17, 48, 96), (64, 32, 1024)] {
-            let (x, w) = (randn(&[m, k], 1), randn(&[n, k], 2));
+            let (x, w) = (test_tensor(&[m, k], 1), test_tensor(&[n, k], 2));
             let got = skinny_gemm(&x, &w).unwrap();
             let want = x.matmul(&w.t().unwrap()).unwrap();
             let diff = max_abs_diff(&got, &want);
             assert!(diff < 1e-4 * (k as f32).sqrt(), "m {m} n {n} k {k}: {diff}");
         }
         for (m, n, k) in [(5, 16, 48), (5, 20, 32), (65, 16, 32)] {
-            let err = skinny_gemm(&randn(&[m, k], 1), &randn(&[n, k], 2)).unwrap_err();
+            let err = skinny_gemm(&test_tensor(&[m, k], 1), &test_tensor(&[n, k], 2)).unwrap_err();
             assert!(err.to_string().contains(&format!("[{m}, {k}]")), "{err}");
         }
     }
@@ -670,9 +653,9 @@ mod tests {
     /// Shapes the kernel does not take are refused with the shapes named.
     #[test]
     fn gemv_refuses_mismatched_or_unaligned_k() {
-        let err = gemv(&randn(&[1, 12], 1), &randn(&[3, 12], 2)).unwrap_err();
+        let err = gemv(&test_tensor(&[1, 12], 1), &test_tensor(&[3, 12], 2)).unwrap_err();
         assert!(err.to_string().contains("[1, 12]"), "{err}");
-        assert!(gemv(&randn(&[1, 16], 1), &randn(&[3, 8], 2)).is_err());
+        assert!(gemv(&test_tensor(&[1, 16], 1), &test_tensor(&[3, 8], 2)).is_err());
     }
 }
 
@@ -686,9 +669,8 @@ mod kernel_tests {
     #[test]
     fn gemv_kernel_matches_its_twin() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
-        let r = |s: &[usize], seed: u64, dtype: DType| {
-            super::tests::randn(s, seed).to_dtype(dtype).unwrap()
-        };
+        let r =
+            |s: &[usize], seed: u64, dtype: DType| test_tensor(s, seed).to_dtype(dtype).unwrap();
         for dtype in [DType::BF16, DType::F16] {
             for (m, n, k) in [(1, 13, 8), (2, 300, 264), (3, 37, 1032), (4, 129, 3584)] {
                 let (x, w) = (r(&[m, k], 3, dtype), r(&[n, k], 4, dtype));
@@ -720,7 +702,7 @@ mod kernel_tests {
         product: fn(&Tensor, &Tensor) -> Result<Tensor>,
     ) {
         let r = |s: &[usize], seed: u64| {
-            super::tests::randn(s, seed)
+            test_tensor(s, seed)
                 .to_dtype(dtype)
                 .unwrap()
                 .to_device(dev)
@@ -752,9 +734,8 @@ mod kernel_tests {
     #[test]
     fn skinny_gemm_kernel_agrees_with_its_twin() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
-        let r = |s: &[usize], seed: u64, dtype: DType| {
-            super::tests::randn(s, seed).to_dtype(dtype).unwrap()
-        };
+        let r =
+            |s: &[usize], seed: u64, dtype: DType| test_tensor(s, seed).to_dtype(dtype).unwrap();
         let host = |t: &Tensor| {
             t.to_dtype(DType::F32)
                 .unwrap()

@@ -313,6 +313,25 @@ mod cuda_util {
     }
 }
 
+/// A test tensor on the CPU: uniform values in [-1, 1) from a small LCG seeded by `seed`, the
+/// same every run, no RNG state shared between tests.
+#[cfg(test)]
+pub(crate) fn test_tensor(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let step = |s: u64| {
+        s.wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407)
+    };
+    let mut s = step(seed);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            s = step(s);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &candle_core::Device::Cpu).expect("shape matches")
+}
+
 mod adamw;
 mod dropout;
 mod epilogue;

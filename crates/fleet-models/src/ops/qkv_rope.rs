@@ -1015,17 +1015,8 @@ mod kernel_tests {
         for dtype in [DType::F32, DType::BF16] {
             for (b, t) in [(3, 1), (2, 3)] {
                 let rnd = |shape: &[usize], seed: u64| -> Tensor {
-                    let n: usize = shape.iter().product();
-                    let v: Vec<f32> = (0..n)
-                        .map(|i| {
-                            let x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
-                            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-                        })
-                        .collect();
-                    Tensor::from_vec(v, shape, &gpu)
-                        .unwrap()
-                        .to_dtype(dtype)
-                        .unwrap()
+                    let x = test_tensor(shape, seed).to_device(&gpu).unwrap();
+                    x.to_dtype(dtype).unwrap()
                 };
                 let qkv = rnd(&[b, t, (h + 2 * kvh) * d], 1);
                 let bias = rnd(&[(h + 2 * kvh) * d], 2);
