@@ -31,12 +31,14 @@ pub fn linear_epilogue(x: &Tensor, w: &Tensor, b: &Tensor, epilogue: Epilogue) -
     Ok(contig(x)?.apply_op3_no_bwd(&contig(w)?, &contig(b)?, &LinearEpilogue(epilogue))?)
 }
 
-/// `x · wᵀ + b` of a linear layer, with the bias in the GEMM's cuBLASLt epilogue where
-/// [`epilogue_takes`] allows it, else [`super::linear`] (which adds the bias by a kernel of its
-/// own after cuBLAS's product: two roundings where the epilogue, and PyTorch's `addmm` on a
-/// GPU, make one). For inference-only layers (the vision tower): a layer that a training step
-/// also runs with gradients keeps [`super::linear`], so its forward without gradients (GSPO's
-/// old log-probabilities) rounds as the tracked one does, bit for bit.
+/// `x · wᵀ + b` of a linear layer, with the bias in the GEMM's cuBLASLt epilogue where it can
+/// run (CUDA, f16 or bf16, nothing tracked, a bias of the input's dtype, more than
+/// [`super::SKINNY_MAX_ROWS`] rows, `FLEET_LT_EPILOGUE` not `0`), else [`super::linear`]
+/// (which adds the bias by a kernel of its own after cuBLAS's product: two roundings where the
+/// epilogue, and PyTorch's `addmm` on a GPU, make one). For inference-only layers (the vision
+/// tower): a layer that a training step also runs with gradients keeps [`super::linear`], so
+/// its forward without gradients (GSPO's old log-probabilities) rounds as the tracked one
+/// does, bit for bit.
 pub fn linear_bias_epilogue(layer: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
     linear_with(layer, x, Epilogue::Bias)
 }
