@@ -48,9 +48,9 @@ pub struct BenchArgs {
     /// New tokens per sample (never stopped early).
     #[arg(long, default_value_t = 128)]
     pub new_tokens: usize,
-    /// How a batch generates: `static` (one left-padded batch, as edit-score without
-    /// --max-num-seqs) or `continuous` (a paged KV cache, --max-num-seqs decode slots).
-    #[arg(long, value_enum, default_value = "static")]
+    /// How a batch generates, as `edit-score score --batching`: `continuous` (the default: a
+    /// paged KV cache, --max-num-seqs decode slots) or `static` (one left-padded batch).
+    #[arg(long, value_enum, default_value = "continuous")]
     pub batching: fleet_cli::Batching,
     /// With `--batching continuous`: decode slots (default: the batch).
     #[arg(long)]

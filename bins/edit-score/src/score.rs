@@ -13,8 +13,8 @@ use clap::{Args, ValueEnum};
 use fleet_cli::outln;
 use fleet_judge::benchmark::Loaded;
 use fleet_judge::job::{
-    self, BenchmarkFormat, BenchmarkLayout, JobConfig, JudgePlacement, SamplingChoice, Scored,
-    SKIPPED_FILE, SKIPPED_SHOWN,
+    self, BenchmarkFormat, BenchmarkLayout, JobConfig, JudgeBatching, JudgePlacement,
+    SamplingChoice, Scored, SKIPPED_FILE, SKIPPED_SHOWN,
 };
 use fleet_judge::prompts::{ImageRole, PromptSet};
 use fleet_judge::records::RunInfo;
@@ -123,11 +123,17 @@ pub struct ScoreArgs {
     #[arg(long, visible_alias = "per-device-eval-batch-size",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub batch_size: Option<u64>,
-    /// vLLM's name: replies decoded at once per judge replica with continuous batching on a
-    /// paged KV cache. A judge call's requests stream through this many decode slots (a
-    /// finished reply's slot goes at once to the next request, whose vision tower and prefill
-    /// run between the others' decode steps), so with --batch-size above it no call waits for
-    /// its longest reply. Unset: each call is one left-padded batch. The replies are the same.
+    /// How a judge call's requests decode: `continuous` (default) streams them through
+    /// --max-num-seqs decode slots per replica on a paged KV cache, a finished reply's slot
+    /// going at once to the next request (whose vision tower and prefill run between the
+    /// others' decode steps); `static` decodes each call as one left-padded batch. The replies
+    /// are the same. (On one H100 the 8B judge at batch 16 gave 4.02 samples/s continuous
+    /// against 3.42 static.)
+    #[arg(long, value_enum, default_value = "continuous")]
+    pub batching: fleet_cli::Batching,
+    /// vLLM's name: with `--batching continuous`, the replies decoded at once per judge
+    /// replica (default: the batch size); with --batch-size above it no call waits for its
+    /// longest reply.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_num_seqs: Option<u64>,
     /// The most tokens per reply (default: the prompt set's max_new_tokens, else 128).
@@ -307,6 +313,19 @@ fn job_from_flags(args: &ScoreArgs) -> Result<Job> {
     })
 }
 
+/// `--batching` and `--max-num-seqs` as the job takes them.
+fn batching(args: &ScoreArgs) -> Result<JudgeBatching> {
+    let slots = args.max_num_seqs.map(|n| n as usize);
+    match (args.batching, slots) {
+        (fleet_cli::Batching::Continuous, slots) => Ok(JudgeBatching::Paged(slots)),
+        (fleet_cli::Batching::Static, None) => Ok(JudgeBatching::LeftPadded),
+        (fleet_cli::Batching::Static, Some(n)) => anyhow::bail!(
+            "--max-num-seqs {n} sets the decode slots of continuous batching, but --batching \
+             static decodes each call as one left-padded batch: drop one of the two"
+        ),
+    }
+}
+
 /// Whether this machine has a GPU this build can use.
 fn gpus_visible() -> bool {
     fleet_topology::discover()
@@ -330,7 +349,7 @@ pub fn execute(args: &ScoreArgs, job: Job) -> Result<RunInfo> {
         resize_edited_to_source: job.resize_edited_to_source,
         output: job.output,
         batch_size: args.batch_size.map(|b| b as usize),
-        decode_slots: args.max_num_seqs.map(|n| n as usize),
+        batching: batching(args)?,
         max_new_tokens: args.max_new_tokens,
         sampling,
         placement: match args.cpu_replicas {

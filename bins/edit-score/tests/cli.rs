@@ -614,6 +614,15 @@ fn missing_flags_and_sampling_flags_without_sampling_are_explained() {
     args.extend(["--prompts", &p, "--model", &m, "--temperature", "0.7"]);
     let err = fails(&run(&args));
     assert!(err.contains("--do-sample"), "{err}");
+    // Decode slots for left-padded batches: refused, both flags named.
+    let mut args = score_args(bench.to_str().unwrap(), out.to_str().unwrap());
+    args.extend(["--prompts", &p, "--model", &m]);
+    args.extend(["--batching", "static", "--max-num-seqs", "4"]);
+    let err = fails(&run(&args));
+    assert!(
+        err.contains("--max-num-seqs 4") && err.contains("--batching"),
+        "{err}"
+    );
 }
 
 /// Issue 23: items that pass a header check but can never be judged — a PNG cut short, an
