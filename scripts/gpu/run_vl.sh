@@ -8,8 +8,10 @@
 #                                               # both engines at every batch of BATCHES, in this
 #                                               # call; pairs.md / pairs.json pair them by batch
 #                                               # with the limit of the work (limits.py)
-#   FLEET_BENCH_FLAGS="--batching continuous" WHAT=speed ...
-#                                               # fleet's runs on the paged path
+#   FLEET_BENCH_FLAGS="--batching static" WHAT=speed ...
+#                                               # fleet's runs on the left-padded path (the
+#                                               # bench's default before 2026-11-27, as
+#                                               # edit-score's is now continuous)
 #   BEST=1 WHAT=speed ...                       # and each engine's best batch that fits: batches
 #                                               # doubling from BEST_FROM (default: twice the
 #                                               # largest of BATCHES) to BEST_MAX (256) until one
@@ -21,8 +23,8 @@
 #                                               # attention and MoE paths against references
 #   WHAT=fleet RUNS="8b:1024:8:16:0 30b:1024:8:8:1" bash scripts/gpu/run_vl.sh
 #                                               # fleet only: shape:size:batch:samples:profile
-#                                               # (FLEET_BENCH_FLAGS="--batching continuous
-#                                               # --max-num-seqs 16": the judge's paged path)
+#                                               # (FLEET_BENCH_FLAGS="--batching static":
+#                                               # the left-padded path)
 #   WHAT=hf HF_RUNS="8b:1024:8,16:16 30b:1024:8:16" bash scripts/gpu/run_vl.sh
 #                                               # transformers only: shape:size:batches:samples
 #                                               # (fleet-only or transformers-only figures are
