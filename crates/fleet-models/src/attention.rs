@@ -545,20 +545,8 @@ mod reference_tests {
 #[cfg(all(test, feature = "cuda"))]
 mod kernel_tests {
     use super::*;
-    use candle_core::D;
 
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(D::Minus1)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
+    use crate::ops::max_abs_diff;
 
     #[test]
     fn layout_probe_passes() {

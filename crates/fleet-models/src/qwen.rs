@@ -369,54 +369,31 @@ impl Attention {
     fn forward(&self, x: &Tensor, inputs: &DeviceInputs, cache: &mut LayerCache) -> Result<Tensor> {
         let (rope, pad) = (&inputs.rope, &inputs.pad);
         let q_len = x.dim(1)?;
-        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let dev = x.device();
         let qkv = profile::time(dev, "attn.qkv_proj", || {
             self.qkv_lora.apply(x, ops::linear(&self.qkv, x)?)
         })?;
+        // On a paged cache the keys and values go straight into it at this call's slots.
+        let kv = match &inputs.paged {
+            Some(paged) => {
+                let (kc, vc) = cache.paged()?;
+                Some(ops::PagedKvWrite {
+                    k_cache: kc.clone(),
+                    v_cache: vc.clone(),
+                    slots: paged.slots.clone(),
+                })
+            }
+            None => None,
+        };
+        let (q, kv_out) =
+            profile::time(dev, "attn.rope", || self.heads(&qkv, &rope.cs, kv.as_ref()))?;
         if let Some(paged) = &inputs.paged {
-            // The keys and values go straight into the paged cache at this call's slots.
-            let (kc, vc) = cache.paged()?;
-            let kv = ops::PagedKvWrite {
-                k_cache: kc.clone(),
-                v_cache: vc.clone(),
-                slots: paged.slots.clone(),
-            };
-            let q = profile::time(dev, "attn.rope", || match (&self.q_norm, &self.k_norm) {
-                (Some(qn), Some(kn)) => ops::qk_norm_rope_paged(
-                    &qkv,
-                    &self.qkv_bias,
-                    &rope.cs,
-                    &qn.weight,
-                    &kn.weight,
-                    qn.eps,
-                    (h, kvh),
-                    d,
-                    &kv,
-                ),
-                _ => ops::qkv_rope_paged(&qkv, &self.qkv_bias, &rope.cs, (h, kvh), d, &kv),
-            })?;
             let out = self.paged_attention(&q, paged, pad, cache)?;
             return profile::time(dev, "attn.o_proj", || {
                 self.o_lora.apply(&out, ops::linear(&self.o_proj, &out)?)
             });
         }
-        let (q, k, v) = profile::time(dev, "attn.rope", || match (&self.q_norm, &self.k_norm) {
-            // Qwen3 normalises each head before RoPE: bias, split, transpose, norms and rotate
-            // in one kernel.
-            (Some(qn), Some(kn)) => ops::qk_norm_rope(
-                &qkv,
-                &self.qkv_bias,
-                &rope.cs,
-                &qn.weight,
-                &kn.weight,
-                qn.eps,
-                (h, kvh),
-                d,
-            ),
-            // Qwen2: bias, split, transpose and rotate in one kernel.
-            _ => ops::qkv_rope(&qkv, &self.qkv_bias, &rope.cs, (h, kvh), d),
-        })?;
+        let (k, v) = kv_out.expect("without a paged write, heads returns k and v");
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
 
         // Prefills of many queries on a GPU: the fused kernel (no score buffer). Never in the
@@ -458,6 +435,37 @@ fn causal_attention(
 }
 
 impl Attention {
+    /// The attention input from the fused projection, in one kernel: the bias, the split into
+    /// head-major q `[b, heads, t, d]`, k and v `[b, kv_heads, t, d]`, Qwen3's per-head norms,
+    /// RoPE on q and k. With `kv`, the keys and values go into the paged cache instead and
+    /// `None` comes back for them.
+    fn heads(
+        &self,
+        qkv: &Tensor,
+        cs: &Tensor,
+        kv: Option<&ops::PagedKvWrite>,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let bias = &self.qkv_bias;
+        Ok(match (self.q_norm.as_ref().zip(self.k_norm.as_ref()), kv) {
+            (Some((qn, kn)), Some(kv)) => {
+                let (qw, kw) = (&qn.weight, &kn.weight);
+                let q = ops::qk_norm_rope_paged(qkv, bias, cs, qw, kw, qn.eps, (h, kvh), d, kv)?;
+                (q, None)
+            }
+            (Some((qn, kn)), None) => {
+                let (qw, kw) = (&qn.weight, &kn.weight);
+                let (q, k, v) = ops::qk_norm_rope(qkv, bias, cs, qw, kw, qn.eps, (h, kvh), d)?;
+                (q, Some((k, v)))
+            }
+            (None, Some(kv)) => (ops::qkv_rope_paged(qkv, bias, cs, (h, kvh), d, kv)?, None),
+            (None, None) => {
+                let (q, k, v) = ops::qkv_rope(qkv, bias, cs, (h, kvh), d)?;
+                (q, Some((k, v)))
+            }
+        })
+    }
+
     /// Attention of head-major `q` (`[b, heads, q_len, d]`, RoPE applied) over a paged cache
     /// that already holds this call's keys and values: a decode step attends with the paged
     /// kernel (each row over its own length), a prefill of one row over its blocks gathered in

@@ -199,31 +199,15 @@ mod cuda {
     type Handles = Mutex<Vec<(candle_core::cuda_backend::DeviceId, Arc<CudaBlasLT>)>>;
 
     /// The device's cuBLASLt handle (and its 32 MiB workspace), one per opened GPU or logical
-    /// device, made on first use; `None` while none exists and the device's stream is being
-    /// captured (the workspace allocated inside a capture would belong to the graph).
+    /// device ([`per_device`]: `None` inside a capture before it exists).
     pub(super) fn handle(
         dev: &candle_core::CudaDevice,
     ) -> candle_core::Result<Option<Arc<CudaBlasLT>>> {
-        use candle_core::cuda_backend::cudarc::driver::sys;
         static HANDLES: OnceLock<Handles> = OnceLock::new();
-        let mut handles = HANDLES
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some((_, h)) = handles.iter().find(|(id, _)| *id == dev.id()) {
-            return Ok(Some(h.clone()));
-        }
-        let stream = dev.cuda_stream();
-        let status = stream
-            .capture_status()
-            .map_err(|e| candle_core::Error::Cuda(Box::new(e)).bt())?;
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-            return Ok(None);
-        }
-        let h = CudaBlasLT::new(stream).map_err(|e| candle_core::Error::Cuda(Box::new(e)).bt())?;
-        let h = Arc::new(h);
-        handles.push((dev.id(), h.clone()));
-        Ok(Some(h))
+        per_device(HANDLES.get_or_init(Default::default), dev, || {
+            CudaBlasLT::new(dev.cuda_stream())
+                .map_err(|e| candle_core::Error::Cuda(Box::new(e)).bt())
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -322,14 +306,7 @@ mod tests {
         );
         // candle's `gelu` is the tanh form.
         let act = linear_epilogue(&x, &w, &b, Epilogue::BiasGeluTanh).unwrap();
-        let diff = (act - want.gelu().unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = max_abs_diff(&act, &want.gelu().unwrap());
         assert!(diff < 1e-6, "{diff}");
     }
 
@@ -380,12 +357,8 @@ mod kernel_tests {
                     .unwrap()
                     .to_device(&Device::Cpu)
                     .unwrap();
-                let diff = (&got - &want).unwrap().abs().unwrap().max_all().unwrap();
-                let scale = want.abs().unwrap().max_all().unwrap();
-                let (diff, scale) = (
-                    diff.to_scalar::<f32>().unwrap(),
-                    scale.to_scalar::<f32>().unwrap(),
-                );
+                let diff = max_abs_diff(&got, &want);
+                let scale = max_abs_diff(&want, &want.zeros_like().unwrap());
                 let ulp = if dtype == DType::BF16 {
                     2f32.powi(-8)
                 } else {

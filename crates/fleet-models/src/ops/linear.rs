@@ -426,34 +426,23 @@ mod cuda {
         )>,
     >;
 
-    /// The device's [`SkinnyState`]; `None` while its stream is capturing a graph and none
-    /// exists yet (an allocation inside a capture would belong to the graph).
+    /// The device's [`SkinnyState`] ([`per_device`]: `None` inside a capture before it exists).
     fn skinny_state(
         dev: &candle_core::CudaDevice,
     ) -> candle_core::Result<Option<std::sync::Arc<SkinnyState>>> {
         use candle_core::cuda_backend::cudarc::driver::sys;
         static STATES: std::sync::OnceLock<SkinnyStates> = std::sync::OnceLock::new();
-        let states = STATES.get_or_init(Default::default);
-        let mut states = states.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, s)) = states.iter().find(|(id, _)| *id == dev.id()) {
-            return Ok(Some(s.clone()));
-        }
-        let stream = dev.cuda_stream();
-        let capturing = stream.capture_status().w()?
-            != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        if capturing {
-            return Ok(None);
-        }
-        let sms = stream
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .w()? as usize;
-        let state = std::sync::Arc::new(SkinnyState {
-            counters: dev.alloc_zeros::<u32>(super::SKINNY_COUNTERS)?,
-            sms,
-        });
-        states.push((dev.id(), state.clone()));
-        Ok(Some(state))
+        per_device(STATES.get_or_init(Default::default), dev, || {
+            let sms = dev
+                .cuda_stream()
+                .context()
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .w()? as usize;
+            Ok(SkinnyState {
+                counters: dev.alloc_zeros::<u32>(super::SKINNY_COUNTERS)?,
+                sms,
+            })
+        })
     }
 
     pub(super) fn skinny_gemm(
@@ -586,21 +575,6 @@ mod cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The largest |a - b| over all elements, in f32.
-    pub(super) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-        (f(a) - f(b))
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
 
     /// The CPU twin is the product (in f32, to rounding), for every row count the kernel
     /// takes and k with and without a remainder past the unrolled chunks.
@@ -812,7 +786,7 @@ mod kernel_tests {
                 let want = layer.forward(&x).unwrap();
                 let got = linear(&layer, &x).unwrap();
                 assert_eq!(want.dims(), got.dims());
-                let diff = super::tests::max_abs_diff(&want, &got);
+                let diff = max_abs_diff(&want, &got);
                 println!("linear {dtype:?} {shape:?}: max |candle - in place| = {diff}");
                 assert_eq!(diff, 0.0, "the bias add rounds differently");
             }

@@ -280,6 +280,31 @@ mod cuda_util {
         }
     }
 
+    /// Per-device state of a kernel family (split counters, a cuBLASLt handle), one per opened
+    /// GPU or logical device in `registry`, made by `make` on first use; `None` while none
+    /// exists and `dev`'s stream is capturing a graph (an allocation inside a capture would
+    /// belong to the graph).
+    pub(super) fn per_device<T>(
+        registry: &std::sync::Mutex<Vec<(candle_core::cuda_backend::DeviceId, std::sync::Arc<T>)>>,
+        dev: &candle_core::CudaDevice,
+        make: impl FnOnce() -> candle_core::Result<T>,
+    ) -> candle_core::Result<Option<std::sync::Arc<T>>> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        use candle_core::cuda_backend::WrapErr;
+        let mut states = registry.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, s)) = states.iter().find(|(id, _)| *id == dev.id()) {
+            return Ok(Some(s.clone()));
+        }
+        if dev.cuda_stream().capture_status().w()?
+            != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        {
+            return Ok(None);
+        }
+        let state = std::sync::Arc::new(make()?);
+        states.push((dev.id(), state.clone()));
+        Ok(Some(state))
+    }
+
     /// The CUDA storage of a tensor an op holds beside its inputs (RoPE tables, a bias, block
     /// tables), which must be on the op's device `dev`; `op` and `what` name them in the error.
     pub(super) fn held<'a>(
@@ -311,6 +336,18 @@ mod cuda_util {
         }
         Ok(())
     }
+}
+
+/// The largest `|a - b|` over all elements, in f32: the tests' comparison of a kernel with its
+/// twin.
+#[cfg(test)]
+pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let f = |t: &Tensor| t.to_dtype(DType::F32).expect("float tensor");
+    let diff = (f(a) - f(b)).expect("same shapes").abs().expect("abs");
+    diff.flatten_all()
+        .and_then(|d| d.max(0))
+        .and_then(|d| d.to_scalar())
+        .expect("one f32")
 }
 
 /// A test tensor on the CPU: uniform values in [-1, 1) from a small LCG seeded by `seed`, the
