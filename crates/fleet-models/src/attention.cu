@@ -22,10 +22,9 @@
 // running max reads their elements in the m16n8 accumulator layout of sm_80 and later tensor
 // cores (`acc_row`/`acc_col`); the GPU test checks the result against the unfused reference.
 // Shared memory stays under 48 KiB for head dimensions up to 128.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <mma.h>
-#include <stdint.h>
+
+#include "ops/common.cuh"
 
 using namespace nvcuda;
 
@@ -37,10 +36,6 @@ constexpr int BLOCK_M = WARPS * ROWS;
 constexpr int BLOCK_N = 64;         // keys per tile
 constexpr int NS = BLOCK_N / 16;    // 16-key subtiles per tile
 constexpr int P_LD = BLOCK_N + 8;   // probabilities' leading dimension (a multiple of 8)
-
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 
 // Element i of a 16x16 f32 WMMA accumulator held by `lane`: two m16n8 tiles side by side, each
 // lane holding rows lane/4 and lane/4 + 8, columns 2 * (lane % 4) + {0, 1} of each.
@@ -275,25 +270,219 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     }
 }
 
+
+// The same pass with the probabilities kept in registers (FlashAttention-2's forward on
+// mma.sync.m16n8k16): S = Q Kᵀ lands in accumulators whose layout is the A operand's of P V,
+// so P is rounded to T and packed in place instead of going through shared memory as the WMMA
+// kernel's does. Q fragments are read once by ldmatrix and held; K fragments by ldmatrix, V's
+// by ldmatrix.trans (V is row-major [key][d], P V wants it k-major). Each K/V fragment read
+// serves the warp's RT row tiles. The mask, statistics and roundings are the WMMA kernel's.
+// Causal blocks are visited last query block first, so the longest finish earliest.
+template <typename T, int DP, int RT>
+__device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
+                          const T *__restrict__ v, T *__restrict__ out,
+                          const uint32_t *__restrict__ key_start, int H, int KVH, int Lq, int Lk,
+                          int D, long qsb, long qsl, long qsh, long ksb, long ksl, long ksh,
+                          long vsb, long vsl, long vsh, float scale, int causal) {
+    constexpr int LD = DP + 8;
+    constexpr int KD = DP / 16;           // k-steps of Q Kᵀ
+    constexpr int DT = DP / 8;            // 8-wide column tiles of O
+    constexpr int NT = BLOCK_N / 8;       // 8-key column tiles of S
+    constexpr int WARP_ROWS = RT * ROWS;
+    constexpr int BM = WARPS * WARP_ROWS;
+    static_assert(DT % 2 == 0 && NT % 2 == 0, "ldmatrix.x4 reads tiles in pairs");
+    __shared__ __align__(16) T tiles[2 * BLOCK_N * LD]; // K tile then V tile (Q staging first)
+    static_assert(2 * BLOCK_N >= BM, "Q staging fits the K and V tiles");
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane >> 2, qd = lane & 3;
+    const int qblock = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qblock * BM;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (H / KVH);
+    const int shift = Lk - Lq;
+    const int kstart = key_start ? (int)key_start[b] : 0;
+
+    const T *qh = q + b * qsb + h * qsh;
+    stage_rows<T, DP>(tiles, qh, qsl, q0, BM, Lq, D);
+    __syncthreads();
+    uint32_t qf[RT][KD][4];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int c = 0; c < KD; ++c)
+            ldmatrix_x4(qf[r][c], tiles + (warp * WARP_ROWS + r * ROWS + (lane & 15)) * LD +
+                                      c * 16 + (lane >> 4) * 8);
+
+    int row_base[RT];
+    float m[RT][2], l[RT][2];
+    float o[RT][DT][4];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        row_base[r] = q0 + warp * WARP_ROWS + r * ROWS + g;
+        m[r][0] = m[r][1] = -INFINITY;
+        l[r][0] = l[r][1] = 0.f;
+#pragma unroll
+        for (int t = 0; t < DT; ++t) o[r][t][0] = o[r][t][1] = o[r][t][2] = o[r][t][3] = 0.f;
+    }
+
+    const int q_last = min(q0 + BM, Lq) - 1;
+    const int k_end = causal ? min(Lk, q_last + shift + 1) : Lk;
+    int k_begin = 0;
+    if (key_start) k_begin = min(kstart, max(q0 + shift, 0));
+    k_begin = (k_begin / BLOCK_N) * BLOCK_N;
+
+    const T *kh = k + b * ksb + kvh * ksh;
+    const T *vh = v + b * vsb + kvh * vsh;
+    T *ks = tiles, *vs = tiles + BLOCK_N * LD;
+    const float scale_log2 = scale * 1.4426950408889634f;
+    // ldmatrix row addresses of this lane: K pairs of 8-key tiles (key, d half), V pairs of
+    // 8-wide d tiles (key within 16, d tile).
+    const int k_row = (lane >> 4) * 8 + (lane & 7), k_col = ((lane >> 3) & 1) * 8;
+    const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
+
+    __syncthreads(); // every warp holds its Q fragments: the staging area becomes the K tile
+    if (k_begin < k_end) stage_rows_async<T, DP>(ks, kh, ksl, k_begin, BLOCK_N, Lk, D);
+    cp_async_commit();
+    for (int kt = k_begin; kt < k_end; kt += BLOCK_N) {
+        stage_rows_async<T, DP>(vs, vh, vsl, kt, BLOCK_N, Lk, D);
+        cp_async_commit();
+        cp_async_wait<1>(); // K_t has landed (V_t may still be in flight)
+        __syncthreads();
+
+        float s[RT][NT][4];
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) s[r][n][0] = s[r][n][1] = s[r][n][2] = s[r][n][3] = 0.f;
+#pragma unroll
+        for (int c = 0; c < KD; ++c)
+#pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                uint32_t kb[4];
+                ldmatrix_x4(kb, ks + (n * 8 + k_row) * LD + c * 16 + k_col);
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    mma16816<T>(s[r][n], qf[r][c], kb);
+                    mma16816<T>(s[r][n + 1], qf[r][c], kb + 2);
+                }
+            }
+
+        const bool whole = kt + BLOCK_N <= Lk && q0 + BM <= Lq && kt >= kstart &&
+                           (!causal || kt + BLOCK_N - 1 <= q0 + shift);
+        uint32_t pa[RT][NT / 2][4];
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int rs = e >> 1;
+                    bool visible = true;
+                    if (!whole) {
+                        const int qi = row_base[r] + 8 * rs, qabs = qi + shift;
+                        const int j = kt + n * 8 + 2 * qd + (e & 1);
+                        visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
+                                  (j >= kstart || j == qabs);
+                    }
+                    const float x = visible ? s[r][n][e] * scale_log2 : -INFINITY;
+                    s[r][n][e] = x;
+                    tile_max[rs] = fmaxf(tile_max[rs], x);
+                }
+            float alpha[2], m_new[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int rs = 0; rs < 2; ++rs) {
+                tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 1));
+                tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 2));
+                m_new[rs] = fmaxf(m[r][rs], tile_max[rs]);
+                alpha[rs] = m_new[rs] == -INFINITY ? 1.f : exp2f(m[r][rs] - m_new[rs]);
+            }
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                float p[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int rs = e >> 1;
+                    p[e] = m_new[rs] == -INFINITY ? 0.f : exp2f(s[r][n][e] - m_new[rs]);
+                    sum[rs] += p[e];
+                }
+                // Key tile n is half of P's 16-key k-step n / 2: rows g and g + 8.
+                pa[r][n / 2][(n & 1) * 2 + 0] = pack2<T>(p[0], p[1]);
+                pa[r][n / 2][(n & 1) * 2 + 1] = pack2<T>(p[2], p[3]);
+            }
+#pragma unroll
+            for (int rs = 0; rs < 2; ++rs) {
+                sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 1);
+                sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 2);
+                l[r][rs] = l[r][rs] * alpha[rs] + sum[rs];
+                m[r][rs] = m_new[rs];
+            }
+#pragma unroll
+            for (int t = 0; t < DT; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[r][t][e] *= alpha[e >> 1];
+        }
+
+        cp_async_wait<0>(); // V_t has landed
+        __syncthreads();    // ... for every warp, and no warp reads K_t any more
+        if (kt + BLOCK_N < k_end) stage_rows_async<T, DP>(ks, kh, ksl, kt + BLOCK_N, BLOCK_N, Lk, D);
+        cp_async_commit();
+
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk)
+#pragma unroll
+            for (int t = 0; t < DT; t += 2) {
+                uint32_t vb[4];
+                ldmatrix_x4_trans(vb, vs + (kk * 16 + v_row) * LD + t * 8 + v_col);
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    mma16816<T>(o[r][t], pa[r][kk], vb);
+                    mma16816<T>(o[r][t + 1], pa[r][kk], vb + 2);
+                }
+            }
+        __syncthreads(); // V_t is read before the next tile overwrites it
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        const float inv[2] = {l[r][0] > 0.f ? 1.f / l[r][0] : 0.f,
+                              l[r][1] > 0.f ? 1.f / l[r][1] : 0.f};
+#pragma unroll
+        for (int t = 0; t < DT; ++t)
+#pragma unroll
+            for (int rs = 0; rs < 2; ++rs) {
+                const int qi = row_base[r] + 8 * rs;
+                const int col = t * 8 + 2 * qd;
+                if (qi < Lq && col < D)
+                    *reinterpret_cast<uint32_t *>(out + (((long)b * Lq + qi) * H + h) * D + col) =
+                        pack2<T>(o[r][t][2 * rs] * inv[rs], o[r][t][2 * rs + 1] * inv[rs]);
+            }
+    }
+}
+
 } // namespace
 
 // bf16 tensor cores and cp.async need sm_80: built for an older GPU, the kernels are empty and
 // the probe below fails, so fleet takes the unfused path there.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#define FLASH_BODY(T, DP, RT)                                                                    \
-    flash_attention<T, DP, RT>(q, k, v, out, key_start, H, KVH, Lq, Lk, D, qsb, qsl, qsh, ksb,   \
-                               ksl, ksh, vsb, vsl, vsh, scale, causal);
+#define FLASH_BODY(F, T, DP, RT)                                                                 \
+    F<T, DP, RT>(q, k, v, out, key_start, H, KVH, Lq, Lk, D, qsb, qsl, qsh, ksb, ksl, ksh, vsb,  \
+                 vsl, vsh, scale, causal);
 #else
-#define FLASH_BODY(T, DP, RT)
+#define FLASH_BODY(F, T, DP, RT)
 #endif
 
-#define FLASH(NAME, T, DP, RT)                                                                   \
+#define FLASH_KERNEL(F, NAME, T, DP, RT, MINB)                                                       \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                     \
         NAME(const T *q, const T *k, const T *v, T *out, const uint32_t *key_start, int H,       \
              int KVH, int Lq, int Lk, int D, long qsb, long qsl, long qsh, long ksb, long ksl,   \
              long ksh, long vsb, long vsl, long vsh, float scale, int causal) {                  \
-        FLASH_BODY(T, DP, RT)                                                                    \
+        FLASH_BODY(F, T, DP, RT)                                                                 \
     }
+#define FLASH(NAME, T, DP, RT) FLASH_KERNEL(flash_attention, NAME, T, DP, RT, 1)
+#define FLASH_MMA(NAME, T, DP, RT, MINB) FLASH_KERNEL(flash_mma, NAME, T, DP, RT, MINB)
 
 // Head dimensions padded to a multiple of 16: 64 (tiny and small models), 80 (Qwen3-VL's vision
 // tower: 72), 128 (Qwen text decoders). `_r2`: 32 query rows a warp (two row tiles share each
@@ -309,6 +498,15 @@ FLASH(flash_attention_bf16_d64_r2, __nv_bfloat16, 64, 2)
 FLASH(flash_attention_bf16_d80_r2, __nv_bfloat16, 80, 2)
 FLASH(flash_attention_f16_d64_r2, __half, 64, 2)
 FLASH(flash_attention_f16_d80_r2, __half, 80, 2)
+
+// The mma.sync kernels (the default): two row tiles a warp up to head dimension 80, one at 128
+// (its O accumulators alone take 64 registers a tile).
+FLASH_MMA(flash_mma_bf16_d64, __nv_bfloat16, 64, 2, 2)
+FLASH_MMA(flash_mma_bf16_d80, __nv_bfloat16, 80, 2, 2)
+FLASH_MMA(flash_mma_bf16_d128, __nv_bfloat16, 128, 1, 3)
+FLASH_MMA(flash_mma_f16_d64, __half, 64, 2, 2)
+FLASH_MMA(flash_mma_f16_d80, __half, 80, 2, 2)
+FLASH_MMA(flash_mma_f16_d128, __half, 128, 1, 3)
 
 // Checks acc_row/acc_col against this GPU's WMMA accumulator layout: one warp loads a 16x16
 // matrix whose entries are their own row-major index and compares each element it holds. ok[0]

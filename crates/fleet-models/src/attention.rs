@@ -7,7 +7,8 @@
 //! patches that is 512 MiB per block and image, and the time goes to memory traffic rather than
 //! arithmetic. [`flash_attention`] runs where [`supported`] says so (CUDA, bf16/f16, head
 //! dimension a multiple of 8 up to 128); [`reference()`] is the same function in plain tensor ops,
-//! which the GPU tests compare it with.
+//! which the GPU tests compare it with. Two kernels compute it ([`FlashKernel`]): mma.sync with
+//! the probabilities in registers (the default) and the first, WMMA one.
 
 use std::sync::Arc;
 
@@ -27,6 +28,36 @@ pub struct Mask {
     /// `j < key_start[b]`, except from the query at position `j` itself (so that padding rows
     /// stay finite), as the decoder's `masked_softmax`.
     pub key_start: Option<Tensor>,
+}
+
+/// Which kernel computes [`flash_attention`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlashKernel {
+    /// FlashAttention-2's forward on `mma.sync.m16n8k16`: the probabilities stay in registers
+    /// (the score accumulators' layout is the A operand's), fragments come by `ldmatrix`. The
+    /// default.
+    Mma,
+    /// The first kernel, on WMMA: the probabilities go through shared memory, since WMMA's
+    /// fragments have no defined layout to reuse. `FLEET_FLASH_KERNEL=wmma`, for comparison.
+    Wmma,
+}
+
+impl FlashKernel {
+    /// `FLEET_FLASH_KERNEL` (`mma`, the default, or `wmma`), read once; another value is
+    /// logged and the default taken.
+    pub fn from_env() -> FlashKernel {
+        static KERNEL: std::sync::OnceLock<FlashKernel> = std::sync::OnceLock::new();
+        *KERNEL.get_or_init(|| match std::env::var("FLEET_FLASH_KERNEL").as_deref() {
+            Err(_) | Ok("mma") => FlashKernel::Mma,
+            Ok("wmma") => FlashKernel::Wmma,
+            Ok(other) => {
+                tracing::warn!(
+                    "FLEET_FLASH_KERNEL={other} is neither `mma` nor `wmma`; using `mma`"
+                );
+                FlashKernel::Mma
+            }
+        })
+    }
 }
 
 /// Whether [`flash_attention`] runs for a query tensor like `q` `[b, q_len, heads, head_dim]`.
@@ -191,13 +222,26 @@ fn rows_packed(t: &Tensor) -> Result<Tensor> {
 /// `softmax(q kᵀ · scale + mask) v` for `q` `[b, q_len, heads, d]` and `k`, `v`
 /// `[b, kv_len, kv_heads, d]` (any strides; `heads` a multiple of `kv_heads`), giving
 /// `[b, q_len, heads, d]`. Statistics in f32, the probabilities rounded to the model dtype
-/// before they multiply `v` (as [`reference()`]). CUDA only: check [`supported`] first.
+/// before they multiply `v` (as [`reference()`]). CUDA only: check [`supported`] first. The
+/// kernel is [`FlashKernel::from_env`]'s.
 pub fn flash_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f32,
     mask: &Mask,
+) -> Result<Tensor> {
+    flash_attention_with(q, k, v, scale, mask, FlashKernel::from_env())
+}
+
+/// [`flash_attention`] on the given kernel.
+pub fn flash_attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    mask: &Mask,
+    kernel: FlashKernel,
 ) -> Result<Tensor> {
     let (b, _, h, d) = q.dims4()?;
     let (kb, kv_len, kvh, kd) = k.dims4()?;
@@ -213,6 +257,7 @@ pub fn flash_attention(
         scale,
         causal: mask.causal,
         key_start: mask.key_start.clone(),
+        kernel,
     }));
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     Ok(q.apply_op3_arc(&k, &v, op)?)
@@ -285,6 +330,7 @@ struct FlashAttention {
     scale: f32,
     causal: bool,
     key_start: Option<Tensor>,
+    kernel: FlashKernel,
 }
 
 crate::ops::cuda_only_op!(
@@ -303,7 +349,7 @@ mod cuda {
     use candle_core::{CudaStorage, DType, Layout, Shape, Storage};
     use half::{bf16, f16};
 
-    use super::FlashAttention;
+    use super::{FlashAttention, FlashKernel};
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
     const MODULE: &str = "fleet_attention";
@@ -366,15 +412,20 @@ mod cuda {
                 65..=80 => 80,
                 _ => 128,
             };
-            let r2 = two_row_tiles(padded);
-            let name = format!(
-                "flash_attention_{}_d{padded}{}",
-                match s1.dtype() {
-                    DType::BF16 => "bf16",
-                    _ => "f16",
-                },
-                if r2 { "_r2" } else { "" }
-            );
+            let dtype = match s1.dtype() {
+                DType::BF16 => "bf16",
+                _ => "f16",
+            };
+            // Both kernels hold two row tiles a warp up to head dimension 80 (the WMMA one
+            // unless FLEET_FLASH_R2=0), one at 128.
+            let (name, r2) = match op.kernel {
+                FlashKernel::Mma => (format!("flash_mma_{dtype}_d{padded}"), padded <= 80),
+                FlashKernel::Wmma => {
+                    let r2 = two_row_tiles(padded);
+                    let tail = if r2 { "_r2" } else { "" };
+                    (format!("flash_attention_{dtype}_d{padded}{tail}"), r2)
+                }
+            };
             let block_m = if r2 { 2 * BLOCK_M } else { BLOCK_M };
             let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             let n = b * q_len * h * d;
@@ -585,15 +636,17 @@ mod kernel_tests {
             r(&[1, n, heads, d]),
             r(&[1, n, heads, d]),
         );
-        let s = time(&|| {
-            flash_attention(&q, &k, &v, 0.1, &Mask::default()).unwrap();
-        });
-        let flops = 4.0 * (n * n * heads * d) as f64;
-        println!(
-            "flash attention 4096x4096x16x72: {:.3} ms, {:.0} TFLOP/s",
-            s * 1e3,
-            flops / s / 1e12
-        );
+        for kernel in [FlashKernel::Mma, FlashKernel::Wmma] {
+            let s = time(&|| {
+                flash_attention_with(&q, &k, &v, 0.1, &Mask::default(), kernel).unwrap();
+            });
+            let flops = 4.0 * (n * n * heads * d) as f64;
+            println!(
+                "{kernel:?} flash attention 4096x4096x16x72: {:.3} ms, {:.0} TFLOP/s",
+                s * 1e3,
+                flops / s / 1e12
+            );
+        }
         let (q, k, v) = (
             r(&[2, 2048, 32, 128]),
             r(&[2, 2048, 8, 128]),
@@ -603,15 +656,17 @@ mod kernel_tests {
             causal: true,
             key_start: None,
         };
-        let s = time(&|| {
-            flash_attention(&q, &k, &v, 1.0, &mask).unwrap();
-        });
-        let flops = 4.0 * 2.0 * 2048.0 * 2048.0 * 32.0 * 128.0 / 2.0;
-        println!(
-            "flash attention causal 2x2048x32x128 (GQA 8): {:.3} ms, {:.0} TFLOP/s",
-            s * 1e3,
-            flops / s / 1e12
-        );
+        for kernel in [FlashKernel::Mma, FlashKernel::Wmma] {
+            let s = time(&|| {
+                flash_attention_with(&q, &k, &v, 1.0, &mask, kernel).unwrap();
+            });
+            let flops = 4.0 * 2.0 * 2048.0 * 2048.0 * 32.0 * 128.0 / 2.0;
+            println!(
+                "{kernel:?} flash attention causal 2x2048x32x128 (GQA 8): {:.3} ms, {:.0} TFLOP/s",
+                s * 1e3,
+                flops / s / 1e12
+            );
+        }
         for (m, kk, nn) in [
             (65536, 1152, 4304),
             (65536, 4304, 1152),
@@ -657,6 +712,8 @@ mod kernel_tests {
             (1, 300, 300, 4, 4, 72, false, None),
             (1, 4096, 4096, 2, 2, 72, false, None),
             (2, 77, 77, 8, 2, 128, true, Some(vec![0, 13])),
+            (1, 300, 300, 4, 2, 128, true, None),
+            (2, 200, 200, 2, 2, 80, true, Some(vec![0, 70])),
             (3, 5, 133, 4, 1, 128, true, Some(vec![40, 0, 7])),
             (2, 64, 64, 4, 4, 64, true, None),
             (1, 33, 97, 2, 1, 16, false, None),
@@ -682,13 +739,15 @@ mod kernel_tests {
                 };
                 let scale = (d as f32).powf(-0.5);
                 let want = reference(&q, &k, &v, scale, &mask).unwrap();
-                let got = flash_attention(&q, &k, &v, scale, &mask).unwrap();
-                let diff = max_abs_diff(&want, &got);
-                println!(
-                    "b={b} q={q_len} kv={kv_len} h={h}/{kvh} d={d} causal={causal} {dtype:?}: \
-                     max |flash - reference| = {diff}"
-                );
-                assert!(diff < 2e-2, "flash attention differs by {diff}");
+                for kernel in [FlashKernel::Mma, FlashKernel::Wmma] {
+                    let got = flash_attention_with(&q, &k, &v, scale, &mask, kernel).unwrap();
+                    let diff = max_abs_diff(&want, &got);
+                    println!(
+                        "{kernel:?} b={b} q={q_len} kv={kv_len} h={h}/{kvh} d={d} \
+                         causal={causal} {dtype:?}: max |flash - reference| = {diff}"
+                    );
+                    assert!(diff < 2e-2, "{kernel:?} flash attention differs by {diff}");
+                }
             }
         }
     }

@@ -53,3 +53,50 @@ __device__ __forceinline__ float block_max(float v) {
     __syncthreads();
     return partial_max[0];
 }
+
+
+// Tensor-core building blocks (sm_80+; instantiated only by kernels built for it).
+// c (16x8 f32) += a (16x16, row-major) * b (16x8, k-major) in T: the operands' registers as
+// PTX's m16n8k16 fragment layouts (lane = 4 g + q: a holds rows g, g + 8 and columns 2q,
+// 2q + 1, 2q + 8, 2q + 9; b columns g, rows 2q, 2q + 1, 2q + 8, 2q + 9; c rows g, g + 8 and
+// columns 2q, 2q + 1).
+template <typename T> __device__ __forceinline__ void mma16816(float *c, const uint32_t *a, const uint32_t *b);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float *c, const uint32_t *a, const uint32_t *b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float *c, const uint32_t *a, const uint32_t *b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory: lane l gives the address of row
+// l % 8 of matrix l / 8 (16 bytes, 16-byte aligned); r[i] is this lane's piece of matrix i
+// (row lane / 4, columns 2 (lane % 4) and + 1). `_trans` hands out the transpose (row
+// 2 (lane % 4) and + 1 of column lane / 4), a k-major B fragment of a row-major tile.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t *r, const void *smem) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t *r, const void *smem) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// Two f32 values rounded to T and packed into one register, `lo` in the low half (the lower
+// column of a fragment pair).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
