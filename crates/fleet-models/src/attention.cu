@@ -386,17 +386,19 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
                         visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
                                   (j >= kstart || j == qabs);
                     }
-                    const float x = visible ? s[r][n][e] * scale_log2 : -INFINITY;
+                    // Raw scores here; the scale is folded into the exponent's FMA below.
+                    const float x = visible ? s[r][n][e] : -INFINITY;
                     s[r][n][e] = x;
                     tile_max[rs] = fmaxf(tile_max[rs], x);
                 }
-            float alpha[2], m_new[2], sum[2] = {0.f, 0.f};
+            float alpha[2], m_new[2], neg_m[2], sum[2] = {0.f, 0.f};
 #pragma unroll
             for (int rs = 0; rs < 2; ++rs) {
                 tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 1));
                 tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 2));
-                m_new[rs] = fmaxf(m[r][rs], tile_max[rs]);
+                m_new[rs] = fmaxf(m[r][rs], tile_max[rs] * scale_log2);
                 alpha[rs] = m_new[rs] == -INFINITY ? 1.f : exp2f(m[r][rs] - m_new[rs]);
+                neg_m[rs] = -m_new[rs];
             }
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
@@ -404,7 +406,8 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int rs = e >> 1;
-                    p[e] = m_new[rs] == -INFINITY ? 0.f : exp2f(s[r][n][e] - m_new[rs]);
+                    p[e] = m_new[rs] == -INFINITY ? 0.f
+                                                  : exp2f(fmaf(s[r][n][e], scale_log2, neg_m[rs]));
                     sum[rs] += p[e];
                 }
                 // Key tile n is half of P's 16-key k-step n / 2: rows g and g + 8.
@@ -474,8 +477,8 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
 #define FLASH_BODY(F, T, DP, RT)
 #endif
 
-#define FLASH_KERNEL(F, NAME, T, DP, RT, MINB)                                                       \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                     \
+#define FLASH_KERNEL(F, NAME, T, DP, RT, MINB)                                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                               \
         NAME(const T *q, const T *k, const T *v, T *out, const uint32_t *key_start, int H,       \
              int KVH, int Lq, int Lk, int D, long qsb, long qsl, long qsh, long ksb, long ksl,   \
              long ksh, long vsb, long vsl, long vsh, float scale, int causal) {                  \
@@ -499,14 +502,20 @@ FLASH(flash_attention_bf16_d80_r2, __nv_bfloat16, 80, 2)
 FLASH(flash_attention_f16_d64_r2, __half, 64, 2)
 FLASH(flash_attention_f16_d80_r2, __half, 80, 2)
 
-// The mma.sync kernels (the default): two row tiles a warp up to head dimension 80, one at 128
-// (its O accumulators alone take 64 registers a tile).
+// The mma.sync kernels (the default): two row tiles a warp up to head dimension 80 (`_r1`: one,
+// for FLEET_FLASH_R2=0; on an H100 at the vision tower's shape 136 against 148 TFLOP/s with
+// two), one at 128 (its O accumulators alone take 64 registers a tile), held to 168 registers
+// so that three blocks share an SM (149 against 130 TFLOP/s with two, causal, GQA).
 FLASH_MMA(flash_mma_bf16_d64, __nv_bfloat16, 64, 2, 2)
 FLASH_MMA(flash_mma_bf16_d80, __nv_bfloat16, 80, 2, 2)
 FLASH_MMA(flash_mma_bf16_d128, __nv_bfloat16, 128, 1, 3)
 FLASH_MMA(flash_mma_f16_d64, __half, 64, 2, 2)
 FLASH_MMA(flash_mma_f16_d80, __half, 80, 2, 2)
 FLASH_MMA(flash_mma_f16_d128, __half, 128, 1, 3)
+FLASH_MMA(flash_mma_bf16_d64_r1, __nv_bfloat16, 64, 1, 3)
+FLASH_MMA(flash_mma_bf16_d80_r1, __nv_bfloat16, 80, 1, 3)
+FLASH_MMA(flash_mma_f16_d64_r1, __half, 64, 1, 3)
+FLASH_MMA(flash_mma_f16_d80_r1, __half, 80, 1, 3)
 
 // Checks acc_row/acc_col against this GPU's WMMA accumulator layout: one warp loads a 16x16
 // matrix whose entries are their own row-major index and compares each element it holds. ok[0]

@@ -356,8 +356,9 @@ mod cuda {
     /// Queries per thread block: 4 warps of 16 rows, or of 32 with the `_r2` kernels.
     const BLOCK_M: usize = 64;
 
-    /// Whether a head dimension padded to `padded` takes the `_r2` kernels (two row tiles a
-    /// warp: up to 80) unless `FLEET_FLASH_R2=0` (for comparison).
+    /// Whether a head dimension padded to `padded` takes two row tiles a warp (up to 80: the
+    /// WMMA kernel's `_r2`, the mma kernel's default) unless `FLEET_FLASH_R2=0` (for
+    /// comparison).
     fn two_row_tiles(padded: usize) -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         padded <= 80
@@ -419,7 +420,11 @@ mod cuda {
             // Both kernels hold two row tiles a warp up to head dimension 80 (the WMMA one
             // unless FLEET_FLASH_R2=0), one at 128.
             let (name, r2) = match op.kernel {
-                FlashKernel::Mma => (format!("flash_mma_{dtype}_d{padded}"), padded <= 80),
+                FlashKernel::Mma => {
+                    let r2 = two_row_tiles(padded);
+                    let tail = if padded > 80 || r2 { "" } else { "_r1" };
+                    (format!("flash_mma_{dtype}_d{padded}{tail}"), r2)
+                }
                 FlashKernel::Wmma => {
                     let r2 = two_row_tiles(padded);
                     let tail = if r2 { "_r2" } else { "" };
