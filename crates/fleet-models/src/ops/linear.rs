@@ -284,29 +284,58 @@ const SKINNY_THREADS: u32 = 128;
 /// `k` a block stages at a time (`SK_KCHUNK`): splits of `k` are multiples of it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SKINNY_KCHUNK: usize = 128;
-/// Blocks per SM the split of `k` aims for (three fit by registers; four leave no SM idle
-/// at the tail).
+/// Blocks an SM holds at once (`SK_BLOCKS_PER_SM`: the kernel's launch bounds cap its
+/// registers to fit four); the grid is sized to the SMs times this.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SKINNY_BLOCKS_PER_SM: usize = 4;
-/// Column tiles a device's split counters cover; a product of more tiles is not split.
+/// Column tiles a device's counters cover; a product of more tiles is not split.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SKINNY_COUNTERS: usize = 4096;
 
-/// How `k` is split over blocks: `(splits, k per split)`, enough blocks for
-/// [`SKINNY_BLOCKS_PER_SM`] per SM where the columns alone give fewer, each split a whole
-/// number of staged chunks.
+/// How the skinny GEMM spreads its work: the `(column tile, chunk of k)` units, tile-major,
+/// cut into equal contiguous ranges, one per block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn skinny_splits(n: usize, k: usize, sms: usize, counters: bool) -> (usize, usize) {
+struct SkinnyPlan {
+    /// Blocks of the grid.
+    blocks: usize,
+    /// Chunks of [`SKINNY_KCHUNK`] in one tile's `k`.
+    chunks_per_tile: usize,
+    /// Units each block takes (the last block may take fewer).
+    units_per_block: usize,
+    /// Most blocks any tile's units are spread over: the partials' slots per tile (1: no tile
+    /// is cut, no partials).
+    max_slots: usize,
+}
+
+/// The plan for `n` columns and `k`: as many blocks as the GPU holds at once (`sms` x
+/// [`SKINNY_BLOCKS_PER_SM`]) with equal ranges, so that no partial wave leaves most SMs idle;
+/// whole tiles a block (no partials) without counters or with more tiles than they cover.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn skinny_plan(n: usize, k: usize, sms: usize, counters: bool) -> SkinnyPlan {
     let tiles = n.div_ceil(SKINNY_COLS);
-    let chunks = k.div_ceil(SKINNY_KCHUNK);
+    let chunks_per_tile = k.div_ceil(SKINNY_KCHUNK);
     if !counters || tiles > SKINNY_COUNTERS {
-        return (1, k);
+        return SkinnyPlan {
+            blocks: tiles,
+            chunks_per_tile,
+            units_per_block: chunks_per_tile,
+            max_slots: 1,
+        };
     }
-    let want = (SKINNY_BLOCKS_PER_SM * sms)
-        .div_ceil(tiles)
-        .clamp(1, chunks);
-    let per = chunks.div_ceil(want) * SKINNY_KCHUNK;
-    (k.div_ceil(per), per)
+    let total = tiles * chunks_per_tile;
+    let per = total.div_ceil((SKINNY_BLOCKS_PER_SM * sms).max(1));
+    let max_slots = if per.is_multiple_of(chunks_per_tile) {
+        1
+    } else {
+        chunks_per_tile.div_ceil(per) + 1
+    };
+    SkinnyPlan {
+        blocks: total.div_ceil(per),
+        chunks_per_tile,
+        units_per_block: per,
+        max_slots,
+    }
 }
 
 /// In place `y[r, :] += bias` (CUDA only; [`linear`] takes candle's path elsewhere).
@@ -470,25 +499,32 @@ mod cuda {
             )?;
             let state = skinny_state(&dev)?;
             let sms = state.as_ref().map_or(1, |s| s.sms);
-            let (splits, per) = super::skinny_splits(n, k, sms, state.is_some());
-            // SAFETY: the kernel (or the last split) writes every one of the m x n outputs.
+            let plan = super::skinny_plan(n, k, sms, state.is_some());
+            // SAFETY: each tile's outputs are written by its only block or by the last of its
+            // blocks to finish.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
-            // One f32 per split, row and column when k is split (one float when not: unread).
-            // SAFETY: each split writes its partials before the last one reads them.
-            let partial: CudaSlice<f32> =
-                unsafe { dev.alloc::<f32>(if splits > 1 { splits * m * n } else { 1 })? };
+            // Per tile and slot an [m, 64] f32 partial where tiles are cut (one float when
+            // none is: unread).
+            let tiles = n.div_ceil(super::SKINNY_COLS);
+            let partials = if plan.max_slots > 1 {
+                tiles * plan.max_slots * m * super::SKINNY_COLS
+            } else {
+                1
+            };
+            // SAFETY: each block writes its partials before the tile's last block reads them.
+            let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(partials)? };
             let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(super::SKINNY_COLS) as u32, splits as u32, 1),
+                grid_dim: (plan.blocks as u32, 1, 1),
                 block_dim: (super::SKINNY_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let unsplit;
+            let uncut;
             let counters = match &state {
                 Some(s) => &s.counters,
                 None => {
-                    // Not read: one split never touches the counters.
-                    unsplit = dev.alloc_zeros::<u32>(1)?;
-                    &unsplit
+                    // Not read: whole tiles never touch the counters.
+                    uncut = dev.alloc_zeros::<u32>(1)?;
+                    &uncut
                 }
             };
             let mut builder = func.builder();
@@ -497,16 +533,24 @@ mod cuda {
             builder.arg(&y);
             builder.arg(&partial);
             builder.arg(counters);
-            let (m, n, k, per) = (m as i32, n as i32, k as i32, per as i32);
-            builder.arg(&m);
-            builder.arg(&n);
-            builder.arg(&k);
-            builder.arg(&per);
-            // SAFETY: block (b, s) reads rows 64b..64b+64 of w (n a multiple of 16: a warp's 16
-            // rows are all in or all out) and the m rows of x over split s of k (a multiple of
-            // 32), 16 bytes at a time (rows aligned: checked); it writes its partials (one
-            // split: its outputs) and, if last of its column tile, the tile's outputs and
-            // counter (SKINNY_COUNTERS tiles at most: checked by skinny_splits).
+            let ints = [
+                m,
+                n,
+                k,
+                plan.chunks_per_tile,
+                plan.units_per_block,
+                plan.max_slots,
+            ]
+            .map(|v| v as i32);
+            for v in &ints {
+                builder.arg(v);
+            }
+            // SAFETY: a block reads, for each tile its units touch, rows 64t..64t+64 of w (n a
+            // multiple of 16: a warp's 16 rows are all in or all out) and the m rows of x over
+            // those chunks of k (a multiple of 32), 16 bytes at a time (rows aligned: checked);
+            // it writes whole tiles' outputs, or its partials and, if last of a cut tile, the
+            // tile's outputs and counter (SKINNY_COUNTERS tiles at most: checked by
+            // skinny_plan).
             unsafe { builder.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev))
         }
@@ -589,22 +633,44 @@ mod tests {
         }
     }
 
-    /// The split of `k` over blocks: enough blocks to fill the device, whole staged
-    /// chunks per split, none without counters or where the columns alone fill it.
+    /// The plan: ranges of equal length over the (tile, chunk) units, one block each and
+    /// blocks for every slot of the GPU; whole tiles without counters or with too many tiles.
     #[test]
-    fn k_splits_fill_the_device_in_whole_chunks() {
-        // 7B down projection: 56 column tiles, k 18944 over 132 SMs.
-        let (splits, per) = skinny_splits(3584, 18944, 132, true);
-        assert_eq!((splits, per), (10, 1920));
-        assert!(splits * per >= 18944 && (splits - 1) * per < 18944);
-        // Many columns: no split; no counters: no split.
-        assert_eq!(skinny_splits(37888, 3584, 132, true), (1, 3584));
-        assert_eq!(skinny_splits(3584, 18944, 132, false), (1, 18944));
-        // 0.5B down projection: 14 tiles, k 4864 = 38 chunks, one chunk a split.
-        assert_eq!(skinny_splits(896, 4864, 132, true), (38, 128));
-        // k not a multiple of the chunk: the last split is short.
-        let (splits, per) = skinny_splits(64, 96, 132, true);
-        assert_eq!((splits, per), (1, 128));
+    fn skinny_plan_fills_the_device_with_equal_ranges() {
+        // 7B gate/up at 132 SMs: 592 tiles x 28 chunks = 16,576 units over 528 slots.
+        let p = skinny_plan(37888, 3584, 132, true);
+        assert_eq!((p.chunks_per_tile, p.units_per_block), (28, 32));
+        assert_eq!((p.blocks, p.max_slots), (518, 2));
+        // 7B down: 56 tiles x 148 chunks; a tile spreads over up to 2 + 148 / 16 blocks.
+        let p = skinny_plan(3584, 18944, 132, true);
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (518, 16, 11));
+        // 0.5B qkv: 18 tiles x 7 chunks: one chunk a block.
+        let p = skinny_plan(1152, 896, 132, true);
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (126, 1, 8));
+        // Whole tiles a block when the ranges fall on tile ends, without counters, or past
+        // the counters' tiles.
+        let p = skinny_plan(8 * 64, 256, 1, true);
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (4, 4, 1));
+        for p in [
+            skinny_plan(3584, 18944, 132, false),
+            skinny_plan(64 * (SKINNY_COUNTERS + 1), 256, 132, true),
+        ] {
+            assert_eq!(p.units_per_block, p.chunks_per_tile);
+            assert_eq!(p.max_slots, 1);
+        }
+        // Every unit is in exactly one range.
+        for (n, k) in [
+            (37888, 3584),
+            (3584, 18944),
+            (1152, 896),
+            (9728, 896),
+            (80, 96),
+        ] {
+            let p = skinny_plan(n, k, 132, true);
+            let total = n.div_ceil(SKINNY_COLS) * p.chunks_per_tile;
+            assert!(p.blocks * p.units_per_block >= total);
+            assert!((p.blocks - 1) * p.units_per_block < total);
+        }
     }
 
     /// The skinny GEMM's twin is the product (in f32, to rounding), and shapes the kernel does
@@ -729,6 +795,8 @@ mod kernel_tests {
                 (33, 3584, 18944),
                 (64, 896, 4864),
                 (64, 9728, 896),
+                (32, 1152, 896),
+                (24, 37888, 512),
             ];
             for (m, n, k) in shapes {
                 let (x, w) = (r(&[m, k], 3, dtype), r(&[n, k], 4, dtype));
