@@ -118,7 +118,9 @@ GEMVS(__nv_bfloat16, bf16)
 #define SK_XSTRIDE (SK_KCHUNK + 8)
 // Blocks an SM holds (the launch bounds cap the registers to fit them): the host sizes the
 // grid as SMs x this (SKINNY_BLOCKS_PER_SM in linear.rs).
-#define SK_BLOCKS_PER_SM 4
+#define SK_BLOCKS_PER_SM 3
+// Most blocks a cut tile's units may spread over (SKINNY_MAX_SLOTS in linear.rs).
+#define SK_MAX_SLOTS 8
 
 // This thread's 16-byte pieces of its two w rows (g and g + 8 of the warp's 16) for the
 // SK_UNROLL k-blocks of the chunk at kc (zeros past `kn` or for a warp past the last column).
@@ -243,13 +245,34 @@ __device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsign
         __syncthreads();
         if (!last) continue;
         __threadfence();
+        // Four columns a thread, every slot's load issued before the first add (a loop of
+        // dependent loads, one L2 round trip per slot and output, made this sum the kernel's
+        // longest part: ncu, 25-40 us a launch).
         const float *base = partial + (size_t)tile * max_slots * m * SK_COLS;
-        for (int i = threadIdx.x; i < m * SK_COLS; i += blockDim.x) {
-            const int row = i / SK_COLS, col = tile * SK_COLS + i % SK_COLS;
-            if (col >= n) continue;
-            float s = 0.f;
-            for (int p = 0; p < slots; ++p) s += __ldcg(&base[(size_t)p * m * SK_COLS + i]);
-            y[(size_t)row * n + col] = from_f<T>(s);
+        for (int i = threadIdx.x; i < m * SK_COLS / 4; i += blockDim.x) {
+            const int row = i / (SK_COLS / 4), c = (i % (SK_COLS / 4)) * 4;
+            const int col = tile * SK_COLS + c;
+            float4 v[SK_MAX_SLOTS];
+#pragma unroll
+            for (int p = 0; p < SK_MAX_SLOTS; ++p)
+                if (p < slots)
+                    v[p] = __ldcg(reinterpret_cast<const float4 *>(base + ((size_t)p * m + row) * SK_COLS + c));
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int p = 0; p < SK_MAX_SLOTS; ++p)
+                if (p < slots) {
+                    sum.x += v[p].x;
+                    sum.y += v[p].y;
+                    sum.z += v[p].z;
+                    sum.w += v[p].w;
+                }
+            if (col < n) {  // n is a multiple of 16: the four columns are all in or all out
+                T *out = y + (size_t)row * n + col;
+                out[0] = from_f<T>(sum.x);
+                out[1] = from_f<T>(sum.y);
+                out[2] = from_f<T>(sum.z);
+                out[3] = from_f<T>(sum.w);
+            }
         }
         if (threadIdx.x == 0) counters[tile] = 0;
     }

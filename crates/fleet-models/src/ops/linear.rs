@@ -285,9 +285,13 @@ const SKINNY_THREADS: u32 = 128;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SKINNY_KCHUNK: usize = 128;
 /// Blocks an SM holds at once (`SK_BLOCKS_PER_SM`: the kernel's launch bounds cap its
-/// registers to fit four); the grid is sized to the SMs times this.
+/// registers to fit three); the grid is sized to the SMs times this.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_BLOCKS_PER_SM: usize = 4;
+const SKINNY_BLOCKS_PER_SM: usize = 3;
+/// Most blocks one tile's units may spread over (`SK_MAX_SLOTS`: the last block holds one
+/// partial of each in registers while it sums them).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const SKINNY_MAX_SLOTS: usize = 8;
 /// Column tiles a device's counters cover; a product of more tiles is not split.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const SKINNY_COUNTERS: usize = 4096;
@@ -309,8 +313,9 @@ struct SkinnyPlan {
 }
 
 /// The plan for `n` columns and `k`: as many blocks as the GPU holds at once (`sms` x
-/// [`SKINNY_BLOCKS_PER_SM`]) with equal ranges, so that no partial wave leaves most SMs idle;
-/// whole tiles a block (no partials) without counters or with more tiles than they cover.
+/// [`SKINNY_BLOCKS_PER_SM`]) with equal ranges, so that no partial wave leaves most SMs idle,
+/// unless a tile would spread over more than [`SKINNY_MAX_SLOTS`] blocks; whole tiles a block
+/// (no partials) without counters or with more tiles than they cover.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn skinny_plan(n: usize, k: usize, sms: usize, counters: bool) -> SkinnyPlan {
     let tiles = n.div_ceil(SKINNY_COLS);
@@ -324,7 +329,10 @@ fn skinny_plan(n: usize, k: usize, sms: usize, counters: bool) -> SkinnyPlan {
         };
     }
     let total = tiles * chunks_per_tile;
-    let per = total.div_ceil((SKINNY_BLOCKS_PER_SM * sms).max(1));
+    // Enough units a block that a tile spreads over at most SKINNY_MAX_SLOTS blocks.
+    let per = total
+        .div_ceil((SKINNY_BLOCKS_PER_SM * sms).max(1))
+        .max(chunks_per_tile.div_ceil(SKINNY_MAX_SLOTS - 1));
     let max_slots = if per.is_multiple_of(chunks_per_tile) {
         1
     } else {
@@ -637,20 +645,23 @@ mod tests {
     /// blocks for every slot of the GPU; whole tiles without counters or with too many tiles.
     #[test]
     fn skinny_plan_fills_the_device_with_equal_ranges() {
-        // 7B gate/up at 132 SMs: 592 tiles x 28 chunks = 16,576 units over 528 slots.
+        // 7B gate/up at 132 SMs: 592 tiles x 28 chunks = 16,576 units over 396 slots.
         let p = skinny_plan(37888, 3584, 132, true);
-        assert_eq!((p.chunks_per_tile, p.units_per_block), (28, 32));
-        assert_eq!((p.blocks, p.max_slots), (518, 2));
-        // 7B down: 56 tiles x 148 chunks; a tile spreads over up to 2 + 148 / 16 blocks.
+        assert_eq!((p.chunks_per_tile, p.units_per_block), (28, 42));
+        assert_eq!((p.blocks, p.max_slots), (395, 2));
+        // 7B down: 56 tiles x 148 chunks; 21 a block would spread a tile over 9 blocks: 22.
         let p = skinny_plan(3584, 18944, 132, true);
-        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (518, 16, 11));
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (377, 22, 8));
         // 0.5B qkv: 18 tiles x 7 chunks: one chunk a block.
         let p = skinny_plan(1152, 896, 132, true);
         assert_eq!((p.blocks, p.units_per_block, p.max_slots), (126, 1, 8));
+        // 0.5B down: 14 tiles x 38 chunks would give 2 a block and 20 blocks a tile: 6.
+        let p = skinny_plan(896, 4864, 132, true);
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (89, 6, 8));
         // Whole tiles a block when the ranges fall on tile ends, without counters, or past
         // the counters' tiles.
-        let p = skinny_plan(8 * 64, 256, 1, true);
-        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (4, 4, 1));
+        let p = skinny_plan(6 * 64, 256, 1, true);
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (3, 4, 1));
         for p in [
             skinny_plan(3584, 18944, 132, false),
             skinny_plan(64 * (SKINNY_COUNTERS + 1), 256, 132, true),
