@@ -62,14 +62,16 @@ __device__ __forceinline__ void stage_rows(T *dst, const T *src, long stride_l, 
 }
 
 // The same rows copied asynchronously (cp.async, sm_80+): 16-byte copies that zero-fill what
-// lies outside the rows or the head dimension; the caller commits and waits.
+// lies outside the rows or the head dimension; the caller commits and waits. (Unrolled with a
+// stride known when compiling, the copies' addresses stay live across the key loop and the
+// kernels spill.)
 template <typename T, int DP>
 __device__ __forceinline__ void stage_rows_async(T *dst, const T *src, long stride_l, int row0,
-                                                 int n_rows, int len, int D) {
+                                                 int len, int D) {
     constexpr int LD = DP + 8;
     constexpr int VEC = 8;
     constexpr int PER_ROW = DP / VEC;
-    for (int i = threadIdx.x; i < n_rows * PER_ROW; i += blockDim.x) {
+    for (int i = threadIdx.x; i < BLOCK_N * PER_ROW; i += blockDim.x) {
         const int r = i / PER_ROW, c = (i % PER_ROW) * VEC;
         const bool inside = row0 + r < len && c < D;
         const T *from = inside ? src + (long)(row0 + r) * stride_l + c : src;
@@ -149,10 +151,10 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     // The loads overlap the math: V_t is copied while S = Q K_t is computed, K_{t+1} while
     // P V_t is.
     __syncthreads(); // every warp holds its Q fragments: the staging area becomes the K tile
-    if (k_begin < k_end) stage_rows_async<T, DP>(ks, kh, ksl, k_begin, BLOCK_N, Lk, D);
+    if (k_begin < k_end) stage_rows_async<T, DP>(ks, kh, ksl, k_begin, Lk, D);
     cp_async_commit();
     for (int kt = k_begin; kt < k_end; kt += BLOCK_N) {
-        stage_rows_async<T, DP>(vs, vh, vsl, kt, BLOCK_N, Lk, D);
+        stage_rows_async<T, DP>(vs, vh, vsl, kt, Lk, D);
         cp_async_commit();
         cp_async_wait<1>(); // K_t has landed (V_t may still be in flight)
         __syncthreads();
@@ -230,7 +232,7 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
 
         cp_async_wait<0>(); // V_t has landed
         __syncthreads();    // ... for every warp, and no warp reads K_t any more
-        if (kt + BLOCK_N < k_end) stage_rows_async<T, DP>(ks, kh, ksl, kt + BLOCK_N, BLOCK_N, Lk, D);
+        if (kt + BLOCK_N < k_end) stage_rows_async<T, DP>(ks, kh, ksl, kt + BLOCK_N, Lk, D);
         cp_async_commit();
 
         // O += P V: each V fragment read from shared memory serves the warp's RT row tiles.
@@ -270,6 +272,15 @@ __device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k
     }
 }
 
+
+// 2^x by the SFU alone (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flushed to
+// zero). exp2f adds range checks around the same instruction, and the scores' exponent is
+// most of the softmax's issue slots (ncu: the integer/logic pipe was the busiest, 38%).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // The same pass with the probabilities kept in registers (FlashAttention-2's forward on
 // mma.sync.m16n8k16): S = Q Kᵀ lands in accumulators whose layout is the A operand's of P V,
@@ -342,10 +353,10 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
     const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
 
     __syncthreads(); // every warp holds its Q fragments: the staging area becomes the K tile
-    if (k_begin < k_end) stage_rows_async<T, DP>(ks, kh, ksl, k_begin, BLOCK_N, Lk, D);
+    if (k_begin < k_end) stage_rows_async<T, DP>(ks, kh, ksl, k_begin, Lk, D);
     cp_async_commit();
     for (int kt = k_begin; kt < k_end; kt += BLOCK_N) {
-        stage_rows_async<T, DP>(vs, vh, vsl, kt, BLOCK_N, Lk, D);
+        stage_rows_async<T, DP>(vs, vh, vsl, kt, Lk, D);
         cp_async_commit();
         cp_async_wait<1>(); // K_t has landed (V_t may still be in flight)
         __syncthreads();
@@ -397,8 +408,10 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
                 tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 1));
                 tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 2));
                 m_new[rs] = fmaxf(m[r][rs], tile_max[rs] * scale_log2);
-                alpha[rs] = m_new[rs] == -INFINITY ? 1.f : exp2f(m[r][rs] - m_new[rs]);
-                neg_m[rs] = -m_new[rs];
+                alpha[rs] = m_new[rs] == -INFINITY ? 1.f : exp2_approx(m[r][rs] - m_new[rs]);
+                // A row that has seen only hidden keys has every score -inf: exp2(-inf) = 0
+                // with no per-element test.
+                neg_m[rs] = m_new[rs] == -INFINITY ? 0.f : -m_new[rs];
             }
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
@@ -406,8 +419,7 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int rs = e >> 1;
-                    p[e] = m_new[rs] == -INFINITY ? 0.f
-                                                  : exp2f(fmaf(s[r][n][e], scale_log2, neg_m[rs]));
+                    p[e] = exp2_approx(fmaf(s[r][n][e], scale_log2, neg_m[rs]));
                     sum[rs] += p[e];
                 }
                 // Key tile n is half of P's 16-key k-step n / 2: rows g and g + 8.
@@ -429,7 +441,7 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
 
         cp_async_wait<0>(); // V_t has landed
         __syncthreads();    // ... for every warp, and no warp reads K_t any more
-        if (kt + BLOCK_N < k_end) stage_rows_async<T, DP>(ks, kh, ksl, kt + BLOCK_N, BLOCK_N, Lk, D);
+        if (kt + BLOCK_N < k_end) stage_rows_async<T, DP>(ks, kh, ksl, kt + BLOCK_N, Lk, D);
         cp_async_commit();
 
 #pragma unroll
@@ -503,9 +515,10 @@ FLASH(flash_attention_f16_d64_r2, __half, 64, 2)
 FLASH(flash_attention_f16_d80_r2, __half, 80, 2)
 
 // The mma.sync kernels (the default): two row tiles a warp up to head dimension 80 (`_r1`: one,
-// for FLEET_FLASH_R2=0; on an H100 at the vision tower's shape 136 against 148 TFLOP/s with
-// two), one at 128 (its O accumulators alone take 64 registers a tile), held to 168 registers
-// so that three blocks share an SM (149 against 130 TFLOP/s with two, causal, GQA).
+// for FLEET_FLASH_R2=0), one at 128 (its O accumulators alone take 64 registers a tile), held
+// to 168 registers so that three blocks share an SM. On an H100 (the library's rates test):
+// 208 TFLOP/s at the vision tower's shape (two tiles; one: 169; WMMA: 124) and 177 causal at
+// head dim 128 with grouped heads (two blocks an SM: 130 before ex2.approx; WMMA: 98).
 FLASH_MMA(flash_mma_bf16_d64, __nv_bfloat16, 64, 2, 2)
 FLASH_MMA(flash_mma_bf16_d80, __nv_bfloat16, 80, 2, 2)
 FLASH_MMA(flash_mma_bf16_d128, __nv_bfloat16, 128, 1, 3)
