@@ -22,9 +22,9 @@ pub const SKINNY_MAX_ROWS: usize = 64;
 /// - up to [`GEMV_MAX_ROWS`] rows in f16 or bf16 (a decode step) take [`gemv`], which reads
 ///   each weight once at close to the memory bandwidth (cuBLAS reached 57–86% on a 7B decode
 ///   step at batch 1, measured with ncu on an H100); up to [`SKINNY_MAX_ROWS`] take
-///   [`skinny_gemm`] with `FLEET_SKINNY_GEMM=1` (correct on an H100, but 0.45–0.6x cuBLAS's
-///   speed at 32–64 rows there, so off by default: its split-k reduction and partials cost
-///   more than cuBLAS's kernels lose, which read 1.0–1.6 TB/s of the H100's 3.35);
+///   [`skinny_gemm`] with `FLEET_SKINNY_GEMM=1` (correct on an H100; off by default: since
+///   its stream-K rework within 2% of cuBLAS at 8–16 rows of a 7B decode and behind from 32,
+///   0.66x at 64, 0.6x on the 0.5B/1.5B rollouts — its small products are latency-bound);
 ///   `FLEET_DECODE_GEMV=0` turns both off;
 /// - the bias is added in place by one kernel after the product: candle's broadcast add is a
 ///   strided kernel that took 4x the GEMM itself on the vision tower's `[65536, 4304]`
