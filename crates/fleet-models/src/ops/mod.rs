@@ -400,4 +400,4 @@ pub use qkv_rope::{qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_paged, P
 pub use reduce::{sum_all_fast, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm};
 pub use sample::{sample_tokens, sample_tokens_on_device, RowSampling, SAMPLER_VERSION};
-pub use swiglu::swiglu;
+pub use swiglu::{set_swiglu_scalar_kernels, swiglu};

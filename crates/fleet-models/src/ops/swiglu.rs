@@ -82,6 +82,17 @@ impl candle_core::CustomOp1 for SwiGlu {
     }
 }
 
+/// Set by [`set_swiglu_scalar_kernels`]: the CUDA launches take the per-element kernels even where
+/// the 16-byte vector kernels could.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+static SCALAR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Test switch: whether SwiGLU's CUDA launches (forward and backward) use only the
+/// per-element kernels, for comparing them with the vector kernels (the same bits).
+pub fn set_swiglu_scalar_kernels(scalar: bool) {
+    SCALAR.store(scalar, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// The fused backward as a forward-only op on CUDA tensors (the CPU keeps the composed backward).
 struct SwiGluBwd;
 
@@ -103,6 +114,26 @@ mod cuda {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/swiglu.ptx"));
     const MODULE: &str = "fleet_swiglu";
 
+    /// Elements of `T` in the vector kernels' 16-byte loads.
+    fn vector_len<T>() -> usize {
+        16 / std::mem::size_of::<T>()
+    }
+
+    /// Whether the `_vec` kernels take this call: `n_cols` a multiple of the vector and every
+    /// input's first element 16-byte aligned (candle's buffers are), unless a test asked for
+    /// the scalar kernels ([`super::set_swiglu_scalar_kernels`]) or `FLEET_SWIGLU_VEC=0` (for
+    /// measurements against them).
+    fn vectorized<T>(n_cols: usize, offsets: &[usize]) -> bool {
+        static ENV_ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let env_on =
+            *ENV_ON.get_or_init(|| std::env::var("FLEET_SWIGLU_VEC").map_or(true, |v| v != "0"));
+        let v = vector_len::<T>();
+        env_on
+            && !super::SCALAR.load(std::sync::atomic::Ordering::Relaxed)
+            && n_cols.is_multiple_of(v)
+            && offsets.iter().all(|o| o.is_multiple_of(v))
+    }
+
     pub(super) fn swiglu(s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         fn run<T: CudaDType + DeviceRepr>(
             s: &CudaStorage,
@@ -114,14 +145,20 @@ mod cuda {
             let n_rows = l.shape().elem_count() / n2;
             let n_cols = n2 / 2;
             let el = n_rows * n_cols;
+            let vec = vectorized::<T>(n_cols, &[l.start_offset()]);
             let func = dev.get_or_load_custom_func(
-                &format!("swiglu_{}", suffix(s.dtype())?),
+                &format!(
+                    "swiglu_{}{}",
+                    if vec { "vec_" } else { "" },
+                    suffix(s.dtype())?
+                ),
                 MODULE,
                 PTX,
             )?;
             // SAFETY: every element is written by the kernel.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(el)? };
-            let cfg = super::super::cuda_util::grid_stride(el);
+            let cfg =
+                super::super::cuda_util::grid_stride(if vec { el / vector_len::<T>() } else { el });
             let mut b = func.builder();
             b.arg(&x);
             b.arg(&y);
@@ -169,14 +206,20 @@ mod cuda {
             let n_rows = xl.shape().elem_count() / n2;
             let n_cols = n2 / 2;
             let el = n_rows * n_cols;
+            let vec = vectorized::<T>(n_cols, &[xl.start_offset(), gl.start_offset()]);
             let func = dev.get_or_load_custom_func(
-                &format!("swiglu_bwd_{}", suffix(xs.dtype())?),
+                &format!(
+                    "swiglu_bwd_{}{}",
+                    if vec { "vec_" } else { "" },
+                    suffix(xs.dtype())?
+                ),
                 MODULE,
                 PTX,
             )?;
             // SAFETY: the kernel writes both halves of every row.
             let dx: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * el)? };
-            let cfg = super::super::cuda_util::grid_stride(el);
+            let cfg =
+                super::super::cuda_util::grid_stride(if vec { el / vector_len::<T>() } else { el });
             let mut b = func.builder();
             b.arg(&x);
             b.arg(&g);
@@ -230,5 +273,67 @@ mod tests {
             .to_scalar::<f32>()
             .unwrap();
         assert!(d < 1e-6, "{d}");
+    }
+}
+
+/// On a GPU: the 16-byte vector kernels give the per-element kernels' bits, forward and
+/// backward, at shapes that take them (the 0.5B and 7B MLPs) and with an odd width that does
+/// not.
+#[cfg(all(test, feature = "cuda"))]
+mod kernel_tests {
+    use super::*;
+
+    #[test]
+    fn vector_kernels_give_the_scalar_bits() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for (rows, n) in [(37, 4864), (5, 18944), (3, 1500)] {
+                let x = test_tensor(&[rows, 2 * n], 7)
+                    .affine(3.0, 0.0)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to_device(&dev)
+                    .unwrap();
+                let g = test_tensor(&[rows, n], 8)
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to_device(&dev)
+                    .unwrap();
+                let run = || {
+                    let y = swiglu(&x).unwrap();
+                    let dx = x.apply_op2_no_bwd(&g, &SwiGluBwd).unwrap();
+                    let host = |t: &Tensor| -> Vec<f32> {
+                        t.to_dtype(DType::F32)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1()
+                            .unwrap()
+                    };
+                    (host(&y), host(&dx))
+                };
+                let vector = run();
+                set_swiglu_scalar_kernels(true);
+                let scalar = run();
+                set_swiglu_scalar_kernels(false);
+                assert!(
+                    vector
+                        .0
+                        .iter()
+                        .zip(&scalar.0)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?} [{rows}, {n}]: forward differs"
+                );
+                assert!(
+                    vector
+                        .1
+                        .iter()
+                        .zip(&scalar.1)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?} [{rows}, {n}]: backward differs"
+                );
+            }
+        }
     }
 }
