@@ -1,5 +1,5 @@
 // Fused attention (softmax(q kᵀ · scale) v) in one pass over the keys, the scores never written
-// to memory: the online softmax of FlashAttention-2 (Dao, 2023) on tensor cores through WMMA.
+// to memory: FlashAttention-2's forward (Dao, 2023) on mma.sync tensor-core instructions.
 // Compiled to PTX by build.rs (feature `cuda`); crates/fleet-models/src/attention.rs launches it
 // and has the CPU twin that the tests compare it with.
 //
@@ -13,34 +13,21 @@
 // sees itself, so no row is empty). Statistics in f32; the probabilities are rounded to T
 // before they multiply v, as the unfused path rounds them before its second matmul.
 //
-// One block = 4 warps = 64 queries of one (batch, head); each warp owns 16 query rows and walks
-// the keys in tiles of 64 (staged in shared memory and shared by the 4 warps). Per tile a warp
-// computes S = Q Kᵀ with WMMA, updates its rows' running max and sum in registers, writes P in
-// T to shared memory (the only round trip: WMMA needs it as an A operand) and accumulates P V
-// into WMMA accumulators that stay in registers for the whole pass. Tiles arrive by cp.async
-// while the previous step's math runs. Rescaling those by the
-// running max reads their elements in the m16n8 accumulator layout of sm_80 and later tensor
-// cores (`acc_row`/`acc_col`); the GPU test checks the result against the unfused reference.
-// Shared memory stays under 48 KiB for head dimensions up to 128.
-#include <mma.h>
-
+// One block = 4 warps of RT row tiles of 16 queries of one (batch, head); the warps walk the
+// keys in tiles of 64, staged in shared memory by cp.async and shared by the 4 warps (V_t is
+// copied while S = Q K_t is computed, K_{t+1} while P V_t is). S lands in mma accumulators whose
+// layout is the A operand's of P V, so P is rounded to T and packed in registers (the first
+// kernel, on WMMA, had to write P to shared memory: WMMA's fragment layouts are not defined).
+// Q fragments are read once by ldmatrix and held; K fragments by ldmatrix, V's by
+// ldmatrix.trans (V is row-major [key][d], P V wants it k-major). Each K/V fragment read serves
+// the warp's RT row tiles. Shared memory stays under 48 KiB for head dimensions up to 128.
 #include "ops/common.cuh"
-
-using namespace nvcuda;
 
 namespace {
 
 constexpr int WARPS = 4;
-constexpr int ROWS = 16;            // query rows per warp
-constexpr int BLOCK_M = WARPS * ROWS;
+constexpr int ROWS = 16;            // query rows per row tile
 constexpr int BLOCK_N = 64;         // keys per tile
-constexpr int NS = BLOCK_N / 16;    // 16-key subtiles per tile
-constexpr int P_LD = BLOCK_N + 8;   // probabilities' leading dimension (a multiple of 8)
-
-// Element i of a 16x16 f32 WMMA accumulator held by `lane`: two m16n8 tiles side by side, each
-// lane holding rows lane/4 and lane/4 + 8, columns 2 * (lane % 4) + {0, 1} of each.
-__device__ __forceinline__ int acc_row(int lane, int i) { return (lane >> 2) + 8 * ((i >> 1) & 1); }
-__device__ __forceinline__ int acc_col(int lane, int i) { return 2 * (lane & 3) + (i & 1) + 8 * (i >> 2); }
 
 // Rows [row0, row0 + n_rows) of one head of q/k/v into shared memory rows of width DP (leading
 // dimension DP + 8), zero past `len` rows and past D columns. D is a multiple of 8, so a row is
@@ -86,193 +73,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <typename T, int DP, int RT>
-__device__ void flash_attention(const T *__restrict__ q, const T *__restrict__ k,
-                                const T *__restrict__ v, T *__restrict__ out,
-                                const uint32_t *__restrict__ key_start, int H, int KVH, int Lq,
-                                int Lk, int D, long qsb, long qsl, long qsh, long ksb, long ksl,
-                                long ksh, long vsb, long vsl, long vsh, float scale, int causal) {
-    constexpr int LD = DP + 8;
-    constexpr int KD = DP / 16;               // 16-wide chunks of the head dimension
-    constexpr int WARP_ROWS = RT * ROWS;      // query rows per warp: RT tiles of 16
-    constexpr int BM = WARPS * WARP_ROWS;     // query rows per block
-    using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-    __shared__ __align__(32) T tiles[2 * BLOCK_N * LD]; // K tile then V tile (Q staging first)
-    __shared__ __align__(32) T probs[WARPS][WARP_ROWS * P_LD];
-    static_assert(2 * BLOCK_N >= BM, "Q staging fits the K and V tiles");
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q0 = blockIdx.x * BM;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int kvh = h / (H / KVH);
-    const int shift = Lk - Lq;
-    const int kstart = key_start ? (int)key_start[b] : 0;
-
-    // Q: staged, then held as WMMA fragments for the whole pass.
-    const T *qh = q + b * qsb + h * qsh;
-    stage_rows<T, DP>(tiles, qh, qsl, q0, BM, Lq, D);
-    __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[RT][KD];
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int c = 0; c < KD; ++c)
-            wmma::load_matrix_sync(qf[r][c], tiles + (warp * WARP_ROWS + r * ROWS) * LD + c * 16,
-                                   LD);
-
-    // This lane's two query rows of each of the warp's row tiles: lane / 4 and lane / 4 + 8.
-    int row_base[RT];
-    float m[RT][2], l[RT][2];
-    Acc o[RT][KD];
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        row_base[r] = q0 + warp * WARP_ROWS + r * ROWS + (lane >> 2);
-        m[r][0] = m[r][1] = -INFINITY;
-        l[r][0] = l[r][1] = 0.f;
-#pragma unroll
-        for (int c = 0; c < KD; ++c) wmma::fill_fragment(o[r][c], 0.f);
-    }
-
-    // Keys this block can see: from the first tile holding an unpadded key (a padding query's
-    // own key lies before it; those tiles are visited too when the block has such queries) to
-    // the causal limit of its last query.
-    const int q_last = min(q0 + BM, Lq) - 1;
-    const int k_end = causal ? min(Lk, q_last + shift + 1) : Lk;
-    int k_begin = 0;
-    if (key_start) k_begin = min(kstart, max(q0 + shift, 0));
-    k_begin = (k_begin / BLOCK_N) * BLOCK_N;
-
-    const T *kh = k + b * ksb + kvh * ksh;
-    const T *vh = v + b * vsb + kvh * vsh;
-    T *ks = tiles, *vs = tiles + BLOCK_N * LD;
-    // Scores in log2 units: exp2(x * scale * log2 e) = exp(x * scale).
-    const float scale_log2 = scale * 1.4426950408889634f;
-
-    // The loads overlap the math: V_t is copied while S = Q K_t is computed, K_{t+1} while
-    // P V_t is.
-    __syncthreads(); // every warp holds its Q fragments: the staging area becomes the K tile
-    if (k_begin < k_end) stage_rows_async<T, DP>(ks, kh, ksl, k_begin, Lk, D);
-    cp_async_commit();
-    for (int kt = k_begin; kt < k_end; kt += BLOCK_N) {
-        stage_rows_async<T, DP>(vs, vh, vsl, kt, Lk, D);
-        cp_async_commit();
-        cp_async_wait<1>(); // K_t has landed (V_t may still be in flight)
-        __syncthreads();
-
-        // S = Q Kᵀ for this warp's rows and the tile's keys: each K fragment read from shared
-        // memory serves the warp's RT row tiles.
-        Acc s[RT][NS];
-#pragma unroll
-        for (int n = 0; n < NS; ++n) {
-#pragma unroll
-            for (int r = 0; r < RT; ++r) wmma::fill_fragment(s[r][n], 0.f);
-#pragma unroll
-            for (int c = 0; c < KD; ++c) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-                wmma::load_matrix_sync(kf, ks + n * 16 * LD + c * 16, LD);
-#pragma unroll
-                for (int r = 0; r < RT; ++r) wmma::mma_sync(s[r][n], qf[r][c], kf, s[r][n]);
-            }
-        }
-
-        // Online softmax in registers; a row's 64 scores are spread over 4 lanes. A tile that
-        // every query of the block sees whole skips the mask.
-        const bool whole = kt + BLOCK_N <= Lk && q0 + BM <= Lq && kt >= kstart &&
-                           (!causal || kt + BLOCK_N - 1 <= q0 + shift);
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-            float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int n = 0; n < NS; ++n)
-#pragma unroll
-                for (int i = 0; i < s[r][n].num_elements; ++i) {
-                    const int rs = (i >> 1) & 1;
-                    bool visible = true;
-                    if (!whole) {
-                        const int qi = row_base[r] + 8 * rs, qabs = qi + shift;
-                        const int j = kt + n * 16 + acc_col(lane, i);
-                        visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
-                                  (j >= kstart || j == qabs);
-                    }
-                    const float x = visible ? s[r][n].x[i] * scale_log2 : -INFINITY;
-                    s[r][n].x[i] = x;
-                    tile_max[rs] = fmaxf(tile_max[rs], x);
-                }
-            float alpha[2], m_new[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-            for (int rs = 0; rs < 2; ++rs) {
-                tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 1));
-                tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 2));
-                m_new[rs] = fmaxf(m[r][rs], tile_max[rs]);
-                // 0 if m was -inf
-                alpha[rs] = m_new[rs] == -INFINITY ? 1.f : exp2f(m[r][rs] - m_new[rs]);
-            }
-            T *pw = probs[warp] + r * ROWS * P_LD;
-#pragma unroll
-            for (int n = 0; n < NS; ++n)
-#pragma unroll
-                for (int i = 0; i < s[r][n].num_elements; ++i) {
-                    const int rs = (i >> 1) & 1;
-                    const float p = m_new[rs] == -INFINITY ? 0.f : exp2f(s[r][n].x[i] - m_new[rs]);
-                    sum[rs] += p;
-                    pw[acc_row(lane, i) * P_LD + n * 16 + acc_col(lane, i)] = from_f<T>(p);
-                }
-#pragma unroll
-            for (int rs = 0; rs < 2; ++rs) {
-                sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 1);
-                sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 2);
-                l[r][rs] = l[r][rs] * alpha[rs] + sum[rs];
-                m[r][rs] = m_new[rs];
-            }
-#pragma unroll
-            for (int c = 0; c < KD; ++c)
-#pragma unroll
-                for (int i = 0; i < o[r][c].num_elements; ++i) o[r][c].x[i] *= alpha[(i >> 1) & 1];
-        }
-
-        cp_async_wait<0>(); // V_t has landed
-        __syncthreads();    // ... for every warp, and no warp reads K_t any more
-        if (kt + BLOCK_N < k_end) stage_rows_async<T, DP>(ks, kh, ksl, kt + BLOCK_N, Lk, D);
-        cp_async_commit();
-
-        // O += P V: each V fragment read from shared memory serves the warp's RT row tiles.
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[RT][NS];
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-            for (int n = 0; n < NS; ++n)
-                wmma::load_matrix_sync(pf[r][n], probs[warp] + r * ROWS * P_LD + n * 16, P_LD);
-#pragma unroll
-        for (int c = 0; c < KD; ++c)
-#pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-                wmma::load_matrix_sync(vf, vs + n * 16 * LD + c * 16, LD);
-#pragma unroll
-                for (int r = 0; r < RT; ++r) wmma::mma_sync(o[r][c], pf[r][n], vf, o[r][c]);
-            }
-        __syncthreads(); // V_t and P are read before the next tile overwrites them
-    }
-    cp_async_wait<0>();
-
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        const float inv[2] = {l[r][0] > 0.f ? 1.f / l[r][0] : 0.f,
-                              l[r][1] > 0.f ? 1.f / l[r][1] : 0.f};
-#pragma unroll
-        for (int c = 0; c < KD; ++c)
-#pragma unroll
-            for (int i = 0; i < o[r][c].num_elements; ++i) {
-                const int rs = (i >> 1) & 1;
-                const int qi = row_base[r] + 8 * rs;
-                const int col = c * 16 + acc_col(lane, i);
-                if (qi < Lq && col < D)
-                    out[(((long)b * Lq + qi) * H + h) * D + col] = from_f<T>(o[r][c].x[i] * inv[rs]);
-            }
-    }
-}
-
-
 // 2^x by the SFU alone (ex2.approx.ftz: relative error ~2^-22, results below 2^-126 flushed to
 // zero). exp2f adds range checks around the same instruction, and the scores' exponent is
 // most of the softmax's issue slots (ncu: the integer/logic pipe was the busiest, 38%).
@@ -282,12 +82,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// The same pass with the probabilities kept in registers (FlashAttention-2's forward on
-// mma.sync.m16n8k16): S = Q Kᵀ lands in accumulators whose layout is the A operand's of P V,
-// so P is rounded to T and packed in place instead of going through shared memory as the WMMA
-// kernel's does. Q fragments are read once by ldmatrix and held; K fragments by ldmatrix, V's
-// by ldmatrix.trans (V is row-major [key][d], P V wants it k-major). Each K/V fragment read
-// serves the warp's RT row tiles. The mask, statistics and roundings are the WMMA kernel's.
 // Causal blocks are visited last query block first, so the longest finish earliest.
 template <typename T, int DP, int RT>
 __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
@@ -479,46 +273,29 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
 
 } // namespace
 
-// bf16 tensor cores and cp.async need sm_80: built for an older GPU, the kernels are empty and
-// the probe below fails, so fleet takes the unfused path there.
+// bf16 mma.sync, ldmatrix and cp.async need sm_80: built for an older GPU the kernels are
+// empty, and attention.rs never launches them there (`fused_prefill`, `supported`).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#define FLASH_BODY(F, T, DP, RT)                                                                 \
-    F<T, DP, RT>(q, k, v, out, key_start, H, KVH, Lq, Lk, D, qsb, qsl, qsh, ksb, ksl, ksh, vsb,  \
-                 vsl, vsh, scale, causal);
+#define FLASH_BODY(T, DP, RT)                                                                    \
+    flash_mma<T, DP, RT>(q, k, v, out, key_start, H, KVH, Lq, Lk, D, qsb, qsl, qsh, ksb, ksl,    \
+                         ksh, vsb, vsl, vsh, scale, causal);
 #else
-#define FLASH_BODY(F, T, DP, RT)
+#define FLASH_BODY(T, DP, RT)
 #endif
 
-#define FLASH_KERNEL(F, NAME, T, DP, RT, MINB)                                                   \
+#define FLASH_MMA(NAME, T, DP, RT, MINB)                                                         \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                               \
         NAME(const T *q, const T *k, const T *v, T *out, const uint32_t *key_start, int H,       \
              int KVH, int Lq, int Lk, int D, long qsb, long qsl, long qsh, long ksb, long ksl,   \
              long ksh, long vsb, long vsl, long vsh, float scale, int causal) {                  \
-        FLASH_BODY(F, T, DP, RT)                                                                 \
+        FLASH_BODY(T, DP, RT)                                                                    \
     }
-#define FLASH(NAME, T, DP, RT) FLASH_KERNEL(flash_attention, NAME, T, DP, RT, 1)
-#define FLASH_MMA(NAME, T, DP, RT, MINB) FLASH_KERNEL(flash_mma, NAME, T, DP, RT, MINB)
 
-// Head dimensions padded to a multiple of 16: 64 (tiny and small models), 80 (Qwen3-VL's vision
-// tower: 72), 128 (Qwen text decoders). `_r2`: 32 query rows a warp (two row tiles share each
-// K and V fragment read from shared memory), 128 a block; up to head dimension 80, where the
-// fragments fit the registers and the tiles the 48 KiB of static shared memory.
-FLASH(flash_attention_bf16_d64, __nv_bfloat16, 64, 1)
-FLASH(flash_attention_bf16_d80, __nv_bfloat16, 80, 1)
-FLASH(flash_attention_bf16_d128, __nv_bfloat16, 128, 1)
-FLASH(flash_attention_f16_d64, __half, 64, 1)
-FLASH(flash_attention_f16_d80, __half, 80, 1)
-FLASH(flash_attention_f16_d128, __half, 128, 1)
-FLASH(flash_attention_bf16_d64_r2, __nv_bfloat16, 64, 2)
-FLASH(flash_attention_bf16_d80_r2, __nv_bfloat16, 80, 2)
-FLASH(flash_attention_f16_d64_r2, __half, 64, 2)
-FLASH(flash_attention_f16_d80_r2, __half, 80, 2)
-
-// The mma.sync kernels (the default): two row tiles a warp up to head dimension 80 (`_r1`: one,
-// for FLEET_FLASH_R2=0), one at 128 (its O accumulators alone take 64 registers a tile), held
-// to 168 registers so that three blocks share an SM. On an H100 (the library's rates test):
-// 208 TFLOP/s at the vision tower's shape (two tiles; one: 169; WMMA: 124) and 177 causal at
-// head dim 128 with grouped heads (two blocks an SM: 130 before ex2.approx; WMMA: 98).
+// Two row tiles a warp up to head dimension 80 (`_r1`: one, for FLEET_FLASH_R2=0), one at 128
+// (its O accumulators alone take 64 registers a tile), held to 168 registers so that three
+// blocks share an SM. On an H100 (the library's rates test): 208 TFLOP/s at the vision tower's
+// shape (one tile a warp: 169; the former WMMA kernel: 124) and 177 causal at head dim 128
+// with grouped heads (two blocks an SM: 130 before ex2.approx; WMMA: 98).
 FLASH_MMA(flash_mma_bf16_d64, __nv_bfloat16, 64, 2, 2)
 FLASH_MMA(flash_mma_bf16_d80, __nv_bfloat16, 80, 2, 2)
 FLASH_MMA(flash_mma_bf16_d128, __nv_bfloat16, 128, 1, 3)
@@ -529,23 +306,3 @@ FLASH_MMA(flash_mma_bf16_d64_r1, __nv_bfloat16, 64, 1, 3)
 FLASH_MMA(flash_mma_bf16_d80_r1, __nv_bfloat16, 80, 1, 3)
 FLASH_MMA(flash_mma_f16_d64_r1, __half, 64, 1, 3)
 FLASH_MMA(flash_mma_f16_d80_r1, __half, 80, 1, 3)
-
-// Checks acc_row/acc_col against this GPU's WMMA accumulator layout: one warp loads a 16x16
-// matrix whose entries are their own row-major index and compares each element it holds. ok[0]
-// stays 1 when every element sits where acc_row/acc_col say (the caller sets it to 1).
-extern "C" __global__ void wmma_layout_probe(int *ok) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    if (threadIdx.x == 0) atomicAnd(ok, 0); // the fused kernels need sm_80 (see FLASH_BODY)
-#else
-    __shared__ __align__(32) float m[256];
-    for (int i = threadIdx.x; i < 256; i += 32) m[i] = (float)i;
-    __syncwarp();
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::load_matrix_sync(acc, m, 16, wmma::mem_row_major);
-    const int lane = threadIdx.x;
-    bool good = acc.num_elements == 8;
-    for (int i = 0; i < acc.num_elements && good; ++i)
-        good = acc.x[i] == (float)(acc_row(lane, i) * 16 + acc_col(lane, i));
-    if (!good) atomicAnd(ok, 0);
-#endif
-}

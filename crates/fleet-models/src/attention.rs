@@ -7,8 +7,7 @@
 //! patches that is 512 MiB per block and image, and the time goes to memory traffic rather than
 //! arithmetic. [`flash_attention`] runs where [`supported`] says so (CUDA, bf16/f16, head
 //! dimension a multiple of 8 up to 128); [`reference()`] is the same function in plain tensor ops,
-//! which the GPU tests compare it with. Two kernels compute it ([`FlashKernel`]): mma.sync with
-//! the probabilities in registers (the default) and the first, WMMA one.
+//! which the GPU tests compare it with.
 
 use std::sync::Arc;
 
@@ -30,41 +29,11 @@ pub struct Mask {
     pub key_start: Option<Tensor>,
 }
 
-/// Which kernel computes [`flash_attention`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FlashKernel {
-    /// FlashAttention-2's forward on `mma.sync.m16n8k16`: the probabilities stay in registers
-    /// (the score accumulators' layout is the A operand's), fragments come by `ldmatrix`. The
-    /// default.
-    Mma,
-    /// The first kernel, on WMMA: the probabilities go through shared memory, since WMMA's
-    /// fragments have no defined layout to reuse. `FLEET_FLASH_KERNEL=wmma`, for comparison.
-    Wmma,
-}
-
-impl FlashKernel {
-    /// `FLEET_FLASH_KERNEL` (`mma`, the default, or `wmma`), read once; another value is
-    /// logged and the default taken.
-    pub fn from_env() -> FlashKernel {
-        static KERNEL: std::sync::OnceLock<FlashKernel> = std::sync::OnceLock::new();
-        *KERNEL.get_or_init(|| match std::env::var("FLEET_FLASH_KERNEL").as_deref() {
-            Err(_) | Ok("mma") => FlashKernel::Mma,
-            Ok("wmma") => FlashKernel::Wmma,
-            Ok(other) => {
-                tracing::warn!(
-                    "FLEET_FLASH_KERNEL={other} is neither `mma` nor `wmma`; using `mma`"
-                );
-                FlashKernel::Mma
-            }
-        })
-    }
-}
-
 /// Whether [`flash_attention`] runs for a query tensor like `q` `[b, q_len, heads, head_dim]`.
 /// `FLEET_FLASH_ATTENTION=0` turns the kernel off (for measurements against the unfused path).
 pub fn supported(q: &Tensor) -> bool {
     let d = q.dims().last().copied().unwrap_or(0);
-    q.device().is_cuda() && fused_prefill(q.dtype(), d) && layout_checked(q.device())
+    q.device().is_cuda() && fused_prefill(q.dtype(), d) && gpu_is_sm80(q.device())
 }
 
 /// Whether prefills of a model with heads of `head_dim` in `dtype` on a CUDA GPU go through the
@@ -87,29 +56,30 @@ fn built_for_sm80() -> bool {
         .is_some_and(|c| c >= 80)
 }
 
-/// Whether this GPU's tensor-core accumulator layout is the one the kernel reads (checked once
-/// per process by a one-warp probe; every sm_80+ GPU has it). Logged when it is not.
-fn layout_checked(device: &candle_core::Device) -> bool {
+/// Whether this GPU has compute capability 8.0 or later (the kernels' mma.sync, ldmatrix and
+/// cp.async), checked once per process; an older GPU runs attention unfused, logged once.
+fn gpu_is_sm80(device: &candle_core::Device) -> bool {
     #[cfg(feature = "cuda")]
     {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
         static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *OK.get_or_init(|| match device {
-            candle_core::Device::Cuda(dev) => match cuda::layout_probe(dev) {
-                Ok(true) => true,
-                Ok(false) => {
-                    tracing::warn!(
-                        "this GPU's WMMA accumulator layout is not the one fused attention \
-                         reads; attention runs unfused"
-                    );
-                    false
+            candle_core::Device::Cuda(dev) => {
+                let stream = dev.cuda_stream();
+                let major = stream
+                    .context()
+                    .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+                match major {
+                    Ok(m) if m >= 8 => true,
+                    other => {
+                        tracing::warn!(
+                            "fused attention needs compute capability 8.0 (this GPU: \
+                             {other:?}); attention runs unfused"
+                        );
+                        false
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(
-                        "fused attention's layout probe failed ({e}); attention runs unfused"
-                    );
-                    false
-                }
-            },
+            }
             _ => false,
         })
     }
@@ -222,26 +192,13 @@ fn rows_packed(t: &Tensor) -> Result<Tensor> {
 /// `softmax(q kᵀ · scale + mask) v` for `q` `[b, q_len, heads, d]` and `k`, `v`
 /// `[b, kv_len, kv_heads, d]` (any strides; `heads` a multiple of `kv_heads`), giving
 /// `[b, q_len, heads, d]`. Statistics in f32, the probabilities rounded to the model dtype
-/// before they multiply `v` (as [`reference()`]). CUDA only: check [`supported`] first. The
-/// kernel is [`FlashKernel::from_env`]'s.
+/// before they multiply `v` (as [`reference()`]). CUDA only: check [`supported`] first.
 pub fn flash_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f32,
     mask: &Mask,
-) -> Result<Tensor> {
-    flash_attention_with(q, k, v, scale, mask, FlashKernel::from_env())
-}
-
-/// [`flash_attention`] on the given kernel.
-pub fn flash_attention_with(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f32,
-    mask: &Mask,
-    kernel: FlashKernel,
 ) -> Result<Tensor> {
     let (b, _, h, d) = q.dims4()?;
     let (kb, kv_len, kvh, kd) = k.dims4()?;
@@ -257,7 +214,6 @@ pub fn flash_attention_with(
         scale,
         causal: mask.causal,
         key_start: mask.key_start.clone(),
-        kernel,
     }));
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     Ok(q.apply_op3_arc(&k, &v, op)?)
@@ -330,7 +286,6 @@ struct FlashAttention {
     scale: f32,
     causal: bool,
     key_start: Option<Tensor>,
-    kernel: FlashKernel,
 }
 
 crate::ops::cuda_only_op!(
@@ -349,36 +304,19 @@ mod cuda {
     use candle_core::{CudaStorage, DType, Layout, Shape, Storage};
     use half::{bf16, f16};
 
-    use super::{FlashAttention, FlashKernel};
+    use super::FlashAttention;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
     const MODULE: &str = "fleet_attention";
-    /// Queries per thread block: 4 warps of 16 rows, or of 32 with the `_r2` kernels.
+    /// Queries per thread block: 4 warps of 16 rows, or of 32 with two row tiles a warp.
     const BLOCK_M: usize = 64;
 
-    /// Whether a head dimension padded to `padded` takes two row tiles a warp (up to 80: the
-    /// WMMA kernel's `_r2`, the mma kernel's default) unless `FLEET_FLASH_R2=0` (for
-    /// comparison).
+    /// Whether a head dimension padded to `padded` takes two row tiles a warp (up to 80)
+    /// unless `FLEET_FLASH_R2=0` (one, for comparison).
     fn two_row_tiles(padded: usize) -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         padded <= 80
             && *ON.get_or_init(|| std::env::var("FLEET_FLASH_R2").map_or(true, |v| v != "0"))
-    }
-
-    /// Runs `wmma_layout_probe`: whether the kernel's reading of accumulator elements holds.
-    pub(super) fn layout_probe(dev: &candle_core::CudaDevice) -> candle_core::Result<bool> {
-        let func = dev.get_or_load_custom_func("wmma_layout_probe", MODULE, PTX)?;
-        let ok = dev.clone_htod(&[1i32])?;
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut builder = func.builder();
-        builder.arg(&ok);
-        // SAFETY: one warp reads its own shared memory and may clear the one int.
-        unsafe { builder.launch(cfg) }.w()?;
-        Ok(dev.clone_dtoh(&ok)?[0] == 1)
     }
 
     /// Element strides over (batch, position, head) of a `[b, len, heads, d]` layout.
@@ -417,20 +355,9 @@ mod cuda {
                 DType::BF16 => "bf16",
                 _ => "f16",
             };
-            // Both kernels hold two row tiles a warp up to head dimension 80 (the WMMA one
-            // unless FLEET_FLASH_R2=0), one at 128.
-            let (name, r2) = match op.kernel {
-                FlashKernel::Mma => {
-                    let r2 = two_row_tiles(padded);
-                    let tail = if padded > 80 || r2 { "" } else { "_r1" };
-                    (format!("flash_mma_{dtype}_d{padded}{tail}"), r2)
-                }
-                FlashKernel::Wmma => {
-                    let r2 = two_row_tiles(padded);
-                    let tail = if r2 { "_r2" } else { "" };
-                    (format!("flash_attention_{dtype}_d{padded}{tail}"), r2)
-                }
-            };
+            let r2 = two_row_tiles(padded);
+            let tail = if padded > 80 || r2 { "" } else { "_r1" };
+            let name = format!("flash_mma_{dtype}_d{padded}{tail}");
             let block_m = if r2 { 2 * BLOCK_M } else { BLOCK_M };
             let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             let n = b * q_len * h * d;
@@ -604,15 +531,6 @@ mod kernel_tests {
 
     use crate::ops::max_abs_diff;
 
-    #[test]
-    fn layout_probe_passes() {
-        let dev = candle_core::Device::new_cuda(0).unwrap();
-        let candle_core::Device::Cuda(cuda) = &dev else {
-            unreachable!()
-        };
-        assert!(cuda::layout_probe(cuda).unwrap());
-    }
-
     /// Throughput of the kernel and of candle's GEMMs at the vision tower's shapes (1024x1024
     /// images: 4,096 patches, 16 heads of 72; hidden 1152, MLP 4304), printed for the record.
     #[test]
@@ -641,17 +559,15 @@ mod kernel_tests {
             r(&[1, n, heads, d]),
             r(&[1, n, heads, d]),
         );
-        for kernel in [FlashKernel::Mma, FlashKernel::Wmma] {
-            let s = time(&|| {
-                flash_attention_with(&q, &k, &v, 0.1, &Mask::default(), kernel).unwrap();
-            });
-            let flops = 4.0 * (n * n * heads * d) as f64;
-            println!(
-                "{kernel:?} flash attention 4096x4096x16x72: {:.3} ms, {:.0} TFLOP/s",
-                s * 1e3,
-                flops / s / 1e12
-            );
-        }
+        let s = time(&|| {
+            flash_attention(&q, &k, &v, 0.1, &Mask::default()).unwrap();
+        });
+        let flops = 4.0 * (n * n * heads * d) as f64;
+        println!(
+            "flash attention 4096x4096x16x72: {:.3} ms, {:.0} TFLOP/s",
+            s * 1e3,
+            flops / s / 1e12
+        );
         let (q, k, v) = (
             r(&[2, 2048, 32, 128]),
             r(&[2, 2048, 8, 128]),
@@ -661,17 +577,15 @@ mod kernel_tests {
             causal: true,
             key_start: None,
         };
-        for kernel in [FlashKernel::Mma, FlashKernel::Wmma] {
-            let s = time(&|| {
-                flash_attention_with(&q, &k, &v, 1.0, &mask, kernel).unwrap();
-            });
-            let flops = 4.0 * 2.0 * 2048.0 * 2048.0 * 32.0 * 128.0 / 2.0;
-            println!(
-                "{kernel:?} flash attention causal 2x2048x32x128 (GQA 8): {:.3} ms, {:.0} TFLOP/s",
-                s * 1e3,
-                flops / s / 1e12
-            );
-        }
+        let s = time(&|| {
+            flash_attention(&q, &k, &v, 1.0, &mask).unwrap();
+        });
+        let flops = 4.0 * 2.0 * 2048.0 * 2048.0 * 32.0 * 128.0 / 2.0;
+        println!(
+            "flash attention causal 2x2048x32x128 (GQA 8): {:.3} ms, {:.0} TFLOP/s",
+            s * 1e3,
+            flops / s / 1e12
+        );
         for (m, kk, nn) in [
             (65536, 1152, 4304),
             (65536, 4304, 1152),
@@ -744,15 +658,13 @@ mod kernel_tests {
                 };
                 let scale = (d as f32).powf(-0.5);
                 let want = reference(&q, &k, &v, scale, &mask).unwrap();
-                for kernel in [FlashKernel::Mma, FlashKernel::Wmma] {
-                    let got = flash_attention_with(&q, &k, &v, scale, &mask, kernel).unwrap();
-                    let diff = max_abs_diff(&want, &got);
-                    println!(
-                        "{kernel:?} b={b} q={q_len} kv={kv_len} h={h}/{kvh} d={d} \
-                         causal={causal} {dtype:?}: max |flash - reference| = {diff}"
-                    );
-                    assert!(diff < 2e-2, "{kernel:?} flash attention differs by {diff}");
-                }
+                let got = flash_attention(&q, &k, &v, scale, &mask).unwrap();
+                let diff = max_abs_diff(&want, &got);
+                println!(
+                    "b={b} q={q_len} kv={kv_len} h={h}/{kvh} d={d} causal={causal} {dtype:?}: \
+                     max |flash - reference| = {diff}"
+                );
+                assert!(diff < 2e-2, "flash attention differs by {diff}");
             }
         }
     }
