@@ -34,8 +34,9 @@
 # (default 2), 128 greedy new tokens, two images per sample; FLEET_TIMEOUT (per fleet batch,
 # default 240 s), HF_TIMEOUT (per transformers process, default 420 s) and BUDGET_S (the whole
 # call, default 570 s): a step that would start with less than 30 s left is skipped and recorded.
-# Everything lands in $OUT/vl_$WHAT.tgz (logs, JSON reports, nvidia-smi); pairs.md and
-# pairs.json are also copied to $OUT.
+# Everything lands in $OUT/vl_$WHAT.tgz (logs, JSON reports, nvidia-smi; vl_${WHAT}_$TAG.tgz
+# with TAG set, and _2, _3, ... after it when that archive exists, so runs in one call never
+# overwrite each other's); pairs.md and pairs.json are also copied to $OUT.
 set -u
 WHAT="${WHAT:?parity, speed, speed8b, speed30b, kernels, fleet or hf}"
 START=$(date +%s)
@@ -206,6 +207,11 @@ PY
   cp "$R/pairs.md" "$R/pairs.json" "$OUT/" 2>/dev/null
   ;;
 esac
-tar -C "$OUT" -czf "$OUT/vl_$WHAT.tgz" "vl_$WHAT"
+# A second run in the same call keeps the first's archive: vl_$WHAT[_$TAG][_2, _3, ...].tgz.
+name="vl_$WHAT${TAG:+_$TAG}"
+n=1
+while [ -e "$OUT/$name.tgz" ]; do n=$((n + 1)); name="vl_$WHAT${TAG:+_$TAG}_$n"; done
+tar -C "$OUT" -czf "$OUT/$name.tgz" "vl_$WHAT"
+echo "archive: $OUT/$name.tgz"
 rm -rf "$R"
 ls -la "$OUT"
