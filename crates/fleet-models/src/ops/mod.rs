@@ -396,7 +396,9 @@ pub use paged_attention::{
     paged_kv_write, PAGED_ATTENTION_MAX_GROUP, PAGED_ATTENTION_MIN_BLOCKS,
     PAGED_ATTENTION_PARTITION,
 };
-pub use qkv_rope::{qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_paged, PagedKvWrite};
+pub use qkv_rope::{
+    qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_paged, set_qkv_rope_one_pair, PagedKvWrite,
+};
 pub use reduce::{sum_all_fast, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm};
 pub use sample::{sample_tokens, sample_tokens_on_device, RowSampling, SAMPLER_VERSION};

@@ -24,40 +24,70 @@ __device__ T *kv_dst(T *out, size_t offset, T *cache, const uint32_t *slots, int
 // k and v go to the paged caches kc, vc at `slots` instead (kv_dst) and `out` holds q only.
 // One block per (token, group of `hpb` consecutive heads), d/2 threads per head: blocks of one
 // head's d/2 threads (36 for the vision tower's d = 72) kept the SMs a quarter full.
-template <typename T, typename C>
+// P consecutive elements of type E as one aligned load or store (P * sizeof(E) bytes).
+template <typename E, int P> struct alignas(P * sizeof(E)) Pack {
+    E v[P];
+};
+template <typename E, int P> __device__ __forceinline__ Pack<E, P> load_pack(const E *p) {
+    return *reinterpret_cast<const Pack<E, P> *>(p);
+}
+
+// `P` pairs (i, i + d/2) a thread (P = 4: each thread's index arithmetic serves eight elements,
+// loaded as packs; ncu had the one-pair kernel compute-bound at 21% of the bandwidth on the
+// 7B's prefill), the same arithmetic per element for any P.
+template <typename T, typename C, int P>
 __device__ void qkv_rope(const T *x, const T *bias, const C *cs, T *out, int b, int t, int h,
                          int kvh, int d, int per_row, T *kc, T *vc, const uint32_t *slots,
                          int block_size, long long num_slots, int hpb) {
     const int heads = h + 2 * kvh;
     const int half = d / 2;
+    const int per_head = half / P;  // threads a head
     const int groups = (heads + hpb - 1) / hpb;
     const int blk = blockIdx.x; // (bi * t + ti) * groups + group
-    const int hh = (blk % groups) * hpb + threadIdx.x / half;
+    const int hh = (blk % groups) * hpb + threadIdx.x / per_head;
     const int tok = blk / groups;
     const int ti = tok % t, bi = tok / t;
-    const int i = threadIdx.x % half;
+    const int i = (threadIdx.x % per_head) * P;
     if (bi >= b || hh >= heads) return;
     const T *src = x + (size_t)tok * heads * d + (size_t)hh * d;
-    const float x0 = to_f(src[i]) + to_f(bias[hh * d + i]);
-    const float x1 = to_f(src[i + half]) + to_f(bias[hh * d + i + half]);
+    const Pack<T, P> s0 = load_pack<T, P>(src + i), s1 = load_pack<T, P>(src + i + half);
+    const Pack<T, P> b0 = load_pack<T, P>(bias + hh * d + i), b1 = load_pack<T, P>(bias + hh * d + i + half);
+    float x0[P], x1[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        x0[e] = to_f(s0.v[e]) + to_f(b0.v[e]);
+        x1[e] = to_f(s1.v[e]) + to_f(b1.v[e]);
+    }
     const size_t q_size = (size_t)b * h * t * d, kv_size = (size_t)b * kvh * t * d;
+    Pack<T, P> o0, o1;
     if (hh >= h + kvh) {
         const int vh = hh - h - kvh;
         T *dst = kv_dst(out, q_size + kv_size + (((size_t)bi * kvh + vh) * t + ti) * d, vc, slots,
                         tok, vh, kvh, d, block_size, num_slots);
         if (dst == nullptr) return;
-        dst[i] = from_f<T>(x0);
-        dst[i + half] = from_f<T>(x1);
+#pragma unroll
+        for (int e = 0; e < P; ++e) {
+            o0.v[e] = from_f<T>(x0[e]);
+            o1.v[e] = from_f<T>(x1[e]);
+        }
+        *reinterpret_cast<Pack<T, P> *>(dst + i) = o0;
+        *reinterpret_cast<Pack<T, P> *>(dst + i + half) = o1;
         return;
     }
     const C *row = cs + (per_row ? (size_t)tok : (size_t)ti) * d;
-    const float c = to_f(row[i]), s = to_f(row[half + i]);
+    const Pack<C, P> cp = load_pack<C, P>(row + i), sp = load_pack<C, P>(row + half + i);
     T *dst = hh < h ? out + (((size_t)bi * h + hh) * t + ti) * d
                     : kv_dst(out, q_size + (((size_t)bi * kvh + (hh - h)) * t + ti) * d, kc,
                              slots, tok, hh - h, kvh, d, block_size, num_slots);
     if (dst == nullptr) return;
-    dst[i] = from_f<T>(x0 * c - x1 * s);
-    dst[i + half] = from_f<T>(x1 * c + x0 * s);
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        const float c = to_f(cp.v[e]), s = to_f(sp.v[e]);
+        o0.v[e] = from_f<T>(x0[e] * c - x1[e] * s);
+        o1.v[e] = from_f<T>(x1[e] * c + x0[e] * s);
+    }
+    *reinterpret_cast<Pack<T, P> *>(dst + i) = o0;
+    *reinterpret_cast<Pack<T, P> *>(dst + i + half) = o1;
 }
 
 // Qwen3's attention input: the fused q/k/v projection [b, t, (h + 2 kvh) * d] split into
@@ -124,8 +154,15 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
         const T *x, const T *bias, const T *cs, T *out, int b, int t, int h, int kvh, int d,  \
         int per_row, T *kc, T *vc, const uint32_t *slots, int block_size,                     \
         long long num_slots, int hpb) {                                                       \
-        qkv_rope<T, T>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots, block_size, \
-                       num_slots, hpb);                                                       \
+        qkv_rope<T, T, 1>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,          \
+                          block_size, num_slots, hpb);                                        \
+    }                                                                                         \
+    extern "C" __global__ void qkv_rope_##SUFFIX##_p4(                                        \
+        const T *x, const T *bias, const T *cs, T *out, int b, int t, int h, int kvh, int d,  \
+        int per_row, T *kc, T *vc, const uint32_t *slots, int block_size,                     \
+        long long num_slots, int hpb) {                                                       \
+        qkv_rope<T, T, 4>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,          \
+                          block_size, num_slots, hpb);                                        \
     }                                                                                         \
     extern "C" __global__ void qk_norm_rope_##SUFFIX(                                         \
         const T *x, const T *bias, const T *cs, const T *qw, const T *kw,                     \
@@ -147,8 +184,18 @@ OPS(__nv_bfloat16, bf16)
                                                          const uint32_t *slots,                \
                                                          int block_size,                       \
                                                          long long num_slots, int hpb) {       \
-        qkv_rope<T, float>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,         \
-                           block_size, num_slots, hpb);                                        \
+        qkv_rope<T, float, 1>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,      \
+                              block_size, num_slots, hpb);                                     \
+    }                                                                                          \
+    extern "C" __global__ void qkv_rope_##SUFFIX##_csf32_p4(const T *x, const T *bias,         \
+                                                            const float *cs, T *out, int b,    \
+                                                            int t, int h, int kvh, int d,      \
+                                                            int per_row, T *kc, T *vc,         \
+                                                            const uint32_t *slots,             \
+                                                            int block_size,                    \
+                                                            long long num_slots, int hpb) {    \
+        qkv_rope<T, float, 4>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,      \
+                              block_size, num_slots, hpb);                                     \
     }
 OPS_CS_F32(__half, f16)
 OPS_CS_F32(__nv_bfloat16, bf16)

@@ -652,6 +652,17 @@ impl CustomOp3 for QkNormRope {
     }
 }
 
+/// Set by [`set_qkv_rope_one_pair`]: qkv_rope's CUDA launches take one (i, i + d/2) pair a
+/// thread even where four could.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+static ONE_PAIR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Test switch: whether [`qkv_rope`]'s CUDA launches take one pair a thread (the kernel before
+/// the four-pair packs), for comparing the two (the same bits).
+pub fn set_qkv_rope_one_pair(one: bool) {
+    ONE_PAIR.store(one, std::sync::atomic::Ordering::Relaxed);
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
@@ -670,6 +681,14 @@ mod cuda {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qkv_rope.ptx"));
     const MODULE: &str = "fleet_qkv_rope";
+
+    /// Whether qkv_rope may take four pairs a thread: unless `FLEET_QKV_ROPE_P4=0` (for
+    /// measurements) or a test asked for one ([`super::set_qkv_rope_one_pair`]).
+    fn four_pairs() -> bool {
+        static ENV_ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ENV_ON.get_or_init(|| std::env::var("FLEET_QKV_ROPE_P4").map_or(true, |v| v != "0"))
+            && !super::ONE_PAIR.load(std::sync::atomic::Ordering::Relaxed)
+    }
 
     /// The kernels' output length: q, k and v, or q alone when k and v go to a cache.
     fn out_len(
@@ -799,21 +818,40 @@ mod cuda {
             } else {
                 ""
             };
-            let func = dev.get_or_load_custom_func(
-                &format!("qkv_rope_{}{tables}", suffix(s1.dtype())?),
-                MODULE,
-                PTX,
-            )?;
             let cache_dims = cache_dims(op.cache.as_ref(), (b, t), op.kvh, op.d)?;
             let guards = cache_guards(op.cache.as_ref());
             let views = cache_views::<T, _>(&guards, &dev)?;
+            // Four pairs a thread (`_p4`, packs of 4 elements) where d/2 and every row start
+            // allow it.
+            let mut starts = vec![l1.start_offset(), l2.start_offset(), l3.start_offset()];
+            if let Some(g) = &guards {
+                starts.extend([g[0].1.start_offset(), g[1].1.start_offset()]);
+            }
+            let pairs = if four_pairs()
+                && (op.d / 2).is_multiple_of(4)
+                && starts.iter().all(|o| o.is_multiple_of(4))
+            {
+                4
+            } else {
+                1
+            };
+            let func = dev.get_or_load_custom_func(
+                &format!(
+                    "qkv_rope_{}{tables}{}",
+                    suffix(s1.dtype())?,
+                    if pairs == 4 { "_p4" } else { "" }
+                ),
+                MODULE,
+                PTX,
+            )?;
             // SAFETY: every (token, head) block writes its d outputs.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
-            // Heads per block: up to 256 threads of d/2 each.
-            let hpb = (256 / (op.d / 2).max(1)).clamp(1, heads);
+            // Heads per block: up to 256 threads of d / 2 / pairs each.
+            let per_head = (op.d / 2 / pairs).max(1);
+            let hpb = (256 / per_head).clamp(1, heads);
             let cfg = LaunchConfig {
                 grid_dim: ((b * t * heads.div_ceil(hpb)) as u32, 1, 1),
-                block_dim: ((hpb * (op.d / 2)) as u32, 1, 1),
+                block_dim: ((hpb * per_head) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             let mut bld = func.builder();
@@ -835,7 +873,8 @@ mod cuda {
             push_cache(&mut bld, &views, &cache_dims);
             let hpb = hpb as i32;
             bld.arg(&hpb);
-            // SAFETY: grid covers b * t tokens, each in blocks of hpb heads of d/2 threads; with a cache, k and v
+            // SAFETY: grid covers b * t tokens, each in blocks of hpb heads of d/2/pairs threads
+            // (pairs = 4 only where every row start is a multiple of 4); with a cache, k and v
             // rows go to checked slots of it (cache_views), q alone to `out`.
             unsafe { bld.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
@@ -1000,6 +1039,50 @@ mod tests {
 mod kernel_tests {
     use super::*;
     use candle_core::Device;
+
+    /// Four pairs a thread give the one-pair kernel's bits: the 7B's heads (d 128, tables in
+    /// the model dtype) and the vision tower's (d 72, f32 tables), each dtype, per-row tables.
+    #[test]
+    fn four_pairs_a_thread_give_the_one_pair_bits() {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("four_pairs_a_thread_give_the_one_pair_bits: no CUDA device");
+            return;
+        };
+        for (h, kvh, d, f32_tables) in [(28, 4, 128, false), (16, 16, 72, true)] {
+            for dtype in [DType::BF16, DType::F16, DType::F32] {
+                let (b, t) = (2, 37);
+                let rnd = |shape: &[usize], seed: u64, dt: DType| -> Tensor {
+                    test_tensor(shape, seed)
+                        .to_dtype(dt)
+                        .unwrap()
+                        .to_device(&gpu)
+                        .unwrap()
+                };
+                let qkv = rnd(&[b, t, (h + 2 * kvh) * d], 1, dtype);
+                let bias = rnd(&[(h + 2 * kvh) * d], 2, dtype);
+                let cs = rnd(&[b, t, d], 3, if f32_tables { DType::F32 } else { dtype });
+                let run = || -> Vec<Vec<u32>> {
+                    let (q, k, v) = qkv_rope(&qkv, &bias, &cs, (h, kvh), d).unwrap();
+                    [q, k, v]
+                        .iter()
+                        .map(|x| {
+                            let x = x.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                            let x: Vec<f32> = x.to_vec1().unwrap();
+                            x.iter().map(|v| v.to_bits()).collect()
+                        })
+                        .collect()
+                };
+                let four = run();
+                set_qkv_rope_one_pair(true);
+                let one = run();
+                set_qkv_rope_one_pair(false);
+                assert!(
+                    four == one,
+                    "d {d} {dtype:?}: four pairs a thread differ from one"
+                );
+            }
+        }
+    }
 
     /// The fused paged write on the GPU against the three kernels it replaces (q/k/v split,
     /// then two `paged_kv_write`s), bit for bit: q, and both caches, whose other slots keep
