@@ -397,7 +397,7 @@ pub use paged_attention::{
     PAGED_ATTENTION_PARTITION,
 };
 pub use qkv_rope::{
-    qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_paged, set_qkv_rope_one_pair, PagedKvWrite,
+    qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_paged, set_qkv_rope_pairs, PagedKvWrite,
 };
 pub use reduce::{sum_all_fast, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm};

@@ -34,7 +34,8 @@ template <typename E, int P> __device__ __forceinline__ Pack<E, P> load_pack(con
 
 // `P` pairs (i, i + d/2) a thread (P = 4: each thread's index arithmetic serves eight elements,
 // loaded as packs; ncu had the one-pair kernel compute-bound at 21% of the bandwidth on the
-// 7B's prefill), the same arithmetic per element for any P.
+// 7B's prefill), the same arithmetic per element for any P. The launcher takes P = 4 only with
+// FLEET_QKV_ROPE_P4=1 until its GPU test has run.
 template <typename T, typename C, int P>
 __device__ void qkv_rope(const T *x, const T *bias, const C *cs, T *out, int b, int t, int h,
                          int kvh, int d, int per_row, T *kc, T *vc, const uint32_t *slots,

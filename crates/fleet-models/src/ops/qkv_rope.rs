@@ -652,15 +652,21 @@ impl CustomOp3 for QkNormRope {
     }
 }
 
-/// Set by [`set_qkv_rope_one_pair`]: qkv_rope's CUDA launches take one (i, i + d/2) pair a
-/// thread even where four could.
+/// Set by [`set_qkv_rope_pairs`]: (i, i + d/2) pairs a thread of qkv_rope's CUDA launches, 1 or
+/// 4, or 0 for the environment's choice.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-static ONE_PAIR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static PAIRS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// Test switch: whether [`qkv_rope`]'s CUDA launches take one pair a thread (the kernel before
-/// the four-pair packs), for comparing the two (the same bits).
-pub fn set_qkv_rope_one_pair(one: bool) {
-    ONE_PAIR.store(one, std::sync::atomic::Ordering::Relaxed);
+/// Test switch: how many (i, i + d/2) pairs a thread [`qkv_rope`]'s CUDA launches take — `Some(4)`
+/// (packs, where the shapes allow), `Some(1)` (the kernel before them), `None` (the default:
+/// one, or four with `FLEET_QKV_ROPE_P4=1`) — for comparing the two (the same bits).
+pub fn set_qkv_rope_pairs(pairs: Option<usize>) {
+    let v = match pairs {
+        Some(1) => 1,
+        Some(4) => 4,
+        _ => 0,
+    };
+    PAIRS.store(v, std::sync::atomic::Ordering::Relaxed);
 }
 
 #[cfg(feature = "cuda")]
@@ -682,12 +688,16 @@ mod cuda {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qkv_rope.ptx"));
     const MODULE: &str = "fleet_qkv_rope";
 
-    /// Whether qkv_rope may take four pairs a thread: unless `FLEET_QKV_ROPE_P4=0` (for
-    /// measurements) or a test asked for one ([`super::set_qkv_rope_one_pair`]).
+    /// Whether qkv_rope may take four pairs a thread: as a test set it
+    /// ([`super::set_qkv_rope_pairs`]), else with `FLEET_QKV_ROPE_P4=1` only — off by default
+    /// until its GPU test has run.
     fn four_pairs() -> bool {
         static ENV_ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ENV_ON.get_or_init(|| std::env::var("FLEET_QKV_ROPE_P4").map_or(true, |v| v != "0"))
-            && !super::ONE_PAIR.load(std::sync::atomic::Ordering::Relaxed)
+        match super::PAIRS.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => false,
+            4 => true,
+            _ => *ENV_ON.get_or_init(|| std::env::var("FLEET_QKV_ROPE_P4").is_ok_and(|v| v == "1")),
+        }
     }
 
     /// The kernels' output length: q, k and v, or q alone when k and v go to a cache.
@@ -1072,10 +1082,11 @@ mod kernel_tests {
                         })
                         .collect()
                 };
+                set_qkv_rope_pairs(Some(4));
                 let four = run();
-                set_qkv_rope_one_pair(true);
+                set_qkv_rope_pairs(Some(1));
                 let one = run();
-                set_qkv_rope_one_pair(false);
+                set_qkv_rope_pairs(None);
                 assert!(
                     four == one,
                     "d {d} {dtype:?}: four pairs a thread differ from one"
