@@ -74,7 +74,10 @@ fn decode_tokens(s: &str) -> Result<usize, String> {
 struct Run {
     batch: usize,
     prefill_tok_s: f64,
-    decode_tok_s: f64,
+    /// `null` when the timed generate was not longer than the timed prefill (too few new
+    /// tokens for the two medians to differ by more than their noise), as
+    /// benches/transformers_generate.py reports it.
+    decode_tok_s: Option<f64>,
     t_prefill_s: f64,
     t_generate_s: f64,
     /// Highest device memory in use seen during this batch size (all GPUs of the map, minus
@@ -245,17 +248,18 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         let run = Run {
             batch: b,
             prefill_tok_s: (b * args.prompt_len) as f64 / tp,
-            decode_tok_s: (b * (args.new_tokens - 1)) as f64 / (tg - tp),
+            decode_tok_s: (tg > tp).then(|| (b * (args.new_tokens - 1)) as f64 / (tg - tp)),
             t_prefill_s: tp,
             t_generate_s: tg,
             peak_used_bytes: peak.map(|p| p.max(weights_bytes.unwrap_or(0))),
             paged,
         };
         eprintln!(
-            "batch {:>3}: prefill {:>9.0} tok/s  decode {:>8.1} tok/s  peak {}",
+            "batch {:>3}: prefill {:>9.0} tok/s  decode {:>8} tok/s  peak {}",
             run.batch,
             run.prefill_tok_s,
-            run.decode_tok_s,
+            run.decode_tok_s
+                .map_or_else(|| "n/a".into(), |d| format!("{d:.1}")),
             run.peak_used_bytes
                 .map(|p| format!("{:.2} GiB", p as f64 / (1u64 << 30) as f64))
                 .unwrap_or_else(|| "-".into())
