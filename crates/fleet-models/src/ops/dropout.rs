@@ -184,8 +184,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn the_kernel_draws_the_cpu_mask() {
-        let Ok(gpu) = Device::new_cuda(0) else {
-            eprintln!("the_kernel_draws_the_cpu_mask: no CUDA device; not run");
+        let Some(gpu) = crate::ops::test_gpu("the_kernel_draws_the_cpu_mask") else {
             return;
         };
         for (shape, dtype) in [

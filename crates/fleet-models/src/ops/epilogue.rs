@@ -330,8 +330,7 @@ mod kernel_tests {
     /// dtype relative to the output's scale (the GPU's f32 sums run in another order).
     #[test]
     fn epilogues_match_the_twin() {
-        let Ok(gpu) = Device::new_cuda(0) else {
-            eprintln!("epilogues_match_the_twin: no CUDA device; not run");
+        let Some(gpu) = test_gpu("epilogues_match_the_twin") else {
             return;
         };
         let (rows, k, n) = (333, 1152, 4304);

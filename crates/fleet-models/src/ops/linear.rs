@@ -87,7 +87,7 @@ fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
 /// and `FLEET_SKINNY_GEMM=1` in the environment: off by default, slower than cuBLAS (its GPU
 /// test passes; docs/benchmarks.md has the speeds).
 fn skinny_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
-    skinny_gemm_enabled()
+    SKINNY_GEMM.on()
         && (GEMV_MAX_ROWS + 1..=SKINNY_MAX_ROWS).contains(&rows)
         && w.dims()
             .first()
@@ -192,32 +192,15 @@ fn skinny_dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, u
     Ok((m, n, k))
 }
 
-/// Whether [`linear`] may take [`skinny_gemm`]: 0 not read yet, 1 off, 2 on.
-static SKINNY_GEMM: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// `FLEET_SKINNY_GEMM=1`, read once (or as [`set_skinny_gemm`] set it).
-fn skinny_gemm_enabled() -> bool {
-    use std::sync::atomic::Ordering;
-    let mut v = SKINNY_GEMM.load(Ordering::Relaxed);
-    if v == 0 {
-        v = if std::env::var("FLEET_SKINNY_GEMM").is_ok_and(|v| v == "1") {
-            2
-        } else {
-            1
-        };
-        SKINNY_GEMM.store(v, Ordering::Relaxed);
-    }
-    v == 2
-}
+/// Whether [`linear`] may take [`skinny_gemm`]: `FLEET_SKINNY_GEMM=1`, read once (or as
+/// [`set_skinny_gemm`] set it).
+static SKINNY_GEMM: EnvSwitch = EnvSwitch::new("FLEET_SKINNY_GEMM", false);
 
 /// Test switch: whether [`linear`] takes [`skinny_gemm`] in this process, whatever
 /// `FLEET_SKINNY_GEMM` says.
 #[doc(hidden)]
 pub fn set_skinny_gemm(enabled: bool) {
-    SKINNY_GEMM.store(
-        if enabled { 2 } else { 1 },
-        std::sync::atomic::Ordering::Relaxed,
-    );
+    SKINNY_GEMM.force(Some(enabled));
 }
 
 /// The two few-row products ([`gemv`], [`skinny_gemm`]) as one custom op: their checks,

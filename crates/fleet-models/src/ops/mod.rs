@@ -350,6 +350,64 @@ pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .expect("one f32")
 }
 
+/// A kernel choice read once from an environment variable, which a test may force either way
+/// (for comparing two kernels in one process): on unless the variable is `0` when
+/// `on_by_default`, else on only when it is `1`.
+pub(crate) struct EnvSwitch {
+    var: &'static str,
+    on_by_default: bool,
+    from_env: std::sync::OnceLock<bool>,
+    /// 0: the environment decides; 1: forced off; 2: forced on.
+    forced: std::sync::atomic::AtomicU8,
+}
+
+impl EnvSwitch {
+    pub(crate) const fn new(var: &'static str, on_by_default: bool) -> Self {
+        EnvSwitch {
+            var,
+            on_by_default,
+            from_env: std::sync::OnceLock::new(),
+            forced: std::sync::atomic::AtomicU8::new(0),
+        }
+    }
+
+    /// Whether the choice is on now.
+    pub(crate) fn on(&self) -> bool {
+        match self.forced.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => false,
+            2 => true,
+            _ => *self.from_env.get_or_init(|| match std::env::var(self.var) {
+                Ok(v) if self.on_by_default => v != "0",
+                Ok(v) => v == "1",
+                Err(_) => self.on_by_default,
+            }),
+        }
+    }
+
+    /// Forces the choice (`Some`) or hands it back to the environment (`None`).
+    pub(crate) fn force(&self, on: Option<bool>) {
+        let v = match on {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        };
+        self.forced.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The first GPU for a kernel test, or `None` (said on stderr with the test's name) on a machine
+/// without one, where the test returns without checking anything.
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) fn test_gpu(test: &str) -> Option<candle_core::Device> {
+    match candle_core::Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("{test}: no CUDA device ({e}); not run");
+            None
+        }
+    }
+}
+
 /// A test tensor on the CPU: uniform values in [-1, 1) from a small LCG seeded by `seed`, the
 /// same every run, no RNG state shared between tests.
 #[cfg(test)]

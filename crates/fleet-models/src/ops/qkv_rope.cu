@@ -150,21 +150,19 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
     }
 }
 
+// One qkv_rope entry point: tables of type C, P pairs a thread.
+#define QKV_ROPE(NAME, T, C, P)                                                                    \
+    extern "C" __global__ void NAME(const T *x, const T *bias, const C *cs, T *out, int b, int t,  \
+                                    int h, int kvh, int d, int per_row, T *kc, T *vc,              \
+                                    const uint32_t *slots, int block_size, long long num_slots,    \
+                                    int hpb) {                                                     \
+        qkv_rope<T, C, P>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots, block_size,  \
+                          num_slots, hpb);                                                         \
+    }
+
 #define OPS(T, SUFFIX)                                                                             \
-    extern "C" __global__ void qkv_rope_##SUFFIX(                                             \
-        const T *x, const T *bias, const T *cs, T *out, int b, int t, int h, int kvh, int d,  \
-        int per_row, T *kc, T *vc, const uint32_t *slots, int block_size,                     \
-        long long num_slots, int hpb) {                                                       \
-        qkv_rope<T, T, 1>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,          \
-                          block_size, num_slots, hpb);                                        \
-    }                                                                                         \
-    extern "C" __global__ void qkv_rope_##SUFFIX##_p4(                                        \
-        const T *x, const T *bias, const T *cs, T *out, int b, int t, int h, int kvh, int d,  \
-        int per_row, T *kc, T *vc, const uint32_t *slots, int block_size,                     \
-        long long num_slots, int hpb) {                                                       \
-        qkv_rope<T, T, 4>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,          \
-                          block_size, num_slots, hpb);                                        \
-    }                                                                                         \
+    QKV_ROPE(qkv_rope_##SUFFIX, T, T, 1)                                                           \
+    QKV_ROPE(qkv_rope_##SUFFIX##_p4, T, T, 4)                                                      \
     extern "C" __global__ void qk_norm_rope_##SUFFIX(                                         \
         const T *x, const T *bias, const T *cs, const T *qw, const T *kw,                     \
         T *out, int b, int t, int h, int kvh, int d, int per_row, int has_bias, float eps,    \
@@ -177,26 +175,7 @@ OPS(__half, f16)
 OPS(__nv_bfloat16, bf16)
 
 // qkv_rope with f32 tables on half-precision inputs (the vision tower).
-#define OPS_CS_F32(T, SUFFIX)                                                                    \
-    extern "C" __global__ void qkv_rope_##SUFFIX##_csf32(const T *x, const T *bias,            \
-                                                         const float *cs, T *out, int b,       \
-                                                         int t, int h, int kvh, int d,         \
-                                                         int per_row, T *kc, T *vc,            \
-                                                         const uint32_t *slots,                \
-                                                         int block_size,                       \
-                                                         long long num_slots, int hpb) {       \
-        qkv_rope<T, float, 1>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,      \
-                              block_size, num_slots, hpb);                                     \
-    }                                                                                          \
-    extern "C" __global__ void qkv_rope_##SUFFIX##_csf32_p4(const T *x, const T *bias,         \
-                                                            const float *cs, T *out, int b,    \
-                                                            int t, int h, int kvh, int d,      \
-                                                            int per_row, T *kc, T *vc,         \
-                                                            const uint32_t *slots,             \
-                                                            int block_size,                    \
-                                                            long long num_slots, int hpb) {    \
-        qkv_rope<T, float, 4>(x, bias, cs, out, b, t, h, kvh, d, per_row, kc, vc, slots,      \
-                              block_size, num_slots, hpb);                                     \
-    }
-OPS_CS_F32(__half, f16)
-OPS_CS_F32(__nv_bfloat16, bf16)
+QKV_ROPE(qkv_rope_f16_csf32, __half, float, 1)
+QKV_ROPE(qkv_rope_f16_csf32_p4, __half, float, 4)
+QKV_ROPE(qkv_rope_bf16_csf32, __nv_bfloat16, float, 1)
+QKV_ROPE(qkv_rope_bf16_csf32_p4, __nv_bfloat16, float, 4)

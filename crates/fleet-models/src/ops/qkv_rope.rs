@@ -652,21 +652,17 @@ impl CustomOp3 for QkNormRope {
     }
 }
 
-/// Set by [`set_qkv_rope_pairs`]: (i, i + d/2) pairs a thread of qkv_rope's CUDA launches, 1 or
-/// 4, or 0 for the environment's choice.
+/// Whether qkv_rope's CUDA launches may take four (i, i + d/2) pairs a thread: with
+/// `FLEET_QKV_ROPE_P4=1` only — off by default until its GPU test has run — or as
+/// [`set_qkv_rope_pairs`] set it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-static PAIRS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static FOUR_PAIRS: EnvSwitch = EnvSwitch::new("FLEET_QKV_ROPE_P4", false);
 
 /// Test switch: how many (i, i + d/2) pairs a thread [`qkv_rope`]'s CUDA launches take — `Some(4)`
 /// (packs, where the shapes allow), `Some(1)` (the kernel before them), `None` (the default:
 /// one, or four with `FLEET_QKV_ROPE_P4=1`) — for comparing the two (the same bits).
 pub fn set_qkv_rope_pairs(pairs: Option<usize>) {
-    let v = match pairs {
-        Some(1) => 1,
-        Some(4) => 4,
-        _ => 0,
-    };
-    PAIRS.store(v, std::sync::atomic::Ordering::Relaxed);
+    FOUR_PAIRS.force(pairs.map(|p| p == 4));
 }
 
 #[cfg(feature = "cuda")]
@@ -687,18 +683,6 @@ mod cuda {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qkv_rope.ptx"));
     const MODULE: &str = "fleet_qkv_rope";
-
-    /// Whether qkv_rope may take four pairs a thread: as a test set it
-    /// ([`super::set_qkv_rope_pairs`]), else with `FLEET_QKV_ROPE_P4=1` only — off by default
-    /// until its GPU test has run.
-    fn four_pairs() -> bool {
-        static ENV_ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        match super::PAIRS.load(std::sync::atomic::Ordering::Relaxed) {
-            1 => false,
-            4 => true,
-            _ => *ENV_ON.get_or_init(|| std::env::var("FLEET_QKV_ROPE_P4").is_ok_and(|v| v == "1")),
-        }
-    }
 
     /// The kernels' output length: q, k and v, or q alone when k and v go to a cache.
     fn out_len(
@@ -837,7 +821,7 @@ mod cuda {
             if let Some(g) = &guards {
                 starts.extend([g[0].1.start_offset(), g[1].1.start_offset()]);
             }
-            let pairs = if four_pairs()
+            let pairs = if super::FOUR_PAIRS.on()
                 && (op.d / 2).is_multiple_of(4)
                 && starts.iter().all(|o| o.is_multiple_of(4))
             {
@@ -1048,14 +1032,12 @@ mod tests {
 #[cfg(all(test, feature = "cuda"))]
 mod kernel_tests {
     use super::*;
-    use candle_core::Device;
 
     /// Four pairs a thread give the one-pair kernel's bits: the 7B's heads (d 128, tables in
     /// the model dtype) and the vision tower's (d 72, f32 tables), each dtype, per-row tables.
     #[test]
     fn four_pairs_a_thread_give_the_one_pair_bits() {
-        let Ok(gpu) = Device::new_cuda(0) else {
-            eprintln!("four_pairs_a_thread_give_the_one_pair_bits: no CUDA device");
+        let Some(gpu) = test_gpu("four_pairs_a_thread_give_the_one_pair_bits") else {
             return;
         };
         for (h, kvh, d, f32_tables) in [(28, 4, 128, false), (16, 16, 72, true)] {
@@ -1101,8 +1083,7 @@ mod kernel_tests {
     /// f32 and bf16, a decode step (t = 1) and a prefill (t = 3).
     #[test]
     fn paged_write_equals_the_split_and_the_two_cache_writes() {
-        let Ok(gpu) = Device::new_cuda(0) else {
-            eprintln!("paged_write_equals_the_split_and_the_two_cache_writes: no CUDA device");
+        let Some(gpu) = test_gpu("paged_write_equals_the_split_and_the_two_cache_writes") else {
             return;
         };
         let (h, kvh, d, blocks, bs) = (4, 2, 64, 5, 16);

@@ -82,15 +82,15 @@ impl candle_core::CustomOp1 for SwiGlu {
     }
 }
 
-/// Set by [`set_swiglu_scalar_kernels`]: the CUDA launches take the per-element kernels even where
-/// the 16-byte vector kernels could.
+/// Whether the CUDA launches may take the 16-byte vector kernels: unless `FLEET_SWIGLU_VEC=0`
+/// (for measurements against the per-element kernels) or [`set_swiglu_scalar_kernels`].
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-static SCALAR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static VECTOR: EnvSwitch = EnvSwitch::new("FLEET_SWIGLU_VEC", true);
 
 /// Test switch: whether SwiGLU's CUDA launches (forward and backward) use only the
 /// per-element kernels, for comparing them with the vector kernels (the same bits).
 pub fn set_swiglu_scalar_kernels(scalar: bool) {
-    SCALAR.store(scalar, std::sync::atomic::Ordering::Relaxed);
+    VECTOR.force(scalar.then_some(false));
 }
 
 /// The fused backward as a forward-only op on CUDA tensors (the CPU keeps the composed backward).
@@ -120,16 +120,11 @@ mod cuda {
     }
 
     /// Whether the `_vec` kernels take this call: `n_cols` a multiple of the vector and every
-    /// input's first element 16-byte aligned (candle's buffers are), unless a test asked for
-    /// the scalar kernels ([`super::set_swiglu_scalar_kernels`]) or `FLEET_SWIGLU_VEC=0` (for
-    /// measurements against them).
+    /// input's first element 16-byte aligned (candle's buffers are), unless switched off
+    /// ([`super::VECTOR`]).
     fn vectorized<T>(n_cols: usize, offsets: &[usize]) -> bool {
-        static ENV_ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let env_on =
-            *ENV_ON.get_or_init(|| std::env::var("FLEET_SWIGLU_VEC").map_or(true, |v| v != "0"));
         let v = vector_len::<T>();
-        env_on
-            && !super::SCALAR.load(std::sync::atomic::Ordering::Relaxed)
+        super::VECTOR.on()
             && n_cols.is_multiple_of(v)
             && offsets.iter().all(|o| o.is_multiple_of(v))
     }
@@ -317,22 +312,15 @@ mod kernel_tests {
                 set_swiglu_scalar_kernels(true);
                 let scalar = run();
                 set_swiglu_scalar_kernels(false);
-                assert!(
-                    vector
-                        .0
-                        .iter()
-                        .zip(&scalar.0)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{dtype:?} [{rows}, {n}]: forward differs"
-                );
-                assert!(
-                    vector
-                        .1
-                        .iter()
-                        .zip(&scalar.1)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{dtype:?} [{rows}, {n}]: backward differs"
-                );
+                for (what, v, s) in [
+                    ("forward", &vector.0, &scalar.0),
+                    ("backward", &vector.1, &scalar.1),
+                ] {
+                    assert!(
+                        v.iter().zip(s).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{dtype:?} [{rows}, {n}]: {what} differs"
+                    );
+                }
             }
         }
     }
