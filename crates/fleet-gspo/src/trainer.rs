@@ -230,7 +230,9 @@ impl Trainer {
                     .count() as u64;
                 let rows = shares.of(micro);
                 let (loss, metrics, tokens) =
-                    self.micro_step(&rollouts, rows, global_sequences, &loss_config, &mut grads)?;
+                    fleet_models::profile::profiler_window("train.micro_step", || {
+                        self.micro_step(&rollouts, rows, global_sequences, &loss_config, &mut grads)
+                    })?;
                 step_loss += loss / configured_gas;
                 // The parts of a split micro-batch are one micro-batch of TRL's (one value
                 // of each metric).

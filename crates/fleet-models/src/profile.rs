@@ -85,12 +85,58 @@ pub fn begin() {
     fleet_topology::reset_gpu_pool_high_water(0);
 }
 
+/// `FLEET_CUDA_PROFILE_STAGE=<stage>[@<n>]`: the stage and the call of it (1-based, default 1)
+/// that [`profiler_window`] opens the profiler's range around.
+static WINDOW: OnceLock<Option<(String, u64)>> = OnceLock::new();
+/// Calls of the window's stage so far.
+static WINDOW_CALLS: AtomicU64 = AtomicU64::new(0);
+
+fn window_stage() -> Option<&'static (String, u64)> {
+    WINDOW
+        .get_or_init(|| {
+            let v = std::env::var("FLEET_CUDA_PROFILE_STAGE").ok()?;
+            let (stage, n) = match v.split_once('@') {
+                Some((s, n)) => (s, n.parse().ok().filter(|&n| n >= 1)?),
+                None => (v.as_str(), 1),
+            };
+            Some((stage.to_string(), n))
+        })
+        .as_ref()
+}
+
+/// Runs `f`; on the call of `stage` that `FLEET_CUDA_PROFILE_STAGE=<stage>[@<n>]` names (the
+/// n-th, default the first), inside the range that `ncu --profile-from-start off` profiles, so
+/// that one phase of a whole job (a training micro-step, a prefill) can be profiled without
+/// its warm-up. Every [`time`]d stage is such a window; free when the variable is unset.
+pub fn profiler_window<T, E: From<crate::error::ModelError>>(
+    stage: &str,
+    f: impl FnOnce() -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
+    let Some((name, n)) = window_stage() else {
+        return f();
+    };
+    if name != stage || WINDOW_CALLS.fetch_add(1, Ordering::Relaxed) + 1 != *n {
+        return f();
+    }
+    cuda_profiler_range(true)?;
+    let out = f();
+    cuda_profiler_range(false)?;
+    out
+}
+
 /// Runs `f`; when profiling, adds its synchronized wall time to `stage`.
 pub(crate) fn time<T>(
     dev: &Device,
     stage: &'static str,
     f: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
+    if window_stage().is_some() {
+        return profiler_window(stage, || time_stage(dev, stage, f));
+    }
+    time_stage(dev, stage, f)
+}
+
+fn time_stage<T>(dev: &Device, stage: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     if !enabled() || CAPTURING.with(|c| c.get()) {
         return f();
     }

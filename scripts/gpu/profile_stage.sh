@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Where one stage of a real job spends its GPU time, kernel by kernel: ncu (duration, DRAM bytes
+# and tensor-pipe activity of each launch) over the n-th call of one named stage only
+# (FLEET_CUDA_PROFILE_STAGE=<stage>@<n> with `ncu --profile-from-start off`; stages: every
+# FLEET_PROFILE stage name, e.g. gen.prefill, plus train.micro_step), then
+# scripts/gpu/kernel_times.py sums it by kernel.
+#
+#   NAME=update STAGE=train.micro_step@3 bash scripts/gpu/profile_stage.sh <command...>
+#
+# Writes $OUT/kernels_$NAME.txt (the summary) and $OUT/ncu_$NAME.csv.xz (every launch).
+# METRICS overrides the metric list (gpu__time_duration.sum alone is the fastest).
+set -u
+export NCCL_NVLS_ENABLE=0
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+NAME="${NAME:?a name for the outputs}"
+STAGE="${STAGE:?stage[@n]}"
+OUT="${OUT:-$PWD/out_profile}"
+mkdir -p "$OUT"
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+[ -n "$NCU" ] || { echo "no ncu"; exit 1; }
+M="${METRICS:-gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active}"
+FLEET_CUDA_PROFILE_STAGE="$STAGE" timeout "${NCU_TIMEOUT:-400}" "$NCU" --profile-from-start off \
+  --csv --print-units base --metrics "$M" "$@" > "$OUT/ncu_$NAME.csv" 2> "$OUT/ncu_$NAME.err"
+echo "ncu rc $? $(grep -c '^"' "$OUT/ncu_$NAME.csv") lines"
+tail -3 "$OUT/ncu_$NAME.err"
+python3 "$(dirname "$0")/kernel_times.py" "$OUT/ncu_$NAME.csv" --top "${TOP:-45}" | tee "$OUT/kernels_$NAME.txt"
+xz -T8 -f "$OUT/ncu_$NAME.csv"
