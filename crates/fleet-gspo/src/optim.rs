@@ -607,14 +607,16 @@ impl AdamW {
         self.state.get(i).map(|s| s.step)
     }
 
-    /// The gradients of this optimizer's parameters in a backward pass's store.
-    pub fn gradients(&self, store: &GradStore) -> Gradients {
-        Gradients::new(
+    /// The gradients of this optimizer's parameters in a backward pass's store, each a copy:
+    /// [`clip_grad_norm`] and [`Gradients::scale`] work in place, and two of a store's
+    /// gradients may share storage (an addition hands both sides the same gradient).
+    pub fn gradients(&self, store: &GradStore) -> Result<Gradients, OptimError> {
+        Ok(Gradients::new(
             self.params
                 .iter()
-                .map(|(_, v)| store.get(v.as_tensor()).cloned())
-                .collect(),
-        )
+                .map(|(_, v)| store.get(v.as_tensor()).map(Tensor::copy).transpose())
+                .collect::<candle_core::Result<_>>()?,
+        ))
     }
 
     /// Gradients keyed by parameter name (parameters not in `grads` have none). A name this
@@ -1312,12 +1314,38 @@ mod tests {
             opt.gradients_by_name(&wrong).unwrap_err(),
             OptimError::UnknownParam { .. }
         ));
-        let mut g = opt.gradients(&store);
+        let mut g = opt.gradients(&store).unwrap();
         assert_eq!(g.get(0).unwrap().to_vec1::<f32>().unwrap(), vec![2.0, 4.0]);
         let again = g.clone();
         g.accumulate(&again).unwrap();
         g.scale(0.5).unwrap();
         assert_eq!(g.get(0).unwrap().to_vec1::<f32>().unwrap(), vec![2.0, 4.0]);
+    }
+
+    #[test]
+    fn gradients_that_share_storage_are_scaled_once_each() {
+        // d(a + b)/da and d(a + b)/db are one tensor in the store (candle-core as patched in
+        // vendor/); in-place clipping must not scale it twice through the two parameters.
+        let (a, b) = (var(&[1.0, 2.0]), var(&[3.0, 4.0]));
+        let opt = AdamW::new(
+            vec![("a".into(), a.clone()), ("b".into(), b.clone())],
+            AdamWConfig::default(),
+        )
+        .unwrap();
+        let loss = (a.as_tensor() + b.as_tensor())
+            .unwrap()
+            .affine(3.0, 0.0)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let mut g = opt.gradients(&loss.backward().unwrap()).unwrap();
+        // Norm sqrt(4 * 9) = 6: clipped to 1.5 by the factor 0.25.
+        let norm = clip_grad_norm(&mut g, 1.5).unwrap();
+        assert!((norm - 6.0).abs() < 1e-6);
+        for i in 0..2 {
+            let v = g.get(i).unwrap().to_vec1::<f32>().unwrap();
+            assert!(v.iter().all(|x| (x - 0.75).abs() < 1e-6), "{v:?}");
+        }
     }
 
     #[test]

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GSPO update with two gspo-train builds in one call (configs/gspo/bench.toml, bf16
+# masters, STEPS optimizer steps, alternating A B A B): per-step update seconds from each run's
+# metrics.jsonl (the first generation batch's steps left out), then the ncu kernel table of B's
+# micro-step (scripts/gpu/profile_stage.sh). Carried: dist/carry/gspo-train-base.xz (A) and
+# dist/carry/gspo-train.xz (B). SHAPES (default "1.5b 0.5b"), STEPS (default 12).
+set -u
+export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
+W=/tmp/ua; mkdir -p $W
+xz -dc dist/carry/gspo-train-base.xz > $W/A; xz -dc dist/carry/gspo-train.xz > $W/B; chmod +x $W/A $W/B
+python3 scripts/gpu/make_gspo_prompts.py --out $W/prompts.jsonl --n 512 > /dev/null
+for shape in ${SHAPES:-1.5b 0.5b}; do
+  [ -f $W/q$shape/config.json ] || python3 scripts/gpu/make_random_checkpoint.py --config configs/models/qwen2.5-$shape.json \
+    --out $W/q$shape --tokenizer-from tests/fixtures/qwen2-tiny --dtype bf16 > /dev/null 2>&1
+  $W/A --config configs/gspo/bench.toml --model $W/q$shape --dataset $W/prompts.jsonl --output-dir $W/warm \
+    --max-steps 1 --dtype bf16 --torch-dtype bfloat16 > /dev/null 2>&1; rm -rf $W/warm
+  for i in 1 2; do for v in A B; do
+    d=$W/$shape-$v-$i; rm -rf $d
+    $W/$v --config configs/gspo/bench.toml --model $W/q$shape --dataset $W/prompts.jsonl --output-dir $d \
+      --max-steps ${STEPS:-12} --dtype bf16 --torch-dtype bfloat16 > $d.log 2>&1 || tail -5 $d.log
+    cp $d/metrics.jsonl $OUT/metrics_${shape}_${v}_$i.jsonl
+    python3 - $d/metrics.jsonl $shape $v $i <<'PY'
+import json, sys, statistics
+rows = [json.loads(l) for l in open(sys.argv[1])]
+def pick(r, k):
+    for key in (k, f"timing/{k}", f"timings/{k}"):
+        if key in r: return r[key]
+    t = r.get("timings") or {}
+    return t.get(k)
+up = [pick(r, "update_seconds") for r in rows[4:]]
+up = [u for u in up if u is not None]
+print(sys.argv[2], sys.argv[3], sys.argv[4], "update s/step median", round(statistics.median(up), 4) if up else None,
+      "n", len(up), "peak", {k: v for k, v in rows[-1].items() if "peak" in k or "memory" in k})
+PY
+  done; done
+done
+NAME=update_patched STAGE=train.micro_step@3 bash scripts/gpu/profile_stage.sh $W/B --config configs/gspo/bench.toml \
+  --model $W/q1.5b --dataset $W/prompts.jsonl --output-dir $W/p --max-steps 3 --dtype bf16 --torch-dtype bfloat16
