@@ -106,3 +106,99 @@ mod tests {
         check(&x.narrow(0, 0, 3).unwrap());
     }
 }
+
+/// A 0-d zero of `x`'s dtype whose backward hands `x` the gradient `g` (`x`'s shape and
+/// dtype): where a backward starts from a known gradient of an intermediate (a checkpointed
+/// segment's output), since candle's backward starts from a scalar. It stands for
+/// `sum(x * g)` without computing it: that product and its sum, and the backward's
+/// `1 * g`, were four full passes over a layer's hidden states per segment. Only as the
+/// backward's root or a term of it (the incoming gradient there is 1 and is not read).
+pub fn gradient_seed(x: &Tensor, g: &Tensor) -> candle_core::Result<Tensor> {
+    if x.shape() != g.shape() || x.dtype() != g.dtype() {
+        candle_core::bail!(
+            "gradient_seed: x {:?} {:?} and g {:?} {:?} differ",
+            x.dims(),
+            x.dtype(),
+            g.dims(),
+            g.dtype()
+        );
+    }
+    x.apply_op2(g, GradientSeed)
+}
+
+struct GradientSeed;
+
+impl candle_core::CustomOp2 for GradientSeed {
+    fn name(&self) -> &'static str {
+        "fleet-gradient-seed"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        _l1: &candle_core::Layout,
+        _s2: &candle_core::CpuStorage,
+        _l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let shape = candle_core::Shape::from(());
+        Ok((
+            candle_core::cpu_backend::CpuDevice.zeros_impl(&shape, s1.dtype())?,
+            shape,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        _l1: &candle_core::Layout,
+        _s2: &candle_core::CudaStorage,
+        _l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let shape = candle_core::Shape::from(());
+        Ok((s1.device().zeros_impl(&shape, s1.dtype())?, shape))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        g: &Tensor,
+        _res: &Tensor,
+        _grad_res: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(g.detach()), None))
+    }
+}
+
+#[cfg(test)]
+mod seed_tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn a_gradient_seed_gives_the_gradient_of_sum_x_times_g() {
+        let dev = Device::Cpu;
+        let x =
+            Var::from_tensor(&Tensor::new(&[[0.5f32, -1.0], [2.0, 3.0]], &dev).unwrap()).unwrap();
+        let w = Tensor::new(&[[1.5f32, 0.25], [-2.0, 4.0]], &dev).unwrap();
+        // A function of x with an intermediate y = x * w, seeded with dL/dy = g.
+        let y = (x.as_tensor() * &w).unwrap();
+        let g = Tensor::new(&[[0.1f32, 0.2], [0.3, -0.4]], &dev).unwrap();
+        let seeded = gradient_seed(&y, &g).unwrap().backward().unwrap();
+        let composed = sum_all_fast(&(&y * &g).unwrap())
+            .unwrap()
+            .backward()
+            .unwrap();
+        let a = seeded.get(x.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+        let b = composed
+            .get(x.as_tensor())
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a, vec![vec![0.15f32, 0.05], vec![-0.6, -1.6]]);
+        assert!(gradient_seed(&y, &g.to_dtype(DType::F64).unwrap()).is_err());
+    }
+}

@@ -1226,7 +1226,7 @@ impl TrainableQwen {
                         acc.slice_set(&sum, 0, v0)?;
                     }
                 }
-                let surrogate = crate::ops::sum_all_fast(&(&h * grad_h.to_dtype(h.dtype())?)?)?;
+                let surrogate = crate::ops::gradient_seed(&h, &grad_h.to_dtype(h.dtype())?)?;
                 Ok(surrogate.backward()?)
             })?;
             profile::time(&head_dev, "head.collect", || {
@@ -1290,8 +1290,8 @@ impl TrainableQwen {
             })?;
             let g_here = crate::device::transfer(&g, x.device())?.to_dtype(x.dtype())?;
             let gs = profile::time(&seg_dev, "train.4b_blocks_backward", || {
-                let surrogate = (crate::ops::sum_all_fast(&(x * &g_here)?)?
-                    + crate::ops::sum_all_fast(&(pending * &g_here)?)?)?;
+                let surrogate = (crate::ops::gradient_seed(&x, &g_here)?
+                    + crate::ops::gradient_seed(&pending, &g_here)?)?;
                 Ok(surrogate.backward()?)
             })?;
             profile::time(&seg_dev, "train.4c_collect_grads", || {
