@@ -31,8 +31,11 @@ up = [pick(r, "update_seconds") for r in rows[4:]]
 up = [u for u in up if u is not None]
 print(sys.argv[2], sys.argv[3], sys.argv[4], "update s/step median", round(statistics.median(up), 4) if up else None,
       "n", len(up), "peak", {k: v for k, v in rows[-1].items() if "peak" in k or "memory" in k})
+# The same seed and data: A and B should train to the same losses and gradient norms.
+print("  grad_norm", [r.get("grad_norm") for r in rows], "loss", [r.get("loss") for r in rows])
 PY
   done; done
 done
+[ "${NCU:-1}" = 1 ] || exit 0
 NAME=update_patched STAGE=train.micro_step@3 bash scripts/gpu/profile_stage.sh $W/B --config configs/gspo/bench.toml \
   --model $W/q1.5b --dataset $W/prompts.jsonl --output-dir $W/p --max-steps 3 --dtype bf16 --torch-dtype bfloat16

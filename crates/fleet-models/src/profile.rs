@@ -107,7 +107,8 @@ fn window_stage() -> Option<&'static (String, u64)> {
 /// Runs `f`; on the call of `stage` that `FLEET_CUDA_PROFILE_STAGE=<stage>[@<n>]` names (the
 /// n-th, default the first), inside the range that `ncu --profile-from-start off` profiles, so
 /// that one phase of a whole job (a training micro-step, a prefill) can be profiled without
-/// its warm-up. Every [`time`]d stage is such a window; free when the variable is unset.
+/// its warm-up. Every stage that `FLEET_PROFILE` times is such a window; free when the variable
+/// is unset.
 pub fn profiler_window<T, E: From<crate::error::ModelError>>(
     stage: &str,
     f: impl FnOnce() -> std::result::Result<T, E>,
