@@ -1006,13 +1006,12 @@ impl Trainer {
         };
         if !cfg.is_on_policy() {
             let timer = Stage::start(self, "rollout.old_logprobs");
-            rollouts.old_logp =
-                Some(self.all_logprobs(&self.policy, &rollouts, &rank_rows, width)?);
+            rollouts.old_logp = Some(self.all_logprobs(&self.policy, &rollouts, width)?);
             timer.stop(self)?;
         }
         if cfg.beta > 0.0 {
             let reference = self.reference.as_ref().ok_or(TrainError::NoReference)?;
-            rollouts.ref_logp = Some(self.all_logprobs(reference, &rollouts, &rank_rows, width)?);
+            rollouts.ref_logp = Some(self.all_logprobs(reference, &rollouts, width)?);
         }
         rollouts.scoring_seconds = scoring.elapsed().as_secs_f64();
         Ok(rollouts)
@@ -1022,28 +1021,52 @@ impl Trainer {
         self.policy.head_device()
     }
 
-    /// Log-probs of `rows` under `model`, in this rank's micro-batches (the same batches the
-    /// updates use), `[rows, width]`.
+    /// Log-probs of this rank's rows under `model`, `[rows, width]` in `r.logp_pos` order: each
+    /// micro-batch's share as the update reads it (the same rows, cut to the same
+    /// [`Self::micro_width`]), so that the update's first forward gives these values to the
+    /// bit; zeros past a micro-batch's width.
     fn all_logprobs(
         &self,
         model: &TrainableQwen,
         r: &Rollouts,
-        rows: &[usize],
         width: usize,
     ) -> Result<Tensor, TrainError> {
+        let shares = self.shares();
+        let dev = self.policy_head_device();
         let mut parts = Vec::new();
-        for chunk in rows.chunks(self.layout.per_rank_micro_batch.max(1)) {
-            let batch = self.token_batch(r, chunk, width)?;
+        for micro in &r.micro_batches {
+            let rows = shares.of(micro);
+            if rows.is_empty() {
+                continue;
+            }
+            let w = self.micro_width(r, rows);
+            let batch = self.token_batch(r, rows, w)?;
             let lp = model.logprobs(&batch, self.config.temperature)?;
-            parts.push(fleet_models::device::transfer(
-                &lp.logp,
-                &self.policy_head_device(),
-            )?);
+            let lp = fleet_models::device::transfer(&lp.logp, &dev)?;
+            parts.push(if w < width {
+                let zeros = Tensor::zeros((rows.len(), width - w), lp.dtype(), &dev)?;
+                Tensor::cat(&[lp, zeros], 1)?
+            } else {
+                lp
+            });
         }
         Ok(Tensor::cat(&parts, 0)?)
     }
 
-    /// The rows of a micro-batch as the model reads them; completions padded to `width`.
+    /// The width a micro-batch's completions are cut to: its longest scored completion (the
+    /// mask's ones; at least 1). The columns after it are masked in every row, and a
+    /// position's log-prob depends on the tokens before it only, so cutting them changes no
+    /// kept value — a completion batch that stopped early costs its length, not
+    /// `max_completion_length` (TRL pads to the generation batch's longest).
+    fn micro_width(&self, r: &Rollouts, rows: &[usize]) -> usize {
+        rows.iter()
+            .map(|&i| r.row_tokens[i] as usize)
+            .max()
+            .unwrap_or(0)
+            .clamp(1, self.config.max_completion_length.max(1))
+    }
+
+    /// The rows of a micro-batch as the model reads them; completions cut or padded to `width`.
     fn token_batch(
         &self,
         r: &Rollouts,
@@ -1075,7 +1098,7 @@ impl Trainer {
         grads: &mut ParamGrads,
     ) -> Result<(f64, LossMetrics, u64), TrainError> {
         let cfg = &self.config;
-        let width = cfg.max_completion_length.max(1);
+        let width = self.micro_width(r, rows);
         let batch = self.token_batch(r, rows, width)?;
         let dev = self.policy_head_device();
         let idx = Tensor::from_vec(
@@ -1083,7 +1106,7 @@ impl Trainer {
             rows.len(),
             &dev,
         )?;
-        let mask = r.mask.index_select(&idx, 0)?;
+        let mask = r.mask.index_select(&idx, 0)?.narrow(1, 0, width)?;
         let pos: Vec<u32> = rows
             .iter()
             .map(|i| {
@@ -1096,12 +1119,12 @@ impl Trainer {
         let old = r
             .old_logp
             .as_ref()
-            .map(|t| t.index_select(&pos, 0))
+            .map(|t| t.index_select(&pos, 0)?.narrow(1, 0, width))
             .transpose()?;
         let reference = r
             .ref_logp
             .as_ref()
-            .map(|t| t.index_select(&pos, 0))
+            .map(|t| t.index_select(&pos, 0)?.narrow(1, 0, width))
             .transpose()?;
         let split = self.layout.micro_split.max(1);
         let shared = self.dp.is_some() || split > 1;

@@ -396,3 +396,66 @@ fn lora_dropout_masks_are_drawn_again_by_the_recompute() {
     assert_eq!(no_key, no_dropout);
     assert!(e.iter().zip(&f).all(|(x, y)| rel_err(x, y) == 0.0));
 }
+
+/// gspo-train cuts each micro-batch's completions to its longest scored one: the columns after
+/// it carry no loss weight, and a position's log-prob depends only on the tokens before it,
+/// so the cut batch must give the same log-probs on the columns it keeps and the same
+/// gradients.
+#[test]
+fn cutting_unweighted_trailing_columns_changes_no_logprob_or_gradient() {
+    let model = load("qwen2-tiny", None);
+    let g = golden("qwen2-tiny");
+    let c = g.batch.completion_len();
+    assert!(c > 2, "the golden needs a few completion columns");
+    let keep = c - 2;
+    // The goldens' weights without their last two columns' weight.
+    let weights = Tensor::cat(
+        &[
+            g.weights.narrow(1, 0, keep).unwrap(),
+            Tensor::zeros((g.batch.rows(), 2), DType::F32, &Device::Cpu).unwrap(),
+        ],
+        1,
+    )
+    .unwrap();
+    let run = |batch: &TokenBatch, weights: &Tensor| {
+        let mut grads = ParamGrads::new();
+        let w = weights.clone();
+        let (out, _) = model
+            .forward_backward(
+                batch,
+                TEMPERATURE,
+                &mut |logp| {
+                    let loss = (logp * w.to_device(logp.device())?)?.sum_all()?;
+                    let value = loss.to_scalar::<f32>()?;
+                    Ok((loss, value))
+                },
+                &mut grads,
+            )
+            .unwrap();
+        (out, grads)
+    };
+    let (full, full_grads) = run(&g.batch, &weights);
+    let cut_batch = TokenBatch {
+        ids: g
+            .batch
+            .ids
+            .iter()
+            .map(|r| r[..r.len() - 2].to_vec())
+            .collect(),
+        pad: g.batch.pad.clone(),
+        prompt_len: g.batch.prompt_len,
+    };
+    let (cut, cut_grads) = run(&cut_batch, &weights.narrow(1, 0, keep).unwrap());
+    assert_eq!(cut.logp.dims(), &[g.batch.rows(), keep]);
+    let e = rel_err(&cut.logp, &full.logp.narrow(1, 0, keep).unwrap());
+    assert!(e < 1e-6, "log-probs of the kept columns: rel err {e}");
+    for (((pname, _), a), b) in model
+        .params()
+        .iter()
+        .zip(cut_grads.iter())
+        .zip(full_grads.iter())
+    {
+        let e = rel_err(a.unwrap(), b.unwrap());
+        assert!(e < 1e-5, "gradient of {pname}: rel err {e}");
+    }
+}
