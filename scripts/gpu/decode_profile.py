@@ -7,28 +7,9 @@ and the time the step's bytes take at the limit.
     python3 scripts/gpu/decode_profile.py ncu_7b_6.csv --layers 28 --bandwidth 3.35e12
 """
 import argparse
-import csv
-import lzma
-import re
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 
-
-def launches(path):
-    rows = OrderedDict()
-    opener = lzma.open if path.endswith(".xz") else open
-    with opener(path, "rt") as f:
-        lines = [l for l in f if l.startswith('"')]
-    for r in csv.DictReader(lines):
-        k = rows.setdefault(r["ID"], {"name": r["Kernel Name"], "grid": r["Grid Size"],
-                                      "block": r["Block Size"]})
-        k[r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0)
-    return list(rows.values())
-
-
-def short(name):
-    name = re.sub(r"\(.*", "", name)
-    name = re.sub(r"^void ", "", name)
-    return re.sub(r"<.*>", "<>", name)[:70]
+from kernel_times import launches, short
 
 
 def main():
@@ -49,7 +30,7 @@ def main():
     per = len(last) // n
     by = defaultdict(lambda: [0, 0.0, 0.0])
     for k in last:
-        e = by[(short(k["name"]), k["grid"])]
+        e = by[(short(k["name"], 70), k["grid"])]
         e[0] += 1
         e[1] += k.get("gpu__time_duration.sum", 0) / 1e3
         e[2] += k.get("dram__bytes_read.sum", 0) + k.get("dram__bytes_write.sum", 0)

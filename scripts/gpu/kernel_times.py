@@ -19,20 +19,23 @@ TENSOR = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
 
 
 def launches(path):
+    """Every launch of an ncu CSV (or .csv.xz), in order: name, grid, block and each metric."""
     rows = OrderedDict()
     opener = lzma.open if path.endswith(".xz") else open
     with opener(path, "rt") as f:
         lines = [l for l in f if l.startswith('"')]
     for r in csv.DictReader(lines):
-        k = rows.setdefault(r["ID"], {"name": r["Kernel Name"], "grid": r.get("Grid Size", "")})
+        k = rows.setdefault(r["ID"], {"name": r["Kernel Name"], "grid": r.get("Grid Size", ""),
+                                      "block": r.get("Block Size", "")})
         k[r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0)
     return list(rows.values())
 
 
-def short(name):
+def short(name, width=64):
+    """A kernel's name without its arguments and template parameters."""
     name = re.sub(r"\(.*", "", name)
     name = re.sub(r"^void ", "", name)
-    return re.sub(r"<.*>", "<>", name)[:64]
+    return re.sub(r"<.*>", "<>", name)[:width]
 
 
 def main():
