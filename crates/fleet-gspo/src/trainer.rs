@@ -7,9 +7,11 @@
 //! 2. score them ([`WeightedSum`]) and turn the totals into group advantages;
 //! 3. off-policy (see [`GspoConfig::is_on_policy`]), compute the old log-probs once, without
 //!    gradients; with `beta > 0`, the reference model's log-probs;
-//! 4. shuffle the completions once and cut them into `steps_per_generation` micro-batches;
-//!    `num_iterations` passes over them; every `gradient_accumulation_steps` micro-batches the
-//!    gradients are clipped and AdamW takes a step; one metrics line per optimizer step.
+//! 4. shuffle the completions once and cut them into `steps_per_generation` micro-batches,
+//!    each read as wide as its longest scored completion (the log-prob passes of step 3 cut
+//!    them alike); `num_iterations` passes over them; every `gradient_accumulation_steps`
+//!    micro-batches the gradients are clipped and AdamW takes a step; one metrics line per
+//!    optimizer step.
 //!
 //! Checkpoints are written only at the end of a generation batch (when `save_steps` says so),
 //! so a resume never needs a half-used batch: it continues with the next one, bit for bit.
