@@ -1254,3 +1254,50 @@ fn cuda_qkv_rope_with_f32_tables_matches_its_twin() {
         }
     }
 }
+
+/// candle-core as patched in vendor/candle-core stores a node's first gradient instead of
+/// adding it to zeros: every later contribution must still be summed, through views
+/// (transpose, broadcast, narrow) and ops that hand one gradient to both sides (an addition).
+/// The loss below uses `y = W x` three ways and `W` twice more; its gradients have closed forms.
+#[test]
+fn patched_backward_sums_every_contribution() {
+    let dev = Device::Cpu;
+    let mut rng = Rng(11);
+    let w = Var::from_tensor(&rng.tensor(&[3, 4], 0.0, 1.0)).unwrap();
+    let x = Var::from_tensor(&rng.tensor(&[4, 2], 0.0, 1.0)).unwrap();
+    let c = rng.tensor(&[3, 2], 0.0, 1.0);
+    let (wt, xt) = (w.as_tensor(), x.as_tensor());
+    // y = W x used three times: weighted by c, through its transpose weighted by cᵀ, and its
+    // first row broadcast; plus W itself twice through one addition (W + W).
+    let y = wt.matmul(xt).unwrap();
+    let l1 = (&y * &c).unwrap().sum_all().unwrap();
+    let l2 = (y.t().unwrap() * c.t().unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let row = y.narrow(0, 0, 1).unwrap().broadcast_as((5, 2)).unwrap();
+    let l3 = row.sum_all().unwrap();
+    let l4 = (wt + wt).unwrap().sum_all().unwrap();
+    let loss = (((l1 + l2).unwrap() + l3).unwrap() + l4).unwrap();
+    let g = loss.backward().unwrap();
+    // dL/dy = 2c + 5 e0 (row 0 gets 5 from the broadcast); dL/dW = dL/dy xᵀ + 2; dL/dx = Wᵀ dL/dy.
+    let mut e0 = vec![0f32; 6];
+    e0[..2].fill(5.0);
+    let dy = ((&c * 2.0).unwrap() + Tensor::from_vec(e0, (3, 2), &dev).unwrap()).unwrap();
+    let dw = (dy.matmul(&xt.t().unwrap()).unwrap() + 2.0).unwrap();
+    let dx = wt.t().unwrap().matmul(&dy).unwrap();
+    for (name, got, want) in [
+        ("W", g.get(wt).unwrap(), &dw),
+        ("x", g.get(xt).unwrap(), &dx),
+    ] {
+        let err = (got - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(err < 1e-5, "d loss / d {name}: max error {err}");
+    }
+}
