@@ -336,7 +336,7 @@ impl Qwen3VlModel {
         });
         // The image tokens' places within the window (all inside it: they are uncached).
         let rows = match &inputs.rows {
-            Some(r) => {
+            Some(full) => {
                 let moved: Vec<u32> = inputs
                     .image_slots
                     .iter()
@@ -349,7 +349,7 @@ impl Qwen3VlModel {
                 Some(Tensor::from_vec(
                     feature_rows(&moved, places),
                     places,
-                    r.device(),
+                    full.device(),
                 )?)
             }
             None => None,
