@@ -307,6 +307,16 @@ impl Gradients {
     }
 }
 
+/// A contiguous tensor of `t`'s values that shares storage with nothing (`copy` alone keeps a
+/// view's strides; `contiguous` alone returns a contiguous tensor itself).
+fn owned_copy(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.is_contiguous() {
+        t.copy()
+    } else {
+        t.contiguous()
+    }
+}
+
 /// The global L2 norm of `grads`: each tensor's sum of squares in f32 (as torch's per-tensor
 /// norm), accumulated in f64.
 pub fn grad_norm(grads: &Gradients) -> Result<f64, OptimError> {
@@ -614,7 +624,7 @@ impl AdamW {
         Ok(Gradients::new(
             self.params
                 .iter()
-                .map(|(_, v)| store.get(v.as_tensor()).map(Tensor::copy).transpose())
+                .map(|(_, v)| store.get(v.as_tensor()).map(owned_copy).transpose())
                 .collect::<candle_core::Result<_>>()?,
         ))
     }

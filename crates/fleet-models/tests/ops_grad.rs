@@ -1258,7 +1258,8 @@ fn cuda_qkv_rope_with_f32_tables_matches_its_twin() {
 /// candle-core as patched in vendor/candle-core stores a node's first gradient instead of
 /// adding it to zeros: every later contribution must still be summed, through views
 /// (transpose, broadcast, narrow) and ops that hand one gradient to both sides (an addition).
-/// The loss below uses `y = W x` three ways and `W` twice more; its gradients have closed forms.
+/// The loss below uses `y = W x` three ways, `W` twice more and once as a transposed right-hand
+/// side (`z Wᵀ`, a linear layer); its gradients have closed forms.
 #[test]
 fn patched_backward_sums_every_contribution() {
     let dev = Device::Cpu;
@@ -1278,17 +1279,35 @@ fn patched_backward_sums_every_contribution() {
     let row = y.narrow(0, 0, 1).unwrap().broadcast_as((5, 2)).unwrap();
     let l3 = row.sum_all().unwrap();
     let l4 = (wt + wt).unwrap().sum_all().unwrap();
-    let loss = (((l1 + l2).unwrap() + l3).unwrap() + l4).unwrap();
+    // And W as a linear layer's transposed right-hand side (the patch's matmul path).
+    let z = Var::from_tensor(&rng.tensor(&[2, 4], 0.0, 1.0)).unwrap();
+    let c2 = rng.tensor(&[2, 3], 0.0, 1.0);
+    let zt = z.as_tensor();
+    let l5 = (zt.matmul(&wt.t().unwrap()).unwrap() * &c2)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let loss = ((((l1 + l2).unwrap() + l3).unwrap() + l4).unwrap() + l5).unwrap();
     let g = loss.backward().unwrap();
-    // dL/dy = 2c + 5 e0 (row 0 gets 5 from the broadcast); dL/dW = dL/dy xᵀ + 2; dL/dx = Wᵀ dL/dy.
+    // dL/dy = 2c + 5 e0 (row 0 gets 5 from the broadcast); dL/dW = dL/dy xᵀ + 2 + c2ᵀ z;
+    // dL/dx = Wᵀ dL/dy; dL/dz = c2 W.
     let mut e0 = vec![0f32; 6];
     e0[..2].fill(5.0);
     let dy = ((&c * 2.0).unwrap() + Tensor::from_vec(e0, (3, 2), &dev).unwrap()).unwrap();
-    let dw = (dy.matmul(&xt.t().unwrap()).unwrap() + 2.0).unwrap();
+    let dw = ((dy.matmul(&xt.t().unwrap()).unwrap() + 2.0).unwrap()
+        + c2.t().unwrap().matmul(zt).unwrap())
+    .unwrap();
     let dx = wt.t().unwrap().matmul(&dy).unwrap();
+    let dz = c2.matmul(wt).unwrap();
+    let gw = g.get(wt).unwrap();
+    assert!(
+        gw.is_contiguous(),
+        "a weight's gradient comes back contiguous"
+    );
     for (name, got, want) in [
-        ("W", g.get(wt).unwrap(), &dw),
+        ("W", gw, &dw),
         ("x", g.get(xt).unwrap(), &dx),
+        ("z", g.get(zt).unwrap(), &dz),
     ] {
         let err = (got - want)
             .unwrap()

@@ -445,8 +445,18 @@ impl Tensor {
                         let lhs_grad = grad.matmul(&rhs.t()?)?;
                         grads.accumulate(lhs, &lhs_grad)?;
 
-                        let rhs_grad = lhs.t()?.matmul(&grad)?;
-                        grads.accumulate(rhs, &rhs_grad)?;
+                        // fleet's patch: a right-hand side that is a transposed view of a
+                        // contiguous tensor (a linear layer's `w.t()`, attention's `k.t()`) gets
+                        // its gradient as the transpose of `gradᵀ lhs`, kept as a view, so that
+                        // the transpose's backward hands the tensor under it a contiguous
+                        // gradient; `lhsᵀ grad` made that one a strided view to copy.
+                        if rhs.rank() >= 2 && !rhs.is_contiguous() && rhs.t()?.is_contiguous() {
+                            let rhs_grad = grad.t()?.matmul(lhs)?.t()?;
+                            grads.accumulate_view(rhs, &rhs_grad)?;
+                        } else {
+                            let rhs_grad = lhs.t()?.matmul(&grad)?;
+                            grads.accumulate(rhs, &rhs_grad)?;
+                        }
                     }
                     Op::Cat(args, dim) => {
                         let mut start_idx = 0;
@@ -738,6 +748,21 @@ impl GradStore {
                 // zeros + grad had the tensor's own dtype and shape; `add` required grad to
                 // match both, so storing grad keeps them.
                 entry.insert(grad.contiguous()?);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::accumulate`] keeping a first contribution that is a view as it is (the matmul's
+    /// transposed right-hand side, whose one consumer is its transpose's backward).
+    fn accumulate_view(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
+        match self.0.entry(tensor.id()) {
+            Entry::Occupied(mut entry) => {
+                let sum = entry.get().add(grad)?;
+                entry.insert(sum);
+            }
+            Entry::Vacant(entry) => {
+                entry.insert(grad.clone());
             }
         }
         Ok(())
