@@ -131,10 +131,7 @@ pub(crate) fn time<T>(
     stage: &'static str,
     f: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
-    if window_stage().is_some() {
-        return profiler_window(stage, || time_stage(dev, stage, f));
-    }
-    time_stage(dev, stage, f)
+    profiler_window(stage, || time_stage(dev, stage, f))
 }
 
 fn time_stage<T>(dev: &Device, stage: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {

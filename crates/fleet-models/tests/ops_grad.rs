@@ -1309,14 +1309,7 @@ fn patched_backward_sums_every_contribution() {
         ("x", g.get(xt).unwrap(), &dx),
         ("z", g.get(zt).unwrap(), &dz),
     ] {
-        let err = (got - want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let err = max_diff(got, want);
         assert!(err < 1e-5, "d loss / d {name}: max error {err}");
     }
 }

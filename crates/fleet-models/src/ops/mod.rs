@@ -457,7 +457,7 @@ pub use paged_attention::{
 pub use qkv_rope::{
     qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_paged, set_qkv_rope_pairs, PagedKvWrite,
 };
-pub use reduce::{gradient_seed, sum_all_fast, sum_squares, update_rows_in_place};
+pub use reduce::{gradient_seed, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm};
 pub use sample::{sample_tokens, sample_tokens_on_device, RowSampling, SAMPLER_VERSION};
 pub use swiglu::{set_swiglu_scalar_kernels, swiglu};

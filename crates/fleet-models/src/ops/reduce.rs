@@ -1,4 +1,5 @@
-//! Reductions and in-place updates of large tensors without a second tensor of their size (no kernels of their own).
+//! Reductions and in-place updates of large tensors without a second tensor of their size, and
+//! the seed of a backward from a known gradient (no kernels of their own).
 
 use candle_core::{DType, Tensor, D};
 
@@ -50,11 +51,6 @@ pub fn sum_squares(x: &Tensor) -> candle_core::Result<Tensor> {
         });
     }
     total.ok_or_else(|| candle_core::Error::Msg("sum_squares of an empty tensor".into()))
-}
-
-/// `x.sum_all()` computed over the last dimension first (see [`sum_squares`]); keeps the graph.
-pub fn sum_all_fast(x: &Tensor) -> candle_core::Result<Tensor> {
-    row_sums_first(x)
 }
 
 fn row_sums_first(x: &Tensor) -> candle_core::Result<Tensor> {
@@ -187,10 +183,7 @@ mod seed_tests {
         let y = (x.as_tensor() * &w).unwrap();
         let g = Tensor::new(&[[0.1f32, 0.2], [0.3, -0.4]], &dev).unwrap();
         let seeded = gradient_seed(&y, &g).unwrap().backward().unwrap();
-        let composed = sum_all_fast(&(&y * &g).unwrap())
-            .unwrap()
-            .backward()
-            .unwrap();
+        let composed = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
         let a = seeded.get(x.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
         let b = composed
             .get(x.as_tensor())
