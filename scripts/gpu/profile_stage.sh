@@ -7,7 +7,8 @@
 #
 #   NAME=update STAGE=train.micro_step@3 bash scripts/gpu/profile_stage.sh <command...>
 #
-# Writes $OUT/kernels_$NAME.txt (the summary) and $OUT/ncu_$NAME.csv.xz (every launch).
+# Writes $OUT/kernels_$NAME.txt (the summary), $OUT/ncu_$NAME.csv.xz (every launch) and
+# $OUT/job_$NAME.log (the job's own output).
 # METRICS overrides the metric list (gpu__time_duration.sum alone is the fastest).
 set -u
 export NCCL_NVLS_ENABLE=0
@@ -19,8 +20,10 @@ mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 [ -n "$NCU" ] || { echo "no ncu"; exit 1; }
 M="${METRICS:-gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active}"
+# The table goes to its own file (--log-file), not mixed with the job's stdout.
 FLEET_CUDA_PROFILE_STAGE="$STAGE" timeout "${NCU_TIMEOUT:-400}" "$NCU" --profile-from-start off \
-  --csv --print-units base --metrics "$M" "$@" > "$OUT/ncu_$NAME.csv" 2> "$OUT/ncu_$NAME.err"
+  --csv --print-units base --metrics "$M" --log-file "$OUT/ncu_$NAME.csv" "$@" \
+  > "$OUT/job_$NAME.log" 2> "$OUT/ncu_$NAME.err"
 echo "ncu rc $? $(grep -c '^"' "$OUT/ncu_$NAME.csv") lines"
 tail -3 "$OUT/ncu_$NAME.err"
 python3 "$(dirname "$0")/kernel_times.py" "$OUT/ncu_$NAME.csv" --top "${TOP:-45}" | tee "$OUT/kernels_$NAME.txt"
