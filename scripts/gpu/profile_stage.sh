@@ -26,5 +26,6 @@ FLEET_CUDA_PROFILE_STAGE="$STAGE" timeout "${NCU_TIMEOUT:-400}" "$NCU" --profile
   > "$OUT/job_$NAME.log" 2> "$OUT/ncu_$NAME.err"
 echo "ncu rc $? $(grep -c '^"' "$OUT/ncu_$NAME.csv") lines"
 tail -3 "$OUT/ncu_$NAME.err"
+cat "$OUT/ncu_$NAME.err" >> "$OUT/job_$NAME.log"; rm -f "$OUT/ncu_$NAME.err"
 python3 "$(dirname "$0")/kernel_times.py" "$OUT/ncu_$NAME.csv" --top "${TOP:-45}" | tee "$OUT/kernels_$NAME.txt"
 xz -T8 -f "$OUT/ncu_$NAME.csv"

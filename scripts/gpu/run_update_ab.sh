@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GSPO update with two gspo-train builds in one call (configs/gspo/bench.toml, bf16
 # masters, STEPS optimizer steps, alternating A B A B): per-step update seconds from each run's
-# metrics.jsonl (the first generation batch's steps left out), then the ncu kernel table of B's
-# micro-step (scripts/gpu/profile_stage.sh). Carried: dist/carry/gspo-train-base.xz (A) and
+# metrics.jsonl (the first generation batch's steps left out; every file in
+# $OUT/metrics.tar.xz), then the ncu kernel table of B's micro-step (scripts/gpu/profile_stage.sh). Carried: dist/carry/gspo-train-base.xz (A) and
 # dist/carry/gspo-train.xz (B). SHAPES (default "1.5b 0.5b"), STEPS (default 12).
 set -u
 export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
@@ -18,7 +18,7 @@ for shape in ${SHAPES:-1.5b 0.5b}; do
     d=$W/$shape-$v-$i; rm -rf $d
     $W/$v --config configs/gspo/bench.toml --model $W/q$shape --dataset $W/prompts.jsonl --output-dir $d \
       --max-steps ${STEPS:-12} --dtype bf16 --torch-dtype bfloat16 > $d.log 2>&1 || tail -5 $d.log
-    cp $d/metrics.jsonl $OUT/metrics_${shape}_${v}_$i.jsonl
+    mkdir -p $W/m; cp $d/metrics.jsonl $W/m/metrics_${shape}_${v}_$i.jsonl
     python3 - $d/metrics.jsonl $shape $v $i <<'PY'
 import json, sys, statistics
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -36,6 +36,8 @@ print("  grad_norm", [r.get("grad_norm") for r in rows], "loss", [r.get("loss") 
 PY
   done; done
 done
+# One archive: a call brings back at most 8 files.
+tar cJf $OUT/metrics.tar.xz -C $W/m .
 [ "${NCU:-1}" = 1 ] || exit 0
 NAME=update_patched STAGE=train.micro_step@3 bash scripts/gpu/profile_stage.sh $W/B --config configs/gspo/bench.toml \
   --model $W/q1.5b --dataset $W/prompts.jsonl --output-dir $W/p --max-steps 3 --dtype bf16 --torch-dtype bfloat16
