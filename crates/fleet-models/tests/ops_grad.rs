@@ -1144,7 +1144,8 @@ fn head_kernels_match_cpu() {
 
 /// The norms' one-pass kernels (rows of whole 16-byte vectors: 1, 2 and 4 vectors a thread)
 /// and the scalar kernel they fall back to (a row that is not, an input that does not start
-/// on a vector) against the CPU twin, with the decode shapes' rows (one to a few).
+/// on a vector) against the CPU twin, with the decode shapes' rows (one to a few): RMSNorm,
+/// the add + RMSNorm, and the vision tower's LayerNorm and add + LayerNorm.
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_norm_kernels_match_their_twin_on_every_path() {
@@ -1158,9 +1159,12 @@ fn cuda_norm_kernels_match_their_twin_on_every_path() {
     let mut rng = Rng(41);
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         // 896/1536/3584: the 0.5B/1.5B/7B hidden sizes; 12288 and 20000: two and four vectors
-        // a thread (f32: four and five, so the scalar kernel); 1500: not whole vectors.
+        // a thread (f32: four and five, so the scalar kernel); 1500: not whole vectors;
+        // 1152 and 4608: the vision tower's width and its mergers' (four patches).
         for (rows, n) in [
             (1, 3584),
+            (5, 1152),
+            (2, 4608),
             (3, 896),
             (64, 1536),
             (2, 12288),
@@ -1172,6 +1176,8 @@ fn cuda_norm_kernels_match_their_twin_on_every_path() {
             let x = lo(rng.tensor(&[rows * n + 1], 0.2, 3.0));
             let r = lo(rng.tensor(&[rows * n + 1], 0.0, 1.0));
             let w = lo(rng.tensor(&[n], 1.0, 0.5));
+            let b = lo(rng.tensor(&[n], 0.0, 0.5));
+            let ln = ops::LayerNorm::new(&w, &b, EPS).unwrap();
             for skew in [0, 1] {
                 let cut = |t: &Tensor| {
                     t.narrow(0, skew, rows * n)
@@ -1185,6 +1191,9 @@ fn cuda_norm_kernels_match_their_twin_on_every_path() {
                     ops::rms_norm(&xc, &w, EPS).unwrap(),
                     ops::add_rms_norm(&xc, &rc, &w, EPS).unwrap().0,
                     ops::add_rms_norm(&xc, &rc, &w, EPS).unwrap().1,
+                    ln.forward(&xc).unwrap(),
+                    ln.forward_add(&xc, &rc).unwrap().0,
+                    ln.forward_add(&xc, &rc).unwrap().1,
                 ];
                 // The GPU's inputs are views into one buffer, as the CPU's are.
                 let (xg, rg) = (on(&x), on(&r));
@@ -1196,11 +1205,23 @@ fn cuda_norm_kernels_match_their_twin_on_every_path() {
                 };
                 let (xg, rg, wg) = (cut_g(&xg), cut_g(&rg), on(&w));
                 let (sg, yg) = ops::add_rms_norm(&xg, &rg, &wg, EPS).unwrap();
-                let got = [ops::rms_norm(&xg, &wg, EPS).unwrap(), sg, yg];
+                let lng = ops::LayerNorm::new(&wg, &on(&b), EPS).unwrap();
+                let (lsg, lyg) = lng.forward_add(&xg, &rg).unwrap();
+                let got = [
+                    ops::rms_norm(&xg, &wg, EPS).unwrap(),
+                    sg,
+                    yg,
+                    lng.forward(&xg).unwrap(),
+                    lsg,
+                    lyg,
+                ];
                 for (what, g, w) in [
                     ("rms_norm", &got[0], &want[0]),
                     ("add (sum)", &got[1], &want[1]),
                     ("add (norm)", &got[2], &want[2]),
+                    ("layer_norm", &got[3], &want[3]),
+                    ("add_layer_norm (sum)", &got[4], &want[4]),
+                    ("add_layer_norm (norm)", &got[5], &want[5]),
                 ] {
                     let g = g.to_device(&Device::Cpu).unwrap();
                     let what = format!("{what} {rows}x{n} skew {skew}");
@@ -1311,5 +1332,59 @@ fn patched_backward_sums_every_contribution() {
     ] {
         let err = max_diff(got, want);
         assert!(err < 1e-5, "d loss / d {name}: max error {err}");
+    }
+}
+
+/// The weight gradient added by the GEMM (`add_matmul_tn_`, cuBLASLt with `beta = 1`) on the
+/// GPU against its CPU twin, into a view of a larger buffer as the gradient sums are, at the
+/// vocabulary projection's shape (a chunk of 441 token rows, a 1536-wide hidden state) and a
+/// small odd one; nothing outside the view changes.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_add_matmul_tn_matches_its_twin() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cuda_add_matmul_tn_matches_its_twin: no CUDA device ({e})");
+            return;
+        }
+    };
+    let mut rng = Rng(77);
+    for dtype in [DType::BF16, DType::F16] {
+        for (k, m, n) in [(441, 4096, 1536), (7, 24, 40)] {
+            let lo = |x: Tensor| x.to_dtype(dtype).unwrap();
+            let a = lo(rng.tensor(&[k, m], 0.0, 0.05));
+            let b = lo(rng.tensor(&[k, n], 0.0, 1.0));
+            let start = lo(rng.tensor(&[m * n], 0.0, 0.5));
+            // The sum sits 8 elements into its buffer (16 bytes), as a later parameter's slot.
+            let buffer = |dev: &Device| {
+                let buf = Tensor::zeros(8 + m * n + 8, dtype, dev).unwrap();
+                buf.slice_set(&start.to_device(dev).unwrap(), 0, 8).unwrap();
+                buf
+            };
+            let (cpu_buf, gpu_buf) = (buffer(&Device::Cpu), buffer(&gpu));
+            let view = |t: &Tensor| t.narrow(0, 8, m * n).unwrap().reshape((m, n)).unwrap();
+            let on = |t: &Tensor| t.to_device(&gpu).unwrap();
+            ops::add_matmul_tn_(&view(&cpu_buf), &a, &b).unwrap();
+            assert!(ops::add_matmul_tn_supported(
+                &view(&gpu_buf),
+                &on(&a),
+                &on(&b)
+            ));
+            ops::add_matmul_tn_(&view(&gpu_buf), &on(&a), &on(&b)).unwrap();
+            let got = gpu_buf.to_device(&Device::Cpu).unwrap();
+            let what = format!("add_matmul_tn_ {k}x{m}x{n}");
+            assert_rounding_matches(&what, &view(&got), &view(&cpu_buf));
+            for edge in [0, 8 + m * n] {
+                let e: Vec<f32> = got
+                    .narrow(0, edge, 8)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                assert_eq!(e, vec![0.0; 8], "{what}: written outside the view");
+            }
+        }
     }
 }

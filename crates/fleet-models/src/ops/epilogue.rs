@@ -90,6 +90,17 @@ fn handle_ready(dev: &candle_core::Device) -> bool {
     }
 }
 
+/// The device's cuBLASLt handle, shared by every op that runs a cuBLASLt GEMM (`None` inside a
+/// capture before it exists).
+#[cfg(feature = "cuda")]
+pub(super) fn cublaslt_handle(
+    dev: &candle_core::CudaDevice,
+) -> candle_core::Result<
+    Option<std::sync::Arc<candle_core::cuda_backend::cudarc::cublaslt::CudaBlasLT>>,
+> {
+    cuda::handle(dev)
+}
+
 /// `gelu_tanh(x · wᵀ + b)` of a linear layer with a bias (the vision MLP's first projection
 /// and its activation): one cuBLASLt GEMM as in [`linear_bias_epilogue`], else
 /// [`super::linear`] then candle's `gelu` (the tanh form).

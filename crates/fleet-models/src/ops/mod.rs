@@ -13,7 +13,8 @@
 //!   bias, and a tanh GELU, in the GEMM's cuBLASLt epilogue ([`linear_epilogue`]; replaces the
 //!   bias and activation passes).
 //! - [`rms_norm`] and [`add_rms_norm`]: RMSNorm with transformers' roundings, and a residual
-//!   add with the RMSNorm after it in one pass.
+//!   add with the RMSNorm after it in one pass; [`LayerNorm`]: the vision tower's LayerNorm,
+//!   with the residual add before it folded in (inference only).
 //! - [`qkv_rope`]: the fused q/k/v projection split into head-major q, k, v with RoPE applied
 //!   to q and k (replaces a transpose copy, per-part copies and the RoPE kernels);
 //!   [`qk_norm_rope`]: the same for Qwen3, with the per-head RMSNorm of q and k before RoPE;
@@ -22,7 +23,8 @@
 //! - [`logp_entropy`] and [`logp_grad`]: the training head's log-softmax, forward and backward.
 //! - [`sample_tokens`]: the next token of every row (transformers' sampling processors and
 //!   the draw in one kernel) and its log-probability, on the device.
-//! - [`adamw_step_`]: the optimizer's fused step.
+//! - [`adamw_step_`]: the optimizer's fused step; [`add_matmul_tn_`]: a weight gradient added
+//!   to its sum by the GEMM itself (`beta = 1`).
 //! - [`linear`]: a linear layer with the bias added in place after the GEMM, and the decode
 //!   step's few-row products that stream the weights once: [`gemv`] (up to 4 rows) and
 //!   [`skinny_gemm`] (5 to 64, on the tensor cores).
@@ -30,8 +32,9 @@
 //!   and values into their slots, and split-KV decode attention over a row's blocks (GQA, each
 //!   KV head read once per query group); inference only, capturable in a CUDA graph.
 //!
-//! Every op has a backward (candle's `bwd`), so the decoder that serves inference is also the
-//! one that trains. A result is tracked only when an input is (a `Var` or computed from one):
+//! Every op of the decoder has a backward (candle's `bwd`), so the decoder that serves
+//! inference is also the one that trains; the vision tower's (epilogues, LayerNorm) and the
+//! in-place ones (the optimizer's, the gradient sums', the KV cache's) have none. A result is tracked only when an input is (a `Var` or computed from one):
 //! at inference nothing is recorded and nothing is kept. The backward is computed in f32 with
 //! candle tensor ops and cast to the input's dtype; it differentiates the exact math (the
 //! forward's intermediate roundings to the model dtype are not differentiated, as in torch's
@@ -270,6 +273,28 @@ mod cuda_util {
         }
     }
 
+    /// The norm kernel (`<op>` or its one-pass `<op>_vec<VPT>`) and threads per block for rows of
+    /// `n` elements of `T`: the one-pass kernel when a row is whole 16-byte vectors, every
+    /// input starts on one, and a block holds the row in up to 4 vectors a thread
+    /// (`FLEET_VEC_NORM=0` keeps the first kernel, for comparison).
+    pub(super) fn norm_launch_shape<T>(op: &str, n: usize, inputs: &[&Layout]) -> (String, u32) {
+        static VEC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *VEC.get_or_init(|| std::env::var("FLEET_VEC_NORM").map_or(true, |v| v != "0"));
+        let per_vec = 16 / std::mem::size_of::<T>();
+        let aligned = n.is_multiple_of(per_vec)
+            && inputs
+                .iter()
+                .all(|l| l.start_offset().is_multiple_of(per_vec));
+        let vectors = n / per_vec;
+        match [1usize, 2, 4].into_iter().find(|v| vectors <= v * 1024) {
+            Some(vpt) if on && aligned => (
+                format!("{op}_vec{vpt}"),
+                vectors.div_ceil(vpt).next_multiple_of(32) as u32,
+            ),
+            _ => (op.to_string(), 1024.min(n.next_multiple_of(32)) as u32),
+        }
+    }
+
     pub(super) fn input<'a, T: CudaDType + DeviceRepr>(
         s: &'a CudaStorage,
         l: &Layout,
@@ -431,9 +456,11 @@ mod adamw;
 mod dropout;
 mod epilogue;
 mod gpu_delay;
+mod layer_norm;
 mod linear;
 mod logp;
 mod masked_softmax;
+mod matmul_acc;
 mod paged_attention;
 mod qkv_rope;
 mod reduce;
@@ -446,9 +473,11 @@ pub use dropout::dropout_mask;
 pub(crate) use dropout::splitmix;
 pub use epilogue::{linear_bias_epilogue, linear_epilogue, linear_gelu_tanh, Epilogue};
 pub use gpu_delay::gpu_delay;
+pub use layer_norm::LayerNorm;
 pub use linear::{gemv, linear, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS};
 pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;
+pub use matmul_acc::{add_matmul_tn_, add_matmul_tn_supported};
 pub use paged_attention::{
     paged_decode_attention, paged_decode_attention_reference, paged_decode_supported,
     paged_kv_write, PAGED_ATTENTION_MAX_GROUP, PAGED_ATTENTION_MIN_BLOCKS,

@@ -308,28 +308,6 @@ mod cuda {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rms_norm.ptx"));
     const MODULE: &str = "fleet_rms_norm";
 
-    /// The kernel (`<op>` or its one-pass `<op>_vec<VPT>`) and threads per block for rows of
-    /// `n` elements of `T`: the one-pass kernel when a row is whole 16-byte vectors, every
-    /// input starts on one, and a block holds the row in up to 4 vectors a thread
-    /// (`FLEET_VEC_NORM=0` keeps the first kernel, for comparison).
-    pub(super) fn launch_shape<T>(op: &str, n: usize, inputs: &[&Layout]) -> (String, u32) {
-        static VEC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *VEC.get_or_init(|| std::env::var("FLEET_VEC_NORM").map_or(true, |v| v != "0"));
-        let per_vec = 16 / std::mem::size_of::<T>();
-        let aligned = n.is_multiple_of(per_vec)
-            && inputs
-                .iter()
-                .all(|l| l.start_offset().is_multiple_of(per_vec));
-        let vectors = n / per_vec;
-        match [1usize, 2, 4].into_iter().find(|v| vectors <= v * 1024) {
-            Some(vpt) if on && aligned => (
-                format!("{op}_vec{vpt}"),
-                vectors.div_ceil(vpt).next_multiple_of(32) as u32,
-            ),
-            _ => (op.to_string(), 1024.min(n.next_multiple_of(32)) as u32),
-        }
-    }
-
     pub(super) fn rms_norm(
         eps: f32,
         s1: &CudaStorage,
@@ -349,7 +327,7 @@ mod cuda {
             let n = l2.dims()[0];
             let el = l1.shape().elem_count();
             let n_rows = el / n;
-            let (name, threads) = launch_shape::<T>("rms_norm", n, &[l1, l2]);
+            let (name, threads) = norm_launch_shape::<T>("rms_norm", n, &[l1, l2]);
             let func = dev.get_or_load_custom_func(
                 &format!("{name}_{}", suffix(s1.dtype())?),
                 MODULE,
@@ -410,7 +388,7 @@ mod cuda {
             let n = l3.dims()[0];
             let el = l1.shape().elem_count();
             let n_rows = el / n;
-            let (name, threads) = launch_shape::<T>("add_rms_norm", n, &[l1, l2, l3]);
+            let (name, threads) = norm_launch_shape::<T>("add_rms_norm", n, &[l1, l2, l3]);
             let func = dev.get_or_load_custom_func(
                 &format!("{name}_{}", suffix(s1.dtype())?),
                 MODULE,

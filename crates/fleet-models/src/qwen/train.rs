@@ -1213,17 +1213,26 @@ impl TrainableQwen {
                     let lm = &self.params[lm_idx].var;
                     let slice_elements = self.gradient_slice_elements.max(1);
                     let h_values = h.detach();
-                    // The projection's weight gradient `grad_logits^T h`, added to its sum in
-                    // vocabulary slices: a whole [vocab, hidden] product per chunk would be one
-                    // more tensor of the embedding's size.
+                    // The projection's weight gradient `grad_logits^T h`, added to its sum by the
+                    // GEMM where it can (same device and dtype; f32 sums on a GPU do not), else
+                    // in vocabulary slices: a whole [vocab, hidden] product per chunk would be
+                    // one more tensor of the embedding's size.
                     let (acc, _) = grads.slot(&self.params, lm_idx)?;
-                    let slice = (slice_elements / acc.dim(1)?.max(1)).max(1);
-                    for (v0, n) in chunks(acc.dim(0)?, slice) {
-                        let gl = grad_logits.narrow(1, v0, n)?.contiguous()?;
-                        let w = gl.t()?.matmul(&h_values)?.to_dtype(acc.dtype())?;
-                        let w = crate::device::transfer(&w, lm.device())?;
-                        let sum = (acc.narrow(0, v0, n)? + w)?;
-                        acc.slice_set(&sum, 0, v0)?;
+                    if crate::ops::add_matmul_tn_supported(&acc, &grad_logits, &h_values)
+                        && acc.device().same_device(grad_logits.device())
+                        && acc.dtype() == grad_logits.dtype()
+                    {
+                        // The GEMM adds the product to the sum itself (`beta = 1`).
+                        crate::ops::add_matmul_tn_(&acc, &grad_logits, &h_values)?;
+                    } else {
+                        let slice = (slice_elements / acc.dim(1)?.max(1)).max(1);
+                        for (v0, n) in chunks(acc.dim(0)?, slice) {
+                            let gl = grad_logits.narrow(1, v0, n)?.contiguous()?;
+                            let w = gl.t()?.matmul(&h_values)?.to_dtype(acc.dtype())?;
+                            let w = crate::device::transfer(&w, lm.device())?;
+                            let sum = (acc.narrow(0, v0, n)? + w)?;
+                            acc.slice_set(&sum, 0, v0)?;
+                        }
                     }
                 }
                 let surrogate = crate::ops::gradient_seed(&h, &grad_h.to_dtype(h.dtype())?)?;

@@ -24,31 +24,16 @@ fn load_linear(ld: &Loader<'_>, name: &str, in_dim: usize, out_dim: usize) -> Re
     Ok(Linear::new(w, b))
 }
 
-/// LayerNorm with bias, eps 1e-6 (statistics in f32).
-struct LayerNorm {
-    weight: Tensor,
-    bias: Tensor,
-}
-
+/// LayerNorm with bias, eps 1e-6 (statistics in f32; [`ops::LayerNorm`]).
 const LN_EPS: f32 = 1e-6;
 
-impl LayerNorm {
-    /// `{name}.weight` and `{name}.bias`, `[dim]` each.
-    fn load(ld: &Loader<'_>, name: &str, dim: usize) -> Result<Self> {
-        Ok(LayerNorm {
-            weight: ld.tensor(&format!("{name}.weight"), &[dim], Init::Ones)?,
-            bias: ld.tensor(&format!("{name}.bias"), &[dim], Init::Zeros)?,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::layer_norm(
-            &x.contiguous()?,
-            &self.weight,
-            &self.bias,
-            LN_EPS,
-        )?)
-    }
+/// `{name}.weight` and `{name}.bias`, `[dim]` each.
+fn load_layer_norm(ld: &Loader<'_>, name: &str, dim: usize) -> Result<ops::LayerNorm> {
+    ops::LayerNorm::new(
+        &ld.tensor(&format!("{name}.weight"), &[dim], Init::Ones)?,
+        &ld.tensor(&format!("{name}.bias"), &[dim], Init::Zeros)?,
+        LN_EPS,
+    )
 }
 
 /// The activation of the block MLPs.
@@ -68,8 +53,8 @@ impl Act {
 }
 
 struct Block {
-    norm1: LayerNorm,
-    norm2: LayerNorm,
+    norm1: ops::LayerNorm,
+    norm2: ops::LayerNorm,
     qkv: Linear,
     proj: Linear,
     fc1: Linear,
@@ -79,7 +64,7 @@ struct Block {
 /// LayerNorm -> 2x2 shuffle -> fc -> exact GELU -> fc. `post_shuffle` puts the LayerNorm
 /// after the shuffle (the deepstack mergers).
 struct Merger {
-    norm: LayerNorm,
+    norm: ops::LayerNorm,
     fc1: Linear,
     fc2: Linear,
     post_shuffle: bool,
@@ -168,8 +153,8 @@ impl VisionEncoder {
         for i in 0..cfg.depth {
             let b = format!("{p}.blocks.{i}");
             blocks.push(Block {
-                norm1: LayerNorm::load(&ld, &format!("{b}.norm1"), h)?,
-                norm2: LayerNorm::load(&ld, &format!("{b}.norm2"), h)?,
+                norm1: load_layer_norm(&ld, &format!("{b}.norm1"), h)?,
+                norm2: load_layer_norm(&ld, &format!("{b}.norm2"), h)?,
                 qkv: load_linear(&ld, &format!("{b}.attn.qkv"), h, 3 * h)?,
                 proj: load_linear(&ld, &format!("{b}.attn.proj"), h, h)?,
                 fc1: load_linear(
@@ -190,7 +175,7 @@ impl VisionEncoder {
         let wide = h * unit;
         let merger = |name: &str, post_shuffle: bool| -> Result<Merger> {
             Ok(Merger {
-                norm: LayerNorm::load(
+                norm: load_layer_norm(
                     &ld,
                     &format!("{name}.norm"),
                     if post_shuffle { wide } else { h },
@@ -268,12 +253,26 @@ impl VisionEncoder {
         })?;
         let rope = self.rotary(grids)?;
         let mut x = x;
+        // The last block's MLP output, not yet added to `x`: the next block's first norm adds
+        // it in the same pass.
+        let mut pending: Option<Tensor> = None;
         let mut deepstack = Vec::with_capacity(self.deepstack.len());
         for (i, block) in self.blocks.iter().enumerate() {
-            x = self.block(block, &x, grids, &rope)?;
-            for (_, merger) in self.deepstack.iter().filter(|(at, _)| *at == i) {
-                deepstack.push(profile::time(dev, "vision.merger", || merger.forward(&x))?);
+            let (after_attn, mlp) = self.block(block, &x, pending.as_ref(), grids, &rope)?;
+            x = after_attn;
+            pending = Some(mlp);
+            let mut mergers = self.deepstack.iter().filter(|(at, _)| *at == i).peekable();
+            if mergers.peek().is_some() {
+                if let Some(mlp) = pending.take() {
+                    x = (x + mlp)?;
+                }
+                for (_, merger) in mergers {
+                    deepstack.push(profile::time(dev, "vision.merger", || merger.forward(&x))?);
+                }
             }
+        }
+        if let Some(mlp) = pending {
+            x = (x + mlp)?;
         }
         let features = profile::time(dev, "vision.merger", || self.merger.forward(&x))?;
         Ok(VisionOutput {
@@ -361,22 +360,28 @@ impl VisionEncoder {
         })
     }
 
+    /// One block on `x + pending` (the previous block's MLP output, when not yet added):
+    /// returns the residual stream after the attention and the MLP's output, which the caller
+    /// (or the next block's first norm) adds. Each residual add runs in the norm after it.
     fn block(
         &self,
         block: &Block,
         x: &Tensor,
+        pending: Option<&Tensor>,
         grids: &[[usize; 3]],
         rope: &VisionRope,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let dev = x.device();
-        let h = profile::time(dev, "vision.norm", || block.norm1.forward(x))?;
+        let (x, h) = profile::time(dev, "vision.norm", || match pending {
+            Some(mlp) => block.norm1.forward_add(x, mlp),
+            None => Ok((x.clone(), block.norm1.forward(x)?)),
+        })?;
         let attn = self.attention(block, &h, grids, rope)?;
         let attn = profile::time(dev, "vision.proj", || {
             ops::linear_bias_epilogue(&block.proj, &attn)
         })?;
-        let x = (x + attn)?;
+        let (x, h) = block.norm2.forward_add(&x, &attn)?;
         let mlp = profile::time(dev, "vision.mlp", || {
-            let h = block.norm2.forward(&x)?;
             let act = match self.act {
                 // The tanh GELU rides in the first projection's epilogue.
                 Act::GeluTanh => ops::linear_gelu_tanh(&block.fc1, &h)?,
@@ -386,7 +391,7 @@ impl VisionEncoder {
             };
             ops::linear_bias_epilogue(&block.fc2, &act)
         })?;
-        Ok((x + mlp)?)
+        Ok((x, mlp))
     }
 
     /// Full (non-causal) attention within each image (each frame of `t` is its own segment).
