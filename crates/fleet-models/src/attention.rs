@@ -280,19 +280,126 @@ pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Mask) ->
     Ok(out.transpose(1, 2)?.contiguous()?)
 }
 
-// Read by the CUDA launch only.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct FlashAttention {
     scale: f32,
     causal: bool,
     key_start: Option<Tensor>,
 }
 
-crate::ops::cuda_only_op!(
-    CustomOp3 for FlashAttention,
-    "fleet-flash-attention",
-    |op, s1, l1, s2, l2, s3, l3| cuda::flash_attention(op, s1, l1, s2, l2, s3, l3)
-);
+impl CustomOp3 for FlashAttention {
+    fn name(&self) -> &'static str {
+        "fleet-flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("fleet-flash-attention runs on CUDA only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::flash_attention(self, s1, l1, s2, l2, s3, l3)
+    }
+
+    /// [`flash_backward`]: the training passes run the kernel's forward (no score buffer, no
+    /// transposes) and this backward.
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let mask = Mask {
+            causal: self.causal,
+            key_start: self.key_start.clone(),
+        };
+        let (dq, dk, dv) = flash_backward(q, k, v, grad, self.scale, &mask)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// The gradients of `softmax(q kᵀ · scale + mask) v` ([`flash_attention`]'s function) for
+/// token-major `q` `[b, q_len, heads, d]`, `k`, `v` `[b, kv_len, kv_heads, d]` and the output's
+/// gradient `g` (`q`'s shape): the probabilities recomputed as the unfused path computes them
+/// (the query heads of a KV head stacked along the rows, [`crate::ops::masked_softmax`]), then
+/// the products that candle's autograd of that path makes — `dv = pᵀ g`, `dp = g vᵀ`,
+/// `ds = softmax'(p, dp) · scale`, `dq = ds k`, `dk = dsᵀ q` — in the inputs' dtype.
+/// Returns token-major `(dq, dk, dv)`. Any device (tests run it on the CPU in f32).
+pub fn flash_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    scale: f32,
+    mask: &Mask,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let head_major =
+        |t: &Tensor| -> Result<Tensor> { Ok(t.detach().transpose(1, 2)?.contiguous()?) };
+    let (qh, kh, vh, gh) = (
+        head_major(q)?,
+        head_major(k)?,
+        head_major(v)?,
+        head_major(g)?,
+    );
+    let (b, h, q_len, d) = qh.dims4()?;
+    let (_, kvh, kv_len, _) = kh.dims4()?;
+    if kvh == 0 || h % kvh != 0 || kv_len < q_len || gh.dims() != qh.dims() {
+        return Err(ModelError::BadInput(format!(
+            "flash_backward: q {:?}, k {:?}, grad {:?} do not fit together",
+            q.dims(),
+            k.dims(),
+            g.dims()
+        )));
+    }
+    let rows = h / kvh * q_len;
+    let qs = qh.reshape((b, kvh, rows, d))?;
+    let gs = gh.reshape((b, kvh, rows, d))?;
+    let scores = qs.matmul(&kh.t()?)?; // [b, kvh, rows, kv_len]
+    let scores = if scale == 1.0 {
+        scores
+    } else {
+        (scores * f64::from(scale))?
+    };
+    let pad = match &mask.key_start {
+        Some(p) => p.clone(),
+        None => Tensor::zeros(b, DType::U32, q.device())?,
+    };
+    let offset = if mask.causal { kv_len - q_len } else { kv_len };
+    let p = crate::ops::masked_softmax(&scores, &pad, kvh * rows, q_len, offset)?;
+    let dv = p.t()?.matmul(&gs)?; // [b, kvh, kv_len, d]
+    let dp = gs.matmul(&vh.t()?)?;
+    let ds = crate::ops::masked_softmax_backward(&p, &dp)?.to_dtype(p.dtype())?;
+    let ds = if scale == 1.0 {
+        ds
+    } else {
+        (ds * f64::from(scale))?
+    };
+    let dq = ds.matmul(&kh)?.reshape((b, h, q_len, d))?;
+    let dk = ds.t()?.matmul(&qs)?;
+    Ok((
+        dq.transpose(1, 2)?,
+        dk.transpose(1, 2)?,
+        dv.transpose(1, 2)?,
+    ))
+}
 
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -509,6 +616,52 @@ mod reference_tests {
                 diff < 1e-5,
                 "reference differs from attention by hand by {diff}"
             );
+        }
+    }
+
+    /// The flash kernel's backward (probabilities recomputed, the products by hand) is the
+    /// gradient candle's autograd takes through the unfused path: grouped heads, a causal mask
+    /// over a longer key range, a left-padded row, a scale.
+    #[test]
+    fn flash_backward_is_the_gradient_of_the_unfused_path() {
+        use candle_core::Var;
+        let dev = Device::Cpu;
+        let (b, lq, lk, h, kvh, d) = (2, 5, 7, 4, 2, 8);
+        let q = Var::randn(0f32, 1.0, (b, lq, h, d), &dev).unwrap();
+        let k = Var::randn(0f32, 1.0, (b, lk, kvh, d), &dev).unwrap();
+        let v = Var::randn(0f32, 1.0, (b, lk, kvh, d), &dev).unwrap();
+        let g = Tensor::randn(0f32, 1.0, (b, lq, h, d), &dev).unwrap();
+        let mask = Mask {
+            causal: true,
+            key_start: Some(Tensor::new(&[0u32, 3], &dev).unwrap()),
+        };
+        let head_major = |t: &Var| t.as_tensor().transpose(1, 2).unwrap();
+        let out = attend(
+            &head_major(&q),
+            &head_major(&k),
+            &head_major(&v),
+            0.3,
+            &mask,
+            false,
+            None,
+        )
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap();
+        let grads = (out * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let (dq, dk, dv) = flash_backward(&q, &k, &v, &g, 0.3, &mask).unwrap();
+        for (what, got, var) in [("q", dq, &q), ("k", dk, &k), ("v", dv, &v)] {
+            let want = grads.get(var.as_tensor()).unwrap();
+            assert_eq!(got.dims(), want.dims(), "d{what}");
+            let diff = (got - want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(diff < 1e-5, "d{what} differs from autograd by {diff}");
         }
     }
 

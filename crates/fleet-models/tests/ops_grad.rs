@@ -1374,6 +1374,28 @@ fn cuda_add_matmul_tn_matches_its_twin() {
             ops::add_matmul_tn_(&view(&gpu_buf), &on(&a), &on(&b)).unwrap();
             let got = gpu_buf.to_device(&Device::Cpu).unwrap();
             let what = format!("add_matmul_tn_ {k}x{m}x{n}");
+            // For the record: how many equal the sum rounded once (the product not rounded).
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let once = (f(&start).reshape((m, n)).unwrap()
+                + f(&a).t().unwrap().matmul(&f(&b)).unwrap())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+            let same = (f(&view(&got)) - f(&once))
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .filter(|d| **d == 0.0)
+                .count();
+            eprintln!(
+                "{what} {dtype:?}: {same}/{} equal to the sum rounded once",
+                m * n
+            );
             assert_rounding_matches(&what, &view(&got), &view(&cpu_buf));
             for edge in [0, 8 + m * n] {
                 let e: Vec<f32> = got
@@ -1385,6 +1407,79 @@ fn cuda_add_matmul_tn_matches_its_twin() {
                     .unwrap();
                 assert_eq!(e, vec![0.0; 8], "{what}: written outside the view");
             }
+        }
+    }
+}
+
+/// The training passes' attention on the GPU: the flash kernel's forward with its backward
+/// (`attention::flash_backward`) against candle's autograd through the unfused path, in bf16,
+/// at the 1.5B's heads (12 of 128, 2 KV heads) and the 0.5B's (14 of 64), causal, one row
+/// left-padded. The outputs differ by the kernels' roundings; the gradients recompute the same
+/// probabilities with the same kernels.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_flash_attention_backward_matches_the_unfused_autograd() {
+    use fleet_models::attention;
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!(
+                "cuda_flash_attention_backward_matches_the_unfused_autograd: no CUDA device ({e})"
+            );
+            return;
+        }
+    };
+    let mut rng = Rng(91);
+    for (h, kvh, d) in [(12, 2, 128), (14, 2, 64)] {
+        let (b, l) = (2, 80);
+        let scale = (d as f32).powf(-0.5);
+        let on = |t: Tensor| t.to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
+        let q = on(rng.tensor(&[b, h, l, d], 0.0, scale));
+        let k = on(rng.tensor(&[b, kvh, l, d], 0.0, 1.0));
+        let v = on(rng.tensor(&[b, kvh, l, d], 0.0, 1.0));
+        let g = rng.tensor(&[b, h, l, d], 0.0, 1.0).to_device(&gpu).unwrap();
+        let mask = attention::Mask {
+            causal: true,
+            key_start: Some(Tensor::new(&[0u32, 5], &gpu).unwrap()),
+        };
+        let run = |fused: bool| {
+            let (qv, kv, vv) = (
+                Var::from_tensor(&q).unwrap(),
+                Var::from_tensor(&k).unwrap(),
+                Var::from_tensor(&v).unwrap(),
+            );
+            let out = attention::attend(
+                qv.as_tensor(),
+                kv.as_tensor(),
+                vv.as_tensor(),
+                1.0,
+                &mask,
+                fused,
+                None,
+            )
+            .unwrap();
+            let loss = (out.to_dtype(DType::F32).unwrap() * &g)
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let grads = loss.backward().unwrap();
+            let grad = |v: &Var| grads.get(v.as_tensor()).unwrap().clone();
+            [out, grad(&qv), grad(&kv), grad(&vv)]
+        };
+        assert!(attention::supported(&q.transpose(1, 2).unwrap()));
+        let (flash, unfused) = (run(true), run(false));
+        for (what, a, w) in [
+            ("out", &flash[0], &unfused[0]),
+            ("dq", &flash[1], &unfused[1]),
+            ("dk", &flash[2], &unfused[2]),
+            ("dv", &flash[3], &unfused[3]),
+        ] {
+            let (diff, scale) = (max_diff(a, w), max_abs(w).max(1e-3));
+            eprintln!("flash backward h{h} d{d} {what}: {diff:.2e} of {scale:.2e}");
+            assert!(
+                diff <= 2e-2 * scale,
+                "h{h} d{d} {what}: {diff} (scale {scale})"
+            );
         }
     }
 }

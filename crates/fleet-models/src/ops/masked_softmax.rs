@@ -120,18 +120,26 @@ impl CustomOp2 for MaskedSoftmax {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         bwd_timed(grad.device(), "bwd.masked_softmax", || {
-            if grad.device().is_cuda() {
-                let (y, g) = (res.detach().contiguous()?, grad.detach().contiguous()?);
-                let dx = y.apply_op2_no_bwd(&g, &MaskedSoftmaxBwd)?;
-                return Ok((Some(dx.to_dtype(scores.dtype())?), None));
-            }
-            let y = res.to_dtype(DType::F32)?;
-            let g = grad.to_dtype(DType::F32)?;
-            let dot = (&g * &y)?.sum_keepdim(D::Minus1)?;
-            let dx = (y * g.broadcast_sub(&dot)?)?;
-            Ok((Some(dx.to_dtype(scores.dtype())?), None))
+            Ok((
+                Some(masked_softmax_backward(res, grad)?.to_dtype(scores.dtype())?),
+                None,
+            ))
         })
     }
+}
+
+/// The gradient of the scores of a [`masked_softmax`] from its output `y` and the output's
+/// gradient `g`: `y * (g - sum(g * y))` over each row (masked keys have `y = 0`, so gradient 0).
+/// One kernel on CUDA (in `y`'s dtype), the composed f32 math on the CPU (in f32).
+pub(crate) fn masked_softmax_backward(y: &Tensor, g: &Tensor) -> candle_core::Result<Tensor> {
+    if g.device().is_cuda() {
+        let (y, g) = (y.detach().contiguous()?, g.detach().contiguous()?);
+        return y.apply_op2_no_bwd(&g, &MaskedSoftmaxBwd);
+    }
+    let y = y.to_dtype(DType::F32)?;
+    let g = g.to_dtype(DType::F32)?;
+    let dot = (&g * &y)?.sum_keepdim(D::Minus1)?;
+    y * g.broadcast_sub(&dot)?
 }
 
 /// The fused backward as a forward-only op on CUDA tensors (the CPU keeps the composed backward).

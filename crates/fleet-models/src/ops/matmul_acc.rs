@@ -8,7 +8,8 @@ use super::*;
 use crate::error::{ModelError, Result};
 
 /// `acc[m, n] += aᵀ · b` for `a` `[k, m]` and `b` `[k, n]` (contiguous, the dtype of `acc`),
-/// in place: products summed in f32 and added to `acc` with one rounding to its dtype. On
+/// in place: products summed in f32, the product rounded to the dtype and added to `acc` with
+/// a second rounding, as torch accumulates a gradient (`grad += aᵀ b`, both in bf16). On
 /// CUDA (f16, bf16) one cuBLASLt GEMM reading `acc` as its `C` (`beta = 1`); on the CPU the
 /// twin. `acc` must be contiguous (a view into a larger buffer is fine). No gradient.
 ///
@@ -58,7 +59,8 @@ pub fn add_matmul_tn_supported(acc: &Tensor, a: &Tensor, b: &Tensor) -> bool {
 
 struct AddMatmulTn;
 
-/// The twin: `acc[i][j] = T(acc[i][j] + Σ_r a[r][i] · b[r][j])`, the sum in f32 in `r` order.
+/// The twin: `acc[i][j] = T(acc[i][j] + T(Σ_r a[r][i] · b[r][j]))`, the sum in f32 in `r`
+/// order.
 fn add_matmul_tn_cpu<T: Float>(acc: &mut [T], a: &[T], b: &[T], (k, m, n): (usize, usize, usize)) {
     let mut row = vec![0f32; n];
     for i in 0..m {
@@ -70,7 +72,7 @@ fn add_matmul_tn_cpu<T: Float>(acc: &mut [T], a: &[T], b: &[T], (k, m, n): (usiz
             }
         }
         for (c, v) in acc[i * n..(i + 1) * n].iter_mut().zip(&row) {
-            *c = T::from_f32(c.to_f32() + v);
+            *c = T::from_f32(c.to_f32() + T::round(*v));
         }
     }
 }

@@ -218,7 +218,6 @@ macro_rules! cuda_only_op {
     };
 }
 
-pub(crate) use cuda_only_op;
 /// The gradient for `arg` when it is tracked (a `Var` or computed from one); none otherwise,
 /// as a constant input (a zero bias, a frozen weight) needs none.
 fn wanted(
@@ -477,6 +476,7 @@ pub use layer_norm::LayerNorm;
 pub use linear::{gemv, linear, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS};
 pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;
+pub(crate) use masked_softmax::masked_softmax_backward;
 pub use matmul_acc::{add_matmul_tn_, add_matmul_tn_supported};
 pub use paged_attention::{
     paged_decode_attention, paged_decode_attention_reference, paged_decode_supported,
