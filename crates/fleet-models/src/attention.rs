@@ -111,38 +111,17 @@ pub fn attend(
     fused: bool,
     max_scores_bytes: Option<usize>,
 ) -> Result<Tensor> {
-    if fused && supported(&q.transpose(1, 2)?) {
-        return Ok(flash_head_major(q, k, v, scale as f32, mask)?.transpose(1, 2)?);
+    let token_major = |t: &Tensor| t.transpose(1, 2);
+    if fused && supported(&token_major(q)?) {
+        let out = flash_attention(
+            &token_major(q)?,
+            &token_major(k)?,
+            &token_major(v)?,
+            scale as f32,
+            mask,
+        )?;
+        return Ok(out.transpose(1, 2)?);
     }
-    attend_unfused(q, k, v, scale, mask, max_scores_bytes)
-}
-
-/// [`attend`] giving the output token-major, `[b, q_len, heads, d]`, which the flash kernel
-/// writes as it is: a tracked pass then records no transposes, whose gradients the backward
-/// would copy (the decoder's attention; its next step merges the heads).
-pub fn attend_token_major(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f64,
-    mask: &Mask,
-    fused: bool,
-) -> Result<Tensor> {
-    if fused && supported(&q.transpose(1, 2)?) {
-        return flash_head_major(q, k, v, scale as f32, mask);
-    }
-    Ok(attend_unfused(q, k, v, scale, mask, None)?.transpose(1, 2)?)
-}
-
-/// The unfused path of [`attend`].
-fn attend_unfused(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f64,
-    mask: &Mask,
-    max_scores_bytes: Option<usize>,
-) -> Result<Tensor> {
     let (b, h, q_len, d) = q.dims4()?;
     let (_, kvh, kv_len, _) = k.dims4()?;
     if kvh == 0 || h % kvh != 0 || kv_len < q_len {
@@ -221,28 +200,14 @@ pub fn flash_attention(
     scale: f32,
     mask: &Mask,
 ) -> Result<Tensor> {
-    let head_major = |t: &Tensor| t.transpose(1, 2);
-    flash_head_major(
-        &head_major(q)?,
-        &head_major(k)?,
-        &head_major(v)?,
-        scale,
-        mask,
-    )
-}
-
-/// [`flash_attention`] of head-major `q` `[b, heads, q_len, d]`, `k`, `v`
-/// `[b, kv_heads, kv_len, d]` (any strides: the kernel reads each through its own), giving the
-/// kernel's token-major `[b, q_len, heads, d]`.
-fn flash_head_major(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Mask) -> Result<Tensor> {
-    let (b, h, _, d) = q.dims4()?;
-    let (kb, kvh, kv_len, kd) = k.dims4()?;
-    if v.dims4()? != (kb, kvh, kv_len, kd) || kb != b || kd != d || kvh == 0 || h % kvh != 0 {
+    let (b, _, h, d) = q.dims4()?;
+    let (kb, kv_len, kvh, kd) = k.dims4()?;
+    if v.dims4()? != (kb, kv_len, kvh, kd) || kb != b || kd != d || kvh == 0 || h % kvh != 0 {
         return Err(ModelError::BadInput(format!(
-            "flash_attention: q {:?}, k {:?}, v {:?} (token-major) do not fit together",
-            q.transpose(1, 2)?.dims(),
-            k.transpose(1, 2)?.dims(),
-            v.transpose(1, 2)?.dims()
+            "flash_attention: q {:?}, k {:?}, v {:?} do not fit together",
+            q.dims(),
+            k.dims(),
+            v.dims()
         )));
     }
     let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(FlashAttention {
@@ -372,13 +337,12 @@ impl CustomOp3 for FlashAttention {
 }
 
 /// The gradients of `softmax(q kᵀ · scale + mask) v` ([`flash_attention`]'s function) for
-/// head-major `q` `[b, heads, q_len, d]`, `k`, `v` `[b, kv_heads, kv_len, d]` and the
-/// token-major output's gradient `g` `[b, q_len, heads, d]`: the probabilities recomputed as
-/// the unfused path computes them (the query heads of a KV head stacked along the rows,
-/// [`crate::ops::masked_softmax`]), then the products that candle's autograd of that path
-/// makes — `dv = pᵀ g`, `dp = g vᵀ`, `ds = softmax'(p, dp) · scale`, `dq = ds k`, `dk = dsᵀ q`
-/// — in the inputs' dtype. Returns head-major `(dq, dk, dv)`. Any device (tests run it on the
-/// CPU in f32).
+/// token-major `q` `[b, q_len, heads, d]`, `k`, `v` `[b, kv_len, kv_heads, d]` and the output's
+/// gradient `g` (`q`'s shape): the probabilities recomputed as the unfused path computes them
+/// (the query heads of a KV head stacked along the rows, [`crate::ops::masked_softmax`]), then
+/// the products that candle's autograd of that path makes — `dv = pᵀ g`, `dp = g vᵀ`,
+/// `ds = softmax'(p, dp) · scale`, `dq = ds k`, `dk = dsᵀ q` — in the inputs' dtype.
+/// Returns token-major `(dq, dk, dv)`. Any device (tests run it on the CPU in f32).
 pub fn flash_backward(
     q: &Tensor,
     k: &Tensor,
@@ -387,9 +351,14 @@ pub fn flash_backward(
     scale: f32,
     mask: &Mask,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let packed = |t: &Tensor| -> Result<Tensor> { Ok(t.detach().contiguous()?) };
-    let (qh, kh, vh) = (packed(q)?, packed(k)?, packed(v)?);
-    let gh = g.detach().transpose(1, 2)?.contiguous()?;
+    let head_major =
+        |t: &Tensor| -> Result<Tensor> { Ok(t.detach().transpose(1, 2)?.contiguous()?) };
+    let (qh, kh, vh, gh) = (
+        head_major(q)?,
+        head_major(k)?,
+        head_major(v)?,
+        head_major(g)?,
+    );
     let (b, h, q_len, d) = qh.dims4()?;
     let (_, kvh, kv_len, _) = kh.dims4()?;
     if kvh == 0 || h % kvh != 0 || kv_len < q_len || gh.dims() != qh.dims() {
@@ -425,7 +394,11 @@ pub fn flash_backward(
     };
     let dq = ds.matmul(&kh)?.reshape((b, h, q_len, d))?;
     let dk = ds.t()?.matmul(&qs)?;
-    Ok((dq, dk, dv))
+    Ok((
+        dq.transpose(1, 2)?,
+        dk.transpose(1, 2)?,
+        dv.transpose(1, 2)?,
+    ))
 }
 
 #[cfg(feature = "cuda")]
@@ -453,11 +426,10 @@ mod cuda {
             && *ON.get_or_init(|| std::env::var("FLEET_FLASH_R2").map_or(true, |v| v != "0"))
     }
 
-    /// Element strides over (batch, position, head) of a head-major `[b, heads, len, d]`
-    /// layout (the kernel's order).
+    /// Element strides over (batch, position, head) of a `[b, len, heads, d]` layout.
     fn strides(l: &Layout) -> [i64; 3] {
         let s = l.stride();
-        [s[0] as i64, s[2] as i64, s[1] as i64]
+        [s[0] as i64, s[1] as i64, s[2] as i64]
     }
 
     pub(super) fn flash_attention(
@@ -476,8 +448,8 @@ mod cuda {
             (s3, l3): (&CudaStorage, &Layout),
         ) -> candle_core::Result<CudaStorage> {
             let dev = s1.device().clone();
-            let (b, h, q_len, d) = l1.shape().dims4()?;
-            let (_, kvh, kv_len, _) = l2.shape().dims4()?;
+            let (b, q_len, h, d) = l1.shape().dims4()?;
+            let (_, kv_len, kvh, _) = l2.shape().dims4()?;
             let q = s1.as_cuda_slice::<T>()?.slice(l1.start_offset()..);
             let k = s2.as_cuda_slice::<T>()?.slice(l2.start_offset()..);
             let v = s3.as_cuda_slice::<T>()?.slice(l3.start_offset()..);
@@ -547,8 +519,7 @@ mod cuda {
             DType::F16 => run::<f16>(op, (s1, l1), (s2, l2), (s3, l3))?,
             other => candle_core::bail!("flash_attention runs in bf16 or f16, not {other:?}"),
         };
-        let (b, h, q_len, d) = l1.shape().dims4()?;
-        Ok((out, Shape::from((b, q_len, h, d))))
+        Ok((out, l1.shape().clone()))
     }
 }
 
@@ -678,17 +649,8 @@ mod reference_tests {
         .transpose(1, 2)
         .unwrap();
         let grads = (out * &g).unwrap().sum_all().unwrap().backward().unwrap();
-        let (dq, dk, dv) = flash_backward(
-            &head_major(&q),
-            &head_major(&k),
-            &head_major(&v),
-            &g,
-            0.3,
-            &mask,
-        )
-        .unwrap();
+        let (dq, dk, dv) = flash_backward(&q, &k, &v, &g, 0.3, &mask).unwrap();
         for (what, got, var) in [("q", dq, &q), ("k", dk, &k), ("v", dv, &v)] {
-            let got = got.transpose(1, 2).unwrap();
             let want = grads.get(var.as_tensor()).unwrap();
             assert_eq!(got.dims(), want.dims(), "d{what}");
             let diff = (got - want)

@@ -430,8 +430,8 @@ fn causal_attention(
         causal: true,
         key_start: Some(pad.clone()),
     };
-    let out = attention::attend_token_major(q, k, v, 1.0, &mask, fused)?;
-    Ok(out.reshape((b, q_len, h * d))?)
+    let out = attention::attend(q, k, v, 1.0, &mask, fused, None)?;
+    Ok(out.transpose(1, 2)?.reshape((b, q_len, h * d))?)
 }
 
 impl Attention {
