@@ -18,6 +18,17 @@ use crate::error::{ModelError, Result};
 /// Largest head dimension the kernel takes.
 pub const MAX_HEAD_DIM: usize = 128;
 
+/// Whether the training passes (tracked or not) run [`flash_attention`] with its backward
+/// ([`flash_backward`]) instead of the unfused path: `FLEET_TRAIN_FLASH=1`, off by default. On
+/// one H200 it made a 1.5B GSPO micro-step no faster: the forward's batched GEMMs and softmax
+/// go, but the backward recomputes them and copies the gradients of the transposes around the
+/// kernel (docs/benchmarks.md). Either way the old log-probs and the update take the same path.
+pub fn flash_in_training() -> bool {
+    TRAIN_FLASH.on()
+}
+
+static TRAIN_FLASH: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_TRAIN_FLASH", false);
+
 /// The mask of one attention call.
 #[derive(Debug, Clone, Default)]
 pub struct Mask {

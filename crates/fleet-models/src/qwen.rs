@@ -398,14 +398,17 @@ impl Attention {
         let (k, v) = kv_out.expect("without a paged write, heads returns k and v");
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
 
-        // Prefills of many queries on a GPU: the fused kernel (no score buffer), the training
-        // passes' included, tracked or not (its backward recomputes the probabilities:
-        // `attention::flash_backward`), so GSPO's old log-probs (no gradient) equal the first
-        // update's (tracked) to the bit and the ratio is 1. Decode steps keep the unfused
-        // path, which reads each grouped key/value head once for all the query heads that
-        // share it. The 1/sqrt(d) scale is already folded into the queries (see
+        // Prefills of many queries on a GPU: the fused kernel (no score buffer). The training
+        // module's passes (a passthrough cache), with or without gradients, keep the unfused
+        // path unless `attention::flash_in_training` (then all of them take the kernel and its
+        // backward): GSPO's old log-probs (no gradient) must equal the first update's
+        // (tracked) to the bit, or the ratio is not 1. Decode steps keep the unfused path,
+        // which reads each grouped key/value head once for all the query heads that share
+        // it. The 1/sqrt(d) scale is already folded into the queries (see
         // `DecoderLayer::load`).
-        let fused = q_len >= FLASH_MIN_QUERIES;
+        let fused = q_len >= FLASH_MIN_QUERIES
+            && (attention::flash_in_training()
+                || !(cache.is_passthrough() || q.track_op() || k.track_op() || v.track_op()));
         let out = profile::time(dev, "attn.core", || {
             causal_attention(&q, &k, &v, pad, fused)
         })?;
