@@ -44,7 +44,8 @@ pub fn add_matmul_tn_(acc: &Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
 /// copy of a strided operand starts at 0).
 pub fn add_matmul_tn_supported(acc: &Tensor, a: &Tensor, b: &Tensor) -> bool {
     let aligned = |t: &Tensor| {
-        !t.is_contiguous() || (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0
+        !t.is_contiguous()
+            || (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
     };
     match acc.device() {
         candle_core::Device::Cpu => true,
