@@ -18,11 +18,13 @@ use crate::error::{ModelError, Result};
 /// Largest head dimension the kernel takes.
 pub const MAX_HEAD_DIM: usize = 128;
 
-/// Whether the training passes (tracked or not) run [`flash_attention`] with its backward
+/// Whether the training passes (tracked or not) run the flash kernel with its backward
 /// ([`flash_backward`]) instead of the unfused path: `FLEET_TRAIN_FLASH=1`, off by default. On
-/// one H200 it made a 1.5B GSPO micro-step no faster: the forward's batched GEMMs and softmax
-/// go, but the backward recomputes them and copies the gradients of the transposes around the
-/// kernel (docs/benchmarks.md). Either way the old log-probs and the update take the same path.
+/// one H200 its first version made a 1.5B GSPO micro-step no faster: the forward's batched
+/// GEMMs and softmax went, but the backward recomputes them and copied the gradients of the
+/// transposes around the kernel (docs/benchmarks.md). The passes now enter through
+/// [`attend_token_major`], which records no transposes: not yet run on a GPU. Either way the
+/// old log-probs and the update take the same path.
 pub fn flash_in_training() -> bool {
     TRAIN_FLASH.on()
 }
@@ -225,9 +227,46 @@ pub fn flash_attention(
         scale,
         causal: mask.causal,
         key_start: mask.key_start.clone(),
+        head_major: false,
     }));
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     Ok(q.apply_op3_arc(&k, &v, op)?)
+}
+
+/// [`attend`] giving the output token-major, `[b, q_len, heads, d]`, for head-major inputs as
+/// [`attend`] takes them. The kernel (where it runs and `fused` allows it) reads them through
+/// their strides and writes this layout itself, so a tracked pass records no transposes, whose
+/// gradients the patched backward would store as copies; the training passes take it with
+/// `FLEET_TRAIN_FLASH=1` ([`flash_in_training`]). Unfused: [`attend`]'s output transposed.
+pub fn attend_token_major(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: &Mask,
+    fused: bool,
+) -> Result<Tensor> {
+    if fused && supported(&q.transpose(1, 2)?) {
+        let (b, h, _, d) = q.dims4()?;
+        let (kb, kvh, kv_len, kd) = k.dims4()?;
+        if v.dims4()? != (kb, kvh, kv_len, kd) || kb != b || kd != d || kvh == 0 || h % kvh != 0 {
+            return Err(ModelError::BadInput(format!(
+                "attend_token_major: q {:?}, k {:?}, v {:?} do not fit together",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            )));
+        }
+        let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(FlashAttention {
+            scale: scale as f32,
+            causal: mask.causal,
+            key_start: mask.key_start.clone(),
+            head_major: true,
+        }));
+        let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+        return Ok(q.apply_op3_arc(&k, &v, op)?);
+    }
+    Ok(attend(q, k, v, scale, mask, false, None)?.transpose(1, 2)?)
 }
 
 /// `t` as it is when its head dimension is contiguous and every stride and its offset are
@@ -295,6 +334,9 @@ struct FlashAttention {
     scale: f32,
     causal: bool,
     key_start: Option<Tensor>,
+    /// The inputs are head-major (`[b, heads, len, d]`, read through their strides) instead of
+    /// token-major; the output is token-major either way.
+    head_major: bool,
 }
 
 impl CustomOp3 for FlashAttention {
@@ -341,8 +383,16 @@ impl CustomOp3 for FlashAttention {
             causal: self.causal,
             key_start: self.key_start.clone(),
         };
-        let (dq, dk, dv) = flash_backward(q, k, v, grad, self.scale, &mask)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let err = |e: ModelError| candle_core::Error::Msg(e.to_string());
+        let t = |x: &Tensor| x.transpose(1, 2);
+        let (dq, dk, dv) = if self.head_major {
+            // Token-major views in, head-major gradients out: no copies either way.
+            let (dq, dk, dv) =
+                flash_backward(&t(q)?, &t(k)?, &t(v)?, grad, self.scale, &mask).map_err(err)?;
+            (t(&dq)?, t(&dk)?, t(&dv)?)
+        } else {
+            flash_backward(q, k, v, grad, self.scale, &mask).map_err(err)?
+        };
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -437,10 +487,28 @@ mod cuda {
             && *ON.get_or_init(|| std::env::var("FLEET_FLASH_R2").map_or(true, |v| v != "0"))
     }
 
-    /// Element strides over (batch, position, head) of a `[b, len, heads, d]` layout.
-    fn strides(l: &Layout) -> [i64; 3] {
+    /// Element strides over (batch, position, head) of a `[b, len, heads, d]` layout, or of a
+    /// `[b, heads, len, d]` one for the op's head-major inputs.
+    fn strides(op: &FlashAttention, l: &Layout) -> [i64; 3] {
         let s = l.stride();
-        [s[0] as i64, s[1] as i64, s[2] as i64]
+        if op.head_major {
+            [s[0] as i64, s[2] as i64, s[1] as i64]
+        } else {
+            [s[0] as i64, s[1] as i64, s[2] as i64]
+        }
+    }
+
+    /// `(b, len, heads, d)` of an input layout (token-major, or head-major per the op).
+    fn token_major_dims(
+        op: &FlashAttention,
+        l: &Layout,
+    ) -> candle_core::Result<(usize, usize, usize, usize)> {
+        let (b, x, y, d) = l.shape().dims4()?;
+        Ok(if op.head_major {
+            (b, y, x, d)
+        } else {
+            (b, x, y, d)
+        })
     }
 
     pub(super) fn flash_attention(
@@ -459,8 +527,8 @@ mod cuda {
             (s3, l3): (&CudaStorage, &Layout),
         ) -> candle_core::Result<CudaStorage> {
             let dev = s1.device().clone();
-            let (b, q_len, h, d) = l1.shape().dims4()?;
-            let (_, kv_len, kvh, _) = l2.shape().dims4()?;
+            let (b, q_len, h, d) = token_major_dims(op, l1)?;
+            let (_, kv_len, kvh, _) = token_major_dims(op, l2)?;
             let q = s1.as_cuda_slice::<T>()?.slice(l1.start_offset()..);
             let k = s2.as_cuda_slice::<T>()?.slice(l2.start_offset()..);
             let v = s3.as_cuda_slice::<T>()?.slice(l3.start_offset()..);
@@ -513,7 +581,7 @@ mod cuda {
             for x in &dims {
                 builder.arg(x);
             }
-            let [qs, ks, vs] = [strides(l1), strides(l2), strides(l3)];
+            let [qs, ks, vs] = [strides(op, l1), strides(op, l2), strides(op, l3)];
             for s in qs.iter().chain(&ks).chain(&vs) {
                 builder.arg(s);
             }
@@ -530,7 +598,8 @@ mod cuda {
             DType::F16 => run::<f16>(op, (s1, l1), (s2, l2), (s3, l3))?,
             other => candle_core::bail!("flash_attention runs in bf16 or f16, not {other:?}"),
         };
-        Ok((out, l1.shape().clone()))
+        let (b, q_len, h, d) = token_major_dims(op, l1)?;
+        Ok((out, Shape::from((b, q_len, h, d))))
     }
 }
 

@@ -410,7 +410,7 @@ impl Attention {
             && (attention::flash_in_training()
                 || !(cache.is_passthrough() || q.track_op() || k.track_op() || v.track_op()));
         let out = profile::time(dev, "attn.core", || {
-            causal_attention(&q, &k, &v, pad, fused)
+            causal_attention(&q, &k, &v, pad, fused, cache.is_passthrough())
         })?;
         profile::time(dev, "attn.o_proj", || {
             self.o_lora.apply(&out, ops::linear(&self.o_proj, &out)?)
@@ -420,21 +420,29 @@ impl Attention {
 
 /// Causal attention of head-major `q` (`[b, heads, q_len, d]`, the 1/sqrt(d) scale folded in)
 /// over `k`, `v` whose rows are left-padded by `pad` (u32 `[b]`), the queries at the end of
-/// the keys; the heads merged back: `[b, q_len, heads * d]`. `fused`: the flash kernel.
+/// the keys; the heads merged back: `[b, q_len, heads * d]`. `fused`: the flash kernel;
+/// `training`: a pass of the training module, which (with `FLEET_TRAIN_FLASH=1`, the only way
+/// it gets `fused`) takes the kernel through [`attention::attend_token_major`], so that no
+/// transposes are recorded; inference keeps the token-major views the GPU tests cover.
 fn causal_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     pad: &Tensor,
     fused: bool,
+    training: bool,
 ) -> Result<Tensor> {
     let (b, h, q_len, d) = q.dims4()?;
     let mask = attention::Mask {
         causal: true,
         key_start: Some(pad.clone()),
     };
-    let out = attention::attend(q, k, v, 1.0, &mask, fused, None)?;
-    Ok(out.transpose(1, 2)?.reshape((b, q_len, h * d))?)
+    let out = if fused && training {
+        attention::attend_token_major(q, k, v, 1.0, &mask, fused)?
+    } else {
+        attention::attend(q, k, v, 1.0, &mask, fused, None)?.transpose(1, 2)?
+    };
+    Ok(out.reshape((b, q_len, h * d))?)
 }
 
 impl Attention {
@@ -513,7 +521,7 @@ impl Attention {
                         .reshape((*rows, kvh, *max_len, d))?)
                 };
                 let fused = q_len >= FLASH_MIN_QUERIES;
-                causal_attention(q, &gather(kc)?, &gather(vc)?, pad, fused)
+                causal_attention(q, &gather(kc)?, &gather(vc)?, pad, fused, false)
             }
         })
     }

@@ -1442,22 +1442,23 @@ fn cuda_flash_attention_backward_matches_the_unfused_autograd() {
             causal: true,
             key_start: Some(Tensor::new(&[0u32, 5], &gpu).unwrap()),
         };
-        let run = |fused: bool| {
+        // `token_major`: the decoder's entry (`attend_token_major`, no transposes recorded),
+        // brought back to head-major for the comparison.
+        let run = |fused: bool, token_major: bool| {
             let (qv, kv, vv) = (
                 Var::from_tensor(&q).unwrap(),
                 Var::from_tensor(&k).unwrap(),
                 Var::from_tensor(&v).unwrap(),
             );
-            let out = attention::attend(
-                qv.as_tensor(),
-                kv.as_tensor(),
-                vv.as_tensor(),
-                1.0,
-                &mask,
-                fused,
-                None,
-            )
-            .unwrap();
+            let (qt, kt, vt) = (qv.as_tensor(), kv.as_tensor(), vv.as_tensor());
+            let out = if token_major {
+                attention::attend_token_major(qt, kt, vt, 1.0, &mask, fused)
+                    .unwrap()
+                    .transpose(1, 2)
+                    .unwrap()
+            } else {
+                attention::attend(qt, kt, vt, 1.0, &mask, fused, None).unwrap()
+            };
             let loss = (out.to_dtype(DType::F32).unwrap() * &g)
                 .unwrap()
                 .sum_all()
@@ -1467,19 +1468,24 @@ fn cuda_flash_attention_backward_matches_the_unfused_autograd() {
             [out, grad(&qv), grad(&kv), grad(&vv)]
         };
         assert!(attention::supported(&q.transpose(1, 2).unwrap()));
-        let (flash, unfused) = (run(true), run(false));
-        for (what, a, w) in [
-            ("out", &flash[0], &unfused[0]),
-            ("dq", &flash[1], &unfused[1]),
-            ("dk", &flash[2], &unfused[2]),
-            ("dv", &flash[3], &unfused[3]),
+        let unfused = run(false, false);
+        for (entry, flash) in [
+            ("attend", run(true, false)),
+            ("token-major", run(true, true)),
         ] {
-            let (diff, scale) = (max_diff(a, w), max_abs(w).max(1e-3));
-            eprintln!("flash backward h{h} d{d} {what}: {diff:.2e} of {scale:.2e}");
-            assert!(
-                diff <= 2e-2 * scale,
-                "h{h} d{d} {what}: {diff} (scale {scale})"
-            );
+            for (what, a, w) in [
+                ("out", &flash[0], &unfused[0]),
+                ("dq", &flash[1], &unfused[1]),
+                ("dk", &flash[2], &unfused[2]),
+                ("dv", &flash[3], &unfused[3]),
+            ] {
+                let (diff, scale) = (max_diff(a, w), max_abs(w).max(1e-3));
+                eprintln!("flash backward ({entry}) h{h} d{d} {what}: {diff:.2e} of {scale:.2e}");
+                assert!(
+                    diff <= 2e-2 * scale,
+                    "{entry} h{h} d{d} {what}: {diff} (scale {scale})"
+                );
+            }
         }
     }
 }
