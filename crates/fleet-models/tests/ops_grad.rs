@@ -1489,3 +1489,93 @@ fn cuda_flash_attention_backward_matches_the_unfused_autograd() {
         }
     }
 }
+
+/// qkv_rope's fused backward (`FLEET_QKV_ROPE_BWD=1`) on the GPU: the kernel against its CPU
+/// twin (1.5B heads, shared and per-row tables), then the op's gradients with the kernel
+/// against the composed backward on the same GPU.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_qkv_rope_fused_backward_matches_twin_and_composed() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!(
+                "cuda_qkv_rope_fused_backward_matches_twin_and_composed: no CUDA device ({e})"
+            );
+            return;
+        }
+    };
+    let mut rng = Rng(57);
+    let (b, t, h, kvh, d) = (2, 67, 12, 2, 128);
+    let w = (h + 2 * kvh) * d;
+    let grad = rng
+        .tensor(&[b * t * w], 0.0, 1.0)
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let angles = rng.tensor(&[b, t, d / 2], 0.0, 2.0);
+    let per_row = Tensor::cat(&[angles.cos().unwrap(), angles.sin().unwrap()], 2)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let shared = per_row.get(0).unwrap();
+    for (what, cs) in [("per-row", &per_row), ("shared", &shared)] {
+        let want = ops::qkv_rope_backward(&grad, cs, (b, t), (h, kvh), d).unwrap();
+        let got = ops::qkv_rope_backward(
+            &grad.to_device(&gpu).unwrap(),
+            &cs.to_device(&gpu).unwrap(),
+            (b, t),
+            (h, kvh),
+            d,
+        )
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+        let (diff, scale) = (max_diff(&got, &want), max_abs(&want));
+        eprintln!("qkv_rope_bwd {what}: gpu vs twin {diff:.2e} of {scale:.2e}");
+        assert!(diff <= 1e-5 * scale, "{what}: {diff}");
+    }
+    // Through the op: the gradients of qkv and the bias, fused against composed.
+    let qkv = rng
+        .tensor(&[b, t, w], 0.0, 1.0)
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let bias = rng.tensor(&[w], 0.0, 0.1).to_dtype(DType::BF16).unwrap();
+    let cot = rng.tensor(&[b * t * w], 0.0, 1.0).to_device(&gpu).unwrap();
+    let run = |fused: bool| {
+        ops::set_qkv_rope_fused_backward(Some(fused));
+        let qv = Var::from_tensor(&qkv.to_device(&gpu).unwrap()).unwrap();
+        let bv = Var::from_tensor(&bias.to_device(&gpu).unwrap()).unwrap();
+        let cs = per_row.to_device(&gpu).unwrap();
+        let (q, k, v) = ops::qkv_rope(qv.as_tensor(), bv.as_tensor(), &cs, (h, kvh), d).unwrap();
+        let flat = Tensor::cat(
+            &[
+                q.flatten_all().unwrap(),
+                k.flatten_all().unwrap(),
+                v.flatten_all().unwrap(),
+            ],
+            0,
+        )
+        .unwrap();
+        let loss = (flat.to_dtype(DType::F32).unwrap() * &cot)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        ops::set_qkv_rope_fused_backward(None);
+        [
+            grads.get(qv.as_tensor()).unwrap().clone(),
+            grads.get(bv.as_tensor()).unwrap().clone(),
+        ]
+    };
+    let (fused, composed) = (run(true), run(false));
+    for (what, a, c) in [
+        ("dqkv", &fused[0], &composed[0]),
+        ("dbias", &fused[1], &composed[1]),
+    ] {
+        let (a, c) = (
+            a.to_device(&Device::Cpu).unwrap(),
+            c.to_device(&Device::Cpu).unwrap(),
+        );
+        assert_rounding_matches(&format!("qkv_rope backward {what}"), &a, &c);
+    }
+}

@@ -484,7 +484,8 @@ pub use paged_attention::{
     PAGED_ATTENTION_PARTITION,
 };
 pub use qkv_rope::{
-    qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_paged, set_qkv_rope_pairs, PagedKvWrite,
+    qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_backward, qkv_rope_paged,
+    set_qkv_rope_fused_backward, set_qkv_rope_pairs, PagedKvWrite,
 };
 pub use reduce::{gradient_seed, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm};

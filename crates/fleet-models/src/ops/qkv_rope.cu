@@ -179,3 +179,52 @@ QKV_ROPE(qkv_rope_f16_csf32, __half, float, 1)
 QKV_ROPE(qkv_rope_f16_csf32_p4, __half, float, 4)
 QKV_ROPE(qkv_rope_bf16_csf32, __nv_bfloat16, float, 1)
 QKV_ROPE(qkv_rope_bf16_csf32_p4, __nv_bfloat16, float, 4)
+
+// Backward of qkv_rope (no cache) in one pass: from the flat output gradient g (q [b, h, t, d],
+// then k and v [b, kvh, t, d], in T) and the tables cs (f32, [t, d] or [b, t, d] when per_row),
+// out[r, c] (f32, r = token b * t + tt, c = column of [b, t, (h + 2 kvh) d]) is the gradient of
+// qkv: q and k un-rotated (RoPE by the negative angle, as candle's rope with sin negated
+// computes it), v as it is; and partial[part, c] the sum of out[r, c] over the rows
+// r = part, part + parts, ... in order (the bias gradient, summed by sum_partials). One thread a
+// column, gridDim.y = parts row slices; consecutive threads read consecutive elements of a head.
+extern "C" __global__ void qkv_rope_bwd(const void *g_, const float *cs, float *out,
+                                        float *partial, int b, int t, int h, int kvh, int d,
+                                        int per_row, int bf16) {
+    const int w = (h + 2 * kvh) * d;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= w) return;
+    const int rows = b * t, half = d / 2;
+    const int hd = c / d, i = c % d;
+    const size_t qn = (size_t)b * h * t * d, kvn = (size_t)b * kvh * t * d;
+    float acc = 0.f;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        const int bb = r / t, tt = r % t;
+        size_t base;
+        bool rot = true;
+        if (hd < h) {
+            base = (((size_t)bb * h + hd) * t + tt) * d;
+        } else if (hd < h + kvh) {
+            base = qn + (((size_t)bb * kvh + (hd - h)) * t + tt) * d;
+        } else {
+            base = qn + kvn + (((size_t)bb * kvh + (hd - h - kvh)) * t + tt) * d;
+            rot = false;
+        }
+        auto at = [&](size_t k) -> float {
+            return bf16 ? to_f(reinterpret_cast<const __nv_bfloat16 *>(g_)[k])
+                        : to_f(reinterpret_cast<const __half *>(g_)[k]);
+        };
+        float v;
+        if (rot) {
+            const size_t row = (size_t)(per_row ? r : tt) * d;
+            const int j = i % half;
+            const float co = cs[row + j], sp = -cs[row + half + j];
+            const float x1 = at(base + j), x2 = at(base + j + half);
+            v = i < half ? x1 * co - x2 * sp : x1 * sp + x2 * co;
+        } else {
+            v = at(base + i);
+        }
+        out[(size_t)r * w + c] = v;
+        acc += v;
+    }
+    partial[(size_t)blockIdx.y * w + c] = acc;
+}

@@ -399,6 +399,20 @@ impl CustomOp3 for QkvRope {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         bwd_timed(grad.device(), "bwd.qkv_rope", || {
             let (b, t, w) = qkv.dims3()?;
+            if grad.device().is_cuda()
+                && FUSED_BWD.on()
+                && matches!(qkv.dtype(), DType::BF16 | DType::F16)
+                && grad.dtype() == qkv.dtype()
+            {
+                // One kernel: the same values as below, in f32, and the bias sum by parts.
+                let out = qkv_rope_backward(grad, cs, (b, t), (self.h, self.kvh), self.d)?;
+                let all = out.narrow(0, 0, b * t)?.reshape((b, t, w))?;
+                return Ok((
+                    wanted(qkv, || all.to_dtype(qkv.dtype()))?,
+                    wanted(bias, || out.get(b * t)?.to_dtype(bias.dtype()))?,
+                    None,
+                ));
+            }
             let (gq, gk, gv) = split_grad(grad, (b, t), (self.h, self.kvh), self.d)?;
             let all = Tensor::cat(&[unrotate(&gq, cs)?, unrotate(&gk, cs)?, gv], 1)?
                 .transpose(1, 2)?
@@ -663,6 +677,162 @@ static FOUR_PAIRS: EnvSwitch = EnvSwitch::new("FLEET_QKV_ROPE_P4", false);
 /// one, or four with `FLEET_QKV_ROPE_P4=1`) — for comparing the two (the same bits).
 pub fn set_qkv_rope_pairs(pairs: Option<usize>) {
     FOUR_PAIRS.force(pairs.map(|p| p == 4));
+}
+
+/// Whether [`qkv_rope`]'s backward on CUDA runs as one kernel (`qkv_rope_bwd`: the output
+/// gradient read once, the gradient of qkv written once in f32, the bias gradient summed by
+/// row slices) instead of the composed f32 ops (casts, candle's RoPE, concatenation, a
+/// transpose copy, a sum): `FLEET_QKV_ROPE_BWD=1` only — off by default until its GPU test has
+/// run — or as [`set_qkv_rope_fused_backward`] sets it.
+static FUSED_BWD: EnvSwitch = EnvSwitch::new("FLEET_QKV_ROPE_BWD", false);
+
+/// Test switch for [`qkv_rope`]'s fused backward: `Some(on)` forces it, `None` leaves it to
+/// `FLEET_QKV_ROPE_BWD`.
+pub fn set_qkv_rope_fused_backward(on: Option<bool>) {
+    FUSED_BWD.force(on);
+}
+
+/// Row slices of the fused backward's bias sum (its partial sums are added in this order).
+const BWD_PARTS: usize = 64;
+
+/// The fused backward of [`qkv_rope`] (no cache): from the flat output gradient `grad` (q, k,
+/// v head-major, in the model dtype) and the tables `cs`, f32 `[b t + 1, (h + 2 kvh) d]`: the
+/// gradient of qkv row by row (q and k un-rotated, v as it is), then the bias gradient (the
+/// column sums, by [`BWD_PARTS`] row slices added in order). The kernel on CUDA, the twin on
+/// the CPU.
+pub fn qkv_rope_backward(
+    grad: &Tensor,
+    cs: &Tensor,
+    (b, t): (usize, usize),
+    (h, kvh): (usize, usize),
+    d: usize,
+) -> candle_core::Result<Tensor> {
+    let per_row = cs.rank() == 3;
+    let cs = cs.detach().to_dtype(DType::F32)?.contiguous()?;
+    let op = QkvRopeBwd {
+        b,
+        t,
+        h,
+        kvh,
+        d,
+        per_row,
+    };
+    grad.detach().contiguous()?.apply_op2_no_bwd(&cs, &op)
+}
+
+struct QkvRopeBwd {
+    b: usize,
+    t: usize,
+    h: usize,
+    kvh: usize,
+    d: usize,
+    per_row: bool,
+}
+
+impl QkvRopeBwd {
+    fn check(&self, g: &Layout, cs: &Layout) -> candle_core::Result<()> {
+        let (b, t, d) = (self.b, self.t, self.d);
+        let n = b * t * (self.h + 2 * self.kvh) * d;
+        let tables = if self.per_row { b * t * d } else { t * d };
+        if d == 0 || !d.is_multiple_of(2) || g.shape().elem_count() != n {
+            candle_core::bail!(
+                "qkv_rope backward: gradient {:?} is not {n} values",
+                g.dims()
+            );
+        }
+        if cs.shape().elem_count() != tables {
+            candle_core::bail!(
+                "qkv_rope backward: tables {:?} are not {tables} values",
+                cs.dims()
+            );
+        }
+        Ok(())
+    }
+
+    /// The twin: the kernel's arithmetic in its order.
+    fn cpu<T: Float>(&self, g: &[T], cs: &[f32]) -> Vec<f32> {
+        let (b, t, h, kvh, d) = (self.b, self.t, self.h, self.kvh, self.d);
+        let (w, rows, half) = ((h + 2 * kvh) * d, b * t, d / 2);
+        let (qn, kvn) = (b * h * t * d, b * kvh * t * d);
+        let mut out = vec![0f32; (rows + 1) * w];
+        let mut partial = vec![0f32; BWD_PARTS * w];
+        for part in 0..BWD_PARTS {
+            for r in (part..rows).step_by(BWD_PARTS) {
+                let (bb, tt) = (r / t, r % t);
+                for c in 0..w {
+                    let (hd, i) = (c / d, c % d);
+                    let (base, rot) = if hd < h {
+                        (((bb * h + hd) * t + tt) * d, true)
+                    } else if hd < h + kvh {
+                        (qn + ((bb * kvh + hd - h) * t + tt) * d, true)
+                    } else {
+                        (qn + kvn + ((bb * kvh + hd - h - kvh) * t + tt) * d, false)
+                    };
+                    let v = if rot {
+                        let row = if self.per_row { r } else { tt } * d;
+                        let j = i % half;
+                        let (co, sp) = (cs[row + j], -cs[row + half + j]);
+                        let (x1, x2) = (g[base + j].to_f32(), g[base + j + half].to_f32());
+                        if i < half {
+                            x1 * co - x2 * sp
+                        } else {
+                            x1 * sp + x2 * co
+                        }
+                    } else {
+                        g[base + i].to_f32()
+                    };
+                    out[r * w + c] = v;
+                    partial[part * w + c] += v;
+                }
+            }
+        }
+        for c in 0..w {
+            out[rows * w + c] = (0..BWD_PARTS).fold(0f32, |acc, p| acc + partial[p * w + c]);
+        }
+        out
+    }
+}
+
+impl candle_core::CustomOp2 for QkvRopeBwd {
+    fn name(&self) -> &'static str {
+        "fleet-qkv-rope-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.check(l1, l2)?;
+        let CpuStorage::F32(cs) = s2 else {
+            candle_core::bail!("qkv_rope backward: the tables must be f32")
+        };
+        let cs = contiguous(cs, l2)?;
+        let out = match s1 {
+            CpuStorage::BF16(g) => self.cpu(contiguous(g, l1)?, cs),
+            CpuStorage::F16(g) => self.cpu(contiguous(g, l1)?, cs),
+            CpuStorage::F32(g) => self.cpu(contiguous(g, l1)?, cs),
+            _ => candle_core::bail!("qkv_rope backward: the gradient must be f32, f16 or bf16"),
+        };
+        let w = (self.h + 2 * self.kvh) * self.d;
+        Ok((CpuStorage::F32(out), Shape::from((self.b * self.t + 1, w))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.check(l1, l2)?;
+        let w = (self.h + 2 * self.kvh) * self.d;
+        let out = cuda::qkv_rope_bwd(self, s1, l1, s2, l2)?;
+        Ok((out, Shape::from((self.b * self.t + 1, w))))
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -985,11 +1155,124 @@ mod cuda {
         };
         Ok((out, Shape::from(n)))
     }
+
+    /// The fused backward's two launches: `qkv_rope_bwd` (the gradient of qkv in f32 and the
+    /// bias gradient's partial sums per row slice), then `sum_partials` into the last row.
+    pub(super) fn qkv_rope_bwd(
+        op: &super::QkvRopeBwd,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &super::QkvRopeBwd,
+            s1: &CudaStorage,
+            l1: &Layout,
+            s2: &CudaStorage,
+            l2: &Layout,
+            bf16_grad: i32,
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let w = (op.h + 2 * op.kvh) * op.d;
+            let rows = op.b * op.t;
+            let (grad, cs) = (input::<T>(s1, l1)?, input::<f32>(s2, l2)?);
+            let parts = super::BWD_PARTS;
+            // SAFETY: the kernel writes every out[r, c] for r < rows and every partial;
+            // sum_partials writes the last row.
+            let mut out: CudaSlice<f32> = unsafe { dev.alloc::<f32>((rows + 1) * w)? };
+            let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(parts * w)? };
+            let func = dev.get_or_load_custom_func("qkv_rope_bwd", MODULE, PTX)?;
+            let cfg = LaunchConfig {
+                grid_dim: ((w as u32).div_ceil(256), parts as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = func.builder();
+            b.arg(&grad);
+            b.arg(&cs);
+            b.arg(&mut out);
+            b.arg(&partial);
+            let ints = [
+                op.b as i32,
+                op.t as i32,
+                op.h as i32,
+                op.kvh as i32,
+                op.d as i32,
+                op.per_row as i32,
+                bf16_grad,
+            ];
+            for x in &ints {
+                b.arg(x);
+            }
+            // SAFETY: one thread per column reads its rows of the gradient (checked to hold
+            // b t (h + 2 kvh) d values) and of the tables, and writes its column of out and
+            // of partial.
+            unsafe { b.launch(cfg) }.w()?;
+            super::super::rms_norm::cuda::sum_partials(
+                &dev,
+                &partial,
+                &mut out,
+                rows * w,
+                parts,
+                w,
+            )?;
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        match s1.dtype() {
+            DType::BF16 => run::<bf16>(op, s1, l1, s2, l2, 1),
+            DType::F16 => run::<f16>(op, s1, l1, s2, l2, 0),
+            other => candle_core::bail!("qkv_rope backward: {other:?} gradient on CUDA"),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fused backward's twin against the composed backward it replaces (split, un-rotate
+    /// in f32, concatenate, transpose; the bias gradient a sum over tokens), with grouped
+    /// heads, per-row tables (left padding) and a bf16 gradient.
+    #[test]
+    fn fused_backward_twin_is_the_composed_backward() {
+        use candle_core::{DType, Device};
+        let dev = Device::Cpu;
+        let (b, t, h, kvh, d) = (2, 5, 4, 2, 8);
+        let n = b * t * (h + 2 * kvh) * d;
+        let w = (h + 2 * kvh) * d;
+        let grad = Tensor::randn(0f32, 1.0, n, &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let angles = Tensor::randn(0f32, 1.0, (b, t, d / 2), &dev).unwrap();
+        // cos then sin per position (`[b, t, d]`: per-row tables).
+        let cs = Tensor::cat(&[angles.cos().unwrap(), angles.sin().unwrap()], 2).unwrap();
+        let fused = qkv_rope_backward(&grad, &cs, (b, t), (h, kvh), d).unwrap();
+        let (gq, gk, gv) = split_grad(&grad, (b, t), (h, kvh), d).unwrap();
+        let all = Tensor::cat(
+            &[unrotate(&gq, &cs).unwrap(), unrotate(&gk, &cs).unwrap(), gv],
+            1,
+        )
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .reshape((b * t, w))
+        .unwrap();
+        let bias = all.sum(0).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert!(diff(&fused.narrow(0, 0, b * t).unwrap(), &all) < 1e-6);
+        assert!(diff(&fused.get(b * t).unwrap(), &bias) < 1e-5);
+    }
     use candle_core::Device;
 
     #[test]

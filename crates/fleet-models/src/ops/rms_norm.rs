@@ -293,7 +293,7 @@ fn split_norm_bwd(out: &Tensor, like: &Tensor) -> candle_core::Result<(Tensor, T
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
+pub(super) mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -433,6 +433,35 @@ mod cuda {
         Ok((out, Shape::from(dims)))
     }
 
+    /// `out[at + c] = Σ_p partial[p * n + c]` over `parts` rows of partial sums, added in order
+    /// (deterministic): the column sums of the norms' weight gradients and of qkv_rope's bias
+    /// gradient.
+    pub(in crate::ops) fn sum_partials(
+        dev: &candle_core::CudaDevice,
+        partial: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        at: usize,
+        parts: usize,
+        n: usize,
+    ) -> candle_core::Result<()> {
+        let func = dev.get_or_load_custom_func("sum_partials", MODULE, PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut sums = out.slice_mut(at..at + n);
+        let (parts, n) = (parts as i32, n as i32);
+        let mut b = func.builder();
+        b.arg(partial);
+        b.arg(&mut sums);
+        b.arg(&parts);
+        b.arg(&n);
+        // SAFETY: one thread per column reads `parts` partials and writes one of n sums.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
     /// Backward of RMSNorm over the last dimension (see `rms_norm_bwd`) from the normalised
     /// input `s` (`[rows, n]`), the weight, the output's gradient `gy` and, for add_rms_norm,
     /// the residual output's gradient `gs` (`g2`, same shape as `s`; `None` for plain
@@ -517,24 +546,7 @@ mod cuda {
             // SAFETY: one thread per (column, part).
             unsafe { b.launch(cfg) }.w()?;
 
-            let func = dev.get_or_load_custom_func("sum_partials", MODULE, PTX)?;
-            let cfg = LaunchConfig {
-                grid_dim: ((n as u32).div_ceil(256), 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            {
-                // Scoped: the view borrows `out` until the launch is queued.
-                let mut dw = out.slice_mut(n_rows * n..(n_rows + 1) * n);
-                let parts = PARTS as i32;
-                let mut b = func.builder();
-                b.arg(&partial);
-                b.arg(&mut dw);
-                b.arg(&parts);
-                b.arg(&n_i);
-                // SAFETY: one thread per column writes dw's n values.
-                unsafe { b.launch(cfg) }.w()?;
-            }
+            sum_partials(&dev, &partial, &mut out, n_rows * n, PARTS as usize, n)?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
         let n = wl.shape().elem_count();
