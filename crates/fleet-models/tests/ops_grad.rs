@@ -1579,3 +1579,34 @@ fn cuda_qkv_rope_fused_backward_matches_twin_and_composed() {
         assert_rounding_matches(&format!("qkv_rope backward {what}"), &a, &c);
     }
 }
+
+/// The embedding-gradient kernel on the GPU against its CPU twin, bit for bit (the same sums in
+/// the same order): a bf16 sum with a bf16 gradient and an f32 sum with an f32 one, token ids
+/// repeated as a batch repeats them.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_embedding_grad_add_matches_its_twin() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cuda_embedding_grad_add_matches_its_twin: no CUDA device ({e})");
+            return;
+        }
+    };
+    let mut rng = Rng(63);
+    let (vocab, hs, n) = (1000, 1536, 700);
+    let ids: Vec<u32> = (0..n)
+        .map(|j| ((j * 37 + j / 5) % 211) as u32 * 4)
+        .collect();
+    for dtype in [DType::BF16, DType::F32] {
+        let start = rng.tensor(&[vocab, hs], 0.0, 1.0).to_dtype(dtype).unwrap();
+        let g = rng.tensor(&[n, hs], 0.0, 1.0).to_dtype(dtype).unwrap();
+        let cpu = start.copy().unwrap();
+        ops::embedding_grad_add_(&cpu, &g, &ids).unwrap();
+        let on_gpu = start.to_device(&gpu).unwrap();
+        ops::embedding_grad_add_(&on_gpu, &g.to_device(&gpu).unwrap(), &ids).unwrap();
+        let diff = max_diff(&on_gpu.to_device(&Device::Cpu).unwrap(), &cpu);
+        eprintln!("embedding_grad_add_ {dtype:?}: gpu vs twin {diff:.2e}");
+        assert_eq!(diff, 0.0, "{dtype:?}");
+    }
+}

@@ -459,3 +459,14 @@ fn cutting_unweighted_trailing_columns_changes_no_logprob_or_gradient() {
         assert!(e < 1e-5, "gradient of {pname}: rel err {e}");
     }
 }
+
+/// The embedding's gradient added by `ops::embedding_grad_add_` (`FLEET_EMBED_GRAD_KERNEL=1`)
+/// instead of index_add and scatter_add: the same golden gradients (tied embeddings, so the
+/// head's gradient is in the sum first).
+#[test]
+fn the_embedding_gradient_kernel_gives_the_golden_gradients() {
+    fleet_models::ops::set_embedding_grad_kernel(Some(true));
+    let model = load("qwen2-tiny-tied-sharded", None);
+    check("qwen2-tiny-tied-sharded", &model);
+    fleet_models::ops::set_embedding_grad_kernel(None);
+}

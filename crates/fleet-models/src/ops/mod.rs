@@ -453,6 +453,7 @@ pub(crate) fn test_tensor(shape: &[usize], seed: u64) -> Tensor {
 
 mod adamw;
 mod dropout;
+mod embedding_grad;
 mod epilogue;
 mod gpu_delay;
 mod layer_norm;
@@ -470,6 +471,7 @@ mod swiglu;
 pub use adamw::{adamw_step_, AdamWStep};
 pub use dropout::dropout_mask;
 pub(crate) use dropout::splitmix;
+pub use embedding_grad::{embedding_grad_add_, embedding_grad_kernel, set_embedding_grad_kernel};
 pub use epilogue::{linear_bias_epilogue, linear_epilogue, linear_gelu_tanh, Epilogue};
 pub use gpu_delay::gpu_delay;
 pub use layer_norm::LayerNorm;

@@ -1342,6 +1342,12 @@ impl TrainableQwen {
         };
         let embed = &self.params[embed_idx].var;
         let dev = embed.device();
+        if crate::ops::embedding_grad_kernel() {
+            let ids: Vec<u32> = batch.ids.iter().flatten().copied().collect();
+            let g = crate::device::transfer(g, dev)?.reshape((ids.len(), self.cfg.hidden_size))?;
+            let (acc, _) = grads.slot(&self.params, embed_idx)?;
+            return crate::ops::embedding_grad_add_(&acc, &g, &ids);
+        }
         let mut slot_of: std::collections::HashMap<u32, u32> = Default::default();
         let mut distinct: Vec<u32> = Vec::new();
         let slots: Vec<u32> = batch
