@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GSPO update of one gspo-train build under several environments in one call, round-robin
+# (configs/gspo/bench.toml, bf16 masters, STEPS optimizer steps a run, ROUNDS rounds): the
+# kernels that are off by default until measured, against the default. Per-step update seconds
+# (the median of the steps after the first generation batch) from each run's metrics.jsonl;
+# every file in $OUT/metrics.tar.xz. Carried: dist/carry/gspo-train.xz.
+#
+#   SHAPES (default 1.5b), STEPS (default 8), ROUNDS (default 2), VARIANTS: a list of
+#   environments separated by ';', each a space-separated list of VAR=value ("-" for none).
+#   Default: the default path, then each switch alone, then all three:
+#   "-;FLEET_TRAIN_FLASH=1;FLEET_QKV_ROPE_BWD=1;FLEET_EMBED_GRAD_KERNEL=1;
+#    FLEET_TRAIN_FLASH=1 FLEET_QKV_ROPE_BWD=1 FLEET_EMBED_GRAD_KERNEL=1"
+set -u
+export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
+W=/tmp/ue; mkdir -p $W/m
+xz -dc dist/carry/gspo-train.xz > $W/gspo-train; chmod +x $W/gspo-train
+python3 scripts/gpu/make_gspo_prompts.py --out $W/prompts.jsonl --n 512 > /dev/null
+ALL="FLEET_TRAIN_FLASH=1 FLEET_QKV_ROPE_BWD=1 FLEET_EMBED_GRAD_KERNEL=1"
+VARIANTS="${VARIANTS:--;FLEET_TRAIN_FLASH=1;FLEET_QKV_ROPE_BWD=1;FLEET_EMBED_GRAD_KERNEL=1;$ALL}"
+IFS=';' read -r -a envs <<< "$VARIANTS"
+for shape in ${SHAPES:-1.5b}; do
+  [ -f $W/q$shape/config.json ] || python3 scripts/gpu/make_random_checkpoint.py \
+    --config configs/models/qwen2.5-$shape.json --out $W/q$shape \
+    --tokenizer-from tests/fixtures/qwen2-tiny --dtype bf16 > /dev/null 2>&1
+  $W/gspo-train --config configs/gspo/bench.toml --model $W/q$shape --dataset $W/prompts.jsonl \
+    --output-dir $W/warm --max-steps 1 --dtype bf16 --torch-dtype bfloat16 > /dev/null 2>&1
+  rm -rf $W/warm
+  for i in $(seq 1 ${ROUNDS:-2}); do
+    for k in "${!envs[@]}"; do
+      e="${envs[$k]}"; [ "$e" = "-" ] && e=""
+      d=$W/$shape-v$k-$i; rm -rf $d
+      env $e $W/gspo-train --config configs/gspo/bench.toml --model $W/q$shape \
+        --dataset $W/prompts.jsonl --output-dir $d --max-steps ${STEPS:-8} --dtype bf16 \
+        --torch-dtype bfloat16 > $d.log 2>&1 || tail -5 $d.log
+      cp $d/metrics.jsonl $W/m/metrics_${shape}_v${k}_$i.jsonl 2>/dev/null
+      python3 - $d/metrics.jsonl "$shape v$k round $i [${e:-default}]" <<'PY'
+import json, sys, statistics
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1])]
+except OSError:
+    print(sys.argv[2], "no metrics"); sys.exit()
+def pick(r, k):
+    for key in (k, f"timing/{k}", f"timings/{k}"):
+        if key in r: return r[key]
+    return (r.get("timings") or {}).get(k)
+up = [u for u in (pick(r, "update_seconds") for r in rows[4:]) if u is not None]
+peak = rows[-1].get("peak_memory_bytes")
+print(sys.argv[2], "update s/step median", round(statistics.median(up), 4) if up else None,
+      "n", len(up), "peak", peak)
+PY
+    done
+  done
+done
+tar cJf $OUT/metrics.tar.xz -C $W/m .
