@@ -698,7 +698,7 @@ const BWD_PARTS: usize = 64;
 /// The fused backward of [`qkv_rope`] (no cache): from the flat output gradient `grad` (q, k,
 /// v head-major, in the model dtype) and the tables `cs`, f32 `[b t + 1, (h + 2 kvh) d]`: the
 /// gradient of qkv row by row (q and k un-rotated, v as it is), then the bias gradient (the
-/// column sums, by [`BWD_PARTS`] row slices added in order). The kernel on CUDA, the twin on
+/// column sums, by 64 row slices added in order). The kernel on CUDA, the twin on
 /// the CPU.
 pub fn qkv_rope_backward(
     grad: &Tensor,
