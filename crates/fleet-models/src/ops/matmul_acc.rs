@@ -38,24 +38,20 @@ pub fn add_matmul_tn_(acc: &Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
     Ok(acc.inplace_op3(&contig(a)?, &contig(b)?, &AddMatmulTn)?)
 }
 
-/// Whether [`add_matmul_tn_`] runs for these operands: on the CPU in any float dtype; on CUDA
-/// in f16 or bf16 (cuBLASLt's f32 GEMM is TF32, which an f32 model must not get) with every
-/// operand starting on 16 bytes (cuBLASLt's heuristic assumes aligned pointers; a contiguous
-/// copy of a strided operand starts at 0).
+/// Whether the trainer should add a weight gradient with [`add_matmul_tn_`] for these
+/// operands: on CUDA in f16 or bf16 (cuBLASLt's f32 GEMM is TF32, which an f32 model must not
+/// get) with every operand starting on 16 bytes (cuBLASLt's heuristic assumes aligned
+/// pointers; a contiguous copy of a strided operand starts at 0). Not on the CPU, where the op
+/// is its twin, a plain loop far slower than candle's GEMM for a real vocabulary.
 pub fn add_matmul_tn_supported(acc: &Tensor, a: &Tensor, b: &Tensor) -> bool {
     let aligned = |t: &Tensor| {
         !t.is_contiguous()
             || (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
     };
-    match acc.device() {
-        candle_core::Device::Cpu => true,
-        candle_core::Device::Cuda(_) => {
-            matches!(acc.dtype(), DType::BF16 | DType::F16)
-                && acc.is_contiguous()
-                && [acc, a, b].into_iter().all(aligned)
-        }
-        _ => false,
-    }
+    acc.device().is_cuda()
+        && matches!(acc.dtype(), DType::BF16 | DType::F16)
+        && acc.is_contiguous()
+        && [acc, a, b].into_iter().all(aligned)
 }
 
 struct AddMatmulTn;

@@ -1214,9 +1214,9 @@ impl TrainableQwen {
                     let slice_elements = self.gradient_slice_elements.max(1);
                     let h_values = h.detach();
                     // The projection's weight gradient `grad_logits^T h`, added to its sum by the
-                    // GEMM where it can (same device and dtype; f32 sums on a GPU do not), else
-                    // in vocabulary slices: a whole [vocab, hidden] product per chunk would be
-                    // one more tensor of the embedding's size.
+                    // GEMM where it can (a GPU, same device and dtype, bf16/f16 sums), else in
+                    // vocabulary slices: a whole [vocab, hidden] product per chunk would be one
+                    // more tensor of the embedding's size.
                     let (acc, _) = grads.slot(&self.params, lm_idx)?;
                     if crate::ops::add_matmul_tn_supported(&acc, &grad_logits, &h_values)
                         && acc.device().same_device(grad_logits.device())
