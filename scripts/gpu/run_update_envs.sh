@@ -10,9 +10,21 @@
 #   Default: the default path, then each switch alone, then all three:
 #   "-;FLEET_TRAIN_FLASH=1;FLEET_QKV_ROPE_BWD=1;FLEET_EMBED_GRAD_KERNEL=1;
 #    FLEET_TRAIN_FLASH=1 FLEET_QKV_ROPE_BWD=1 FLEET_EMBED_GRAD_KERNEL=1"
+#   TESTS=1 first runs the switches' GPU tests from dist/carry/tests-next.tar.xz (ops_grad and
+#   train_grads; the repo must be at /work/main, where the binaries find their fixtures) into
+#   $OUT/tests.txt.
 set -u
 export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
 W=/tmp/ue; mkdir -p $W/m
+if [ "${TESTS:-0}" = 1 ]; then
+  mkdir -p $W/t; xz -dc dist/carry/tests-next.tar.xz | tar xf - -C $W/t
+  ( cd crates/fleet-models
+    timeout 300 $W/t/ops_grad cuda_ --nocapture 2>&1 \
+      | grep -E "flash backward|qkv_rope_bwd|qkv_rope backward|embedding_grad_add_|^test |test result|panicked"
+    FLEET_TEST_DEVICES=cuda:0 timeout 300 $W/t/train_grads 2>&1 | grep -E "^test |test result|panicked"
+  ) > $OUT/tests.txt 2>&1
+  grep -E "test result|FAILED" $OUT/tests.txt
+fi
 xz -dc dist/carry/gspo-train.xz > $W/gspo-train; chmod +x $W/gspo-train
 python3 scripts/gpu/make_gspo_prompts.py --out $W/prompts.jsonl --n 512 > /dev/null
 ALL="FLEET_TRAIN_FLASH=1 FLEET_QKV_ROPE_BWD=1 FLEET_EMBED_GRAD_KERNEL=1"
