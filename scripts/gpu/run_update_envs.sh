@@ -19,7 +19,7 @@ W=/tmp/ue; mkdir -p $W/m
 if [ "${TESTS:-0}" = 1 ]; then
   mkdir -p $W/t; xz -dc dist/carry/tests-next.tar.xz | tar xf - -C $W/t
   ( cd crates/fleet-models
-    timeout 300 $W/t/ops_grad cuda_ --nocapture 2>&1 \
+    timeout 300 $W/t/ops_grad cuda_ --nocapture --test-threads 1 2>&1 \
       | grep -E "flash backward|qkv_rope_bwd|qkv_rope backward|embedding_grad_add_|^test |test result|panicked"
     FLEET_TEST_DEVICES=cuda:0 timeout 300 $W/t/train_grads 2>&1 | grep -E "^test |test result|panicked"
   ) > $OUT/tests.txt 2>&1
