@@ -25,21 +25,7 @@ for shape in ${SHAPES:-1.5b 0.5b}; do
     env $(envof $v) $W/$v --config configs/gspo/bench.toml --model $W/q$shape --dataset $W/prompts.jsonl --output-dir $d \
       --max-steps ${STEPS:-12} --dtype bf16 --torch-dtype bfloat16 > $d.log 2>&1 || tail -5 $d.log
     mkdir -p $W/m; cp $d/metrics.jsonl $W/m/metrics_${shape}_${v}_$i.jsonl
-    python3 - $d/metrics.jsonl $shape $v $i <<'PY'
-import json, sys, statistics
-rows = [json.loads(l) for l in open(sys.argv[1])]
-def pick(r, k):
-    for key in (k, f"timing/{k}", f"timings/{k}"):
-        if key in r: return r[key]
-    t = r.get("timings") or {}
-    return t.get(k)
-up = [pick(r, "update_seconds") for r in rows[4:]]
-up = [u for u in up if u is not None]
-print(sys.argv[2], sys.argv[3], sys.argv[4], "update s/step median", round(statistics.median(up), 4) if up else None,
-      "n", len(up), "peak", {k: v for k, v in rows[-1].items() if "peak" in k or "memory" in k})
-# The same seed and data: A and B should train to the same losses and gradient norms.
-print("  grad_norm", [r.get("grad_norm") for r in rows], "loss", [r.get("loss") for r in rows])
-PY
+    python3 scripts/gpu/update_seconds.py $d/metrics.jsonl "$shape $v $i" --losses
   done; done
 done
 # One archive: a call brings back at most 8 files.

@@ -45,21 +45,7 @@ for shape in ${SHAPES:-1.5b}; do
         --dataset $W/prompts.jsonl --output-dir $d --max-steps ${STEPS:-8} --dtype bf16 \
         --torch-dtype bfloat16 > $d.log 2>&1 || tail -5 $d.log
       cp $d/metrics.jsonl $W/m/metrics_${shape}_v${k}_$i.jsonl 2>/dev/null
-      python3 - $d/metrics.jsonl "$shape v$k round $i [${e:-default}]" <<'PY'
-import json, sys, statistics
-try:
-    rows = [json.loads(l) for l in open(sys.argv[1])]
-except OSError:
-    print(sys.argv[2], "no metrics"); sys.exit()
-def pick(r, k):
-    for key in (k, f"timing/{k}", f"timings/{k}"):
-        if key in r: return r[key]
-    return (r.get("timings") or {}).get(k)
-up = [u for u in (pick(r, "update_seconds") for r in rows[4:]) if u is not None]
-peak = rows[-1].get("peak_memory_bytes")
-print(sys.argv[2], "update s/step median", round(statistics.median(up), 4) if up else None,
-      "n", len(up), "peak", peak)
-PY
+      python3 scripts/gpu/update_seconds.py $d/metrics.jsonl "$shape v$k round $i [${e:-default}]"
     done
   done
 done

@@ -213,9 +213,33 @@ pub fn flash_attention(
     scale: f32,
     mask: &Mask,
 ) -> Result<Tensor> {
-    let (b, _, h, d) = q.dims4()?;
-    let (kb, kv_len, kvh, kd) = k.dims4()?;
-    if v.dims4()? != (kb, kv_len, kvh, kd) || kb != b || kd != d || kvh == 0 || h % kvh != 0 {
+    run_flash(q, k, v, scale, mask, false)
+}
+
+/// The kernel on token-major `q`, `k`, `v` (`head_major` false) or on head-major ones (read
+/// through their strides), after checking that they fit; the output is token-major.
+fn run_flash(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    mask: &Mask,
+    head_major: bool,
+) -> Result<Tensor> {
+    let op = FlashAttention {
+        scale,
+        causal: mask.causal,
+        key_start: mask.key_start.clone(),
+        head_major,
+    };
+    let (b, _, h, d) = op.token_major(q.shape())?;
+    let (kb, kv_len, kvh, kd) = op.token_major(k.shape())?;
+    if op.token_major(v.shape())? != (kb, kv_len, kvh, kd)
+        || kb != b
+        || kd != d
+        || kvh == 0
+        || h % kvh != 0
+    {
         return Err(ModelError::BadInput(format!(
             "flash_attention: q {:?}, k {:?}, v {:?} do not fit together",
             q.dims(),
@@ -223,12 +247,7 @@ pub fn flash_attention(
             v.dims()
         )));
     }
-    let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(FlashAttention {
-        scale,
-        causal: mask.causal,
-        key_start: mask.key_start.clone(),
-        head_major: false,
-    }));
+    let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(op));
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     Ok(q.apply_op3_arc(&k, &v, op)?)
 }
@@ -247,24 +266,7 @@ pub fn attend_token_major(
     fused: bool,
 ) -> Result<Tensor> {
     if fused && supported(&q.transpose(1, 2)?) {
-        let (b, h, _, d) = q.dims4()?;
-        let (kb, kvh, kv_len, kd) = k.dims4()?;
-        if v.dims4()? != (kb, kvh, kv_len, kd) || kb != b || kd != d || kvh == 0 || h % kvh != 0 {
-            return Err(ModelError::BadInput(format!(
-                "attend_token_major: q {:?}, k {:?}, v {:?} do not fit together",
-                q.dims(),
-                k.dims(),
-                v.dims()
-            )));
-        }
-        let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(FlashAttention {
-            scale: scale as f32,
-            causal: mask.causal,
-            key_start: mask.key_start.clone(),
-            head_major: true,
-        }));
-        let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
-        return Ok(q.apply_op3_arc(&k, &v, op)?);
+        return run_flash(q, k, v, scale as f32, mask, true);
     }
     Ok(attend(q, k, v, scale, mask, false, None)?.transpose(1, 2)?)
 }
@@ -337,6 +339,18 @@ struct FlashAttention {
     /// The inputs are head-major (`[b, heads, len, d]`, read through their strides) instead of
     /// token-major; the output is token-major either way.
     head_major: bool,
+}
+
+impl FlashAttention {
+    /// `(b, len, heads, d)` of an input shape: token-major, or head-major for this op.
+    fn token_major(&self, shape: &Shape) -> candle_core::Result<(usize, usize, usize, usize)> {
+        let (b, x, y, d) = shape.dims4()?;
+        Ok(if self.head_major {
+            (b, y, x, d)
+        } else {
+            (b, x, y, d)
+        })
+    }
 }
 
 impl CustomOp3 for FlashAttention {
@@ -498,19 +512,6 @@ mod cuda {
         }
     }
 
-    /// `(b, len, heads, d)` of an input layout (token-major, or head-major per the op).
-    fn token_major_dims(
-        op: &FlashAttention,
-        l: &Layout,
-    ) -> candle_core::Result<(usize, usize, usize, usize)> {
-        let (b, x, y, d) = l.shape().dims4()?;
-        Ok(if op.head_major {
-            (b, y, x, d)
-        } else {
-            (b, x, y, d)
-        })
-    }
-
     pub(super) fn flash_attention(
         op: &FlashAttention,
         s1: &CudaStorage,
@@ -527,8 +528,8 @@ mod cuda {
             (s3, l3): (&CudaStorage, &Layout),
         ) -> candle_core::Result<CudaStorage> {
             let dev = s1.device().clone();
-            let (b, q_len, h, d) = token_major_dims(op, l1)?;
-            let (_, kv_len, kvh, _) = token_major_dims(op, l2)?;
+            let (b, q_len, h, d) = op.token_major(l1.shape())?;
+            let (_, kv_len, kvh, _) = op.token_major(l2.shape())?;
             let q = s1.as_cuda_slice::<T>()?.slice(l1.start_offset()..);
             let k = s2.as_cuda_slice::<T>()?.slice(l2.start_offset()..);
             let v = s3.as_cuda_slice::<T>()?.slice(l3.start_offset()..);
@@ -598,7 +599,7 @@ mod cuda {
             DType::F16 => run::<f16>(op, (s1, l1), (s2, l2), (s3, l3))?,
             other => candle_core::bail!("flash_attention runs in bf16 or f16, not {other:?}"),
         };
-        let (b, q_len, h, d) = token_major_dims(op, l1)?;
+        let (b, q_len, h, d) = op.token_major(l1.shape())?;
         Ok((out, Shape::from((b, q_len, h, d))))
     }
 }

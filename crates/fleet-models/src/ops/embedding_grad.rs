@@ -54,19 +54,30 @@ pub fn set_embedding_grad_kernel(on: Option<bool>) {
 
 static KERNEL: EnvSwitch = EnvSwitch::new("FLEET_EMBED_GRAD_KERNEL", false);
 
+/// The distinct ids of `ids` in order of first appearance, and each id's index among them:
+/// the grouping of an embedding's backward (this kernel's, and the trainer's index_add path).
+pub fn distinct_slots(ids: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    let mut slot_of: std::collections::HashMap<u32, u32> = Default::default();
+    let mut distinct: Vec<u32> = Vec::new();
+    let slots = ids
+        .iter()
+        .map(|&id| {
+            *slot_of.entry(id).or_insert_with(|| {
+                distinct.push(id);
+                (distinct.len() - 1) as u32
+            })
+        })
+        .collect();
+    (distinct, slots)
+}
+
 /// Rows grouped by id, ids in order of first appearance: `offsets` (`n_distinct + 1`), the
 /// rows of each id in increasing order, then the ids, as one array; and `n_distinct`.
 fn group_rows(ids: &[u32]) -> (Vec<u32>, usize) {
-    let mut slot_of: std::collections::HashMap<u32, usize> = Default::default();
-    let mut distinct: Vec<u32> = Vec::new();
-    let mut rows_of: Vec<Vec<u32>> = Vec::new();
-    for (j, &id) in ids.iter().enumerate() {
-        let s = *slot_of.entry(id).or_insert_with(|| {
-            distinct.push(id);
-            rows_of.push(Vec::new());
-            distinct.len() - 1
-        });
-        rows_of[s].push(j as u32);
+    let (distinct, slots) = distinct_slots(ids);
+    let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); distinct.len()];
+    for (j, &s) in slots.iter().enumerate() {
+        rows_of[s as usize].push(j as u32);
     }
     let mut packed = Vec::with_capacity(ids.len() + 2 * distinct.len() + 1);
     let mut at = 0u32;
@@ -263,15 +274,8 @@ mod tests {
                 .to_dtype(dtype)
                 .unwrap();
             // Before: per-id f32 sums by index_add, cast, scatter_add.
-            let (packed, n) = group_rows(&ids);
-            let (slots, distinct): (Vec<u32>, Vec<u32>) = {
-                let d: Vec<u32> = packed[packed.len() - n..].to_vec();
-                let slot = ids
-                    .iter()
-                    .map(|id| d.iter().position(|x| x == id).unwrap() as u32)
-                    .collect();
-                (slot, d)
-            };
+            let (distinct, slots) = distinct_slots(&ids);
+            let n = distinct.len();
             let sums = Tensor::zeros((n, hs), DType::F32, &dev)
                 .unwrap()
                 .index_add(

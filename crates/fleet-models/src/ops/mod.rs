@@ -471,7 +471,9 @@ mod swiglu;
 pub use adamw::{adamw_step_, AdamWStep};
 pub use dropout::dropout_mask;
 pub(crate) use dropout::splitmix;
-pub use embedding_grad::{embedding_grad_add_, embedding_grad_kernel, set_embedding_grad_kernel};
+pub use embedding_grad::{
+    distinct_slots, embedding_grad_add_, embedding_grad_kernel, set_embedding_grad_kernel,
+};
 pub use epilogue::{linear_bias_epilogue, linear_epilogue, linear_gelu_tanh, Epilogue};
 pub use gpu_delay::gpu_delay;
 pub use layer_norm::LayerNorm;

@@ -1342,30 +1342,16 @@ impl TrainableQwen {
         };
         let embed = &self.params[embed_idx].var;
         let dev = embed.device();
+        let ids: Vec<u32> = batch.ids.iter().flatten().copied().collect();
+        let hs = self.cfg.hidden_size;
+        let g = crate::device::transfer(g, dev)?.reshape((ids.len(), hs))?;
+        let (acc, _) = grads.slot(&self.params, embed_idx)?;
         if crate::ops::embedding_grad_kernel() {
-            let ids: Vec<u32> = batch.ids.iter().flatten().copied().collect();
-            let g = crate::device::transfer(g, dev)?.reshape((ids.len(), self.cfg.hidden_size))?;
-            let (acc, _) = grads.slot(&self.params, embed_idx)?;
             return crate::ops::embedding_grad_add_(&acc, &g, &ids);
         }
-        let mut slot_of: std::collections::HashMap<u32, u32> = Default::default();
-        let mut distinct: Vec<u32> = Vec::new();
-        let slots: Vec<u32> = batch
-            .ids
-            .iter()
-            .flatten()
-            .map(|&id| {
-                *slot_of.entry(id).or_insert_with(|| {
-                    distinct.push(id);
-                    (distinct.len() - 1) as u32
-                })
-            })
-            .collect();
+        let (distinct, slots) = crate::ops::distinct_slots(&ids);
         let (n_ids, n_distinct) = (slots.len(), distinct.len());
-        let hs = self.cfg.hidden_size;
-        let g = crate::device::transfer(g, dev)?
-            .reshape((n_ids, hs))?
-            .to_dtype(DType::F32)?;
+        let g = g.to_dtype(DType::F32)?;
         let sums = Tensor::zeros((n_distinct, hs), DType::F32, dev)?.index_add(
             &Tensor::from_vec(slots, n_ids, dev)?,
             &g,
@@ -1374,7 +1360,6 @@ impl TrainableQwen {
         let rows = Tensor::from_vec(distinct, (n_distinct, 1), dev)?
             .broadcast_as((n_distinct, hs))?
             .contiguous()?;
-        let (acc, _) = grads.slot(&self.params, embed_idx)?;
         acc.scatter_add_set(&rows, &sums.to_dtype(acc.dtype())?.contiguous()?, 0)?;
 
         Ok(())
