@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GSPO update of one gspo-train build under several environments in one call, round-robin
 # (configs/gspo/bench.toml, bf16 masters, STEPS optimizer steps a run, ROUNDS rounds): the
-# kernels that are off by default until measured, against the default. Per-step update seconds
+# default against each switch of the update's kernels turned off, and all of them off. Per-step update seconds
 # (the median of the steps after the first generation batch) from each run's metrics.jsonl;
 # every file in $OUT/metrics.tar.xz. Carried: dist/carry/gspo-train.xz.
 #
 #   SHAPES (default 1.5b), STEPS (default 8), ROUNDS (default 2), VARIANTS: a list of
 #   environments separated by ';', each a space-separated list of VAR=value ("-" for none).
-#   Default: the default path, then each switch alone, then all three:
-#   "-;FLEET_TRAIN_FLASH=1;FLEET_QKV_ROPE_BWD=1;FLEET_EMBED_GRAD_KERNEL=1;
-#    FLEET_TRAIN_FLASH=1 FLEET_QKV_ROPE_BWD=1 FLEET_EMBED_GRAD_KERNEL=1"
+#   Default: the default path, then each switch off alone, then all three off:
+#   "-;FLEET_TRAIN_FLASH=0;FLEET_QKV_ROPE_BWD=0;FLEET_EMBED_GRAD_KERNEL=0;
+#    FLEET_TRAIN_FLASH=0 FLEET_QKV_ROPE_BWD=0 FLEET_EMBED_GRAD_KERNEL=0"
 #   TESTS=1 first runs the switches' GPU tests from dist/carry/tests-next.tar.xz (ops_grad and
 #   train_grads; the repo must be at /work/main, where the binaries find their fixtures) into
 #   $OUT/tests.txt.
@@ -27,8 +27,8 @@ if [ "${TESTS:-0}" = 1 ]; then
 fi
 xz -dc dist/carry/gspo-train.xz > $W/gspo-train; chmod +x $W/gspo-train
 python3 scripts/gpu/make_gspo_prompts.py --out $W/prompts.jsonl --n 512 > /dev/null
-ALL="FLEET_TRAIN_FLASH=1 FLEET_QKV_ROPE_BWD=1 FLEET_EMBED_GRAD_KERNEL=1"
-VARIANTS="${VARIANTS:--;FLEET_TRAIN_FLASH=1;FLEET_QKV_ROPE_BWD=1;FLEET_EMBED_GRAD_KERNEL=1;$ALL}"
+ALL="FLEET_TRAIN_FLASH=0 FLEET_QKV_ROPE_BWD=0 FLEET_EMBED_GRAD_KERNEL=0"
+VARIANTS="${VARIANTS:--;FLEET_TRAIN_FLASH=0;FLEET_QKV_ROPE_BWD=0;FLEET_EMBED_GRAD_KERNEL=0;$ALL}"
 IFS=';' read -r -a envs <<< "$VARIANTS"
 for shape in ${SHAPES:-1.5b}; do
   [ -f $W/q$shape/config.json ] || python3 scripts/gpu/make_random_checkpoint.py \

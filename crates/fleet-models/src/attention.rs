@@ -19,17 +19,17 @@ use crate::error::{ModelError, Result};
 pub const MAX_HEAD_DIM: usize = 128;
 
 /// Whether the training passes (tracked or not) run the flash kernel with its backward
-/// ([`flash_backward`]) instead of the unfused path: `FLEET_TRAIN_FLASH=1`, off by default. On
-/// one H200 its first version made a 1.5B GSPO micro-step no faster: the forward's batched
-/// GEMMs and softmax went, but the backward recomputes them and copied the gradients of the
-/// transposes around the kernel (docs/benchmarks.md). The passes now enter through
-/// [`attend_token_major`], which records no transposes: not yet run on a GPU. Either way the
-/// old log-probs and the update take the same path.
+/// ([`flash_backward`]) instead of the unfused path: on by default, `FLEET_TRAIN_FLASH=0`
+/// turns it off. Its first version made a 1.5B GSPO micro-step no faster on one H200 (the
+/// backward copied the gradients of the transposes around the kernel); entering through
+/// [`attend_token_major`], which records no transposes, it took the update 3.5% faster in
+/// the same H200 call (docs/benchmarks.md). Either way the old log-probs and the update take
+/// the same path; off a GPU the unfused path runs.
 pub fn flash_in_training() -> bool {
     TRAIN_FLASH.on()
 }
 
-static TRAIN_FLASH: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_TRAIN_FLASH", false);
+static TRAIN_FLASH: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_TRAIN_FLASH", true);
 
 /// The mask of one attention call.
 #[derive(Debug, Clone, Default)]

@@ -656,16 +656,25 @@ impl<'a> Generator<'a> {
         if self.eos_ids.contains(&tok) {
             row.finish = Some(FinishReason::Eos);
         }
-        let delta = self.update_text(row)?;
-        if let Some(cb) = on_token.as_mut() {
-            cb(StreamEvent {
-                request: row.request,
-                token_id: tok,
-                text_delta: &delta,
-            });
+        // The text is needed token by token only for stop strings and streaming; otherwise it
+        // is decoded once, when the row ends (decoding the whole row after every token costs
+        // O(n²) host time: ~0.5 s a GSPO generation batch of 64 x 256 with a real tokenizer).
+        let per_token = on_token.is_some() || !row.stop_strings.is_empty();
+        if per_token {
+            let delta = self.update_text(row)?;
+            if let Some(cb) = on_token.as_mut() {
+                cb(StreamEvent {
+                    request: row.request,
+                    token_id: tok,
+                    text_delta: &delta,
+                });
+            }
         }
         if row.finish.is_none() && row.generated.len() >= row.max_new_tokens {
             row.finish = Some(FinishReason::Length);
+        }
+        if !per_token && row.finish.is_some() {
+            self.update_text(row)?;
         }
         Ok(row.finish.is_none())
     }

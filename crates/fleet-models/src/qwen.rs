@@ -399,10 +399,10 @@ impl Attention {
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
 
         // Prefills of many queries on a GPU: the fused kernel (no score buffer). The training
-        // module's passes (a passthrough cache), with or without gradients, keep the unfused
-        // path unless `attention::flash_in_training` (then all of them take the kernel and its
-        // backward): GSPO's old log-probs (no gradient) must equal the first update's
-        // (tracked) to the bit, or the ratio is not 1. Decode steps keep the unfused path,
+        // module's passes (a passthrough cache), with or without gradients, take the kernel and
+        // its backward while `attention::flash_in_training` (the default), else all of them
+        // keep the unfused path: GSPO's old log-probs (no gradient) must equal the first
+        // update's (tracked) to the bit, or the ratio is not 1. Decode steps keep the unfused path,
         // which reads each grouped key/value head once for all the query heads that share
         // it. The 1/sqrt(d) scale is already folded into the queries (see
         // `DecoderLayer::load`).
@@ -421,8 +421,8 @@ impl Attention {
 /// Causal attention of head-major `q` (`[b, heads, q_len, d]`, the 1/sqrt(d) scale folded in)
 /// over `k`, `v` whose rows are left-padded by `pad` (u32 `[b]`), the queries at the end of
 /// the keys; the heads merged back: `[b, q_len, heads * d]`. `fused`: the flash kernel;
-/// `training`: a pass of the training module, which (with `FLEET_TRAIN_FLASH=1`, the only way
-/// it gets `fused`) takes the kernel through [`attention::attend_token_major`], so that no
+/// `training`: a pass of the training module, which (while `attention::flash_in_training`,
+/// the only way it gets `fused`) takes the kernel through [`attention::attend_token_major`], so that no
 /// transposes are recorded; inference keeps the token-major views the GPU tests cover.
 fn causal_attention(
     q: &Tensor,

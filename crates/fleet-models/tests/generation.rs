@@ -76,6 +76,19 @@ fn stop_strings_streaming_and_limits() {
         .unwrap();
     let text = free[0].text.clone();
     assert!(text.chars().count() > 6, "need some text to cut: {text:?}");
+    // Without streaming or stop strings the text is decoded once, at the row's end: the same
+    // text as the stream's, token by token.
+    assert_eq!(text, tok.decode(&free[0].token_ids, true).unwrap());
+    let mut streamed_free = String::new();
+    let mut on_free = |e: fleet_models::StreamEvent<'_>| streamed_free.push_str(e.text_delta);
+    let out_free = model
+        .generate(
+            &[GenerationRequest::greedy(prompt.clone(), 24)],
+            Some(&mut on_free),
+        )
+        .unwrap();
+    assert_eq!(out_free[0].text, text);
+    assert_eq!(streamed_free, text);
 
     // Stop at a piece of the greedy text: the output is cut right before it.
     let cut_at = text.char_indices().nth(text.chars().count() / 2).unwrap().0;

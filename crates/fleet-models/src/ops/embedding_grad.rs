@@ -39,9 +39,8 @@ pub fn embedding_grad_add_(acc: &Tensor, g: &Tensor, ids: &[u32]) -> Result<()> 
 }
 
 /// Whether the trainer adds the embedding's gradient with [`embedding_grad_add_`] instead of
-/// candle's `index_add` and `scatter_add`: `FLEET_EMBED_GRAD_KERNEL=1` only — off by default
-/// until its GPU test has run — or as [`set_embedding_grad_kernel`] sets it. The same sums
-/// either way.
+/// candle's `index_add` and `scatter_add`: on by default (`FLEET_EMBED_GRAD_KERNEL=0` turns it
+/// off), or as [`set_embedding_grad_kernel`] sets it. The same sums either way.
 pub fn embedding_grad_kernel() -> bool {
     KERNEL.on()
 }
@@ -52,7 +51,7 @@ pub fn set_embedding_grad_kernel(on: Option<bool>) {
     KERNEL.force(on);
 }
 
-static KERNEL: EnvSwitch = EnvSwitch::new("FLEET_EMBED_GRAD_KERNEL", false);
+static KERNEL: EnvSwitch = EnvSwitch::new("FLEET_EMBED_GRAD_KERNEL", true);
 
 /// The distinct ids of `ids` in order of first appearance, and each id's index among them:
 /// the grouping of an embedding's backward (this kernel's, and the trainer's index_add path).

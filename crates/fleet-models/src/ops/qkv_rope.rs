@@ -682,9 +682,9 @@ pub fn set_qkv_rope_pairs(pairs: Option<usize>) {
 /// Whether [`qkv_rope`]'s backward on CUDA runs as one kernel (`qkv_rope_bwd`: the output
 /// gradient read once, the gradient of qkv written once in f32, the bias gradient summed by
 /// row slices) instead of the composed f32 ops (casts, candle's RoPE, concatenation, a
-/// transpose copy, a sum): `FLEET_QKV_ROPE_BWD=1` only — off by default until its GPU test has
-/// run — or as [`set_qkv_rope_fused_backward`] sets it.
-static FUSED_BWD: EnvSwitch = EnvSwitch::new("FLEET_QKV_ROPE_BWD", false);
+/// transpose copy, a sum): on by default (`FLEET_QKV_ROPE_BWD=0` turns it off), or as
+/// [`set_qkv_rope_fused_backward`] sets it.
+static FUSED_BWD: EnvSwitch = EnvSwitch::new("FLEET_QKV_ROPE_BWD", true);
 
 /// Test switch for [`qkv_rope`]'s fused backward: `Some(on)` forces it, `None` leaves it to
 /// `FLEET_QKV_ROPE_BWD`.
