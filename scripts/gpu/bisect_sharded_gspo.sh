@@ -7,7 +7,7 @@ export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 W=/tmp/gspo_bisect; R="$OUT/bisect"; mkdir -p "$W" "$R"
 STEPS="${STEPS:-2}"
-[ -x "$W/gspo-train" ] || { xz -dc dist/carry/gspo-train.xz > "$W/gspo-train" && chmod +x "$W/gspo-train"; }
+xz -dc dist/carry/gspo-train.xz > "$W/gspo-train" && chmod +x "$W/gspo-train"
 python3 scripts/gpu/make_gspo_prompts.py --out "$W/prompts.jsonl" --n 256 > /dev/null
 [ -f "$W/rm05/config.json" ] || python3 scripts/gpu/make_random_checkpoint.py --classifier \
   --config configs/models/qwen2.5-0.5b.json --out "$W/rm05" --tokenizer-from tests/fixtures/qwen2-tiny > /dev/null 2>&1

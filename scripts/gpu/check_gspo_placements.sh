@@ -11,7 +11,7 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 W=/tmp/gspo_seed
 R="$OUT/placements"
 mkdir -p "$W" "$R"
-[ -x "$W/gspo-train" ] || { xz -dc dist/carry/gspo-train.xz > "$W/gspo-train" && chmod +x "$W/gspo-train"; }
+xz -dc dist/carry/gspo-train.xz > "$W/gspo-train" && chmod +x "$W/gspo-train"
 export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
 python3 scripts/gpu/make_gspo_prompts.py --out "$W/prompts.jsonl" --n 256 > /dev/null
 for s in 1.5b 0.5b; do

@@ -30,7 +30,7 @@ R="$OUT/dp"
 mkdir -p "$R" "$W"
 exec > >(tee -a "$R/log.txt") 2>&1
 BIN="$W/gspo-train"
-[ -x "$BIN" ] || { xz -dc dist/carry/gspo-train.xz > "$BIN" && chmod +x "$BIN"; }
+xz -dc dist/carry/gspo-train.xz > "$BIN" && chmod +x "$BIN"
 export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$R/gpus.txt"
 nvidia-smi topo -m > "$R/topo.txt" 2>&1

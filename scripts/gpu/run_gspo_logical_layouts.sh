@@ -27,7 +27,7 @@ CAP3="${CAP3:-44GiB}"
 W=/tmp/gspo_logical
 R="$OUT/gspo_logical"
 mkdir -p "$W" "$R"
-[ -x "$W/gspo-train" ] || { xz -dc dist/carry/gspo-train.xz > "$W/gspo-train" && chmod +x "$W/gspo-train"; }
+xz -dc dist/carry/gspo-train.xz > "$W/gspo-train" && chmod +x "$W/gspo-train"
 export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
 nvidia-smi > "$R/nvidia-smi.txt" 2>&1
 python3 scripts/gpu/make_gspo_prompts.py --out "$W/prompts.jsonl" --n 256 > /dev/null

@@ -19,7 +19,7 @@ WORK="${WORK:-/tmp/gspo_seed}"
 STEPS="${STEPS:-8}"
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
-[ -x "$WORK/gspo-train" ] || xz -dc dist/carry/gspo-train.xz > "$WORK/gspo-train"
+xz -dc dist/carry/gspo-train.xz > "$WORK/gspo-train"
 chmod +x "$WORK/gspo-train"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python3 scripts/gpu/make_gspo_prompts.py --out "$WORK/prompts.jsonl" --n 256

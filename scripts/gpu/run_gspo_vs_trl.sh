@@ -56,7 +56,8 @@ mkdir -p "$OUT" "$WORK"
 LOG="$OUT/log.txt"
 exec > >(tee -a "$LOG") 2>&1
 
-[ -x "$WORK/gspo-train" ] || xz -dc dist/carry/gspo-train.xz > "$WORK/gspo-train"
+# Always the carried build: a warm machine keeps /tmp from an earlier call, and its binary.
+xz -dc dist/carry/gspo-train.xz > "$WORK/gspo-train"
 chmod +x "$WORK/gspo-train"
 [ -d "$WORK/site" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target "$WORK/site" .whl/*.whl

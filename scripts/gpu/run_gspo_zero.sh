@@ -24,7 +24,7 @@ R="$OUT/zero"
 mkdir -p "$R" "$W"
 exec > >(tee -a "$R/log.txt") 2>&1
 BIN="$W/gspo-train"
-[ -x "$BIN" ] || { xz -dc dist/carry/gspo-train.xz > "$BIN" && chmod +x "$BIN"; }
+xz -dc dist/carry/gspo-train.xz > "$BIN" && chmod +x "$BIN"
 export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$R/gpus.txt"
 [ -f "$W/prompts.jsonl" ] || python3 scripts/gpu/make_gspo_prompts.py --out "$W/prompts.jsonl" --n 512 > /dev/null

@@ -13,7 +13,7 @@ R="$OUT/judge"
 mkdir -p "$R"
 BIN=/tmp/judge_work/edit-score
 mkdir -p /tmp/judge_work
-[ -x "$BIN" ] || { xz -dc dist/judge/edit-score.xz > "$BIN" && chmod +x "$BIN"; }
+xz -dc dist/judge/edit-score.xz > "$BIN" && chmod +x "$BIN"
 export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
 nvidia-smi > "$R/nvidia-smi.txt" 2>&1
 

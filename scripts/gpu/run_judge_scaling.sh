@@ -15,7 +15,7 @@ R="$OUT/judge_scaling"
 W=/tmp/judge_scaling
 mkdir -p "$R" "$W"
 BIN="$W/edit-score"
-[ -x "$BIN" ] || { xz -dc dist/carry/edit-score.xz > "$BIN" && chmod +x "$BIN"; }
+xz -dc dist/carry/edit-score.xz > "$BIN" && chmod +x "$BIN"
 export FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
 PAIRS="${PAIRS:-128}"; BATCH="${BATCH:-16}"; SHAPE="${SHAPE:-configs/models/qwen3-vl-8b.json}"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$R/gpus.txt"

@@ -61,19 +61,15 @@ impl RmsNorm {
     }
 }
 
-/// `t * factor`, computed in f32 and rounded once to `t`'s dtype.
-fn scaled(t: &Tensor, factor: f64) -> Result<Tensor> {
-    Ok((t.to_dtype(DType::F32)? * factor)?.to_dtype(t.dtype())?)
-}
-
 /// Concatenates projections that read the same input into one matrix, so one GEMM does the
-/// work of several (q/k/v; gate/up).
-fn fused(parts: Vec<(Tensor, Option<Tensor>)>) -> Result<Linear> {
+/// work of several (q/k/v; gate/up); `first_scale` multiplies the first projection, weight and
+/// bias (the attention scale folded into q), as part of the same kernel ([`ops::concat_rows`]).
+fn fused(parts: Vec<(Tensor, Option<Tensor>)>, first_scale: Option<f64>) -> Result<Linear> {
     let weights: Vec<&Tensor> = parts.iter().map(|(w, _)| w).collect();
-    let weight = Tensor::cat(&weights, 0)?;
+    let weight = ops::concat_rows(&weights, first_scale)?;
     let bias = if parts.iter().all(|(_, b)| b.is_some()) {
         let biases: Vec<&Tensor> = parts.iter().filter_map(|(_, b)| b.as_ref()).collect();
-        Some(Tensor::cat(&biases, 0)?)
+        Some(ops::concat_rows(&biases, first_scale)?)
     } else {
         None
     };
@@ -572,11 +568,11 @@ impl DecoderLayer {
             cfg.qkv_bias(),
         )?;
         let (ow, ob) = ld.linear(&format!("{p}.self_attn.o_proj"), h * hd, hs, cfg.o_bias())?;
-        let (q, q_norm, k_norm) = if cfg.arch() == QwenArch::Qwen3 {
+        let (q_scale, q_norm, k_norm) = if cfg.arch() == QwenArch::Qwen3 {
             let mut qn = RmsNorm::load(ld, &format!("{p}.self_attn.q_norm"), hd, cfg.rms_norm_eps)?;
-            qn.weight = scaled(&qn.weight, scale)?;
+            qn.weight = ops::scaled(&qn.weight, scale)?;
             (
-                q,
+                None,
                 Some(qn),
                 Some(RmsNorm::load(
                     ld,
@@ -586,9 +582,7 @@ impl DecoderLayer {
                 )?),
             )
         } else {
-            let (w, b) = q;
-            let b = b.map(|b| scaled(&b, scale)).transpose()?;
-            ((scaled(&w, scale)?, b), None, None)
+            (Some(scale), None, None)
         };
         let mlp = if cfg.layer_is_moe(i) {
             Ffn::Moe(SparseMoe::load(
@@ -605,13 +599,13 @@ impl DecoderLayer {
             let up = ld.linear(&format!("{p}.mlp.up_proj"), hs, im, false)?;
             let (dw, _) = ld.linear(&format!("{p}.mlp.down_proj"), im, hs, false)?;
             Ffn::Dense(Mlp {
-                gate_up: fused(vec![gate, up])?,
+                gate_up: fused(vec![gate, up], None)?,
                 down: Linear::new(dw, None),
                 gate_up_lora: Adapters::default(),
                 down_lora: Adapters::default(),
             })
         };
-        let qkv = fused(vec![q, k, v])?;
+        let qkv = fused(vec![q, k, v], q_scale)?;
         Ok(DecoderLayer {
             input_norm: RmsNorm::load(ld, &format!("{p}.input_layernorm"), hs, cfg.rms_norm_eps)?,
             attn: Attention {

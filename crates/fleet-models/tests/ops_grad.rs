@@ -1610,3 +1610,103 @@ fn cuda_embedding_grad_add_matches_its_twin() {
         assert_eq!(diff, 0.0, "{dtype:?}");
     }
 }
+
+/// The stacking kernel on the GPU against candle's cast, affine and cat (its reference) on the
+/// GPU, bit for bit, forward and backward: the 1.5B's q/k/v weights with the attention scale
+/// folded into q (whole 16-byte vectors), their biases (parts of 1,536 and 256 elements, and
+/// an odd-length case that takes the element-wise kernel), gate/up without a scale, in bf16
+/// and f32.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_concat_rows_matches_cast_affine_and_cat() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cuda_concat_rows_matches_cast_affine_and_cat: no CUDA device ({e})");
+            return;
+        }
+    };
+    let mut rng = Rng(71);
+    let scale = Some(1.0 / (128f64).sqrt());
+    let cases: [(&str, Vec<Vec<usize>>, Option<f64>); 5] = [
+        (
+            "qkv weights",
+            vec![vec![1536, 1536], vec![256, 1536], vec![256, 1536]],
+            scale,
+        ),
+        ("qkv biases", vec![vec![1536], vec![256], vec![256]], scale),
+        (
+            "odd lengths",
+            vec![vec![13, 3], vec![5, 3], vec![7, 3]],
+            scale,
+        ),
+        ("gate/up", vec![vec![1200, 896], vec![1200, 896]], None),
+        ("two odd parts", vec![vec![9], vec![4]], Some(0.3)),
+    ];
+    for dtype in [DType::BF16, DType::F32] {
+        for (what, shapes, s) in &cases {
+            let vars: Vec<Var> = shapes
+                .iter()
+                .map(|sh| {
+                    Var::from_tensor(
+                        &rng.tensor(sh, 0.0, 1.0)
+                            .to_dtype(dtype)
+                            .unwrap()
+                            .to_device(&gpu)
+                            .unwrap(),
+                    )
+                    .unwrap()
+                })
+                .collect();
+            let parts: Vec<&Tensor> = vars.iter().map(Var::as_tensor).collect();
+            let run = |kernel: bool| {
+                ops::set_concat_rows_kernel(Some(kernel));
+                let out = ops::concat_rows(&parts, *s).unwrap();
+                ops::set_concat_rows_kernel(None);
+                // A loss whose gradient differs per element.
+                let w = rng_free_weights(out.dims(), dtype, &gpu);
+                let grads = (out.to_dtype(DType::F32).unwrap() * w.to_dtype(DType::F32).unwrap())
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let gs: Vec<Tensor> = parts
+                    .iter()
+                    .map(|p| grads.get(p).unwrap().clone())
+                    .collect();
+                (out, gs)
+            };
+            let (k_out, k_grads) = run(true);
+            let (r_out, r_grads) = run(false);
+            let diff = max_diff(
+                &k_out.to_device(&Device::Cpu).unwrap(),
+                &r_out.to_device(&Device::Cpu).unwrap(),
+            );
+            eprintln!("concat_rows {what} {dtype:?}: kernel vs reference {diff:.2e}");
+            assert_eq!(diff, 0.0, "{what} {dtype:?} forward");
+            for (i, (a, b)) in k_grads.iter().zip(&r_grads).enumerate() {
+                let d = max_diff(
+                    &a.to_device(&Device::Cpu).unwrap(),
+                    &b.to_device(&Device::Cpu).unwrap(),
+                );
+                assert_eq!(d, 0.0, "{what} {dtype:?} gradient of part {i}");
+            }
+        }
+    }
+}
+
+/// Deterministic weights of `shape` (a ramp), for a loss with a different gradient per element.
+#[cfg(feature = "cuda")]
+fn rng_free_weights(shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_device(dev)
+        .unwrap()
+}

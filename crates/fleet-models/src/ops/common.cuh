@@ -100,3 +100,23 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t *>(&v);
 }
+
+// 16 bytes of T (8 bf16/f16 or 4 f32 elements), loaded and stored as one uint4: the element-wise
+// kernels' vector path, for pointers the launcher has checked to be 16-byte aligned.
+template <typename T> struct Vec16 {
+    static constexpr int N = 16 / sizeof(T);
+    T v[N];
+};
+
+template <typename T> __device__ __forceinline__ Vec16<T> load16(const T *p) {
+    Vec16<T> out;
+    const uint4 raw = *reinterpret_cast<const uint4 *>(p);
+    memcpy(out.v, &raw, 16);
+    return out;
+}
+
+template <typename T> __device__ __forceinline__ void store16(T *p, const Vec16<T> &val) {
+    uint4 raw;
+    memcpy(&raw, val.v, 16);
+    *reinterpret_cast<uint4 *>(p) = raw;
+}

@@ -25,6 +25,9 @@
 //!   the draw in one kernel) and its log-probability, on the device.
 //! - [`adamw_step_`]: the optimizer's fused step; [`add_matmul_tn_`]: a weight gradient added
 //!   to its sum by the GEMM itself (`beta = 1`).
+//! - [`concat_rows`]: projections that read one input stacked into one weight (q/k/v,
+//!   gate/up), the attention scale folded into the first (replaces a cast, an affine, a cast
+//!   and one copy a part).
 //! - [`linear`]: a linear layer with the bias added in place after the GEMM, and the decode
 //!   step's few-row products that stream the weights once: [`gemv`] (up to 4 rows) and
 //!   [`skinny_gemm`] (5 to 64, on the tensor cores).
@@ -452,6 +455,7 @@ pub(crate) fn test_tensor(shape: &[usize], seed: u64) -> Tensor {
 }
 
 mod adamw;
+mod concat_rows;
 mod dropout;
 mod embedding_grad;
 mod epilogue;
@@ -469,6 +473,7 @@ mod sample;
 mod swiglu;
 
 pub use adamw::{adamw_step_, AdamWStep};
+pub use concat_rows::{concat_rows, concat_rows_reference, scaled, set_concat_rows_kernel};
 pub use dropout::dropout_mask;
 pub(crate) use dropout::splitmix;
 pub use embedding_grad::{

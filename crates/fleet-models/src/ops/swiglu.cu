@@ -41,24 +41,6 @@ __device__ void swiglu_bwd(const T *x, const T *g, T *dx, int n_rows, int n_cols
 // checks): one index division per vector instead of a 64-bit division and remainder per
 // element, which made the scalar kernels instruction-bound. Each element's arithmetic is the
 // scalar kernels', so the results are the same bits.
-template <typename T> struct Vec16 {
-    static constexpr int N = 16 / sizeof(T);
-    T v[N];
-};
-
-template <typename T> __device__ __forceinline__ Vec16<T> load16(const T *p) {
-    Vec16<T> out;
-    const uint4 raw = *reinterpret_cast<const uint4 *>(p);
-    memcpy(out.v, &raw, 16);
-    return out;
-}
-
-template <typename T> __device__ __forceinline__ void store16(T *p, const Vec16<T> &val) {
-    uint4 raw;
-    memcpy(&raw, val.v, 16);
-    *reinterpret_cast<uint4 *>(p) = raw;
-}
-
 template <typename T>
 __device__ void swiglu_vec(const T *x, T *y, int n_rows, int n_cols) {
     constexpr int V = Vec16<T>::N;
