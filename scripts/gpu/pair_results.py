@@ -23,6 +23,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -247,13 +248,13 @@ def judge(d: Path) -> None:
 
 # ---------------------------------------------------------------- gspo (gspo-train vs TRL)
 VARIANTS = ("fleet", "fleet-bf16", "fleet-bf16-mb8", "fleet-bf16-auto", "fleet-lora", "fleet-bf16-lora",
-            "fleet-bf16-release")  # -release: a measured A/B of 2026-11-27 (the pool keeping freed blocks)
+            "fleet-bf16-release", "fleet-bf16-steps1")  # -release: a measured A/B of 2026-11-27 (the pool keeping freed blocks)
 
 
 def gspo(d: Path) -> None:
     search = read_search(d)
     per_gen = int(os.environ.get("STEPS_PER_GENERATION", "4"))
-    report, rows, best = {}, [], {}
+    report, rows, best, steps_md = {}, [], {}, []
     gpu = gpu_of(d)
     table = {}
     for n in sorted(glob.glob(str(d / "*.metrics.jsonl"))):
@@ -282,6 +283,13 @@ def gspo(d: Path) -> None:
         row = {"seconds_per_generation_batch": mean("total"), "generation": mean("gen"),
                "scoring": mean("score"), "update": mean("update"), "batches": len(later),
                "rows": b * per_gen, "tokens_first_generation_batch": first_tokens}
+        # The optimizer step alone: the median of the steps after the first generation batch
+        # that did not generate (what TRL's figure below measures too).
+        first = min(batches)
+        plain = [r["update_seconds"] for r in m
+                 if r["generation_batch"] != first and r["generation_seconds"] == 0]
+        if plain:
+            row["update_step_median"] = statistics.median(plain)
         row["completions_per_s"] = row["rows"] / row["seconds_per_generation_batch"]
         mem = d / f"{name}.mem.json"
         if mem.exists():
@@ -307,7 +315,13 @@ def gspo(d: Path) -> None:
                "peak_allocated_bytes": t["peak_allocated_bytes"],
                "peak_reserved_bytes": t["peak_reserved_bytes"],
                "versions": {k: t[k] for k in ("trl_version", "transformers_version", "torch_version")}}
+        # The update per generation batch as total minus generation: its first step also
+        # carries whatever TRL does around generating (in some batches more than a second), so
+        # the optimizer step is compared by the median of the steps that did not generate.
         row["update"] = total - row["generation_and_scoring"]
+        plain = [x for i, x in enumerate(steps) if i >= per_gen and i % per_gen != 0]
+        if plain:
+            row["update_step_median"] = statistics.median(plain)
         row["completions_per_s"] = row["rows"] / total
         mem = d / f"{name}.mem.json"
         if mem.exists():
@@ -332,6 +346,13 @@ def gspo(d: Path) -> None:
                 if v in row and "trl" in row:
                     row[f"speedup_{v}"] = (row["trl"]["seconds_per_generation_batch"]
                                            / row[v]["seconds_per_generation_batch"])
+                    if row[v].get("update_step_median") and row["trl"].get("update_step_median"):
+                        row[f"update_step_speedup_{v}"] = (row["trl"]["update_step_median"]
+                                                          / row[v]["update_step_median"])
+                        steps_md.append(
+                            f"| {shape} {v} | {b} | {row[v]['update_step_median']:.3f} | "
+                            f"{row['trl']['update_step_median']:.3f} | "
+                            f"{row[f'update_step_speedup_{v}']:.2f}x |")
                     if row[v].get("peak_mib") and row["trl"].get("peak_mib"):
                         row[f"memory_ratio_{v}_over_trl"] = row[v]["peak_mib"] / row["trl"]["peak_mib"]
                     rows.append({"key": f"{shape} {v}", "batch": b,
@@ -355,6 +376,13 @@ def gspo(d: Path) -> None:
     finish(d, "gspo", "completions_per_s", "completions/s", rows, best, {},
            "rows of a generation batch / its seconds; batch = per_device_train_batch_size, "
            f"{per_gen} micro-batches per generation batch")
+    if steps_md:
+        md = ["", "The optimizer step alone (seconds, the median of the steps after the first "
+              "generation batch that did not generate):", "",
+              "| what | batch | fleet | TRL | TRL / fleet |", "|---|---|---|---|---|"] + steps_md
+        with open(d / "pairs.md", "a") as f:
+            f.write("\n".join(md) + "\n")
+        print("\n".join(md))
 
 
 def split_name(name: str):

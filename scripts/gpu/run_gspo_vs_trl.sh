@@ -32,8 +32,8 @@
 #
 # VARIANTS picks fleet's runs (default "fleet fleet-bf16"; fleet-lora and fleet-bf16-lora: LoRA
 # adapters, r 16, alpha 32, lora_dropout 0.05 (TRL's default), on every linear layer, against full fine-tuning in the same call;
-# also fleet-bf16-steps8: rollouts
-# reading tokens back every 8 decode steps; fleet-bf16-mb8: each micro-batch
+# also fleet-bf16-steps1: rollouts
+# reading tokens back after every decode step (the default is every 8); fleet-bf16-mb8: each micro-batch
 # run as micro-batches of 8 with gradient accumulation, the same optimizer steps, for batches that
 # are multiples of 8; and fleet-bf16-auto, whose --max-memory is TRL's peak measured just before
 # at the same batch).
@@ -116,7 +116,7 @@ fleet_run() {
   case "$variant" in
     fleet) extra="" ;;
     fleet-bf16) extra="--torch-dtype bfloat16" ;;
-    fleet-bf16-steps8) extra="--torch-dtype bfloat16 --set num_scheduler_steps=8" ;;
+    fleet-bf16-steps1) extra="--torch-dtype bfloat16 --set num_scheduler_steps=1" ;;
     fleet-bf16-lora) extra="--torch-dtype bfloat16 --set use_peft=true --set lora_r=16 --set lora_alpha=32 --set lora_target_modules=all-linear --set lora_dropout=0.05" ;;
     fleet-lora) extra="--set use_peft=true --set lora_r=16 --set lora_alpha=32 --set lora_target_modules=all-linear --set lora_dropout=0.05" ;;
     fleet-bf16-mb8)

@@ -128,12 +128,17 @@ fn rollouts_streamed_through_fewer_decode_slots_are_the_same_rollouts() {
     // run is the same one.
     let tmp = tempfile::tempdir().unwrap();
     let longer = "max_completion_length=6";
-    let all = run(&tmp.path().join("all"), 4, &[longer]);
-    // Three slots; and three slots reading tokens back every 4 steps (vLLM's
-    // num_scheduler_steps).
+    let all = run(
+        &tmp.path().join("all"),
+        4,
+        &[longer, "num_scheduler_steps=1"],
+    );
+    // Three slots; three slots reading tokens back every 4 steps (vLLM's
+    // num_scheduler_steps); all slots at the default (a read every 8 steps).
     for (name, extra) in [
-        ("streamed", &["max_num_seqs=3"][..]),
+        ("streamed", &["max_num_seqs=3", "num_scheduler_steps=1"][..]),
         ("bursts", &["max_num_seqs=3", "num_scheduler_steps=4"][..]),
+        ("default", &[][..]),
     ] {
         let mut overrides = vec![longer];
         overrides.extend(extra);
