@@ -1335,6 +1335,68 @@ fn patched_backward_sums_every_contribution() {
     }
 }
 
+/// The patched narrow backward (vendor/candle-core, `accumulate_narrow`): a stacked tensor
+/// read through disjoint narrows (as a multi-output op's outputs are) gets each narrow's
+/// gradient copied into its range of one zeroed tensor; narrows that overlap, narrows along
+/// another dimension, and a contribution from another op are still added. Each case against
+/// the closed form (the narrows' weights in their ranges, summed), in f32 and bf16.
+#[test]
+fn patched_narrow_backward_sums_every_contribution() {
+    let dev = Device::Cpu;
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    // (case, narrows (dim, start, len), where the whole tensor's other use joins the loss).
+    let cases: [(&str, Vec<(usize, usize, usize)>, Option<usize>); 7] = [
+        ("disjoint", vec![(0, 0, 1), (0, 2, 2), (0, 1, 1)], None),
+        ("overlapping", vec![(0, 0, 2), (0, 1, 2)], None),
+        ("same range twice", vec![(1, 0, 2), (1, 0, 2)], None),
+        ("two dimensions", vec![(0, 0, 2), (2, 1, 3)], None),
+        ("another op first", vec![(0, 0, 1), (0, 1, 3)], Some(0)),
+        ("another op between", vec![(0, 0, 1), (0, 1, 3)], Some(1)),
+        ("another op last", vec![(0, 0, 1), (0, 1, 3)], Some(2)),
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        for (what, narrows, whole) in &cases {
+            let mut rng = Rng(29);
+            let s = Var::from_tensor(&rng.tensor(&[4, 3, 5], 0.0, 1.0).to_dtype(dtype).unwrap())
+                .unwrap();
+            let st = s.as_tensor();
+            let c: Vec<Tensor> = (0..=narrows.len())
+                .map(|_| rng.tensor(&[4, 3, 5], 0.0, 1.0).to_dtype(dtype).unwrap())
+                .collect();
+            let mut loss = Tensor::zeros((), DType::F32, &dev).unwrap();
+            let mut want = Tensor::zeros((4, 3, 5), DType::F32, &dev).unwrap();
+            let other = c[narrows.len()].clone();
+            for (k, &(dim, start, len)) in narrows.iter().enumerate() {
+                if *whole == Some(k) {
+                    loss = (loss + f(&(st * &other).unwrap()).sum_all().unwrap()).unwrap();
+                    want = (want + f(&other)).unwrap();
+                }
+                let w = c[k].narrow(dim, start, len).unwrap();
+                let l = (st.narrow(dim, start, len).unwrap() * &w).unwrap();
+                loss = (loss + f(&l).sum_all().unwrap()).unwrap();
+                let placed = Tensor::zeros((4, 3, 5), DType::F32, &dev).unwrap();
+                placed
+                    .slice_set(&f(&w).contiguous().unwrap(), dim, start)
+                    .unwrap();
+                want = (want + placed).unwrap();
+            }
+            if *whole == Some(narrows.len()) {
+                loss = (loss + f(&(st * &other).unwrap()).sum_all().unwrap()).unwrap();
+                want = (want + f(&other)).unwrap();
+            }
+            let g = loss.backward().unwrap();
+            let err = max_diff(&f(g.get(st).unwrap()), &want);
+            // bf16: where two weights meet, their sum is rounded to bf16.
+            let tol = if dtype == DType::F32 || *what == "disjoint" {
+                0.0
+            } else {
+                2e-2
+            };
+            assert!(err <= tol, "{what} {dtype:?}: max error {err}");
+        }
+    }
+}
+
 /// The weight gradient added by the GEMM (`add_matmul_tn_`, cuBLASLt with `beta = 1`) on the
 /// GPU against its CPU twin, into a view of a larger buffer as the gradient sums are, at the
 /// vocabulary projection's shape (a chunk of 441 token rows, a 1536-wide hidden state) and a

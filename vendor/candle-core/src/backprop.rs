@@ -549,29 +549,7 @@ impl Tensor {
                         *sum_grad = sum_grad.sub(&grad)?
                     }
                     &Op::Narrow(ref arg, dim, start_idx, len) => {
-                        let arg_dims = arg.dims();
-                        let left_pad = if start_idx == 0 {
-                            None
-                        } else {
-                            let mut dims = arg_dims.to_vec();
-                            dims[dim] = start_idx;
-                            Some(Tensor::zeros(dims, grad.dtype(), grad.device())?)
-                        };
-                        let right_pad = arg_dims[dim] - start_idx - len;
-                        let right_pad = if right_pad == 0 {
-                            None
-                        } else {
-                            let mut dims = arg_dims.to_vec();
-                            dims[dim] = right_pad;
-                            Some(Tensor::zeros(dims, grad.dtype(), grad.device())?)
-                        };
-                        let arg_grad = match (left_pad, right_pad) {
-                            (None, None) => grad,
-                            (Some(l), None) => Tensor::cat(&[&l, &grad], dim)?,
-                            (None, Some(r)) => Tensor::cat(&[&grad, &r], dim)?,
-                            (Some(l), Some(r)) => Tensor::cat(&[&l, &grad, &r], dim)?,
-                        };
-                        grads.accumulate(arg, &arg_grad)?;
+                        grads.accumulate_narrow(arg, dim, start_idx, len, &grad)?;
                     }
                     Op::Unary(_, UnaryOp::Floor)
                     | Op::Unary(_, UnaryOp::Round)
@@ -698,7 +676,18 @@ impl Tensor {
 
 /// A store for gradients, associating a tensor id to the corresponding gradient tensor, used for back propagation.
 #[derive(Default, Debug)]
-pub struct GradStore(HashMap<TensorId, Tensor>);
+pub struct GradStore(HashMap<TensorId, Tensor>, NarrowSums);
+
+/// fleet's patch: gradients that narrows' backwards made (a zeroed tensor of the narrowed
+/// tensor's shape with the narrow's gradient copied into its range), by the id of the tensor
+/// they are the gradient of: that gradient tensor's id, the dimension, and the ranges written.
+/// A later narrow of the same tensor along the same dimension, over a range not yet written,
+/// copies its gradient into that range instead of making another padded tensor and adding
+/// the two. A multi-output op returns its outputs stacked and each output is a narrow of the
+/// stack (`add_rms_norm`'s two, `qkv_rope`'s three): the published backward made a padded
+/// copy per output (a `cat` with zeros) and a full-size add per output after the first.
+#[derive(Default, Debug)]
+struct NarrowSums(HashMap<TensorId, (TensorId, usize, Vec<(usize, usize)>)>);
 
 impl GradStore {
     /// Create a new gradient store
@@ -751,6 +740,61 @@ impl GradStore {
             }
         }
         Ok(())
+    }
+
+    /// Adds the gradient `grad` of `arg.narrow(dim, start, len)` to `arg`'s gradient. fleet's
+    /// patch: the first such contribution is a zeroed tensor of `arg`'s shape with `grad`
+    /// copied into its range, and a later one over a range of the same dimension not written
+    /// yet is copied into that tensor (it is the store's own, which nothing else holds until
+    /// `arg`'s own backward takes it); anything else adds a padded copy, as published. The
+    /// values are the published ones (a zero plus a value is that value; a negative zero may
+    /// stay negative where the published sum made it positive).
+    fn accumulate_narrow(
+        &mut self,
+        arg: &Tensor,
+        dim: usize,
+        start: usize,
+        len: usize,
+        grad: &Tensor,
+    ) -> Result<()> {
+        let full = arg.dims()[dim];
+        if start == 0 && len == full {
+            return self.accumulate(arg, grad);
+        }
+        let overlaps = |ranges: &[(usize, usize)]| {
+            ranges.iter().any(|&(s, l)| start < s + l && s < start + len)
+        };
+        match self.0.get(&arg.id()) {
+            None => {
+                let sum = Tensor::zeros(arg.dims(), grad.dtype(), grad.device())?;
+                sum.slice_set(&grad.contiguous()?, dim, start)?;
+                self.1 .0.insert(arg.id(), (sum.id(), dim, vec![(start, len)]));
+                self.0.insert(arg.id(), sum);
+                return Ok(());
+            }
+            Some(sum) => {
+                if let Some((id, d, ranges)) = self.1 .0.get_mut(&arg.id()) {
+                    if *id == sum.id() && *d == dim && !overlaps(ranges) {
+                        sum.slice_set(&grad.contiguous()?, dim, start)?;
+                        ranges.push((start, len));
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        let mut dims = arg.dims().to_vec();
+        let mut parts = Vec::with_capacity(3);
+        if start > 0 {
+            dims[dim] = start;
+            parts.push(Tensor::zeros(dims.as_slice(), grad.dtype(), grad.device())?);
+        }
+        parts.push(grad.clone());
+        if start + len < full {
+            dims[dim] = full - start - len;
+            parts.push(Tensor::zeros(dims.as_slice(), grad.dtype(), grad.device())?);
+        }
+        let padded = Tensor::cat(&parts, dim)?;
+        self.accumulate(arg, &padded)
     }
 
     /// [`Self::accumulate`] keeping a first contribution that is a view as it is (the matmul's
