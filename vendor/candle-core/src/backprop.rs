@@ -678,6 +678,14 @@ impl Tensor {
 #[derive(Default, Debug)]
 pub struct GradStore(HashMap<TensorId, Tensor>, NarrowSums);
 
+/// fleet's patch: whether a narrow's backward copies into a shared zeroed gradient
+/// ([`GradStore::accumulate_narrow`]); `FLEET_NARROW_COPY=0` keeps the published padded add, for
+/// comparison.
+fn narrow_copies() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FLEET_NARROW_COPY").map_or(true, |v| v != "0"))
+}
+
 /// fleet's patch: gradients that narrows' backwards made (a zeroed tensor of the narrowed
 /// tensor's shape with the narrow's gradient copied into its range), by the id of the tensor
 /// they are the gradient of: that gradient tensor's id, the dimension, and the ranges written.
@@ -761,6 +769,9 @@ impl GradStore {
         if start == 0 && len == full {
             return self.accumulate(arg, grad);
         }
+        if !narrow_copies() {
+            return self.accumulate_padded(arg, dim, start, len, grad);
+        }
         let overlaps = |ranges: &[(usize, usize)]| {
             ranges.iter().any(|&(s, l)| start < s + l && s < start + len)
         };
@@ -782,6 +793,19 @@ impl GradStore {
                 }
             }
         }
+        self.accumulate_padded(arg, dim, start, len, grad)
+    }
+
+    /// The published narrow backward: `grad` padded with zeros to `arg`'s shape, then added.
+    fn accumulate_padded(
+        &mut self,
+        arg: &Tensor,
+        dim: usize,
+        start: usize,
+        len: usize,
+        grad: &Tensor,
+    ) -> Result<()> {
+        let full = arg.dims()[dim];
         let mut dims = arg.dims().to_vec();
         let mut parts = Vec::with_capacity(3);
         if start > 0 {
