@@ -53,6 +53,19 @@ struct RmsNorm {
     eps: f32,
 }
 
+/// Whether the backward's rows kernel on CUDA takes its one-pass vector variant (each input read
+/// once into registers, as the forward's `_vec` kernels) for rows of whole 16-byte vectors:
+/// `FLEET_NORM_BWD_VEC=1` only — off until its GPU test has run — or as
+/// [`set_norm_backward_vector_kernel`] sets it. Its sums run in another order than the scalar
+/// kernel's, so the gradients may differ in the last bits.
+static VEC_BWD: EnvSwitch = EnvSwitch::new("FLEET_NORM_BWD_VEC", false);
+
+/// Test switch for the backward's vector rows kernel: `Some(on)` forces it, `None` leaves it
+/// to `FLEET_NORM_BWD_VEC`.
+pub fn set_norm_backward_vector_kernel(on: Option<bool>) {
+    VEC_BWD.force(on);
+}
+
 /// `1 / sqrt(mean(x²) + eps)` of one row, summed in order in f32: the statistic of every
 /// RMSNorm twin (plain, after the residual add, and Qwen3's per-head norm of q and k).
 pub(super) fn inv_rms(row: impl ExactSizeIterator<Item = f32>, eps: f32) -> f32 {
@@ -503,13 +516,18 @@ pub(super) mod cuda {
             let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(PARTS as usize * n)? };
             let (rows_i, n_i, has_gs) = (n_rows as i32, n as i32, g2.is_some() as i32);
 
-            let func =
-                dev.get_or_load_custom_func(&format!("rms_norm_bwd_rows_{sfx}"), MODULE, PTX)?;
+            let g2_layout = g2.map_or(gyl, |(_, l)| l);
+            let (name, threads) = if super::VEC_BWD.on() {
+                norm_launch_shape::<T>("rms_norm_bwd_rows", n, &[sl, wl, gyl, g2_layout])
+            } else {
+                let threads = (n.div_ceil(32) * 32).clamp(32, 1024) as u32;
+                ("rms_norm_bwd_rows".to_string(), threads)
+            };
+            let func = dev.get_or_load_custom_func(&format!("{name}_{sfx}"), MODULE, PTX)?;
             let g2_view = match g2 {
                 Some((st, l)) => input::<T>(st, l)?,
                 None => input::<T>(gys, gyl)?,
             };
-            let threads = (n.div_ceil(32) * 32).clamp(32, 1024) as u32;
             let cfg = LaunchConfig {
                 grid_dim: (n_rows as u32, 1, 1),
                 block_dim: (threads, 1, 1),
