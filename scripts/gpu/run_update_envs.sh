@@ -12,20 +12,21 @@
 #    FLEET_TRAIN_FLASH=0 FLEET_QKV_ROPE_BWD=0 FLEET_EMBED_GRAD_KERNEL=0"
 #   TESTS=1 first runs the GPU tests from dist/carry/tests-next.tar.xz (ops_grad's `cuda_`
 #   tests, then every other binary there with FLEET_TEST_DEVICES=cuda:0; the repo must be at
-#   /work/main, where the binaries find their fixtures) into $OUT/tests.txt.
+#   /work/main, where the binaries find their fixtures) into $OUT/tests.txt; TEST_ENV (e.g.
+#   "FLEET_COPY2D_MEMCPY=1") is set for all of them.
 set -u
 export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
 W=/tmp/ue; mkdir -p $W/m
 if [ "${TESTS:-0}" = 1 ]; then
   mkdir -p $W/t; xz -dc dist/carry/tests-next.tar.xz | tar xf - -C $W/t
   ( cd crates/fleet-models
-    timeout 300 $W/t/ops_grad cuda_ --nocapture --test-threads 1 2>&1 \
+    env ${TEST_ENV:-} timeout 300 $W/t/ops_grad cuda_ --nocapture --test-threads 1 2>&1 \
       | grep -E "vs |bit-identical|^test |test result|panicked"
     # Every other test binary of the tarball on the GPU (train_grads, parity, generation, ...).
     for t in $W/t/*; do
       [ "$(basename $t)" = ops_grad ] && continue
       echo "== $(basename $t)"
-      FLEET_TEST_DEVICES=cuda:0 timeout 300 $t 2>&1 | grep -E "^test |test result|panicked"
+      env ${TEST_ENV:-} FLEET_TEST_DEVICES=cuda:0 timeout 300 $t 2>&1 | grep -E "^test |test result|panicked"
     done
   ) > $OUT/tests.txt 2>&1
   grep -E "test result|FAILED" $OUT/tests.txt

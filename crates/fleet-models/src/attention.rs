@@ -426,8 +426,15 @@ pub fn flash_backward(
     scale: f32,
     mask: &Mask,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let head_major =
-        |t: &Tensor| -> Result<Tensor> { Ok(t.detach().transpose(1, 2)?.contiguous()?) };
+    // A contiguous token-major input (the output's gradient) is copied by one vectorized
+    // kernel; the head-major views the decoder passes are contiguous once transposed back.
+    let head_major = |t: &Tensor| -> Result<Tensor> {
+        let t = t.detach();
+        if t.is_contiguous() {
+            return crate::ops::transpose12(&t);
+        }
+        Ok(t.transpose(1, 2)?.contiguous()?)
+    };
     let (qh, kh, vh, gh) = (
         head_major(q)?,
         head_major(k)?,

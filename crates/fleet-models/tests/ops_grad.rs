@@ -1854,3 +1854,100 @@ fn cuda_norm_backward_vector_kernel_matches_the_scalar_kernel() {
         }
     }
 }
+
+/// `transpose12`'s kernel on the GPU against candle's transpose and copy, element for element:
+/// the training attention's gradient shape (token-major, heads of 128 and 64), a view that
+/// starts inside its buffer, and a width of no whole vectors (candle's copy either way).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_transpose12_matches_candles_copy() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cuda_transpose12_matches_candles_copy: no CUDA device ({e})");
+            return;
+        }
+    };
+    let mut rng = Rng(47);
+    for dtype in [DType::BF16, DType::F32] {
+        for dims in [[4, 300, 12, 128], [2, 77, 14, 64], [3, 5, 7, 9]] {
+            let n: usize = dims.iter().product();
+            let flat = rng
+                .tensor(&[n + 8], 0.0, 1.0)
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&gpu)
+                .unwrap();
+            let x = flat
+                .narrow(0, 8, n)
+                .unwrap()
+                .reshape(dims.as_slice())
+                .unwrap();
+            ops::set_transpose12_kernel(Some(true));
+            let got = ops::transpose12(&x).unwrap();
+            ops::set_transpose12_kernel(None);
+            let want = x.transpose(1, 2).unwrap().contiguous().unwrap();
+            assert_eq!(got.dims(), want.dims());
+            let d = max_diff(
+                &got.to_device(&Device::Cpu).unwrap(),
+                &want.to_device(&Device::Cpu).unwrap(),
+            );
+            eprintln!("transpose12 {dims:?} {dtype:?}: kernel vs candle {d:.2e}");
+            assert_eq!(d, 0.0, "{dims:?} {dtype:?}");
+        }
+    }
+}
+
+/// candle's `copy2d` on the GPU (as patched: one contiguous run is a memcpy under
+/// `FLEET_COPY2D_MEMCPY=1`, else the published kernel) against the CPU's, element for element:
+/// `cat` along the first dimension of views that start inside their buffers (contiguous runs),
+/// `slice_set` of a block into a buffer at an offset, and `cat` along the last dimension (a
+/// strided copy, the kernel either way), in bf16, f32 and u32.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_copy2d_matches_the_cpu() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cuda_copy2d_matches_the_cpu: no CUDA device ({e})");
+            return;
+        }
+    };
+    let mut rng = Rng(53);
+    for dtype in [DType::BF16, DType::F32, DType::U32] {
+        let make = |rng: &mut Rng, n: usize| {
+            let t = rng.tensor(&[n], 0.0, 100.0).abs().unwrap();
+            t.to_dtype(dtype).unwrap()
+        };
+        let a = make(&mut rng, 3 * 37 + 5);
+        let b = make(&mut rng, 2 * 37 + 1);
+        let view = |t: &Tensor, skip: usize, rows: usize| {
+            t.narrow(0, skip, rows * 37)
+                .unwrap()
+                .reshape((rows, 37))
+                .unwrap()
+        };
+        let ops_on = |a: &Tensor, b: &Tensor| {
+            let (va, vb) = (view(a, 5, 3), view(b, 1, 2));
+            let rows = Tensor::cat(&[&va, &vb], 0).unwrap();
+            let cols = Tensor::cat(&[&va.narrow(0, 0, 2).unwrap(), &vb], 1).unwrap();
+            let buf = Tensor::zeros((7, 37), dtype, a.device()).unwrap();
+            buf.slice_set(&vb.contiguous().unwrap(), 0, 4).unwrap();
+            [rows, cols, buf].map(|t| {
+                t.to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+            })
+        };
+        let want = ops_on(&a, &b);
+        let got = ops_on(&a.to_device(&gpu).unwrap(), &b.to_device(&gpu).unwrap());
+        for (what, g, w) in [
+            ("cat rows", &got[0], &want[0]),
+            ("cat columns", &got[1], &want[1]),
+            ("slice_set", &got[2], &want[2]),
+        ] {
+            assert_eq!(max_diff(g, w), 0.0, "{what} {dtype:?}");
+        }
+    }
+}

@@ -28,6 +28,8 @@
 //! - [`concat_rows`]: projections that read one input stacked into one weight (q/k/v,
 //!   gate/up), the attention scale folded into the first (replaces a cast, an affine, a cast
 //!   and one copy a part).
+//! - [`transpose12`]: a rank-4 tensor's dimensions 1 and 2 swapped into a contiguous copy in
+//!   16-byte vectors (the training attention's output gradient read head-major).
 //! - [`linear`]: a linear layer with the bias added in place after the GEMM, and the decode
 //!   step's few-row products that stream the weights once: [`gemv`] (up to 4 rows) and
 //!   [`skinny_gemm`] (5 to 64, on the tensor cores).
@@ -471,6 +473,7 @@ mod reduce;
 mod rms_norm;
 mod sample;
 mod swiglu;
+mod transpose;
 
 pub use adamw::{adamw_step_, AdamWStep};
 pub use concat_rows::{concat_rows, concat_rows_reference, scaled, set_concat_rows_kernel};
@@ -500,3 +503,4 @@ pub use reduce::{gradient_seed, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm, set_norm_backward_vector_kernel};
 pub use sample::{sample_tokens, sample_tokens_on_device, RowSampling, SAMPLER_VERSION};
 pub use swiglu::{set_swiglu_scalar_kernels, swiglu};
+pub use transpose::{set_transpose12_kernel, transpose12};
