@@ -390,6 +390,18 @@ fn per_row_and_shared(pads: &[usize], t: usize, d: usize) -> ((Tensor, Tensor), 
 
 const EPS: f32 = 1e-6;
 
+/// The first GPU, or `None` (the test says so and passes) on a machine without one.
+#[cfg(feature = "cuda")]
+fn cuda(test: &str) -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("{test}: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward of each op, f32 on the CPU.
 
@@ -949,12 +961,8 @@ fn every_op(
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_kernels_match_cpu_twins() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cuda_kernels_match_cpu_twins: no CUDA device ({e}); not run");
-            return;
-        }
+    let Some(gpu) = cuda("cuda_kernels_match_cpu_twins") else {
+        return;
     };
     let mut rng = Rng(12);
     // Sizes that exercise the kernels' loops: more keys than a warp, a head_dim whose half is
@@ -1095,12 +1103,8 @@ fn logp_entropy_is_the_log_softmax_at_the_target_and_the_entropy() {
 #[cfg(feature = "cuda")]
 #[test]
 fn head_kernels_match_cpu() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("head_kernels_match_cpu: no CUDA device ({e}); not run");
-            return;
-        }
+    let Some(gpu) = cuda("head_kernels_match_cpu") else {
+        return;
     };
     let mut rng = Rng(32);
     // A vocabulary longer than a block's stride many times over, and a row count that is not
@@ -1149,12 +1153,8 @@ fn head_kernels_match_cpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_norm_kernels_match_their_twin_on_every_path() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cuda_norm_kernels_match_their_twin_on_every_path: no CUDA device ({e})");
-            return;
-        }
+    let Some(gpu) = cuda("cuda_norm_kernels_match_their_twin_on_every_path") else {
+        return;
     };
     let mut rng = Rng(41);
     for dtype in [DType::F32, DType::BF16, DType::F16] {
@@ -1243,12 +1243,8 @@ fn cuda_norm_kernels_match_their_twin_on_every_path() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_qkv_rope_with_f32_tables_matches_its_twin() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cuda_qkv_rope_with_f32_tables_matches_its_twin: no CUDA device ({e})");
-            return;
-        }
+    let Some(gpu) = cuda("cuda_qkv_rope_with_f32_tables_matches_its_twin") else {
+        return;
     };
     let mut rng = Rng(13);
     let (t, heads, d) = (37, 4, 72);
@@ -1404,12 +1400,8 @@ fn patched_narrow_backward_sums_every_contribution() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_add_matmul_tn_matches_its_twin() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cuda_add_matmul_tn_matches_its_twin: no CUDA device ({e})");
-            return;
-        }
+    let Some(gpu) = cuda("cuda_add_matmul_tn_matches_its_twin") else {
+        return;
     };
     let mut rng = Rng(77);
     for dtype in [DType::BF16, DType::F16] {
@@ -1482,14 +1474,8 @@ fn cuda_add_matmul_tn_matches_its_twin() {
 #[test]
 fn cuda_flash_attention_backward_matches_the_unfused_autograd() {
     use fleet_models::attention;
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!(
-                "cuda_flash_attention_backward_matches_the_unfused_autograd: no CUDA device ({e})"
-            );
-            return;
-        }
+    let Some(gpu) = cuda("cuda_flash_attention_backward_matches_the_unfused_autograd") else {
+        return;
     };
     let mut rng = Rng(91);
     for (h, kvh, d) in [(12, 2, 128), (14, 2, 64)] {
@@ -1558,14 +1544,8 @@ fn cuda_flash_attention_backward_matches_the_unfused_autograd() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_qkv_rope_fused_backward_matches_twin_and_composed() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!(
-                "cuda_qkv_rope_fused_backward_matches_twin_and_composed: no CUDA device ({e})"
-            );
-            return;
-        }
+    let Some(gpu) = cuda("cuda_qkv_rope_fused_backward_matches_twin_and_composed") else {
+        return;
     };
     let mut rng = Rng(57);
     let (b, t, h, kvh, d) = (2, 67, 12, 2, 128);
@@ -1648,12 +1628,8 @@ fn cuda_qkv_rope_fused_backward_matches_twin_and_composed() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_embedding_grad_add_matches_its_twin() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cuda_embedding_grad_add_matches_its_twin: no CUDA device ({e})");
-            return;
-        }
+    let Some(gpu) = cuda("cuda_embedding_grad_add_matches_its_twin") else {
+        return;
     };
     let mut rng = Rng(63);
     let (vocab, hs, n) = (1000, 1536, 700);
@@ -1681,12 +1657,8 @@ fn cuda_embedding_grad_add_matches_its_twin() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_concat_rows_matches_cast_affine_and_cat() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cuda_concat_rows_matches_cast_affine_and_cat: no CUDA device ({e})");
-            return;
-        }
+    let Some(gpu) = cuda("cuda_concat_rows_matches_cast_affine_and_cat") else {
+        return;
     };
     let mut rng = Rng(71);
     let scale = Some(1.0 / (128f64).sqrt());
@@ -1782,14 +1754,8 @@ fn rng_free_weights(shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_norm_backward_vector_kernel_matches_the_scalar_kernel() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!(
-                "cuda_norm_backward_vector_kernel_matches_the_scalar_kernel: no CUDA device ({e})"
-            );
-            return;
-        }
+    let Some(gpu) = cuda("cuda_norm_backward_vector_kernel_matches_the_scalar_kernel") else {
+        return;
     };
     let mut rng = Rng(43);
     for dtype in [DType::F32, DType::BF16] {
@@ -1861,12 +1827,8 @@ fn cuda_norm_backward_vector_kernel_matches_the_scalar_kernel() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_transpose12_matches_candles_copy() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cuda_transpose12_matches_candles_copy: no CUDA device ({e})");
-            return;
-        }
+    let Some(gpu) = cuda("cuda_transpose12_matches_candles_copy") else {
+        return;
     };
     let mut rng = Rng(47);
     for dtype in [DType::BF16, DType::F32] {
@@ -1906,12 +1868,8 @@ fn cuda_transpose12_matches_candles_copy() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_copy2d_matches_the_cpu() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("cuda_copy2d_matches_the_cpu: no CUDA device ({e})");
-            return;
-        }
+    let Some(gpu) = cuda("cuda_copy2d_matches_the_cpu") else {
+        return;
     };
     let mut rng = Rng(53);
     for dtype in [DType::BF16, DType::F32, DType::U32] {
