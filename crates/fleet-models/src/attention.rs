@@ -255,8 +255,8 @@ fn run_flash(
 /// [`attend`] giving the output token-major, `[b, q_len, heads, d]`, for head-major inputs as
 /// [`attend`] takes them. The kernel (where it runs and `fused` allows it) reads them through
 /// their strides and writes this layout itself, so a tracked pass records no transposes, whose
-/// gradients the patched backward would store as copies; the training passes take it with
-/// `FLEET_TRAIN_FLASH=1` ([`flash_in_training`]). Unfused: [`attend`]'s output transposed.
+/// gradients the patched backward would store as copies; the training passes take it while
+/// [`flash_in_training`] (the default). Unfused: [`attend`]'s output transposed.
 pub fn attend_token_major(
     q: &Tensor,
     k: &Tensor,

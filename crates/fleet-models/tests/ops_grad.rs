@@ -1538,7 +1538,7 @@ fn cuda_flash_attention_backward_matches_the_unfused_autograd() {
     }
 }
 
-/// qkv_rope's fused backward (`FLEET_QKV_ROPE_BWD=1`) on the GPU: the kernel against its CPU
+/// qkv_rope's fused backward (on by default; forced here) on the GPU: the kernel against its CPU
 /// twin (1.5B heads, shared and per-row tables), then the op's gradients with the kernel
 /// against the composed backward on the same GPU.
 #[cfg(feature = "cuda")]

@@ -460,7 +460,7 @@ fn cutting_unweighted_trailing_columns_changes_no_logprob_or_gradient() {
     }
 }
 
-/// The embedding's gradient added by `ops::embedding_grad_add_` (`FLEET_EMBED_GRAD_KERNEL=1`)
+/// The embedding's gradient added by `ops::embedding_grad_add_` (the default; forced here)
 /// instead of index_add and scatter_add: the same golden gradients (tied embeddings, so the
 /// head's gradient is in the sum first).
 #[test]
