@@ -741,14 +741,7 @@ mod reference_tests {
         for (what, got, var) in [("q", dq, &q), ("k", dk, &k), ("v", dv, &v)] {
             let want = grads.get(var.as_tensor()).unwrap();
             assert_eq!(got.dims(), want.dims(), "d{what}");
-            let diff = (got - want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let diff = crate::ops::max_abs_diff(&got, want);
             assert!(diff < 1e-5, "d{what} differs from autograd by {diff}");
         }
     }

@@ -8,6 +8,12 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use fleet_models::ops;
 
+// One helper of it: the GPU tests' entry.
+#[allow(dead_code)]
+mod devices;
+#[cfg(feature = "cuda")]
+use devices::gpu_or_skip;
+
 // ---------------------------------------------------------------------------------------------
 // Deterministic random tensors.
 
@@ -389,18 +395,6 @@ fn per_row_and_shared(pads: &[usize], t: usize, d: usize) -> ((Tensor, Tensor), 
 }
 
 const EPS: f32 = 1e-6;
-
-/// The first GPU, or `None` (the test says so and passes) on a machine without one.
-#[cfg(feature = "cuda")]
-fn cuda(test: &str) -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("{test}: no CUDA device ({e})");
-            None
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Backward of each op, f32 on the CPU.
@@ -961,7 +955,7 @@ fn every_op(
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_kernels_match_cpu_twins() {
-    let Some(gpu) = cuda("cuda_kernels_match_cpu_twins") else {
+    let Some(gpu) = gpu_or_skip("cuda_kernels_match_cpu_twins") else {
         return;
     };
     let mut rng = Rng(12);
@@ -1103,7 +1097,7 @@ fn logp_entropy_is_the_log_softmax_at_the_target_and_the_entropy() {
 #[cfg(feature = "cuda")]
 #[test]
 fn head_kernels_match_cpu() {
-    let Some(gpu) = cuda("head_kernels_match_cpu") else {
+    let Some(gpu) = gpu_or_skip("head_kernels_match_cpu") else {
         return;
     };
     let mut rng = Rng(32);
@@ -1153,7 +1147,7 @@ fn head_kernels_match_cpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_norm_kernels_match_their_twin_on_every_path() {
-    let Some(gpu) = cuda("cuda_norm_kernels_match_their_twin_on_every_path") else {
+    let Some(gpu) = gpu_or_skip("cuda_norm_kernels_match_their_twin_on_every_path") else {
         return;
     };
     let mut rng = Rng(41);
@@ -1243,7 +1237,7 @@ fn cuda_norm_kernels_match_their_twin_on_every_path() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_qkv_rope_with_f32_tables_matches_its_twin() {
-    let Some(gpu) = cuda("cuda_qkv_rope_with_f32_tables_matches_its_twin") else {
+    let Some(gpu) = gpu_or_skip("cuda_qkv_rope_with_f32_tables_matches_its_twin") else {
         return;
     };
     let mut rng = Rng(13);
@@ -1400,7 +1394,7 @@ fn patched_narrow_backward_sums_every_contribution() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_add_matmul_tn_matches_its_twin() {
-    let Some(gpu) = cuda("cuda_add_matmul_tn_matches_its_twin") else {
+    let Some(gpu) = gpu_or_skip("cuda_add_matmul_tn_matches_its_twin") else {
         return;
     };
     let mut rng = Rng(77);
@@ -1474,7 +1468,8 @@ fn cuda_add_matmul_tn_matches_its_twin() {
 #[test]
 fn cuda_flash_attention_backward_matches_the_unfused_autograd() {
     use fleet_models::attention;
-    let Some(gpu) = cuda("cuda_flash_attention_backward_matches_the_unfused_autograd") else {
+    let Some(gpu) = gpu_or_skip("cuda_flash_attention_backward_matches_the_unfused_autograd")
+    else {
         return;
     };
     let mut rng = Rng(91);
@@ -1544,7 +1539,7 @@ fn cuda_flash_attention_backward_matches_the_unfused_autograd() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_qkv_rope_fused_backward_matches_twin_and_composed() {
-    let Some(gpu) = cuda("cuda_qkv_rope_fused_backward_matches_twin_and_composed") else {
+    let Some(gpu) = gpu_or_skip("cuda_qkv_rope_fused_backward_matches_twin_and_composed") else {
         return;
     };
     let mut rng = Rng(57);
@@ -1628,7 +1623,7 @@ fn cuda_qkv_rope_fused_backward_matches_twin_and_composed() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_embedding_grad_add_matches_its_twin() {
-    let Some(gpu) = cuda("cuda_embedding_grad_add_matches_its_twin") else {
+    let Some(gpu) = gpu_or_skip("cuda_embedding_grad_add_matches_its_twin") else {
         return;
     };
     let mut rng = Rng(63);
@@ -1657,7 +1652,7 @@ fn cuda_embedding_grad_add_matches_its_twin() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_concat_rows_matches_cast_affine_and_cat() {
-    let Some(gpu) = cuda("cuda_concat_rows_matches_cast_affine_and_cat") else {
+    let Some(gpu) = gpu_or_skip("cuda_concat_rows_matches_cast_affine_and_cat") else {
         return;
     };
     let mut rng = Rng(71);
@@ -1754,7 +1749,8 @@ fn rng_free_weights(shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_norm_backward_vector_kernel_matches_the_scalar_kernel() {
-    let Some(gpu) = cuda("cuda_norm_backward_vector_kernel_matches_the_scalar_kernel") else {
+    let Some(gpu) = gpu_or_skip("cuda_norm_backward_vector_kernel_matches_the_scalar_kernel")
+    else {
         return;
     };
     let mut rng = Rng(43);
@@ -1827,7 +1823,7 @@ fn cuda_norm_backward_vector_kernel_matches_the_scalar_kernel() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_transpose12_matches_candles_copy() {
-    let Some(gpu) = cuda("cuda_transpose12_matches_candles_copy") else {
+    let Some(gpu) = gpu_or_skip("cuda_transpose12_matches_candles_copy") else {
         return;
     };
     let mut rng = Rng(47);
@@ -1868,7 +1864,7 @@ fn cuda_transpose12_matches_candles_copy() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_copy2d_matches_the_cpu() {
-    let Some(gpu) = cuda("cuda_copy2d_matches_the_cpu") else {
+    let Some(gpu) = gpu_or_skip("cuda_copy2d_matches_the_cpu") else {
         return;
     };
     let mut rng = Rng(53);

@@ -7,6 +7,12 @@
 use candle_core::{DType, Device, Tensor};
 use fleet_models::ops;
 
+// One helper of it: the GPU tests' entry.
+#[allow(dead_code)]
+mod devices;
+#[cfg(feature = "cuda")]
+use devices::gpu_or_skip;
+
 // ---------------------------------------------------------------------------------------------
 // Deterministic random data and paged layouts.
 
@@ -401,17 +407,6 @@ fn kv_write_refuses_a_slot_past_the_cache_and_writes_nothing() {
 
 // ---------------------------------------------------------------------------------------------
 // CUDA: the kernels against the twins (with `--features cuda`, on a machine with a GPU).
-
-#[cfg(feature = "cuda")]
-fn gpu_or_skip(test: &str) -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            eprintln!("{test}: no CUDA device ({e}); not run");
-            None
-        }
-    }
-}
 
 /// Every dtype, head_dim 64 and 128, groups 1, 2, 7 and 4, block sizes 16 and 32, batches of 1,
 /// 8 and 64 with lengths up to 4100 (17 partitions).

@@ -61,7 +61,12 @@ pub fn concat_rows_reference(parts: &[&Tensor], first_scale: Option<f64>) -> Res
 
 /// `t` times `factor`, computed in f32 and rounded back to `t`'s dtype.
 pub fn scaled(t: &Tensor, factor: f64) -> Result<Tensor> {
-    Ok((t.to_dtype(DType::F32)? * factor)?.to_dtype(t.dtype())?)
+    Ok(scaled_in_f32(t, factor)?)
+}
+
+/// [`scaled`] for the backward, which works in candle's errors.
+fn scaled_in_f32(t: &Tensor, factor: f64) -> candle_core::Result<Tensor> {
+    (t.to_dtype(DType::F32)? * factor)?.to_dtype(t.dtype())
 }
 
 /// Whether [`concat_rows`] takes its kernel on CUDA: on by default, `FLEET_CONCAT_KERNEL=0`
@@ -111,9 +116,7 @@ impl ConcatRows {
                 let g = grad.narrow(0, start, n)?;
                 start += n;
                 wanted(p, || match self.scale {
-                    Some(s) if i == 0 => {
-                        (g.to_dtype(DType::F32)? * f64::from(s))?.to_dtype(g.dtype())
-                    }
+                    Some(s) if i == 0 => scaled_in_f32(&g, f64::from(s)),
                     _ => Ok(g),
                 })
             })

@@ -294,14 +294,7 @@ mod tests {
                 .unwrap();
             let got = start.copy().unwrap();
             embedding_grad_add_(&got, &g, &ids).unwrap();
-            let d = (got.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let d = max_abs_diff(&got, &want);
             assert_eq!(d, 0.0, "{dtype:?}");
         }
     }

@@ -293,16 +293,7 @@ mod tests {
     use super::*;
     use candle_core::{DType, Device};
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
+    use super::super::max_abs_diff as max_diff;
 
     /// candle's LayerNorm (E[x²] - mean²) and the twin (variance about the mean) agree to f32
     /// rounding on rows whose mean is small against their spread.

@@ -227,14 +227,7 @@ mod tests {
         let acc = buffer.narrow(0, 4, 21).unwrap().reshape((7, 3)).unwrap();
         acc.slice_set(&start, 0, 0).unwrap();
         add_matmul_tn_(&acc, &a, &b).unwrap();
-        let d = (acc - want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_abs_diff(&acc, &want);
         assert!(d < 1e-5, "{d}");
         let head: Vec<f32> = buffer.narrow(0, 0, 4).unwrap().to_vec1().unwrap();
         assert_eq!(head, vec![0.0; 4], "nothing outside the view is written");

@@ -1260,16 +1260,7 @@ mod tests {
         .reshape((b * t, w))
         .unwrap();
         let bias = all.sum(0).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
+        let diff = max_abs_diff;
         assert!(diff(&fused.narrow(0, 0, b * t).unwrap(), &all) < 1e-6);
         assert!(diff(&fused.get(b * t).unwrap(), &bias) < 1e-5);
     }
@@ -1294,16 +1285,7 @@ mod tests {
         let want_q = candle_nn::rotary_emb::rope(&part(0, h), &cos, &sin).unwrap();
         let want_k = candle_nn::rotary_emb::rope(&part(h, kvh), &cos, &sin).unwrap();
         let want_v = part(h + kvh, kvh);
-        let diff = |a: &Tensor, b: &Tensor| {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
+        let diff = max_abs_diff;
         let (q, k, v) = qkv_rope(&raw, &bias, &cs, (h, kvh), d).unwrap();
         assert!(diff(&q, &want_q) < 1e-5 && diff(&k, &want_k) < 1e-5 && diff(&v, &want_v) < 1e-6);
         // Shared positions ([t, d] table): row 0 of the batch uses the same tables.

@@ -14,3 +14,17 @@ pub fn test_devices() -> Vec<DeviceLocation> {
         })
         .collect()
 }
+
+/// The first GPU, or `None` on a machine without one (the test says so and passes): the GPU
+/// kernel tests' entry.
+#[cfg(feature = "cuda")]
+#[allow(dead_code)] // only the binaries with GPU kernel tests call it
+pub fn gpu_or_skip(test: &str) -> Option<candle_core::Device> {
+    match candle_core::Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("{test}: no CUDA device ({e}); not run");
+            None
+        }
+    }
+}

@@ -2337,35 +2337,54 @@ impl BackendStorage for CudaStorage {
         if d1 == 0 || d2 == 0 {
             return Ok(());
         }
+        let ((src, _guard_src), (dst, _guard_dst), kname, size) =
+            match (&self.slice, &mut dst.slice) {
+                (S::U8(s), S::U8(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_u8", 1),
+                (S::U32(s), S::U32(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_u32", 4)
+                }
+                (S::I16(s), S::I16(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_i16", 2)
+                }
+                (S::I32(s), S::I32(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_i32", 4)
+                }
+                (S::I64(s), S::I64(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_i64", 8)
+                }
+                (S::BF16(s), S::BF16(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_bf16", 2)
+                }
+                (S::F16(s), S::F16(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_f16", 2)
+                }
+                (S::F32(s), S::F32(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_f32", 4)
+                }
+                (S::F64(s), S::F64(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_f64", 8)
+                }
+                (S::F8E4M3(s), S::F8E4M3(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_u8", 1)
+                }
+                (S::F8E8M0(s), S::F8E8M0(d)) => {
+                    (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_u8", 1)
+                }
+                _ => Err(CudaError::InternalError("dtype mismatch in copy2d"))?,
+            };
         // fleet's patch: one contiguous run (a whole-tensor `cat` along the first dimension,
         // a `slice_set` of a contiguous block) is a device-to-device copy, which runs near the
         // bandwidth where the element-wise kernel below reached ~15-20% of it on H100/H200
         // (FLEET_COPY2D_MEMCPY=1 only, until it has run on a GPU).
         let contiguous_run = d1 == 1 || (src_s == d2 as usize && dst_s == d2 as usize);
         if contiguous_run && copy2d_memcpy() {
-            let n = d1 as usize * d2 as usize;
-            let ((src, _guard_src), (dst, _guard_dst), size) =
-                match (&self.slice, &mut dst.slice) {
-                    (S::U8(s), S::U8(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 1),
-                    (S::U32(s), S::U32(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 4),
-                    (S::I16(s), S::I16(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 2),
-                    (S::I32(s), S::I32(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 4),
-                    (S::I64(s), S::I64(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 8),
-                    (S::BF16(s), S::BF16(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 2),
-                    (S::F16(s), S::F16(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 2),
-                    (S::F32(s), S::F32(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 4),
-                    (S::F64(s), S::F64(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 8),
-                    (S::F8E4M3(s), S::F8E4M3(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 1),
-                    (S::F8E8M0(s), S::F8E8M0(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), 1),
-                    _ => Err(CudaError::InternalError("dtype mismatch in copy2d"))?,
-                };
             // SAFETY: both ranges lie within their slices (the caller's layouts), on the
             // device's stream, which orders the copy with the kernels around it.
             unsafe {
                 cudarc::driver::result::memcpy_dtod_async(
                     dst,
                     src,
-                    n * size,
+                    d1 as usize * d2 as usize * size,
                     dev.cuda_stream().cu_stream(),
                 )
             }
@@ -2374,20 +2393,6 @@ impl BackendStorage for CudaStorage {
         }
         let dst_s = dst_s as u32;
         let src_s = src_s as u32;
-        let ((src, _guard_src), (dst, _guard_dst), kname) = match (&self.slice, &mut dst.slice) {
-            (S::U8(s), S::U8(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_u8"),
-            (S::U32(s), S::U32(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_u32"),
-            (S::I16(s), S::I16(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_i16"),
-            (S::I32(s), S::I32(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_i32"),
-            (S::I64(s), S::I64(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_i64"),
-            (S::BF16(s), S::BF16(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_bf16"),
-            (S::F16(s), S::F16(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_f16"),
-            (S::F32(s), S::F32(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_f32"),
-            (S::F64(s), S::F64(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_f64"),
-            (S::F8E4M3(s), S::F8E4M3(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_u8"),
-            (S::F8E8M0(s), S::F8E8M0(d)) => (slice_ptr(s, src_o), slice_ptr(d, dst_o), "copy2d_u8"),
-            _ => Err(CudaError::InternalError("dtype mismatch in copy2d"))?,
-        };
         let func = dev.get_or_load_func(kname, &kernels::FILL)?;
         let cfg = LaunchConfig::for_num_elems(d1 * d2);
         let mut builder = func.builder();
