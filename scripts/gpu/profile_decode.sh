@@ -22,6 +22,9 @@ xz -dc dist/carry/fleet.xz > "$F" && chmod +x "$F"
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 [ -n "$NCU" ] || { echo "no ncu"; exit 1; }
 "$NCU" --version | tail -1
+# The card's spec bandwidth for the percentages: H200 4.8 TB/s, else an H100 SXM's 3.35.
+BW=3.35e12
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && BW=4.8e12
 for s in $SHAPES; do
   shape=${s%%:*}; batch=${s##*:}
   cfg="configs/models/qwen2.5-$shape.json"
@@ -35,7 +38,7 @@ for s in $SHAPES; do
     > "$OUT/ncu_$name.csv" 2> "$OUT/ncu_$name.err"
   echo "rc $? $(wc -l < "$OUT/ncu_$name.csv") lines"
   python3 scripts/gpu/decode_profile.py "$OUT/ncu_$name.csv" --layers "$layers" \
-    --steps $((NEW - 3)) | tee "$OUT/decode_$name.txt"
+    --steps $((NEW - 3)) --bandwidth "$BW" | tee "$OUT/decode_$name.txt"
   xz -T8 "$OUT/ncu_$name.csv"
 done
 # A call brings back at most 8 files: the parsed steps stay beside the log, the rest in one

@@ -22,11 +22,12 @@ if [ "${TESTS:-0}" = 1 ]; then
   ( cd crates/fleet-models
     env ${TEST_ENV:-} timeout 300 $W/t/ops_grad cuda_ --nocapture --test-threads 1 2>&1 \
       | grep -E "vs |bit-identical|^test |test result|panicked"
-    # Every other test binary of the tarball on the GPU (train_grads, parity, generation, ...).
+    # Every other test binary of the tarball on the GPU (train_grads, parity, generation, ...),
+    # one test at a time: a GPU's stream is shared by the process's threads.
     for t in $W/t/*; do
       [ "$(basename $t)" = ops_grad ] && continue
       echo "== $(basename $t)"
-      env ${TEST_ENV:-} FLEET_TEST_DEVICES=cuda:0 timeout 300 $t 2>&1 | grep -E "^test |test result|panicked"
+      env ${TEST_ENV:-} FLEET_TEST_DEVICES=cuda:0 timeout 300 $t --test-threads 1 2>&1 | grep -E "^test |test result|panicked"
     done
   ) > $OUT/tests.txt 2>&1
   grep -E "test result|FAILED" $OUT/tests.txt

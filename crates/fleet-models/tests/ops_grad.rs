@@ -1740,11 +1740,13 @@ fn rng_free_weights(shape: &[usize], dtype: DType, dev: &Device) -> Tensor {
         .unwrap()
 }
 
-/// The RMSNorm backward's one-pass vector rows kernel (`FLEET_NORM_BWD_VEC=1`) against the
-/// scalar rows kernel on the GPU, through both ops (RMSNorm, and the residual add with the
-/// RMSNorm after it, whose sum's gradient the kernel adds): the gradients of the input(s) and
-/// the weight, at the 0.5B/1.5B/7B hidden sizes, the vision width, two and four vectors a
-/// thread, and a width of no whole vectors (the scalar kernel either way). The two sum in other
+/// The RMSNorm backward's one-pass vector rows kernel (the default; `FLEET_NORM_BWD_VEC=0` off)
+/// against the scalar rows kernel on the GPU, through both ops (RMSNorm, and the residual add
+/// with the RMSNorm after it, whose sum's gradient the kernel adds): the gradients of the
+/// input(s) and the weight, at the 0.5B/1.5B/7B hidden sizes, the vision width, two vectors a
+/// thread, a row too wide for two (20000 bf16: the scalar kernel, since four vectors a thread
+/// need more registers than a block has — the launch failed on an H200), and a width of no
+/// whole vectors (the scalar kernel either way). The two sum in other
 /// orders: f32 within 1e-5 of the scale, bf16 within one rounding (2⁻⁷ of the scale).
 #[cfg(feature = "cuda")]
 #[test]
@@ -1856,8 +1858,8 @@ fn cuda_transpose12_matches_candles_copy() {
     }
 }
 
-/// candle's `copy2d` on the GPU (as patched: one contiguous run is a memcpy under
-/// `FLEET_COPY2D_MEMCPY=1`, else the published kernel) against the CPU's, element for element:
+/// candle's `copy2d` on the GPU (as patched: one contiguous run is a memcpy unless
+/// `FLEET_COPY2D_MEMCPY=0`, else the published kernel) against the CPU's, element for element:
 /// `cat` along the first dimension of views that start inside their buffers (contiguous runs),
 /// `slice_set` of a block into a buffer at an offset, and `cat` along the last dimension (a
 /// strided copy, the kernel either way), in bf16, f32 and u32.

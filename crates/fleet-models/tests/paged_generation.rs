@@ -11,6 +11,16 @@ use fleet_models::{
     GenerationOutput, GenerationRequest, LoadOptions, PagedOptions, SamplingParams, TextModel,
 };
 
+/// Each test's turn on the devices. A GPU has one stream per process (`fleet_models::device`),
+/// and a decode step captured as a CUDA graph on it must not have another thread's work
+/// enqueued meanwhile: run side by side, five of these tests failed with
+/// `CUDA_ERROR_INVALID_VALUE` on an H200 (2026-11-28), each alone passes. The jobs drive a
+/// device from one thread; the tests take turns.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")
@@ -72,6 +82,7 @@ fn varied_requests(sampling: impl Fn(usize) -> SamplingParams) -> Vec<Generation
 
 #[test]
 fn refilled_paged_batches_give_the_lock_step_tokens() {
+    let _turn = one_at_a_time();
     for name in ["qwen2-tiny", "qwen3-tiny"] {
         for (what, model) in models(name) {
             let gen = model.generator();
@@ -120,6 +131,7 @@ fn kernel_shaped_model(device: &candle_core::Device) -> fleet_models::QwenModel 
 
 #[test]
 fn the_paged_decode_kernel_gives_the_lock_step_tokens_with_and_without_graphs() {
+    let _turn = one_at_a_time();
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
     let mut devices = vec![candle_core::Device::Cpu];
     #[cfg(feature = "cuda")]
@@ -187,6 +199,7 @@ fn the_paged_decode_kernel_gives_the_lock_step_tokens_with_and_without_graphs() 
 /// device, with two live rows in a bucket of four (the spare rows inactive).
 #[test]
 fn the_decode_step_buffers_give_the_plain_steps_logits() {
+    let _turn = one_at_a_time();
     let model = kernel_shaped_model(&candle_core::Device::Cpu);
     let mut pool = fleet_models::kv_blocks::BlockPool::new(64, 16);
     let mut cache = model.new_paged_cache(64, 16).unwrap();
@@ -221,6 +234,7 @@ fn the_decode_step_buffers_give_the_plain_steps_logits() {
 
 #[test]
 fn seeded_sampling_is_the_same_paged_or_lock_step() {
+    let _turn = one_at_a_time();
     for (what, model) in models("qwen2-tiny") {
         let gen = model.generator();
         // Every option of the device sampler; a repetition penalty on one row.
@@ -276,6 +290,7 @@ fn seeded_sampling_is_the_same_paged_or_lock_step() {
 
 #[test]
 fn a_shared_prompt_is_computed_once_per_block() {
+    let _turn = one_at_a_time();
     for (what, model) in models("qwen2-tiny") {
         let gen = model.generator();
         // GSPO's group: one prompt, several seeds. And a shared instruction before different
@@ -330,6 +345,7 @@ fn a_shared_prompt_is_computed_once_per_block() {
 
 #[test]
 fn a_session_keeps_earlier_calls_prefixes() {
+    let _turn = one_at_a_time();
     for (what, model) in models("qwen2-tiny") {
         let gen = model.generator();
         let options = PagedOptions {
@@ -363,6 +379,7 @@ fn a_session_keeps_earlier_calls_prefixes() {
 
 #[test]
 fn streaming_reports_every_token_of_every_request() {
+    let _turn = one_at_a_time();
     let (_, model) = models("qwen3-tiny").remove(0);
     let gen = model.generator();
     let requests = varied_requests(|_| SamplingParams::greedy());
@@ -384,6 +401,7 @@ fn streaming_reports_every_token_of_every_request() {
 
 #[test]
 fn a_pool_too_small_for_one_request_is_a_clear_error() {
+    let _turn = one_at_a_time();
     let (_, model) = models("qwen2-tiny").remove(0);
     let gen = model.generator();
     let requests = vec![request(vec![1; 30], 10, SamplingParams::greedy())];
@@ -414,6 +432,7 @@ fn a_pool_too_small_for_one_request_is_a_clear_error() {
 
 #[test]
 fn requests_submitted_as_others_finish_give_the_lock_step_tokens() {
+    let _turn = one_at_a_time();
     // ARGO without a round barrier: each "episode" asks again, with its reply appended to its
     // prompt, as soon as its last call returns, while the others are still decoding.
     for (what, model) in models("qwen2-tiny") {
@@ -478,6 +497,7 @@ fn requests_submitted_as_others_finish_give_the_lock_step_tokens() {
 
 #[test]
 fn newcomers_of_a_step_share_one_prompt_pass_and_their_common_prefix() {
+    let _turn = one_at_a_time();
     for (what, model) in models("qwen2-tiny") {
         let gen = model.generator();
         // Five prompts: a common 12-token instruction, then each its own question.

@@ -243,7 +243,7 @@ mod cuda {
             };
             let mut layouts = vec![xl, wl];
             layouts.extend(h.map(|(_, l)| l));
-            let (name, threads) = norm_launch_shape::<T>(op, n, &layouts);
+            let (name, threads) = norm_launch_shape::<T>(op, n, &layouts, 4);
             let func = dev.get_or_load_custom_func(
                 &format!("{name}_{}", suffix(xs.dtype())?),
                 MODULE,

@@ -279,9 +279,14 @@ mod cuda_util {
 
     /// The norm kernel (`<op>` or its one-pass `<op>_vec<VPT>`) and threads per block for rows of
     /// `n` elements of `T`: the one-pass kernel when a row is whole 16-byte vectors, every
-    /// input starts on one, and a block holds the row in up to 4 vectors a thread
-    /// (`FLEET_VEC_NORM=0` keeps the first kernel, for comparison).
-    pub(super) fn norm_launch_shape<T>(op: &str, n: usize, inputs: &[&Layout]) -> (String, u32) {
+    /// input starts on one, and a block holds the row in up to `max_vpt` (1, 2 or 4) vectors a
+    /// thread (`FLEET_VEC_NORM=0` keeps the first kernel, for comparison).
+    pub(super) fn norm_launch_shape<T>(
+        op: &str,
+        n: usize,
+        inputs: &[&Layout],
+        max_vpt: usize,
+    ) -> (String, u32) {
         static VEC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let on = *VEC.get_or_init(|| std::env::var("FLEET_VEC_NORM").map_or(true, |v| v != "0"));
         let per_vec = 16 / std::mem::size_of::<T>();
@@ -290,7 +295,10 @@ mod cuda_util {
                 .iter()
                 .all(|l| l.start_offset().is_multiple_of(per_vec));
         let vectors = n / per_vec;
-        match [1usize, 2, 4].into_iter().find(|v| vectors <= v * 1024) {
+        match [1usize, 2, 4]
+            .into_iter()
+            .find(|&v| v <= max_vpt && vectors <= v * 1024)
+        {
             Some(vpt) if on && aligned => (
                 format!("{op}_vec{vpt}"),
                 vectors.div_ceil(vpt).next_multiple_of(32) as u32,

@@ -253,13 +253,18 @@ extern "C" __global__ void sum_partials(const float *partial, float *out, int pa
     extern "C" __global__ void add_rms_norm_vec##VPT##_##SUFFIX(                              \
         const T *x, const T *h, const T *w, T *out, int n_rows, int n, float eps) {           \
         norm_rows_vec<T, VPT>(x, h, w, out, out + (size_t)n_rows * n, n_rows, n, eps);        \
-    }                                                                                         \
+    }
+// The backward holds three arrays of VPT vectors a thread: at 4 (up to 1024 threads) it needs
+// more registers than a block has, so it stops at 2 (norm_launch_shape's max_vpt).
+#define BWD_VEC_OPS(T, SUFFIX, VPT)                                                                \
     extern "C" __global__ void rms_norm_bwd_rows_vec##VPT##_##SUFFIX(                         \
         const T *s, const T *w, const T *gs, const T *gy, float *ds, float *inv, int n_rows,  \
         int n, float eps, int has_gs) {                                                       \
         rms_norm_bwd_rows_vec<T, VPT>(s, w, gs, gy, ds, inv, n_rows, n, eps, has_gs);         \
     }
-#define ALL_VEC_OPS(T, SUFFIX) VEC_OPS(T, SUFFIX, 1) VEC_OPS(T, SUFFIX, 2) VEC_OPS(T, SUFFIX, 4)
+#define ALL_VEC_OPS(T, SUFFIX)                                                                     \
+    VEC_OPS(T, SUFFIX, 1)                                                                          \
+    VEC_OPS(T, SUFFIX, 2) VEC_OPS(T, SUFFIX, 4) BWD_VEC_OPS(T, SUFFIX, 1) BWD_VEC_OPS(T, SUFFIX, 2)
 ALL_VEC_OPS(float, f32)
 ALL_VEC_OPS(__half, f16)
 ALL_VEC_OPS(__nv_bfloat16, bf16)

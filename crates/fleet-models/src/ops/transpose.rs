@@ -7,8 +7,8 @@ use super::{contig, EnvSwitch};
 use crate::error::{ModelError, Result};
 
 /// `x.transpose(1, 2)` made contiguous, for `x` of rank 4: on CUDA (f32, f16, bf16, rows of
-/// whole 16-byte vectors) one kernel copies it while `FLEET_TRANSPOSE_KERNEL=1` (off until its
-/// GPU test has run) or [`set_transpose12_kernel`] says so; otherwise candle's transpose and
+/// whole 16-byte vectors) one kernel copies it unless `FLEET_TRANSPOSE_KERNEL=0` or
+/// [`set_transpose12_kernel`] says otherwise; otherwise candle's transpose and
 /// copy run (its reference: the same elements, moved). No gradient (the backward passes use
 /// it on detached tensors).
 pub fn transpose12(x: &Tensor) -> Result<Tensor> {
@@ -36,7 +36,7 @@ pub fn transpose12(x: &Tensor) -> Result<Tensor> {
     Ok(x.detach().apply_op1_no_bwd(&Transpose12)?)
 }
 
-static KERNEL: EnvSwitch = EnvSwitch::new("FLEET_TRANSPOSE_KERNEL", false);
+static KERNEL: EnvSwitch = EnvSwitch::new("FLEET_TRANSPOSE_KERNEL", true);
 
 /// Test switch for [`transpose12`]'s kernel: `Some(on)` forces it, `None` leaves it to
 /// `FLEET_TRANSPOSE_KERNEL`.

@@ -453,11 +453,11 @@ impl<U: UnaryOpT> Map1 for U {
 }
 
 /// fleet's patch: whether [`BackendStorage::copy2d`] copies one contiguous run with a
-/// device-to-device memcpy: `FLEET_COPY2D_MEMCPY=1` only, off (the element-wise kernel, as
-/// published) until it has run on a GPU.
+/// device-to-device memcpy: on unless `FLEET_COPY2D_MEMCPY=0` (the element-wise kernel, as
+/// published).
 fn copy2d_memcpy() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FLEET_COPY2D_MEMCPY").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("FLEET_COPY2D_MEMCPY").map_or(true, |v| v != "0"))
 }
 
 fn slice_ptr<T: DeviceRepr>(v: &CudaSlice<T>, lo: usize) -> (u64, cudarc::driver::SyncOnDrop<'_>) {
@@ -2375,7 +2375,7 @@ impl BackendStorage for CudaStorage {
         // fleet's patch: one contiguous run (a whole-tensor `cat` along the first dimension,
         // a `slice_set` of a contiguous block) is a device-to-device copy, which runs near the
         // bandwidth where the element-wise kernel below reached ~15-20% of it on H100/H200
-        // (FLEET_COPY2D_MEMCPY=1 only, until it has run on a GPU).
+        // (FLEET_COPY2D_MEMCPY=0 for the kernel).
         let contiguous_run = d1 == 1 || (src_s == d2 as usize && dst_s == d2 as usize);
         if contiguous_run && copy2d_memcpy() {
             // SAFETY: both ranges lie within their slices (the caller's layouts), on the
