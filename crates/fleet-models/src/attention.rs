@@ -213,7 +213,82 @@ pub fn flash_attention(
     scale: f32,
     mask: &Mask,
 ) -> Result<Tensor> {
+    #[cfg(feature = "fa3")]
+    if fa3::takes(q, k, v, mask) {
+        return fa3::attention(q, k, v, scale, mask.causal);
+    }
     run_flash(q, k, v, scale, mask, false)
+}
+
+/// FlashAttention-3's forward (the vendored candle-flash-attn-v3, wgmma and TMA on sm_90) for
+/// what fleet's build of it takes: bf16, head dim 128, no left padding, inputs that record no
+/// gradient (it has no backward). Off until its GPU test has run: `FLEET_FA3=1`, or
+/// [`set_fa3`]. Its sums run in another order than fleet's kernel, so the outputs agree to the
+/// dtype's rounding, not bit for bit.
+#[cfg(feature = "fa3")]
+mod fa3 {
+    use candle_core::{DType, Tensor};
+
+    use super::Mask;
+    use crate::error::Result;
+
+    pub(super) static ON: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_FA3", false);
+
+    /// Whether [`attention`] takes these token-major inputs.
+    pub(super) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> bool {
+        ON.on()
+            && q.dtype() == DType::BF16
+            && q.dims().last() == Some(&128)
+            && mask.key_start.is_none()
+            && ![q, k, v].iter().any(|t| t.track_op())
+            && gpu_is_sm90(q.device())
+    }
+
+    /// `softmax(q kᵀ · scale) v`, causal as the decoder's mask (the last query sees every key).
+    pub(super) fn attention(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f32,
+        causal: bool,
+    ) -> Result<Tensor> {
+        let c = |t: &Tensor| -> Result<Tensor> {
+            Ok(if t.stride().last() == Some(&1) {
+                t.clone()
+            } else {
+                t.contiguous()?
+            })
+        };
+        Ok(candle_flash_attn_v3::flash_attn(
+            &c(q)?,
+            &c(k)?,
+            &c(v)?,
+            scale,
+            causal,
+            false,
+        )?)
+    }
+
+    /// Whether this GPU is compute capability 9.x (the kernel is built for sm_90a only).
+    fn gpu_is_sm90(device: &candle_core::Device) -> bool {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| match device {
+            candle_core::Device::Cuda(dev) => dev
+                .cuda_stream()
+                .context()
+                .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                .is_ok_and(|m| m == 9),
+            _ => false,
+        })
+    }
+}
+
+/// Test switch for FlashAttention-3 in [`flash_attention`] (feature `fa3`): `Some(on)` forces
+/// it, `None` leaves it to `FLEET_FA3`.
+#[cfg(feature = "fa3")]
+pub fn set_fa3(on: Option<bool>) {
+    fa3::ON.force(on);
 }
 
 /// The kernel on token-major `q`, `k`, `v` (`head_major` false) or on head-major ones (read
