@@ -33,16 +33,11 @@ template <typename T> __device__ __forceinline__ void unpack8(const uint4 &v, fl
     for (int e = 0; e < 8; ++e) out[e] = to_f(t[e]);
 }
 
+// Lane `lane`'s share of chunks [c_begin, c_end) of row `wr` against the M rows of x, summed
+// in chunk order into acc, then the warp's butterfly: every lane ends with the warp's sums.
 template <typename T, int M>
-__device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
-    const int lane = threadIdx.x % 32;
-    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (col >= n) return;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
-    const int chunks = k / 8;
-    float acc[M];
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+__device__ __forceinline__ void gemv_warp_sums(const T *x, const uint4 *wr, int k, int c_begin,
+                                               int c_end, int lane, float *acc) {
     auto fma_chunk = [&](const uint4 &wv, int c) {
         float wf[8];
         unpack8<T>(wv, wf);
@@ -54,20 +49,32 @@ __device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
             for (int e = 0; e < 8; ++e) acc[m] = __fmaf_rn(xf[e], wf[e], acc[m]);
         }
     };
-    int c = lane;
-    for (; c + 96 < chunks; c += 128) {
+    int c = c_begin + lane;
+    for (; c + 96 < c_end; c += 128) {
         uint4 wv[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) wv[u] = __ldcs(wr + c + 32 * u);
 #pragma unroll
         for (int u = 0; u < 4; ++u) fma_chunk(wv[u], c + 32 * u);
     }
-    for (; c < chunks; c += 32) fma_chunk(__ldcs(wr + c), c);
+    for (; c < c_end; c += 32) fma_chunk(__ldcs(wr + c), c);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
     }
+}
+
+template <typename T, int M>
+__device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
+    const int lane = threadIdx.x % 32;
+    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (col >= n) return;
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+    gemv_warp_sums<T, M>(x, wr, k, 0, k / 8, lane, acc);
     if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m) y[(size_t)m * n + col] = from_f<T>(acc[m]);
@@ -95,31 +102,7 @@ __device__ void gemv_split(const T *x, const T *w, T *y, int n, int k) {
     for (int m = 0; m < M; ++m) acc[m] = 0.f;
     if (col < n) {
         const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
-        auto fma_chunk = [&](const uint4 &wv, int c) {
-            float wf[8];
-            unpack8<T>(wv, wf);
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                float xf[8];
-                unpack8<T>(__ldg(reinterpret_cast<const uint4 *>(x + (size_t)m * k) + c), xf);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[m] = __fmaf_rn(xf[e], wf[e], acc[m]);
-            }
-        };
-        int c = c_begin + lane;
-        for (; c + 96 < c_end; c += 128) {
-            uint4 wv[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) wv[u] = __ldcs(wr + c + 32 * u);
-#pragma unroll
-            for (int u = 0; u < 4; ++u) fma_chunk(wv[u], c + 32 * u);
-        }
-        for (; c < c_end; c += 32) fma_chunk(__ldcs(wr + c), c);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
-        }
+        gemv_warp_sums<T, M>(x, wr, k, c_begin, c_end, lane, acc);
     }
     if (lane == 0) {
 #pragma unroll
