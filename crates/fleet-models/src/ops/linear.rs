@@ -673,7 +673,7 @@ mod tests {
     }
 
     /// The split twin (rows in 2 or 4 parts, the parts added in order) is the product too, and
-    /// a part past the row's chunks adds nothing; split 1 is the unsplit sum bit for bit.
+    /// a part past the row's chunks adds nothing: a row of one chunk gives the unsplit sum.
     #[test]
     fn gemv_split_twin_is_the_product() {
         for (m, n, k) in [
