@@ -221,10 +221,11 @@ pub fn flash_attention(
 }
 
 /// FlashAttention-3's forward (the vendored candle-flash-attn-v3, wgmma and TMA on sm_90) for
-/// what fleet's build of it takes: bf16, head dim 128, no left padding, inputs that record no
-/// gradient (it has no backward). Off until its GPU test has run: `FLEET_FA3=1`, or
-/// [`set_fa3`]. Its sums run in another order than fleet's kernel, so the outputs agree to the
-/// dtype's rounding, not bit for bit.
+/// what fleet's build of it takes: bf16, head dim 128 — or 72 to 120 (the vision tower's 72),
+/// zero-padded to 128 and the output cut back, which leaves every score and output unchanged —
+/// no left padding, inputs that record no gradient (it has no backward). Off until its GPU test
+/// has run: `FLEET_FA3=1`, or [`set_fa3`]. Its sums run in another order than fleet's kernel,
+/// so the outputs agree to the dtype's rounding, not bit for bit.
 #[cfg(feature = "fa3")]
 mod fa3 {
     use candle_core::{DType, Tensor};
@@ -236,9 +237,10 @@ mod fa3 {
 
     /// Whether [`attention`] takes these token-major inputs.
     pub(super) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> bool {
+        let d = q.dims().last().copied().unwrap_or(0);
         ON.on()
             && q.dtype() == DType::BF16
-            && q.dims().last() == Some(&128)
+            && (d == 128 || (72..128).contains(&d) && d.is_multiple_of(8))
             && mask.key_start.is_none()
             && ![q, k, v].iter().any(|t| t.track_op())
             && gpu_is_sm90(q.device())
@@ -252,21 +254,23 @@ mod fa3 {
         scale: f32,
         causal: bool,
     ) -> Result<Tensor> {
+        let d = q.dims().last().copied().unwrap_or(0);
+        // The kernel's head dim: zeros past `d` add nothing to q·k and give zero outputs there.
         let c = |t: &Tensor| -> Result<Tensor> {
-            Ok(if t.stride().last() == Some(&1) {
+            Ok(if d < 128 {
+                t.pad_with_zeros(candle_core::D::Minus1, 0, 128 - d)?
+            } else if t.stride().last() == Some(&1) {
                 t.clone()
             } else {
                 t.contiguous()?
             })
         };
-        Ok(candle_flash_attn_v3::flash_attn(
-            &c(q)?,
-            &c(k)?,
-            &c(v)?,
-            scale,
-            causal,
-            false,
-        )?)
+        let out = candle_flash_attn_v3::flash_attn(&c(q)?, &c(k)?, &c(v)?, scale, causal, false)?;
+        Ok(if d < 128 {
+            out.narrow(candle_core::D::Minus1, 0, d)?.contiguous()?
+        } else {
+            out
+        })
     }
 
     /// Whether this GPU is compute capability 9.x (the kernel is built for sm_90a only).
