@@ -70,36 +70,47 @@ fn built_for_sm80() -> bool {
 }
 
 /// Whether this GPU has compute capability 8.0 or later (the kernels' mma.sync, ldmatrix and
-/// cp.async), checked once per process; an older GPU runs attention unfused, logged once.
+/// cp.async); an older GPU runs attention unfused, logged once.
 fn gpu_is_sm80(device: &candle_core::Device) -> bool {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    match compute_capability_major(device) {
+        Some(m) if m >= 8 => true,
+        other => {
+            if device.is_cuda() {
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        "fused attention needs compute capability 8.0 (this GPU: {other:?}); \
+                         attention runs unfused"
+                    )
+                });
+            }
+            false
+        }
+    }
+}
+
+/// The major compute capability of the process's first CUDA device asked about (read once:
+/// the attention kernels are built for one architecture), `None` off CUDA or when the driver
+/// does not say.
+fn compute_capability_major(device: &candle_core::Device) -> Option<i32> {
     #[cfg(feature = "cuda")]
     {
         use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *OK.get_or_init(|| match device {
-            candle_core::Device::Cuda(dev) => {
-                let stream = dev.cuda_stream();
-                let major = stream
+        static MAJOR: std::sync::OnceLock<Option<i32>> = std::sync::OnceLock::new();
+        match device {
+            candle_core::Device::Cuda(dev) => *MAJOR.get_or_init(|| {
+                dev.cuda_stream()
                     .context()
-                    .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
-                match major {
-                    Ok(m) if m >= 8 => true,
-                    other => {
-                        tracing::warn!(
-                            "fused attention needs compute capability 8.0 (this GPU: \
-                             {other:?}); attention runs unfused"
-                        );
-                        false
-                    }
-                }
-            }
-            _ => false,
-        })
+                    .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                    .ok()
+            }),
+            _ => None,
+        }
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = device;
-        false
+        None
     }
 }
 
@@ -243,7 +254,8 @@ mod fa3 {
             && (d == 128 || (72..128).contains(&d) && d.is_multiple_of(8))
             && mask.key_start.is_none()
             && ![q, k, v].iter().any(|t| t.track_op())
-            && gpu_is_sm90(q.device())
+            // The kernel is built for sm_90a only.
+            && super::compute_capability_major(q.device()) == Some(9)
     }
 
     /// `softmax(q kᵀ · scale) v`, causal as the decoder's mask (the last query sees every key).
@@ -270,20 +282,6 @@ mod fa3 {
             out.narrow(candle_core::D::Minus1, 0, d)?.contiguous()?
         } else {
             out
-        })
-    }
-
-    /// Whether this GPU is compute capability 9.x (the kernel is built for sm_90a only).
-    fn gpu_is_sm90(device: &candle_core::Device) -> bool {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *OK.get_or_init(|| match device {
-            candle_core::Device::Cuda(dev) => dev
-                .cuda_stream()
-                .context()
-                .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-                .is_ok_and(|m| m == 9),
-            _ => false,
         })
     }
 }
