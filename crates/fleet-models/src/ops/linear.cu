@@ -33,11 +33,16 @@ template <typename T> __device__ __forceinline__ void unpack8(const uint4 &v, fl
     for (int e = 0; e < 8; ++e) out[e] = to_f(t[e]);
 }
 
-// Lane `lane`'s share of chunks [c_begin, c_end) of row `wr` against the M rows of x, summed
-// in chunk order into acc, then the warp's butterfly: every lane ends with the warp's sums.
 template <typename T, int M>
-__device__ __forceinline__ void gemv_warp_sums(const T *x, const uint4 *wr, int k, int c_begin,
-                                               int c_end, int lane, float *acc) {
+__device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
+    const int lane = threadIdx.x % 32;
+    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (col >= n) return;
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
+    const int chunks = k / 8;
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.f;
     auto fma_chunk = [&](const uint4 &wv, int c) {
         float wf[8];
         unpack8<T>(wv, wf);
@@ -49,73 +54,23 @@ __device__ __forceinline__ void gemv_warp_sums(const T *x, const uint4 *wr, int 
             for (int e = 0; e < 8; ++e) acc[m] = __fmaf_rn(xf[e], wf[e], acc[m]);
         }
     };
-    int c = c_begin + lane;
-    for (; c + 96 < c_end; c += 128) {
+    int c = lane;
+    for (; c + 96 < chunks; c += 128) {
         uint4 wv[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) wv[u] = __ldcs(wr + c + 32 * u);
 #pragma unroll
         for (int u = 0; u < 4; ++u) fma_chunk(wv[u], c + 32 * u);
     }
-    for (; c < c_end; c += 32) fma_chunk(__ldcs(wr + c), c);
+    for (; c < chunks; c += 32) fma_chunk(__ldcs(wr + c), c);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
     }
-}
-
-template <typename T, int M>
-__device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
-    const int lane = threadIdx.x % 32;
-    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (col >= n) return;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
-    float acc[M];
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
-    gemv_warp_sums<T, M>(x, wr, k, 0, k / 8, lane, acc);
     if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m) y[(size_t)m * n + col] = from_f<T>(acc[m]);
-    }
-}
-
-// The same product with each column's row split into S contiguous parts, one warp a part
-// (FLEET_GEMV_SPLIT=2 or 4): S times the warps on the device for the same bytes, where a
-// 7B's o and down projections (896 blocks of one column a warp) leave ~27 warps an SM and ran
-// at 67% of the bandwidth against gate/up's 86% (ncu, H200, 2026-11-28). Part s covers chunks
-// [s * per, (s + 1) * per), per = ceil(chunks / S); its lanes sum as above, the butterfly sums
-// the warp, and the column's parts are added in order (part 0 first), rounded once. The twin
-// (gemv_cpu with its split) follows the same order.
-template <typename T, int M, int S>
-__device__ void gemv_split(const T *x, const T *w, T *y, int n, int k) {
-    __shared__ float part[4][M];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int col = blockIdx.x * (4 / S) + warp / S;
-    const int s = warp % S;
-    const int chunks = k / 8;
-    const int per = (chunks + S - 1) / S;
-    const int c_begin = min(chunks, s * per), c_end = min(chunks, c_begin + per);
-    float acc[M];
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
-    if (col < n) {
-        const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
-        gemv_warp_sums<T, M>(x, wr, k, c_begin, c_end, lane, acc);
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) part[warp][m] = acc[m];
-    }
-    __syncthreads();
-    if (col < n && s == 0 && lane == 0) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float t = part[warp][m];
-            for (int j = 1; j < S; ++j) t += part[warp + j][m];
-            y[(size_t)m * n + col] = from_f<T>(t);
-        }
     }
 }
 
@@ -124,20 +79,11 @@ __device__ void gemv_split(const T *x, const T *w, T *y, int n, int k) {
                                                     int k) {                                   \
         gemv<T, M>(x, w, y, n, k);                                                             \
     }
-#define GEMV_SPLIT(T, SUFFIX, M, S)                                                            \
-    extern "C" __global__ void gemv_##SUFFIX##_m##M##_s##S(const T *x, const T *w, T *y,      \
-                                                           int n, int k) {                     \
-        gemv_split<T, M, S>(x, w, y, n, k);                                                    \
-    }
-#define GEMV_ROWS(T, SUFFIX, M)                                                                \
-    GEMV(T, SUFFIX, M)                                                                         \
-    GEMV_SPLIT(T, SUFFIX, M, 2)                                                                \
-    GEMV_SPLIT(T, SUFFIX, M, 4)
 #define GEMVS(T, SUFFIX)                                                                       \
-    GEMV_ROWS(T, SUFFIX, 1)                                                                    \
-    GEMV_ROWS(T, SUFFIX, 2)                                                                    \
-    GEMV_ROWS(T, SUFFIX, 3)                                                                    \
-    GEMV_ROWS(T, SUFFIX, 4)
+    GEMV(T, SUFFIX, 1)                                                                         \
+    GEMV(T, SUFFIX, 2)                                                                         \
+    GEMV(T, SUFFIX, 3)                                                                         \
+    GEMV(T, SUFFIX, 4)
 GEMVS(__half, f16)
 GEMVS(__nv_bfloat16, bf16)
 

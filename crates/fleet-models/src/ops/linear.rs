@@ -113,71 +113,25 @@ enum FewRows {
     Skinny,
 }
 
-/// Warps that share a column of the GEMV (1, 2 or 4), each summing a contiguous part of the
-/// row: `FLEET_GEMV_SPLIT`, read once, 1 when unset (the kernel as it was), or as
-/// [`set_gemv_split`] forces it. A split changes the order of the sums (part by part, the
-/// parts added in order) and the twin follows it, so the CPU and the GPU agree under either.
-/// For the 7B's o and down projections at one to four rows (896 blocks of four columns, ~27
-/// warps an SM: 67% of the bandwidth on an H200 against gate/up's 86%). Not yet run on a GPU.
-static GEMV_SPLIT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// The warps a GEMV column is split over ([`GEMV_SPLIT`]).
-fn gemv_split() -> usize {
-    use std::sync::atomic::Ordering;
-    match GEMV_SPLIT.load(Ordering::Relaxed) {
-        0 => {
-            let s = match std::env::var("FLEET_GEMV_SPLIT").as_deref() {
-                Ok("2") => 2,
-                Ok("4") => 4,
-                _ => 1,
-            };
-            GEMV_SPLIT.store(s, Ordering::Relaxed);
-            s
-        }
-        s => s,
-    }
-}
-
-/// Test switch: the warps a GEMV column is split over (`Some(2 | 4)`; anything else is 1, the
-/// unsplit kernel), or back to `FLEET_GEMV_SPLIT` (`None`).
-#[doc(hidden)]
-pub fn set_gemv_split(split: Option<usize>) {
-    let s = match split {
-        None => 0,
-        Some(s @ (2 | 4)) => s,
-        Some(_) => 1,
-    };
-    GEMV_SPLIT.store(s, std::sync::atomic::Ordering::Relaxed);
-}
-
 /// Lanes of a warp, each summing its chunks of a row.
 const GEMV_LANES: usize = 32;
 /// Elements per 16-byte load of f16 or bf16.
 const GEMV_CHUNK: usize = 8;
 
-/// The GEMV kernel's twin, its row split into `split` parts as the kernel splits it (see
-/// [`GEMV_SPLIT`]; 1: one part).
-fn gemv_cpu<T: Float>(x: &[T], w: &[T], k: usize, split: usize) -> Vec<T> {
+fn gemv_cpu<T: Float>(x: &[T], w: &[T], k: usize) -> Vec<T> {
     let (m, n) = (x.len() / k, w.len() / k);
-    let chunks = k / GEMV_CHUNK;
-    let per = chunks.div_ceil(split.max(1));
     let mut y = Vec::with_capacity(m * n);
     for xr in x.chunks(k) {
         for wr in w.chunks(k) {
-            let part = |s: usize| {
-                let (begin, end) = ((s * per).min(chunks), ((s + 1) * per).min(chunks));
-                let mut lanes = [0f32; GEMV_LANES];
-                for (lane, acc) in lanes.iter_mut().enumerate() {
-                    for c in (begin + lane..end).step_by(GEMV_LANES) {
-                        for i in c * GEMV_CHUNK..(c + 1) * GEMV_CHUNK {
-                            *acc = xr[i].to_f32().mul_add(wr[i].to_f32(), *acc);
-                        }
+            let mut lanes = [0f32; GEMV_LANES];
+            for (lane, acc) in lanes.iter_mut().enumerate() {
+                for c in (lane..k / GEMV_CHUNK).step_by(GEMV_LANES) {
+                    for i in c * GEMV_CHUNK..(c + 1) * GEMV_CHUNK {
+                        *acc = xr[i].to_f32().mul_add(wr[i].to_f32(), *acc);
                     }
                 }
-                butterfly(lanes)
-            };
-            let total = (1..split.max(1)).fold(part(0), |t, s| t + part(s));
-            y.push(T::from_f32(total));
+            }
+            y.push(T::from_f32(butterfly(lanes)));
         }
     }
     debug_assert_eq!(y.len(), m * n);
@@ -268,7 +222,7 @@ impl candle_core::CustomOp2 for FewRows {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (m, n, k) = self.dims(l1, l2)?;
         let out = float_cpu!("few-row product", (s1, l1) => x, (s2, l2) => w; match self {
-            FewRows::Gemv => gemv_cpu(x, w, k, gemv_split()),
+            FewRows::Gemv => gemv_cpu(x, w, k),
             FewRows::Skinny => skinny_cpu(x, w, k),
         });
         Ok((out, Shape::from((m, n))))
@@ -446,17 +400,15 @@ mod cuda {
                 candle_core::bail!("gemv: {m} rows (1 to {})", super::GEMV_MAX_ROWS);
             }
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
-            let split = super::gemv_split();
-            let name = match split {
-                1 => format!("gemv_{}_m{m}", suffix(s1.dtype())?),
-                s => format!("gemv_{}_m{m}_s{s}", suffix(s1.dtype())?),
-            };
-            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let func = dev.get_or_load_custom_func(
+                &format!("gemv_{}_m{m}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
             // SAFETY: the kernel writes every one of the m x n outputs.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
             let cfg = LaunchConfig {
-                // GEMV_WARPS / split columns a block.
-                grid_dim: ((n * split).div_ceil(GEMV_WARPS) as u32, 1, 1),
+                grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
                 block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -467,9 +419,9 @@ mod cuda {
             let (n, k) = (n as i32, k as i32);
             builder.arg(&n);
             builder.arg(&k);
-            // SAFETY: warp j of block b reads row b * GEMV_WARPS / split + j / split of w (if
-            // below n; part j % split of it) and the m rows of x, 16 bytes at a time (k a
-            // multiple of 8, rows aligned: checked); one warp a column writes that column of y.
+            // SAFETY: warp j of block b reads row b * GEMV_WARPS + j of w (if below n) and
+            // the m rows of x, 16 bytes at a time (k a multiple of 8, rows aligned: checked),
+            // and writes that column of y.
             unsafe { builder.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev))
         }
@@ -672,37 +624,6 @@ mod tests {
         }
     }
 
-    /// The split twin (rows in 2 or 4 parts, the parts added in order) is the product too, and
-    /// a part past the row's chunks adds nothing: a row of one chunk gives the unsplit sum.
-    #[test]
-    fn gemv_split_twin_is_the_product() {
-        for (m, n, k) in [
-            (1, 5, 8),
-            (2, 33, 264),
-            (3, 7, 1032),
-            (4, 19, 3584),
-            (1, 3, 24),
-        ] {
-            let (x, w) = (test_tensor(&[m, k], 1), test_tensor(&[n, k], 2));
-            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let ws = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let want = x.matmul(&w.t().unwrap()).unwrap();
-            let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let unsplit = gemv_cpu(&xs, &ws, k, 1);
-            for split in [2, 4] {
-                let got = gemv_cpu(&xs, &ws, k, split);
-                for (i, (g, r)) in got.iter().zip(&want).enumerate() {
-                    let tol = 1e-4 * (k as f32).sqrt();
-                    assert!((g - r).abs() < tol, "split {split} m {m} n {n} k {k} [{i}]");
-                }
-                if k / GEMV_CHUNK == 1 {
-                    // One chunk: every part after the first is empty.
-                    assert_eq!(got, unsplit, "k {k}");
-                }
-            }
-        }
-    }
-
     /// The plan: ranges of equal length over the (tile, chunk) units, one block each and
     /// blocks for every slot of the GPU; whole tiles without counters or with too many tiles.
     #[test]
@@ -784,19 +705,8 @@ mod kernel_tests {
         let dev = candle_core::Device::new_cuda(0).unwrap();
         let r =
             |s: &[usize], seed: u64, dtype: DType| test_tensor(s, seed).to_dtype(dtype).unwrap();
-        for (dtype, split) in [DType::BF16, DType::F16]
-            .into_iter()
-            .flat_map(|d| [1, 2, 4].map(|s| (d, s)))
-        {
-            set_gemv_split(Some(split));
-            for (m, n, k) in [
-                (1, 13, 8),
-                (2, 300, 264),
-                (3, 37, 1032),
-                (4, 129, 3584),
-                (1, 70, 18944),
-                (1, 5, 24),
-            ] {
+        for dtype in [DType::BF16, DType::F16] {
+            for (m, n, k) in [(1, 13, 8), (2, 300, 264), (3, 37, 1032), (4, 129, 3584)] {
                 let (x, w) = (r(&[m, k], 3, dtype), r(&[n, k], 4, dtype));
                 let want = gemv(&x, &w).unwrap().to_dtype(DType::F32).unwrap();
                 let got = gemv(&x.to_device(&dev).unwrap(), &w.to_device(&dev).unwrap())
@@ -808,13 +718,12 @@ mod kernel_tests {
                 assert_eq!(
                     got.to_vec2::<f32>().unwrap(),
                     want.to_vec2::<f32>().unwrap(),
-                    "{dtype:?} m {m} n {n} k {k}, split {split}"
+                    "{dtype:?} m {m} n {n} k {k}"
                 );
             }
             // Through linear: 3 rows of a 3-D input take the kernel, the bias added after.
             linear_takes(&dev, dtype, 3, 40, gemv);
         }
-        set_gemv_split(None);
     }
 
     /// [`linear`] on `rows` rows of a 3-D input (64 features in, `out` out, with a bias) gives
