@@ -268,9 +268,13 @@ mod fa3 {
     ) -> Result<Tensor> {
         let d = q.dims().last().copied().unwrap_or(0);
         // The kernel's head dim: zeros past `d` add nothing to q·k and give zero outputs there.
+        // Padded from a contiguous copy: candle pads a strided view (the vision tower's q, k, v
+        // are views of its fused projection) through a transposed concatenation whose last dim
+        // is not contiguous, which the kernel refuses.
         let c = |t: &Tensor| -> Result<Tensor> {
             Ok(if d < 128 {
-                t.pad_with_zeros(candle_core::D::Minus1, 0, 128 - d)?
+                t.contiguous()?
+                    .pad_with_zeros(candle_core::D::Minus1, 0, 128 - d)?
             } else if t.stride().last() == Some(&1) {
                 t.clone()
             } else {

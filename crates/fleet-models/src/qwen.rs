@@ -416,7 +416,9 @@ impl Attention {
 
 /// Causal attention of head-major `q` (`[b, heads, q_len, d]`, the 1/sqrt(d) scale folded in)
 /// over `k`, `v` whose rows are left-padded by `pad` (u32 `[b]`), the queries at the end of
-/// the keys; the heads merged back: `[b, q_len, heads * d]`. `fused`: the flash kernel;
+/// the keys; the heads merged back: `[b, q_len, heads * d]`. An inference prefill of rows
+/// none of which is padded (`pad.padded` false) hands the kernel no key start, so that
+/// FlashAttention-3 (feature `fa3`), which has no left padding, can take it. `fused`: the flash kernel;
 /// `training`: a pass of the training module, which (while `attention::flash_in_training`,
 /// the only way it gets `fused`) takes the kernel through [`attention::attend_token_major`], so that no
 /// transposes are recorded; inference keeps the token-major views the GPU tests cover.
@@ -424,14 +426,16 @@ fn causal_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    pad: &Tensor,
+    pad: &RowPadding,
     fused: bool,
     training: bool,
 ) -> Result<Tensor> {
     let (b, h, q_len, d) = q.dims4()?;
     let mask = attention::Mask {
         causal: true,
-        key_start: Some(pad.clone()),
+        // Kept for the unfused path (its softmax reads the counts either way) and for training,
+        // whose passes keep fleet's kernel.
+        key_start: (pad.padded || !fused || training).then(|| pad.counts.clone()),
     };
     let out = if fused && training {
         attention::attend_token_major(q, k, v, 1.0, &mask, fused)?
@@ -481,7 +485,7 @@ impl Attention {
         &self,
         q: &Tensor,
         paged: &PagedInputs,
-        pad: &Tensor,
+        pad: &RowPadding,
         cache: &LayerCache,
     ) -> Result<Tensor> {
         let (b, h, q_len, d) = q.dims4()?;
@@ -776,8 +780,17 @@ impl Stream {
 /// keys and values go and what it attends to.
 pub(crate) struct DeviceInputs {
     rope: RopeRows,
-    pad: Tensor,
+    pad: RowPadding,
     paged: Option<PagedInputs>,
+}
+
+/// The rows' left-padding counts on the device, and whether any is above zero (known on the
+/// host when the counts are uploaded).
+pub(crate) struct RowPadding {
+    /// u32 `[b]`.
+    counts: Tensor,
+    /// Some count is above zero (true where the host does not know, as in a captured step).
+    padded: bool,
 }
 
 /// A paged call's slots and reads, on one device.
@@ -876,7 +889,10 @@ impl LayerInputs {
                 *loc,
                 DeviceInputs {
                     rope: tables.select(positions, dev)?,
-                    pad: Tensor::from_slice(&pad, pad.len(), dev)?,
+                    pad: RowPadding {
+                        counts: Tensor::from_slice(&pad, pad.len(), dev)?,
+                        padded: pad.iter().any(|&p| p > 0),
+                    },
                     paged: paged.map(|p| p.upload(dev)).transpose()?,
                 },
             ));

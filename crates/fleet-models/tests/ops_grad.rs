@@ -1911,8 +1911,9 @@ fn cuda_copy2d_matches_the_cpu() {
 /// FlashAttention-3's forward (feature `fa3`, `FLEET_FA3`) against fleet's flash kernel on the
 /// GPU, bf16: at head dim 128 a causal GQA prefill (group 4), a causal continuation whose keys
 /// run past the queries (group 7: the last query sees every key) and a non-causal batch of
-/// whole sequences; at head dim 72 (zero-padded to 128) the vision tower's shape. The two sum
-/// in other orders: within 2e-2 of the scale.
+/// whole sequences; at head dim 72 (zero-padded to 128) the vision tower's shape. The
+/// non-causal inputs are views of one fused projection, as the tower's are. The two sum in
+/// other orders: within 2e-2 of the scale.
 #[cfg(feature = "fa3")]
 #[test]
 fn cuda_fa3_matches_the_flash_kernel() {
@@ -1928,9 +1929,19 @@ fn cuda_fa3_matches_the_flash_kernel() {
         (2, 4096, 4096, 16, 16, 72, false),
     ] {
         let on = |t: Tensor| t.to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
-        let q = on(rng.tensor(&[b, q_len, heads, d], 0.0, 1.0));
-        let k = on(rng.tensor(&[b, kv_len, kv_heads, d], 0.0, 1.0));
-        let v = on(rng.tensor(&[b, kv_len, kv_heads, d], 0.0, 1.0));
+        let (q, k, v) = if heads == kv_heads && q_len == kv_len {
+            // As the vision tower hands them over: views of one fused projection
+            // `[b, len, 3, heads, d]`, not contiguous.
+            let qkv = on(rng.tensor(&[b, q_len, 3, heads, d], 0.0, 1.0));
+            let part = |i| qkv.narrow(2, i, 1).unwrap().squeeze(2).unwrap();
+            (part(0), part(1), part(2))
+        } else {
+            (
+                on(rng.tensor(&[b, q_len, heads, d], 0.0, 1.0)),
+                on(rng.tensor(&[b, kv_len, kv_heads, d], 0.0, 1.0)),
+                on(rng.tensor(&[b, kv_len, kv_heads, d], 0.0, 1.0)),
+            )
+        };
         let mask = Mask {
             causal,
             key_start: None,

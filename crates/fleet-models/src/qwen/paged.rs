@@ -9,7 +9,7 @@ use fleet_topology::{DeviceLocation, DeviceMap};
 
 use super::{
     run_layers, DeviceInputs, LayerInputs, PagedCall, PagedCallRead, PagedInputs, PagedRead, Plain,
-    Positions, QwenModel, Stream,
+    Positions, QwenModel, RowPadding, Stream,
 };
 use crate::error::{ModelError, Result};
 use crate::kv_blocks::SequenceBlocks;
@@ -609,7 +609,10 @@ impl QwenModel {
                             *loc,
                             DeviceInputs {
                                 rope: tables.rows_at(&b.positions, graph.batch, 1)?,
-                                pad: b.pad.clone(),
+                                pad: RowPadding {
+                                    counts: b.pad.clone(),
+                                    padded: true,
+                                },
                                 paged: Some(PagedInputs {
                                     slots: b.slots.clone(),
                                     read: PagedRead::Decode {
