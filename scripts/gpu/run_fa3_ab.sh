@@ -2,11 +2,11 @@
 # FlashAttention-3 (the `fa3` build) against fleet's own flash kernel, one call, alternating:
 # the 7B prefill (`fleet bench generate`, prompt PROMPT, batches 1 and 32, 2 new tokens) with
 # transformers in the same call, and the 8B judge (`edit-score bench`, SIZE px, BATCH) with
-# FLEET_FA3=0 / 1. Then the 7B decode at batch 1 with the GEMV's long rows split (GEMV_SPLITS).
+# FLEET_FA3=0 / 1.
 # Carried: dist/carry/fleet.xz and dist/carry/edit-score.xz, both built with `fa3`.
 #
 #   bash scripts/gpu/run_fa3_ab.sh     # ROUNDS (2), PROMPT (512), SIZE (1024), BATCH (16),
-#                                      # SAMPLES (48), GEMV_SPLITS ("1 2 4"), HF (1)
+#                                      # SAMPLES (48), HF (1: transformers' prefill too)
 set -u
 export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
 W=/tmp/fa3ab; mkdir -p $W
@@ -36,9 +36,3 @@ if [ -x $W/edit-score ]; then
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('judge FLEET_FA3=$f round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
   done; done
 fi
-for i in $(seq 1 ${ROUNDS:-2}); do for s in ${GEMV_SPLITS:-1 2 4}; do
-  echo "== decode b1 FLEET_GEMV_SPLIT=$s round $i"
-  FLEET_GEMV_SPLIT=$s timeout 100 $W/fleet bench generate --config $C7 --batch 1 --prompt-len 512 \
-    --new-tokens 128 --repeats 2 --batching continuous --num-scheduler-steps 8 \
-    --json $OUT/b1_s${s}_$i.json 2>&1 | grep -E '^batch|rror'
-done; done
