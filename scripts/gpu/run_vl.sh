@@ -160,7 +160,7 @@ speed|speed8b|speed30b)
     [ "$mode" = best ] && extra="--stop-at-oom"
     # shellcheck disable=SC2086
     timeout "$t" python3 scripts/gpu/vl_bench_transformers.py --config "$C" --image-size "$size" \
-        --batch "$(echo $list | tr ' ' ,)" --samples-per-batch "$SPB" --new-tokens 128 $extra \
+        --batch "$(echo $list | tr ' ' ,)" --samples-per-batch "$SPB" --new-tokens 128 --prefill $extra \
         --json "$R/$tag.json" > "$R/$tag.log" 2>&1
     rc=$?
     python3 - "$R/$tag.json" "$key" "$mode" "$rc" "$t" "$list" >> "$TSV" <<'PY'
