@@ -234,9 +234,11 @@ pub fn flash_attention(
 /// FlashAttention-3's forward (the vendored candle-flash-attn-v3, wgmma and TMA on sm_90) for
 /// what fleet's build of it takes: bf16, head dim 128 — or 72 to 120 (the vision tower's 72),
 /// zero-padded to 128 and the output cut back, which leaves every score and output unchanged —
-/// no left padding, inputs that record no gradient (it has no backward). Off until its GPU test
-/// has run: `FLEET_FA3=1`, or [`set_fa3`]. Its sums run in another order than fleet's kernel,
-/// so the outputs agree to the dtype's rounding, not bit for bit.
+/// no left padding, inputs that record no gradient (it has no backward). Off by default:
+/// `FLEET_FA3=1`, or [`set_fa3`]. On an H200 its GPU test passes but it is no faster yet (the
+/// 7B prefill the same; the judge 4–7% slower, the copies around the padded vision heads
+/// costing what the kernel saves). Its sums run in another order than fleet's kernel, so the
+/// outputs agree to the dtype's rounding, not bit for bit.
 #[cfg(feature = "fa3")]
 mod fa3 {
     use candle_core::{DType, Tensor};
