@@ -77,6 +77,10 @@ def main() -> None:
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--prefill", action="store_true",
                    help="also time one prefill alone per batch size (on the warm-up batch)")
+    p.add_argument("--profile-prefill", metavar="PATH",
+                   help="with --prefill: run that prefill under torch.profiler and write its CUDA "
+                        "kernels, summed by name, to PATH.<batch>.txt (fleet's side: "
+                        "scripts/gpu/profile_stage.sh)")
     p.add_argument("--json")
     a = p.parse_args()
 
@@ -123,6 +127,24 @@ def main() -> None:
         assert out.shape[1] - kw["input_ids"].shape[1] == a.new_tokens
         return out
 
+    def profile_prefill(kw, path: str):
+        # One more prefill under the profiler (after the timed one, so its overhead is not in
+        # prefill_s): the CUDA kernels by total device time, as kernel_times.py sums fleet's.
+        from torch.profiler import ProfilerActivity, profile
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(**kw, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        events.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in events)
+        lines = [f"# transformers prefill, kernels by device time: {total / 1e3:.1f} ms in all",
+                 f"{'ms':>9} {'%':>6} {'calls':>6}  kernel"]
+        for e in events[:60]:
+            lines.append(f"{e.device_time_total / 1e3:9.2f} {100 * e.device_time_total / total:6.2f} "
+                         f"{e.count:6d}  {e.key[:160]}")
+        Path(path).write_text("\n".join(lines) + "\n")
+        print("\n".join(lines[:25]), flush=True)
+
     def measure(bsz: int) -> dict:
         kw, _, prompt_len, image_tokens = batch(1_000_000, bsz)
         run(kw)  # warm-up
@@ -137,6 +159,8 @@ def main() -> None:
             torch.cuda.synchronize()
             prefill = time.time() - t
             print(f"batch size {bsz}: prefill {prefill:.3f}s", flush=True)
+            if a.profile_prefill:
+                profile_prefill(kw, f"{a.profile_prefill}.{bsz}.txt")
         del kw
         torch.cuda.reset_peak_memory_stats()
         samples = a.samples if a.samples else bsz * a.samples_per_batch
