@@ -20,7 +20,7 @@ For each batch size B:
     prefill_tok_s = B * prompt_len / t_prefill;
   * generate: model.generate(greedy, max_new_tokens = min_new_tokens = N, EOS
     disabled, so exactly N new tokens). Timed the same way; we keep the median of
-    --gen-repeats (1). The first new token comes from the prefill, so
+    --gen-repeats (3, as fleet's --repeats; 1 before 2026-11-28). The first new token comes from the prefill, so
     decode_tok_s = B * (N - 1) / (t_generate - t_prefill);
   * memory: torch.cuda.reset_peak_memory_stats() before the warm-up of each B, then
     max_memory_allocated() / max_memory_reserved() after the timed runs.
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attn", default=None,
                     help="attn_implementation (default: the transformers default, i.e. sdpa)")
     ap.add_argument("--prefill-repeats", type=int, default=3)
-    ap.add_argument("--gen-repeats", type=int, default=1)
+    ap.add_argument("--gen-repeats", type=int, default=3)
     ap.add_argument("--no-warmup", action="store_true")
     args = ap.parse_args(argv)
 

@@ -7,7 +7,7 @@ mkdir -p /tmp/t; for n in ops_grad fleet_gspo; do xz -dc dist/carry/tests/$n.xz 
 /tmp/t/fleet_gspo fused_gpu --nocapture >> $OUT/tests.txt 2>&1
 cat $OUT/tests.txt | grep -E "test result|FAILED|panicked|worst|gradient of input" | head -40
 SHAPES=1.5b bash scripts/gpu/profile_gspo.sh > /dev/null 2>&1; grep -v "attn\.\|mlp\.\|  norm \|  head " $OUT/profile-1.5b.txt | grep profile
-SHAPES="0.5b 1.5b" STEPS=12 WORK=/tmp/gb bash scripts/gpu/run_gspo_vs_trl.sh > /dev/null 2>&1; python3 -c "
+SHAPES="0.5b 1.5b" STEPS=16 WORK=/tmp/gb bash scripts/gpu/run_gspo_vs_trl.sh > /dev/null 2>&1; python3 -c "
 import json; r=json.load(open('$OUT/gspo_vs_trl.json'))
 for s,bs in r.items():
   for b,v in bs.items():

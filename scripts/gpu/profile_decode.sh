@@ -4,7 +4,8 @@
 # (`--cuda-profile-range` with `ncu --profile-from-start off`: not the model's build or the
 # warm-up): continuous batching without graphs (`--enforce-eager`: the kernels a graph replays),
 # prompt 16, NEW new tokens. scripts/gpu/decode_profile.py then sums its last decode steps by
-# kernel.
+# kernel. Clocks run free (`--clock-control none`, NCU_CLOCKS); before 2026-11-28 ncu's default
+# locked them to base.
 #
 # Carried: dist/carry/fleet.xz. SHAPES: shape:batch pairs (default "7b:1 7b:64 0.5b:64").
 # Writes $OUT/decode_<shape>_b<batch>.txt (the parsed step), $OUT/profile.log and $OUT/ncu.tar
@@ -31,7 +32,7 @@ for s in $SHAPES; do
   layers=$(python3 -c "import json; print(json.load(open('$cfg'))['num_hidden_layers'])")
   name="${shape}_b$batch"
   echo "== $shape batch $batch ($layers layers), $NEW new tokens"
-  timeout 300 "$NCU" --profile-from-start off --csv --print-units base --metrics \
+  timeout 300 "$NCU" --profile-from-start off --clock-control "${NCU_CLOCKS:-none}" --csv --print-units base --metrics \
     gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size \
     "$F" bench generate --config "$cfg" --batch "$batch" --prompt-len 16 --new-tokens "$NEW" \
     --repeats 1 --batching continuous --enforce-eager --cuda-profile-range \

@@ -9,7 +9,9 @@
 #
 # Writes $OUT/kernels_$NAME.txt (the summary), $OUT/ncu_$NAME.csv.xz (every launch) and
 # $OUT/job_$NAME.log (the job's own output).
-# METRICS overrides the metric list (gpu__time_duration.sum alone is the fastest).
+# METRICS overrides the metric list (gpu__time_duration.sum alone is the fastest). The clocks
+# run free (`--clock-control none`, NCU_CLOCKS) as in a real run: ncu's default locks them to
+# base, which understates bandwidth-bound kernels (profiles before 2026-11-28 ran so).
 set -u
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -21,7 +23,7 @@ NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 [ -n "$NCU" ] || { echo "no ncu"; exit 1; }
 M="${METRICS:-gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active}"
 # The table goes to its own file (--log-file), not mixed with the job's stdout.
-FLEET_CUDA_PROFILE_STAGE="$STAGE" timeout "${NCU_TIMEOUT:-400}" "$NCU" --profile-from-start off \
+FLEET_CUDA_PROFILE_STAGE="$STAGE" timeout "${NCU_TIMEOUT:-400}" "$NCU" --profile-from-start off --clock-control "${NCU_CLOCKS:-none}" \
   --csv --print-units base --metrics "$M" --log-file "$OUT/ncu_$NAME.csv" "$@" \
   > "$OUT/job_$NAME.log" 2> "$OUT/ncu_$NAME.err"
 echo "ncu rc $? $(grep -c '^"' "$OUT/ncu_$NAME.csv") lines"

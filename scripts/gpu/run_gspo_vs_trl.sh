@@ -4,7 +4,8 @@
 # (256 new tokens) and iterations for both. The batch is per_device_train_batch_size (completions
 # per micro-batch, 8 per prompt, 4 micro-batches = 4 optimizer steps per generation batch of
 # 4 x batch completions), and every batch of BATCHES runs on both engines. For each run: seconds
-# per generation batch (the mean over the batches after the first), split into generation and
+# per generation batch (the median over the batches after two warm-up ones,
+# WARMUP_GENERATION_BATCHES in pair_results.py), split into generation and
 # update, completions per second, and the peak GPU memory (nvidia-smi, polled every 100 ms,
 # above what the GPU held before the run).
 #
@@ -13,8 +14,8 @@
 # newer pyarrow than the machine's —, dill 0.4.1, multiprocess 0.70.19; see docs/gpu.md).
 # Run from the repo root:
 #
-#     SHAPES="0.5b 1.5b" BATCHES="16" STEPS=16 bash scripts/gpu/run_gspo_vs_trl.sh
-#     SHAPES=1.5b BATCHES="8 16 32" STEPS=12 bash scripts/gpu/run_gspo_vs_trl.sh
+#     SHAPES="0.5b 1.5b" BATCHES="16" STEPS=20 bash scripts/gpu/run_gspo_vs_trl.sh
+#     SHAPES=1.5b BATCHES="8 16 32" STEPS=16 bash scripts/gpu/run_gspo_vs_trl.sh
 #     SHAPES=1.5b BATCHES=16 BEST=1 bash scripts/gpu/run_gspo_vs_trl.sh
 #
 # TRL=0 runs fleet's variants only (a shape TRL cannot train on this GPU, or fleet against
@@ -23,7 +24,7 @@
 # BATCHES: even numbers (a generation batch of 4 x batch must hold whole groups of 8). BEST=1
 # then searches each engine's best batch that fits in this call: batches doubling from BEST_FROM
 # (default twice the largest of BATCHES) to BEST_MAX (default 128), BEST_STEPS optimizer steps
-# each (default 8: two generation batches, the second timed), until one fails; how each search
+# each (default 12: three generation batches, the third timed), until one fails; how each search
 # ended (out of memory only where the engine's log says so) is in search.tsv; BUDGET_S (default
 # 560 s) bounds the whole call, and a run that would start with less than a minute left is
 # recorded as skipped. A larger batch
@@ -47,7 +48,7 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 OUT="${OUT:-$PWD/out_gspo}"
 WORK="${WORK:-/tmp/gspo_bench}"
 SHAPES="${SHAPES:-0.5b 1.5b}"
-STEPS="${STEPS:-16}"
+STEPS="${STEPS:-20}"
 BATCHES="${BATCHES:-16}"
 BEST="${BEST:-0}"
 BUDGET_S="${BUDGET_S:-560}"   # the whole call: each run gets what is left, none starts with < 60 s
@@ -165,10 +166,10 @@ for shape in $SHAPES; do
   done
   if [ "$BEST" = 1 ]; then
     # Each engine's best batch that fits: larger batches until one fails.
-    for b in $(best_list); do trl_run "$shape" "$b" "${BEST_STEPS:-8}" best || break; done
+    for b in $(best_list); do trl_run "$shape" "$b" "${BEST_STEPS:-12}" best || break; done
     for variant in ${VARIANTS:-fleet fleet-bf16}; do
       [ "$variant" = fleet-bf16-auto ] && continue  # its budget is TRL's peak: not a search
-      for b in $(best_list); do fleet_run "$variant" "$shape" "$b" "${BEST_STEPS:-8}" best || break; done
+      for b in $(best_list); do fleet_run "$variant" "$shape" "$b" "${BEST_STEPS:-12}" best || break; done
     done
   fi
 done
