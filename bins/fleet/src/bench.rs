@@ -135,9 +135,16 @@ fn used_bytes(gpus: &[usize]) -> Option<u64> {
         .sum::<Option<u64>>()
 }
 
+/// The median, the mean of the middle two for an even count (as Python's `statistics.median`,
+/// which the reference scripts use).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    let n = v.len();
+    if n % 2 == 0 {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
 }
 
 pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
@@ -508,5 +515,18 @@ fn print_profile(batch: usize) {
             100.0 * secs / total,
             1e6 * secs / calls as f64
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    /// As Python's `statistics.median`: the middle one, or the mean of the middle two.
+    #[test]
+    fn median_matches_pythons() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(vec![7.0]), 7.0);
     }
 }
