@@ -33,23 +33,21 @@ template <typename T> __device__ __forceinline__ void unpack8(const uint4 &v, fl
     for (int e = 0; e < 8; ++e) out[e] = to_f(t[e]);
 }
 
-template <typename T, int M>
-__device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
-    const int lane = threadIdx.x % 32;
-    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (col >= n) return;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
-    const int chunks = k / 8;
-    float acc[M];
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+// Lane `lane`'s partial sums of the rows xr[0..M) against w's row `wr` (`chunks` 16-byte
+// chunks): chunks lane, lane + 32, ... in order, four loads of w in flight at a time, the same
+// order as the twin. STREAM: w's loads evict first (read once a launch); otherwise they stay
+// cached (the MoE kernel reads an expert's row again for its next rows).
+template <typename T, int M, bool STREAM>
+__device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *wr, int chunks,
+                                               int lane, float *acc) {
+    auto load = [&](const uint4 *p) { return STREAM ? __ldcs(p) : __ldg(p); };
     auto fma_chunk = [&](const uint4 &wv, int c) {
         float wf[8];
         unpack8<T>(wv, wf);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xf[8];
-            unpack8<T>(__ldg(reinterpret_cast<const uint4 *>(x + (size_t)m * k) + c), xf);
+            unpack8<T>(__ldg(reinterpret_cast<const uint4 *>(xr[m]) + c), xf);
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[m] = __fmaf_rn(xf[e], wf[e], acc[m]);
         }
@@ -58,16 +56,32 @@ __device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
     for (; c + 96 < chunks; c += 128) {
         uint4 wv[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) wv[u] = __ldcs(wr + c + 32 * u);
+        for (int u = 0; u < 4; ++u) wv[u] = load(wr + c + 32 * u);
 #pragma unroll
         for (int u = 0; u < 4; ++u) fma_chunk(wv[u], c + 32 * u);
     }
-    for (; c < chunks; c += 32) fma_chunk(__ldcs(wr + c), c);
+    for (; c < chunks; c += 32) fma_chunk(load(wr + c), c);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
     }
+}
+
+template <typename T, int M>
+__device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
+    const int lane = threadIdx.x % 32;
+    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (col >= n) return;
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
+    const T *xr[M];
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        xr[m] = x + (size_t)m * k;
+        acc[m] = 0.f;
+    }
+    gemv_lane_sums<T, M, true>(xr, wr, k / 8, lane, acc);
     if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m) y[(size_t)m * n + col] = from_f<T>(acc[m]);
@@ -86,6 +100,63 @@ __device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
     GEMV(T, SUFFIX, 4)
 GEMVS(__half, f16)
 GEMVS(__nv_bfloat16, bf16)
+
+// The routed slots' products with their experts' weights, for a MoE decode step: for slot s
+// (token s / k's j-th expert e, in the order sorted by expert), y[s][col] = sum_k
+// x[s / in_div][k] w[e][col][k] (in_div: k for the gate/up projection, whose input is the
+// token's row; 1 for down, whose input is the slot's own row). Block (b, e) takes expert e's
+// slots — their range found by binary search in the sorted expert ids — and GEMV_WARPS of its
+// columns, one warp a column as `gemv`, up to MOE_ROWS slots sharing each load of the expert's
+// row: every touched expert's weights are read once a step for up to MOE_ROWS tokens, an
+// untouched expert's block returns at once. Each output is `gemv`'s sum in `gemv`'s order.
+#define MOE_ROWS 4
+__device__ __forceinline__ int lower_bound_u32(const uint32_t *v, int n, uint32_t key) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (v[mid] < key) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+template <typename T>
+__device__ void moe_gemv(const T *x, const T *w, const uint32_t *sorted, T *y, int slots,
+                         int in_div, int n, int k) {
+    // sorted: [2][slots], the expert ids in ascending order, then each one's slot.
+    const uint32_t e = blockIdx.y;
+    const int lo = lower_bound_u32(sorted, slots, e);
+    const int hi = lower_bound_u32(sorted, slots, e + 1);
+    const int lane = threadIdx.x % 32;
+    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (lo == hi || col >= n) return;
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w + ((size_t)e * n + col) * k);
+    for (int r = lo; r < hi; r += MOE_ROWS) {
+        const int rows = min(MOE_ROWS, hi - r);
+        const T *xr[MOE_ROWS];
+        float acc[MOE_ROWS];
+#pragma unroll
+        for (int m = 0; m < MOE_ROWS; ++m) {
+            // Past the expert's last slot: its last row again, summed and not written.
+            const uint32_t slot = sorted[slots + r + min(m, rows - 1)];
+            xr[m] = x + (size_t)(slot / in_div) * k;
+            acc[m] = 0.f;
+        }
+        gemv_lane_sums<T, MOE_ROWS, false>(xr, wr, k / 8, lane, acc);
+        if (lane == 0) {
+#pragma unroll
+            for (int m = 0; m < MOE_ROWS; ++m)
+                if (m < rows) y[(size_t)sorted[slots + r + m] * n + col] = from_f<T>(acc[m]);
+        }
+    }
+}
+
+#define MOE_GEMV(T, SUFFIX)                                                                    \
+    extern "C" __global__ void moe_gemv_##SUFFIX(const T *x, const T *w, const uint32_t *sorted, \
+                                                 T *y, int slots, int in_div, int n, int k) {  \
+        moe_gemv<T>(x, w, sorted, y, slots, in_div, n, k);                                     \
+    }
+MOE_GEMV(__half, f16)
+MOE_GEMV(__nv_bfloat16, bf16)
 
 
 // y[m][col] = sum_k x[m][k] w[col][k] for 5..64 rows of x on the tensor cores

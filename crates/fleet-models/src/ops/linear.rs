@@ -146,6 +146,130 @@ fn gemv_dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usi
     Ok((m, n, k))
 }
 
+/// A MoE decode step's routed products, one launch per projection: for each routed slot `s`
+/// (token `s / top_k`'s expert `e`), `y[s] = x[s / in_div] · w[e]ᵀ`, with `x` `[rows, k]`, `w`
+/// `[experts, n, k]` and `sorted` u32 `[2, slots]` — the slots' experts in ascending order, then
+/// each one's slot (as `sort_last_dim` gives them) — giving `[slots, n]`. `in_div`: `top_k`
+/// when `x` holds the tokens (the gate/up projection), 1 when it holds the slots' own rows
+/// (down). On CUDA (f16, bf16; `k` a multiple of 8, rows starting on 16 bytes) each touched
+/// expert's weights are read once for up to four of its slots at a time, an untouched one's
+/// not at all: the step is bound by the touched experts' bytes. Every output is [`gemv`]'s sum
+/// in [`gemv`]'s order, so the CPU twin is [`gemv`]'s row by row and the two agree bit for bit.
+pub fn moe_gemv(x: &Tensor, w: &Tensor, sorted: &Tensor, in_div: usize) -> Result<Tensor> {
+    Ok(x.apply_op3_no_bwd(w, sorted, &MoeGemv { in_div })?)
+}
+
+/// [`moe_gemv`] as a custom op.
+#[derive(Debug, Clone, Copy)]
+struct MoeGemv {
+    in_div: usize,
+}
+
+impl MoeGemv {
+    /// `(rows, experts, n, k, slots)`, checked.
+    fn dims(
+        &self,
+        l1: &Layout,
+        l2: &Layout,
+        l3: &Layout,
+    ) -> candle_core::Result<(usize, usize, usize, usize, usize)> {
+        let (rows, k) = l1.shape().dims2()?;
+        let (experts, n, k2) = l2.shape().dims3()?;
+        let (two, slots) = l3.shape().dims2()?;
+        if k != k2 || !k.is_multiple_of(GEMV_CHUNK) || two != 2 || self.in_div == 0 {
+            candle_core::bail!(
+                "moe_gemv: x [{rows}, {k}], w [{experts}, {n}, {k2}], sorted [{two}, {slots}], \
+                 in_div {} (k a multiple of 8, sorted [2, slots], in_div at least 1)",
+                self.in_div
+            );
+        }
+        if slots.div_ceil(self.in_div) > rows {
+            candle_core::bail!(
+                "moe_gemv: {slots} slots read rows up to {} of x, which has {rows}",
+                slots.div_ceil(self.in_div)
+            );
+        }
+        Ok((rows, experts, n, k, slots))
+    }
+}
+
+/// The twin: [`gemv_cpu`] for each slot's row against its expert's weights. `sorted` must be
+/// the slots' experts in ascending order and a permutation of the slots (what the kernel
+/// assumes; checked here).
+fn moe_gemv_cpu<T: Float>(
+    x: &[T],
+    w: &[T],
+    sorted: &[u32],
+    (n, k, in_div, experts): (usize, usize, usize, usize),
+) -> candle_core::Result<Vec<T>> {
+    let slots = sorted.len() / 2;
+    let (ids, slot_of) = sorted.split_at(slots);
+    if ids.windows(2).any(|p| p[0] > p[1]) || ids.iter().any(|&e| e as usize >= experts) {
+        candle_core::bail!("moe_gemv: the experts must be ascending and below {experts}");
+    }
+    let mut y = vec![T::from_f32(0.0); slots * n];
+    let mut seen = vec![false; slots];
+    for (&e, &s) in ids.iter().zip(slot_of) {
+        let s = s as usize;
+        if s >= slots || std::mem::replace(&mut seen[s], true) {
+            candle_core::bail!("moe_gemv: the slots must be a permutation of 0..{slots}");
+        }
+        let xr = &x[s / in_div * k..(s / in_div + 1) * k];
+        let we = &w[e as usize * n * k..(e as usize + 1) * n * k];
+        y[s * n..(s + 1) * n].copy_from_slice(&gemv_cpu(xr, we, k));
+    }
+    Ok(y)
+}
+
+impl candle_core::CustomOp3 for MoeGemv {
+    fn name(&self) -> &'static str {
+        "fleet-moe-gemv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (_, experts, n, k, slots) = self.dims(l1, l2, l3)?;
+        let CpuStorage::U32(sorted) = s3 else {
+            candle_core::bail!("moe_gemv: sorted must be u32");
+        };
+        let sorted = contiguous(sorted, l3)?;
+        let dims = (n, k, self.in_div, experts);
+        let out = float_cpu!("moe_gemv", (s1, l1) => x, (s2, l2) => w;
+            moe_gemv_cpu(x, w, sorted, dims)?);
+        Ok((out, Shape::from((slots, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (_, experts, n, k, slots) = self.dims(l1, l2, l3)?;
+        if !(l1.start_offset().is_multiple_of(8) && l2.start_offset().is_multiple_of(8)) {
+            candle_core::bail!("moe_gemv: the inputs' rows must start on 16 bytes");
+        }
+        let y = cuda::moe_gemv(
+            (s1, l1),
+            (s2, l2),
+            (s3, l3),
+            (experts, n, k, slots, self.in_div),
+        )?;
+        Ok((y, Shape::from((slots, n))))
+    }
+}
+
 /// `x · wᵀ` for `x` `[m, k]` with 1 to [`SKINNY_MAX_ROWS`] rows and `w` `[n, k]` (f32, f16 or
 /// bf16, contiguous; on CUDA f16 or bf16, `k` a multiple of 32, `n` of 16, rows starting on 16
 /// bytes): `[m, n]` in the inputs' dtype. On CUDA a tensor-core kernel that reads `w` once
@@ -432,6 +556,59 @@ mod cuda {
         }
     }
 
+    /// [`super::moe_gemv`]: one block per (`GEMV_WARPS` columns, expert).
+    pub(super) fn moe_gemv(
+        (s1, l1): (&CudaStorage, &Layout),
+        (s2, l2): (&CudaStorage, &Layout),
+        (s3, l3): (&CudaStorage, &Layout),
+        (experts, n, k, slots, in_div): (usize, usize, usize, usize, usize),
+    ) -> candle_core::Result<CudaStorage> {
+        fn run<T: CudaDType + DeviceRepr>(
+            (s1, l1): (&CudaStorage, &Layout),
+            (s2, l2): (&CudaStorage, &Layout),
+            (s3, l3): (&CudaStorage, &Layout),
+            (experts, n, k, slots, in_div): (usize, usize, usize, usize, usize),
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
+            let sorted = input::<u32>(s3, l3)?;
+            let func = dev.get_or_load_custom_func(
+                &format!("moe_gemv_{}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: the slots are a permutation (the routing's sort), so the kernel writes
+            // every one of the slots x n outputs.
+            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(slots * n)? };
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(GEMV_WARPS) as u32, experts as u32, 1),
+                block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut builder = func.builder();
+            builder.arg(&x);
+            builder.arg(&w);
+            builder.arg(&sorted);
+            builder.arg(&y);
+            let (slots, in_div, n, k) = (slots as i32, in_div as i32, n as i32, k as i32);
+            builder.arg(&slots);
+            builder.arg(&in_div);
+            builder.arg(&n);
+            builder.arg(&k);
+            // SAFETY: block (b, e) reads expert e's rows b * GEMV_WARPS.. of w (below n), the
+            // rows of x its slots name (below rows: checked), 16 bytes at a time, and writes
+            // those slots' columns of y.
+            unsafe { builder.launch(cfg) }.w()?;
+            Ok(CudaStorage::wrap_cuda_slice(y, dev))
+        }
+        let a = ((s1, l1), (s2, l2), (s3, l3), (experts, n, k, slots, in_div));
+        match s1.dtype() {
+            candle_core::DType::F16 => run::<f16>(a.0, a.1, a.2, a.3),
+            candle_core::DType::BF16 => run::<bf16>(a.0, a.1, a.2, a.3),
+            other => candle_core::bail!("moe_gemv: {other:?} on CUDA (f16 or bf16)"),
+        }
+    }
+
     /// A device's split counters (zero between launches: the last split resets its own) and
     /// its SM count, made once per device outside any capture.
     struct SkinnyState {
@@ -684,6 +861,68 @@ mod tests {
         }
     }
 
+    /// A routing of `tokens` tokens to `top_k` of `experts` experts (expert 1 takes more than
+    /// four slots, expert 0 none) as [`moe_gemv`] takes it: `[2, slots]` u32, the experts
+    /// ascending, then each one's slot; and each slot's expert.
+    pub(super) fn test_routing(tokens: usize, top_k: usize, experts: usize) -> (Tensor, Vec<u32>) {
+        let expert_of: Vec<u32> = (0..tokens * top_k)
+            .map(|s| {
+                let (t, j) = (s / top_k, s % top_k);
+                if j == 0 {
+                    1
+                } else {
+                    (2 + (t * 7 + j * 3) % (experts - 2)) as u32
+                }
+            })
+            .collect();
+        let mut order: Vec<u32> = (0..expert_of.len() as u32).collect();
+        order.sort_by_key(|&s| (expert_of[s as usize], s));
+        let ids: Vec<u32> = order.iter().map(|&s| expert_of[s as usize]).collect();
+        let sorted = Tensor::from_vec(
+            [ids, order].concat(),
+            (2, tokens * top_k),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        (sorted, expert_of)
+    }
+
+    /// The MoE GEMV's twin is each slot's product with its expert's weights (in f32, to
+    /// rounding), for the gate/up shape (`x` the tokens) and the down shape (`x` the slots);
+    /// an unsorted or repeated routing is refused.
+    #[test]
+    fn moe_gemv_twin_is_each_slots_product() {
+        let (tokens, top_k, experts, n, k) = (6, 3, 5, 12, 264);
+        let (sorted, expert_of) = test_routing(tokens, top_k, experts);
+        let w = test_tensor(&[experts, n, k], 2);
+        for (rows, in_div) in [(tokens, top_k), (tokens * top_k, 1)] {
+            let x = test_tensor(&[rows, k], 1);
+            let got = moe_gemv(&x, &w, &sorted, in_div).unwrap();
+            assert_eq!(got.dims(), &[tokens * top_k, n]);
+            for (s, &e) in expert_of.iter().enumerate() {
+                let want = x
+                    .narrow(0, s / in_div, 1)
+                    .unwrap()
+                    .matmul(&w.get(e as usize).unwrap().t().unwrap())
+                    .unwrap();
+                let diff = max_abs_diff(&got.narrow(0, s, 1).unwrap(), &want);
+                assert!(
+                    diff < 1e-4 * (k as f32).sqrt(),
+                    "slot {s} (in_div {in_div}): {diff}"
+                );
+            }
+        }
+        let x = test_tensor(&[tokens, k], 1);
+        let dev = candle_core::Device::Cpu;
+        let unsorted = Tensor::new(&[[2u32, 1, 3], [0, 1, 2]], &dev).unwrap();
+        let repeated = Tensor::new(&[[1u32, 2, 3], [0, 0, 2]], &dev).unwrap();
+        for bad in [unsorted, repeated] {
+            assert!(moe_gemv(&x, &w, &bad, 1).is_err());
+        }
+        let err = moe_gemv(&test_tensor(&[2, k], 1), &w, &sorted, top_k).unwrap_err();
+        assert!(err.to_string().contains("18 slots"), "{err}");
+    }
+
     /// Shapes the kernel does not take are refused with the shapes named.
     #[test]
     fn gemv_refuses_mismatched_or_unaligned_k() {
@@ -723,6 +962,31 @@ mod kernel_tests {
             }
             // Through linear: 3 rows of a 3-D input take the kernel, the bias added after.
             linear_takes(&dev, dtype, 3, 40, gemv);
+        }
+    }
+
+    /// The MoE GEMV kernel gives its twin's values exactly (f16 and bf16; the gate/up and
+    /// down shapes; an expert with more than four slots, one with none; columns past a block's
+    /// last warp).
+    #[test]
+    fn moe_gemv_kernel_matches_its_twin() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        let cpu = candle_core::Device::Cpu;
+        let (tokens, top_k, experts, n, k) = (7, 4, 9, 70, 1032);
+        let (sorted, _) = super::tests::test_routing(tokens, top_k, experts);
+        for dtype in [DType::BF16, DType::F16] {
+            let w = test_tensor(&[experts, n, k], 4).to_dtype(dtype).unwrap();
+            for (rows, in_div) in [(tokens, top_k), (tokens * top_k, 1)] {
+                let x = test_tensor(&[rows, k], 3).to_dtype(dtype).unwrap();
+                let want = moe_gemv(&x, &w, &sorted, in_div).unwrap();
+                let on = |t: &Tensor| t.to_device(&dev).unwrap();
+                let got = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
+                let f = |t: Tensor| {
+                    let t = t.to_dtype(DType::F32).unwrap().to_device(&cpu).unwrap();
+                    t.to_vec2::<f32>().unwrap()
+                };
+                assert_eq!(f(got), f(want), "{dtype:?} in_div {in_div}");
+            }
         }
     }
 

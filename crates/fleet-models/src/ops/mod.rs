@@ -493,7 +493,9 @@ pub use embedding_grad::{
 pub use epilogue::{linear_bias_epilogue, linear_epilogue, linear_gelu_tanh, Epilogue};
 pub use gpu_delay::gpu_delay;
 pub use layer_norm::LayerNorm;
-pub use linear::{gemv, linear, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS};
+pub use linear::{
+    gemv, linear, moe_gemv, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS,
+};
 pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;
 pub(crate) use masked_softmax::masked_softmax_backward;

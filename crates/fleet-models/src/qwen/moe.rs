@@ -7,16 +7,19 @@
 //! projection, scaled by its routing weight and summed over the chosen experts. There is no
 //! shared expert.
 //!
-//! Three ways to run it, same result up to the order of bf16 roundings:
+//! Four ways to run it, same result up to the order of bf16 roundings:
 //! - grouped (every device, every dtype): the routing goes to the host, tokens are grouped by
 //!   expert and each expert runs two GEMMs on its tokens — transformers' own loop, so the CPU
 //!   parity tests check exactly its arithmetic;
 //! - candle's fused `moe_gemm` kernels (CUDA, bf16/f16), with routing, sorting and both
 //!   expert GEMMs on the device and no host round trip: decode steps;
+//! - the MoE GEMV (CUDA, bf16/f16, decode-sized calls, `FLEET_MOE_GEMV=1`; not yet run on a
+//!   GPU): the same without the host, each touched expert's weights read once a step
+//!   ([`ops::moe_gemv`]);
 //! - sorted (CUDA, bf16/f16, from `FLEET_MOE_SORTED_MIN_TOKENS` tokens, default 256): routing
 //!   on the device, rows gathered into expert order and one cuBLAS GEMM per expert: prefills.
 //!
-//! `FLEET_MOE_KERNEL=0` turns both GPU paths off (the grouped path everywhere).
+//! `FLEET_MOE_KERNEL=0` turns the GPU paths off (the grouped path everywhere).
 
 use candle_core::{DType, IndexOp, Module, Tensor};
 use candle_nn::Linear;
@@ -40,6 +43,12 @@ pub(crate) struct SparseMoe {
 /// one thread block, whose shared memory holds a few thousand entries.
 #[cfg(feature = "cuda")]
 const KERNEL_CHUNK: usize = 1024;
+
+/// Whether decode-sized calls (up to [`KERNEL_CHUNK`] tokens, below [`sorted_min_tokens`]) take
+/// [`ops::moe_gemv`] instead of candle's fused kernels: `FLEET_MOE_GEMV=1`. Off until its GPU
+/// test has run and it is measured against them on the 30B-A3B judge's decode.
+#[cfg(feature = "cuda")]
+static MOE_GEMV: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_MOE_GEMV", false);
 
 /// From how many tokens a GPU call takes the sorted per-expert GEMMs instead of candle's fused
 /// kernels: `FLEET_MOE_SORTED_MIN_TOKENS`, default 256 (decode steps stay on the fused kernels,
@@ -263,6 +272,8 @@ impl SparseMoe {
         if self.use_kernel(&flat) {
             let out = if b * len >= sorted_min_tokens() {
                 self.forward_sorted(&flat)?
+            } else if b * len <= KERNEL_CHUNK && MOE_GEMV.on() {
+                self.forward_gemv(&flat)?
             } else {
                 self.forward_kernel(&flat)?
             };
@@ -429,6 +440,29 @@ impl SparseMoe {
         // The routing weights are cast to the model dtype before scaling, as transformers.
         let w = top_w.to_dtype(x.dtype())?.unsqueeze(2)?;
         Ok(y.broadcast_mul(&w)?.sum(1)?)
+    }
+
+    /// A decode step on a GPU without a host round trip: the routing on the device, the slots
+    /// sorted by expert there, then [`ops::moe_gemv`] for gate/up and again for down — each
+    /// touched expert's weights read once for up to four of its slots — and each token's rows
+    /// scaled by their routing weights (in the model dtype, as transformers) and summed.
+    #[cfg(feature = "cuda")]
+    fn forward_gemv(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, hidden) = x.dims2()?;
+        let k = self.top_k;
+        let (top_ids, top_w) = self.route_on_device(x)?;
+        let (experts, slots) = top_ids.flatten_all()?.sort_last_dim(true)?;
+        let sorted = Tensor::stack(&[&experts, &slots], 0)?; // [2, n * k]
+        let x = if x.is_contiguous() {
+            x.clone()
+        } else {
+            x.contiguous()?
+        };
+        let gu = ops::moe_gemv(&x, &self.gate_up, &sorted, k)?; // [n * k, 2I], slot order
+        let act = ops::swiglu(&gu)?;
+        let y = ops::moe_gemv(&act, &self.down, &sorted, 1)?; // [n * k, hidden]
+        let w = top_w.to_dtype(x.dtype())?.unsqueeze(2)?;
+        Ok(y.reshape((n, k, hidden))?.broadcast_mul(&w)?.sum(1)?)
     }
 
     #[cfg(feature = "cuda")]
@@ -644,8 +678,9 @@ mod layout_tests {
     }
 }
 
-/// On a GPU: candle's fused kernels against the grouped path, on random weights of several
-/// shapes (run on the GPU machine: `cargo test --features cuda -p fleet-models moe_kernel`).
+/// On a GPU: candle's fused kernels, the sorted GEMMs and the MoE GEMV against the grouped
+/// path, on random weights of several shapes (run on the GPU machine: `cargo test --features
+/// cuda -p fleet-models moe_kernel`).
 #[cfg(all(test, feature = "cuda"))]
 mod kernel_tests {
     use super::*;
@@ -693,11 +728,16 @@ mod kernel_tests {
             };
             let diff = diff_to(m.forward_kernel(&view));
             let diff_sorted = diff_to(m.forward_sorted(&view));
+            let diff_gemv = (n <= KERNEL_CHUNK).then(|| diff_to(m.forward_gemv(&view)));
             let scale = max_abs(&a);
             println!(
                 "n={n} e={e} h={h} i={i} k={k}: max|grouped-kernel| = {diff}, \
-                 max|grouped-sorted| = {diff_sorted} (max|grouped| = {scale})"
+                 max|grouped-sorted| = {diff_sorted}, max|grouped-gemv| = {diff_gemv:?} \
+                 (max|grouped| = {scale})"
             );
+            if let Some(d) = diff_gemv {
+                assert!(d <= 0.02 * scale, "the MoE GEMV differs by {d}");
+            }
             assert!(diff <= 0.02 * scale, "fused kernels differ by {diff}");
             assert!(
                 diff_sorted <= 0.02 * scale,
