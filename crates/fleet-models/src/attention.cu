@@ -10,7 +10,9 @@
 // Mask (the decoder's masked_softmax): query i sits at absolute position qabs = i + Lk - Lq.
 // With `causal`, key j is visible when j <= qabs; with `key_start` (one u32 per batch row, the
 // row's left padding), key j is visible when j >= key_start[b] or j == qabs (a padding query
-// sees itself, so no row is empty). Statistics in f32; the probabilities are rounded to T
+// sees itself, so no row is empty). With `ks_per_query`, key_start holds one u32 per query
+// instead ([B, Lq]: query i's first key, nondecreasing in i within a row — sequences packed
+// into one row, each seeing only its own keys), read per query the same way. Statistics in f32; the probabilities are rounded to T
 // before they multiply v, as the unfused path rounds them before its second matmul.
 //
 // One block = 4 warps of RT row tiles of 16 queries of one (batch, head); the warps walk the
@@ -88,7 +90,8 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
                           const T *__restrict__ v, T *__restrict__ out,
                           const uint32_t *__restrict__ key_start, int H, int KVH, int Lq, int Lk,
                           int D, long qsb, long qsl, long qsh, long ksb, long ksl, long ksh,
-                          long vsb, long vsl, long vsh, float scale, int causal) {
+                          long vsb, long vsl, long vsh, float scale, int causal,
+                          int ks_per_query) {
     constexpr int LD = DP + 8;
     constexpr int KD = DP / 16;           // k-steps of Q Kᵀ
     constexpr int DT = DP / 8;            // 8-wide column tiles of O
@@ -106,7 +109,14 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (H / KVH);
     const int shift = Lk - Lq;
-    const int kstart = key_start ? (int)key_start[b] : 0;
+    // The block's first and last queries' starts (one start for a row's every query unless
+    // ks_per_query; nondecreasing in the query either way).
+    const int q_last = min(q0 + BM, Lq) - 1;
+    const int kstart = !key_start ? 0
+                       : ks_per_query ? (int)key_start[(long)b * Lq + min(q0, q_last)]
+                                      : (int)key_start[b];
+    const int kstart_last =
+        ks_per_query && key_start ? (int)key_start[(long)b * Lq + q_last] : kstart;
 
     const T *qh = q + b * qsb + h * qsh;
     stage_rows<T, DP>(tiles, qh, qsl, q0, BM, Lq, D);
@@ -131,7 +141,6 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
         for (int t = 0; t < DT; ++t) o[r][t][0] = o[r][t][1] = o[r][t][2] = o[r][t][3] = 0.f;
     }
 
-    const int q_last = min(q0 + BM, Lq) - 1;
     const int k_end = causal ? min(Lk, q_last + shift + 1) : Lk;
     int k_begin = 0;
     if (key_start) k_begin = min(kstart, max(q0 + shift, 0));
@@ -173,7 +182,7 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
                 }
             }
 
-        const bool whole = kt + BLOCK_N <= Lk && q0 + BM <= Lq && kt >= kstart &&
+        const bool whole = kt + BLOCK_N <= Lk && q0 + BM <= Lq && kt >= kstart_last &&
                            (!causal || kt + BLOCK_N - 1 <= q0 + shift);
         uint32_t pa[RT][NT / 2][4];
 #pragma unroll
@@ -188,8 +197,11 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
                     if (!whole) {
                         const int qi = row_base[r] + 8 * rs, qabs = qi + shift;
                         const int j = kt + n * 8 + 2 * qd + (e & 1);
+                        const int ks = ks_per_query && qi < Lq
+                                           ? (int)key_start[(long)b * Lq + qi]
+                                           : kstart;
                         visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
-                                  (j >= kstart || j == qabs);
+                                  (j >= ks || j == qabs);
                     }
                     // Raw scores here; the scale is folded into the exponent's FMA below.
                     const float x = visible ? s[r][n][e] : -INFINITY;
@@ -278,7 +290,7 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define FLASH_BODY(T, DP, RT)                                                                    \
     flash_mma<T, DP, RT>(q, k, v, out, key_start, H, KVH, Lq, Lk, D, qsb, qsl, qsh, ksb, ksl,    \
-                         ksh, vsb, vsl, vsh, scale, causal);
+                         ksh, vsb, vsl, vsh, scale, causal, ks_per_query);
 #else
 #define FLASH_BODY(T, DP, RT)
 #endif
@@ -287,7 +299,7 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                               \
         NAME(const T *q, const T *k, const T *v, T *out, const uint32_t *key_start, int H,       \
              int KVH, int Lq, int Lk, int D, long qsb, long qsl, long qsh, long ksb, long ksl,   \
-             long ksh, long vsb, long vsl, long vsh, float scale, int causal) {                  \
+             long ksh, long vsb, long vsl, long vsh, float scale, int causal, int ks_per_query) {\
         FLASH_BODY(T, DP, RT)                                                                    \
     }
 

@@ -38,7 +38,9 @@ pub struct Mask {
     pub causal: bool,
     /// Left padding per batch row (u32 `[batch]` on the inputs' device): key `j` is hidden when
     /// `j < key_start[b]`, except from the query at position `j` itself (so that padding rows
-    /// stay finite), as the decoder's `masked_softmax`.
+    /// stay finite), as the decoder's `masked_softmax`. Or one start per query (u32 `[batch,
+    /// q_len]`, nondecreasing along each row): key `j` is hidden from query `i` when
+    /// `j < key_start[b, i]` — sequences packed into one row, each seeing only its own keys.
     pub key_start: Option<Tensor>,
 }
 
@@ -190,7 +192,13 @@ pub fn attend(
         } else {
             kv_len
         };
-        let probs = crate::ops::masked_softmax(&scores, &pad, kvh * n_rep * m, m, offset)?;
+        // Per-query starts ([b, q_len]) are cut to this chunk's queries.
+        let pad_chunk = if pad.rank() == 2 && m != q_len {
+            pad.narrow(1, from, m)?.contiguous()?
+        } else {
+            pad.clone()
+        };
+        let probs = crate::ops::masked_softmax(&scores, &pad_chunk, kvh * n_rep * m, m, offset)?;
         outs.push(probs.matmul(&v)?.reshape((b, h, m, d))?);
         from += m;
     }
@@ -389,14 +397,20 @@ pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, mask: &Mask) ->
     let qt = q.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous()?;
     let kt = rep(k)?.to_dtype(DType::F32)?.contiguous()?;
     let scores = (qt.matmul(&kt.t()?)? * scale as f64)?; // [b, h, q_len, kv_len]
+                                                         // One start per query, the per-row form repeated along the row.
     let starts: Vec<u32> = match &mask.key_start {
-        Some(t) => t.to_vec1()?,
-        None => vec![0; b],
+        Some(t) if t.rank() == 2 => t.flatten_all()?.to_vec1()?,
+        Some(t) => t
+            .to_vec1::<u32>()?
+            .into_iter()
+            .flat_map(|s| std::iter::repeat_n(s, q_len))
+            .collect(),
+        None => vec![0; b * q_len],
     };
     let shift = kv_len - q_len;
     let mut bias = Vec::with_capacity(b * q_len * kv_len);
-    for &start in &starts {
-        for i in 0..q_len {
+    for row in starts.chunks(q_len) {
+        for (i, &start) in row.iter().enumerate() {
             let pos = i + shift;
             for j in 0..kv_len {
                 let visible = (!mask.causal || j <= pos) && (j >= start as usize || j == pos);
@@ -641,13 +655,17 @@ mod cuda {
             // SAFETY: the kernel writes every element of every query row.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
             let key_start_storage = op.key_start.as_ref().map(|t| t.storage_and_layout());
+            let per_query = op.key_start.as_ref().is_some_and(|t| t.rank() == 2);
             let key_start = match (&op.key_start, &key_start_storage) {
                 (Some(t), Some((st, l))) => {
                     let Storage::Cuda(cs) = &**st else {
                         candle_core::bail!("flash_attention: key_start is not on the GPU")
                     };
-                    if t.dtype() != DType::U32 || t.elem_count() != b || !t.is_contiguous() {
-                        candle_core::bail!("flash_attention: key_start must be u32 [{b}]");
+                    let want: &[usize] = if per_query { &[b, q_len] } else { &[b] };
+                    if t.dtype() != DType::U32 || t.dims() != want || !t.is_contiguous() {
+                        candle_core::bail!(
+                            "flash_attention: key_start must be u32 [{b}] or [{b}, {q_len}]"
+                        );
                     }
                     Some(cs.as_cuda_slice::<u32>()?.slice(l.start_offset()..))
                 }
@@ -679,6 +697,8 @@ mod cuda {
             builder.arg(&op.scale);
             let causal = op.causal as i32;
             builder.arg(&causal);
+            let per_query = per_query as i32;
+            builder.arg(&per_query);
             // SAFETY: the kernel reads the q/k/v rows its strides describe (checked by the
             // layouts candle gives) and writes the [b, q_len, h, d] output.
             unsafe { builder.launch(cfg) }.w()?;
@@ -802,30 +822,101 @@ mod reference_tests {
         let k = Var::randn(0f32, 1.0, (b, lk, kvh, d), &dev).unwrap();
         let v = Var::randn(0f32, 1.0, (b, lk, kvh, d), &dev).unwrap();
         let g = Tensor::randn(0f32, 1.0, (b, lq, h, d), &dev).unwrap();
-        let mask = Mask {
-            causal: true,
-            key_start: Some(Tensor::new(&[0u32, 3], &dev).unwrap()),
-        };
-        let head_major = |t: &Var| t.as_tensor().transpose(1, 2).unwrap();
+        // A left-padded row; then per-query starts (two sequences packed into each row).
+        let per_query = Tensor::new(&[[0u32, 0, 0, 3, 3], [0, 0, 2, 2, 2]], &dev).unwrap();
+        for key_start in [Tensor::new(&[0u32, 3], &dev).unwrap(), per_query] {
+            let mask = Mask {
+                causal: true,
+                key_start: Some(key_start),
+            };
+            backward_matches_autograd((&q, &k, &v), &g, &mask);
+        }
+    }
+
+    fn backward_matches_autograd(
+        (q, k, v): (&candle_core::Var, &candle_core::Var, &candle_core::Var),
+        g: &Tensor,
+        mask: &Mask,
+    ) {
+        let head_major = |t: &candle_core::Var| t.as_tensor().transpose(1, 2).unwrap();
         let out = attend(
-            &head_major(&q),
-            &head_major(&k),
-            &head_major(&v),
+            &head_major(q),
+            &head_major(k),
+            &head_major(v),
             0.3,
-            &mask,
+            mask,
             false,
             None,
         )
         .unwrap()
         .transpose(1, 2)
         .unwrap();
-        let grads = (out * &g).unwrap().sum_all().unwrap().backward().unwrap();
-        let (dq, dk, dv) = flash_backward(&q, &k, &v, &g, 0.3, &mask).unwrap();
-        for (what, got, var) in [("q", dq, &q), ("k", dk, &k), ("v", dv, &v)] {
+        let grads = (out * g).unwrap().sum_all().unwrap().backward().unwrap();
+        let (dq, dk, dv) = flash_backward(q, k, v, g, 0.3, mask).unwrap();
+        for (what, got, var) in [("q", dq, q), ("k", dk, k), ("v", dv, v)] {
             let want = grads.get(var.as_tensor()).unwrap();
             assert_eq!(got.dims(), want.dims(), "d{what}");
             let diff = crate::ops::max_abs_diff(&got, want);
             assert!(diff < 1e-5, "d{what} differs from autograd by {diff}");
+        }
+    }
+
+    /// Per-query starts pack sequences into one row: each sequence's outputs are what it gives
+    /// alone, through [`reference`] and through the unfused path of [`attend`] (whole and in
+    /// query chunks), with grouped heads.
+    #[test]
+    fn per_query_starts_attend_each_packed_sequence_alone() {
+        let dev = Device::Cpu;
+        let (h, kvh, d) = (4, 2, 8);
+        // Row 0: sequences of 3, 5 and 4 tokens; row 1: 7 and 5.
+        let rows: [&[usize]; 2] = [&[3, 5, 4], &[7, 5]];
+        let len = 12;
+        let q = Tensor::randn(0f32, 1.0, (2, len, h, d), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (2, len, kvh, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (2, len, kvh, d), &dev).unwrap();
+        let mut starts = Vec::new();
+        for lens in rows {
+            let mut at = 0;
+            for &n in lens {
+                starts.extend(std::iter::repeat_n(at as u32, n));
+                at += n;
+            }
+        }
+        let mask = Mask {
+            causal: true,
+            key_start: Some(Tensor::from_vec(starts, (2, len), &dev).unwrap()),
+        };
+        let packed = reference(&q, &k, &v, 0.3, &mask).unwrap();
+        let head_major = |t: &Tensor| t.transpose(1, 2).unwrap();
+        for bytes in [None, Some(3 * h * len * 4)] {
+            let unfused = attend(
+                &head_major(&q),
+                &head_major(&k),
+                &head_major(&v),
+                0.3,
+                &mask,
+                false,
+                bytes,
+            )
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+            let diff = crate::ops::max_abs_diff(&unfused, &packed);
+            assert!(diff < 1e-6, "unfused ({bytes:?}) differs by {diff}");
+        }
+        let causal = Mask {
+            causal: true,
+            key_start: None,
+        };
+        for (row, lens) in rows.iter().enumerate() {
+            let mut at = 0;
+            for &n in *lens {
+                let cut = |t: &Tensor| t.narrow(0, row, 1).unwrap().narrow(1, at, n).unwrap();
+                let alone = reference(&cut(&q), &cut(&k), &cut(&v), 0.3, &causal).unwrap();
+                let diff = crate::ops::max_abs_diff(&cut(&packed), &alone);
+                assert!(diff < 1e-6, "row {row}, tokens {at}..{}: {diff}", at + n);
+                at += n;
+            }
         }
     }
 
@@ -983,6 +1074,40 @@ mod kernel_tests {
                 );
                 assert!(diff < 2e-2, "flash attention differs by {diff}");
             }
+        }
+        // Per-query starts: sequences packed into rows (lengths crossing the 64-query blocks
+        // and 64-key tiles), grouped heads, causal.
+        let (b, len, h, kvh) = (2, 300, 8, 2);
+        let mut starts = Vec::new();
+        for lens in [[70usize, 130, 100], [150, 149, 1]] {
+            let mut at = 0;
+            for n in lens {
+                starts.extend(std::iter::repeat_n(at as u32, n));
+                at += n;
+            }
+        }
+        let key_start = Tensor::from_vec(starts, (b, len), &dev).unwrap();
+        for (d, dtype) in [(128, DType::BF16), (64, DType::F16)] {
+            let r = |s: (usize, usize, usize, usize)| {
+                Tensor::randn(0f32, 1.0, s, &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+            };
+            let (q, k, v) = (r((b, len, h, d)), r((b, len, kvh, d)), r((b, len, kvh, d)));
+            let mask = Mask {
+                causal: true,
+                key_start: Some(key_start.clone()),
+            };
+            let scale = (d as f32).powf(-0.5);
+            let want = reference(&q, &k, &v, scale, &mask).unwrap();
+            let got = flash_attention(&q, &k, &v, scale, &mask).unwrap();
+            let diff = max_abs_diff(&want, &got);
+            println!("packed rows d={d} {dtype:?}: max |flash - reference| = {diff}");
+            assert!(
+                diff < 2e-2,
+                "flash attention (per-query starts) differs by {diff}"
+            );
         }
     }
 }

@@ -5,16 +5,19 @@
 // Softmax over the last axis of attention scores with the causal and left-padding mask applied
 // on the fly (no mask tensor). Row r of the [n_rows, kv_len] scores belongs to batch row
 // r / rows_per_batch and query i = r % q_len, at absolute position offset + i. Key j is visible
-// when j <= offset + i and (j >= pad[batch] or j is the query itself). Statistics in f32.
-// One warp per row.
+// when j <= offset + i and (j >= pad[batch] or j is the query itself); with `per_query`, pad
+// holds one start per query ([batch][q_len]: sequences packed into one row) and pad[batch][i]
+// takes pad[batch]'s place. Statistics in f32. One warp per row.
 template <typename T>
 __device__ void masked_softmax(const T *x, T *y, const uint32_t *pad, int n_rows,
-                               int rows_per_batch, int q_len, int kv_len, int offset) {
+                               int rows_per_batch, int q_len, int kv_len, int offset,
+                               int per_query) {
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     const int lane = threadIdx.x;
     if (row >= n_rows) return;
     const int qi = offset + row % q_len;
-    const int p = (int)pad[row / rows_per_batch];
+    const int p = per_query ? (int)pad[(long)(row / rows_per_batch) * q_len + row % q_len]
+                            : (int)pad[row / rows_per_batch];
     const T *xr = x + (size_t)row * kv_len;
     T *yr = y + (size_t)row * kv_len;
     const int end = min(kv_len, qi + 1);
@@ -58,8 +61,10 @@ __device__ void masked_softmax_bwd(const T *y, const T *g, T *dx, int n_rows, in
 #define OPS(T, SUFFIX)                                                                             \
     extern "C" __global__ void masked_softmax_##SUFFIX(const T *x, T *y, const uint32_t *pad, \
                                                        int n_rows, int rows_per_batch,       \
-                                                       int q_len, int kv_len, int offset) {  \
-        masked_softmax<T>(x, y, pad, n_rows, rows_per_batch, q_len, kv_len, offset);         \
+                                                       int q_len, int kv_len, int offset,    \
+                                                       int per_query) {                      \
+        masked_softmax<T>(x, y, pad, n_rows, rows_per_batch, q_len, kv_len, offset,          \
+                          per_query);                                                         \
     }                                                                                         \
     extern "C" __global__ void masked_softmax_bwd_##SUFFIX(const T *y, const T *g, T *dx,   \
                                                            int n_rows, int kv_len) {         \

@@ -9,8 +9,9 @@ use crate::error::Result;
 
 /// Softmax of `scores` (`[..., kv_len]`, contiguous) over keys a query may see. Row `r` of the
 /// flattened scores is query `offset + r % q_len` of batch row `r / rows_per_batch`; `pad`
-/// (u32, one entry per batch row, on the scores' device) counts the row's left-padding keys.
-/// Masked keys get probability 0 (and gradient 0).
+/// (u32, on the scores' device) counts the row's left-padding keys, one entry per batch row —
+/// or one per query (`batch * q_len` entries, [`crate::attention::Mask::key_start`]'s packed
+/// form), each query's first key. Masked keys get probability 0 (and gradient 0).
 pub fn masked_softmax(
     scores: &Tensor,
     pad: &Tensor,
@@ -33,11 +34,33 @@ struct MaskedSoftmax {
 }
 
 impl MaskedSoftmax {
-    fn cpu<T: Float>(&self, x: &[T], pad: &[u32], kv_len: usize) -> Vec<T> {
+    /// Whether `pad` has one entry per query (else one per batch row) for `n_rows` rows of
+    /// scores; an error names the lengths when it has neither.
+    fn per_query(&self, n_rows: usize, pad_len: usize) -> candle_core::Result<bool> {
+        let batches = n_rows / self.rows_per_batch.max(1);
+        if pad_len == batches {
+            Ok(false)
+        } else if pad_len == batches * self.q_len {
+            Ok(true)
+        } else {
+            candle_core::bail!(
+                "masked_softmax: {pad_len} padding counts for {batches} batch rows of {} \
+                 queries (one per row or one per query)",
+                self.q_len
+            )
+        }
+    }
+
+    fn cpu<T: Float>(&self, x: &[T], pad: &[u32], kv_len: usize) -> candle_core::Result<Vec<T>> {
+        let per_query = self.per_query(x.len() / kv_len, pad.len())?;
         let mut y = vec![T::from_f32(0.0); x.len()];
         for (r, (xr, yr)) in x.chunks(kv_len).zip(y.chunks_mut(kv_len)).enumerate() {
             let qi = self.offset + r % self.q_len;
-            let p = pad[r / self.rows_per_batch] as usize;
+            let p = if per_query {
+                pad[r / self.rows_per_batch * self.q_len + r % self.q_len]
+            } else {
+                pad[r / self.rows_per_batch]
+            } as usize;
             let end = kv_len.min(qi + 1);
             let visible = |j: usize| j >= p || j == qi;
             let m = (0..end)
@@ -52,7 +75,7 @@ impl MaskedSoftmax {
                 yr[j] = T::from_f32((xr[j].to_f32() - m).exp() / s);
             }
         }
-        y
+        Ok(y)
     }
 }
 
@@ -96,7 +119,7 @@ impl CustomOp2 for MaskedSoftmax {
             CpuStorage::U32(p) => contiguous(p, l2)?,
             _ => candle_core::bail!("masked_softmax: pad must be u32"),
         };
-        let out = float_cpu!("masked_softmax", (s1, l1) => x; self.cpu(x, pad, kv_len));
+        let out = float_cpu!("masked_softmax", (s1, l1) => x; self.cpu(x, pad, kv_len)?);
         Ok((out, l1.shape().clone()))
     }
 
@@ -205,12 +228,14 @@ mod cuda {
             b.arg(&x);
             b.arg(&y);
             b.arg(&pad);
+            let per_query = op.per_query(n_rows, l2.shape().elem_count())?;
             let args = [
                 n_rows as i32,
                 op.rows_per_batch as i32,
                 op.q_len as i32,
                 kv_len as i32,
                 op.offset as i32,
+                per_query as i32,
             ];
             for a in &args {
                 b.arg(a);
