@@ -787,7 +787,8 @@ pub(crate) struct DeviceInputs {
 /// The rows' left-padding counts on the device, and whether any is above zero (known on the
 /// host when the counts are uploaded).
 pub(crate) struct RowPadding {
-    /// u32 `[b]`.
+    /// u32 `[b]`; or `[b, len]`, each token's first visible key, for packed sequences
+    /// ([`LayerInputs::packed`]).
     counts: Tensor,
     /// Some count is above zero (true where the host does not know, as in a captured step).
     padded: bool,
@@ -894,6 +895,38 @@ impl LayerInputs {
                         padded: pad.iter().any(|&p| p > 0),
                     },
                     paged: paged.map(|p| p.upload(dev)).transpose()?,
+                },
+            ));
+        }
+        Ok(LayerInputs(out))
+    }
+
+    /// [`LayerInputs::new`] for sequences packed into `b` rows of `len` tokens: each token's
+    /// position in its sequence and its first visible key (`starts`, row-major), which the
+    /// attention takes as per-query key starts.
+    fn packed(
+        rope: &[(DeviceLocation, RopeTables)],
+        devices: &Devices,
+        (positions, starts): (Vec<u32>, &[u32]),
+        (b, len): (usize, usize),
+    ) -> Result<Self> {
+        let positions = Positions::PerRow {
+            ids: positions,
+            batch: b,
+            len,
+        };
+        let mut out = Vec::with_capacity(rope.len());
+        for (loc, tables) in rope {
+            let dev = devices.get(*loc);
+            out.push((
+                *loc,
+                DeviceInputs {
+                    rope: tables.select(&positions, dev)?,
+                    pad: RowPadding {
+                        counts: Tensor::from_slice(starts, (b, len), dev)?,
+                        padded: true,
+                    },
+                    paged: None,
                 },
             ));
         }

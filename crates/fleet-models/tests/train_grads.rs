@@ -52,6 +52,7 @@ fn golden(name: &str) -> Golden {
             .collect(),
         pad: pad.into_iter().map(|p| p as usize).collect(),
         prompt_len,
+        packing: None,
     };
     let grads = t
         .iter()
@@ -444,6 +445,7 @@ fn cutting_unweighted_trailing_columns_changes_no_logprob_or_gradient() {
             .collect(),
         pad: g.batch.pad.clone(),
         prompt_len: g.batch.prompt_len,
+        packing: None,
     };
     let (cut, cut_grads) = run(&cut_batch, &weights.narrow(1, 0, keep).unwrap());
     assert_eq!(cut.logp.dims(), &[g.batch.rows(), keep]);
@@ -457,6 +459,67 @@ fn cutting_unweighted_trailing_columns_changes_no_logprob_or_gradient() {
     {
         let e = rel_err(a.unwrap(), b.unwrap());
         assert!(e < 1e-5, "gradient of {pname}: rel err {e}");
+    }
+}
+
+/// Packed sequences (`TokenBatch::packed`: each prompt and completion back to back, no
+/// padding computed) give transformers' padded goldens: the log-probs of every weighted column
+/// and every gradient. Each completion is cut after its last weighted column (what comes after
+/// cannot change a weighted log-prob), so the sequences have different lengths and several
+/// share a bin; the weights' columns past a cut completion are zero.
+#[test]
+fn packed_sequences_give_the_padded_goldens() {
+    for name in ["qwen2-tiny", "qwen3-tiny"] {
+        let model = load(name, None);
+        let g = golden(name);
+        let b = &g.batch;
+        let weights: Vec<Vec<f32>> = g.weights.to_vec2().unwrap();
+        let (mut prompts, mut completions) = (Vec::new(), Vec::new());
+        for (r, row) in b.ids.iter().enumerate() {
+            let kept = weights[r]
+                .iter()
+                .rposition(|&w| w != 0.0)
+                .map_or(1, |i| i + 1);
+            prompts.push(row[b.pad[r]..b.prompt_len].to_vec());
+            completions.push(row[b.prompt_len..b.prompt_len + kept].to_vec());
+        }
+        let packed = TokenBatch::packed(&prompts, &completions, 0).unwrap();
+        let p = packed.packing.as_ref().unwrap();
+        assert!(
+            packed.ids.len() < b.ids.len(),
+            "{name}: the golden's {} rows should share bins ({} bins)",
+            b.ids.len(),
+            packed.ids.len()
+        );
+        assert!(packed.ids[0].len() <= 2 * b.ids[0].len());
+        let c = packed.completion_len();
+        let w = g.weights.narrow(1, 0, c).unwrap();
+        let mut grads = ParamGrads::new();
+        let (out, _) = model
+            .forward_backward(
+                &packed,
+                TEMPERATURE,
+                &mut |logp| {
+                    let loss = (logp * w.to_device(logp.device())?)?.sum_all()?;
+                    let value = loss.to_scalar::<f32>()?;
+                    Ok((loss, value))
+                },
+                &mut grads,
+            )
+            .unwrap();
+        assert_eq!(out.logp.dims(), &[p.sequences.len(), c]);
+        let mask = w.ne(0f32).unwrap().to_dtype(DType::F32).unwrap();
+        let masked = |t: &Tensor| (cpu(t) * &mask).unwrap();
+        let want = g.logp.narrow(1, 0, c).unwrap();
+        let e = rel_err(&masked(&out.logp), &masked(&want));
+        assert!(e < 1e-5, "{name}: packed logp rel err {e}");
+        let plain = model.logprobs(&packed, TEMPERATURE).unwrap();
+        let e = rel_err(&masked(&plain.logp), &masked(&want));
+        assert!(e < 1e-5, "{name}: packed no-gradient logp rel err {e}");
+        for ((pname, _), grad) in model.params().iter().zip(grads.iter()) {
+            let e = rel_err(grad.unwrap(), &g.grads[pname]);
+            assert!(e < 1e-4, "{name}: packed gradient of {pname}: rel err {e}");
+        }
     }
 }
 

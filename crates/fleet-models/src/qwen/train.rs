@@ -17,8 +17,11 @@
 //!   its gradient with respect to them is pushed back chunk by chunk.
 //!
 //! A batch ([`TokenBatch`]) is laid out as TRL lays it out: prompts left-padded to a common
-//! length, completions right-padded. Log-probs come back as `[rows, completion_len]`; the
-//! caller masks what lies after a completion's end.
+//! length, completions right-padded — or packed ([`TokenBatch::packed`]): each prompt and its
+//! completion back to back in rows no longer than the padded ones, positions restarting at
+//! each sequence and attention kept inside it (per-query key starts), so no padding is
+//! computed. Log-probs come back as `[rows, completion_len]` (one row per sequence) either way;
+//! the caller masks what lies after a completion's end (those values differ between layouts).
 
 use std::collections::HashMap;
 
@@ -37,15 +40,41 @@ use crate::profile;
 use crate::weights::{Loader, Weights};
 
 /// Sequences to score: prompts left-padded to `prompt_len`, completions right-padded after
-/// them, every row `prompt_len + completion_len` ids long.
+/// them, every row `prompt_len + completion_len` ids long; or packed (`packing`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenBatch {
-    /// The rows.
+    /// The rows (packed: the bins, each holding whole sequences, then padding).
     pub ids: Vec<Vec<u32>>,
-    /// Left padding of each row (its prompt starts there).
+    /// Left padding of each row (its prompt starts there); empty when packed.
     pub pad: Vec<usize>,
-    /// Columns before the completions.
+    /// Columns before the completions; 0 when packed.
     pub prompt_len: usize,
+    /// Where each sequence lies when the rows are packed bins ([`TokenBatch::packed`]).
+    pub packing: Option<Packing>,
+}
+
+/// Sequences packed into bins ([`TokenBatch::packed`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Packing {
+    /// The sequences, in the order of the prompts given.
+    pub sequences: Vec<PackedSequence>,
+    /// The longest completion: the width of the per-token results.
+    pub completion_len: usize,
+    /// The id the results' columns past a completion's end are scored against.
+    pub pad_id: u32,
+}
+
+/// One sequence of a packed batch: its prompt then its completion, from `start` in bin `bin`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackedSequence {
+    /// The bin (row of [`TokenBatch::ids`]).
+    pub bin: usize,
+    /// Its first column.
+    pub start: usize,
+    /// Prompt tokens.
+    pub prompt: usize,
+    /// Completion tokens.
+    pub completion: usize,
 }
 
 impl TokenBatch {
@@ -81,20 +110,127 @@ impl TokenBatch {
             ids,
             pad,
             prompt_len,
+            packing: None,
         })
     }
 
-    /// Rows.
-    pub fn rows(&self) -> usize {
-        self.ids.len()
+    /// Packs `prompts[i] + completions[i]` back to back into bins, first fit in the order given,
+    /// each bin at most twice as long as [`TokenBatch::new`]'s rows (the longest prompt plus
+    /// the longest completion); bins are right-padded with `pad_id` to the fullest one. The
+    /// same results as [`TokenBatch::new`] for every completion token, without computing the
+    /// padding (TRL's `padding_free`). Why twice: the projections' work follows the tokens,
+    /// the backward's recomputed attention scores (`[len, len]` a bin and head) the bins' length;
+    /// with a fraction `f` of the padded layout's tokens real, bins of twice the row length
+    /// cost `f` of its projection work and at most `2f` of its attention work and score memory,
+    /// where bins of the row length would hold two sequences only when both are short.
+    pub fn packed(prompts: &[Vec<u32>], completions: &[Vec<u32>], pad_id: u32) -> Result<Self> {
+        let padded = Self::new(prompts, completions, pad_id)?;
+        let capacity = 2 * padded.ids[0].len();
+        let mut fill: Vec<usize> = Vec::new();
+        let mut sequences = Vec::with_capacity(prompts.len());
+        for (p, c) in prompts.iter().zip(completions) {
+            let n = p.len() + c.len();
+            let bin = match fill.iter().position(|&f| f + n <= capacity) {
+                Some(b) => b,
+                None => {
+                    fill.push(0);
+                    fill.len() - 1
+                }
+            };
+            sequences.push(PackedSequence {
+                bin,
+                start: fill[bin],
+                prompt: p.len(),
+                completion: c.len(),
+            });
+            fill[bin] += n;
+        }
+        let len = fill.iter().copied().max().unwrap_or(1);
+        let mut ids = vec![Vec::with_capacity(len); fill.len()];
+        for (seq, (p, c)) in sequences.iter().zip(prompts.iter().zip(completions)) {
+            ids[seq.bin].extend_from_slice(p);
+            ids[seq.bin].extend_from_slice(c);
+        }
+        for row in &mut ids {
+            row.resize(len, pad_id);
+        }
+        Ok(TokenBatch {
+            ids,
+            pad: Vec::new(),
+            prompt_len: 0,
+            packing: Some(Packing {
+                sequences,
+                completion_len: padded.completion_len(),
+                pad_id,
+            }),
+        })
     }
 
-    /// Columns of the completion part.
+    /// Sequences (the rows of the per-token results).
+    pub fn rows(&self) -> usize {
+        match &self.packing {
+            Some(p) => p.sequences.len(),
+            None => self.ids.len(),
+        }
+    }
+
+    /// Columns of the completion part (of the per-token results).
     pub fn completion_len(&self) -> usize {
-        self.ids[0].len() - self.prompt_len
+        match &self.packing {
+            Some(p) => p.completion_len,
+            None => self.ids[0].len() - self.prompt_len,
+        }
+    }
+
+    /// Each token's position and first visible key when packed: positions restart at each
+    /// sequence, whose tokens see only its own keys; a bin's padding tokens see only
+    /// themselves. Row-major over the bins, `ids.len() * ids[0].len()` each.
+    fn packed_positions(&self, packing: &Packing) -> (Vec<u32>, Vec<u32>) {
+        let len = self.ids[0].len();
+        let mut positions = vec![0u32; self.ids.len() * len];
+        let mut starts: Vec<u32> = (0..self.ids.len()).flat_map(|_| 0..len as u32).collect();
+        for s in &packing.sequences {
+            for i in 0..s.prompt + s.completion {
+                positions[s.bin * len + s.start + i] = i as u32;
+                starts[s.bin * len + s.start + i] = s.start as u32;
+            }
+        }
+        (positions, starts)
+    }
+
+    /// For each sequence and completion column, the flat index (over the bins' tokens) of
+    /// the position that predicts it — past the completion's end, its last scored position
+    /// again — and the token it predicts (`pad_id` past the end); with whether the column is
+    /// inside the completion.
+    fn packed_scored(&self, packing: &Packing) -> (Vec<u32>, Vec<u32>, Vec<bool>) {
+        let (len, c) = (self.ids[0].len(), packing.completion_len);
+        let n = packing.sequences.len() * c;
+        let (mut at, mut targets, mut inside) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for s in &packing.sequences {
+            let first = s.start + s.prompt - 1;
+            let last = first + s.completion.max(1) - 1;
+            for col in 0..c {
+                at.push((s.bin * len + (first + col).min(last)) as u32);
+                let within = col < s.completion;
+                targets.push(if within {
+                    self.ids[s.bin][first + 1 + col]
+                } else {
+                    packing.pad_id
+                });
+                inside.push(within);
+            }
+        }
+        (at, targets, inside)
     }
 
     fn validate(&self, cfg: &QwenConfig) -> Result<()> {
+        if let Some(p) = &self.packing {
+            return self.validate_packed(p, cfg);
+        }
         let len = self.ids.first().map(Vec::len).unwrap_or(0);
         if self.ids.is_empty()
             || self.pad.len() != self.ids.len()
@@ -117,6 +253,38 @@ impl TokenBatch {
                 cfg.max_position_embeddings
             )));
         }
+        self.validate_ids(cfg)
+    }
+
+    fn validate_packed(&self, p: &Packing, cfg: &QwenConfig) -> Result<()> {
+        let len = self.ids.first().map(Vec::len).unwrap_or(0);
+        let fits = |s: &PackedSequence| {
+            s.prompt > 0 && s.bin < self.ids.len() && s.start + s.prompt + s.completion <= len
+        };
+        if self.ids.is_empty()
+            || p.sequences.is_empty()
+            || p.completion_len == 0
+            || self.ids.iter().any(|r| r.len() != len)
+            || !p.sequences.iter().all(fits)
+        {
+            return Err(ModelError::BadInput(
+                "a packed token batch needs bins of one length holding each sequence whole, \
+                 with a prompt of at least one token (build it with TokenBatch::packed)"
+                    .into(),
+            ));
+        }
+        let longest = p.sequences.iter().map(|s| s.prompt + s.completion).max();
+        if let Some(longest) = longest.filter(|&l| l > cfg.max_position_embeddings) {
+            return Err(ModelError::BadInput(format!(
+                "a sequence of {longest} tokens (prompt + completion) exceeds max_position_embeddings = {}; \
+                 lower max_prompt_length or max_completion_length",
+                cfg.max_position_embeddings
+            )));
+        }
+        self.validate_ids(cfg)
+    }
+
+    fn validate_ids(&self, cfg: &QwenConfig) -> Result<()> {
         let vocab = cfg.vocab_size as u32;
         if let Some(&bad) = self.ids.iter().flatten().find(|&&t| t >= vocab) {
             return Err(ModelError::BadInput(format!(
@@ -878,7 +1046,11 @@ impl TrainableQwen {
 
     /// RoPE rows and padding counts of `batch`, per device that holds layers.
     fn inputs(&self, batch: &TokenBatch) -> Result<LayerInputs> {
-        let (b, len) = (batch.rows(), batch.ids[0].len());
+        let (b, len) = (batch.ids.len(), batch.ids[0].len());
+        if let Some(p) = &batch.packing {
+            let (positions, starts) = batch.packed_positions(p);
+            return LayerInputs::packed(&self.rope, &self.devices, (positions, &starts), (b, len));
+        }
         let mut ids = Vec::with_capacity(b * len);
         for &p in &batch.pad {
             ids.extend((0..len).map(|i| i.saturating_sub(p) as u32));
@@ -912,7 +1084,7 @@ impl TrainableQwen {
         let flat: Vec<u32> = batch.ids.iter().flatten().copied().collect();
         Ok(Tensor::from_vec(
             flat,
-            (batch.rows(), batch.ids[0].len()),
+            (batch.ids.len(), batch.ids[0].len()),
             self.devices.get(self.map.embed),
         )?)
     }
@@ -920,6 +1092,11 @@ impl TrainableQwen {
     /// The completion tokens each scored position predicts, `[rows * completion_len]` u32 on
     /// the head's device.
     fn targets(&self, batch: &TokenBatch) -> Result<Tensor> {
+        if let Some(p) = &batch.packing {
+            let t = batch.packed_scored(p).1;
+            let n = t.len();
+            return Ok(Tensor::from_vec(t, n, self.devices.get(self.map.head))?);
+        }
         let t: Vec<u32> = batch
             .ids
             .iter()
@@ -963,7 +1140,7 @@ impl TrainableQwen {
         batch: &TokenBatch,
         segments: &[std::ops::Range<usize>],
     ) -> Result<Vec<Tensor>> {
-        let (b, len, hs) = (batch.rows(), batch.ids[0].len(), self.cfg.hidden_size);
+        let (b, len, hs) = (batch.ids.len(), batch.ids[0].len(), self.cfg.hidden_size);
         let firsts: Vec<DeviceLocation> =
             segments.iter().map(|r| self.map.layers[r.start]).collect();
         let mut views: Vec<Option<Tensor>> = vec![None; firsts.len()];
@@ -983,11 +1160,24 @@ impl TrainableQwen {
     fn scored_rows(&self, batch: &TokenBatch, stream: &Stream) -> Result<(Tensor, Tensor)> {
         let (b, c, h) = (batch.rows(), batch.completion_len(), self.cfg.hidden_size);
         let dev = self.devices.get(self.map.head);
+        let at = match &batch.packing {
+            Some(p) => {
+                let at = batch.packed_scored(p).0;
+                let n = at.len();
+                Some(Tensor::from_vec(at, n, dev)?)
+            }
+            None => None,
+        };
         let pick = |t: &Tensor| -> Result<Tensor> {
-            Ok(crate::device::transfer(t, dev)?
-                .narrow(1, batch.prompt_len - 1, c)?
-                .contiguous()?
-                .reshape((b * c, h))?)
+            let t = crate::device::transfer(t, dev)?;
+            Ok(match &at {
+                // Packed: the predicting positions gathered from the bins' flat tokens.
+                Some(at) => t.reshape(((), h))?.index_select(at, 0)?,
+                None => t
+                    .narrow(1, batch.prompt_len - 1, c)?
+                    .contiguous()?
+                    .reshape((b * c, h))?,
+            })
         };
         let pending = stream
             .pending
@@ -1254,6 +1444,9 @@ impl TrainableQwen {
         }
         // Back to `[rows, len, hidden]`, zero at the positions that score nothing.
         let hs = self.cfg.hidden_size;
+        if let Some(p) = &batch.packing {
+            return self.packed_head_gradient(batch, p, &Tensor::cat(&gx_rows, 0)?);
+        }
         let scored = Tensor::cat(&gx_rows, 0)?.reshape((b, c, hs))?;
         let len = batch.ids[0].len();
         let before = batch.prompt_len - 1;
@@ -1275,6 +1468,36 @@ impl TrainableQwen {
             )?);
         }
         Ok(Tensor::cat(&parts, 1)?)
+    }
+
+    /// The head's gradient `[sequences * completion_len, hidden]` back on the packed bins'
+    /// tokens, `[bins, len, hidden]`: each completion column's row added at the position that
+    /// predicts it (each such position once), zero elsewhere. Columns past a completion's end
+    /// carry nothing (their loss gradient is zero; they are left out rather than trusted).
+    fn packed_head_gradient(
+        &self,
+        batch: &TokenBatch,
+        packing: &Packing,
+        g: &Tensor,
+    ) -> Result<Tensor> {
+        let (bins, len, hs) = (batch.ids.len(), batch.ids[0].len(), self.cfg.hidden_size);
+        let (at, _, inside) = batch.packed_scored(packing);
+        let (mut rows, mut to) = (Vec::new(), Vec::new());
+        for (i, (&a, &within)) in at.iter().zip(&inside).enumerate() {
+            if within {
+                rows.push(i as u32);
+                to.push(a);
+            }
+        }
+        let dev = g.device();
+        let n = rows.len();
+        let picked = g.index_select(&Tensor::from_vec(rows, n, dev)?, 0)?;
+        let out = Tensor::zeros((bins * len, hs), g.dtype(), dev)?.index_add(
+            &Tensor::from_vec(to, n, dev)?,
+            &picked,
+            0,
+        )?;
+        Ok(out.reshape((bins, len, hs))?)
     }
 
     /// Step 4: the blocks, last segment first: each segment recomputed with its graph from its
