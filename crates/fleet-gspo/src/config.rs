@@ -357,6 +357,11 @@ pub struct GspoConfig {
     /// Exclude truncated completions (no EOS within `max_completion_length`) from the loss.
     /// Default false.
     pub mask_truncated_completions: bool,
+    /// Score and train on packed sequences (TRL's name in its SFT and DPO configs): each
+    /// micro-batch's prompts and completions back to back in bins, every completion cut to its
+    /// own scored length, so padding costs nothing; the same log-probs and gradients as the
+    /// padded layout (`TokenBatch::packed`). Default false.
+    pub padding_free: bool,
     /// Longest prompt in tokens; unset: no limit (see the module docs).
     pub max_prompt_length: Option<usize>,
     /// Longest completion in tokens. Default 256.
@@ -511,6 +516,7 @@ impl Default for GspoConfig {
             scale_rewards: ScaleRewards::Group,
             torch_dtype: TorchDtype::Float32,
             mask_truncated_completions: false,
+            padding_free: false,
             max_prompt_length: None,
             max_completion_length: 256,
             temperature: 1.0,
@@ -581,6 +587,7 @@ pub const KEYS: &[&str] = &[
     "scale_rewards",
     "torch_dtype",
     "mask_truncated_completions",
+    "padding_free",
     "max_prompt_length",
     "max_completion_length",
     "temperature",
@@ -817,6 +824,7 @@ impl GspoConfig {
             "mask_truncated_completions" => {
                 self.mask_truncated_completions = parse_bool(key, value)?
             }
+            "padding_free" => self.padding_free = parse_bool(key, value)?,
             "max_prompt_length" => self.max_prompt_length = parse_opt(key, value, parse_usize)?,
             "max_completion_length" => self.max_completion_length = parse_usize(key, value)?,
             "temperature" => self.temperature = parse_f64(key, value)?,

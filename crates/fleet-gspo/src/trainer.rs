@@ -1068,7 +1068,9 @@ impl Trainer {
             .clamp(1, self.config.max_completion_length.max(1))
     }
 
-    /// The rows of a micro-batch as the model reads them; completions cut or padded to `width`.
+    /// The rows of a micro-batch as the model reads them; completions cut or padded to `width`
+    /// — or, with `padding_free`, each cut to its own scored tokens (the mask's ones: every
+    /// column the loss reads) and packed (`TokenBatch::packed`).
     fn token_batch(
         &self,
         r: &Rollouts,
@@ -1076,6 +1078,20 @@ impl Trainer {
         width: usize,
     ) -> Result<TokenBatch, TrainError> {
         let prompts: Vec<Vec<u32>> = rows.iter().map(|&i| r.prompts[i].clone()).collect();
+        if self.config.padding_free {
+            let completions: Vec<Vec<u32>> = rows
+                .iter()
+                .map(|&i| {
+                    let mut c = r.completions[i].clone();
+                    c.resize((r.row_tokens[i] as usize).min(width), self.text.pad_id);
+                    c
+                })
+                .collect();
+            let batch = TokenBatch::packed(&prompts, &completions, self.text.pad_id)?;
+            // The results' width: the longest cut completion, which `width` is (at least 1).
+            debug_assert_eq!(batch.completion_len(), width);
+            return Ok(batch);
+        }
         let completions: Vec<Vec<u32>> = rows
             .iter()
             .map(|&i| {
