@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU checks of what was written without a GPU on 2026-11-28: per-query key starts
+# (packed sequences) in the flash kernel and masked_softmax, the packed training batch on the
+# GPU against transformers' goldens, the MoE GEMV against its twin and against the grouped MoE,
+# the GEMV on the shared lane-sum core (generation, paged generation); then the 30B-A3B judge's
+# decode with FLEET_MOE_GEMV=0/1, alternating. Carried: dist/carry/next-tests.tar.xz
+# (fleet_models lib tests, generation, paged_generation, train_grads, ops_grad; CUDA) and, for
+# the judge part, dist/carry/edit-score.xz.
+#
+#   bash scripts/gpu/run_packed_moe_checks.sh          # WHAT="tests judge" (default both),
+#                                                      # BATCHES ("8 32"), ROUNDS (2)
+set -u
+export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
+T=/tmp/next; mkdir -p $T
+# Everything lands in $OUT/checks.tar (more files than a call brings back one by one).
+FINAL=$OUT; OUT=$FINAL/checks; mkdir -p $OUT
+for part in ${WHAT:-tests judge}; do
+case $part in
+tests)
+  xz -dc dist/carry/next-tests.tar.xz | tar xf - -C $T
+  cd crates/fleet-models
+  # One thread per binary: a GPU has one stream per process (ARCHITECTURE.md, invariant 6).
+  run_t() { # name binary filter...
+    local name=$1 bin=$2; shift 2
+    timeout 300 $T/$bin --test-threads 1 "$@" > $OUT/test_$name.txt 2>&1
+    echo "$name: rc $? $(grep -E '^test result' $OUT/test_$name.txt | tail -1)"
+    grep -E 'panicked|FAILED|max \|' $OUT/test_$name.txt | head -12
+  }
+  run_t lib_linear fleet_models ops::linear --nocapture
+  run_t lib_moe fleet_models qwen::moe --nocapture
+  run_t lib_attention fleet_models attention::kernel_tests::flash_matches_reference --nocapture
+  FLEET_TEST_DEVICES=cuda:0 run_t train_grads train_grads
+  run_t ops_grad ops_grad cuda_
+  run_t generation generation
+  run_t paged_generation paged_generation
+  cd - > /dev/null ;;
+judge)
+  W=/tmp/nj; mkdir -p $W
+  xz -dc dist/carry/edit-score.xz > $W/es; chmod +x $W/es
+  C=configs/models/qwen3-vl-30b-a3b.json
+  $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1
+  for i in $(seq 1 ${ROUNDS:-2}); do for b in ${BATCHES:-8 32}; do for g in 0 1; do
+    j=$OUT/judge30_b${b}_g${g}_$i.json
+    FLEET_MOE_GEMV=$g timeout 240 $W/es bench --config $C --image-size 1024 --batch $b \
+      --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b$b FLEET_MOE_GEMV=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
+  done; done; done ;;
+esac
+done
+tar -C $FINAL -cf $FINAL/checks.tar checks && rm -rf $OUT
