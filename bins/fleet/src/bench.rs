@@ -171,14 +171,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
     let mut variable = Vec::new();
     for &b in &args.batch {
         let prompts: Vec<Vec<u32>> = (0..b)
-            .map(|r| {
-                (0..args.prompt_len)
-                    .map(|i| {
-                        ((r * 7919 + i * 104_729 + args.model.seed as usize) % cfg.vocab_size)
-                            as u32
-                    })
-                    .collect()
-            })
+            .map(|r| bench_prompt(r, args.prompt_len, args.model.seed, cfg.vocab_size))
             .collect();
         let requests: Vec<GenerationRequest> = prompts
             .iter()
@@ -281,7 +274,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         print_profile(b);
         runs.push(run);
         if let Some(n) = args.variable_lengths {
-            let v = variable_lengths(&model, &generator, &prompts, n, b, args)?;
+            let v = variable_lengths(&model, &generator, n, b, args, cfg.vocab_size)?;
             eprintln!(
                 "batch {:>3}, {} requests of their own lengths: static {:>8.1} tok/s, \
                  continuous {:>8.1} tok/s ({:.2}x)",
@@ -441,21 +434,33 @@ fn gsm8k_like_lengths(n: usize, most: usize) -> Vec<usize> {
         .collect()
 }
 
-/// The variable-length workload at `batch` decode slots: `n` requests (the prompts reused in
-/// turn), static batches of `batch` against continuous batching.
+/// Row `r`'s prompt of the bench: `len` ids from a fixed formula of `r` and the seed, so
+/// that no two rows share a prefix.
+fn bench_prompt(r: usize, len: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| ((r * 7919 + i * 104_729 + seed as usize) % vocab) as u32)
+        .collect()
+}
+
+/// The variable-length workload at `batch` decode slots: `n` requests, each with a prompt of
+/// its own (a reused prompt would give continuous batching prefix-cache hits that the static
+/// batches cannot have), static batches of `batch` against continuous batching.
 fn variable_lengths(
     model: &QwenModel,
     generator: &Generator<'_>,
-    prompts: &[Vec<u32>],
     n: usize,
     batch: usize,
     args: &BenchGenerateArgs,
+    vocab: usize,
 ) -> Result<VariableRun> {
     let lengths = gsm8k_like_lengths(n, args.new_tokens);
     let requests: Vec<GenerationRequest> = lengths
         .iter()
         .enumerate()
-        .map(|(i, &len)| GenerationRequest::greedy(prompts[i % prompts.len()].clone(), len))
+        .map(|(i, &len)| {
+            let prompt = bench_prompt(i, args.prompt_len, args.model.seed, vocab);
+            GenerationRequest::greedy(prompt, len)
+        })
         .collect();
     let total: usize = lengths.iter().sum();
     let t = Instant::now();
