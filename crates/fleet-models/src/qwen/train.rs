@@ -1711,3 +1711,48 @@ fn part_of(name: &str, layers: usize) -> Option<Part> {
     let i: usize = rest.split('.').next()?.parse().ok()?;
     (i < layers).then_some(Part::Layer(i))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `TokenBatch::packed`: first fit into bins of at most twice the padded row, positions
+    /// restarting at each sequence, each token's first key its sequence's start (a bin's
+    /// padding sees only itself), and the scored positions and targets of each completion
+    /// column (past a completion's end: its last scored position again, against the pad id).
+    #[test]
+    fn packing_lays_out_bins_positions_starts_and_scored_columns() {
+        let prompts = vec![vec![1, 2, 3], vec![4], vec![5, 6], vec![7, 8, 9]];
+        let completions = vec![vec![10, 11], vec![12, 13, 14, 15], vec![], vec![16]];
+        let b = TokenBatch::packed(&prompts, &completions, 0).unwrap();
+        // The padded row: 3 + 4 = 7 ids, so bins hold up to 14.
+        let p = b.packing.as_ref().unwrap();
+        let at: Vec<(usize, usize)> = p.sequences.iter().map(|s| (s.bin, s.start)).collect();
+        assert_eq!(at, vec![(0, 0), (0, 5), (0, 10), (1, 0)]);
+        assert_eq!(b.ids.len(), 2);
+        assert_eq!(b.ids[0], vec![1, 2, 3, 10, 11, 4, 12, 13, 14, 15, 5, 6]);
+        assert_eq!(b.ids[1], vec![7, 8, 9, 16, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!((b.rows(), b.completion_len()), (4, 4));
+
+        let (positions, starts) = b.packed_positions(p);
+        assert_eq!(&positions[..12], &[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]);
+        assert_eq!(&starts[..12], &[0, 0, 0, 0, 0, 5, 5, 5, 5, 5, 10, 10]);
+        assert_eq!(&positions[12..], &[0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&starts[12..], &[0, 0, 0, 0, 4, 5, 6, 7, 8, 9, 10, 11]);
+
+        let (scored, targets, inside) = b.packed_scored(p);
+        // Sequence 0 (bin 0 from 0, prompt 3, completion 2): positions 2, 3, then 3 again.
+        assert_eq!(&scored[..4], &[2, 3, 3, 3]);
+        assert_eq!(&targets[..4], &[10, 11, 0, 0]);
+        assert_eq!(&inside[..4], &[true, true, false, false]);
+        // Sequence 1 (from 5, prompt 1, completion 4): positions 5..9.
+        assert_eq!(&scored[4..8], &[5, 6, 7, 8]);
+        assert_eq!(&targets[4..8], &[12, 13, 14, 15]);
+        // Sequence 2 (from 10, prompt 2, no completion): its last prompt position, nothing inside.
+        assert_eq!(&scored[8..12], &[11, 11, 11, 11]);
+        assert!(!inside[8..12].iter().any(|&x| x));
+        // Sequence 3 (bin 1 from 0, prompt 3, completion 1): flat index 12 + 2.
+        assert_eq!(&scored[12..], &[14, 14, 14, 14]);
+        assert_eq!(&targets[12..], &[16, 0, 0, 0]);
+    }
+}
