@@ -103,6 +103,28 @@ fn backward_into(
         .unwrap()
 }
 
+/// One forward/backward of `batch` with the loss `sum(weights * logp)`, into fresh gradients.
+fn weighted_pass(
+    model: &TrainableQwen,
+    batch: &TokenBatch,
+    weights: &Tensor,
+) -> (TokenLogprobs, ParamGrads) {
+    let mut grads = ParamGrads::new();
+    let (out, _) = model
+        .forward_backward(
+            batch,
+            TEMPERATURE,
+            &mut |logp| {
+                let loss = (logp * weights.to_device(logp.device())?)?.sum_all()?;
+                let value = loss.to_scalar::<f32>()?;
+                Ok((loss, value))
+            },
+            &mut grads,
+        )
+        .unwrap();
+    (out, grads)
+}
+
 fn check(name: &str, model: &TrainableQwen) {
     let g = golden(name);
     // No-gradient pass.
@@ -418,23 +440,7 @@ fn cutting_unweighted_trailing_columns_changes_no_logprob_or_gradient() {
         1,
     )
     .unwrap();
-    let run = |batch: &TokenBatch, weights: &Tensor| {
-        let mut grads = ParamGrads::new();
-        let w = weights.clone();
-        let (out, _) = model
-            .forward_backward(
-                batch,
-                TEMPERATURE,
-                &mut |logp| {
-                    let loss = (logp * w.to_device(logp.device())?)?.sum_all()?;
-                    let value = loss.to_scalar::<f32>()?;
-                    Ok((loss, value))
-                },
-                &mut grads,
-            )
-            .unwrap();
-        (out, grads)
-    };
+    let run = |batch: &TokenBatch, weights: &Tensor| weighted_pass(&model, batch, weights);
     let (full, full_grads) = run(&g.batch, &weights);
     let cut_batch = TokenBatch {
         ids: g
@@ -494,19 +500,7 @@ fn packed_sequences_give_the_padded_goldens() {
         assert!(packed.ids[0].len() <= 2 * b.ids[0].len());
         let c = packed.completion_len();
         let w = g.weights.narrow(1, 0, c).unwrap();
-        let mut grads = ParamGrads::new();
-        let (out, _) = model
-            .forward_backward(
-                &packed,
-                TEMPERATURE,
-                &mut |logp| {
-                    let loss = (logp * w.to_device(logp.device())?)?.sum_all()?;
-                    let value = loss.to_scalar::<f32>()?;
-                    Ok((loss, value))
-                },
-                &mut grads,
-            )
-            .unwrap();
+        let (out, grads) = weighted_pass(&model, &packed, &w);
         assert_eq!(out.logp.dims(), &[p.sequences.len(), c]);
         let mask = w.ne(0f32).unwrap().to_dtype(DType::F32).unwrap();
         let masked = |t: &Tensor| (cpu(t) * &mask).unwrap();
