@@ -126,8 +126,9 @@ fn compute_capability_major(device: &candle_core::Device) -> Option<i32> {
 /// (`[b, kv_heads, n_rep * q, d]`, so each grouped KV head is read once for its group, with no
 /// copy of K/V), the scores scaled unless `scale` is 1 (the decoder folds it into its queries),
 /// and the decoder's [`crate::ops::masked_softmax`] (f32 statistics, one rounding to the model
-/// dtype). With `max_scores_bytes`, queries go in chunks whose score buffer stays within it (a
-/// 1024x1024 image's 4,096 vision patches would need 512 MiB per block otherwise).
+/// dtype). With `max_scores_bytes`, queries go in chunks whose score buffer (all batch rows')
+/// stays within it (a 1024x1024 image's 4,096 vision patches would need 512 MiB per block
+/// otherwise).
 pub fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -166,7 +167,9 @@ pub fn attend(
         None => Tensor::zeros(b, DType::U32, q.device())?,
     };
     let rows = match max_scores_bytes {
-        Some(bytes) => (bytes / (h * kv_len * q.dtype().size_in_bytes()).max(1)).clamp(1, q_len),
+        Some(bytes) => {
+            (bytes / (b * h * kv_len * q.dtype().size_in_bytes()).max(1)).clamp(1, q_len)
+        }
         None => q_len,
     };
     let mut outs = Vec::new();
@@ -210,11 +213,13 @@ pub fn attend(
 }
 
 /// `t` (`[b, heads, n, d]`) as it is when each of its `[n, d]` matrices is stored row after row
-/// (a GEMM operand as it is, the KV cache's rows included), else a contiguous copy.
+/// and the matrices one stride apart over `(b, heads)` (a batched GEMM operand as it is, the KV
+/// cache's rows included), else a contiguous copy.
 fn rows_packed(t: &Tensor) -> Result<Tensor> {
-    let stride = t.stride();
-    let d = t.dims()[3];
-    Ok(if stride[3] == 1 && stride[2] == d {
+    let (stride, dims) = (t.stride(), t.dims());
+    let d = dims[3];
+    let one_batch_stride = dims[0] == 1 || dims[1] == 1 || stride[0] == dims[1] * stride[1];
+    Ok(if stride[3] == 1 && stride[2] == d && one_batch_stride {
         t.clone()
     } else {
         t.contiguous()?

@@ -422,8 +422,36 @@ impl VisionEncoder {
             )
         })?;
         let scale = (hd as f64).powf(-0.5);
-        // Each image (each frame of `t`) is its own segment: `[1, heads, len, hd]` views, the
-        // fused kernel where it runs, else queries in chunks within `scores_bytes`.
+        // Each image (each frame of `t`) is its own segment. Segments of one length (a batch of
+        // images of one size, the common case) go as one call: `[segments, heads, len, hd]`
+        // views of q, k and v (no copy), the kernel's batch over them, its token-major output
+        // already the patches' order. Otherwise one call a segment, `[1, heads, len, hd]` views.
+        // Either way the fused kernel where it runs, else queries in chunks within
+        // `scores_bytes`.
+        let lens: Vec<usize> = grids
+            .iter()
+            .flat_map(|&[t, gh, gw]| std::iter::repeat_n(gh * gw, t))
+            .collect();
+        if lens.len() > 1 && lens.iter().all(|&l| l == lens[0]) {
+            let (segments, len) = (lens.len(), lens[0]);
+            return profile::time(dev, "vision.core", || {
+                let per_segment = |z: &Tensor| -> Result<Tensor> {
+                    Ok(z.squeeze(0)?
+                        .reshape((heads, segments, len, hd))?
+                        .transpose(0, 1)?)
+                };
+                let o = attention::attend(
+                    &per_segment(&q)?,
+                    &per_segment(&k)?,
+                    &per_segment(&v)?,
+                    scale,
+                    &attention::Mask::default(),
+                    true,
+                    Some(self.scores_bytes),
+                )?;
+                Ok(o.transpose(1, 2)?.reshape((n, hidden))?)
+            });
+        }
         let out = profile::time(dev, "vision.core", || {
             let mut outs = Vec::new();
             let mut start = 0;
@@ -519,5 +547,47 @@ mod tests {
         };
         assert!(diff(&whole.features, &chunked.features) < 1e-5);
         assert!(diff(&whole.deepstack[0], &chunked.deepstack[0]) < 1e-5);
+    }
+
+    /// Images of one size attend in one batched call: the same features and deepstack
+    /// features as each image encoded alone (one call a segment), whole and in query chunks.
+    #[test]
+    fn images_of_one_size_batched_equal_each_alone() {
+        let cfg: VisionConfig = serde_json::from_value(serde_json::json!({
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "out_hidden_size": 48, "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0]
+        }))
+        .unwrap();
+        let dev = Device::Cpu;
+        let mut enc =
+            VisionEncoder::new(&cfg, &Weights::Random { seed: 5 }, DType::F32, &dev).unwrap();
+        let grid = [1, 4, 4];
+        let pv = Tensor::randn(0f32, 1.0, (3 * 16, cfg.patch_dim()), &dev).unwrap();
+        for bytes in [SCORES_BYTES, 1] {
+            enc.scores_bytes = bytes;
+            let batched = enc.forward(&pv, &[grid; 3]).unwrap();
+            let alone: Vec<VisionOutput> = (0..3)
+                .map(|i| {
+                    enc.forward(&pv.narrow(0, 16 * i, 16).unwrap(), &[grid])
+                        .unwrap()
+                })
+                .collect();
+            let cat = |f: &dyn Fn(&VisionOutput) -> Tensor| {
+                Tensor::cat(&alone.iter().map(f).collect::<Vec<_>>(), 0).unwrap()
+            };
+            let diff = |a: &Tensor, b: &Tensor| -> f32 {
+                let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+                d.to_scalar().unwrap()
+            };
+            let features = cat(&|o| o.features.clone());
+            let deepstack = cat(&|o| o.deepstack[0].clone());
+            assert!(diff(&batched.features, &features) < 1e-5, "bytes {bytes}");
+            assert!(
+                diff(&batched.deepstack[0], &deepstack) < 1e-5,
+                "bytes {bytes}"
+            );
+        }
     }
 }
