@@ -2,13 +2,18 @@
 # The GPU checks of what was written without a GPU on 2026-11-28: per-query key starts
 # (packed sequences) in the flash kernel and masked_softmax, the packed training batch on the
 # GPU against transformers' goldens, the MoE GEMV against its twin and against the grouped MoE,
-# the GEMV on the shared lane-sum core (generation, paged generation); then the 30B-A3B judge's
-# decode with FLEET_MOE_GEMV=0/1, alternating. Carried: dist/carry/next-tests.tar.xz
-# (fleet_models lib tests, generation, paged_generation, train_grads, ops_grad; CUDA) and, for
-# the judge part, dist/carry/edit-score.xz.
+# the GEMV on the shared lane-sum core (generation, paged generation), the vision tower's
+# batched attention (qwen3_vl_parity); then the 30B-A3B judge's decode with FLEET_MOE_GEMV=0/1,
+# alternating (`judge`), and the 8B judge before and after the vision tower's batched attention
+# (`vision`: edit-score-base.xz against edit-score.xz, alternating). Carried:
+# dist/carry/next-tests.tar.xz (fleet_models lib tests, generation, paged_generation,
+# train_grads, ops_grad, qwen3_vl_parity; CUDA) for `tests`; dist/carry/edit-score.xz for
+# `judge`, and edit-score-base.xz beside it for `vision` (the three do not fit one carry:
+# `tests` alone, then `judge vision`).
 #
-#   bash scripts/gpu/run_packed_moe_checks.sh          # WHAT="tests judge" (default both),
-#                                                      # BATCHES ("8 32"), ROUNDS (2)
+#   WHAT=tests bash scripts/gpu/run_packed_moe_checks.sh
+#   WHAT="judge vision" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
+#                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
 export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
 T=/tmp/next; mkdir -p $T
@@ -30,6 +35,7 @@ tests)
   run_t lib_moe fleet_models qwen::moe --nocapture
   run_t lib_attention fleet_models attention::kernel_tests::flash_matches_reference --nocapture
   FLEET_TEST_DEVICES=cuda:0 run_t train_grads train_grads
+  FLEET_TEST_DEVICES=cuda:0 run_t qwen3_vl_parity qwen3_vl_parity
   run_t ops_grad ops_grad cuda_
   run_t generation generation
   run_t paged_generation paged_generation
@@ -44,6 +50,18 @@ judge)
     FLEET_MOE_GEMV=$g timeout 240 $W/es bench --config $C --image-size 1024 --batch $b \
       --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b$b FLEET_MOE_GEMV=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
+  done; done; done ;;
+vision)
+  W=/tmp/nv; mkdir -p $W
+  xz -dc dist/carry/edit-score-base.xz > $W/A; xz -dc dist/carry/edit-score.xz > $W/B
+  chmod +x $W/A $W/B
+  C=configs/models/qwen3-vl-8b.json
+  $W/A bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1
+  for i in $(seq 1 ${ROUNDS:-2}); do for b in ${VISION_BATCHES:-16 64}; do for v in A B; do
+    j=$OUT/judge8_b${b}_${v}_$i.json
+    timeout 240 $W/$v bench --config $C --image-size 1024 --batch $b --samples $((2 * b)) \
+      --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('8B b$b $v round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
   done; done; done ;;
 esac
 done
