@@ -12,8 +12,9 @@
 // row's left padding), key j is visible when j >= key_start[b] or j == qabs (a padding query
 // sees itself, so no row is empty). With `ks_per_query`, key_start holds one u32 per query
 // instead ([B, Lq]: query i's first key, nondecreasing in i within a row — sequences packed
-// into one row, each seeing only its own keys), read per query the same way. Statistics in f32; the probabilities are rounded to T
-// before they multiply v, as the unfused path rounds them before its second matmul.
+// into one row, each seeing only its own keys), read per query the same way. Statistics in
+// f32; the probabilities are rounded to T before they multiply v, as the unfused path rounds
+// them before its second matmul.
 //
 // One block = 4 warps of RT row tiles of 16 queries of one (batch, head); the warps walk the
 // keys in tiles of 64, staged in shared memory by cp.async and shared by the 4 warps (V_t is
