@@ -11,6 +11,14 @@ tokenizer_config.json with its chat template) are copied from --tokenizer-from: 
 cannot download Qwen's, and for speed only the prompt lengths matter (a smaller vocabulary
 gives longer prompts, so the measurement errs on the slow side). Generated ids beyond that
 vocabulary decode to nothing.
+
+--eos-scale S multiplies the tokenizer's EOS row of the output projection (the embedding's too
+when they are tied) by S and adds that id to generation_config.json's eos_token_id, so that
+sampled completions stop at it at variable lengths instead of running to the maximum (random
+weights almost never sample one id out of ~152k): a variable-length workload that every engine
+reading the checkpoint sees alike. By the logit spread of N(0, 0.02) weights after the final
+RMSNorm, S ~ 4.5 / (0.02 sqrt(hidden)) gives a mean of roughly 100-150 tokens (7.5 at 0.5B, 5.8
+at 1.5B); the completions' mean length in the runs' metrics is the check.
 """
 import argparse
 import json
@@ -32,6 +40,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--classifier", action="store_true",
                     help="a reward model: *ForSequenceClassification with one label")
+    ap.add_argument("--eos-scale", type=float, default=None,
+                    help="scale the tokenizer's EOS row of the output projection by this")
     args = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     out = Path(args.out)
@@ -46,6 +56,14 @@ def main() -> None:
     cls = AutoModelForSequenceClassification if args.classifier else AutoModelForCausalLM
     with torch.device(args.device):
         model = cls.from_config(config, dtype=dtype)
+    if args.eos_scale is not None:
+        from transformers import AutoTokenizer
+        eos = AutoTokenizer.from_pretrained(args.tokenizer_from).eos_token_id
+        with torch.no_grad():
+            model.get_output_embeddings().weight[eos] *= args.eos_scale
+        ids = model.generation_config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        model.generation_config.eos_token_id = ids + [eos] if eos not in ids else ids
     model.save_pretrained(out, max_shard_size="5GB")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(args.tokenizer_from) / name, out / name)

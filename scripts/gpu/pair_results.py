@@ -248,7 +248,7 @@ def judge(d: Path) -> None:
 
 # ---------------------------------------------------------------- gspo (gspo-train vs TRL)
 VARIANTS = ("fleet", "fleet-bf16", "fleet-bf16-mb8", "fleet-bf16-auto", "fleet-lora", "fleet-bf16-lora",
-            "fleet-bf16-release", "fleet-bf16-steps1")  # -release: a measured A/B of 2026-11-27 (the pool keeping freed blocks)
+            "fleet-bf16-release", "fleet-bf16-steps1", "fleet-bf16-packed")  # -release: a measured A/B of 2026-11-27 (the pool keeping freed blocks)
 
 
 def gspo(d: Path) -> None:

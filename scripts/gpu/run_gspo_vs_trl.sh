@@ -33,11 +33,16 @@
 #
 # VARIANTS picks fleet's runs (default "fleet fleet-bf16"; fleet-lora and fleet-bf16-lora: LoRA
 # adapters, r 16, alpha 32, lora_dropout 0.05 (TRL's default), on every linear layer, against full fine-tuning in the same call;
-# also fleet-bf16-steps1: rollouts
+# also fleet-bf16-packed: padding_free (packed sequences; with EOS_SCALE, below, where the
+# completions' lengths vary); fleet-bf16-steps1: rollouts
 # reading tokens back after every decode step (the default is every 8); fleet-bf16-mb8: each micro-batch
 # run as micro-batches of 8 with gradient accumulation, the same optimizer steps, for batches that
 # are multiples of 8; and fleet-bf16-auto, whose --max-memory is TRL's peak measured just before
 # at the same batch).
+#
+# EOS_SCALE=S: a variable-length workload, the checkpoint's EOS row scaled by S
+# (make_random_checkpoint.py --eos-scale; ~7.5 at 0.5B, ~5.8 at 1.5B for a mean of 100-150
+# tokens: one shape a call), so that completions stop at different lengths for both engines.
 #
 # Writes $OUT/gspo_vs_trl.json (every run's figures per shape and batch), $OUT/pairs.md and
 # pairs.json (fleet and TRL paired by batch, with the limit of the work: scripts/gpu/limits.py),
@@ -118,6 +123,7 @@ fleet_run() {
     fleet) extra="" ;;
     fleet-bf16) extra="--torch-dtype bfloat16" ;;
     fleet-bf16-steps1) extra="--torch-dtype bfloat16 --set num_scheduler_steps=1" ;;
+    fleet-bf16-packed) extra="--torch-dtype bfloat16 --set padding_free=true" ;;
     fleet-bf16-lora) extra="--torch-dtype bfloat16 --set use_peft=true --set lora_r=16 --set lora_alpha=32 --set lora_target_modules=all-linear --set lora_dropout=0.05" ;;
     fleet-lora) extra="--set use_peft=true --set lora_r=16 --set lora_alpha=32 --set lora_target_modules=all-linear --set lora_dropout=0.05" ;;
     fleet-bf16-mb8)
@@ -152,9 +158,10 @@ best_list() {
 
 for shape in $SHAPES; do
   ckpt="$WORK/q$shape"
+  [ -n "${EOS_SCALE:-}" ] && ckpt="$ckpt-eos$EOS_SCALE"
   [ -f "$ckpt/config.json" ] || python3 scripts/gpu/make_random_checkpoint.py \
       --config "configs/models/qwen2.5-$shape.json" --out "$ckpt" \
-      --tokenizer-from tests/fixtures/qwen2-tiny --dtype bf16
+      --tokenizer-from tests/fixtures/qwen2-tiny --dtype bf16 ${EOS_SCALE:+--eos-scale $EOS_SCALE}
   # The same batches for both engines, in this call. TRL first at each batch:
   # fleet-bf16-auto takes TRL's measured peak at that batch as its memory budget. fleet's
   # variants: f32 master weights and moments (the default); bf16 ones (TRL's arithmetic);
