@@ -5,14 +5,15 @@
 # the GEMV on the shared lane-sum core (generation, paged generation), the vision tower's
 # batched attention (qwen3_vl_parity); then the 30B-A3B judge's decode with FLEET_MOE_GEMV=0/1,
 # alternating (`judge`), and the 8B judge before and after the vision tower's batched attention
-# (`vision`: edit-score-base.xz against edit-score.xz, alternating). Carried:
+# (`vision`: edit-score-base.xz against edit-score.xz, alternating), and the 8B judge with
+# FlashAttention-3 on its text prefill alone (`fa3`: FLEET_FA3=0/1, edit-score.xz). Carried:
 # dist/carry/next-tests.tar.xz (fleet_models lib tests, generation, paged_generation,
 # train_grads, ops_grad, qwen3_vl_parity; CUDA) for `tests`; dist/carry/edit-score.xz for
 # `judge`, and edit-score-base.xz beside it for `vision` (the three do not fit one carry:
 # `tests` alone, then `judge vision`).
 #
 #   WHAT=tests bash scripts/gpu/run_packed_moe_checks.sh
-#   WHAT="judge vision" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
+#   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
 export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
@@ -63,6 +64,17 @@ vision)
       --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('8B b$b $v round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
   done; done; done ;;
+fa3)
+  W=/tmp/nf; mkdir -p $W
+  xz -dc dist/carry/edit-score.xz > $W/B; chmod +x $W/B
+  C=configs/models/qwen3-vl-8b.json
+  $W/B bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1
+  for i in $(seq 1 ${ROUNDS:-2}); do for f in 0 1; do
+    j=$OUT/judge8_b64_fa3text${f}_$i.json
+    FLEET_FA3=$f timeout 240 $W/B bench --config $C --image-size 1024 --batch 64 --samples 128 \
+      --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('8B b64 FLEET_FA3=$f round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 's a batch')" $j || true
+  done; done ;;
 esac
 done
 tar -C $FINAL -cf $FINAL/checks.tar checks && rm -rf $OUT

@@ -248,10 +248,12 @@ pub fn flash_attention(
 /// what fleet's build of it takes: bf16, head dim 128 — or 72 to 120 (the vision tower's 72),
 /// zero-padded to 128 and the output cut back, which leaves every score and output unchanged —
 /// no left padding, inputs that record no gradient (it has no backward). Off by default:
-/// `FLEET_FA3=1`, or [`set_fa3`]. On an H200 its GPU test passes but it is no faster yet (the
-/// 7B prefill the same; the judge 4–7% slower, the copies around the padded vision heads
-/// costing what the kernel saves). Its sums run in another order than fleet's kernel, so the
-/// outputs agree to the dtype's rounding, not bit for bit.
+/// `FLEET_FA3=1` takes head dim 128 (the text prefill), `FLEET_FA3_PADDED=1` the padded head
+/// dims too (the vision tower), [`set_fa3`] both. On an H200 its GPU test passes but it is no
+/// faster yet where measured (the 7B prefill at 512 tokens the same; the judge with both 4–7%
+/// slower, the copies around the padded vision heads costing what the kernel saves; the judge
+/// with the text prefill alone not yet measured). Its sums run in another order than fleet's
+/// kernel, so the outputs agree to the dtype's rounding, not bit for bit.
 #[cfg(feature = "fa3")]
 mod fa3 {
     use candle_core::{DType, Tensor};
@@ -260,13 +262,15 @@ mod fa3 {
     use crate::error::Result;
 
     pub(super) static ON: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_FA3", false);
+    pub(super) static PADDED: crate::ops::EnvSwitch =
+        crate::ops::EnvSwitch::new("FLEET_FA3_PADDED", false);
 
     /// Whether [`attention`] takes these token-major inputs.
     pub(super) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> bool {
         let d = q.dims().last().copied().unwrap_or(0);
         ON.on()
             && q.dtype() == DType::BF16
-            && (d == 128 || (72..128).contains(&d) && d.is_multiple_of(8))
+            && (d == 128 || PADDED.on() && (72..128).contains(&d) && d.is_multiple_of(8))
             && mask.key_start.is_none()
             && ![q, k, v].iter().any(|t| t.track_op())
             // The kernel is built for sm_90a only.
@@ -306,10 +310,12 @@ mod fa3 {
 }
 
 /// Test switch for FlashAttention-3 in [`flash_attention`] (feature `fa3`): `Some(on)` forces
-/// it, `None` leaves it to `FLEET_FA3`.
+/// it for every head dim it takes (128, and 72 to 120 padded), `None` leaves it to `FLEET_FA3`
+/// and `FLEET_FA3_PADDED`.
 #[cfg(feature = "fa3")]
 pub fn set_fa3(on: Option<bool>) {
     fa3::ON.force(on);
+    fa3::PADDED.force(on);
 }
 
 /// The kernel on token-major `q`, `k`, `v` (`head_major` false) or on head-major ones (read
