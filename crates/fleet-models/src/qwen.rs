@@ -9,7 +9,7 @@
 //! Batches are left-padded: row `r` starts with `pad[r]` padding tokens that no real token
 //! attends to, and its positions count from its first real token.
 
-use candle_core::{DType, Device, IndexOp, Module, Tensor};
+use candle_core::{DType, Device, IndexOp, Module, Shape, Tensor};
 use candle_nn::{Embedding, Linear};
 use fleet_topology::{DeviceLocation, DeviceMap};
 
@@ -883,22 +883,9 @@ impl LayerInputs {
         paged: Option<&PagedCall>,
     ) -> Result<Self> {
         let pad: Vec<u32> = pad.iter().map(|&p| p as u32).collect();
-        let mut out = Vec::with_capacity(rope.len());
-        for (loc, tables) in rope {
-            let dev = devices.get(*loc);
-            out.push((
-                *loc,
-                DeviceInputs {
-                    rope: tables.select(positions, dev)?,
-                    pad: RowPadding {
-                        counts: Tensor::from_slice(&pad, pad.len(), dev)?,
-                        padded: pad.iter().any(|&p| p > 0),
-                    },
-                    paged: paged.map(|p| p.upload(dev)).transpose()?,
-                },
-            ));
-        }
-        Ok(LayerInputs(out))
+        let padded = pad.iter().any(|&p| p > 0);
+        let counts = (pad.as_slice(), Shape::from(pad.len()), padded);
+        Self::upload(rope, devices, positions, counts, paged)
     }
 
     /// [`LayerInputs::new`] for sequences packed into `b` rows of `len` tokens: each token's
@@ -915,18 +902,31 @@ impl LayerInputs {
             batch: b,
             len,
         };
+        let counts = (starts, Shape::from((b, len)), true);
+        Self::upload(rope, devices, &positions, counts, None)
+    }
+
+    /// Every layer-holding device's RoPE rows, [`RowPadding`] (`counts` of `shape`, and
+    /// whether any row is padded) and paged inputs.
+    fn upload(
+        rope: &[(DeviceLocation, RopeTables)],
+        devices: &Devices,
+        positions: &Positions,
+        (counts, shape, padded): (&[u32], Shape, bool),
+        paged: Option<&PagedCall>,
+    ) -> Result<Self> {
         let mut out = Vec::with_capacity(rope.len());
         for (loc, tables) in rope {
             let dev = devices.get(*loc);
             out.push((
                 *loc,
                 DeviceInputs {
-                    rope: tables.select(&positions, dev)?,
+                    rope: tables.select(positions, dev)?,
                     pad: RowPadding {
-                        counts: Tensor::from_slice(starts, (b, len), dev)?,
-                        padded: true,
+                        counts: Tensor::from_slice(counts, shape.clone(), dev)?,
+                        padded,
                     },
-                    paged: None,
+                    paged: paged.map(|p| p.upload(dev)).transpose()?,
                 },
             ));
         }

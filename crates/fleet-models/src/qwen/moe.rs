@@ -434,12 +434,8 @@ impl SparseMoe {
         let gu = per_expert(&rows, &self.gate_up)?; // [n * k, 2I], expert order
         let act = ops::swiglu(&gu)?;
         let y = per_expert(&act, &self.down)?; // [n * k, hidden], expert order
-        let y = y
-            .index_select(&Tensor::from_vec(position, n * k, dev)?, 0)?
-            .reshape((n, k, hidden))?;
-        // The routing weights are cast to the model dtype before scaling, as transformers.
-        let w = top_w.to_dtype(x.dtype())?.unsqueeze(2)?;
-        Ok(y.broadcast_mul(&w)?.sum(1)?)
+        let y = y.index_select(&Tensor::from_vec(position, n * k, dev)?, 0)?;
+        weighted_sum(&y, &top_w, (n, k, hidden))
     }
 
     /// A decode step on a GPU without a host round trip: the routing on the device, the slots
@@ -453,16 +449,10 @@ impl SparseMoe {
         let (top_ids, top_w) = self.route_on_device(x)?;
         let (experts, slots) = top_ids.flatten_all()?.sort_last_dim(true)?;
         let sorted = Tensor::stack(&[&experts, &slots], 0)?; // [2, n * k]
-        let x = if x.is_contiguous() {
-            x.clone()
-        } else {
-            x.contiguous()?
-        };
-        let gu = ops::moe_gemv(&x, &self.gate_up, &sorted, k)?; // [n * k, 2I], slot order
+        let gu = ops::moe_gemv(&x.contiguous()?, &self.gate_up, &sorted, k)?; // [n * k, 2I]
         let act = ops::swiglu(&gu)?;
-        let y = ops::moe_gemv(&act, &self.down, &sorted, 1)?; // [n * k, hidden]
-        let w = top_w.to_dtype(x.dtype())?.unsqueeze(2)?;
-        Ok(y.reshape((n, k, hidden))?.broadcast_mul(&w)?.sum(1)?)
+        let y = ops::moe_gemv(&act, &self.down, &sorted, 1)?; // [n * k, hidden], slot order
+        weighted_sum(&y, &top_w, (n, k, hidden))
     }
 
     #[cfg(feature = "cuda")]
@@ -502,6 +492,19 @@ impl SparseMoe {
         )?; // [n * k, hidden], already weighted
         Ok(y.reshape((n, k, hidden))?.sum(1)?)
     }
+}
+
+/// Each token's expert outputs `y` (`[n * k, hidden]`, slot order) scaled by its routing
+/// weights `top_w` (`[n, k]` f32, cast to the model dtype before scaling, as transformers) and
+/// summed: `[n, hidden]`.
+#[cfg(feature = "cuda")]
+fn weighted_sum(
+    y: &Tensor,
+    top_w: &Tensor,
+    (n, k, hidden): (usize, usize, usize),
+) -> Result<Tensor> {
+    let w = top_w.to_dtype(y.dtype())?.unsqueeze(2)?;
+    Ok(y.reshape((n, k, hidden))?.broadcast_mul(&w)?.sum(1)?)
 }
 
 /// Layout detection, and loading from every kind of [`crate::weights::Weights`].

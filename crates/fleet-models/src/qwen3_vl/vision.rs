@@ -516,9 +516,8 @@ const SCORES_BYTES: usize = 64 << 20;
 mod tests {
     use super::*;
 
-    /// Queries in chunks (down to one row at a time) give the attention of the whole image.
-    #[test]
-    fn chunked_attention_equals_whole() {
+    /// A two-block tower of random weights (`seed`), in f32 on the CPU.
+    fn tiny_encoder(seed: u64) -> (VisionConfig, VisionEncoder) {
         let cfg: VisionConfig = serde_json::from_value(serde_json::json!({
             "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
             "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
@@ -526,25 +525,23 @@ mod tests {
             "deepstack_visual_indexes": [0]
         }))
         .unwrap();
+        let weights = Weights::Random { seed };
+        let enc = VisionEncoder::new(&cfg, &weights, DType::F32, &Device::Cpu).unwrap();
+        (cfg, enc)
+    }
+
+    /// Queries in chunks (down to one row at a time) give the attention of the whole image.
+    #[test]
+    fn chunked_attention_equals_whole() {
+        let (cfg, mut enc) = tiny_encoder(3);
         let dev = Device::Cpu;
-        let mut enc =
-            VisionEncoder::new(&cfg, &Weights::Random { seed: 3 }, DType::F32, &dev).unwrap();
         let grids = [[1, 4, 6], [1, 2, 2]];
         let n = 24 + 4;
         let pv = Tensor::randn(0f32, 1.0, (n, cfg.patch_dim()), &dev).unwrap();
         let whole = enc.forward(&pv, &grids).unwrap();
         enc.scores_bytes = 1;
         let chunked = enc.forward(&pv, &grids).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| -> f32 {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar()
-                .unwrap()
-        };
+        let diff = crate::ops::max_abs_diff;
         assert!(diff(&whole.features, &chunked.features) < 1e-5);
         assert!(diff(&whole.deepstack[0], &chunked.deepstack[0]) < 1e-5);
     }
@@ -553,16 +550,8 @@ mod tests {
     /// features as each image encoded alone (one call a segment), whole and in query chunks.
     #[test]
     fn images_of_one_size_batched_equal_each_alone() {
-        let cfg: VisionConfig = serde_json::from_value(serde_json::json!({
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-            "out_hidden_size": 48, "num_position_embeddings": 16,
-            "deepstack_visual_indexes": [0]
-        }))
-        .unwrap();
+        let (cfg, mut enc) = tiny_encoder(5);
         let dev = Device::Cpu;
-        let mut enc =
-            VisionEncoder::new(&cfg, &Weights::Random { seed: 5 }, DType::F32, &dev).unwrap();
         let grid = [1, 4, 4];
         let pv = Tensor::randn(0f32, 1.0, (3 * 16, cfg.patch_dim()), &dev).unwrap();
         for bytes in [SCORES_BYTES, 1] {
@@ -577,10 +566,7 @@ mod tests {
             let cat = |f: &dyn Fn(&VisionOutput) -> Tensor| {
                 Tensor::cat(&alone.iter().map(f).collect::<Vec<_>>(), 0).unwrap()
             };
-            let diff = |a: &Tensor, b: &Tensor| -> f32 {
-                let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-                d.to_scalar().unwrap()
-            };
+            let diff = crate::ops::max_abs_diff;
             let features = cat(&|o| o.features.clone());
             let deepstack = cat(&|o| o.deepstack[0].clone());
             assert!(diff(&batched.features, &features) < 1e-5, "bytes {bytes}");
