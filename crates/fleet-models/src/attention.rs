@@ -874,7 +874,8 @@ mod reference_tests {
 
     /// Per-query starts pack sequences into one row: each sequence's outputs are what it gives
     /// alone, through [`reference`] and through the unfused path of [`attend`] (whole and in
-    /// query chunks), with grouped heads.
+    /// query chunks), with grouped heads — to f32 rounding (1e-5: the inputs are drawn anew
+    /// each run, and the sums run in other orders; a wrong mask moves outputs by tenths).
     #[test]
     fn per_query_starts_attend_each_packed_sequence_alone() {
         let dev = Device::Cpu;
@@ -913,7 +914,7 @@ mod reference_tests {
             .transpose(1, 2)
             .unwrap();
             let diff = crate::ops::max_abs_diff(&unfused, &packed);
-            assert!(diff < 1e-6, "unfused ({bytes:?}) differs by {diff}");
+            assert!(diff < 1e-5, "unfused ({bytes:?}) differs by {diff}");
         }
         let causal = Mask {
             causal: true,
@@ -925,7 +926,7 @@ mod reference_tests {
                 let cut = |t: &Tensor| t.narrow(0, row, 1).unwrap().narrow(1, at, n).unwrap();
                 let alone = reference(&cut(&q), &cut(&k), &cut(&v), 0.3, &causal).unwrap();
                 let diff = crate::ops::max_abs_diff(&cut(&packed), &alone);
-                assert!(diff < 1e-6, "row {row}, tokens {at}..{}: {diff}", at + n);
+                assert!(diff < 1e-5, "row {row}, tokens {at}..{}: {diff}", at + n);
                 at += n;
             }
         }
