@@ -43,7 +43,10 @@ tests)
   cd - > /dev/null ;;
 judge)
   W=/tmp/nj; mkdir -p $W
-  xz -dc dist/carry/edit-score.xz > $W/es; chmod +x $W/es
+  # JUDGE_XZ: the build to run (default dist/carry/edit-score.xz). A build with the `fa3`
+  # feature aborts in candle's fused MoE kernels (FLEET_MOE_GEMV=0; 2026-11-28d), so the
+  # comparison takes a build without it.
+  xz -dc ${JUDGE_XZ:-dist/carry/edit-score.xz} > $W/es; chmod +x $W/es
   C=configs/models/qwen3-vl-30b-a3b.json
   $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1
   for i in $(seq 1 ${ROUNDS:-2}); do for b in ${BATCHES:-8 32}; do for g in 0 1; do

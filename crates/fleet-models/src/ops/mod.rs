@@ -377,6 +377,21 @@ mod cuda_util {
 
 /// The largest `|a - b|` over all elements, in f32: the tests' comparison of a kernel with its
 /// twin.
+/// Whether `dev`'s stream is recording a CUDA graph (a decode step's capture): ops that read
+/// to the host or call code that allocates outside candle's pool (thrust) must not run then.
+#[cfg(feature = "cuda")]
+pub(crate) fn capturing(dev: &candle_core::Device) -> candle_core::Result<bool> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::cuda_backend::WrapErr;
+    Ok(match dev {
+        candle_core::Device::Cuda(cuda) => {
+            cuda.cuda_stream().capture_status().w()?
+                != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        }
+        _ => false,
+    })
+}
+
 #[cfg(test)]
 pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     let f = |t: &Tensor| t.to_dtype(DType::F32).expect("float tensor");
