@@ -13,6 +13,7 @@
 # `tests` alone, then `judge vision`).
 #
 #   WHAT=tests bash scripts/gpu/run_packed_moe_checks.sh
+#   WHAT=moe_decode JUDGE_XZ=dist/carry/edit-score-nofa3.xz bash scripts/gpu/run_packed_moe_checks.sh
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -55,6 +56,29 @@ judge)
       --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b$b FLEET_MOE_GEMV=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
   done; done; done ;;
+moe_decode)
+  # The 30B-A3B judge's decode three ways at batch DECODE_BATCH (default 32): graphs (the
+  # default; the MoE GEMV inside them), op by op with candle's fused MoE kernels, op by op with
+  # the MoE GEMV; then ncu of one op-by-op decode step of that batch (the warm-up step before
+  # the first capture: stage gen.graph_capture@1), every kernel.
+  W=/tmp/nm; mkdir -p $W
+  xz -dc ${JUDGE_XZ:-dist/carry/edit-score.xz} > $W/es; chmod +x $W/es
+  C=configs/models/qwen3-vl-30b-a3b.json; b=${DECODE_BATCH:-32}
+  $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
+  for mode in graphs eager_fused eager_gemv; do
+    case $mode in
+      graphs) set -- ;;
+      eager_fused) set -- FLEET_ENFORCE_EAGER=1 FLEET_MOE_GEMV=0 ;;
+      eager_gemv) set -- FLEET_ENFORCE_EAGER=1 FLEET_MOE_GEMV=1 ;;
+    esac
+    j=$OUT/judge30_b${b}_$mode.json
+    env "$@" timeout 240 $W/es bench --config $C --image-size 1024 --batch $b --samples $((2 * b)) \
+      --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b$b $mode', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
+  done
+  METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum TOP=30 NAME=moe30_decode_step_b$b \
+    STAGE=gen.graph_capture@1 bash scripts/gpu/profile_stage.sh $W/es bench --config $C --image-size 1024 \
+    --batch $b --samples $b --new-tokens 4 ;;
 vision)
   W=/tmp/nv; mkdir -p $W
   xz -dc dist/carry/edit-score-base.xz > $W/A; xz -dc dist/carry/edit-score.xz > $W/B

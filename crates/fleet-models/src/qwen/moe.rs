@@ -11,11 +11,12 @@
 //! - grouped (every device, every dtype): the routing goes to the host, tokens are grouped by
 //!   expert and each expert runs two GEMMs on its tokens — transformers' own loop, so the CPU
 //!   parity tests check exactly its arithmetic;
-//! - candle's fused `moe_gemm` kernels (CUDA, bf16/f16), with routing, sorting and both
-//!   expert GEMMs on the device and no host round trip: decode steps;
-//! - the MoE GEMV (CUDA, bf16/f16, decode-sized calls, `FLEET_MOE_GEMV=1`; not yet run on a
-//!   GPU): the same without the host, each touched expert's weights read once a step
-//!   ([`ops::moe_gemv`]);
+//! - the MoE GEMV (CUDA, bf16/f16, decode-sized calls): routing, sorting and both expert
+//!   projections on the device with no host round trip, each touched expert's weights read
+//!   once a step ([`ops::moe_gemv`]); the only path a decode step's CUDA graph can record;
+//! - candle's fused `moe_gemm` kernels (CUDA, bf16/f16, decode-sized calls with
+//!   `FLEET_MOE_GEMV=0`, never inside a graph: their thrust scan allocates outside the pool,
+//!   so with it a decode step is not captured and runs op by op);
 //! - sorted (CUDA, bf16/f16, from `FLEET_MOE_SORTED_MIN_TOKENS` tokens, default 256): routing
 //!   on the device, rows gathered into expert order and one cuBLAS GEMM per expert: prefills.
 //!
@@ -45,14 +46,16 @@ pub(crate) struct SparseMoe {
 const KERNEL_CHUNK: usize = 1024;
 
 /// Whether decode-sized calls (up to [`KERNEL_CHUNK`] tokens, below [`sorted_min_tokens`]) take
-/// [`ops::moe_gemv`] instead of candle's fused kernels: `FLEET_MOE_GEMV=1`. Off until its GPU
-/// test has run and it is measured against them on the 30B-A3B judge's decode.
+/// [`ops::moe_gemv`] rather than candle's fused kernels: on unless `FLEET_MOE_GEMV=0`. On an
+/// H200 (30B-A3B judge, batch 32, op by op) its decode took 5.26 s a batch against the fused
+/// kernels' 5.41; and only it can be captured, so the step before a capture must take it too
+/// (the capture replays that step's uploads: a path that differs fails the capture).
 #[cfg(feature = "cuda")]
-static MOE_GEMV: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_MOE_GEMV", false);
+static MOE_GEMV: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_MOE_GEMV", true);
 
 /// From how many tokens a GPU call takes the sorted per-expert GEMMs instead of candle's fused
-/// kernels: `FLEET_MOE_SORTED_MIN_TOKENS`, default 256 (decode steps stay on the fused kernels,
-/// which need no host round trip).
+/// kernels: `FLEET_MOE_SORTED_MIN_TOKENS`, default 256 (decode steps stay on the GEMV, which
+/// needs no host round trip).
 #[cfg(feature = "cuda")]
 fn sorted_min_tokens() -> usize {
     std::env::var("FLEET_MOE_SORTED_MIN_TOKENS")
@@ -779,7 +782,9 @@ mod kernel_tests {
         };
         let x = draw();
         let out = Tensor::zeros((1, n, h), DType::BF16, &dev).unwrap();
-        // One eager call first, as the decode does before it captures (kernels loaded).
+        // As the decode captures: candle's uploads of kernel parameters cached, then one eager
+        // call (kernels loaded, the uploads made) before the capture replays it.
+        let _uploads = cuda.enable_cuda_graph_htod_cache();
         out.slice_set(&m.forward(&x).unwrap(), 0, 0).unwrap();
         dev.synchronize().unwrap();
         let stream = cuda.cuda_stream();
