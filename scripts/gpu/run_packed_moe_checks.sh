@@ -59,8 +59,10 @@ judge)
 moe_decode)
   # The 30B-A3B judge's decode three ways at batch DECODE_BATCH (default 32): graphs (the
   # default; the MoE GEMV inside them), op by op with candle's fused MoE kernels, op by op with
-  # the MoE GEMV; then ncu of one op-by-op decode step of that batch (the warm-up step before
-  # the first capture: stage gen.graph_capture@1), every kernel.
+  # the MoE GEMV; then ncu of the third decode burst (8 steps read back together, replayed
+  # from the graph: stage gen.decode_burst@3), every kernel. (2026-11-28d profiled the step
+  # before the first capture instead, gen.graph_capture@1: its rows are inactive, so its
+  # attention reads no cache and every row routes alike; not a decode step's profile.)
   W=/tmp/nm; mkdir -p $W
   xz -dc ${JUDGE_XZ:-dist/carry/edit-score.xz} > $W/es; chmod +x $W/es
   C=configs/models/qwen3-vl-30b-a3b.json; b=${DECODE_BATCH:-32}
@@ -77,8 +79,8 @@ moe_decode)
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b$b $mode', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
   done
   METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum TOP=30 NAME=moe30_decode_step_b$b \
-    STAGE=gen.graph_capture@1 bash scripts/gpu/profile_stage.sh $W/es bench --config $C --image-size 1024 \
-    --batch $b --samples $b --new-tokens 4 ;;
+    STAGE=gen.decode_burst@3 bash scripts/gpu/profile_stage.sh $W/es bench --config $C --image-size 1024 \
+    --batch $b --samples $b --new-tokens 32 ;;
 vision)
   W=/tmp/nv; mkdir -p $W
   xz -dc dist/carry/edit-score-base.xz > $W/A; xz -dc dist/carry/edit-score.xz > $W/B

@@ -904,7 +904,11 @@ impl<'a> Generator<'a> {
             self.decode_graph_for(running, pool, options, graphs, graph_blocks, cache, stats)?
         };
         if advanced {
-            let drawn = self.decode_burst(running, burst, graph.take(), cache, stats)?;
+            // `FLEET_CUDA_PROFILE_STAGE=gen.decode_burst@n`: ncu profiles the n-th burst's
+            // steps as they run (replayed graphs included), not the step before a capture.
+            let drawn = crate::profile::profiler_window("gen.decode_burst", || {
+                self.decode_burst(running, burst, graph.take(), cache, stats)
+            })?;
             stats.decode_steps += burst;
             let mut still = Vec::with_capacity(running.len());
             for (mut r, tokens) in running.drain(..).zip(drawn) {
