@@ -2,7 +2,8 @@
 # Where one stage of a real job spends its GPU time, kernel by kernel: ncu (duration, DRAM bytes
 # and tensor-pipe activity of each launch) over the n-th call of one named stage only
 # (FLEET_CUDA_PROFILE_STAGE=<stage>@<n> with `ncu --profile-from-start off`; stages: every
-# FLEET_PROFILE stage name, e.g. gen.prefill, plus train.micro_step), then
+# FLEET_PROFILE stage name, e.g. gen.prefill, plus train.micro_step and gen.decode: a decode
+# call of paged generation, one step or a burst), then
 # scripts/gpu/kernel_times.py sums it by kernel.
 #
 #   NAME=update STAGE=train.micro_step@3 bash scripts/gpu/profile_stage.sh <command...>

@@ -59,8 +59,8 @@ judge)
 moe_decode)
   # The 30B-A3B judge's decode three ways at batch DECODE_BATCH (default 32): graphs (the
   # default; the MoE GEMV inside them), op by op with candle's fused MoE kernels, op by op with
-  # the MoE GEMV; then ncu of the third decode burst (8 steps read back together, replayed
-  # from the graph: stage gen.decode_burst@3), every kernel. (2026-11-28d profiled the step
+  # the MoE GEMV; then ncu of the 20th decode call (the judge reads every step: one step,
+  # replayed from its graph; stage gen.decode@20), every kernel. (2026-11-28d profiled the step
   # before the first capture instead, gen.graph_capture@1: its rows are inactive, so its
   # attention reads no cache and every row routes alike; not a decode step's profile.)
   W=/tmp/nm; mkdir -p $W
@@ -79,7 +79,7 @@ moe_decode)
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b$b $mode', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
   done
   METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum TOP=30 NAME=moe30_decode_step_b$b \
-    STAGE=gen.decode_burst@3 bash scripts/gpu/profile_stage.sh $W/es bench --config $C --image-size 1024 \
+    STAGE=gen.decode@20 bash scripts/gpu/profile_stage.sh $W/es bench --config $C --image-size 1024 \
     --batch $b --samples $b --new-tokens 32 ;;
 vision)
   W=/tmp/nv; mkdir -p $W

@@ -904,9 +904,9 @@ impl<'a> Generator<'a> {
             self.decode_graph_for(running, pool, options, graphs, graph_blocks, cache, stats)?
         };
         if advanced {
-            // `FLEET_CUDA_PROFILE_STAGE=gen.decode_burst@n`: ncu profiles the n-th burst's
-            // steps as they run (replayed graphs included), not the step before a capture.
-            let drawn = crate::profile::profiler_window("gen.decode_burst", || {
+            // `FLEET_CUDA_PROFILE_STAGE=gen.decode@n`: ncu profiles the n-th decode call (a
+            // burst, or the single step below) as it runs, replayed graphs included.
+            let drawn = crate::profile::profiler_window("gen.decode", || {
                 self.decode_burst(running, burst, graph.take(), cache, stats)
             })?;
             stats.decode_steps += burst;
@@ -924,9 +924,10 @@ impl<'a> Generator<'a> {
         if !running.is_empty() && !advanced {
             let seqs: Vec<&SequenceBlocks> = running.iter().map(|r| &r.seq).collect();
             let shifts = row_shifts(running);
-            let logits = self
-                .model
-                .decode_paged_step(graph, &seqs, &shifts, 0, None, true, cache)?;
+            let logits = crate::profile::profiler_window("gen.decode", || {
+                self.model
+                    .decode_paged_step(graph, &seqs, &shifts, 0, None, true, cache)
+            })?;
             parts.push(logits);
             stats.decode_steps += 1;
         }
