@@ -485,6 +485,7 @@ mod dropout;
 mod embedding_grad;
 mod epilogue;
 mod gpu_delay;
+mod grouped_gemm;
 mod layer_norm;
 mod linear;
 mod logp;
@@ -507,6 +508,7 @@ pub use embedding_grad::{
 };
 pub use epilogue::{linear_bias_epilogue, linear_epilogue, linear_gelu_tanh, Epilogue};
 pub use gpu_delay::gpu_delay;
+pub use grouped_gemm::grouped_linear;
 pub use layer_norm::LayerNorm;
 pub use linear::{
     gemv, linear, moe_gemv, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS,

@@ -18,7 +18,8 @@
 //!   `FLEET_MOE_GEMV=0`, never inside a graph: their thrust scan allocates outside the pool,
 //!   so with it a decode step is not captured and runs op by op);
 //! - sorted (CUDA, bf16/f16, from `FLEET_MOE_SORTED_MIN_TOKENS` tokens, default 256): routing
-//!   on the device, rows gathered into expert order and one cuBLAS GEMM per expert: prefills.
+//!   on the device, rows gathered into expert order and one cuBLAS GEMM per expert (or one
+//!   grouped GEMM per projection, `FLEET_MOE_GROUPED_GEMM=1`, not yet measured): prefills.
 //!
 //! `FLEET_MOE_KERNEL=0` turns the GPU paths off (the grouped path everywhere).
 
@@ -52,6 +53,13 @@ const KERNEL_CHUNK: usize = 1024;
 /// (the capture replays that step's uploads: a path that differs fails the capture).
 #[cfg(feature = "cuda")]
 static MOE_GEMV: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_MOE_GEMV", true);
+
+/// Whether the sorted path runs each projection as one cuBLAS grouped GEMM
+/// ([`ops::grouped_linear`]) instead of one GEMM per expert and a concatenation:
+/// `FLEET_MOE_GROUPED_GEMM=1`. Off until it is measured against the loop on the GPU.
+#[cfg(feature = "cuda")]
+static GROUPED_GEMM: crate::ops::EnvSwitch =
+    crate::ops::EnvSwitch::new("FLEET_MOE_GROUPED_GEMM", false);
 
 /// From how many tokens a GPU call takes the sorted per-expert GEMMs instead of candle's fused
 /// kernels: `FLEET_MOE_SORTED_MIN_TOKENS`, default 256 (decode steps stay on the GEMV, which
@@ -439,6 +447,9 @@ impl SparseMoe {
         let dev = x.device();
         let rows = x.index_select(&Tensor::from_vec(token_of, n * k, dev)?, 0)?;
         let per_expert = |input: &Tensor, weights: &Tensor| -> Result<Tensor> {
+            if GROUPED_GEMM.on() {
+                return ops::grouped_linear(input, weights, &counts);
+            }
             let mut parts = Vec::new();
             for e in (0..experts).filter(|&e| counts[e] > 0) {
                 let part = input.narrow(0, offsets[e], counts[e])?;
@@ -746,11 +757,15 @@ mod kernel_tests {
             };
             let diff = diff_to(m.forward_kernel(&view));
             let diff_sorted = diff_to(m.forward_sorted(&view));
+            GROUPED_GEMM.force(Some(true));
+            let diff_grouped_gemm = diff_to(m.forward_sorted(&view));
+            GROUPED_GEMM.force(None);
             let diff_gemv = (n <= KERNEL_CHUNK).then(|| diff_to(m.forward_gemv(&view)));
             let scale = max_abs(&a);
             println!(
                 "n={n} e={e} h={h} i={i} k={k}: max|grouped-kernel| = {diff}, \
-                 max|grouped-sorted| = {diff_sorted}, max|grouped-gemv| = {diff_gemv:?} \
+                 max|grouped-sorted| = {diff_sorted} ({diff_grouped_gemm} with the grouped \
+                 GEMM), max|grouped-gemv| = {diff_gemv:?} \
                  (max|grouped| = {scale})"
             );
             if let Some(d) = diff_gemv {
@@ -760,6 +775,10 @@ mod kernel_tests {
             assert!(
                 diff_sorted <= 0.02 * scale,
                 "sorted GEMMs differ by {diff_sorted}"
+            );
+            assert!(
+                diff_grouped_gemm <= 0.02 * scale,
+                "the sorted path's grouped GEMM differs by {diff_grouped_gemm}"
             );
         }
     }
