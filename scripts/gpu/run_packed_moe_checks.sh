@@ -13,7 +13,7 @@
 # `tests` alone, then `judge vision`).
 #
 #   WHAT=tests bash scripts/gpu/run_packed_moe_checks.sh
-#   WHAT=moe_decode JUDGE_XZ=dist/carry/edit-score-nofa3.xz bash scripts/gpu/run_packed_moe_checks.sh
+#   WHAT="moe_prefill moe_decode" JUDGE_XZ=dist/carry/edit-score-nofa3.xz bash scripts/gpu/run_packed_moe_checks.sh
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -35,6 +35,7 @@ tests)
   }
   run_t lib_linear fleet_models ops::linear --nocapture
   run_t lib_moe fleet_models qwen::moe --nocapture
+  run_t lib_grouped_gemm fleet_models ops::grouped_gemm --nocapture
   run_t lib_attention fleet_models attention::kernel_tests::flash_matches_reference --nocapture
   FLEET_TEST_DEVICES=cuda:0 run_t train_grads train_grads
   FLEET_TEST_DEVICES=cuda:0 run_t qwen3_vl_parity qwen3_vl_parity
@@ -56,6 +57,19 @@ judge)
       --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b$b FLEET_MOE_GEMV=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
   done; done; done ;;
+moe_prefill)
+  # The 30B-A3B judge's prefill with the sorted path's per-expert GEMM loop against one cuBLAS
+  # grouped GEMM per projection (FLEET_MOE_GROUPED_GEMM=0/1), alternating, batch 32.
+  W=/tmp/np; mkdir -p $W
+  xz -dc ${JUDGE_XZ:-dist/carry/edit-score.xz} > $W/es; chmod +x $W/es
+  C=configs/models/qwen3-vl-30b-a3b.json
+  $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
+  for i in $(seq 1 ${ROUNDS:-2}); do for g in 0 1; do
+    j=$OUT/judge30_b32_groupedgemm${g}_$i.json
+    FLEET_MOE_GROUPED_GEMM=$g timeout 240 $W/es bench --config $C --image-size 1024 --batch 32 \
+      --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 FLEET_MOE_GROUPED_GEMM=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
+  done; done ;;
 moe_decode)
   # The 30B-A3B judge's decode three ways at batch DECODE_BATCH (default 32): graphs (the
   # default; the MoE GEMV inside them), op by op with candle's fused MoE kernels, op by op with
