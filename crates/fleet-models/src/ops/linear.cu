@@ -105,11 +105,18 @@ GEMVS(__nv_bfloat16, bf16)
 // (token s / k's j-th expert e, in the order sorted by expert), y[s][col] = sum_k
 // x[s / in_div][k] w[e][col][k] (in_div: k for the gate/up projection, whose input is the
 // token's row; 1 for down, whose input is the slot's own row). Block (b, e) takes expert e's
-// slots — their range found by binary search in the sorted expert ids — and GEMV_WARPS of its
-// columns, one warp a column as `gemv`, up to MOE_ROWS slots sharing each load of the expert's
-// row: every touched expert's weights are read once a step for up to MOE_ROWS tokens, an
-// untouched expert's block returns at once. Each output is `gemv`'s sum in `gemv`'s order.
+// slots bounds[e]..bounds[e + 1] (`moe_bounds`, launched just before) and GEMV_WARPS x
+// MOE_COLS of its columns, each warp MOE_COLS of them in turn, one at a time as `gemv`, up to
+// MOE_ROWS slots sharing each load of the expert's row: every touched expert's weights are
+// read once a step for up to MOE_ROWS tokens, an untouched expert's block returns after one
+// read. Each output is `gemv`'s sum in `gemv`'s order.
+//
+// Why the bounds come from a kernel of their own: each block searching the sorted ids itself
+// (two binary searches, ~16 dependent reads) cost several times the few loads of real work a
+// block has at the 30B-A3B's shapes (k = 768 for down), over tens of thousands of blocks a
+// launch; and why several columns a warp: a quarter of the blocks, each still short.
 #define MOE_ROWS 4
+#define MOE_COLS 4
 __device__ __forceinline__ int lower_bound_u32(const uint32_t *v, int n, uint32_t key) {
     int lo = 0, hi = n;
     while (lo < hi) {
@@ -119,41 +126,54 @@ __device__ __forceinline__ int lower_bound_u32(const uint32_t *v, int n, uint32_
     return lo;
 }
 
+// bounds[e] = the first position of expert e in the ascending ids sorted[0..slots), for
+// e = 0..experts (bounds[experts] = slots).
+extern "C" __global__ void moe_bounds(const uint32_t *sorted, int slots, int experts,
+                                      uint32_t *bounds) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e <= experts) bounds[e] = lower_bound_u32(sorted, slots, e);
+}
+
 template <typename T>
-__device__ void moe_gemv(const T *x, const T *w, const uint32_t *sorted, T *y, int slots,
-                         int in_div, int n, int k) {
+__device__ void moe_gemv(const T *x, const T *w, const uint32_t *sorted, const uint32_t *bounds,
+                         T *y, int slots, int in_div, int n, int k) {
     // sorted: [2][slots], the expert ids in ascending order, then each one's slot.
     const uint32_t e = blockIdx.y;
-    const int lo = lower_bound_u32(sorted, slots, e);
-    const int hi = lower_bound_u32(sorted, slots, e + 1);
+    const int lo = bounds[e];
+    const int hi = bounds[e + 1];
     const int lane = threadIdx.x % 32;
-    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (lo == hi || col >= n) return;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(w + ((size_t)e * n + col) * k);
-    for (int r = lo; r < hi; r += MOE_ROWS) {
-        const int rows = min(MOE_ROWS, hi - r);
-        const T *xr[MOE_ROWS];
-        float acc[MOE_ROWS];
+    const int warps = blockDim.x / 32;
+    if (lo == hi) return;
+    for (int j = 0; j < MOE_COLS; ++j) {
+        const int col = (blockIdx.x * MOE_COLS + j) * warps + threadIdx.x / 32;
+        if (col >= n) return;
+        const uint4 *wr = reinterpret_cast<const uint4 *>(w + ((size_t)e * n + col) * k);
+        for (int r = lo; r < hi; r += MOE_ROWS) {
+            const int rows = min(MOE_ROWS, hi - r);
+            const T *xr[MOE_ROWS];
+            float acc[MOE_ROWS];
 #pragma unroll
-        for (int m = 0; m < MOE_ROWS; ++m) {
-            // Past the expert's last slot: its last row again, summed and not written.
-            const uint32_t slot = sorted[slots + r + min(m, rows - 1)];
-            xr[m] = x + (size_t)(slot / in_div) * k;
-            acc[m] = 0.f;
-        }
-        gemv_lane_sums<T, MOE_ROWS, false>(xr, wr, k / 8, lane, acc);
-        if (lane == 0) {
+            for (int m = 0; m < MOE_ROWS; ++m) {
+                // Past the expert's last slot: its last row again, summed and not written.
+                const uint32_t slot = sorted[slots + r + min(m, rows - 1)];
+                xr[m] = x + (size_t)(slot / in_div) * k;
+                acc[m] = 0.f;
+            }
+            gemv_lane_sums<T, MOE_ROWS, false>(xr, wr, k / 8, lane, acc);
+            if (lane == 0) {
 #pragma unroll
-            for (int m = 0; m < MOE_ROWS; ++m)
-                if (m < rows) y[(size_t)sorted[slots + r + m] * n + col] = from_f<T>(acc[m]);
+                for (int m = 0; m < MOE_ROWS; ++m)
+                    if (m < rows) y[(size_t)sorted[slots + r + m] * n + col] = from_f<T>(acc[m]);
+            }
         }
     }
 }
 
 #define MOE_GEMV(T, SUFFIX)                                                                    \
     extern "C" __global__ void moe_gemv_##SUFFIX(const T *x, const T *w, const uint32_t *sorted, \
-                                                 T *y, int slots, int in_div, int n, int k) {  \
-        moe_gemv<T>(x, w, sorted, y, slots, in_div, n, k);                                     \
+                                                 const uint32_t *bounds, T *y, int slots,      \
+                                                 int in_div, int n, int k) {                   \
+        moe_gemv<T>(x, w, sorted, bounds, y, slots, in_div, n, k);                             \
     }
 MOE_GEMV(__half, f16)
 MOE_GEMV(__nv_bfloat16, bf16)

@@ -556,7 +556,11 @@ mod cuda {
         }
     }
 
-    /// [`super::moe_gemv`]: one block per (`GEMV_WARPS` columns, expert).
+    /// Columns each warp of the MoE GEMV takes in turn (`MOE_COLS` in linear.cu).
+    const MOE_COLS: usize = 4;
+
+    /// [`super::moe_gemv`]: `moe_bounds` (each expert's first sorted position, one thread an
+    /// expert), then one block per (`GEMV_WARPS` x `MOE_COLS` columns, expert).
     pub(super) fn moe_gemv(
         (s1, l1): (&CudaStorage, &Layout),
         (s2, l2): (&CudaStorage, &Layout),
@@ -572,6 +576,23 @@ mod cuda {
             let dev = s1.device().clone();
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
             let sorted = input::<u32>(s3, l3)?;
+            // SAFETY: moe_bounds writes all experts + 1 entries.
+            let bounds: CudaSlice<u32> = unsafe { dev.alloc::<u32>(experts + 1)? };
+            let func = dev.get_or_load_custom_func("moe_bounds", MODULE, PTX)?;
+            let mut builder = func.builder();
+            builder.arg(&sorted);
+            let (slots_i, experts_i) = (slots as i32, experts as i32);
+            builder.arg(&slots_i);
+            builder.arg(&experts_i);
+            builder.arg(&bounds);
+            let cfg = LaunchConfig {
+                grid_dim: ((experts + 1).div_ceil(256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: thread e (up to experts) reads the first `slots` ids of sorted (its
+            // first row) and writes bounds[e].
+            unsafe { builder.launch(cfg) }.w()?;
             let func = dev.get_or_load_custom_func(
                 &format!("moe_gemv_{}", suffix(s1.dtype())?),
                 MODULE,
@@ -581,7 +602,7 @@ mod cuda {
             // every one of the slots x n outputs.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(slots * n)? };
             let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(GEMV_WARPS) as u32, experts as u32, 1),
+                grid_dim: (n.div_ceil(GEMV_WARPS * MOE_COLS) as u32, experts as u32, 1),
                 block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -589,15 +610,17 @@ mod cuda {
             builder.arg(&x);
             builder.arg(&w);
             builder.arg(&sorted);
+            builder.arg(&bounds);
             builder.arg(&y);
             let (slots, in_div, n, k) = (slots as i32, in_div as i32, n as i32, k as i32);
             builder.arg(&slots);
             builder.arg(&in_div);
             builder.arg(&n);
             builder.arg(&k);
-            // SAFETY: block (b, e) reads expert e's rows b * GEMV_WARPS.. of w (below n), the
-            // rows of x its slots name (below rows: checked), 16 bytes at a time, and writes
-            // those slots' columns of y.
+            // SAFETY: block (b, e) reads expert e's rows b * GEMV_WARPS * MOE_COLS.. of w
+            // (below n), the slots bounds[e]..bounds[e + 1] of sorted and the rows of x they
+            // name (below rows: checked), 16 bytes at a time, and writes those slots' columns
+            // of y.
             unsafe { builder.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev))
         }
