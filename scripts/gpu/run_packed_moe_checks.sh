@@ -36,6 +36,7 @@ tests)
   run_t lib_linear fleet_models ops::linear --nocapture
   run_t lib_moe fleet_models qwen::moe --nocapture
   run_t lib_grouped_gemm fleet_models ops::grouped_gemm --nocapture
+  run_t lib_reduce fleet_models ops::reduce --nocapture
   run_t lib_attention fleet_models attention::kernel_tests::flash_matches_reference --nocapture
   FLEET_TEST_DEVICES=cuda:0 run_t train_grads train_grads
   FLEET_TEST_DEVICES=cuda:0 run_t qwen3_vl_parity qwen3_vl_parity

@@ -526,7 +526,7 @@ pub use qkv_rope::{
     qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_backward, qkv_rope_paged,
     set_qkv_rope_fused_backward, set_qkv_rope_pairs, PagedKvWrite,
 };
-pub use reduce::{gradient_seed, sum_squares, update_rows_in_place};
+pub use reduce::{gradient_seed, scale_in_place, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, rms_norm, set_norm_backward_vector_kernel};
 pub use sample::{sample_tokens, sample_tokens_on_device, RowSampling, SAMPLER_VERSION};
 pub use swiglu::{set_swiglu_scalar_kernels, swiglu};

@@ -1,7 +1,10 @@
 //! Reductions and in-place updates of large tensors without a second tensor of their size, and
-//! the seed of a backward from a known gradient (no kernels of their own).
+//! the seed of a backward from a known gradient. On CUDA the sum of squares and the in-place
+//! scaling (the gradient clipping's two passes) are kernels of their own (`reduce.cu`).
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor, D};
+
+use super::{butterfly, contiguous, Float};
 
 /// `t[r0..r0 + n] = f(t[r0..r0 + n], r0, n)` in place for slices of about `slice_elements`
 /// elements along the first dimension (a scalar as `[1]`), so that an elementwise update of a
@@ -33,8 +36,19 @@ pub fn update_rows_in_place(
 /// last dimension runs one block per row. A large `x` is squared in slices of its first
 /// dimension (16M elements each), so the squares never need a second tensor of its size (the
 /// gradient norm of a 0.5-1 GB embedding gradient).
+///
+/// On CUDA (f32, f16, bf16) two kernels instead: per-block partial sums of squares straight
+/// from the tensor (f32 fused multiply-adds, no f32 copy or squared temporaries), then one
+/// block sums the partials — about 200 launches and three temporaries per parameter became
+/// two launches for the gradient norm ([`SumSquares`]'s twin gives the kernels' order).
 pub fn sum_squares(x: &Tensor) -> candle_core::Result<Tensor> {
     const SLICE_ELEMENTS: usize = 16 << 20;
+    if x.device().is_cuda()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && x.elem_count() > 0
+    {
+        return x.contiguous()?.apply_op1_no_bwd(&SumSquares);
+    }
     let n = x.elem_count();
     if x.rank() < 2 || n <= SLICE_ELEMENTS {
         return row_sums_first(&x.to_dtype(DType::F32)?.sqr()?);
@@ -51,6 +65,226 @@ pub fn sum_squares(x: &Tensor) -> candle_core::Result<Tensor> {
         });
     }
     total.ok_or_else(|| candle_core::Error::Msg("sum_squares of an empty tensor".into()))
+}
+
+/// Threads of a reduction block (`REDUCE_THREADS` in reduce.cu).
+const REDUCE_THREADS: usize = 256;
+
+/// Blocks of the sum of squares' first pass over `n` elements: each thread at least 16
+/// elements, at most 1024 blocks (their partials are summed by one block).
+fn reduce_blocks(n: usize) -> usize {
+    n.div_ceil(REDUCE_THREADS * 16).clamp(1, 1024)
+}
+
+/// The sum of squares as the CUDA kernels compute it (a 0-d f32); on the CPU its twin.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SumSquares;
+
+/// The kernels' order: thread `t` of block `b` adds the squares (f32 fused multiply-adds) of
+/// elements `b * 256 + t`, a grid's width further on, ...; each block's 256 sums as a tree
+/// ([`butterfly`]); then one block's thread `t` adds partials `t`, `t + 256`, ... and the tree.
+fn sum_squares_twin<T: Float>(x: &[T]) -> f32 {
+    let n = x.len();
+    let blocks = reduce_blocks(n);
+    let stride = blocks * REDUCE_THREADS;
+    let partials: Vec<f32> = (0..blocks)
+        .map(|b| {
+            butterfly(std::array::from_fn::<f32, REDUCE_THREADS, _>(|t| {
+                x.iter()
+                    .skip(b * REDUCE_THREADS + t)
+                    .step_by(stride)
+                    .fold(0f32, |acc, v| v.to_f32().mul_add(v.to_f32(), acc))
+            }))
+        })
+        .collect();
+    butterfly(std::array::from_fn::<f32, REDUCE_THREADS, _>(|t| {
+        partials
+            .iter()
+            .skip(t)
+            .step_by(REDUCE_THREADS)
+            .fold(0f32, |acc, p| acc + p)
+    }))
+}
+
+impl candle_core::CustomOp1 for SumSquares {
+    fn name(&self) -> &'static str {
+        "fleet-sum-squares"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let v = match s {
+            CpuStorage::F32(x) => sum_squares_twin(contiguous(x, l)?),
+            CpuStorage::BF16(x) => sum_squares_twin(contiguous(x, l)?),
+            CpuStorage::F16(x) => sum_squares_twin(contiguous(x, l)?),
+            _ => candle_core::bail!("sum_squares: f32, f16 or bf16"),
+        };
+        Ok((CpuStorage::F32(vec![v]), Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::sum_squares(s, l)?, Shape::from(())))
+    }
+}
+
+/// `t *= coef` in place, `coef` first rounded to `t`'s dtype and each product rounded once to
+/// it (torch's `g.mul_(clip_coef.to(g.dtype))`, and candle's `broadcast_mul` by that scalar,
+/// bit for bit). `t` contiguous (a view into a larger buffer is fine), f32, f16 or bf16; on
+/// CUDA one kernel, on the CPU a loop.
+pub fn scale_in_place(t: &Tensor, coef: f32) -> candle_core::Result<()> {
+    if !t.is_contiguous() {
+        candle_core::bail!("scale_in_place: the tensor must be contiguous");
+    }
+    let c = match t.dtype() {
+        DType::F32 => coef,
+        DType::BF16 => half::bf16::from_f32(coef).to_f32(),
+        DType::F16 => half::f16::from_f32(coef).to_f32(),
+        other => candle_core::bail!("scale_in_place: f32, f16 or bf16, not {other:?}"),
+    };
+    t.inplace_op1(&ScaleInPlace(c))
+}
+
+/// [`scale_in_place`] by the already-rounded factor.
+struct ScaleInPlace(f32);
+
+impl candle_core::InplaceOp1 for ScaleInPlace {
+    fn name(&self) -> &'static str {
+        "fleet-scale-in-place"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        fn scale<T: Float>(v: &mut [T], l: &Layout, c: f32) -> candle_core::Result<()> {
+            let Some((a, b)) = l.contiguous_offsets() else {
+                candle_core::bail!("scale_in_place: the tensor must be contiguous")
+            };
+            v[a..b]
+                .iter_mut()
+                .for_each(|x| *x = T::from_f32(x.to_f32() * c));
+            Ok(())
+        }
+        match s {
+            CpuStorage::F32(v) => scale(v, l, self.0),
+            CpuStorage::BF16(v) => scale(v, l, self.0),
+            CpuStorage::F16(v) => scale(v, l, self.0),
+            _ => candle_core::bail!("scale_in_place: f32, f16 or bf16"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        cuda::scale_in_place(s, l, self.0)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaStorage, DType, Layout};
+
+    use super::{reduce_blocks, REDUCE_THREADS};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/reduce.ptx"));
+    const MODULE: &str = "fleet_reduce";
+
+    /// The address of `l`'s contiguous range of `s`, its element count and the dtype suffix.
+    fn range(s: &CudaStorage, l: &Layout) -> candle_core::Result<(u64, usize, &'static str)> {
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("reduce kernels take contiguous tensors")
+        };
+        let stream = s.device().cuda_stream();
+        Ok(match s.dtype() {
+            DType::F32 => (
+                s.as_cuda_slice::<f32>()?.slice(a..b).device_ptr(&stream).0,
+                b - a,
+                "f32",
+            ),
+            DType::BF16 => (
+                s.as_cuda_slice::<half::bf16>()?
+                    .slice(a..b)
+                    .device_ptr(&stream)
+                    .0,
+                b - a,
+                "bf16",
+            ),
+            DType::F16 => (
+                s.as_cuda_slice::<half::f16>()?
+                    .slice(a..b)
+                    .device_ptr(&stream)
+                    .0,
+                b - a,
+                "f16",
+            ),
+            other => candle_core::bail!("reduce kernels take f32, f16 or bf16, not {other:?}"),
+        })
+    }
+
+    pub(super) fn sum_squares(s: &CudaStorage, l: &Layout) -> candle_core::Result<CudaStorage> {
+        let dev = s.device().clone();
+        let (ptr, n, sfx) = range(s, l)?;
+        let blocks = reduce_blocks(n);
+        // SAFETY: the first kernel writes every one of the `blocks` partials, the second the
+        // one output.
+        let partials: CudaSlice<f32> = unsafe { dev.alloc::<f32>(blocks)? };
+        let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(1)? };
+        let func =
+            dev.get_or_load_custom_func(&format!("sum_squares_partials_{sfx}"), MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&ptr);
+        let n64 = n as u64;
+        b.arg(&n64);
+        b.arg(&partials);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (REDUCE_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `ptr` holds n values of the kernel's dtype; block b writes partials[b].
+        unsafe { b.launch(cfg) }.w()?;
+        let func = dev.get_or_load_custom_func("sum_partials", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&partials);
+        let count = blocks as i32;
+        b.arg(&count);
+        b.arg(&out);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (REDUCE_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block reads the `blocks` partials and writes out[0].
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+
+    pub(super) fn scale_in_place(
+        s: &mut CudaStorage,
+        l: &Layout,
+        c: f32,
+    ) -> candle_core::Result<()> {
+        let dev = s.device().clone();
+        let (ptr, n, sfx) = range(s, l)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let func = dev.get_or_load_custom_func(&format!("scale_in_place_{sfx}"), MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&ptr);
+        let n64 = n as u64;
+        b.arg(&n64);
+        b.arg(&c);
+        // SAFETY: `ptr` holds n values of the kernel's dtype (the tensor's own range of its
+        // storage); the grid-stride loop rewrites each once.
+        unsafe { b.launch(super::super::cuda_util::grid_stride(n)) }.w()?;
+        Ok(())
+    }
 }
 
 fn row_sums_first(x: &Tensor) -> candle_core::Result<Tensor> {
@@ -100,6 +334,81 @@ mod tests {
         check(&x);
         check(&x.to_dtype(DType::BF16).unwrap());
         check(&x.narrow(0, 0, 3).unwrap());
+        // The kernels' twin: the same sum to f32 rounding, in their order.
+        for t in [
+            x.clone(),
+            x.narrow(0, 0, 3).unwrap(),
+            x.to_dtype(DType::BF16).unwrap(),
+        ] {
+            let exact = sum_squares(&t).unwrap().to_scalar::<f32>().unwrap();
+            let twin = t
+                .apply_op1_no_bwd(&SumSquares)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!((twin - exact).abs() / exact < 1e-5, "{twin} vs {exact}");
+        }
+    }
+
+    /// The in-place scaling is candle's multiplication by the scalar rounded to the dtype, bit
+    /// for bit, on a view into a larger buffer (the rest untouched).
+    #[test]
+    fn scale_in_place_is_the_rounded_product() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let buf = crate::ops::test_tensor(&[10, 7], 5)
+                .to_dtype(dtype)
+                .unwrap();
+            let before = buf.copy().unwrap();
+            let view = buf.narrow(0, 2, 5).unwrap();
+            let coef = 0.318_309_87f32;
+            let c = Tensor::new(coef, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let want = view.broadcast_mul(&c).unwrap();
+            scale_in_place(&view, coef).unwrap();
+            assert_eq!(crate::ops::max_abs_diff(&view, &want), 0.0, "{dtype:?}");
+            let rest = |t: &Tensor| {
+                Tensor::cat(&[t.narrow(0, 0, 2).unwrap(), t.narrow(0, 7, 3).unwrap()], 0).unwrap()
+            };
+            assert_eq!(crate::ops::max_abs_diff(&rest(&buf), &rest(&before)), 0.0);
+        }
+    }
+
+    /// On a GPU: the sum-of-squares kernels against their twin bit for bit (one block, many
+    /// blocks, the 1024-block cap; every dtype), and the scaling kernel against the CPU's.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_reduce_kernels_match_their_twins() {
+        let Some(gpu) = crate::ops::test_gpu("cuda_reduce_kernels_match_their_twins") else {
+            return;
+        };
+        for n in [1usize, 255, 4097, 1 << 20, (1 << 22) + 3, 30_000_001] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let x = crate::ops::test_tensor(&[n], n as u64)
+                    .to_dtype(dtype)
+                    .unwrap();
+                let want = x
+                    .apply_op1_no_bwd(&SumSquares)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                let got = sum_squares(&x.to_device(&gpu).unwrap())
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "n={n} {dtype:?}: {got} vs {want}"
+                );
+                let on_gpu = x.to_device(&gpu).unwrap();
+                scale_in_place(&on_gpu, 0.37).unwrap();
+                scale_in_place(&x, 0.37).unwrap();
+                let d = crate::ops::max_abs_diff(&on_gpu.to_device(&Device::Cpu).unwrap(), &x);
+                assert_eq!(d, 0.0, "scale n={n} {dtype:?}");
+            }
+        }
     }
 }
 
