@@ -11,9 +11,11 @@ use crate::error::{ModelError, Result};
 /// expert 1 and so on, against `w` `[experts, n, k]`: `[rows, n]`, each row times its expert's
 /// weights transposed (`F.linear` per expert). f32, f16 or bf16, contiguous; on CUDA f16 or
 /// bf16 only (cuBLAS's f32 path may run as TF32, which an f32 model must not get), outside a
-/// graph capture (the pointer arrays are uploaded). Products summed in f32 and rounded once to
-/// the dtype; the CPU twin sums in `k` order, cuBLAS in its own, so the two agree to the
-/// dtype's rounding, not bit for bit. No gradient.
+/// graph capture (the pointer arrays are uploaded), with `k` and `n` multiples of 8 and both
+/// inputs starting on 16 bytes (cuBLAS's kernels assume aligned matrices). Products summed in
+/// f32 (the twin in `k` order and rounded once; cuBLAS in its own order, split-K partials
+/// possibly rounded to the dtype), so the two agree to the dtype's rounding, not bit for bit.
+/// No gradient.
 pub fn grouped_linear(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
     let (rows, _) = x.dims2()?;
     let (experts, _, _) = w.dims3()?;
@@ -100,6 +102,18 @@ impl candle_core::CustomOp2 for GroupedLinear {
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (rows, n, k) = self.dims(l1, l2)?;
+        if !(k.is_multiple_of(8)
+            && n.is_multiple_of(8)
+            && l1.start_offset().is_multiple_of(8)
+            && l2.start_offset().is_multiple_of(8))
+        {
+            candle_core::bail!(
+                "grouped_linear on CUDA: k {k} and n {n} must be multiples of 8 and the inputs \
+                 start on 16 bytes (offsets {} and {})",
+                l1.start_offset(),
+                l2.start_offset()
+            );
+        }
         let y = cuda::grouped_linear((s1, l1), (s2, l2), &self.counts, (rows, n, k))?;
         Ok((y, Shape::from((rows, n))))
     }

@@ -105,18 +105,17 @@ GEMVS(__nv_bfloat16, bf16)
 // (token s / k's j-th expert e, in the order sorted by expert), y[s][col] = sum_k
 // x[s / in_div][k] w[e][col][k] (in_div: k for the gate/up projection, whose input is the
 // token's row; 1 for down, whose input is the slot's own row). Block (b, e) takes expert e's
-// slots bounds[e]..bounds[e + 1] (`moe_bounds`, launched just before) and GEMV_WARPS x
-// MOE_COLS of its columns, each warp MOE_COLS of them in turn, one at a time as `gemv`, up to
-// MOE_ROWS slots sharing each load of the expert's row: every touched expert's weights are
-// read once a step for up to MOE_ROWS tokens, an untouched expert's block returns after one
-// read. Each output is `gemv`'s sum in `gemv`'s order.
+// slots bounds[e]..bounds[e + 1] (`moe_bounds`, launched just before) and `cols` columns per
+// warp of it (the warps' columns interleaved), one at a time as `gemv`, up to MOE_ROWS slots
+// sharing each load of the expert's row: every touched expert's weights are read once a step
+// for up to MOE_ROWS tokens, an untouched expert's block returns after reading its bounds.
+// Each output is `gemv`'s sum in `gemv`'s order.
 //
 // Why the bounds come from a kernel of their own: each block searching the sorted ids itself
 // (two binary searches, ~16 dependent reads) cost several times the few loads of real work a
 // block has at the 30B-A3B's shapes (k = 768 for down), over tens of thousands of blocks a
 // launch; and why several columns a warp: a quarter of the blocks, each still short.
 #define MOE_ROWS 4
-#define MOE_COLS 4
 __device__ __forceinline__ int lower_bound_u32(const uint32_t *v, int n, uint32_t key) {
     int lo = 0, hi = n;
     while (lo < hi) {
@@ -136,7 +135,7 @@ extern "C" __global__ void moe_bounds(const uint32_t *sorted, int slots, int exp
 
 template <typename T>
 __device__ void moe_gemv(const T *x, const T *w, const uint32_t *sorted, const uint32_t *bounds,
-                         T *y, int slots, int in_div, int n, int k) {
+                         T *y, int slots, int in_div, int n, int k, int cols) {
     // sorted: [2][slots], the expert ids in ascending order, then each one's slot.
     const uint32_t e = blockIdx.y;
     const int lo = bounds[e];
@@ -144,8 +143,8 @@ __device__ void moe_gemv(const T *x, const T *w, const uint32_t *sorted, const u
     const int lane = threadIdx.x % 32;
     const int warps = blockDim.x / 32;
     if (lo == hi) return;
-    for (int j = 0; j < MOE_COLS; ++j) {
-        const int col = (blockIdx.x * MOE_COLS + j) * warps + threadIdx.x / 32;
+    for (int j = 0; j < cols; ++j) {
+        const int col = (blockIdx.x * cols + j) * warps + threadIdx.x / 32;
         if (col >= n) return;
         const uint4 *wr = reinterpret_cast<const uint4 *>(w + ((size_t)e * n + col) * k);
         for (int r = lo; r < hi; r += MOE_ROWS) {
@@ -172,8 +171,8 @@ __device__ void moe_gemv(const T *x, const T *w, const uint32_t *sorted, const u
 #define MOE_GEMV(T, SUFFIX)                                                                    \
     extern "C" __global__ void moe_gemv_##SUFFIX(const T *x, const T *w, const uint32_t *sorted, \
                                                  const uint32_t *bounds, T *y, int slots,      \
-                                                 int in_div, int n, int k) {                   \
-        moe_gemv<T>(x, w, sorted, bounds, y, slots, in_div, n, k);                             \
+                                                 int in_div, int n, int k, int cols) {         \
+        moe_gemv<T>(x, w, sorted, bounds, y, slots, in_div, n, k, cols);                       \
     }
 MOE_GEMV(__half, f16)
 MOE_GEMV(__nv_bfloat16, bf16)

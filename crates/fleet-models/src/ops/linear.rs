@@ -556,7 +556,7 @@ mod cuda {
         }
     }
 
-    /// Columns each warp of the MoE GEMV takes in turn (`MOE_COLS` in linear.cu).
+    /// Columns each warp of the MoE GEMV takes in turn (the kernel's `cols`).
     const MOE_COLS: usize = 4;
 
     /// [`super::moe_gemv`]: `moe_bounds` (each expert's first sorted position, one thread an
@@ -617,6 +617,8 @@ mod cuda {
             builder.arg(&in_div);
             builder.arg(&n);
             builder.arg(&k);
+            let cols = MOE_COLS as i32;
+            builder.arg(&cols);
             // SAFETY: block (b, e) reads expert e's rows b * GEMV_WARPS * MOE_COLS.. of w
             // (below n), the slots bounds[e]..bounds[e + 1] of sorted and the rows of x they
             // name (below rows: checked), 16 bytes at a time, and writes those slots' columns

@@ -2,7 +2,9 @@
 // the CPU twins are in the .rs file of the same name.
 #include "common.cuh"
 
-#define REDUCE_THREADS 256
+// Every kernel here runs blocks of a power-of-two count of threads (REDUCE_THREADS in
+// reduce.rs) with that many floats of dynamic shared memory, both set by the launcher.
+extern __shared__ float reduce_shared[];
 
 namespace {
 
@@ -12,7 +14,7 @@ __device__ __forceinline__ float block_tree_sum(float v, float *sh) {
     const int tid = threadIdx.x;
     sh[tid] = v;
     __syncthreads();
-    for (int s = REDUCE_THREADS / 2; s > 0; s >>= 1) {
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
         if (tid < s) sh[tid] += sh[tid + s];
         __syncthreads();
     }
@@ -20,18 +22,17 @@ __device__ __forceinline__ float block_tree_sum(float v, float *sh) {
 }
 
 // Block b's partial sum of squares: thread t squares and adds (f32 fused multiply-adds)
-// elements b * 256 + t, then a grid's width further on, ...; then the block's tree.
+// elements b * blockDim + t, then a grid's width further on, ...; then the block's tree.
 template <typename T>
 __device__ void sum_squares_partials(const T *x, unsigned long long n, float *partials) {
-    __shared__ float sh[REDUCE_THREADS];
     float acc = 0.f;
-    const unsigned long long stride = (unsigned long long)gridDim.x * REDUCE_THREADS;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * REDUCE_THREADS + threadIdx.x;
-         i < n; i += stride) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += stride) {
         const float v = to_f(x[i]);
         acc = __fmaf_rn(v, v, acc);
     }
-    const float s = block_tree_sum(acc, sh);
+    const float s = block_tree_sum(acc, reduce_shared);
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
@@ -47,10 +48,9 @@ template <typename T> __device__ void scale_in_place(T *x, unsigned long long n,
 
 // One block: the partials summed thread-strided, then the tree, into out[0].
 extern "C" __global__ void sum_partials(const float *partials, int count, float *out) {
-    __shared__ float sh[REDUCE_THREADS];
     float acc = 0.f;
-    for (int i = threadIdx.x; i < count; i += REDUCE_THREADS) acc += partials[i];
-    const float s = block_tree_sum(acc, sh);
+    for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+    const float s = block_tree_sum(acc, reduce_shared);
     if (threadIdx.x == 0) out[0] = s;
 }
 

@@ -43,11 +43,14 @@ pub fn update_rows_in_place(
 /// two launches for the gradient norm ([`SumSquares`]'s twin gives the kernels' order).
 pub fn sum_squares(x: &Tensor) -> candle_core::Result<Tensor> {
     const SLICE_ELEMENTS: usize = 16 << 20;
+    // A strided tensor keeps the sliced path below (a contiguous copy of a large gradient
+    // would be one more tensor of its size).
     if x.device().is_cuda()
+        && x.is_contiguous()
         && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
         && x.elem_count() > 0
     {
-        return x.contiguous()?.apply_op1_no_bwd(&SumSquares);
+        return x.apply_op1_no_bwd(&SumSquares);
     }
     let n = x.elem_count();
     if x.rank() < 2 || n <= SLICE_ELEMENTS {
@@ -67,7 +70,8 @@ pub fn sum_squares(x: &Tensor) -> candle_core::Result<Tensor> {
     total.ok_or_else(|| candle_core::Error::Msg("sum_squares of an empty tensor".into()))
 }
 
-/// Threads of a reduction block (`REDUCE_THREADS` in reduce.cu).
+/// Threads of a reduction block (a power of two; the launches give the kernels as many floats
+/// of shared memory), which the twin's order follows.
 const REDUCE_THREADS: usize = 256;
 
 /// Blocks of the sum of squares' first pass over `n` elements: each thread at least 16
@@ -244,7 +248,7 @@ mod cuda {
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (REDUCE_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: (REDUCE_THREADS * 4) as u32,
         };
         // SAFETY: `ptr` holds n values of the kernel's dtype; block b writes partials[b].
         unsafe { b.launch(cfg) }.w()?;
@@ -257,7 +261,7 @@ mod cuda {
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (REDUCE_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: (REDUCE_THREADS * 4) as u32,
         };
         // SAFETY: one block reads the `blocks` partials and writes out[0].
         unsafe { b.launch(cfg) }.w()?;
