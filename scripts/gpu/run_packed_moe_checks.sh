@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The GPU checks of what was written without a GPU on 2026-11-28: per-query key starts
-# (packed sequences) in the flash kernel and masked_softmax, the packed training batch on the
-# GPU against transformers' goldens, the MoE GEMV against its twin and against the grouped MoE,
-# the GEMV on the shared lane-sum core (generation, paged generation), the vision tower's
-# batched attention (qwen3_vl_parity); then the 30B-A3B judge's decode with FLEET_MOE_GEMV=0/1,
-# alternating (`judge`), and the 8B judge before and after the vision tower's batched attention
-# (`vision`: edit-score-base.xz against edit-score.xz, alternating), and the 8B judge with
-# FlashAttention-3 on its text prefill alone (`fa3`: FLEET_FA3=0/1, edit-score.xz). Carried:
+# The GPU checks of what was written without a GPU on 2026-11-28 (`tests`): per-query key
+# starts (packed sequences) in the flash kernel and masked_softmax, the packed training batch on
+# the GPU against transformers' goldens, the MoE GEMV (with its bounds kernel) against its twin
+# and the grouped MoE, the MoE in a CUDA graph, cuBLAS's grouped GEMM and the reduce kernels
+# against their twins, the GEMV (generation, paged generation), the vision tower's batched
+# attention (qwen3_vl_parity). Then the 30B-A3B judge: `judge` (FLEET_MOE_GEMV=1 against =0,
+# alternating; since 4f7f1d4 =0 decodes op by op, its fused kernels never captured),
+# `moe_prefill` (FLEET_MOE_GROUPED_GEMM=0/1), `moe_decode` (graphs, op by op fused, op by op
+# GEMV, then ncu of a replayed step); the 8B judge before and after the vision tower's batched
+# attention (`vision`: edit-score-base.xz against edit-score.xz) and with FlashAttention-3 on
+# its text prefill alone (`fa3`: FLEET_FA3=0/1, edit-score.xz, a build with `fa3`). Carried:
 # dist/carry/next-tests.tar.xz (fleet_models lib tests, generation, paged_generation,
-# train_grads, ops_grad, qwen3_vl_parity; CUDA) for `tests`; dist/carry/edit-score.xz for
-# `judge`, and edit-score-base.xz beside it for `vision` (the three do not fit one carry:
-# `tests` alone, then `judge vision`).
+# train_grads, ops_grad, qwen3_vl_parity; CUDA) for `tests`; JUDGE_XZ (default
+# dist/carry/edit-score.xz) for the 30B-A3B parts, edit-score-base.xz beside it for `vision`
+# (the tests and two judges do not fit one carry).
 #
 #   WHAT=tests bash scripts/gpu/run_packed_moe_checks.sh
 #   WHAT="moe_prefill moe_decode" JUDGE_XZ=dist/carry/edit-score-nofa3.xz bash scripts/gpu/run_packed_moe_checks.sh
@@ -46,9 +49,8 @@ tests)
   cd - > /dev/null ;;
 judge)
   W=/tmp/nj; mkdir -p $W
-  # JUDGE_XZ: the build to run (default dist/carry/edit-score.xz). A build with the `fa3`
-  # feature aborts in candle's fused MoE kernels (FLEET_MOE_GEMV=0; 2026-11-28d), so the
-  # comparison takes a build without it.
+  # JUDGE_XZ: the build to run (default dist/carry/edit-score.xz). Before 4f7f1d4 every
+  # build aborted with FLEET_MOE_GEMV=0: candle's fused MoE kernels inside the decode's capture.
   xz -dc ${JUDGE_XZ:-dist/carry/edit-score.xz} > $W/es; chmod +x $W/es
   C=configs/models/qwen3-vl-30b-a3b.json
   $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1
