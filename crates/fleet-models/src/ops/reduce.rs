@@ -39,8 +39,9 @@ pub fn update_rows_in_place(
 ///
 /// On CUDA (f32, f16, bf16) two kernels instead: per-block partial sums of squares straight
 /// from the tensor (f32 fused multiply-adds, no f32 copy or squared temporaries), then one
-/// block sums the partials — about 200 launches and three temporaries per parameter became
-/// two launches for the gradient norm (a CPU twin of the kernels' order checks them).
+/// block sums the partials: two launches a tensor where the composed ops took four or five a
+/// 16M-element slice, each with an f32 temporary (a CPU twin of the kernels' order checks
+/// them).
 pub fn sum_squares(x: &Tensor) -> candle_core::Result<Tensor> {
     const SLICE_ELEMENTS: usize = 16 << 20;
     // A strided tensor keeps the sliced path below (a contiguous copy of a large gradient
