@@ -496,3 +496,47 @@ fn moe_experts_in_no_layout_are_an_error() {
         assert!(e.contains(s), "`{s}` not in: {e}");
     }
 }
+
+/// On a GPU, in bf16 (the MoE's kernel paths): continuous batching with each decode step
+/// captured as a CUDA graph gives the tokens of the same run op by op, and a graph is
+/// captured. The f32 parity runs above take the grouped MoE, which no capture reaches; a MoE
+/// step's capture once aborted the process (candle's fused MoE kernels inside it, H200,
+/// 2026-11-28), which this end-to-end run would have shown.
+#[cfg(feature = "cuda")]
+#[test]
+fn moe_decode_graphs_give_the_op_by_op_tokens_in_bf16() {
+    if let Err(e) = Device::new_cuda(0) {
+        eprintln!("SKIPPED moe_decode_graphs_give_the_op_by_op_tokens_in_bf16: no GPU ({e})");
+        return;
+    }
+    let f = fixture("qwen3-vl-moe-tiny");
+    let dir = root().join("tests/fixtures/qwen3-vl-moe-tiny");
+    let cfg = Qwen3VlConfig::from_file(&dir.join("config.json")).unwrap();
+    let weights = Weights::from_safetensors(&[dir.join("model.safetensors")]).unwrap();
+    let map = DeviceMap::single(DeviceLocation::Cuda(0), cfg.text.num_hidden_layers);
+    let model = Qwen3VlModel::new(&cfg, &weights, DType::BF16, &map).unwrap();
+    let cases = f.golden["cases"].as_array().unwrap();
+    let prompts: Vec<VlPrompt> = cases.iter().map(|c| prompt(&f, c)).collect();
+    let reqs: Vec<GenerationRequest> = prompts
+        .iter()
+        .map(|p| GenerationRequest::greedy(p.ids.clone(), 12))
+        .collect();
+    let run = |cuda_graphs: bool| {
+        let options = PagedOptions {
+            max_batch: 2,
+            block_size: 16,
+            num_blocks: 256,
+            cuda_graphs,
+            sync_every: 1,
+        };
+        let (out, stats) = model
+            .generate_paged(None, vec![997, 995], 995, &prompts, &reqs, &options, None)
+            .unwrap();
+        let tokens: Vec<Vec<u32>> = out.into_iter().map(|o| o.token_ids).collect();
+        (tokens, stats.graphs_captured)
+    };
+    let (plain, _) = run(false);
+    let (graphed, captured) = run(true);
+    assert!(captured > 0, "no MoE decode step was captured");
+    assert_eq!(graphed, plain, "graphs changed the MoE's greedy tokens");
+}
