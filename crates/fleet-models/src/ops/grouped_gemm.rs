@@ -55,22 +55,19 @@ impl GroupedLinear {
     }
 }
 
-/// The twin: each row's product with its expert's rows of `w`, summed in f32 in `k` order and
-/// rounded once.
+/// The twin: each group's rows times its expert's weights transposed, summed in f32 in `k`
+/// order and rounded once ([`super::linear`]'s skinny twin, per expert).
 fn grouped_linear_cpu<T: Float>(x: &[T], w: &[T], counts: &[usize], n: usize, k: usize) -> Vec<T> {
     let mut y = Vec::with_capacity(x.len() / k * n);
-    let mut rows = x.chunks(k);
+    let mut start = 0;
     for (e, &c) in counts.iter().enumerate() {
-        let we = &w[e * n * k..(e + 1) * n * k];
-        for xr in rows.by_ref().take(c) {
-            for wr in we.chunks(k) {
-                let acc = xr
-                    .iter()
-                    .zip(wr)
-                    .fold(0f32, |acc, (a, b)| a.to_f32().mul_add(b.to_f32(), acc));
-                y.push(T::from_f32(acc));
-            }
-        }
+        let rows = &x[start * k..(start + c) * k];
+        y.extend(super::linear::skinny_cpu(
+            rows,
+            &w[e * n * k..(e + 1) * n * k],
+            k,
+        ));
+        start += c;
     }
     y
 }
@@ -126,7 +123,7 @@ mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{
         CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr,
     };
-    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::cuda_backend::CudaDType;
     use candle_core::{CudaStorage, Layout};
     use half::{bf16, f16};
 
@@ -146,10 +143,10 @@ mod cuda {
             data_type: sys::cudaDataType_t,
         ) -> candle_core::Result<CudaStorage> {
             let dev = s1.device().clone();
-            if dev.cuda_stream().capture_status().w()?
-                != candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-            {
-                candle_core::bail!("grouped_linear uploads its pointer arrays: not inside a capture");
+            if stream_capturing(&dev)? {
+                candle_core::bail!(
+                    "grouped_linear uploads its pointer arrays: not inside a capture"
+                );
             }
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
             // SAFETY: the groups' products cover every one of the rows x n outputs (counts sum

@@ -287,7 +287,9 @@ const SKINNY_K_MULTIPLE: usize = 32;
 /// Each warp computes 16 output columns.
 const SKINNY_N_MULTIPLE: usize = 16;
 
-fn skinny_cpu<T: Float>(x: &[T], w: &[T], k: usize) -> Vec<T> {
+/// `x · wᵀ` for row-major `x` `[m, k]` and `w` `[n, k]`, each product summed in f32 in `k`
+/// order and rounded once: the skinny GEMM's twin, and the grouped GEMM's per expert.
+pub(super) fn skinny_cpu<T: Float>(x: &[T], w: &[T], k: usize) -> Vec<T> {
     let mut y = Vec::with_capacity(x.len() / k * (w.len() / k));
     for xr in x.chunks(k) {
         for wr in w.chunks(k) {

@@ -317,6 +317,16 @@ mod cuda_util {
         }
     }
 
+    /// Whether `dev`'s stream is recording a CUDA graph (a decode step's capture): ops that
+    /// read to the host, allocate outside candle's pool (thrust) or upload host data must not
+    /// run then.
+    pub(crate) fn stream_capturing(dev: &candle_core::CudaDevice) -> candle_core::Result<bool> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        use candle_core::cuda_backend::WrapErr;
+        Ok(dev.cuda_stream().capture_status().w()?
+            != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     /// Per-device state of a kernel family (split counters, a cuBLASLt handle), one per opened
     /// GPU or logical device in `registry`, made by `make` on first use; `None` while none
     /// exists and `dev`'s stream is capturing a graph (an allocation inside a capture would
@@ -326,15 +336,11 @@ mod cuda_util {
         dev: &candle_core::CudaDevice,
         make: impl FnOnce() -> candle_core::Result<T>,
     ) -> candle_core::Result<Option<std::sync::Arc<T>>> {
-        use candle_core::cuda_backend::cudarc::driver::sys;
-        use candle_core::cuda_backend::WrapErr;
         let mut states = registry.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, s)) = states.iter().find(|(id, _)| *id == dev.id()) {
             return Ok(Some(s.clone()));
         }
-        if dev.cuda_stream().capture_status().w()?
-            != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-        {
+        if stream_capturing(dev)? {
             return Ok(None);
         }
         let state = std::sync::Arc::new(make()?);
@@ -375,23 +381,18 @@ mod cuda_util {
     }
 }
 
-/// The largest `|a - b|` over all elements, in f32: the tests' comparison of a kernel with its
-/// twin.
-/// Whether `dev`'s stream is recording a CUDA graph (a decode step's capture): ops that read
-/// to the host or call code that allocates outside candle's pool (thrust) must not run then.
+/// Whether `dev` is a GPU whose stream is recording a CUDA graph (`cuda_util`'s
+/// `stream_capturing`); never on the CPU.
 #[cfg(feature = "cuda")]
 pub(crate) fn capturing(dev: &candle_core::Device) -> candle_core::Result<bool> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
-    use candle_core::cuda_backend::WrapErr;
-    Ok(match dev {
-        candle_core::Device::Cuda(cuda) => {
-            cuda.cuda_stream().capture_status().w()?
-                != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-        }
-        _ => false,
-    })
+    match dev {
+        candle_core::Device::Cuda(cuda) => cuda_util::stream_capturing(cuda),
+        _ => Ok(false),
+    }
 }
 
+/// The largest `|a - b|` over all elements, in f32: the tests' comparison of a kernel with its
+/// twin.
 #[cfg(test)]
 pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     let f = |t: &Tensor| t.to_dtype(DType::F32).expect("float tensor");

@@ -189,9 +189,9 @@ impl candle_core::InplaceOp1 for ScaleInPlace {
 mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
-    use candle_core::cuda_backend::WrapErr;
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout};
 
     use super::{reduce_blocks, REDUCE_THREADS};
@@ -201,34 +201,26 @@ mod cuda {
 
     /// The address of `l`'s contiguous range of `s`, its element count and the dtype suffix.
     fn range(s: &CudaStorage, l: &Layout) -> candle_core::Result<(u64, usize, &'static str)> {
+        fn at<T: CudaDType + DeviceRepr>(
+            s: &CudaStorage,
+            a: usize,
+            b: usize,
+        ) -> candle_core::Result<u64> {
+            Ok(s.as_cuda_slice::<T>()?
+                .slice(a..b)
+                .device_ptr(&s.device().cuda_stream())
+                .0)
+        }
         let Some((a, b)) = l.contiguous_offsets() else {
             candle_core::bail!("reduce kernels take contiguous tensors")
         };
-        let stream = s.device().cuda_stream();
-        Ok(match s.dtype() {
-            DType::F32 => (
-                s.as_cuda_slice::<f32>()?.slice(a..b).device_ptr(&stream).0,
-                b - a,
-                "f32",
-            ),
-            DType::BF16 => (
-                s.as_cuda_slice::<half::bf16>()?
-                    .slice(a..b)
-                    .device_ptr(&stream)
-                    .0,
-                b - a,
-                "bf16",
-            ),
-            DType::F16 => (
-                s.as_cuda_slice::<half::f16>()?
-                    .slice(a..b)
-                    .device_ptr(&stream)
-                    .0,
-                b - a,
-                "f16",
-            ),
+        let ptr = match s.dtype() {
+            DType::F32 => at::<f32>(s, a, b)?,
+            DType::BF16 => at::<half::bf16>(s, a, b)?,
+            DType::F16 => at::<half::f16>(s, a, b)?,
             other => candle_core::bail!("reduce kernels take f32, f16 or bf16, not {other:?}"),
-        })
+        };
+        Ok((ptr, b - a, super::super::suffix(s.dtype())?))
     }
 
     pub(super) fn sum_squares(s: &CudaStorage, l: &Layout) -> candle_core::Result<CudaStorage> {
