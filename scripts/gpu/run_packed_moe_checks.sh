@@ -17,6 +17,8 @@
 #
 #   WHAT=tests bash scripts/gpu/run_packed_moe_checks.sh
 #   WHAT="moe_prefill moe_decode" JUDGE_XZ=dist/carry/edit-score-nofa3.xz bash scripts/gpu/run_packed_moe_checks.sh
+#   WHAT="moe_gemv moe_ab torch30" bash scripts/gpu/run_packed_moe_checks.sh   # carries
+#                  dist/carry/lib-tests.tar.xz and edit-score-nofa3.xz (2026-11-28 evening)
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -73,6 +75,37 @@ moe_prefill)
       --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 FLEET_MOE_GROUPED_GEMM=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
   done; done ;;
+moe_gemv)
+  # The MoE GEMV kernels alone (lib-tests.tar.xz: the fleet_models lib tests, CUDA):
+  # `ops::linear` (every MoE GEMV variant against its twin) and `qwen::moe`.
+  xz -dc dist/carry/lib-tests.tar.xz | tar xf - -C $T
+  for f in ops::linear qwen::moe; do
+    timeout 300 $T/fleet_models --test-threads 1 $f > $OUT/test_lib_$f.txt 2>&1
+    echo "lib $f: rc $? $(grep -E '^test result' $OUT/test_lib_$f.txt | tail -1)"
+    grep -E 'panicked|FAILED' $OUT/test_lib_$f.txt | head -8
+  done ;;
+moe_ab)
+  # The 30B-A3B judge, batch 32, alternating A (FLEET_MOE_GEMV_REGS=0 FLEET_MOE_GROUPED_GEMM=0:
+  # the defaults of dddfda0) and B (both on): the register GEMV shows in the decode, the
+  # grouped GEMM in the prefill (since the bench's prefill is the generation's own passes).
+  W=/tmp/nab; mkdir -p $W
+  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
+  C=configs/models/qwen3-vl-30b-a3b.json
+  $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
+  for i in $(seq 1 ${ROUNDS:-2}); do for v in A B; do
+    case $v in A) g=0 ;; B) g=1 ;; esac
+    j=$OUT/judge30_b32_${v}_$i.json
+    FLEET_MOE_GEMV_REGS=$g FLEET_MOE_GROUPED_GEMM=$g timeout 240 $W/es bench --config $C \
+      --image-size 1024 --batch 32 --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 $v (regs+grouped=$g) round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
+  done; done ;;
+torch30)
+  # transformers' 30B-A3B judge at TORCH_BATCH (default 32), 1024 px, 128 greedy tokens.
+  b=${TORCH_BATCH:-32}
+  timeout ${TORCH_TIMEOUT:-300} python3 scripts/gpu/vl_bench_transformers.py \
+    --config configs/models/qwen3-vl-30b-a3b.json --image-size 1024 --batch $b --samples $b \
+    --new-tokens 128 --json $OUT/torch30_b$b.json > $OUT/torch30.log 2>&1 || tail -5 $OUT/torch30.log
+  tail -4 $OUT/torch30.log ;;
 moe_decode)
   # The 30B-A3B judge's decode three ways at batch DECODE_BATCH (default 32): graphs (the
   # default; the MoE GEMV inside them), op by op with candle's fused MoE kernels, op by op with

@@ -82,7 +82,8 @@ struct Report {
     load_s: f64,
     total_s: f64,
     samples_per_s: f64,
-    /// Seconds per batch: preprocessing, prefill (vision + prompt), the rest (decode).
+    /// Seconds per batch: preprocessing, prefill (vision + prompt: the generation of one
+    /// token, the same prompt passes as the full generation), the rest (decode).
     preprocess_s: f64,
     prefill_s: f64,
     decode_s: f64,
@@ -185,30 +186,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             .collect::<Result<Vec<_>>>()?;
         Ok((prompts, t.elapsed().as_secs_f64()))
     };
-    let run_batch = |prompts: &[VlPrompt]| -> Result<(f64, f64)> {
+    let generate = |prompts: &[VlPrompt], new_tokens: usize| -> Result<()> {
         let requests: Vec<GenerationRequest> = prompts
             .iter()
-            .map(|p| GenerationRequest::greedy(p.ids.clone(), args.new_tokens))
+            .map(|p| GenerationRequest::greedy(p.ids.clone(), new_tokens))
             .collect();
-        // The prefill alone, then the whole generation (which repeats it).
-        let t = Instant::now();
-        let refs: Vec<&VlPrompt> = prompts.iter().collect();
-        let len = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
-        let ids: Vec<Vec<u32>> = prompts
-            .iter()
-            .map(|p| {
-                let mut r = vec![0; len - p.ids.len()];
-                r.extend_from_slice(&p.ids);
-                r
-            })
-            .collect();
-        let pad: Vec<usize> = prompts.iter().map(|p| len - p.ids.len()).collect();
-        let mut cache = model.text().new_cache(len)?;
-        model.prefill(&refs, &ids, &pad, &mut cache, true)?;
-        sync(&model)?;
-        let prefill = t.elapsed().as_secs_f64();
-        drop(cache);
-        let t = Instant::now();
         let out = match args.batching {
             fleet_cli::Batching::Static => {
                 model.generate(None, Vec::new(), 0, prompts, &requests, None)?
@@ -222,9 +204,21 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             }
         };
         sync(&model)?;
-        if out.iter().any(|o| o.token_ids.len() != args.new_tokens) {
-            bail!("a row stopped before {} tokens", args.new_tokens);
+        if out.iter().any(|o| o.token_ids.len() != new_tokens) {
+            bail!("a row stopped before {new_tokens} tokens");
         }
+        Ok(())
+    };
+    // The prefill: the same generation with one new token, so that it runs the prompt passes
+    // the whole generation runs (continuous batching prefills a few prompts a pass, not the
+    // batch at once); then the whole generation (which repeats it). The decode is the
+    // difference.
+    let run_batch = |prompts: &[VlPrompt]| -> Result<(f64, f64)> {
+        let t = Instant::now();
+        generate(prompts, 1)?;
+        let prefill = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        generate(prompts, args.new_tokens)?;
         Ok((prefill, t.elapsed().as_secs_f64()))
     };
 
