@@ -168,104 +168,14 @@ __device__ void moe_gemv(const T *x, const T *w, const uint32_t *sorted, const u
     }
 }
 
-// `moe_gemv` with each warp's expert rows held in registers: a warp loads NC columns' rows
-// of w (up to CPL 16-byte chunks a lane, k <= 256 * CPL) all at once, then runs every group of
-// MOE_ROWS slots against them. Why: `moe_gemv` reads a row again for each further group of
-// slots and, at k = 768 (the 30B-A3B's down projection: three chunks a lane), keeps one load
-// a lane in flight; on an H200 its 30B-A3B decode step ran at 0.7-0.9 TB/s. Here a lane has
-// CPL x NC loads in flight and w is read once a launch. Each (column, slot) sum keeps
-// `gemv`'s order (a lane's chunks ascending, then the butterfly), so the outputs are
-// `moe_gemv`'s bit for bit; a group's missing rows are neither loaded nor summed.
-template <typename T, int CPL, int NC>
-__device__ void moe_gemv_regs(const T *x, const T *w, const uint32_t *sorted,
-                              const uint32_t *bounds, T *y, int slots, int in_div, int n, int k,
-                              int cols) {
-    const uint32_t e = blockIdx.y;
-    const int lo = bounds[e];
-    const int hi = bounds[e + 1];
-    if (lo == hi) return;
-    const int lane = threadIdx.x % 32;
-    const int warps = blockDim.x / 32;
-    const int chunks = k / 8;
-    for (int j = 0; j < cols; j += NC) {
-        int col[NC];
-        uint4 wv[NC][CPL];
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            col[c] = (blockIdx.x * cols + j + c) * warps + threadIdx.x / 32;
-            const uint4 *wr = reinterpret_cast<const uint4 *>(w + ((size_t)e * n + col[c]) * k);
-#pragma unroll
-            for (int u = 0; u < CPL; ++u)
-                if (col[c] < n && lane + 32 * u < chunks) wv[c][u] = __ldcs(wr + lane + 32 * u);
-        }
-        if (col[0] >= n) return;
-        for (int r = lo; r < hi; r += MOE_ROWS) {
-            const int rows = min(MOE_ROWS, hi - r);
-            const uint4 *xr[MOE_ROWS];
-            float acc[NC][MOE_ROWS];
-#pragma unroll
-            for (int m = 0; m < MOE_ROWS; ++m) {
-                const uint32_t slot = sorted[slots + r + min(m, rows - 1)];
-                xr[m] = reinterpret_cast<const uint4 *>(x + (size_t)(slot / in_div) * k);
-#pragma unroll
-                for (int c = 0; c < NC; ++c) acc[c][m] = 0.f;
-            }
-#pragma unroll
-            for (int u = 0; u < CPL; ++u) {
-                const int idx = lane + 32 * u;
-                if (idx >= chunks) break;
-#pragma unroll
-                for (int m = 0; m < MOE_ROWS; ++m) {
-                    if (m >= rows) break;
-                    float xf[8];
-                    unpack8<T>(__ldg(xr[m] + idx), xf);
-#pragma unroll
-                    for (int c = 0; c < NC; ++c) {
-                        float wf[8];
-                        unpack8<T>(wv[c][u], wf);
-#pragma unroll
-                        for (int q = 0; q < 8; ++q) acc[c][m] = __fmaf_rn(xf[q], wf[q], acc[c][m]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int c = 0; c < NC; ++c) {
-#pragma unroll
-                for (int m = 0; m < MOE_ROWS; ++m) {
-#pragma unroll
-                    for (int o = 16; o > 0; o >>= 1)
-                        acc[c][m] += __shfl_xor_sync(0xffffffff, acc[c][m], o);
-                }
-                if (lane == 0 && col[c] < n) {
-#pragma unroll
-                    for (int m = 0; m < MOE_ROWS; ++m)
-                        if (m < rows)
-                            y[(size_t)sorted[slots + r + m] * n + col[c]] = from_f<T>(acc[c][m]);
-                }
-            }
-        }
-    }
-}
-
 #define MOE_GEMV(T, SUFFIX)                                                                    \
     extern "C" __global__ void moe_gemv_##SUFFIX(const T *x, const T *w, const uint32_t *sorted, \
                                                  const uint32_t *bounds, T *y, int slots,      \
                                                  int in_div, int n, int k, int cols) {         \
         moe_gemv<T>(x, w, sorted, bounds, y, slots, in_div, n, k, cols);                       \
     }
-#define MOE_GEMV_REGS(T, SUFFIX, CPL, NC)                                                      \
-    extern "C" __global__ void moe_gemv_r##CPL##x##NC##_##SUFFIX(                              \
-        const T *x, const T *w, const uint32_t *sorted, const uint32_t *bounds, T *y,          \
-        int slots, int in_div, int n, int k, int cols) {                                       \
-        moe_gemv_regs<T, CPL, NC>(x, w, sorted, bounds, y, slots, in_div, n, k, cols);         \
-    }
-#define MOE_GEMVS(T, SUFFIX)                                                                   \
-    MOE_GEMV(T, SUFFIX)                                                                        \
-    MOE_GEMV_REGS(T, SUFFIX, 4, 2)                                                             \
-    MOE_GEMV_REGS(T, SUFFIX, 8, 1)                                                             \
-    MOE_GEMV_REGS(T, SUFFIX, 16, 1)
-MOE_GEMVS(__half, f16)
-MOE_GEMVS(__nv_bfloat16, bf16)
+MOE_GEMV(__half, f16)
+MOE_GEMV(__nv_bfloat16, bf16)
 
 
 // y[m][col] = sum_k x[m][k] w[col][k] for 5..64 rows of x on the tensor cores

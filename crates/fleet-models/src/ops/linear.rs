@@ -558,30 +558,8 @@ mod cuda {
         }
     }
 
-    /// Columns each warp of the MoE GEMV takes in turn (the kernel's `cols`; a multiple of
-    /// every register variant's columns at once).
+    /// Columns each warp of the MoE GEMV takes in turn (the kernel's `cols`).
     const MOE_COLS: usize = 4;
-
-    /// Whether the MoE GEMV holds each warp's expert rows in registers (`moe_gemv_r*`, for
-    /// `k` up to 4096) rather than reading them again per group of slots (`moe_gemv`):
-    /// `FLEET_MOE_GEMV_REGS=0` takes the second, to measure one against the other in one
-    /// process. Same outputs bit for bit.
-    pub(super) static MOE_GEMV_REGS: crate::ops::EnvSwitch =
-        crate::ops::EnvSwitch::new("FLEET_MOE_GEMV_REGS", true);
-
-    /// The MoE GEMV kernel for rows of `k` elements: a register variant whose `CPL` chunks
-    /// of 16 bytes a lane hold the row (the fewest that do, with two columns at once where a
-    /// row is short), else the plain kernel.
-    fn moe_gemv_kernel(k: usize) -> &'static str {
-        let chunks_per_lane = (k / super::GEMV_CHUNK).div_ceil(32);
-        match chunks_per_lane {
-            _ if !MOE_GEMV_REGS.on() => "moe_gemv",
-            0..=4 => "moe_gemv_r4x2",
-            5..=8 => "moe_gemv_r8x1",
-            9..=16 => "moe_gemv_r16x1",
-            _ => "moe_gemv",
-        }
-    }
 
     /// [`super::moe_gemv`]: `moe_bounds` (each expert's first sorted position, one thread an
     /// expert), then one block per (`GEMV_WARPS` x `MOE_COLS` columns, expert).
@@ -618,7 +596,7 @@ mod cuda {
             // first row) and writes bounds[e].
             unsafe { builder.launch(cfg) }.w()?;
             let func = dev.get_or_load_custom_func(
-                &format!("{}_{}", moe_gemv_kernel(k), suffix(s1.dtype())?),
+                &format!("moe_gemv_{}", suffix(s1.dtype())?),
                 MODULE,
                 PTX,
             )?;
@@ -1014,38 +992,28 @@ mod kernel_tests {
         }
     }
 
-    /// Every MoE GEMV kernel gives its twin's values exactly (f16 and bf16; the gate/up and
+    /// The MoE GEMV kernel gives its twin's values exactly (f16 and bf16; the gate/up and
     /// down shapes; an expert with more than four slots, one with none; columns past a block's
-    /// last warp; each register variant's row lengths, a lane's last chunk missing, and the
-    /// plain kernel's, with the register variants on and off).
+    /// last warp; rows of 768 to 4104 elements, a lane's last chunks missing).
     #[test]
     fn moe_gemv_kernel_matches_its_twin() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
         let cpu = candle_core::Device::Cpu;
         let (tokens, top_k, experts, n) = (7, 4, 9, 70);
         let (sorted, _) = super::tests::test_routing(tokens, top_k, experts);
-        // r4x2 (768, 520), r8x1 (1032), r16x1 (2056), the plain kernel (4104).
-        for k in [768, 520, 1032, 2056, 4104] {
+        for k in [768, 1032, 2056, 4104] {
             for dtype in [DType::BF16, DType::F16] {
                 let w = test_tensor(&[experts, n, k], 4).to_dtype(dtype).unwrap();
                 for (rows, in_div) in [(tokens, top_k), (tokens * top_k, 1)] {
                     let x = test_tensor(&[rows, k], 3).to_dtype(dtype).unwrap();
                     let want = moe_gemv(&x, &w, &sorted, in_div).unwrap();
                     let on = |t: &Tensor| t.to_device(&dev).unwrap();
+                    let got = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
                     let f = |t: Tensor| {
                         let t = t.to_dtype(DType::F32).unwrap().to_device(&cpu).unwrap();
                         t.to_vec2::<f32>().unwrap()
                     };
-                    for regs in [true, false] {
-                        cuda::MOE_GEMV_REGS.force(Some(regs));
-                        let got = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
-                        cuda::MOE_GEMV_REGS.force(None);
-                        assert_eq!(
-                            f(got),
-                            f(want.clone()),
-                            "k {k} {dtype:?} in_div {in_div} registers {regs}"
-                        );
-                    }
+                    assert_eq!(f(got), f(want), "k {k} {dtype:?} in_div {in_div}");
                 }
             }
         }
