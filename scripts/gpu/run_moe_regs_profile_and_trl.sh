@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call of 2026-11-28e: ncu of a replayed 30B-A3B judge decode step (batch 32, the 20th
-# decode call) with the register MoE GEMV (the default since then; 2026-11-28d's call 2 has the
-# same table with the plain kernel), then gspo-train against TRL, 0.5B and 1.5B, batch 16,
+# decode call) with the register MoE GEMV variants of ba32c96 (removed in 20001b6: no faster;
+# the call 2 of the same day has the table of the plain kernel), then gspo-train against TRL, 0.5B and 1.5B, batch 16,
 # 20 optimizer steps (three timed generation batches a run). Carried:
 # dist/carry/edit-score-nofa3.xz, dist/carry/gspo-train.xz, .whl. Everything lands in
 # $OUT/r.tar.

@@ -80,14 +80,15 @@ moe_gemv)
   # `ops::linear` (every MoE GEMV variant against its twin) and `qwen::moe`.
   xz -dc dist/carry/lib-tests.tar.xz | tar xf - -C $T
   for f in ops::linear qwen::moe; do
-    timeout 300 $T/fleet_models --test-threads 1 $f > $OUT/test_lib_$f.txt 2>&1
-    echo "lib $f: rc $? $(grep -E '^test result' $OUT/test_lib_$f.txt | tail -1)"
-    grep -E 'panicked|FAILED' $OUT/test_lib_$f.txt | head -8
+    timeout 300 $T/fleet_models --test-threads 1 $f > $OUT/test_lib_${f//::/_}.txt 2>&1
+    echo "lib $f: rc $? $(grep -E "^test result" $OUT/test_lib_${f//::/_}.txt | tail -1)"
+    grep -E "panicked|FAILED" $OUT/test_lib_${f//::/_}.txt | head -8
   done ;;
 moe_ab)
-  # The 30B-A3B judge, batch 32, alternating A (FLEET_MOE_GEMV_REGS=0 FLEET_MOE_GROUPED_GEMM=0:
-  # the defaults of dddfda0) and B (both on): the register GEMV shows in the decode, the
-  # grouped GEMM in the prefill (since the bench's prefill is the generation's own passes).
+  # The 30B-A3B judge, batch 32, alternating A (FLEET_MOE_GROUPED_GEMM=0: one GEMM per expert)
+  # and B (the grouped GEMM, the default since 20001b6). The bench's prefill is the
+  # generation's own prompt passes (since ba32c96). 2026-11-28e's call 4 ran ba32c96's build,
+  # where FLEET_MOE_GEMV_REGS (register MoE GEMV variants, removed after) switched with it.
   W=/tmp/nab; mkdir -p $W
   xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
   C=configs/models/qwen3-vl-30b-a3b.json
@@ -95,9 +96,9 @@ moe_ab)
   for i in $(seq 1 ${ROUNDS:-2}); do for v in A B; do
     case $v in A) g=0 ;; B) g=1 ;; esac
     j=$OUT/judge30_b32_${v}_$i.json
-    FLEET_MOE_GEMV_REGS=$g FLEET_MOE_GROUPED_GEMM=$g timeout 240 $W/es bench --config $C \
+    FLEET_MOE_GROUPED_GEMM=$g timeout 240 $W/es bench --config $C \
       --image-size 1024 --batch 32 --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 $v (regs+grouped=$g) round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 $v (grouped=$g) round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
   done; done ;;
 torch30)
   # transformers' 30B-A3B judge at TORCH_BATCH (default 32), 1024 px, 128 greedy tokens.
