@@ -17,8 +17,8 @@
 #
 #   WHAT=tests bash scripts/gpu/run_packed_moe_checks.sh
 #   WHAT="moe_prefill moe_decode" JUDGE_XZ=dist/carry/edit-score-nofa3.xz bash scripts/gpu/run_packed_moe_checks.sh
-#   WHAT="moe_gemv moe_ab torch30" bash scripts/gpu/run_packed_moe_checks.sh   # carries
-#                  dist/carry/lib-tests.tar.xz and edit-score-nofa3.xz (2026-11-28 evening)
+#   WHAT="moe_gemv moe_ab" bash scripts/gpu/run_packed_moe_checks.sh   # carries
+#                  dist/carry/lib-tests.tar.xz and edit-score-nofa3.xz; AB_VAR (FLEET_MOE_MMA)
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -85,21 +85,26 @@ moe_gemv)
     grep -E "panicked|FAILED" $OUT/test_lib_${f//::/_}.txt | head -8
   done ;;
 moe_ab)
-  # The 30B-A3B judge, batch 32, alternating A (FLEET_MOE_GROUPED_GEMM=0: one GEMM per expert)
-  # and B (the grouped GEMM, the default since 20001b6). The bench's prefill is the
-  # generation's own prompt passes (since ba32c96). 2026-11-28e's call 4 ran ba32c96's build,
-  # where FLEET_MOE_GEMV_REGS (register MoE GEMV variants, removed after) switched with it.
+  # The 30B-A3B judge, batch 32, alternating A (AB_VAR=0) and B (AB_VAR=1); AB_VAR defaults to
+  # FLEET_MOE_MMA (the MoE decode's products on the tensor cores). The bench's prefill is the
+  # generation's own prompt passes (since ba32c96), so a decode change shows in decode_s.
+  # 2026-11-28e's call 4 ran ba32c96's build with FLEET_MOE_GEMV_REGS (register MoE GEMV
+  # variants, removed after) and FLEET_MOE_GROUPED_GEMM switched together.
   W=/tmp/nab; mkdir -p $W
   xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
-  C=configs/models/qwen3-vl-30b-a3b.json
+  C=configs/models/qwen3-vl-30b-a3b.json; V=${AB_VAR:-FLEET_MOE_MMA}
   $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
-  for i in $(seq 1 ${ROUNDS:-2}); do for v in A B; do
-    case $v in A) g=0 ;; B) g=1 ;; esac
-    j=$OUT/judge30_b32_${v}_$i.json
-    FLEET_MOE_GROUPED_GEMM=$g timeout 240 $W/es bench --config $C \
+  for i in $(seq 1 ${ROUNDS:-2}); do for g in 0 1; do
+    j=$OUT/judge30_b32_${V}${g}_$i.json
+    env $V=$g timeout 240 $W/es bench --config $C \
       --image-size 1024 --batch 32 --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 $v (grouped=$g) round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
-  done; done ;;
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 $V=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
+  done; done
+  # Then ncu of a replayed decode step with B (stage gen.decode@20).
+  env $V=1 METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum TOP=12 \
+    NAME=moe30_decode_step_b32_${V}1 STAGE=gen.decode@20 NCU_TIMEOUT=200 bash scripts/gpu/profile_stage.sh \
+    $W/es bench --config $C --image-size 1024 --batch 32 --samples 32 --new-tokens 32
+  head -8 $OUT/kernels_moe30_decode_step_b32_${V}1.txt ;;
 torch30)
   # transformers' 30B-A3B judge at TORCH_BATCH (default 32), 1024 px, 128 greedy tokens.
   b=${TORCH_BATCH:-32}

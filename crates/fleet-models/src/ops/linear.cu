@@ -229,11 +229,27 @@ __device__ __forceinline__ void skinny_load_w(const T *w0, const T *w8, int kc, 
     }
 }
 
-// Units [u, u + len) of tile t (chunks c0.. of it) into acc: the warp's 16 columns by the
-// block's x rows.
-template <typename T, int NT>
-__device__ __forceinline__ void skinny_segment(const T *x, const T *w0, const T *w8, T (*xs)[SK_XSTRIDE],
-                                               float (*acc)[4], int m, int k, int k0, int k1, int q,
+// Where the skinny kernels' x rows are: consecutive rows of `k` elements (the GEMM) ...
+template <typename T> struct DenseRows {
+    const T *x;
+    int k;
+    __device__ __forceinline__ const T *operator()(int r) const { return x + (size_t)r * k; }
+};
+// ... or a MoE expert's slots (positions `first`.. of the sorted slots), slot s reading row
+// s / in_div (the gate/up projection reads its token's row, down the slot's own).
+template <typename T> struct SlotRows {
+    const T *x;
+    const uint32_t *slot;
+    int in_div, k;
+    __device__ __forceinline__ const T *operator()(int r) const {
+        return x + (size_t)(slot[r] / in_div) * k;
+    }
+};
+
+// k from k0 to k1 into acc: the warp's 16 columns by the block's m x rows (`row(r)`).
+template <typename T, int NT, typename Rows>
+__device__ __forceinline__ void skinny_segment(const Rows &row, const T *w0, const T *w8, T (*xs)[SK_XSTRIDE],
+                                               float (*acc)[4], int m, int k0, int k1, int q,
                                                int g, bool live) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
@@ -251,7 +267,7 @@ __device__ __forceinline__ void skinny_segment(const T *x, const T *w0, const T 
             const int i = threadIdx.x + j * 32 * SK_WARPS;
             const int r = i / (SK_KCHUNK / 8), c = i % (SK_KCHUNK / 8);
             xv[j] = make_uint4(0, 0, 0, 0);
-            if (r < m && c * 8 < kn) xv[j] = __ldg(reinterpret_cast<const uint4 *>(x + (size_t)r * k + kc + c * 8));
+            if (r < m && c * 8 < kn) xv[j] = __ldg(reinterpret_cast<const uint4 *>(row(r) + kc + c * 8));
         }
         __syncthreads();  // the chunk before is read
 #pragma unroll
@@ -301,7 +317,8 @@ __device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsign
         const T *w0 = w + (size_t)(live ? col0 + g : 0) * k;
         const T *w8 = w0 + (size_t)8 * k;
         float acc[NT][4];
-        skinny_segment<T, NT>(x, w0, w8, xs, acc, m, k, c0 * SK_KCHUNK, min(k, c1 * SK_KCHUNK), q, g, live);
+        skinny_segment<T, NT>(DenseRows<T>{x, k}, w0, w8, xs, acc, m, c0 * SK_KCHUNK, min(k, c1 * SK_KCHUNK), q, g,
+                              live);
         // acc[t]: columns col0 + g (0, 1) and col0 + g + 8 (2, 3), x rows t * 8 + 2q and + 1.
         if (c0 == 0 && c1 == cpt) {
             if (!live) continue;
@@ -383,3 +400,49 @@ __device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsign
     SKINNY(T, SUFFIX, 8)
 SKINNYS(__half, f16)
 SKINNYS(__nv_bfloat16, bf16)
+
+// The MoE decode's products on the tensor cores: `moe_gemv`'s work (expert e's slots
+// bounds[e]..bounds[e + 1] against its weights) as the skinny GEMM's warps do it. Block (b, e)
+// takes expert e's columns b * SK_COLS.. (16 a warp, w read once, streamed) and its slots 8 at a
+// time (the mma's narrow side; an expert with more reads its columns again from L2), their x
+// rows gathered into shared memory 128 k at a time. Why: `moe_gemv` reloads and converts every
+// slot's input for each column, so its instructions, not its bytes, set its pace (ncu on an
+// H200, 30B-A3B decode at batch 32: 0.7-0.9 TB/s, and holding the weights in registers changed
+// nothing). Sums in f32 in the tensor cores' order, rounded once: within a unit in the last
+// place of `moe_gemv`'s, not bit for bit. k a multiple of 32, n of 16 (the launcher checks).
+template <typename T>
+__device__ void moe_mma(const T *x, const T *w, const uint32_t *sorted, const uint32_t *bounds, T *y,
+                        int slots, int in_div, int n, int k) {
+    __shared__ __align__(16) T xs[8][SK_XSTRIDE];
+    const uint32_t e = blockIdx.y;
+    const int lo = bounds[e], hi = bounds[e + 1];
+    if (lo == hi) return;  // the whole block: no barrier is skipped by some threads only
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane >> 2, q = lane & 3;
+    const int col0 = blockIdx.x * SK_COLS + warp * 16;
+    const bool live = col0 < n;
+    const T *w0 = w + ((size_t)e * n + (live ? col0 + g : 0)) * k;
+    const T *w8 = w0 + (size_t)8 * k;
+    for (int r = lo; r < hi; r += 8) {
+        const int m = min(8, hi - r);
+        float acc[1][4];
+        skinny_segment<T, 1>(SlotRows<T>{x, sorted + slots + r, in_div, k}, w0, w8, xs, acc, m, 0, k, q, g,
+                             live);
+        // acc[0]: columns col0 + g (0, 1) and col0 + g + 8 (2, 3), slots r + 2q and + 1.
+        if (!live) continue;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = 2 * q + (i & 1), col = col0 + g + (i >> 1) * 8;
+            if (row < m) y[(size_t)sorted[slots + r + row] * n + col] = from_f<T>(acc[0][i]);
+        }
+    }
+}
+
+#define MOE_MMA(T, SUFFIX)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS, SK_BLOCKS_PER_SM)              \
+        moe_mma_##SUFFIX(const T *x, const T *w, const uint32_t *sorted, const uint32_t *bounds, \
+                         T *y, int slots, int in_div, int n, int k) {                          \
+        moe_mma<T>(x, w, sorted, bounds, y, slots, in_div, n, k);                              \
+    }
+MOE_MMA(__half, f16)
+MOE_MMA(__nv_bfloat16, bf16)

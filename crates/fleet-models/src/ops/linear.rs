@@ -154,9 +154,23 @@ fn gemv_dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usi
 /// (down). On CUDA (f16, bf16; `k` a multiple of 8, rows starting on 16 bytes) each touched
 /// expert's weights are read once for up to four of its slots at a time, an untouched one's
 /// not at all: the step is bound by the touched experts' bytes. Every output is [`gemv`]'s sum
-/// in [`gemv`]'s order, so the CPU twin is [`gemv`]'s row by row and the two agree bit for bit.
+/// in [`gemv`]'s order, so the CPU twin is [`gemv`]'s row by row and the two agree bit for bit
+/// (with `FLEET_MOE_MMA=1`, on the tensor cores: to a unit in the last place).
 pub fn moe_gemv(x: &Tensor, w: &Tensor, sorted: &Tensor, in_div: usize) -> Result<Tensor> {
     Ok(x.apply_op3_no_bwd(w, sorted, &MoeGemv { in_div })?)
+}
+
+/// Whether [`moe_gemv`] runs on the tensor cores on CUDA (the skinny GEMM's warps over each
+/// expert's slots, 8 at a time; sums in their order, within a unit in the last place of the
+/// twin's): `FLEET_MOE_MMA=1`, for `k` a multiple of 32 and `n` of 16. Off until measured on
+/// the GPU against the GEMV kernel (whose outputs are the twin's bit for bit).
+#[cfg(feature = "cuda")]
+static MOE_MMA: EnvSwitch = EnvSwitch::new("FLEET_MOE_MMA", false);
+
+/// Whether [`moe_gemv`] takes the tensor-core kernel for `[n, k]` experts (see [`MOE_MMA`]).
+#[cfg(feature = "cuda")]
+fn moe_mma_takes(n: usize, k: usize) -> bool {
+    MOE_MMA.on() && k.is_multiple_of(SKINNY_K_MULTIPLE) && n.is_multiple_of(SKINNY_N_MULTIPLE)
 }
 
 /// [`moe_gemv`] as a custom op.
@@ -595,14 +609,44 @@ mod cuda {
             // SAFETY: thread e (up to experts) reads the first `slots` ids of sorted (its
             // first row) and writes bounds[e].
             unsafe { builder.launch(cfg) }.w()?;
+            // SAFETY: the slots are a permutation (the routing's sort), so the kernel writes
+            // every one of the slots x n outputs.
+            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(slots * n)? };
+            let (slots_i, in_div_i, n_i, k_i) = (slots as i32, in_div as i32, n as i32, k as i32);
+            if super::moe_mma_takes(n, k) {
+                let func = dev.get_or_load_custom_func(
+                    &format!("moe_mma_{}", suffix(s1.dtype())?),
+                    MODULE,
+                    PTX,
+                )?;
+                let cfg = LaunchConfig {
+                    grid_dim: (n.div_ceil(super::SKINNY_COLS) as u32, experts as u32, 1),
+                    block_dim: (super::SKINNY_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut builder = func.builder();
+                builder.arg(&x);
+                builder.arg(&w);
+                builder.arg(&sorted);
+                builder.arg(&bounds);
+                builder.arg(&y);
+                builder.arg(&slots_i);
+                builder.arg(&in_div_i);
+                builder.arg(&n_i);
+                builder.arg(&k_i);
+                // SAFETY: block (b, e) reads expert e's rows b * SKINNY_COLS.. of w (below n,
+                // a multiple of 16, so a warp's 16 rows are all in or all out; k a multiple of
+                // 32), the slots bounds[e]..bounds[e + 1] of sorted and the rows of x they
+                // name (below rows: checked), 16 bytes at a time, and writes those slots'
+                // columns of y.
+                unsafe { builder.launch(cfg) }.w()?;
+                return Ok(CudaStorage::wrap_cuda_slice(y, dev));
+            }
             let func = dev.get_or_load_custom_func(
                 &format!("moe_gemv_{}", suffix(s1.dtype())?),
                 MODULE,
                 PTX,
             )?;
-            // SAFETY: the slots are a permutation (the routing's sort), so the kernel writes
-            // every one of the slots x n outputs.
-            let y: CudaSlice<T> = unsafe { dev.alloc::<T>(slots * n)? };
             let cfg = LaunchConfig {
                 grid_dim: (n.div_ceil(GEMV_WARPS * MOE_COLS) as u32, experts as u32, 1),
                 block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
@@ -614,11 +658,10 @@ mod cuda {
             builder.arg(&sorted);
             builder.arg(&bounds);
             builder.arg(&y);
-            let (slots, in_div, n, k) = (slots as i32, in_div as i32, n as i32, k as i32);
-            builder.arg(&slots);
-            builder.arg(&in_div);
-            builder.arg(&n);
-            builder.arg(&k);
+            builder.arg(&slots_i);
+            builder.arg(&in_div_i);
+            builder.arg(&n_i);
+            builder.arg(&k_i);
             let cols = MOE_COLS as i32;
             builder.arg(&cols);
             // SAFETY: block (b, e) reads expert e's rows b * GEMV_WARPS * MOE_COLS.. of w
@@ -1052,6 +1095,63 @@ mod kernel_tests {
         );
     }
 
+    /// `got` within a unit in the last place of `want` in `dtype` (bf16: 8 bits of
+    /// significand, f16: 11; at least the smallest normal f16's), plus 2^-18 of `scale` (sum
+    /// |x w| of each output) for the f32 sums' own rounding in another order: what a product
+    /// summed in the tensor cores' order may differ by. A fragment or slot mixed up is off by
+    /// the size of the values themselves.
+    fn assert_within_ulp(dtype: DType, got: &[f32], want: &[f32], scale: &[f32], what: &str) {
+        let bits = if dtype == DType::BF16 { 8 } else { 11 };
+        assert_eq!(got.len(), want.len(), "{dtype:?} {what}");
+        for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+            let ulp = w.abs().max(6.1e-5).log2().floor().exp2() / (1 << (bits - 1)) as f32;
+            let tol = ulp + s / (1 << 18) as f32;
+            assert!(
+                (g - w).abs() <= tol,
+                "{dtype:?} {what}: element {i}: {g} against {w} (within {tol})"
+            );
+        }
+    }
+
+    /// The MoE GEMV on the tensor cores (`FLEET_MOE_MMA`) agrees with its twin to a unit in
+    /// the last place (f16 and bf16; the 30B-A3B's gate/up and down shapes and short ones; an
+    /// expert with more than eight slots, one with none; a block's last warps past `n`); a
+    /// second launch gives the same bits.
+    #[test]
+    fn moe_mma_kernel_agrees_with_its_twin() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        let cpu = candle_core::Device::Cpu;
+        let host = |t: &Tensor| {
+            let t = t.to_dtype(DType::F32).unwrap().to_device(&cpu).unwrap();
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        // test_routing gives expert 0 no slot and another more than eight at 23 tokens.
+        for (tokens, top_k, experts, n, k) in [
+            (7, 4, 9, 80, 96),
+            (23, 8, 12, 1536, 2048),
+            (5, 8, 12, 2048, 768),
+        ] {
+            let (sorted, _) = super::tests::test_routing(tokens, top_k, experts);
+            for dtype in [DType::BF16, DType::F16] {
+                let w = test_tensor(&[experts, n, k], 4).to_dtype(dtype).unwrap();
+                for (rows, in_div) in [(tokens, top_k), (tokens * top_k, 1)] {
+                    let x = test_tensor(&[rows, k], 3).to_dtype(dtype).unwrap();
+                    let want = host(&moe_gemv(&x, &w, &sorted, in_div).unwrap());
+                    let abs = |t: &Tensor| t.abs().unwrap();
+                    let scale = host(&moe_gemv(&abs(&x), &abs(&w), &sorted, in_div).unwrap());
+                    let on = |t: &Tensor| t.to_device(&dev).unwrap();
+                    MOE_MMA.force(Some(true));
+                    let got = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
+                    let again = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
+                    MOE_MMA.force(None);
+                    let what = format!("tokens {tokens} n {n} k {k} in_div {in_div}");
+                    assert_eq!(host(&got), host(&again), "{dtype:?} {what}: not repeatable");
+                    assert_within_ulp(dtype, &host(&got), &want, &scale, &what);
+                }
+            }
+        }
+    }
+
     /// The skinny GEMM kernel agrees with its twin to a unit in the last place of the dtype
     /// (the tensor cores sum in their own order; both accumulate in f32 and round once), for
     /// every row-tile count (5 to 64 rows, rows past a tile's last padded), one split and many
@@ -1104,16 +1204,13 @@ mod kernel_tests {
                 // significand, f16: 11; at least the smallest normal f16's), plus 2^-18 of
                 // sum |x w| for the f32 sums' own rounding in another order. A fragment or
                 // split mixed up is off by the size of the values themselves.
-                let bits = if dtype == DType::BF16 { 8 } else { 11 };
-                let (got, want, scale) = (got.concat(), want.concat(), scale.concat());
-                for (i, ((g, w), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
-                    let ulp = w.abs().max(6.1e-5).log2().floor().exp2() / (1 << (bits - 1)) as f32;
-                    let tol = ulp + s / (1 << 18) as f32;
-                    assert!(
-                        (g - w).abs() <= tol,
-                        "{dtype:?} m {m} n {n} k {k}: element {i}: {g} against {w} (within {tol})"
-                    );
-                }
+                assert_within_ulp(
+                    dtype,
+                    &got.concat(),
+                    &want.concat(),
+                    &scale.concat(),
+                    &format!("m {m} n {n} k {k}"),
+                );
             }
             // Through linear: 12 rows of a 3-D input take the kernel (switched on for this
             // process), the bias added after.
