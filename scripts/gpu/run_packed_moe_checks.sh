@@ -17,7 +17,7 @@
 #
 #   WHAT=tests bash scripts/gpu/run_packed_moe_checks.sh
 #   WHAT="moe_prefill moe_decode" JUDGE_XZ=dist/carry/edit-score-nofa3.xz bash scripts/gpu/run_packed_moe_checks.sh
-#   WHAT="moe_gemv moe_ab" bash scripts/gpu/run_packed_moe_checks.sh   # carries
+#   WHAT="moe_gemv moe_ab prefill_profile" bash scripts/gpu/run_packed_moe_checks.sh   # carries
 #                  dist/carry/lib-tests.tar.xz and edit-score-nofa3.xz; AB_VAR (FLEET_MOE_MMA)
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
@@ -105,6 +105,21 @@ moe_ab)
     NAME=moe30_decode_step_b32_${V}1 STAGE=gen.decode@20 NCU_TIMEOUT=200 bash scripts/gpu/profile_stage.sh \
     $W/es bench --config $C --image-size 1024 --batch 32 --samples 32 --new-tokens 32
   head -8 $OUT/kernels_moe30_decode_step_b32_${V}1.txt ;;
+prefill_profile)
+  # Where the 30B-A3B judge's prefill goes (batch 32, 1024 px): a FLEET_PROFILE=1 run (its
+  # stage table in the JSON's `profile`), then ncu of one prompt pass of the generation (the
+  # 5th gen.prefill call, a pass of three prompts in the warm-up's second generation, kernels
+  # loaded and the pool grown), every kernel.
+  W=/tmp/npp; mkdir -p $W
+  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
+  C=configs/models/qwen3-vl-30b-a3b.json
+  FLEET_PROFILE=1 timeout 240 $W/es bench --config $C --image-size 1024 --batch 32 --samples 32 \
+    --new-tokens 16 --json $OUT/judge30_b32_profile.json > $W/p.log 2>&1 || tail -3 $W/p.log
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(f'{s:32s} {t:8.3f} s {n:6d} calls') for s,t,n in d['profile'][:25]]" $OUT/judge30_b32_profile.json || true
+  METRICS=gpu__time_duration.sum,dram__bytes_read.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+    TOP=30 NAME=moe30_prefill_pass STAGE=gen.prefill@5 NCU_TIMEOUT=300 bash scripts/gpu/profile_stage.sh \
+    $W/es bench --config $C --image-size 1024 --batch 8 --samples 8 --new-tokens 2
+  head -34 $OUT/kernels_moe30_prefill_pass.txt ;;
 torch30)
   # transformers' 30B-A3B judge at TORCH_BATCH (default 32), 1024 px, 128 greedy tokens.
   b=${TORCH_BATCH:-32}
