@@ -214,14 +214,20 @@ MOE_GEMV(__nv_bfloat16, bf16)
 
 // This thread's 16-byte pieces of its two w rows (g and g + 8 of the warp's 16) for the
 // SK_UNROLL k-blocks of the chunk at kc (zeros past `kn` or for a warp past the last column).
+// `stream`: w is read once a launch, so its loads evict first; otherwise they stay cached (a
+// MoE expert with more than one group of slots reads its rows again).
 template <typename T>
 __device__ __forceinline__ void skinny_load_w(const T *w0, const T *w8, int kc, int kn, int q, bool live,
-                                              uint4 *wa, uint4 *wb) {
+                                              bool stream, uint4 *wa, uint4 *wb) {
+    auto load = [&](const T *p) {
+        const uint4 *v = reinterpret_cast<const uint4 *>(p);
+        return stream ? __ldcs(v) : __ldg(v);
+    };
 #pragma unroll
     for (int u = 0; u < SK_UNROLL; ++u) {
         if (live && u * SK_KB < kn) {
-            wa[u] = __ldcs(reinterpret_cast<const uint4 *>(w0 + kc + u * SK_KB + 8 * q));
-            wb[u] = __ldcs(reinterpret_cast<const uint4 *>(w8 + kc + u * SK_KB + 8 * q));
+            wa[u] = load(w0 + kc + u * SK_KB + 8 * q);
+            wb[u] = load(w8 + kc + u * SK_KB + 8 * q);
         } else {
             wa[u] = make_uint4(0, 0, 0, 0);
             wb[u] = make_uint4(0, 0, 0, 0);
@@ -235,8 +241,8 @@ template <typename T> struct DenseRows {
     int k;
     __device__ __forceinline__ const T *operator()(int r) const { return x + (size_t)r * k; }
 };
-// ... or a MoE expert's slots (positions `first`.. of the sorted slots), slot s reading row
-// s / in_div (the gate/up projection reads its token's row, down the slot's own).
+// ... or a MoE expert's slots (the sorted slots from `slot` on), slot s reading row s / in_div
+// (the gate/up projection reads its token's row, down the slot's own).
 template <typename T> struct SlotRows {
     const T *x;
     const uint32_t *slot;
@@ -246,28 +252,36 @@ template <typename T> struct SlotRows {
     }
 };
 
-// k from k0 to k1 into acc: the warp's 16 columns by the block's m x rows (`row(r)`).
+// k from k0 to k1 into acc: the warp's 16 columns by the block's m x rows (`row(r)`); w's
+// loads streamed or cached as `stream` says (skinny_load_w).
 template <typename T, int NT, typename Rows>
 __device__ __forceinline__ void skinny_segment(const Rows &row, const T *w0, const T *w8, T (*xs)[SK_XSTRIDE],
                                                float (*acc)[4], int m, int k0, int k1, int q,
-                                               int g, bool live) {
+                                               int g, bool live, bool stream) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
     uint4 wa[SK_UNROLL], wb[SK_UNROLL], na[SK_UNROLL], nb[SK_UNROLL];
-    skinny_load_w<T>(w0, w8, k0, k1 - k0, q, live, wa, wb);
-    // x staging: NT * 8 rows of SK_KCHUNK / 8 vectors, NT vectors a thread (128 threads).
+    skinny_load_w<T>(w0, w8, k0, k1 - k0, q, live, stream, wa, wb);
+    // x staging: NT * 8 rows of SK_KCHUNK / 8 vectors, NT vectors a thread (128 threads), each
+    // thread's vectors at the same rows and columns of every chunk: their rows are found once.
     constexpr int XV = NT * 8 * (SK_KCHUNK / 8) / (32 * SK_WARPS);
+    const T *xrow[XV];
+#pragma unroll
+    for (int j = 0; j < XV; ++j) {
+        const int r = (threadIdx.x + j * 32 * SK_WARPS) / (SK_KCHUNK / 8);
+        xrow[j] = r < m ? row(r) : nullptr;
+    }
     for (int kc = k0; kc < k1; kc += SK_KCHUNK) {
         const int kn = min(SK_KCHUNK, k1 - kc);  // a multiple of 32
         // The next chunk's w is in flight while this one's x is staged and multiplied.
-        if (kc + SK_KCHUNK < k1) skinny_load_w<T>(w0, w8, kc + SK_KCHUNK, k1 - kc - SK_KCHUNK, q, live, na, nb);
+        if (kc + SK_KCHUNK < k1)
+            skinny_load_w<T>(w0, w8, kc + SK_KCHUNK, k1 - kc - SK_KCHUNK, q, live, stream, na, nb);
         uint4 xv[XV];
 #pragma unroll
         for (int j = 0; j < XV; ++j) {
-            const int i = threadIdx.x + j * 32 * SK_WARPS;
-            const int r = i / (SK_KCHUNK / 8), c = i % (SK_KCHUNK / 8);
+            const int c = (threadIdx.x + j * 32 * SK_WARPS) % (SK_KCHUNK / 8);
             xv[j] = make_uint4(0, 0, 0, 0);
-            if (r < m && c * 8 < kn) xv[j] = __ldg(reinterpret_cast<const uint4 *>(row(r) + kc + c * 8));
+            if (xrow[j] && c * 8 < kn) xv[j] = __ldg(reinterpret_cast<const uint4 *>(xrow[j] + kc + c * 8));
         }
         __syncthreads();  // the chunk before is read
 #pragma unroll
@@ -318,7 +332,7 @@ __device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsign
         const T *w8 = w0 + (size_t)8 * k;
         float acc[NT][4];
         skinny_segment<T, NT>(DenseRows<T>{x, k}, w0, w8, xs, acc, m, c0 * SK_KCHUNK, min(k, c1 * SK_KCHUNK), q, g,
-                              live);
+                              live, true);
         // acc[t]: columns col0 + g (0, 1) and col0 + g + 8 (2, 3), x rows t * 8 + 2q and + 1.
         if (c0 == 0 && c1 == cpt) {
             if (!live) continue;
@@ -403,9 +417,10 @@ SKINNYS(__nv_bfloat16, bf16)
 
 // The MoE decode's products on the tensor cores: `moe_gemv`'s work (expert e's slots
 // bounds[e]..bounds[e + 1] against its weights) as the skinny GEMM's warps do it. Block (b, e)
-// takes expert e's columns b * SK_COLS.. (16 a warp, w read once, streamed) and its slots 8 at a
-// time (the mma's narrow side; an expert with more reads its columns again from L2), their x
-// rows gathered into shared memory 128 k at a time. Why: `moe_gemv` reloads and converts every
+// takes expert e's columns b * SK_COLS.. (16 a warp) and its slots 8 at a time (the mma's
+// narrow side), their x rows gathered into shared memory 128 k at a time. w is streamed (read
+// once) where the expert has at most 8 slots; an expert with more keeps its rows cached for
+// the next group. Why: `moe_gemv` reloads and converts every
 // slot's input for each column, so its instructions, not its bytes, set its pace (ncu on an
 // H200, 30B-A3B decode at batch 32: 0.7-0.9 TB/s, and holding the weights in registers changed
 // nothing). Sums in f32 in the tensor cores' order, rounded once: within a unit in the last
@@ -427,7 +442,7 @@ __device__ void moe_mma(const T *x, const T *w, const uint32_t *sorted, const ui
         const int m = min(8, hi - r);
         float acc[1][4];
         skinny_segment<T, 1>(SlotRows<T>{x, sorted + slots + r, in_div, k}, w0, w8, xs, acc, m, 0, k, q, g,
-                             live);
+                             live, hi - lo <= 8);
         // acc[0]: columns col0 + g (0, 1) and col0 + g + 8 (2, 3), slots r + 2q and + 1.
         if (!live) continue;
 #pragma unroll

@@ -1035,6 +1035,10 @@ mod kernel_tests {
         }
     }
 
+    /// Held by the tests that force [`MOE_MMA`] (a process-wide switch), so that a parallel
+    /// `cargo test` does not run one under the other's choice.
+    static MOE_MMA_SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     /// The MoE GEMV kernel gives its twin's values exactly (f16 and bf16; the gate/up and
     /// down shapes; an expert with more than four slots, one with none; columns past a block's
     /// last warp; rows of 768 to 4104 elements, a lane's last chunks missing).
@@ -1044,6 +1048,7 @@ mod kernel_tests {
         let cpu = candle_core::Device::Cpu;
         let (tokens, top_k, experts, n) = (7, 4, 9, 70);
         let (sorted, _) = super::tests::test_routing(tokens, top_k, experts);
+        let _switch = MOE_MMA_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
         for k in [768, 1032, 2056, 4104] {
             for dtype in [DType::BF16, DType::F16] {
                 let w = test_tensor(&[experts, n, k], 4).to_dtype(dtype).unwrap();
@@ -1127,9 +1132,13 @@ mod kernel_tests {
             let t = t.to_dtype(DType::F32).unwrap().to_device(&cpu).unwrap();
             t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
         };
-        // test_routing gives expert 0 no slot and another more than eight at 23 tokens.
+        let _switch = MOE_MMA_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        // test_routing gives expert 0 no slot in each case; at 23 tokens the others 14 to 23
+        // (groups of 8 and short ones). (23, 8, 12, 80, 160): a block's dead warps through
+        // several groups, and two k chunks of which the second is short.
         for (tokens, top_k, experts, n, k) in [
             (7, 4, 9, 80, 96),
+            (23, 8, 12, 80, 160),
             (23, 8, 12, 1536, 2048),
             (5, 8, 12, 2048, 768),
         ] {
