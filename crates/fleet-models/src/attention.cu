@@ -284,6 +284,333 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
     }
 }
 
+// The backward of flash_mma's function (FlashAttention-2's backward, Dao 2023, in its
+// deterministic form: no atomics), in two kernels that each recompute the probabilities from
+// q and k. `flash_bwd_dq` (one block per 64 queries of a head, as the forward) walks the keys
+// twice: first for each query's log-sum-exp (the forward's running max and sum; written to
+// `lse` in the scaled log2 units the second kernel reads), then for dq = dS k with
+// dS = P (dP - D) scale, dP = dO vᵀ and D = rowsum(dO o) given (`dvec`, [B, Lq, H] f32).
+// `flash_bwd_dkv` (one block per 64 keys of a KV head, 16 keys a warp) walks every query head
+// of its group and the queries 16 at a time for dv = Pᵀ dO and dk = dSᵀ q, summed in registers
+// in a fixed order. Probabilities and dS are rounded to T before they multiply, as the unfused
+// path's matmuls take them in T. Layouts and mask as flash_mma; dq [B, Lq, H, D], dk and dv
+// [B, Lk, KVH, D] contiguous. Staging is plain loads (no cp.async pipeline): a first version.
+__device__ __forceinline__ bool key_visible(int qi, int j, int Lq, int Lk, int shift, int causal,
+                                            int ks) {
+    const int qabs = qi + shift;
+    return qi < Lq && j < Lk && (!causal || j <= qabs) && (j >= ks || j == qabs);
+}
+
+// Query qi's first key (0 without key_start; one per row or one per query).
+__device__ __forceinline__ int first_key(const uint32_t *key_start, int ks_per_query, int b,
+                                         int qi, int Lq) {
+    if (!key_start) return 0;
+    if (ks_per_query) return qi < Lq ? (int)key_start[(long)b * Lq + qi] : 0;
+    return (int)key_start[b];
+}
+
+template <typename T, int DP>
+__device__ void flash_bwd_dq(const T *__restrict__ q, const T *__restrict__ k,
+                             const T *__restrict__ v, const T *__restrict__ go,
+                             const float *__restrict__ dvec, const uint32_t *__restrict__ key_start,
+                             T *__restrict__ dq, float *__restrict__ lse_out, int H, int KVH,
+                             int Lq, int Lk, int D, long qsb, long qsl, long qsh, long ksb,
+                             long ksl, long ksh, long vsb, long vsl, long vsh, long gsb, long gsl,
+                             long gsh, float scale, int causal, int ks_per_query) {
+    constexpr int LD = DP + 8;
+    constexpr int KD = DP / 16;
+    constexpr int DT = DP / 8;
+    constexpr int NT = BLOCK_N / 8;
+    constexpr int BM = WARPS * ROWS;
+    static_assert(DT % 2 == 0 && NT % 2 == 0, "ldmatrix.x4 reads tiles in pairs");
+    __shared__ __align__(16) T tiles[2 * BLOCK_N * LD]; // K then V tile (q and dO staging first)
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane >> 2, qd = lane & 3;
+    const int q0 = blockIdx.x * BM;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (H / KVH);
+    const int shift = Lk - Lq;
+    const int q_last = min(q0 + BM, Lq) - 1;
+    const int kstart = first_key(key_start, ks_per_query, b, min(q0, q_last), Lq);
+
+    stage_rows<T, DP>(tiles, q + b * qsb + h * qsh, qsl, q0, BM, Lq, D);
+    stage_rows<T, DP>(tiles + BLOCK_N * LD, go + b * gsb + h * gsh, gsl, q0, BM, Lq, D);
+    __syncthreads();
+    uint32_t qf[KD][4], gf[KD][4];
+#pragma unroll
+    for (int c = 0; c < KD; ++c) {
+        const int off = (warp * ROWS + (lane & 15)) * LD + c * 16 + (lane >> 4) * 8;
+        ldmatrix_x4(qf[c], tiles + off);
+        ldmatrix_x4(gf[c], tiles + BLOCK_N * LD + off);
+    }
+    const int row0 = q0 + warp * ROWS + g; // this lane's rows: row0 and row0 + 8
+    int ks_row[2];
+    float drow[2];
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        const int qi = row0 + 8 * rs;
+        ks_row[rs] = first_key(key_start, ks_per_query, b, qi, Lq);
+        drow[rs] = qi < Lq ? dvec[((long)b * Lq + qi) * H + h] : 0.f;
+    }
+
+    const int k_end = causal ? min(Lk, q_last + shift + 1) : Lk;
+    int k_begin = key_start ? min(kstart, max(q0 + shift, 0)) : 0;
+    k_begin = (k_begin / BLOCK_N) * BLOCK_N;
+    const T *kh = k + b * ksb + kvh * ksh;
+    const T *vh = v + b * vsb + kvh * vsh;
+    T *ks = tiles, *vs = tiles + BLOCK_N * LD;
+    const float scale_log2 = scale * 1.4426950408889634f;
+    const int k_row = (lane >> 4) * 8 + (lane & 7), k_col = ((lane >> 3) & 1) * 8;
+    const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
+
+    // S = q kᵀ of key tile kt (raw scores, hidden keys -inf) into s.
+    auto scores = [&](int kt, float (*s)[4]) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int c = 0; c < KD; ++c)
+#pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                uint32_t kb[4];
+                ldmatrix_x4(kb, ks + (n * 8 + k_row) * LD + c * 16 + k_col);
+                mma16816<T>(s[n], qf[c], kb);
+                mma16816<T>(s[n + 1], qf[c], kb + 2);
+            }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int rs = e >> 1, j = kt + n * 8 + 2 * qd + (e & 1);
+                if (!key_visible(row0 + 8 * rs, j, Lq, Lk, shift, causal, ks_row[rs]))
+                    s[n][e] = -INFINITY;
+            }
+    };
+
+    // Sweep 1: each query's running max and sum over its visible keys.
+    __syncthreads(); // the fragments are held: the staging area becomes the K tile
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (int kt = k_begin; kt < k_end; kt += BLOCK_N) {
+        stage_rows<T, DP>(ks, kh, ksl, kt, BLOCK_N, Lk, D);
+        __syncthreads();
+        float s[NT][4];
+        scores(kt, s);
+        __syncthreads(); // the K tile is read before the next one overwrites it
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+        float m_new[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs) {
+            tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 1));
+            tile_max[rs] = fmaxf(tile_max[rs], __shfl_xor_sync(0xffffffff, tile_max[rs], 2));
+            m_new[rs] = fmaxf(m[rs], tile_max[rs] * scale_log2);
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int rs = e >> 1;
+                if (m_new[rs] != -INFINITY)
+                    sum[rs] += exp2_approx(fmaf(s[n][e], scale_log2, -m_new[rs]));
+            }
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs) {
+            sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 1);
+            sum[rs] += __shfl_xor_sync(0xffffffff, sum[rs], 2);
+            const float alpha = m_new[rs] == -INFINITY ? 1.f : exp2_approx(m[rs] - m_new[rs]);
+            l[rs] = l[rs] * alpha + sum[rs];
+            m[rs] = m_new[rs];
+        }
+    }
+    // In scaled log2 units: p = exp2(s * scale_log2 - lse). A row past Lq sees no key: +inf
+    // makes every p 0.
+    float lse[2];
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        lse[rs] = l[rs] > 0.f ? m[rs] + __log2f(l[rs]) : INFINITY;
+        const int qi = row0 + 8 * rs;
+        if (qd == 0 && qi < Lq) lse_out[((long)b * H + h) * Lq + qi] = lse[rs];
+    }
+
+    // Sweep 2: dq.
+    float acc[DT][4];
+#pragma unroll
+    for (int t = 0; t < DT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    for (int kt = k_begin; kt < k_end; kt += BLOCK_N) {
+        stage_rows<T, DP>(ks, kh, ksl, kt, BLOCK_N, Lk, D);
+        stage_rows<T, DP>(vs, vh, vsl, kt, BLOCK_N, Lk, D);
+        __syncthreads();
+        float s[NT][4], dp[NT][4];
+        scores(kt, s);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+        for (int c = 0; c < KD; ++c)
+#pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                uint32_t vb[4];
+                ldmatrix_x4(vb, vs + (n * 8 + k_row) * LD + c * 16 + k_col);
+                mma16816<T>(dp[n], gf[c], vb);
+                mma16816<T>(dp[n + 1], gf[c], vb + 2);
+            }
+        uint32_t dsa[NT / 2][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float ds[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int rs = e >> 1;
+                const float p = rnd<T>(exp2_approx(fmaf(s[n][e], scale_log2, -lse[rs])));
+                ds[e] = p * (dp[n][e] - drow[rs]) * scale;
+            }
+            dsa[n / 2][(n & 1) * 2 + 0] = pack2<T>(ds[0], ds[1]);
+            dsa[n / 2][(n & 1) * 2 + 1] = pack2<T>(ds[2], ds[3]);
+        }
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk)
+#pragma unroll
+            for (int t = 0; t < DT; t += 2) {
+                uint32_t kb[4];
+                ldmatrix_x4_trans(kb, ks + (kk * 16 + v_row) * LD + t * 8 + v_col);
+                mma16816<T>(acc[t], dsa[kk], kb);
+                mma16816<T>(acc[t + 1], dsa[kk], kb + 2);
+            }
+        __syncthreads(); // K and V are read before the next tiles overwrite them
+    }
+#pragma unroll
+    for (int t = 0; t < DT; ++t)
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs) {
+            const int qi = row0 + 8 * rs, col = t * 8 + 2 * qd;
+            if (qi < Lq && col < D)
+                *reinterpret_cast<uint32_t *>(dq + (((long)b * Lq + qi) * H + h) * D + col) =
+                    pack2<T>(acc[t][2 * rs], acc[t][2 * rs + 1]);
+        }
+}
+
+constexpr int QT = 16; // queries per step of flash_bwd_dkv
+
+template <typename T, int DP>
+__device__ void flash_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k,
+                              const T *__restrict__ v, const T *__restrict__ go,
+                              const float *__restrict__ dvec, const float *__restrict__ lse,
+                              const uint32_t *__restrict__ key_start, T *__restrict__ dk,
+                              T *__restrict__ dv, int H, int KVH, int Lq, int Lk, int D, long qsb,
+                              long qsl, long qsh, long ksb, long ksl, long ksh, long vsb, long vsl,
+                              long vsh, long gsb, long gsl, long gsh, float scale, int causal,
+                              int ks_per_query) {
+    constexpr int LD = DP + 8;
+    constexpr int KD = DP / 16;
+    constexpr int DT = DP / 8;
+    static_assert(DT % 2 == 0, "ldmatrix.x4 reads tiles in pairs");
+    constexpr int BK = WARPS * ROWS; // keys a block
+    __shared__ __align__(16) T kvs[2 * BK * LD];       // the block's K rows, then its V rows
+    __shared__ __align__(16) T qgs[2 * QT * LD];       // a step's q rows, then its dO rows
+    __shared__ float lse_s[QT], d_s[QT];
+    __shared__ int ks_s[QT];
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane >> 2, qd = lane & 3;
+    const int k0 = blockIdx.x * BK;
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int group = H / KVH;
+    const int shift = Lk - Lq;
+    T *ksm = kvs, *vsm = kvs + BK * LD, *qs = qgs, *gs = qgs + QT * LD;
+    stage_rows<T, DP>(ksm, k + b * ksb + kvh * ksh, ksl, k0, BK, Lk, D);
+    stage_rows<T, DP>(vsm, v + b * vsb + kvh * vsh, vsl, k0, BK, Lk, D);
+
+    const float scale_log2 = scale * 1.4426950408889634f;
+    const int a_off = (warp * ROWS + (lane & 15)) * LD + (lane >> 4) * 8;
+    const int k_row = (lane >> 4) * 8 + (lane & 7), k_col = ((lane >> 3) & 1) * 8;
+    const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8, v_col = (lane >> 4) * 8;
+    const int key0 = k0 + warp * ROWS + g; // this lane's keys: key0 and key0 + 8
+
+    float dka[DT][4], dva[DT][4];
+#pragma unroll
+    for (int t = 0; t < DT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dka[t][e] = dva[t][e] = 0.f;
+
+    // Causal: no query before the block's first key's position sees it.
+    const int q_begin = causal ? (max(0, k0 - shift) / QT) * QT : 0;
+    for (int hh = 0; hh < group; ++hh) {
+        const int h = kvh * group + hh;
+        for (int qt = q_begin; qt < Lq; qt += QT) {
+            __syncthreads(); // the last step's q and dO are read
+            stage_rows<T, DP>(qs, q + b * qsb + h * qsh, qsl, qt, QT, Lq, D);
+            stage_rows<T, DP>(gs, go + b * gsb + h * gsh, gsl, qt, QT, Lq, D);
+            if (threadIdx.x < QT) {
+                const int qi = qt + threadIdx.x;
+                lse_s[threadIdx.x] = qi < Lq ? lse[((long)b * H + h) * Lq + qi] : INFINITY;
+                d_s[threadIdx.x] = qi < Lq ? dvec[((long)b * Lq + qi) * H + h] : 0.f;
+                ks_s[threadIdx.x] = first_key(key_start, ks_per_query, b, qi, Lq);
+            }
+            __syncthreads();
+            // Sᵀ = k qᵀ and dPᵀ = v dOᵀ: 16 keys by QT queries (two 8-query tiles).
+            float st[2][4], dpt[2][4];
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+#pragma unroll
+            for (int c = 0; c < KD; ++c) {
+                uint32_t ka[4], va[4], qb[4], gb[4];
+                ldmatrix_x4(ka, ksm + a_off + c * 16);
+                ldmatrix_x4(va, vsm + a_off + c * 16);
+                ldmatrix_x4(qb, qs + k_row * LD + c * 16 + k_col);
+                ldmatrix_x4(gb, gs + k_row * LD + c * 16 + k_col);
+                mma16816<T>(st[0], ka, qb);
+                mma16816<T>(st[1], ka, qb + 2);
+                mma16816<T>(dpt[0], va, gb);
+                mma16816<T>(dpt[1], va, gb + 2);
+            }
+            // Pᵀ and dSᵀ, rounded to T as the A operands of dv and dk (rows: keys; k: queries).
+            uint32_t pa[4], dsa[4];
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                float p[4], ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = key0 + 8 * (e >> 1), c = n * 8 + 2 * qd + (e & 1);
+                    const int qi = qt + c;
+                    const bool vis = key_visible(qi, j, Lq, Lk, shift, causal, ks_s[c]);
+                    p[e] = vis ? rnd<T>(exp2_approx(fmaf(st[n][e], scale_log2, -lse_s[c]))) : 0.f;
+                    ds[e] = p[e] * (dpt[n][e] - d_s[c]) * scale;
+                }
+                pa[n * 2 + 0] = pack2<T>(p[0], p[1]);
+                pa[n * 2 + 1] = pack2<T>(p[2], p[3]);
+                dsa[n * 2 + 0] = pack2<T>(ds[0], ds[1]);
+                dsa[n * 2 + 1] = pack2<T>(ds[2], ds[3]);
+            }
+            // dv += Pᵀ dO, dk += dSᵀ q (B: the step's rows k-major, by ldmatrix.trans).
+#pragma unroll
+            for (int t = 0; t < DT; t += 2) {
+                uint32_t gb[4], qb[4];
+                ldmatrix_x4_trans(gb, gs + v_row * LD + t * 8 + v_col);
+                ldmatrix_x4_trans(qb, qs + v_row * LD + t * 8 + v_col);
+                mma16816<T>(dva[t], pa, gb);
+                mma16816<T>(dva[t + 1], pa, gb + 2);
+                mma16816<T>(dka[t], dsa, qb);
+                mma16816<T>(dka[t + 1], dsa, qb + 2);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < DT; ++t)
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs) {
+            const int j = key0 + 8 * rs, col = t * 8 + 2 * qd;
+            if (j < Lk && col < D) {
+                const long at = (((long)b * Lk + j) * KVH + kvh) * D + col;
+                *reinterpret_cast<uint32_t *>(dk + at) = pack2<T>(dka[t][2 * rs], dka[t][2 * rs + 1]);
+                *reinterpret_cast<uint32_t *>(dv + at) = pack2<T>(dva[t][2 * rs], dva[t][2 * rs + 1]);
+            }
+        }
+}
+
 } // namespace
 
 // bf16 mma.sync, ldmatrix and cp.async need sm_80: built for an older GPU the kernels are
@@ -319,3 +646,37 @@ FLASH_MMA(flash_mma_bf16_d64_r1, __nv_bfloat16, 64, 1, 3)
 FLASH_MMA(flash_mma_bf16_d80_r1, __nv_bfloat16, 80, 1, 3)
 FLASH_MMA(flash_mma_f16_d64_r1, __half, 64, 1, 3)
 FLASH_MMA(flash_mma_f16_d80_r1, __half, 80, 1, 3)
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define BWD_DQ_BODY(T, DP)                                                                       \
+    flash_bwd_dq<T, DP>(q, k, v, go, dvec, key_start, dq, lse, H, KVH, Lq, Lk, D, qsb, qsl, qsh, \
+                        ksb, ksl, ksh, vsb, vsl, vsh, gsb, gsl, gsh, scale, causal, ks_per_query);
+#define BWD_DKV_BODY(T, DP)                                                                      \
+    flash_bwd_dkv<T, DP>(q, k, v, go, dvec, lse, key_start, dk, dv, H, KVH, Lq, Lk, D, qsb, qsl, \
+                         qsh, ksb, ksl, ksh, vsb, vsl, vsh, gsb, gsl, gsh, scale, causal,        \
+                         ks_per_query);
+#else
+#define BWD_DQ_BODY(T, DP)
+#define BWD_DKV_BODY(T, DP)
+#endif
+
+// The backward's two kernels (FLEET_FLASH_BWD=1; attention.rs `flash_backward_fused`).
+#define FLASH_BWD(SUFFIX, T, DP)                                                                 \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_dq_##SUFFIX(           \
+        const T *q, const T *k, const T *v, const T *go, const float *dvec,                      \
+        const uint32_t *key_start, T *dq, float *lse, int H, int KVH, int Lq, int Lk, int D,     \
+        long qsb, long qsl, long qsh, long ksb, long ksl, long ksh, long vsb, long vsl,          \
+        long vsh, long gsb, long gsl, long gsh, float scale, int causal, int ks_per_query) {     \
+        BWD_DQ_BODY(T, DP)                                                                       \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_dkv_##SUFFIX(          \
+        const T *q, const T *k, const T *v, const T *go, const float *dvec, const float *lse,    \
+        const uint32_t *key_start, T *dk, T *dv, int H, int KVH, int Lq, int Lk, int D,          \
+        long qsb, long qsl, long qsh, long ksb, long ksl, long ksh, long vsb, long vsl,          \
+        long vsh, long gsb, long gsl, long gsh, float scale, int causal, int ks_per_query) {     \
+        BWD_DKV_BODY(T, DP)                                                                      \
+    }
+FLASH_BWD(bf16_d64, __nv_bfloat16, 64)
+FLASH_BWD(bf16_d128, __nv_bfloat16, 128)
+FLASH_BWD(f16_d64, __half, 64)
+FLASH_BWD(f16_d128, __half, 128)

@@ -498,7 +498,7 @@ impl CustomOp3 for FlashAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        _out: &Tensor,
+        out: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let mask = Mask {
@@ -507,13 +507,23 @@ impl CustomOp3 for FlashAttention {
         };
         let err = |e: ModelError| candle_core::Error::Msg(e.to_string());
         let t = |x: &Tensor| x.transpose(1, 2);
+        // The output (and so its gradient) is token-major either way; the inputs are
+        // head-major views if so marked.
+        let (tq, tk, tv) = if self.head_major {
+            (t(q)?, t(k)?, t(v)?)
+        } else {
+            (q.clone(), k.clone(), v.clone())
+        };
+        let fused = flash_backward_fused(&tq, &tk, &tv, out, grad, self.scale, &mask);
+        let (dq, dk, dv) = match fused.map_err(err)? {
+            Some(grads) => grads,
+            None => flash_backward(&tq, &tk, &tv, grad, self.scale, &mask).map_err(err)?,
+        };
+        // Token-major gradients, handed back as views in the inputs' layout: no copies.
         let (dq, dk, dv) = if self.head_major {
-            // Token-major views in, head-major gradients out: no copies either way.
-            let (dq, dk, dv) =
-                flash_backward(&t(q)?, &t(k)?, &t(v)?, grad, self.scale, &mask).map_err(err)?;
             (t(&dq)?, t(&dk)?, t(&dv)?)
         } else {
-            flash_backward(q, k, v, grad, self.scale, &mask).map_err(err)?
+            (dq, dk, dv)
         };
         Ok((Some(dq), Some(dk), Some(dv)))
     }
@@ -591,6 +601,53 @@ pub fn flash_backward(
     ))
 }
 
+/// Whether [`flash_backward_fused`] runs (`FLEET_FLASH_BWD=1`): off until measured on the GPU
+/// against the composed [`flash_backward`].
+static FLASH_BWD: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_FLASH_BWD", false);
+
+/// [`flash_backward`] as two fused kernels, the probabilities never written to memory
+/// (FlashAttention-2's backward in its deterministic form: one kernel for `dq` and each
+/// query's log-sum-exp, one for `dk` and `dv` summed over the query heads of a KV head in
+/// registers, no atomics), for the same token-major inputs plus the forward's output `out`
+/// (for `D = rowsum(g ∘ out)`). `None` where it does not run: off a GPU, with
+/// `FLEET_FLASH_BWD` off, or for other dtypes (bf16, f16) and head dims (64, 128). Its sums
+/// run in the tensor cores' order and it rounds the probabilities and `dS` to the dtype once
+/// each, so it agrees with [`flash_backward`] to the dtype's rounding, not bit for bit.
+pub fn flash_backward_fused(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    g: &Tensor,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    let d = q.dims().last().copied().unwrap_or(0);
+    if !FLASH_BWD.on()
+        || !supported(q)
+        || !matches!(d, 64 | 128)
+        || !matches!(q.dtype(), DType::BF16 | DType::F16)
+    {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let (q, k, v, g) = (aligned(q)?, aligned(k)?, aligned(v)?, aligned(&g.detach())?);
+        // D = rowsum(g ∘ out) per query and head, f32 [b, q_len, h].
+        let dvec = (g.to_dtype(DType::F32)? * out.detach().to_dtype(DType::F32)?)?
+            .sum(3)?
+            .contiguous()?;
+        Ok(Some(cuda::flash_backward(
+            &q, &k, &v, &g, &dvec, scale, mask,
+        )?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (k, v, out, g, scale, mask);
+        Ok(None)
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
@@ -598,7 +655,7 @@ mod cuda {
         CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Shape, Storage};
+    use candle_core::{CudaStorage, DType, Layout, Shape, Storage, Tensor};
     use half::{bf16, f16};
 
     use super::FlashAttention;
@@ -722,6 +779,162 @@ mod cuda {
         };
         let (b, q_len, h, d) = op.token_major(l1.shape())?;
         Ok((out, Shape::from((b, q_len, h, d))))
+    }
+
+    /// [`super::flash_backward_fused`]'s kernels for token-major `q`, `k`, `v`, `g` whose head
+    /// dimension is contiguous and strides multiples of 8 (`aligned`), and `dvec` f32
+    /// `[b, q_len, h]` contiguous: `flash_bwd_dq` (dq and each query's log-sum-exp), then
+    /// `flash_bwd_dkv`. Returns contiguous token-major `(dq, dk, dv)`.
+    pub(super) fn flash_backward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        dvec: &Tensor,
+        scale: f32,
+        mask: &super::Mask,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            [q, k, v, g]: [&Tensor; 4],
+            dvec: &Tensor,
+            scale: f32,
+            mask: &super::Mask,
+        ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+            let (b, q_len, h, d) = q.dims4()?;
+            let (_, kv_len, kvh, _) = k.dims4()?;
+            if v.dims() != k.dims() || g.dims() != q.dims() || dvec.dims() != [b, q_len, h] {
+                candle_core::bail!(
+                    "flash_backward: q {:?}, k {:?}, v {:?}, grad {:?}, D {:?} do not fit",
+                    q.dims(),
+                    k.dims(),
+                    v.dims(),
+                    g.dims(),
+                    dvec.dims()
+                );
+            }
+            let storages = [q, k, v, g, dvec].map(|t| t.storage_and_layout());
+            let cuda = |i: usize| -> candle_core::Result<&CudaStorage> {
+                match &*storages[i].0 {
+                    Storage::Cuda(c) => Ok(c),
+                    _ => candle_core::bail!("flash_backward: an input is not on the GPU"),
+                }
+            };
+            let view = |i: usize| -> candle_core::Result<_> {
+                Ok(cuda(i)?
+                    .as_cuda_slice::<T>()?
+                    .slice(storages[i].1.start_offset()..))
+            };
+            let (qv, kv, vv, gv) = (view(0)?, view(1)?, view(2)?, view(3)?);
+            let dv_in = cuda(4)?
+                .as_cuda_slice::<f32>()?
+                .slice(storages[4].1.start_offset()..);
+            let dev = cuda(0)?.device().clone();
+            let key_start_storage = mask.key_start.as_ref().map(|t| t.storage_and_layout());
+            let per_query = mask.key_start.as_ref().is_some_and(|t| t.rank() == 2);
+            let key_start = match (&mask.key_start, &key_start_storage) {
+                (Some(t), Some((st, l))) => {
+                    let Storage::Cuda(cs) = &**st else {
+                        candle_core::bail!("flash_backward: key_start is not on the GPU")
+                    };
+                    let want: &[usize] = if per_query { &[b, q_len] } else { &[b] };
+                    if t.dtype() != DType::U32 || t.dims() != want || !t.is_contiguous() {
+                        candle_core::bail!(
+                            "flash_backward: key_start must be u32 [{b}] or [{b}, {q_len}]"
+                        );
+                    }
+                    Some(cs.as_cuda_slice::<u32>()?.slice(l.start_offset()..))
+                }
+                _ => None,
+            };
+            let dtype = if q.dtype() == DType::BF16 {
+                "bf16"
+            } else {
+                "f16"
+            };
+            let padded = if d <= 64 { 64 } else { 128 };
+            // SAFETY: flash_bwd_dq writes every element of dq and each query's lse,
+            // flash_bwd_dkv every element of dk and dv.
+            let dq: CudaSlice<T> = unsafe { dev.alloc::<T>(b * q_len * h * d)? };
+            let lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * h * q_len)? };
+            let dk: CudaSlice<T> = unsafe { dev.alloc::<T>(b * kv_len * kvh * d)? };
+            let dv: CudaSlice<T> = unsafe { dev.alloc::<T>(b * kv_len * kvh * d)? };
+            let dims = [h as i32, kvh as i32, q_len as i32, kv_len as i32, d as i32];
+            let strides: Vec<i64> = [0, 1, 2, 3]
+                .iter()
+                .flat_map(|&i| storages[i].1.stride()[..3].iter().map(|&s| s as i64))
+                .collect();
+            let (causal, per_query) = (mask.causal as i32, per_query as i32);
+            let null = 0u64;
+            for pass in ["dq", "dkv"] {
+                let func = dev.get_or_load_custom_func(
+                    &format!("flash_bwd_{pass}_{dtype}_d{padded}"),
+                    MODULE,
+                    PTX,
+                )?;
+                let mut builder = func.builder();
+                builder.arg(&qv);
+                builder.arg(&kv);
+                builder.arg(&vv);
+                builder.arg(&gv);
+                builder.arg(&dv_in);
+                let grid = if pass == "dq" {
+                    match &key_start {
+                        Some(ks) => builder.arg(ks),
+                        None => builder.arg(&null),
+                    };
+                    builder.arg(&dq);
+                    builder.arg(&lse);
+                    (q_len.div_ceil(BLOCK_M) as u32, h as u32, b as u32)
+                } else {
+                    builder.arg(&lse);
+                    match &key_start {
+                        Some(ks) => builder.arg(ks),
+                        None => builder.arg(&null),
+                    };
+                    builder.arg(&dk);
+                    builder.arg(&dv);
+                    (kv_len.div_ceil(BLOCK_M) as u32, kvh as u32, b as u32)
+                };
+                for x in &dims {
+                    builder.arg(x);
+                }
+                for s in &strides {
+                    builder.arg(s);
+                }
+                builder.arg(&scale);
+                builder.arg(&causal);
+                builder.arg(&per_query);
+                let cfg = LaunchConfig {
+                    grid_dim: grid,
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: the kernels read the rows of q, k, v and g their strides describe
+                // (head dims contiguous, 16-byte aligned: `aligned`), D and the lse of
+                // [b, q_len, h] queries, key_start as checked, and write the outputs above.
+                unsafe { builder.launch(cfg) }.w()?;
+            }
+            drop(storages);
+            let wrap = |s: CudaSlice<T>, shape: (usize, usize, usize, usize)| {
+                Tensor::from_storage(
+                    Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+                    shape,
+                    candle_core::op::BackpropOp::none(),
+                    false,
+                )
+            };
+            Ok((
+                wrap(dq, (b, q_len, h, d)),
+                wrap(dk, (b, kv_len, kvh, d)),
+                wrap(dv, (b, kv_len, kvh, d)),
+            ))
+        }
+        let inputs = [q, k, v, g];
+        match q.dtype() {
+            DType::BF16 => run::<bf16>(inputs, dvec, scale, mask),
+            DType::F16 => run::<f16>(inputs, dvec, scale, mask),
+            other => candle_core::bail!("flash_backward runs in bf16 or f16, not {other:?}"),
+        }
     }
 }
 
@@ -1033,6 +1246,137 @@ mod kernel_tests {
     /// The kernel against [`reference`] on the GPU: vision-like (head dim 72, no mask, strided
     /// v), decoder prefill (causal, left padding, grouped heads), decode-like (kv longer than q),
     /// odd lengths that leave partial tiles.
+    /// The fused backward (`FLEET_FLASH_BWD`) against the composed one, both in the dtype on
+    /// the GPU, each measured against the composed one in f32 on the same inputs (the truth up
+    /// to f32 rounding): the fused gradients may be off by at most twice the composed path's
+    /// own error plus 1% of the largest gradient (both round the probabilities and dS to the
+    /// dtype, in other orders). Cases: causal grouped heads with left padding, keys beyond the
+    /// queries (a continuation), head dims 64 and 128, lengths off the 64-row tiles, strided
+    /// inputs (v a view of a fused buffer), and per-query key starts (packed sequences).
+    #[test]
+    fn fused_backward_matches_the_composed_one() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        let cpu = candle_core::Device::Cpu;
+        let packed = |lens: &[&[usize]]| {
+            let mut starts = Vec::new();
+            for row in lens {
+                let mut at = 0;
+                for &n in row.iter() {
+                    starts.extend(std::iter::repeat_n(at as u32, n));
+                    at += n;
+                }
+            }
+            starts
+        };
+        #[allow(clippy::type_complexity)]
+        let cases: Vec<(
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            bool,
+            Option<Tensor>,
+        )> = vec![
+            // (b, q_len, kv_len, h, kvh, d, causal, key_start)
+            (
+                2,
+                77,
+                77,
+                8,
+                2,
+                128,
+                true,
+                Some(Tensor::new(&[0u32, 13], &dev).unwrap()),
+            ),
+            (1, 300, 300, 4, 2, 64, true, None),
+            (
+                3,
+                5,
+                133,
+                4,
+                1,
+                128,
+                true,
+                Some(Tensor::new(&[40u32, 0, 7], &dev).unwrap()),
+            ),
+            (1, 150, 150, 2, 2, 64, false, None),
+            (
+                2,
+                200,
+                200,
+                4,
+                2,
+                128,
+                true,
+                Some(
+                    Tensor::from_vec(packed(&[&[70, 130], &[150, 49, 1]]), (2, 200), &dev).unwrap(),
+                ),
+            ),
+        ];
+        FLASH_BWD.force(Some(true));
+        for (b, q_len, kv_len, h, kvh, d, causal, key_start) in cases {
+            for dtype in [DType::BF16, DType::F16] {
+                let r =
+                    |s: (usize, usize, usize, usize)| Tensor::randn(0f32, 1.0, s, &dev).unwrap();
+                let (q32, k32, g32) = (
+                    r((b, q_len, h, d)),
+                    r((b, kv_len, kvh, d)),
+                    r((b, q_len, h, d)),
+                );
+                let kvv32 = r((b, kv_len, 3 * kvh, d));
+                let v32 = kvv32.narrow(2, 2 * kvh, kvh).unwrap();
+                let mask = Mask {
+                    causal,
+                    key_start: key_start.clone(),
+                };
+                let scale = (d as f32).powf(-0.5);
+                let low = |t: &Tensor| t.to_dtype(dtype).unwrap();
+                let (q, k, v, g) = (low(&q32), low(&k32), low(&v32), low(&g32));
+                let out = flash_attention(&q, &k, &v, scale, &mask).unwrap();
+                let fused = flash_backward_fused(&q, &k, &v, &out, &g, scale, &mask)
+                    .unwrap()
+                    .expect("the fused backward runs for these inputs");
+                let composed = flash_backward(&q, &k, &v, &g, scale, &mask).unwrap();
+                // The truth: the composed path in f32 on the CPU, from the same rounded inputs.
+                let host = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_device(&cpu).unwrap();
+                let cpu_mask = Mask {
+                    causal,
+                    key_start: key_start.as_ref().map(host_u32),
+                };
+                let truth =
+                    flash_backward(&host(&q), &host(&k), &host(&v), &host(&g), scale, &cpu_mask)
+                        .unwrap();
+                let name = ["dq", "dk", "dv"];
+                let f = [&fused.0, &fused.1, &fused.2];
+                let c = [&composed.0, &composed.1, &composed.2];
+                let t = [&truth.0, &truth.1, &truth.2];
+                for i in 0..3 {
+                    let (f, c) = (host(f[i]), host(c[i]));
+                    let (ef, ec) = (max_abs_diff(&f, t[i]), max_abs_diff(&c, t[i]));
+                    let top: f32 = t[i].abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+                    println!(
+                        "b={b} q={q_len} kv={kv_len} h={h}/{kvh} d={d} causal={causal} \
+                         {dtype:?} {}: max |fused - f32| = {ef}, max |composed - f32| = {ec} \
+                         (max |f32| = {top})",
+                        name[i]
+                    );
+                    assert!(
+                        ef <= 2.0 * ec + 0.01 * top,
+                        "{}: the fused backward is off by {ef} (composed: {ec}, max {top})",
+                        name[i]
+                    );
+                }
+            }
+        }
+        FLASH_BWD.force(None);
+    }
+
+    fn host_u32(t: &Tensor) -> Tensor {
+        t.to_device(&candle_core::Device::Cpu).unwrap()
+    }
+
     #[test]
     fn flash_matches_reference() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
