@@ -289,7 +289,8 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
 // q and k. `flash_bwd_dq` (one block per 64 queries of a head, as the forward) walks the keys
 // twice: first for each query's log-sum-exp (the forward's running max and sum; written to
 // `lse` in the scaled log2 units the second kernel reads), then for dq = dS k with
-// dS = P (dP - D) scale, dP = dO vᵀ and D = rowsum(dO o) given (`dvec`, [B, Lq, H] f32).
+// dS = P (dP - D) scale, dP = dO vᵀ and D = rowsum(dO o) (`dvec`, [B, Lq, H] f32, from
+// `flash_bwd_rowdot` before it).
 // `flash_bwd_dkv` (one block per 64 keys of a KV head, 16 keys a warp) walks every query head
 // of its group and the queries 16 at a time for dv = Pᵀ dO and dk = dSᵀ q, summed in registers
 // in a fixed order. Probabilities and dS are rounded to T before they multiply, as the unfused
@@ -491,6 +492,31 @@ __device__ void flash_bwd_dq(const T *__restrict__ q, const T *__restrict__ k,
         }
 }
 
+// D = rowsum(dO ∘ O) per (batch, query, head), f32 [B, Lq, H]: one warp a row, 16-byte loads
+// of both (the head dimension a multiple of 8, at most 256).
+template <typename T>
+__device__ void flash_bwd_rowdot(const T *__restrict__ go, const T *__restrict__ o,
+                                 float *__restrict__ dvec, int B, int H, int Lq, int D, long gsb,
+                                 long gsl, long gsh, long osb, long osl, long osh) {
+    const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= (long)B * Lq * H) return;
+    const int h = row % H, qi = (row / H) % Lq, b = row / ((long)H * Lq);
+    float acc = 0.f;
+    if (lane * 8 < D) {
+        const uint4 gv = *reinterpret_cast<const uint4 *>(go + b * gsb + qi * gsl + h * gsh + lane * 8);
+        const uint4 ov = *reinterpret_cast<const uint4 *>(o + b * osb + qi * osl + h * osh + lane * 8);
+        T gt[8], ot[8];
+        memcpy(gt, &gv, 16);
+        memcpy(ot, &ov, 16);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc = fmaf(to_f(gt[e]), to_f(ot[e]), acc);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+    if (lane == 0) dvec[row] = acc;
+}
+
 constexpr int QT = 16; // queries per step of flash_bwd_dkv
 
 template <typename T, int DP>
@@ -676,6 +702,15 @@ FLASH_MMA(flash_mma_f16_d80_r1, __half, 80, 1, 3)
         long vsh, long gsb, long gsl, long gsh, float scale, int causal, int ks_per_query) {     \
         BWD_DKV_BODY(T, DP)                                                                      \
     }
+#define FLASH_BWD_ROWDOT(SUFFIX, T)                                                              \
+    extern "C" __global__ void flash_bwd_rowdot_##SUFFIX(const T *go, const T *o, float *dvec,   \
+                                                         int B, int H, int Lq, int D, long gsb,  \
+                                                         long gsl, long gsh, long osb, long osl, \
+                                                         long osh) {                             \
+        flash_bwd_rowdot<T>(go, o, dvec, B, H, Lq, D, gsb, gsl, gsh, osb, osl, osh);             \
+    }
+FLASH_BWD_ROWDOT(bf16, __nv_bfloat16)
+FLASH_BWD_ROWDOT(f16, __half)
 FLASH_BWD(bf16_d64, __nv_bfloat16, 64)
 FLASH_BWD(bf16_d128, __nv_bfloat16, 128)
 FLASH_BWD(f16_d64, __half, 64)

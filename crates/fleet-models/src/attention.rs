@@ -632,13 +632,12 @@ pub fn flash_backward_fused(
     }
     #[cfg(feature = "cuda")]
     {
-        let (q, k, v, g) = (aligned(q)?, aligned(k)?, aligned(v)?, aligned(&g.detach())?);
-        // D = rowsum(g ∘ out) per query and head, f32 [b, q_len, h].
-        let dvec = (g.to_dtype(DType::F32)? * out.detach().to_dtype(DType::F32)?)?
-            .sum(3)?
-            .contiguous()?;
+        let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+        let (out, g) = (aligned(&out.detach())?, aligned(&g.detach())?);
         Ok(Some(cuda::flash_backward(
-            &q, &k, &v, &g, &dvec, scale, mask,
+            [&q, &k, &v, &g, &out],
+            scale,
+            mask,
         )?))
     }
     #[cfg(not(feature = "cuda"))]
@@ -781,38 +780,34 @@ mod cuda {
         Ok((out, Shape::from((b, q_len, h, d))))
     }
 
-    /// [`super::flash_backward_fused`]'s kernels for token-major `q`, `k`, `v`, `g` whose head
-    /// dimension is contiguous and strides multiples of 8 (`aligned`), and `dvec` f32
-    /// `[b, q_len, h]` contiguous: `flash_bwd_dq` (dq and each query's log-sum-exp), then
-    /// `flash_bwd_dkv`. Returns contiguous token-major `(dq, dk, dv)`.
+    /// [`super::flash_backward_fused`]'s kernels for token-major `q`, `k`, `v`, the output's
+    /// gradient `g` and the forward's output `out`, each with its head dimension contiguous and
+    /// strides multiples of 8 (`aligned`): `flash_bwd_rowdot` (D = rowsum(g ∘ out)), then
+    /// `flash_bwd_dq` (dq and each query's log-sum-exp), then `flash_bwd_dkv`. Returns
+    /// contiguous token-major `(dq, dk, dv)`.
     pub(super) fn flash_backward(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        dvec: &Tensor,
+        inputs: [&Tensor; 5],
         scale: f32,
         mask: &super::Mask,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         fn run<T: CudaDType + DeviceRepr>(
-            [q, k, v, g]: [&Tensor; 4],
-            dvec: &Tensor,
+            [q, k, v, g, out]: [&Tensor; 5],
             scale: f32,
             mask: &super::Mask,
         ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
             let (b, q_len, h, d) = q.dims4()?;
             let (_, kv_len, kvh, _) = k.dims4()?;
-            if v.dims() != k.dims() || g.dims() != q.dims() || dvec.dims() != [b, q_len, h] {
+            if v.dims() != k.dims() || g.dims() != q.dims() || out.dims() != q.dims() {
                 candle_core::bail!(
-                    "flash_backward: q {:?}, k {:?}, v {:?}, grad {:?}, D {:?} do not fit",
+                    "flash_backward: q {:?}, k {:?}, v {:?}, grad {:?}, out {:?} do not fit",
                     q.dims(),
                     k.dims(),
                     v.dims(),
                     g.dims(),
-                    dvec.dims()
+                    out.dims()
                 );
             }
-            let storages = [q, k, v, g, dvec].map(|t| t.storage_and_layout());
+            let storages = [q, k, v, g, out].map(|t| t.storage_and_layout());
             let cuda = |i: usize| -> candle_core::Result<&CudaStorage> {
                 match &*storages[i].0 {
                     Storage::Cuda(c) => Ok(c),
@@ -824,10 +819,7 @@ mod cuda {
                     .as_cuda_slice::<T>()?
                     .slice(storages[i].1.start_offset()..))
             };
-            let (qv, kv, vv, gv) = (view(0)?, view(1)?, view(2)?, view(3)?);
-            let dv_in = cuda(4)?
-                .as_cuda_slice::<f32>()?
-                .slice(storages[4].1.start_offset()..);
+            let (qv, kv, vv, gv, ov) = (view(0)?, view(1)?, view(2)?, view(3)?, view(4)?);
             let dev = cuda(0)?.device().clone();
             let key_start_storage = mask.key_start.as_ref().map(|t| t.storage_and_layout());
             let per_query = mask.key_start.as_ref().is_some_and(|t| t.rank() == 2);
@@ -858,11 +850,40 @@ mod cuda {
             let lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * h * q_len)? };
             let dk: CudaSlice<T> = unsafe { dev.alloc::<T>(b * kv_len * kvh * d)? };
             let dv: CudaSlice<T> = unsafe { dev.alloc::<T>(b * kv_len * kvh * d)? };
+            let stride = |i: usize| -> Vec<i64> {
+                storages[i].1.stride()[..3]
+                    .iter()
+                    .map(|&s| s as i64)
+                    .collect()
+            };
+            // D = rowsum(g ∘ out), one warp a (batch, query, head) row.
+            // SAFETY: flash_bwd_rowdot writes every one of the b * q_len * h rows.
+            let dvec: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * q_len * h)? };
+            let rows = b * q_len * h;
+            let func =
+                dev.get_or_load_custom_func(&format!("flash_bwd_rowdot_{dtype}"), MODULE, PTX)?;
+            let mut builder = func.builder();
+            builder.arg(&gv);
+            builder.arg(&ov);
+            builder.arg(&dvec);
+            let row_dims = [b as i32, h as i32, q_len as i32, d as i32];
+            for x in &row_dims {
+                builder.arg(x);
+            }
+            let (gs, os) = (stride(3), stride(4));
+            for s in gs.iter().chain(&os) {
+                builder.arg(s);
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: warp r reads row r of g and out through their strides (head dims of
+            // at most 128 contiguous, 16-byte aligned) and writes dvec[r].
+            unsafe { builder.launch(cfg) }.w()?;
             let dims = [h as i32, kvh as i32, q_len as i32, kv_len as i32, d as i32];
-            let strides: Vec<i64> = [0, 1, 2, 3]
-                .iter()
-                .flat_map(|&i| storages[i].1.stride()[..3].iter().map(|&s| s as i64))
-                .collect();
+            let strides: Vec<i64> = (0..4).flat_map(stride).collect();
             let (causal, per_query) = (mask.causal as i32, per_query as i32);
             let null = 0u64;
             for pass in ["dq", "dkv"] {
@@ -876,7 +897,7 @@ mod cuda {
                 builder.arg(&kv);
                 builder.arg(&vv);
                 builder.arg(&gv);
-                builder.arg(&dv_in);
+                builder.arg(&dvec);
                 let grid = if pass == "dq" {
                     match &key_start {
                         Some(ks) => builder.arg(ks),
@@ -929,10 +950,9 @@ mod cuda {
                 wrap(dv, (b, kv_len, kvh, d)),
             ))
         }
-        let inputs = [q, k, v, g];
-        match q.dtype() {
-            DType::BF16 => run::<bf16>(inputs, dvec, scale, mask),
-            DType::F16 => run::<f16>(inputs, dvec, scale, mask),
+        match inputs[0].dtype() {
+            DType::BF16 => run::<bf16>(inputs, scale, mask),
+            DType::F16 => run::<f16>(inputs, scale, mask),
             other => candle_core::bail!("flash_backward runs in bf16 or f16, not {other:?}"),
         }
     }
