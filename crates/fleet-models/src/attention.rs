@@ -651,7 +651,7 @@ pub fn flash_backward_fused(
 mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Shape, Storage, Tensor};
@@ -670,6 +670,25 @@ mod cuda {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         padded <= 80
             && *ON.get_or_init(|| std::env::var("FLEET_FLASH_R2").map_or(true, |v| v != "0"))
+    }
+
+    /// A mask's key starts as the kernels read them: u32 `[b]` (one per row) or `[b, q_len]`
+    /// (one per query), contiguous, on the GPU; `op` names the kernel in errors.
+    fn key_start_view<'a>(
+        t: &Tensor,
+        storage: &'a Storage,
+        l: &Layout,
+        (b, q_len): (usize, usize),
+        op: &str,
+    ) -> candle_core::Result<CudaView<'a, u32>> {
+        let Storage::Cuda(cs) = storage else {
+            candle_core::bail!("{op}: key_start is not on the GPU")
+        };
+        let want: &[usize] = if t.rank() == 2 { &[b, q_len] } else { &[b] };
+        if t.dtype() != DType::U32 || t.dims() != want || !t.is_contiguous() {
+            candle_core::bail!("{op}: key_start must be u32 [{b}] or [{b}, {q_len}]");
+        }
+        Ok(cs.as_cuda_slice::<u32>()?.slice(l.start_offset()..))
     }
 
     /// Element strides over (batch, position, head) of a `[b, len, heads, d]` layout, or of a
@@ -725,16 +744,7 @@ mod cuda {
             let per_query = op.key_start.as_ref().is_some_and(|t| t.rank() == 2);
             let key_start = match (&op.key_start, &key_start_storage) {
                 (Some(t), Some((st, l))) => {
-                    let Storage::Cuda(cs) = &**st else {
-                        candle_core::bail!("flash_attention: key_start is not on the GPU")
-                    };
-                    let want: &[usize] = if per_query { &[b, q_len] } else { &[b] };
-                    if t.dtype() != DType::U32 || t.dims() != want || !t.is_contiguous() {
-                        candle_core::bail!(
-                            "flash_attention: key_start must be u32 [{b}] or [{b}, {q_len}]"
-                        );
-                    }
-                    Some(cs.as_cuda_slice::<u32>()?.slice(l.start_offset()..))
+                    Some(key_start_view(t, st, l, (b, q_len), "flash_attention")?)
                 }
                 _ => None,
             };
@@ -825,16 +835,7 @@ mod cuda {
             let per_query = mask.key_start.as_ref().is_some_and(|t| t.rank() == 2);
             let key_start = match (&mask.key_start, &key_start_storage) {
                 (Some(t), Some((st, l))) => {
-                    let Storage::Cuda(cs) = &**st else {
-                        candle_core::bail!("flash_backward: key_start is not on the GPU")
-                    };
-                    let want: &[usize] = if per_query { &[b, q_len] } else { &[b] };
-                    if t.dtype() != DType::U32 || t.dims() != want || !t.is_contiguous() {
-                        candle_core::bail!(
-                            "flash_backward: key_start must be u32 [{b}] or [{b}, {q_len}]"
-                        );
-                    }
-                    Some(cs.as_cuda_slice::<u32>()?.slice(l.start_offset()..))
+                    Some(key_start_view(t, st, l, (b, q_len), "flash_backward")?)
                 }
                 _ => None,
             };

@@ -613,45 +613,27 @@ mod cuda {
             // every one of the slots x n outputs.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(slots * n)? };
             let (slots_i, in_div_i, n_i, k_i) = (slots as i32, in_div as i32, n as i32, k as i32);
-            if super::moe_mma_takes(n, k) {
-                let func = dev.get_or_load_custom_func(
-                    &format!("moe_mma_{}", suffix(s1.dtype())?),
-                    MODULE,
-                    PTX,
-                )?;
+            // The tensor-core kernel (no `cols`) or the GEMV kernel; the same arguments else.
+            let (name, cfg, cols) = if super::moe_mma_takes(n, k) {
                 let cfg = LaunchConfig {
                     grid_dim: (n.div_ceil(super::SKINNY_COLS) as u32, experts as u32, 1),
                     block_dim: (super::SKINNY_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut builder = func.builder();
-                builder.arg(&x);
-                builder.arg(&w);
-                builder.arg(&sorted);
-                builder.arg(&bounds);
-                builder.arg(&y);
-                builder.arg(&slots_i);
-                builder.arg(&in_div_i);
-                builder.arg(&n_i);
-                builder.arg(&k_i);
-                // SAFETY: block (b, e) reads expert e's rows b * SKINNY_COLS.. of w (below n,
-                // a multiple of 16, so a warp's 16 rows are all in or all out; k a multiple of
-                // 32), the slots bounds[e]..bounds[e + 1] of sorted and the rows of x they
-                // name (below rows: checked), 16 bytes at a time, and writes those slots'
-                // columns of y.
-                unsafe { builder.launch(cfg) }.w()?;
-                return Ok(CudaStorage::wrap_cuda_slice(y, dev));
-            }
+                ("moe_mma", cfg, None)
+            } else {
+                let cfg = LaunchConfig {
+                    grid_dim: (n.div_ceil(GEMV_WARPS * MOE_COLS) as u32, experts as u32, 1),
+                    block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                ("moe_gemv", cfg, Some(MOE_COLS as i32))
+            };
             let func = dev.get_or_load_custom_func(
-                &format!("moe_gemv_{}", suffix(s1.dtype())?),
+                &format!("{name}_{}", suffix(s1.dtype())?),
                 MODULE,
                 PTX,
             )?;
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(GEMV_WARPS * MOE_COLS) as u32, experts as u32, 1),
-                block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
             let mut builder = func.builder();
             builder.arg(&x);
             builder.arg(&w);
@@ -662,12 +644,14 @@ mod cuda {
             builder.arg(&in_div_i);
             builder.arg(&n_i);
             builder.arg(&k_i);
-            let cols = MOE_COLS as i32;
-            builder.arg(&cols);
-            // SAFETY: block (b, e) reads expert e's rows b * GEMV_WARPS * MOE_COLS.. of w
-            // (below n), the slots bounds[e]..bounds[e + 1] of sorted and the rows of x they
-            // name (below rows: checked), 16 bytes at a time, and writes those slots' columns
-            // of y.
+            if let Some(cols) = &cols {
+                builder.arg(cols);
+            }
+            // SAFETY: block (b, e) reads expert e's rows of w its columns cover (moe_mma:
+            // b * SKINNY_COLS.., n a multiple of 16 so a warp's 16 rows are all in or all out,
+            // k a multiple of 32; moe_gemv: b * GEMV_WARPS * MOE_COLS.., below n), the slots
+            // bounds[e]..bounds[e + 1] of sorted and the rows of x they name (below rows:
+            // checked), 16 bytes at a time, and writes those slots' columns of y.
             unsafe { builder.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev))
         }
