@@ -310,6 +310,25 @@ __device__ __forceinline__ int first_key(const uint32_t *key_start, int ks_per_q
     return (int)key_start[b];
 }
 
+// acc (16 rows by NT 8-column tiles) = A Bᵀ: A the warp's 16 rows held as KD k-step
+// fragments, B a tile of NT * 8 rows in shared memory (leading dimension LD), read by
+// ldmatrix in pairs of 8-row tiles (k_row, k_col: this lane's row and column offsets).
+template <typename T, int KD, int NT, int LD>
+__device__ __forceinline__ void rows_times_tile(float (*acc)[4], const uint32_t (*a)[4],
+                                                const T *tile, int k_row, int k_col) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < KD; ++c)
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            uint32_t b[4];
+            ldmatrix_x4(b, tile + (n * 8 + k_row) * LD + c * 16 + k_col);
+            mma16816<T>(acc[n], a[c], b);
+            mma16816<T>(acc[n + 1], a[c], b + 2);
+        }
+}
+
 template <typename T, int DP>
 __device__ void flash_bwd_dq(const T *__restrict__ q, const T *__restrict__ k,
                              const T *__restrict__ v, const T *__restrict__ go,
@@ -367,17 +386,7 @@ __device__ void flash_bwd_dq(const T *__restrict__ q, const T *__restrict__ k,
 
     // S = q kᵀ of key tile kt (raw scores, hidden keys -inf) into s.
     auto scores = [&](int kt, float (*s)[4]) {
-#pragma unroll
-        for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-        for (int c = 0; c < KD; ++c)
-#pragma unroll
-            for (int n = 0; n < NT; n += 2) {
-                uint32_t kb[4];
-                ldmatrix_x4(kb, ks + (n * 8 + k_row) * LD + c * 16 + k_col);
-                mma16816<T>(s[n], qf[c], kb);
-                mma16816<T>(s[n + 1], qf[c], kb + 2);
-            }
+        rows_times_tile<T, KD, NT, LD>(s, qf, ks, k_row, k_col);
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -446,17 +455,7 @@ __device__ void flash_bwd_dq(const T *__restrict__ q, const T *__restrict__ k,
         __syncthreads();
         float s[NT][4], dp[NT][4];
         scores(kt, s);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
-#pragma unroll
-        for (int c = 0; c < KD; ++c)
-#pragma unroll
-            for (int n = 0; n < NT; n += 2) {
-                uint32_t vb[4];
-                ldmatrix_x4(vb, vs + (n * 8 + k_row) * LD + c * 16 + k_col);
-                mma16816<T>(dp[n], gf[c], vb);
-                mma16816<T>(dp[n + 1], gf[c], vb + 2);
-            }
+        rows_times_tile<T, KD, NT, LD>(dp, gf, vs, k_row, k_col); // dP = dO vᵀ
         uint32_t dsa[NT / 2][4];
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
