@@ -807,7 +807,8 @@ mod cuda {
         ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
             let (b, q_len, h, d) = q.dims4()?;
             let (_, kv_len, kvh, _) = k.dims4()?;
-            if v.dims() != k.dims() || g.dims() != q.dims() || out.dims() != q.dims() {
+            let fits = k.dim(0)? == b && k.dim(3)? == d && kvh > 0 && h % kvh == 0;
+            if !fits || v.dims() != k.dims() || g.dims() != q.dims() || out.dims() != q.dims() {
                 candle_core::bail!(
                     "flash_backward: q {:?}, k {:?}, v {:?}, grad {:?}, out {:?} do not fit",
                     q.dims(),
@@ -1264,9 +1265,6 @@ mod kernel_tests {
         }
     }
 
-    /// The kernel against [`reference`] on the GPU: vision-like (head dim 72, no mask, strided
-    /// v), decoder prefill (causal, left padding, grouped heads), decode-like (kv longer than q),
-    /// odd lengths that leave partial tiles.
     /// The fused backward (`FLEET_FLASH_BWD`) against the composed one, both in the dtype on
     /// the GPU, each measured against the composed one in f32 on the same inputs (the truth up
     /// to f32 rounding): the fused gradients may be off by at most twice the composed path's
@@ -1336,7 +1334,15 @@ mod kernel_tests {
                 ),
             ),
         ];
+        // On for this test, off again however it ends.
+        struct On;
+        impl Drop for On {
+            fn drop(&mut self) {
+                FLASH_BWD.force(None);
+            }
+        }
         FLASH_BWD.force(Some(true));
+        let _on = On;
         for (b, q_len, kv_len, h, kvh, d, causal, key_start) in cases {
             for dtype in [DType::BF16, DType::F16] {
                 let r =
@@ -1347,14 +1353,15 @@ mod kernel_tests {
                     r((b, q_len, h, d)),
                 );
                 let kvv32 = r((b, kv_len, 3 * kvh, d));
-                let v32 = kvv32.narrow(2, 2 * kvh, kvh).unwrap();
                 let mask = Mask {
                     causal,
                     key_start: key_start.clone(),
                 };
                 let scale = (d as f32).powf(-0.5);
                 let low = |t: &Tensor| t.to_dtype(dtype).unwrap();
-                let (q, k, v, g) = (low(&q32), low(&k32), low(&v32), low(&g32));
+                // v as a strided view: the third of a fused [b, kv_len, 3, kvh, d] buffer.
+                let v = low(&kvv32).narrow(2, 2 * kvh, kvh).unwrap();
+                let (q, k, g) = (low(&q32), low(&k32), low(&g32));
                 let out = flash_attention(&q, &k, &v, scale, &mask).unwrap();
                 let fused = flash_backward_fused(&q, &k, &v, &out, &g, scale, &mask)
                     .unwrap()
@@ -1375,6 +1382,16 @@ mod kernel_tests {
                 let t = [&truth.0, &truth.1, &truth.2];
                 for i in 0..3 {
                     let (f, c) = (host(f[i]), host(c[i]));
+                    let nan: u32 = f
+                        .ne(&f)
+                        .unwrap()
+                        .to_dtype(DType::U32)
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .to_scalar()
+                        .unwrap();
+                    assert_eq!(nan, 0, "{}: the fused backward gave {nan} NaN", name[i]);
                     let (ef, ec) = (max_abs_diff(&f, t[i]), max_abs_diff(&c, t[i]));
                     let top: f32 = t[i].abs().unwrap().max_all().unwrap().to_scalar().unwrap();
                     println!(
@@ -1391,13 +1408,15 @@ mod kernel_tests {
                 }
             }
         }
-        FLASH_BWD.force(None);
     }
 
     fn host_u32(t: &Tensor) -> Tensor {
         t.to_device(&candle_core::Device::Cpu).unwrap()
     }
 
+    /// The kernel against [`reference`] on the GPU: vision-like (head dim 72, no mask, strided
+    /// v), decoder prefill (causal, left padding, grouped heads), decode-like (kv longer than q),
+    /// odd lengths that leave partial tiles.
     #[test]
     fn flash_matches_reference() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
