@@ -76,10 +76,11 @@ moe_prefill)
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 FLEET_MOE_GROUPED_GEMM=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
   done; done ;;
 moe_gemv)
-  # The MoE GEMV kernels alone (lib-tests.tar.xz: the fleet_models lib tests, CUDA):
-  # `ops::linear` (every MoE GEMV variant against its twin) and `qwen::moe`.
+  # The fleet_models lib tests of LIB_FILTERS (lib-tests.tar.xz, CUDA; default: `ops::linear`
+  # — the MoE GEMV and its tensor-core kernel against the twin —, `qwen::moe` and
+  # `attention::kernel_tests` — the flash kernels, the fused backward among them).
   xz -dc dist/carry/lib-tests.tar.xz | tar xf - -C $T
-  for f in ops::linear qwen::moe; do
+  for f in ${LIB_FILTERS:-ops::linear qwen::moe attention::kernel_tests}; do
     timeout 300 $T/fleet_models --test-threads 1 $f > $OUT/test_lib_${f//::/_}.txt 2>&1
     echo "lib $f: rc $? $(grep -E "^test result" $OUT/test_lib_${f//::/_}.txt | tail -1)"
     grep -E "panicked|FAILED" $OUT/test_lib_${f//::/_}.txt | head -8
