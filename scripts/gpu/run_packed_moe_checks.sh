@@ -81,7 +81,7 @@ moe_gemv)
   # `attention::kernel_tests` — the flash kernels, the fused backward among them).
   xz -dc dist/carry/lib-tests.tar.xz | tar xf - -C $T
   for f in ${LIB_FILTERS:-ops::linear qwen::moe attention::kernel_tests}; do
-    timeout 300 $T/fleet_models --test-threads 1 $f > $OUT/test_lib_${f//::/_}.txt 2>&1
+    timeout 300 $T/fleet_models --test-threads 1 $f --nocapture > $OUT/test_lib_${f//::/_}.txt 2>&1
     echo "lib $f: rc $? $(grep -E "^test result" $OUT/test_lib_${f//::/_}.txt | tail -1)"
     grep -E "panicked|FAILED" $OUT/test_lib_${f//::/_}.txt | head -8
   done ;;
