@@ -85,6 +85,35 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
+// The mask of flash_mma and its backward (see the top of this file).
+__device__ __forceinline__ bool key_visible(int qi, int j, int Lq, int Lk, int shift, int causal,
+                                            int ks) {
+    const int qabs = qi + shift;
+    return qi < Lq && j < Lk && (!causal || j <= qabs) && (j >= ks || j == qabs);
+}
+
+// Query qi's first key (0 without key_start; one per row or one per query).
+__device__ __forceinline__ int first_key(const uint32_t *key_start, int ks_per_query, int b,
+                                         int qi, int Lq) {
+    if (!key_start) return 0;
+    if (ks_per_query) return qi < Lq ? (int)key_start[(long)b * Lq + qi] : 0;
+    return (int)key_start[b];
+}
+
+// acc (16 rows by NT 8-column tiles) = A Bᵀ: A the warp's 16 rows held as KD k-step
+// fragments, B a tile of NT * 8 rows in shared memory (leading dimension LD), read by
+// ldmatrix in pairs of 8-row tiles (k_row, k_col: this lane's row and column offsets).
+
+// The keys [k_begin, k_end) a block of queries q0..q_last sees: up to the last query's
+// position when causal; from the block's first key start (or its first query's own position,
+// always visible) with key starts, rounded down to a key tile.
+__device__ __forceinline__ void block_keys(int q0, int q_last, int shift, int Lk, int causal,
+                                           bool starts, int kstart, int &k_begin, int &k_end) {
+    k_end = causal ? min(Lk, q_last + shift + 1) : Lk;
+    k_begin = starts ? min(kstart, max(q0 + shift, 0)) : 0;
+    k_begin = (k_begin / BLOCK_N) * BLOCK_N;
+}
+
 // Causal blocks are visited last query block first, so the longest finish earliest.
 template <typename T, int DP, int RT>
 __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
@@ -113,9 +142,7 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
     // The block's first and last queries' starts (one start for a row's every query unless
     // ks_per_query; nondecreasing in the query either way).
     const int q_last = min(q0 + BM, Lq) - 1;
-    const int kstart = !key_start ? 0
-                       : ks_per_query ? (int)key_start[(long)b * Lq + min(q0, q_last)]
-                                      : (int)key_start[b];
+    const int kstart = first_key(key_start, ks_per_query, b, min(q0, q_last), Lq);
     const int kstart_last =
         ks_per_query && key_start ? (int)key_start[(long)b * Lq + q_last] : kstart;
 
@@ -142,10 +169,8 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
         for (int t = 0; t < DT; ++t) o[r][t][0] = o[r][t][1] = o[r][t][2] = o[r][t][3] = 0.f;
     }
 
-    const int k_end = causal ? min(Lk, q_last + shift + 1) : Lk;
-    int k_begin = 0;
-    if (key_start) k_begin = min(kstart, max(q0 + shift, 0));
-    k_begin = (k_begin / BLOCK_N) * BLOCK_N;
+    int k_begin, k_end;
+    block_keys(q0, q_last, shift, Lk, causal, key_start != nullptr, kstart, k_begin, k_end);
 
     const T *kh = k + b * ksb + kvh * ksh;
     const T *vh = v + b * vsb + kvh * vsh;
@@ -196,13 +221,12 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
                     const int rs = e >> 1;
                     bool visible = true;
                     if (!whole) {
-                        const int qi = row_base[r] + 8 * rs, qabs = qi + shift;
+                        const int qi = row_base[r] + 8 * rs;
                         const int j = kt + n * 8 + 2 * qd + (e & 1);
                         const int ks = ks_per_query && qi < Lq
                                            ? (int)key_start[(long)b * Lq + qi]
                                            : kstart;
-                        visible = qi < Lq && j < Lk && (!causal || j <= qabs) &&
-                                  (j >= ks || j == qabs);
+                        visible = key_visible(qi, j, Lq, Lk, shift, causal, ks);
                     }
                     // Raw scores here; the scale is folded into the exponent's FMA below.
                     const float x = visible ? s[r][n][e] : -INFINITY;
@@ -296,23 +320,6 @@ __device__ void flash_mma(const T *__restrict__ q, const T *__restrict__ k,
 // in a fixed order. Probabilities and dS are rounded to T before they multiply, as the unfused
 // path's matmuls take them in T. Layouts and mask as flash_mma; dq [B, Lq, H, D], dk and dv
 // [B, Lk, KVH, D] contiguous. Staging is plain loads (no cp.async pipeline): a first version.
-__device__ __forceinline__ bool key_visible(int qi, int j, int Lq, int Lk, int shift, int causal,
-                                            int ks) {
-    const int qabs = qi + shift;
-    return qi < Lq && j < Lk && (!causal || j <= qabs) && (j >= ks || j == qabs);
-}
-
-// Query qi's first key (0 without key_start; one per row or one per query).
-__device__ __forceinline__ int first_key(const uint32_t *key_start, int ks_per_query, int b,
-                                         int qi, int Lq) {
-    if (!key_start) return 0;
-    if (ks_per_query) return qi < Lq ? (int)key_start[(long)b * Lq + qi] : 0;
-    return (int)key_start[b];
-}
-
-// acc (16 rows by NT 8-column tiles) = A Bᵀ: A the warp's 16 rows held as KD k-step
-// fragments, B a tile of NT * 8 rows in shared memory (leading dimension LD), read by
-// ldmatrix in pairs of 8-row tiles (k_row, k_col: this lane's row and column offsets).
 template <typename T, int KD, int NT, int LD>
 __device__ __forceinline__ void rows_times_tile(float (*acc)[4], const uint32_t (*a)[4],
                                                 const T *tile, int k_row, int k_col) {
@@ -374,9 +381,8 @@ __device__ void flash_bwd_dq(const T *__restrict__ q, const T *__restrict__ k,
         drow[rs] = qi < Lq ? dvec[((long)b * Lq + qi) * H + h] : 0.f;
     }
 
-    const int k_end = causal ? min(Lk, q_last + shift + 1) : Lk;
-    int k_begin = key_start ? min(kstart, max(q0 + shift, 0)) : 0;
-    k_begin = (k_begin / BLOCK_N) * BLOCK_N;
+    int k_begin, k_end;
+    block_keys(q0, q_last, shift, Lk, causal, key_start != nullptr, kstart, k_begin, k_end);
     const T *kh = k + b * ksb + kvh * ksh;
     const T *vh = v + b * vsb + kvh * vsh;
     T *ks = tiles, *vs = tiles + BLOCK_N * LD;

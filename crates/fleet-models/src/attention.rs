@@ -672,23 +672,29 @@ mod cuda {
             && *ON.get_or_init(|| std::env::var("FLEET_FLASH_R2").map_or(true, |v| v != "0"))
     }
 
-    /// A mask's key starts as the kernels read them: u32 `[b]` (one per row) or `[b, q_len]`
-    /// (one per query), contiguous, on the GPU; `op` names the kernel in errors.
-    fn key_start_view<'a>(
-        t: &Tensor,
-        storage: &'a Storage,
-        l: &Layout,
+    /// A mask's key starts as the kernels read them, and whether there is one per query: u32
+    /// `[b]` (one per row) or `[b, q_len]`, contiguous, on the GPU; `None` without them.
+    /// `storage` is the tensor's `storage_and_layout`, held by the caller for the view's life;
+    /// `op` names the kernel in errors.
+    fn key_start_view<'a, G: std::ops::Deref<Target = Storage>>(
+        t: Option<&Tensor>,
+        storage: &'a Option<(G, &Layout)>,
         (b, q_len): (usize, usize),
         op: &str,
-    ) -> candle_core::Result<CudaView<'a, u32>> {
-        let Storage::Cuda(cs) = storage else {
+    ) -> candle_core::Result<(Option<CudaView<'a, u32>>, bool)> {
+        let (Some(t), Some((st, l))) = (t, storage) else {
+            return Ok((None, false));
+        };
+        let Storage::Cuda(cs) = &**st else {
             candle_core::bail!("{op}: key_start is not on the GPU")
         };
-        let want: &[usize] = if t.rank() == 2 { &[b, q_len] } else { &[b] };
+        let per_query = t.rank() == 2;
+        let want: &[usize] = if per_query { &[b, q_len] } else { &[b] };
         if t.dtype() != DType::U32 || t.dims() != want || !t.is_contiguous() {
             candle_core::bail!("{op}: key_start must be u32 [{b}] or [{b}, {q_len}]");
         }
-        Ok(cs.as_cuda_slice::<u32>()?.slice(l.start_offset()..))
+        let view = cs.as_cuda_slice::<u32>()?.slice(l.start_offset()..);
+        Ok((Some(view), per_query))
     }
 
     /// Element strides over (batch, position, head) of a `[b, len, heads, d]` layout, or of a
@@ -741,13 +747,12 @@ mod cuda {
             // SAFETY: the kernel writes every element of every query row.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
             let key_start_storage = op.key_start.as_ref().map(|t| t.storage_and_layout());
-            let per_query = op.key_start.as_ref().is_some_and(|t| t.rank() == 2);
-            let key_start = match (&op.key_start, &key_start_storage) {
-                (Some(t), Some((st, l))) => {
-                    Some(key_start_view(t, st, l, (b, q_len), "flash_attention")?)
-                }
-                _ => None,
-            };
+            let (key_start, per_query) = key_start_view(
+                op.key_start.as_ref(),
+                &key_start_storage,
+                (b, q_len),
+                "flash_attention",
+            )?;
             let cfg = LaunchConfig {
                 grid_dim: (q_len.div_ceil(block_m) as u32, h as u32, b as u32),
                 block_dim: (128, 1, 1),
@@ -833,13 +838,12 @@ mod cuda {
             let (qv, kv, vv, gv, ov) = (view(0)?, view(1)?, view(2)?, view(3)?, view(4)?);
             let dev = cuda(0)?.device().clone();
             let key_start_storage = mask.key_start.as_ref().map(|t| t.storage_and_layout());
-            let per_query = mask.key_start.as_ref().is_some_and(|t| t.rank() == 2);
-            let key_start = match (&mask.key_start, &key_start_storage) {
-                (Some(t), Some((st, l))) => {
-                    Some(key_start_view(t, st, l, (b, q_len), "flash_backward")?)
-                }
-                _ => None,
-            };
+            let (key_start, per_query) = key_start_view(
+                mask.key_start.as_ref(),
+                &key_start_storage,
+                (b, q_len),
+                "flash_backward",
+            )?;
             let dtype = if q.dtype() == DType::BF16 {
                 "bf16"
             } else {
@@ -1393,7 +1397,7 @@ mod kernel_tests {
                         .unwrap();
                     assert_eq!(nan, 0, "{}: the fused backward gave {nan} NaN", name[i]);
                     let (ef, ec) = (max_abs_diff(&f, t[i]), max_abs_diff(&c, t[i]));
-                    let top: f32 = t[i].abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+                    let top = crate::ops::max_abs(t[i]);
                     println!(
                         "b={b} q={q_len} kv={kv_len} h={h}/{kvh} d={d} causal={causal} \
                          {dtype:?} {}: max |fused - f32| = {ef}, max |composed - f32| = {ec} \

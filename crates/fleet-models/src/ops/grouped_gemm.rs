@@ -328,15 +328,7 @@ mod tests {
             .to_device(&Device::Cpu)
             .unwrap();
             let d = max_abs_diff(&got, &want);
-            let scale = want
-                .to_dtype(DType::F32)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let scale = max_abs(&want);
             println!(
                 "grouped_linear {counts:?} n={n} k={k}: max |cuBLAS - twin| = {d} (max {scale})"
             );

@@ -403,6 +403,17 @@ pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .expect("one f32")
 }
 
+/// The largest `|t|` over all elements, in f32: the scale a GPU test's tolerance is taken of.
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) fn max_abs(t: &Tensor) -> f32 {
+    t.to_dtype(DType::F32)
+        .and_then(|t| t.abs())
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.max(0))
+        .and_then(|t| t.to_scalar())
+        .expect("one f32")
+}
+
 /// A kernel choice read once from an environment variable, which a test may force either way
 /// (for comparing two kernels in one process): on unless the variable is `0` when
 /// `on_by_default`, else on only when it is `1`.

@@ -752,11 +752,7 @@ mod kernel_tests {
             let both = Tensor::stack(&[&x, &x], 0).unwrap();
             let view = both.get(1).unwrap();
             let a = m.forward_grouped(&x).unwrap().to_dtype(DType::F32).unwrap();
-            let max_abs =
-                |t: &Tensor| -> f32 { t.abs().unwrap().max_all().unwrap().to_scalar().unwrap() };
-            let diff_to = |t: Result<Tensor>| {
-                max_abs(&(&a - t.unwrap().to_dtype(DType::F32).unwrap()).unwrap())
-            };
+            let diff_to = |t: Result<Tensor>| crate::ops::max_abs_diff(&a, &t.unwrap());
             let diff = diff_to(m.forward_kernel(&view));
             GROUPED_GEMM.force(Some(false));
             let diff_sorted = diff_to(m.forward_sorted(&view));
@@ -764,7 +760,7 @@ mod kernel_tests {
             let diff_grouped_gemm = diff_to(m.forward_sorted(&view));
             GROUPED_GEMM.force(None);
             let diff_gemv = (n <= KERNEL_CHUNK).then(|| diff_to(m.forward_gemv(&view)));
-            let scale = max_abs(&a);
+            let scale = crate::ops::max_abs(&a);
             println!(
                 "n={n} e={e} h={h} i={i} k={k}: max|grouped-kernel| = {diff}, \
                  max|grouped-sorted| = {diff_sorted} ({diff_grouped_gemm} with the grouped \
