@@ -414,13 +414,14 @@ impl SparseMoe {
 
     /// Many tokens at once (a prefill) on a GPU: the routing on the device, the (token, expert)
     /// pairs sorted by expert on the host (one copy of the ids back), the rows gathered once
-    /// into expert order, one cuBLAS GEMM per expert on its contiguous rows for gate/up and
-    /// again for down, then each token's rows gathered back and summed with their weights.
+    /// into expert order ([`ops::gather_rows`]), one cuBLAS GEMM per expert on its contiguous
+    /// rows for gate/up and again for down, then each token's rows read back from their sorted
+    /// positions and summed with their weights ([`ops::moe_combine`]).
     /// candle's fused kernels reach a small fraction of the tensor cores' rate at thousands of
     /// tokens; per-expert GEMMs of hundreds of rows run near it.
     #[cfg(feature = "cuda")]
     fn forward_sorted(&self, x: &Tensor) -> Result<Tensor> {
-        let (n, hidden) = x.dims2()?;
+        let (n, _) = x.dims2()?;
         let k = self.top_k;
         let experts = self.gate_up.dim(0)?;
         let (top_ids, top_w) = self.route_on_device(x)?;
@@ -447,7 +448,7 @@ impl SparseMoe {
             position[slot] = p as u32;
         }
         let dev = x.device();
-        let rows = x.index_select(&Tensor::from_vec(token_of, n * k, dev)?, 0)?;
+        let rows = ops::gather_rows(x, &Tensor::from_vec(token_of, n * k, dev)?)?;
         let per_expert = |input: &Tensor, weights: &Tensor| -> Result<Tensor> {
             if GROUPED_GEMM.on() {
                 return ops::grouped_linear(input, weights, &counts);
@@ -462,17 +463,18 @@ impl SparseMoe {
         let gu = per_expert(&rows, &self.gate_up)?; // [n * k, 2I], expert order
         let act = ops::swiglu(&gu)?;
         let y = per_expert(&act, &self.down)?; // [n * k, hidden], expert order
-        let y = y.index_select(&Tensor::from_vec(position, n * k, dev)?, 0)?;
-        weighted_sum(&y, &top_w, (n, k, hidden))
+        let position = Tensor::from_vec(position, n * k, dev)?;
+        ops::moe_combine(&y, &top_w, Some(&position))
     }
 
     /// A decode step on a GPU without a host round trip: the routing on the device, the slots
     /// sorted by expert there, then [`ops::moe_gemv`] for gate/up and again for down — each
-    /// touched expert's weights read once for up to four of its slots — and each token's rows
-    /// scaled by their routing weights (in the model dtype, as transformers) and summed.
+    /// touched expert's weights read once for up to eight of its slots (four on the GEMV
+    /// kernel) — and each token's rows
+    /// scaled by their routing weights (in the model dtype, as transformers) and summed
+    /// ([`ops::moe_combine`]).
     #[cfg(feature = "cuda")]
     fn forward_gemv(&self, x: &Tensor) -> Result<Tensor> {
-        let (n, hidden) = x.dims2()?;
         let k = self.top_k;
         let (top_ids, top_w) = self.route_on_device(x)?;
         let (experts, slots) = top_ids.flatten_all()?.sort_last_dim(true)?;
@@ -480,7 +482,7 @@ impl SparseMoe {
         let gu = ops::moe_gemv(&x.contiguous()?, &self.gate_up, &sorted, k)?; // [n * k, 2I]
         let act = ops::swiglu(&gu)?;
         let y = ops::moe_gemv(&act, &self.down, &sorted, 1)?; // [n * k, hidden], slot order
-        weighted_sum(&y, &top_w, (n, k, hidden))
+        ops::moe_combine(&y, &top_w, None)
     }
 
     #[cfg(feature = "cuda")]
@@ -520,19 +522,6 @@ impl SparseMoe {
         )?; // [n * k, hidden], already weighted
         Ok(y.reshape((n, k, hidden))?.sum(1)?)
     }
-}
-
-/// Each token's expert outputs `y` (`[n * k, hidden]`, slot order) scaled by its routing
-/// weights `top_w` (`[n, k]` f32, cast to the model dtype before scaling, as transformers) and
-/// summed: `[n, hidden]`.
-#[cfg(feature = "cuda")]
-fn weighted_sum(
-    y: &Tensor,
-    top_w: &Tensor,
-    (n, k, hidden): (usize, usize, usize),
-) -> Result<Tensor> {
-    let w = top_w.to_dtype(y.dtype())?.unsqueeze(2)?;
-    Ok(y.reshape((n, k, hidden))?.broadcast_mul(&w)?.sum(1)?)
 }
 
 /// Layout detection, and loading from every kind of [`crate::weights::Weights`].
