@@ -18,7 +18,10 @@
 #   WHAT=tests bash scripts/gpu/run_packed_moe_checks.sh
 #   WHAT="moe_prefill moe_decode" JUDGE_XZ=dist/carry/edit-score-nofa3.xz bash scripts/gpu/run_packed_moe_checks.sh
 #   WHAT="moe_gemv moe_ab prefill_profile" bash scripts/gpu/run_packed_moe_checks.sh   # carries
-#                  dist/carry/lib-tests.tar.xz and edit-score-nofa3.xz; AB_VAR (FLEET_MOE_MMA)
+#                  dist/carry/lib-tests.tar.xz and edit-score-nofa3.xz; AB_VAR (FLEET_MOE_MMA),
+#                  NCU=0 skips moe_ab's ncu of a decode step
+#   WHAT="moe_gemv moe_ab" LIB_FILTERS="ops::moe_rows qwen::moe" AB_VAR=FLEET_MOE_ROWS_KERNEL NCU=0 \
+#       bash scripts/gpu/run_packed_moe_checks.sh     # 2026-11-28f: the MoE row kernels
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -101,7 +104,8 @@ moe_ab)
       --image-size 1024 --batch 32 --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 $V=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
   done; done
-  # Then ncu of a replayed decode step with B (stage gen.decode@20).
+  # Then (unless NCU=0) ncu of a replayed decode step with B (stage gen.decode@20).
+  [ "${NCU:-1}" = 0 ] && continue
   env $V=1 METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum TOP=12 \
     NAME=moe30_decode_step_b32_${V}1 STAGE=gen.decode@20 NCU_TIMEOUT=200 bash scripts/gpu/profile_stage.sh \
     $W/es bench --config $C --image-size 1024 --batch 32 --samples 32 --new-tokens 32
