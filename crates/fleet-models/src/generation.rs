@@ -396,7 +396,27 @@ pub(crate) type PrefillOutput = Result<(Tensor, Vec<i64>)>;
 
 /// Tokens (padding included) of one batched prompt pass of newly admitted requests (vLLM's
 /// `max_num_batched_tokens` is of the same order): more newcomers wait for the next pass.
+/// `FLEET_PREFILL_TOKENS` sets another (a prompt longer than it still gets a pass of its own).
 const PREFILL_TOKENS: usize = 8192;
+
+/// [`PREFILL_TOKENS`], or `FLEET_PREFILL_TOKENS` where it is set to a positive number (any
+/// other value is named on stderr and the default kept).
+fn prefill_tokens() -> usize {
+    static TOKENS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TOKENS.get_or_init(|| match std::env::var("FLEET_PREFILL_TOKENS") {
+        Err(_) => PREFILL_TOKENS,
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                eprintln!(
+                    "FLEET_PREFILL_TOKENS={v:?} is not a positive number of tokens; \
+                     keeping {PREFILL_TOKENS}"
+                );
+                PREFILL_TOKENS
+            }
+        },
+    })
+}
 
 /// A newcomer that forks the one admitted before it with the same prompt.
 struct Fork {
@@ -987,7 +1007,7 @@ impl<'a> Generator<'a> {
             });
         }
         // The prompt passes: newcomers in admission order, as many per pass as
-        // PREFILL_TOKENS (padding included) holds.
+        // prefill_tokens() (padding included) holds.
         let mut first_logits: Vec<Option<Tensor>> = vec![None; running.len() - first_new];
         let mut start = 0;
         while start < to_prefill.len() {
@@ -996,7 +1016,7 @@ impl<'a> Generator<'a> {
             let mut window = uncached(to_prefill[start]);
             while end < to_prefill.len() {
                 let w = window.max(uncached(to_prefill[end]));
-                if (end - start + 1) * w > PREFILL_TOKENS {
+                if (end - start + 1) * w > prefill_tokens() {
                     break;
                 }
                 window = w;
