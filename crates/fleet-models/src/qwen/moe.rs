@@ -421,37 +421,51 @@ impl SparseMoe {
     /// tokens; per-expert GEMMs of hundreds of rows run near it.
     #[cfg(feature = "cuda")]
     fn forward_sorted(&self, x: &Tensor) -> Result<Tensor> {
+        use crate::profile;
         let (n, _) = x.dims2()?;
         let k = self.top_k;
         let experts = self.gate_up.dim(0)?;
-        let (top_ids, top_w) = self.route_on_device(x)?;
-        let ids: Vec<u32> = top_ids.flatten_all()?.to_vec1()?;
-        let mut counts = vec![0usize; experts];
-        for &e in &ids {
-            counts[e as usize] += 1;
-        }
-        let mut offsets = Vec::with_capacity(experts);
-        let mut total = 0;
-        for &c in &counts {
-            offsets.push(total);
-            total += c;
-        }
-        // token_of[p]: the token of sorted row p; position[slot]: where slot (token * k + j)
-        // went in the sorted order.
-        let mut next = offsets.clone();
-        let mut token_of = vec![0u32; n * k];
-        let mut position = vec![0u32; n * k];
-        for (slot, &e) in ids.iter().enumerate() {
-            let p = next[e as usize];
-            next[e as usize] += 1;
-            token_of[p] = (slot / k) as u32;
-            position[slot] = p as u32;
-        }
         let dev = x.device();
-        let rows = ops::gather_rows(x, &Tensor::from_vec(token_of, n * k, dev)?)?;
+        // The sub-stages (FLEET_PROFILE) split the host's part from the GPU's: `moe.route`
+        // ends with the ids on the host, `moe.plan` is the host's sort and the uploads, and
+        // `moe.gemm_host` the host's time inside the grouped GEMM calls (not synchronized:
+        // the enqueueing alone, the device idle before it).
+        let (top_ids, top_w) = profile::time(dev, "moe.route", || self.route_on_device(x))?;
+        let ids: Vec<u32> = top_ids.flatten_all()?.to_vec1()?;
+        let (rows, counts, offsets, position) = profile::time(dev, "moe.plan", || {
+            let mut counts = vec![0usize; experts];
+            for &e in &ids {
+                counts[e as usize] += 1;
+            }
+            let mut offsets = Vec::with_capacity(experts);
+            let mut total = 0;
+            for &c in &counts {
+                offsets.push(total);
+                total += c;
+            }
+            // token_of[p]: the token of sorted row p; position[slot]: where slot (token * k
+            // + j) went in the sorted order.
+            let mut next = offsets.clone();
+            let mut token_of = vec![0u32; n * k];
+            let mut position = vec![0u32; n * k];
+            for (slot, &e) in ids.iter().enumerate() {
+                let p = next[e as usize];
+                next[e as usize] += 1;
+                token_of[p] = (slot / k) as u32;
+                position[slot] = p as u32;
+            }
+            let rows = ops::gather_rows(x, &Tensor::from_vec(token_of, n * k, dev)?)?;
+            let position = Tensor::from_vec(position, n * k, dev)?;
+            Ok((rows, counts, offsets, position))
+        })?;
         let per_expert = |input: &Tensor, weights: &Tensor| -> Result<Tensor> {
             if GROUPED_GEMM.on() {
-                return ops::grouped_linear(input, weights, &counts);
+                let t = profile::enabled().then(std::time::Instant::now);
+                let y = ops::grouped_linear(input, weights, &counts)?;
+                if let Some(t) = t {
+                    profile::record("moe.gemm_host", t.elapsed().as_secs_f64());
+                }
+                return Ok(y);
             }
             let mut parts = Vec::new();
             for e in (0..experts).filter(|&e| counts[e] > 0) {
@@ -460,11 +474,14 @@ impl SparseMoe {
             }
             Ok(Tensor::cat(&parts, 0)?)
         };
-        let gu = per_expert(&rows, &self.gate_up)?; // [n * k, 2I], expert order
-        let act = ops::swiglu(&gu)?;
-        let y = per_expert(&act, &self.down)?; // [n * k, hidden], expert order
-        let position = Tensor::from_vec(position, n * k, dev)?;
-        ops::moe_combine(&y, &top_w, Some(&position))
+        let y = profile::time(dev, "moe.experts", || {
+            let gu = per_expert(&rows, &self.gate_up)?; // [n * k, 2I], expert order
+            let act = ops::swiglu(&gu)?;
+            per_expert(&act, &self.down) // [n * k, hidden], expert order
+        })?;
+        profile::time(dev, "moe.combine", || {
+            ops::moe_combine(&y, &top_w, Some(&position))
+        })
     }
 
     /// A decode step on a GPU without a host round trip: the routing on the device, the slots

@@ -222,8 +222,13 @@ impl VisionEncoder {
         &self.device
     }
 
-    /// Encodes images: `pixel_values` `[n_patches, patch_dim]` (f32, any device) and each
-    /// image's `[t, h, w]` patch grid, in order.
+    /// The dtype the encoder computes in (pixel values are cast to it first).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Encodes images: `pixel_values` `[n_patches, patch_dim]` (f32, or already cast to the
+    /// encoder's dtype; any device) and each image's `[t, h, w]` patch grid, in order.
     pub fn forward(&self, pixel_values: &Tensor, grids: &[[usize; 3]]) -> Result<VisionOutput> {
         let cfg = &self.cfg;
         let (n, dim) = pixel_values.dims2()?;
