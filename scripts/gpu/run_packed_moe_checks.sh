@@ -22,6 +22,8 @@
 #                  NCU=0 skips moe_ab's ncu of a decode step
 #   WHAT="moe_gemv moe_ab" LIB_FILTERS="ops::moe_rows qwen::moe" AB_VAR=FLEET_MOE_ROWS_KERNEL NCU=0 \
 #       bash scripts/gpu/run_packed_moe_checks.sh     # 2026-11-28f: the MoE row kernels
+#   WHAT="passes prefill_profile" bash scripts/gpu/run_packed_moe_checks.sh   # the prompt pass's
+#                  token budget (PASS_TOKENS), then ncu of a 30B-A3B prefill pass
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -125,6 +127,22 @@ prefill_profile)
     TOP=30 NAME=moe30_prefill_pass STAGE=gen.prefill@5 NCU_TIMEOUT=300 bash scripts/gpu/profile_stage.sh \
     $W/es bench --config $C --image-size 1024 --batch 8 --samples 8 --new-tokens 2
   head -34 $OUT/kernels_moe30_prefill_pass.txt ;;
+passes)
+  # The prompt pass's token budget (FLEET_PREFILL_TOKENS, PASS_TOKENS default "8192 16384
+  # 32768"): the 30B-A3B judge at batch 32 and the 8B judge at batch 64, 1024 px, 128 tokens,
+  # two batches a run, each budget in turn.
+  W=/tmp/npt; mkdir -p $W
+  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
+  for shape in 30b-a3b:32 8b:64; do
+    C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}
+    $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
+    for t in ${PASS_TOKENS:-8192 16384 32768}; do
+      j=$OUT/judge_${shape%:*}_b${b}_pass$t.json
+      FLEET_PREFILL_TOKENS=$t timeout 240 $W/es bench --config $C --image-size 1024 --batch $b \
+        --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('${shape%:*} b$b FLEET_PREFILL_TOKENS=$t', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
+    done
+  done ;;
 torch30)
   # transformers' 30B-A3B judge at TORCH_BATCH (default 32), 1024 px, 128 greedy tokens.
   b=${TORCH_BATCH:-32}
