@@ -24,6 +24,9 @@
 #       bash scripts/gpu/run_packed_moe_checks.sh     # 2026-11-28f: the MoE row kernels
 #   WHAT="passes prefill_profile" bash scripts/gpu/run_packed_moe_checks.sh   # the prompt pass's
 #                  token budget (PASS_TOKENS), then ncu of a 30B-A3B prefill pass
+#   WHAT="host_ab stage_tables decode_blocks" bash scripts/gpu/run_packed_moe_checks.sh   # carries
+#                  edit-score-prev.xz and edit-score-nofa3.xz: the host side of a prompt pass
+#                  (two builds alternating), the stage tables, the decode attention's grid
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -143,6 +146,48 @@ passes)
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('${shape%:*} b$b FLEET_PREFILL_TOKENS=$t', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
     done
   done ;;
+host_ab)
+  # Two builds alternating (PREV_XZ, default dist/carry/edit-score-prev.xz, then JUDGE_XZ):
+  # the 30B-A3B judge at batch 32 and the 8B at batch 64, 1024 px, 128 tokens, two batches a
+  # run, ROUNDS rounds (default 2). 2026-11-28f: before and after e9e398a (the pixel values
+  # cast on the host in parallel, half the upload; the features scattered by gather_rows).
+  W=/tmp/nha; mkdir -p $W
+  xz -dc ${PREV_XZ:-dist/carry/edit-score-prev.xz} > $W/es_a; chmod +x $W/es_a
+  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es_b; chmod +x $W/es_b
+  for shape in 30b-a3b:32 8b:64; do
+    C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}
+    $W/es_a bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
+    for i in $(seq 1 ${ROUNDS:-2}); do for v in a b; do
+      j=$OUT/judge_${shape%:*}_b${b}_build_${v}_$i.json
+      timeout 240 $W/es_$v bench --config $C --image-size 1024 --batch $b \
+        --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('${shape%:*} b$b build $v round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
+    done; done
+  done ;;
+stage_tables)
+  # FLEET_PROFILE=1 stage tables (every stage synchronized: read shares, not totals) of the
+  # 30B-A3B judge at batch 32 and the 8B at batch 64, one batch, 16 new tokens.
+  W=/tmp/nst; mkdir -p $W
+  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
+  for shape in 30b-a3b:32 8b:64; do
+    C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}; j=$OUT/profile_${shape%:*}_b$b.json
+    FLEET_PROFILE=1 timeout 240 $W/es bench --config $C --image-size 1024 --batch $b --samples $b \
+      --new-tokens 16 --json $j > $W/p.log 2>&1 || tail -3 $W/p.log
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'prefill', round(d['prefill_s'],2)); [print(f'{s:32s} {t:8.3f} s {n:6d} calls') for s,t,n in d['profile'][:32]]" $j || true
+  done ;;
+decode_blocks)
+  # The decode attention's grid target (FLEET_PAGED_MIN_BLOCKS, BLOCKS default "512 2048
+  # 4096"; 512 is the default): the 30B-A3B judge at batch 32, alternating, ROUNDS rounds.
+  W=/tmp/ndb; mkdir -p $W
+  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
+  C=configs/models/qwen3-vl-30b-a3b.json
+  $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
+  for i in $(seq 1 ${ROUNDS:-2}); do for n in ${BLOCKS:-512 2048 4096}; do
+    j=$OUT/judge30_b32_minblocks${n}_$i.json
+    FLEET_PAGED_MIN_BLOCKS=$n timeout 240 $W/es bench --config $C --image-size 1024 --batch 32 \
+      --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 FLEET_PAGED_MIN_BLOCKS=$n round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
+  done; done ;;
 torch30)
   # transformers' 30B-A3B judge at TORCH_BATCH (default 32), 1024 px, 128 greedy tokens.
   b=${TORCH_BATCH:-32}
