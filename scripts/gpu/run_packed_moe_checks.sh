@@ -125,7 +125,7 @@ prefill_profile)
   C=configs/models/qwen3-vl-30b-a3b.json
   FLEET_PROFILE=1 timeout 240 $W/es bench --config $C --image-size 1024 --batch 32 --samples 32 \
     --new-tokens 16 --json $OUT/judge30_b32_profile.json > $W/p.log 2>&1 || tail -3 $W/p.log
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(f'{s:32s} {t:8.3f} s {n:6d} calls') for s,t,n in d['profile'][:25]]" $OUT/judge30_b32_profile.json || true
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(f'{s:32s} {t:8.3f} s {n:6d} calls  host {h[0] if h else 0:8.3f} s') for s,t,n,*h in d['profile'][:25]]" $OUT/judge30_b32_profile.json || true
   METRICS=gpu__time_duration.sum,dram__bytes_read.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
     TOP=30 NAME=moe30_prefill_pass STAGE=gen.prefill@5 NCU_TIMEOUT=300 bash scripts/gpu/profile_stage.sh \
     $W/es bench --config $C --image-size 1024 --batch 8 --samples 8 --new-tokens 2
@@ -165,16 +165,19 @@ host_ab)
     done; done
   done ;;
 stage_tables)
-  # FLEET_PROFILE=1 stage tables (every stage synchronized: read shares, not totals) of the
-  # 30B-A3B judge at batch 32 and the 8B at batch 64, one batch, 16 new tokens.
+  # Stage tables of the 30B-A3B judge at batch 32 and the 8B at batch 64, one batch, 16 new
+  # tokens, in both modes: FLEET_PROFILE=events (each stage's span on the GPU's timeline,
+  # nothing synchronized: the run keeps its plain speed) and FLEET_PROFILE=1 (every stage
+  # synchronized: shares, not totals). Beside each, the host's seconds in the stage.
   W=/tmp/nst; mkdir -p $W
   xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
-  for shape in 30b-a3b:32 8b:64; do
-    C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}; j=$OUT/profile_${shape%:*}_b$b.json
-    FLEET_PROFILE=1 timeout 240 $W/es bench --config $C --image-size 1024 --batch $b --samples $b \
+  for shape in 30b-a3b:32 8b:64; do for mode in events 1; do
+    C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}
+    j=$OUT/profile_${mode}_${shape%:*}_b$b.json
+    FLEET_PROFILE=$mode timeout 240 $W/es bench --config $C --image-size 1024 --batch $b --samples $b \
       --new-tokens 16 --json $j > $W/p.log 2>&1 || tail -3 $W/p.log
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'prefill', round(d['prefill_s'],2)); [print(f'{s:32s} {t:8.3f} s {n:6d} calls') for s,t,n in d['profile'][:32]]" $j || true
-  done ;;
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'prefill', round(d['prefill_s'],2)); [print(f'{s:32s} {t:8.3f} s {n:6d} calls  host {h[0] if h else 0:8.3f} s') for s,t,n,*h in d['profile'][:34]]" $j || true
+  done; done ;;
 decode_blocks)
   # The decode attention's grid target (FLEET_PAGED_MIN_BLOCKS, BLOCKS default "512 2048
   # 4096"; 512 is the default): the 30B-A3B judge at batch 32, alternating, ROUNDS rounds.

@@ -94,7 +94,7 @@ struct Report {
     /// On logical devices, that they are (one GPU's bandwidth and compute shared by all).
     #[serde(skip_serializing_if = "Option::is_none")]
     logical_devices: Option<String>,
-    profile: Vec<(String, f64, u64)>,
+    profile: Vec<(String, f64, u64, f64)>,
 }
 
 /// A deterministic test image: gradients and stripes that differ per sample and image.
@@ -259,9 +259,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             .sum::<u64>()
             .saturating_sub(baseline)
     });
-    let mut profile: Vec<(String, f64, u64)> = fleet_models::profile::take_report()
+    let mut profile: Vec<(String, f64, u64, f64)> = fleet_models::profile::take_report()
         .into_iter()
-        .map(|r| (r.stage.to_string(), r.seconds, r.calls))
+        .map(|r| (r.stage.to_string(), r.seconds, r.calls, r.host_seconds))
         .collect();
     profile.sort_by(|a, b| b.1.total_cmp(&a.1));
     let peak_live_bytes = fleet_cli::bench::device_peaks(&devices);

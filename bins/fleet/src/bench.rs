@@ -503,7 +503,8 @@ fn prefill(model: &QwenModel, prompts: &[Vec<u32>]) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// With FLEET_PROFILE=1: where the timed runs of one batch size spent their time.
+/// With FLEET_PROFILE=1 (or `events`): where the timed runs of one batch size spent their time,
+/// and the host's part of it.
 fn print_profile(batch: usize) {
     let mut stages = fleet_models::profile::take_report();
     if stages.is_empty() {
@@ -511,14 +512,15 @@ fn print_profile(batch: usize) {
     }
     stages.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
     let total: f64 = stages.iter().map(|s| s.seconds).sum();
-    eprintln!("profile, batch {batch} (synchronized stages; shares, not speeds):");
+    eprintln!("profile, batch {batch} (FLEET_PROFILE=1: synchronized stages, shares not speeds; events: GPU spans):");
     for r in stages {
         let (name, secs, calls) = (r.stage, r.seconds, r.calls);
         eprintln!(
-            "  {name:<14} {:>9.1} ms {:>5.1}%  {calls:>7} calls  {:>8.1} us/call",
+            "  {name:<14} {:>9.1} ms {:>5.1}%  {calls:>7} calls  {:>8.1} us/call  host {:>9.1} ms",
             secs * 1e3,
             100.0 * secs / total,
-            1e6 * secs / calls as f64
+            1e6 * secs / calls as f64,
+            r.host_seconds * 1e3
         );
     }
 }

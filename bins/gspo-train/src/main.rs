@@ -426,15 +426,17 @@ fn run(cli: &Cli) -> Result<()> {
             trainer.config.output_dir.display()
         )?;
     }
-    // FLEET_PROFILE=1: where the time went (each stage synchronized; read the shares).
+    // FLEET_PROFILE=1: where the time went (each stage synchronized; read the shares); with
+    // FLEET_PROFILE=events each stage's span on the GPU's timeline, nothing synchronized.
     // Memory (coarse stages): the driver's figure, then the allocator's live and reserved bytes.
     let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
     for r in fleet_models::profile::take_report() {
         eprintln!(
-            "profile {:<32} {:>9.3} s {:>6} calls  peak {:>7.2} GiB  live {:>7.2} GiB  pool {:>7.2} GiB",
+            "profile {:<32} {:>9.3} s {:>6} calls  host {:>9.3} s  peak {:>7.2} GiB  live {:>7.2} GiB  pool {:>7.2} GiB",
             r.stage,
             r.seconds,
             r.calls,
+            r.host_seconds,
             gib(r.peak_bytes),
             gib(r.live_peak_bytes),
             gib(r.reserved_peak_bytes)

@@ -2,6 +2,13 @@
 //! goes on the GPU machine. Each timed stage synchronizes the device before and after, so
 //! profiled runs are slower than plain ones: read the shares, not the totals.
 //!
+//! `FLEET_PROFILE=events` times the same stages without synchronizing: a CUDA event on the
+//! device's stream at each stage's start and end, read when the report is taken. A stage's
+//! `seconds` is then its span on the GPU's timeline (its kernels and any time the GPU waited
+//! for the host inside it) and `host_seconds` the host's time in it, in a run whose own clocks
+//! stay close to a plain run's. Where a stage's span is well above its kernels' time (ncu),
+//! the GPU waited for the host.
+//!
 //! The coarse stages of training (names starting `train.`, `optim.`, `rollout.`) also keep the
 //! most GPU memory in use while they ran (GPU 0, polled every millisecond by a thread that
 //! starts with the first such stage): where a run's peak comes from. Beside it, the allocator's
@@ -39,8 +46,12 @@ static TIMES: Mutex<BTreeMap<&'static str, StageReport>> = Mutex::new(BTreeMap::
 pub struct StageReport {
     /// The stage's name.
     pub stage: &'static str,
-    /// Synchronized wall time over all calls.
+    /// Synchronized wall time over all calls (with `FLEET_PROFILE=events`: the span between
+    /// the stage's events on the GPU's timeline).
     pub seconds: f64,
+    /// The host's time inside the stage over all calls: from its start until its work was
+    /// enqueued (any read back inside it included), the closing synchronization not.
+    pub host_seconds: f64,
     /// Calls.
     pub calls: u64,
     /// Coarse stages: the most GPU memory the driver reported in use (the context and other
@@ -60,6 +71,12 @@ static POLLER: OnceLock<()> = OnceLock::new();
 /// Whether `FLEET_PROFILE` is set to something other than `0`.
 pub fn enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("FLEET_PROFILE").is_ok_and(|v| v != "0"))
+}
+
+/// Whether `FLEET_PROFILE=events`: stages timed by CUDA events, nothing synchronized.
+fn events_mode() -> bool {
+    static EVENTS: OnceLock<bool> = OnceLock::new();
+    *EVENTS.get_or_init(|| std::env::var("FLEET_PROFILE").is_ok_and(|v| v == "events"))
 }
 
 fn coarse(stage: &str) -> bool {
@@ -138,25 +155,111 @@ fn time_stage<T>(dev: &Device, stage: &'static str, f: impl FnOnce() -> Result<T
     if !enabled() || CAPTURING.with(|c| c.get()) {
         return f();
     }
+    #[cfg(feature = "cuda")]
+    if events_mode() {
+        if let Device::Cuda(cuda) = dev {
+            return events::time(cuda, stage, f);
+        }
+    }
     dev.synchronize()?;
     if coarse(stage) {
         begin();
     }
     let t = Instant::now();
     let out = f()?;
+    let host = t.elapsed().as_secs_f64();
     dev.synchronize()?;
-    record(stage, t.elapsed().as_secs_f64());
+    record_times(stage, t.elapsed().as_secs_f64(), host);
     Ok(out)
+}
+
+/// `FLEET_PROFILE=events`: each stage's pair of events, read when the report is taken.
+#[cfg(feature = "cuda")]
+mod events {
+    use std::sync::Mutex;
+    use std::time::Instant;
+
+    use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent};
+    use candle_core::CudaDevice;
+
+    use crate::error::{ModelError, Result};
+
+    /// A stage's call not yet read: its events and the host's seconds in it.
+    struct Pending {
+        stage: &'static str,
+        start: CudaEvent,
+        end: CudaEvent,
+        host: f64,
+    }
+
+    /// Calls whose events are not yet read, in order.
+    static PENDING: Mutex<Vec<Pending>> = Mutex::new(Vec::new());
+
+    /// Calls held before the oldest are read (each read waits for its end event): enough for
+    /// a long run's stages between reports, few enough to keep the events' handles bounded.
+    const MAX_PENDING: usize = 1 << 16;
+
+    fn record(cuda: &CudaDevice) -> Result<CudaEvent> {
+        cuda.cuda_stream()
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| ModelError::Candle(candle_core::Error::Msg(format!("profile event: {e}"))))
+    }
+
+    pub(super) fn time<T>(
+        cuda: &CudaDevice,
+        stage: &'static str,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let start = record(cuda)?;
+        let t = Instant::now();
+        let out = f()?;
+        let host = t.elapsed().as_secs_f64();
+        let end = record(cuda)?;
+        let mut pending = PENDING.lock().unwrap_or_else(|e| e.into_inner());
+        pending.push(Pending {
+            stage,
+            start,
+            end,
+            host,
+        });
+        if pending.len() >= MAX_PENDING {
+            let older: Vec<Pending> = pending.drain(..MAX_PENDING / 2).collect();
+            drop(pending);
+            read(older);
+        }
+        Ok(out)
+    }
+
+    /// Adds every pending call's span and host time to the totals.
+    pub(super) fn read_all() {
+        let all = std::mem::take(&mut *PENDING.lock().unwrap_or_else(|e| e.into_inner()));
+        read(all);
+    }
+
+    fn read(calls: Vec<Pending>) {
+        for p in calls {
+            // elapsed_ms waits for both events; a failed read (a device error) drops the call
+            // rather than report a made-up span.
+            if let Ok(ms) = p.start.elapsed_ms(&p.end) {
+                super::record_times(p.stage, f64::from(ms) / 1e3, p.host);
+            }
+        }
+    }
 }
 
 /// Adds `seconds` to `stage` (for callers outside this crate that time their own stages,
 /// synchronizing the device themselves and calling [`begin`] at the start of a coarse one);
 /// does nothing unless profiling.
 pub fn record(stage: &'static str, seconds: f64) {
+    record_times(stage, seconds, seconds);
+}
+
+/// [`record`] with the host's part of the time given apart.
+fn record_times(stage: &'static str, seconds: f64, host_seconds: f64) {
     if !enabled() {
         return;
     }
-    let (peak, (live, reserved)) = if coarse(stage) {
+    let (peak, (live, reserved)) = if coarse(stage) && !events_mode() {
         (
             PEAK.load(Ordering::Relaxed),
             fleet_topology::gpu_pool_high_water(0).unwrap_or((0, 0)),
@@ -168,20 +271,25 @@ pub fn record(stage: &'static str, seconds: f64) {
     let e = times.entry(stage).or_insert(StageReport {
         stage,
         seconds: 0.0,
+        host_seconds: 0.0,
         calls: 0,
         peak_bytes: 0,
         live_peak_bytes: 0,
         reserved_peak_bytes: 0,
     });
     e.seconds += seconds;
+    e.host_seconds += host_seconds;
     e.calls += 1;
     e.peak_bytes = e.peak_bytes.max(peak);
     e.live_peak_bytes = e.live_peak_bytes.max(live);
     e.reserved_peak_bytes = e.reserved_peak_bytes.max(reserved);
 }
 
-/// Every stage's totals since the last call, by name; empty unless profiling.
+/// Every stage's totals since the last call, by name; empty unless profiling. With
+/// `FLEET_PROFILE=events` it first waits for the stages' events.
 pub fn take_report() -> Vec<StageReport> {
+    #[cfg(feature = "cuda")]
+    events::read_all();
     let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
     let out = times.values().copied().collect();
     times.clear();
