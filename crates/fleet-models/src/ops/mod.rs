@@ -530,7 +530,9 @@ pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;
 pub(crate) use masked_softmax::masked_softmax_backward;
 pub use matmul_acc::{add_matmul_tn_, add_matmul_tn_supported};
-pub use moe_rows::{gather_rows, gather_rows_reference, moe_combine, moe_combine_reference};
+pub use moe_rows::{
+    gather_rows, gather_rows_reference, moe_combine, moe_combine_reference, moe_plan, MoePlan,
+};
 pub use paged_attention::{
     paged_decode_attention, paged_decode_attention_reference, paged_decode_supported,
     paged_kv_write, PAGED_ATTENTION_MAX_GROUP, PAGED_ATTENTION_MIN_BLOCKS,

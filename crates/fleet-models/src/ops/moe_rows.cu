@@ -94,3 +94,62 @@ __device__ void moe_combine(const T *y, const float *w, const uint32_t *pos, T *
     }
 COMBINE(__half, f16)
 COMBINE(__nv_bfloat16, bf16)
+
+// The sorted prefill's plan of a layer's routing, on the device (ops/moe_rows.rs, moe_plan):
+// `ids` holds each routed slot's expert (slot s = token s / k's j-th choice). Two kernels of
+// one block per expert, so that nothing is read back but the counts.
+//
+// counts[e] = the slots routed to expert e.
+extern "C" __global__ void moe_plan_counts(const uint32_t *ids, int slots, uint32_t *counts) {
+    __shared__ uint32_t warp_count[32];
+    const uint32_t e = blockIdx.x;
+    uint32_t c = 0;
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) c += ids[s] == e;
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffff, c, o);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) warp_count[warp] = c;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t total = 0;
+        for (int w = 0; w < (int)(blockDim.x / 32); ++w) total += warp_count[w];
+        counts[e] = total;
+    }
+}
+
+// A stable counting sort by expert: expert e's slots in slot order take the sorted rows
+// offset[e] .. offset[e] + counts[e] (offset[e]: the counts of the experts below e), so that
+// position[s] is slot s's sorted row and token_of[p] the token of sorted row p: the host's
+// order exactly. blockDim.x a multiple of 32, at most 1024.
+extern "C" __global__ void moe_plan_order(const uint32_t *ids, const uint32_t *counts, int slots,
+                                          int k, uint32_t *position, uint32_t *token_of) {
+    __shared__ uint32_t offset;
+    __shared__ uint32_t warp_hits[32];
+    const uint32_t e = blockIdx.x;
+    if (threadIdx.x == 0) {
+        uint32_t o = 0;
+        for (uint32_t i = 0; i < e; ++i) o += counts[i];
+        offset = o;
+    }
+    __syncthreads();
+    uint32_t base = offset;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    for (int start = 0; start < slots; start += blockDim.x) {
+        const int s = start + threadIdx.x;
+        const bool hit = s < slots && ids[s] == e;
+        const unsigned mask = __ballot_sync(0xffffffff, hit);
+        if (lane == 0) warp_hits[warp] = __popc(mask);
+        __syncthreads();
+        uint32_t before = 0, chunk = 0;
+        for (int w = 0; w < warps; ++w) {
+            before += w < warp ? warp_hits[w] : 0;
+            chunk += warp_hits[w];
+        }
+        if (hit) {
+            const uint32_t p = base + before + __popc(mask & ((1u << lane) - 1));
+            position[s] = p;
+            token_of[p] = s / k;
+        }
+        base += chunk;
+        __syncthreads();
+    }
+}

@@ -1,6 +1,7 @@
 //! The MoE layer's row movements around its expert GEMMs, one kernel each on CUDA: the
-//! prefill's gather of each routed slot's token row into expert order ([`gather_rows`]) and
-//! every path's weighted sum of a token's expert outputs ([`moe_combine`]). candle's
+//! prefill's plan of the routing (each slot's row in expert order, [`moe_plan`]), its gather
+//! of each routed slot's token row into that order ([`gather_rows`]) and every path's
+//! weighted sum of a token's expert outputs ([`moe_combine`]). candle's
 //! `index_select`, broadcast multiply and strided sum took 42% of a 30B-A3B judge prefill pass's
 //! kernel time on an H200 (2026-11-28f: 187 of 443 ms, at 0.1–0.4 TB/s) for work that reads
 //! and writes a few hundred MB. Each kernel has its candle twin (`*_reference`): the CPU's
@@ -100,6 +101,136 @@ pub fn moe_combine_reference(
     Ok(y.reshape((n, k, hidden))?.broadcast_mul(&w)?.sum(1)?)
 }
 
+/// The sorted MoE prefill's plan of one layer's routing: the routed slots (slot `t k + j`:
+/// token `t`'s `j`-th expert) in expert order, each expert's in slot order.
+#[derive(Debug)]
+pub struct MoePlan {
+    /// Slots routed to each expert.
+    pub counts: Vec<usize>,
+    /// Each sorted row's token (u32 `[n k]`, on the routing's device): the rows to gather.
+    pub token_of: Tensor,
+    /// Each slot's sorted row (u32 `[n k]`, on the routing's device): where its output lies.
+    pub position: Tensor,
+}
+
+/// The plan of `top_ids` (u32 `[n, k]`, each token's experts, all below `experts`). A stable
+/// counting sort: on the host (the ids read back, the order uploaded), or on CUDA with
+/// `FLEET_MOE_DEVICE_PLAN=1` by two kernels that leave the order on the device and read back
+/// only the counts (which cuBLAS's grouped GEMM takes on the host). Both give the same order.
+pub fn moe_plan(top_ids: &Tensor, experts: usize) -> Result<MoePlan> {
+    let (n, k) = top_ids.dims2()?;
+    if top_ids.dtype() != DType::U32 || k == 0 || experts == 0 {
+        return Err(ModelError::BadInput(format!(
+            "moe_plan: top_ids {:?} {:?} (u32 [n, k], k at least 1), {experts} experts",
+            top_ids.dims(),
+            top_ids.dtype()
+        )));
+    }
+    let slots = n * k;
+    let dev = top_ids.device();
+    let op = PlanOp { k, experts };
+    let flat = top_ids.flatten_all()?.contiguous()?;
+    #[cfg(feature = "cuda")]
+    let on_device = dev.is_cuda() && DEVICE_PLAN.on();
+    #[cfg(not(feature = "cuda"))]
+    let on_device = false;
+    let plan = if on_device {
+        flat.apply_op1_no_bwd(&op)?
+    } else {
+        flat.to_device(&candle_core::Device::Cpu)?
+            .apply_op1_no_bwd(&op)?
+            .to_device(dev)?
+    };
+    let counts: Vec<usize> = plan
+        .narrow(0, 0, experts)?
+        .to_device(&candle_core::Device::Cpu)?
+        .to_vec1::<u32>()?
+        .into_iter()
+        .map(|c| c as usize)
+        .collect();
+    // The kernels cannot report an expert id out of range; the counts show it.
+    if counts.iter().sum::<usize>() != slots {
+        return Err(ModelError::BadInput(format!(
+            "moe_plan: the counts sum to {} over {slots} slots: an expert id is {experts} or \
+             more",
+            counts.iter().sum::<usize>()
+        )));
+    }
+    Ok(MoePlan {
+        counts,
+        position: plan.narrow(0, experts, slots)?,
+        token_of: plan.narrow(0, experts + slots, slots)?,
+    })
+}
+
+/// Whether [`moe_plan`] runs on the device on CUDA: `FLEET_MOE_DEVICE_PLAN=1`; off until
+/// measured against the host's plan.
+#[cfg(feature = "cuda")]
+static DEVICE_PLAN: EnvSwitch = EnvSwitch::new("FLEET_MOE_DEVICE_PLAN", false);
+
+/// Test switch for [`moe_plan`]'s kernels: `Some(on)` forces them, `None` leaves them to
+/// `FLEET_MOE_DEVICE_PLAN`.
+#[cfg(all(test, feature = "cuda"))]
+fn set_device_plan(on: Option<bool>) {
+    DEVICE_PLAN.force(on);
+}
+
+/// [`moe_plan`] as a custom op on the flat ids: `[experts + 2 n k]` u32, the counts, then
+/// `position`, then `token_of`.
+struct PlanOp {
+    k: usize,
+    experts: usize,
+}
+
+impl candle_core::CustomOp1 for PlanOp {
+    fn name(&self) -> &'static str {
+        "fleet-moe-plan"
+    }
+
+    /// The host's counting sort: the reference the kernels are tested against.
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::U32(ids) = s else {
+            candle_core::bail!("moe_plan: the ids must be u32");
+        };
+        let ids = super::contiguous(ids, l)?;
+        let (slots, experts, k) = (ids.len(), self.experts, self.k);
+        let mut counts = vec![0u32; experts];
+        for &e in ids {
+            match counts.get_mut(e as usize) {
+                Some(c) => *c += 1,
+                None => candle_core::bail!("moe_plan: expert id {e} of {experts} experts"),
+            }
+        }
+        let mut next = Vec::with_capacity(experts);
+        let mut total = 0u32;
+        for &c in &counts {
+            next.push(total);
+            total += c;
+        }
+        let mut out = vec![0u32; experts + 2 * slots];
+        out[..experts].copy_from_slice(&counts);
+        let (position, token_of) = out[experts..].split_at_mut(slots);
+        for (slot, &e) in ids.iter().enumerate() {
+            let p = next[e as usize];
+            next[e as usize] += 1;
+            position[slot] = p;
+            token_of[p as usize] = (slot / k) as u32;
+        }
+        Ok((CpuStorage::U32(out), Shape::from(experts + 2 * slots)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let slots = l.shape().elem_count();
+        let out = cuda::moe_plan((s, l), slots, self.k, self.experts)?;
+        Ok((out, Shape::from(self.experts + 2 * slots)))
+    }
+}
+
 /// [`gather_rows`] as a custom op.
 struct GatherRows;
 
@@ -136,6 +267,52 @@ mod cuda {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/moe_rows.ptx"));
     const MODULE: &str = "fleet_moe_rows";
+
+    /// [`super::moe_plan`]: the counts (one block per expert), then the order (one block per
+    /// expert, each scanning every slot in order).
+    pub(super) fn moe_plan(
+        (s, l): (&CudaStorage, &Layout),
+        slots: usize,
+        k: usize,
+        experts: usize,
+    ) -> candle_core::Result<CudaStorage> {
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+        let dev = s.device().clone();
+        let ids = input::<u32>(s, l)?;
+        // SAFETY: the counts kernel writes every one of the first `experts` entries; the order
+        // kernel writes the 2 slots after them whenever every id is below `experts` (the
+        // caller checks the counts' sum before reading them).
+        let out: CudaSlice<u32> = unsafe { dev.alloc::<u32>(experts + 2 * slots)? };
+        let cfg = LaunchConfig {
+            grid_dim: (experts as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (slots_i, k_i) = (slots as i32, k as i32);
+        let counts = out.slice(0..experts);
+        let func = dev.get_or_load_custom_func("moe_plan_counts", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&ids);
+        b.arg(&slots_i);
+        b.arg(&counts);
+        // SAFETY: block e reads ids[0..slots] and writes counts[e].
+        unsafe { b.launch(cfg) }.w()?;
+        let position = out.slice(experts..experts + slots);
+        let token_of = out.slice(experts + slots..experts + 2 * slots);
+        let func = dev.get_or_load_custom_func("moe_plan_order", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&ids);
+        b.arg(&counts);
+        b.arg(&slots_i);
+        b.arg(&k_i);
+        b.arg(&position);
+        b.arg(&token_of);
+        // SAFETY: block e reads ids[0..slots] and counts[0..e], and writes position[s] for its
+        // slots and token_of at rows offset[e] .. offset[e] + counts[e], below slots when the
+        // counts sum to slots (ids below experts).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
 
     /// [`super::gather_rows`]: one grid-stride kernel over the output's copy units.
     pub(super) fn gather_rows(
@@ -304,6 +481,24 @@ mod tests {
         assert_eq!(plain.dims(), [1, 2]);
     }
 
+    /// The plan is the stable sort by expert: each expert's slots in slot order, each sorted
+    /// row's token, each slot's row; an expert id past the experts is refused.
+    #[test]
+    fn the_plan_sorts_slots_by_expert_stably() {
+        let dev = Device::Cpu;
+        // Three tokens, two experts each, four experts (expert 1 untouched).
+        let ids = Tensor::new(&[[2u32, 0], [0, 3], [2, 0]], &dev).unwrap();
+        let plan = moe_plan(&ids, 4).unwrap();
+        assert_eq!(plan.counts, [3, 0, 2, 1]);
+        // Sorted rows: expert 0's slots 1, 2, 5; expert 2's 0, 4; expert 3's 3.
+        let token_of: Vec<u32> = plan.token_of.to_vec1().unwrap();
+        assert_eq!(token_of, [0, 1, 2, 0, 2, 1]);
+        let position: Vec<u32> = plan.position.to_vec1().unwrap();
+        assert_eq!(position, [3, 0, 1, 5, 4, 2]);
+        let err = moe_plan(&ids, 3).unwrap_err().to_string();
+        assert!(err.contains("expert id 3"), "{err}");
+    }
+
     #[test]
     fn shapes_that_name_no_rows_are_refused() {
         let dev = Device::Cpu;
@@ -394,5 +589,48 @@ mod tests {
             }
         }
         set_kernel(None);
+    }
+
+    /// The plan's kernels give the host's order exactly: random routings (not a multiple of a
+    /// block's slots), every slot on one expert, experts left untouched.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_device_plan_is_the_host_plan() {
+        let Some(dev) = super::super::test_gpu("the_device_plan_is_the_host_plan") else {
+            return;
+        };
+        let (k, experts) = (8usize, 128usize);
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        let cases: Vec<Vec<u32>> = vec![
+            (0..333 * k).map(|_| next() % experts as u32).collect(),
+            (0..1000 * k).map(|_| next() % 31).collect(),
+            vec![5; 40 * k],
+        ];
+        for ids in cases {
+            let n = ids.len() / k;
+            let ids = Tensor::from_vec(ids, (n, k), &dev).unwrap();
+            set_device_plan(Some(false));
+            let host = moe_plan(&ids, experts).unwrap();
+            set_device_plan(Some(true));
+            let device = moe_plan(&ids, experts).unwrap();
+            set_device_plan(None);
+            assert_eq!(host.counts, device.counts, "{n} tokens");
+            for (a, b) in [
+                (&host.token_of, &device.token_of),
+                (&host.position, &device.position),
+            ] {
+                assert_eq!(
+                    a.to_vec1::<u32>().unwrap(),
+                    b.to_vec1::<u32>().unwrap(),
+                    "{n} tokens"
+                );
+            }
+        }
     }
 }

@@ -413,7 +413,8 @@ impl SparseMoe {
     }
 
     /// Many tokens at once (a prefill) on a GPU: the routing on the device, the (token, expert)
-    /// pairs sorted by expert on the host (one copy of the ids back), the rows gathered once
+    /// pairs sorted by expert ([`ops::moe_plan`]: on the host, one copy of the ids back; or on
+    /// the device, the counts alone read back), the rows gathered once
     /// into expert order ([`ops::gather_rows`]), one cuBLAS GEMM per expert on its contiguous
     /// rows for gate/up and again for down, then each token's rows read back from their sorted
     /// positions and summed with their weights ([`ops::moe_combine`]).
@@ -422,42 +423,28 @@ impl SparseMoe {
     #[cfg(feature = "cuda")]
     fn forward_sorted(&self, x: &Tensor) -> Result<Tensor> {
         use crate::profile;
-        let (n, _) = x.dims2()?;
-        let k = self.top_k;
         let experts = self.gate_up.dim(0)?;
         let dev = x.device();
-        // The sub-stages (FLEET_PROFILE) split the host's part from the GPU's: `moe.route`
-        // ends with the ids on the host, `moe.plan` is the host's sort and the uploads, and
-        // `moe.gemm_host` the host's time inside the grouped GEMM calls (not synchronized:
-        // the enqueueing alone, the device idle before it).
+        // The sub-stages (FLEET_PROFILE): `moe.route` the router, `moe.plan` the sort by
+        // expert (the ids read back, the order uploaded; or on the device) and the gather,
+        // `moe.gemm_host` the host's time inside the grouped GEMM calls (the enqueueing
+        // alone: with FLEET_PROFILE=1 the device is idle before it).
         let (top_ids, top_w) = profile::time(dev, "moe.route", || self.route_on_device(x))?;
-        let ids: Vec<u32> = top_ids.flatten_all()?.to_vec1()?;
-        let (rows, counts, offsets, position) = profile::time(dev, "moe.plan", || {
-            let mut counts = vec![0usize; experts];
-            for &e in &ids {
-                counts[e as usize] += 1;
-            }
-            let mut offsets = Vec::with_capacity(experts);
-            let mut total = 0;
-            for &c in &counts {
-                offsets.push(total);
-                total += c;
-            }
-            // token_of[p]: the token of sorted row p; position[slot]: where slot (token * k
-            // + j) went in the sorted order.
-            let mut next = offsets.clone();
-            let mut token_of = vec![0u32; n * k];
-            let mut position = vec![0u32; n * k];
-            for (slot, &e) in ids.iter().enumerate() {
-                let p = next[e as usize];
-                next[e as usize] += 1;
-                token_of[p] = (slot / k) as u32;
-                position[slot] = p as u32;
-            }
-            let rows = ops::gather_rows(x, &Tensor::from_vec(token_of, n * k, dev)?)?;
-            let position = Tensor::from_vec(position, n * k, dev)?;
-            Ok((rows, counts, offsets, position))
+        let (
+            rows,
+            ops::MoePlan {
+                counts, position, ..
+            },
+        ) = profile::time(dev, "moe.plan", || {
+            let plan = ops::moe_plan(&top_ids, experts)?;
+            Ok((ops::gather_rows(x, &plan.token_of)?, plan))
         })?;
+        let mut offsets = Vec::with_capacity(experts);
+        let mut total = 0;
+        for &c in &counts {
+            offsets.push(total);
+            total += c;
+        }
         let per_expert = |input: &Tensor, weights: &Tensor| -> Result<Tensor> {
             if GROUPED_GEMM.on() {
                 let t = profile::enabled().then(std::time::Instant::now);
