@@ -134,20 +134,20 @@ pub fn moe_plan(top_ids: &Tensor, experts: usize) -> Result<MoePlan> {
     let on_device = dev.is_cuda() && DEVICE_PLAN.on();
     #[cfg(not(feature = "cuda"))]
     let on_device = false;
-    let plan = if on_device {
-        flat.apply_op1_no_bwd(&op)?
+    // The counts come to the host either way: read from the plan the host made before it
+    // goes up (one upload, no second read back), or read back from the device's.
+    let (plan, counts) = if on_device {
+        let plan = flat.apply_op1_no_bwd(&op)?;
+        let counts = plan.narrow(0, 0, experts)?.to_vec1::<u32>()?;
+        (plan, counts)
     } else {
-        flat.to_device(&candle_core::Device::Cpu)?
-            .apply_op1_no_bwd(&op)?
-            .to_device(dev)?
+        let plan = flat
+            .to_device(&candle_core::Device::Cpu)?
+            .apply_op1_no_bwd(&op)?;
+        let counts = plan.narrow(0, 0, experts)?.to_vec1::<u32>()?;
+        (plan.to_device(dev)?, counts)
     };
-    let counts: Vec<usize> = plan
-        .narrow(0, 0, experts)?
-        .to_device(&candle_core::Device::Cpu)?
-        .to_vec1::<u32>()?
-        .into_iter()
-        .map(|c| c as usize)
-        .collect();
+    let counts: Vec<usize> = counts.into_iter().map(|c| c as usize).collect();
     // The kernels cannot report an expert id out of range; the counts show it.
     if counts.iter().sum::<usize>() != slots {
         return Err(ModelError::BadInput(format!(
