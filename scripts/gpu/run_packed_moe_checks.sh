@@ -24,6 +24,8 @@
 #       bash scripts/gpu/run_packed_moe_checks.sh     # 2026-11-28f: the MoE row kernels
 #   WHAT="passes prefill_profile" bash scripts/gpu/run_packed_moe_checks.sh   # the prompt pass's
 #                  token budget (PASS_TOKENS), then ncu of a 30B-A3B prefill pass
+#   WHAT="moe_gemv moe_ab" LIB_FILTERS="ops::moe_rows qwen::moe" AB_VAR=FLEET_MOE_DEVICE_PLAN NCU=0 \
+#       bash scripts/gpu/run_packed_moe_checks.sh     # the MoE plan on the device against the host's
 #   WHAT="host_ab stage_tables decode_blocks" bash scripts/gpu/run_packed_moe_checks.sh   # carries
 #                  edit-score-prev.xz and edit-score-nofa3.xz: the host side of a prompt pass
 #                  (two builds alternating), the stage tables, the decode attention's grid
