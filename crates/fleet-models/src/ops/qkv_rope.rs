@@ -1101,11 +1101,13 @@ mod cuda {
             let cache_dims = cache_dims(op.cache.as_ref(), (b, t), op.kvh, op.d)?;
             let guards = cache_guards(op.cache.as_ref());
             let views = cache_views::<T, _>(&guards, &dev)?;
-            // SAFETY: every (token, head) block writes its d outputs.
+            // SAFETY: every (token, head) warp writes its d outputs.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n)? };
+            // Four (token, head) warps a block; a block's warps past the last return at once.
+            const WARPS: usize = 4;
             let cfg = LaunchConfig {
-                grid_dim: ((b * t * heads) as u32, 1, 1),
-                block_dim: (32, 1, 1),
+                grid_dim: ((b * t * heads).div_ceil(WARPS) as u32, 1, 1),
+                block_dim: (32 * WARPS as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             let mut bld = func.builder();
@@ -1133,7 +1135,8 @@ mod cuda {
             }
             bld.arg(&op.eps);
             push_cache(&mut bld, &views, &cache_dims);
-            // SAFETY: grid covers b * t * heads blocks of one warp each; with a cache, k and v
+            // SAFETY: the grid's warps cover the b * t * heads (token, head) pairs, the ones past
+            // them return before any access; with a cache, k and v
             // rows go to checked slots of it (cache_views), q alone to `out`.
             unsafe { bld.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
