@@ -24,6 +24,8 @@
 #       bash scripts/gpu/run_packed_moe_checks.sh     # 2026-11-28f: the MoE row kernels
 #   WHAT="passes prefill_profile" bash scripts/gpu/run_packed_moe_checks.sh   # the prompt pass's
 #                  token budget (PASS_TOKENS), then ncu of a 30B-A3B prefill pass
+#   WHAT=checks bash scripts/gpu/run_packed_moe_checks.sh   # carries lib-tests, tests-next and
+#                  tests-vl (.tar.xz): the GPU tests of 2026-11-28f's later work
 #   WHAT="moe_gemv moe_ab" LIB_FILTERS="ops::moe_rows qwen::moe" AB_VAR=FLEET_MOE_DEVICE_PLAN NCU=0 \
 #       bash scripts/gpu/run_packed_moe_checks.sh     # the MoE plan on the device against the host's
 #   WHAT="host_ab stage_tables decode_blocks" bash scripts/gpu/run_packed_moe_checks.sh   # carries
@@ -85,6 +87,27 @@ moe_prefill)
       --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 FLEET_MOE_GROUPED_GEMM=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
   done; done ;;
+checks)
+  # The GPU tests of what 2026-11-28f wrote after its device time: lib-tests.tar.xz
+  # (`ops::moe_rows`: the plan's kernels against the host's order, the row kernels; `qwen::moe`),
+  # tests-next.tar.xz (ops_grad's `cuda_` tests: qk_norm_rope's four warps a block against the
+  # CPU twin; train_grads on cuda:0) and tests-vl.tar.xz (qwen3_vl_parity and paged_generation
+  # on cuda:0: the Qwen3 decoder through qk_norm_rope, prefill and paged decode).
+  for a in lib-tests tests-next tests-vl; do xz -dc dist/carry/$a.tar.xz | tar xf - -C $T; done
+  cd crates/fleet-models
+  run_c() { # name binary args...
+    local name=$1 bin=$2; shift 2
+    timeout 300 $T/$bin --test-threads 1 "$@" > $OUT/test_$name.txt 2>&1
+    echo "$name: rc $? $(grep -E '^test result' $OUT/test_$name.txt | tail -1)"
+    grep -E 'panicked|FAILED' $OUT/test_$name.txt | head -8
+  }
+  run_c lib_moe_rows fleet_models ops::moe_rows --nocapture
+  run_c lib_moe fleet_models qwen::moe
+  run_c ops_grad ops_grad cuda_ --nocapture
+  FLEET_TEST_DEVICES=cuda:0 run_c train_grads train_grads
+  FLEET_TEST_DEVICES=cuda:0 run_c qwen3_vl_parity qwen3_vl_parity
+  run_c paged_generation paged_generation
+  cd - > /dev/null ;;
 moe_gemv)
   # The fleet_models lib tests of LIB_FILTERS (lib-tests.tar.xz, CUDA; default: `ops::linear`
   # — the MoE GEMV and its tensor-core kernel against the twin —, `qwen::moe` and
