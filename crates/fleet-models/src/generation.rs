@@ -399,24 +399,9 @@ pub(crate) type PrefillOutput = Result<(Tensor, Vec<i64>)>;
 /// `FLEET_PREFILL_TOKENS` sets another (a prompt longer than it still gets a pass of its own).
 const PREFILL_TOKENS: usize = 8192;
 
-/// [`PREFILL_TOKENS`], or `FLEET_PREFILL_TOKENS` where it is set to a positive number (any
-/// other value is named on stderr and the default kept).
-fn prefill_tokens() -> usize {
-    static TOKENS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TOKENS.get_or_init(|| match std::env::var("FLEET_PREFILL_TOKENS") {
-        Err(_) => PREFILL_TOKENS,
-        Ok(v) => match v.parse::<usize>() {
-            Ok(n) if n > 0 => n,
-            _ => {
-                eprintln!(
-                    "FLEET_PREFILL_TOKENS={v:?} is not a positive number of tokens; \
-                     keeping {PREFILL_TOKENS}"
-                );
-                PREFILL_TOKENS
-            }
-        },
-    })
-}
+/// [`PREFILL_TOKENS`], or `FLEET_PREFILL_TOKENS` where it is a positive number.
+static PASS_TOKENS: crate::ops::EnvCount =
+    crate::ops::EnvCount::new("FLEET_PREFILL_TOKENS", PREFILL_TOKENS);
 
 /// A newcomer that forks the one admitted before it with the same prompt.
 struct Fork {
@@ -1007,7 +992,7 @@ impl<'a> Generator<'a> {
             });
         }
         // The prompt passes: newcomers in admission order, as many per pass as
-        // prefill_tokens() (padding included) holds.
+        // PASS_TOKENS (padding included) holds.
         let mut first_logits: Vec<Option<Tensor>> = vec![None; running.len() - first_new];
         let mut start = 0;
         while start < to_prefill.len() {
@@ -1016,7 +1001,7 @@ impl<'a> Generator<'a> {
             let mut window = uncached(to_prefill[start]);
             while end < to_prefill.len() {
                 let w = window.max(uncached(to_prefill[end]));
-                if (end - start + 1) * w > prefill_tokens() {
+                if (end - start + 1) * w > PASS_TOKENS.get() {
                     break;
                 }
                 window = w;

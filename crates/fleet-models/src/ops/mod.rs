@@ -414,6 +414,42 @@ pub(crate) fn max_abs(t: &Tensor) -> f32 {
         .expect("one f32")
 }
 
+/// A positive count read once from an environment variable (a tuning knob: a pass's tokens,
+/// a grid's blocks), else its default. A value that is not a positive number is named on
+/// stderr and the default kept.
+pub(crate) struct EnvCount {
+    var: &'static str,
+    default: usize,
+    value: std::sync::OnceLock<usize>,
+}
+
+impl EnvCount {
+    pub(crate) const fn new(var: &'static str, default: usize) -> Self {
+        EnvCount {
+            var,
+            default,
+            value: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The count (the variable is read at the first call).
+    pub(crate) fn get(&self) -> usize {
+        *self.value.get_or_init(|| match std::env::var(self.var) {
+            Err(_) => self.default,
+            Ok(v) => match v.parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => {
+                    eprintln!(
+                        "{}={v:?} is not a positive number; keeping {}",
+                        self.var, self.default
+                    );
+                    self.default
+                }
+            },
+        })
+    }
+}
+
 /// A kernel choice read once from an environment variable, which a test may force either way
 /// (for comparing two kernels in one process): on unless the variable is `0` when
 /// `on_by_default`, else on only when it is `1`.

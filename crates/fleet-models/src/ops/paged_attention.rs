@@ -23,26 +23,11 @@ pub const PAGED_ATTENTION_PARTITION: usize = 256;
 /// sets another (read once: every graph of a process takes the same partitions).
 pub const PAGED_ATTENTION_MIN_BLOCKS: usize = 512;
 
-/// [`PAGED_ATTENTION_MIN_BLOCKS`], or `FLEET_PAGED_MIN_BLOCKS` where it is a positive number
-/// (another value is named on stderr and the default kept). A larger grid cuts the last wave's
-/// idle SMs: the 30B-A3B judge's decode at 32 rows of ~2,200 tokens runs 1,152 blocks of
-/// 256-token partitions, one full wave of the H200's and a ninth of another.
-fn min_blocks() -> usize {
-    static BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BLOCKS.get_or_init(|| match std::env::var("FLEET_PAGED_MIN_BLOCKS") {
-        Err(_) => PAGED_ATTENTION_MIN_BLOCKS,
-        Ok(v) => match v.parse::<usize>() {
-            Ok(n) if n > 0 => n,
-            _ => {
-                eprintln!(
-                    "FLEET_PAGED_MIN_BLOCKS={v:?} is not a positive number of blocks; keeping \
-                     {PAGED_ATTENTION_MIN_BLOCKS}"
-                );
-                PAGED_ATTENTION_MIN_BLOCKS
-            }
-        },
-    })
-}
+/// [`PAGED_ATTENTION_MIN_BLOCKS`], or `FLEET_PAGED_MIN_BLOCKS` where it is a positive number.
+/// A larger grid cuts the last wave's idle SMs: the 30B-A3B judge's decode at 32 rows of
+/// ~2,200 tokens runs 1,152 blocks of 256-token partitions, one full wave of the H200's and a
+/// ninth of another.
+static MIN_BLOCKS: EnvCount = EnvCount::new("FLEET_PAGED_MIN_BLOCKS", PAGED_ATTENTION_MIN_BLOCKS);
 
 /// Most query heads per KV head that [`paged_decode_attention`] takes (the kernel keeps the
 /// group's accumulators in registers).
@@ -352,7 +337,7 @@ impl AttnDims {
         let floor = self.block_size.max(16);
         let mut part = PAGED_ATTENTION_PARTITION;
         while part / 2 >= floor
-            && self.batch * self.kv_heads * self.capacity().div_ceil(part) < min_blocks()
+            && self.batch * self.kv_heads * self.capacity().div_ceil(part) < MIN_BLOCKS.get()
         {
             part /= 2;
         }

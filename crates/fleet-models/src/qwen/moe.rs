@@ -46,7 +46,7 @@ pub(crate) struct SparseMoe {
 #[cfg(feature = "cuda")]
 const KERNEL_CHUNK: usize = 1024;
 
-/// Whether decode-sized calls (up to [`KERNEL_CHUNK`] tokens, below [`sorted_min_tokens`]) take
+/// Whether decode-sized calls (up to [`KERNEL_CHUNK`] tokens, below [`SORTED_MIN_TOKENS`]) take
 /// [`ops::moe_gemv`] rather than candle's fused kernels: on unless `FLEET_MOE_GEMV=0`. On an
 /// H200 (30B-A3B judge, batch 32, op by op) its decode took 5.26 s a batch against the fused
 /// kernels' 5.41; and only it can be captured, so the step before a capture must take it too
@@ -67,12 +67,8 @@ static GROUPED_GEMM: crate::ops::EnvSwitch =
 /// kernels: `FLEET_MOE_SORTED_MIN_TOKENS`, default 256 (decode steps stay on the GEMV, which
 /// needs no host round trip).
 #[cfg(feature = "cuda")]
-fn sorted_min_tokens() -> usize {
-    std::env::var("FLEET_MOE_SORTED_MIN_TOKENS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256)
-}
+static SORTED_MIN_TOKENS: crate::ops::EnvCount =
+    crate::ops::EnvCount::new("FLEET_MOE_SORTED_MIN_TOKENS", 256);
 
 /// How a checkpoint stores each MoE layer's experts.
 ///
@@ -289,19 +285,20 @@ impl SparseMoe {
             // allocates outside the pool, which a capture refuses with a C++ exception no Rust
             // code can catch (the 30B-A3B judge aborted so on an H200, 2026-11-28d).
             let capturing = ops::capturing(flat.device())?;
-            let out =
-                if n <= KERNEL_CHUNK && (capturing || MOE_GEMV.on() && n < sorted_min_tokens()) {
-                    self.forward_gemv(&flat)?
-                } else if capturing {
-                    // The capture fails with this error and the step runs op by op.
-                    return Err(ModelError::BadInput(format!(
-                        "a CUDA graph cannot record the MoE of {n} tokens (at most {KERNEL_CHUNK})"
-                    )));
-                } else if n >= sorted_min_tokens() {
-                    self.forward_sorted(&flat)?
-                } else {
-                    self.forward_kernel(&flat)?
-                };
+            let out = if n <= KERNEL_CHUNK
+                && (capturing || MOE_GEMV.on() && n < SORTED_MIN_TOKENS.get())
+            {
+                self.forward_gemv(&flat)?
+            } else if capturing {
+                // The capture fails with this error and the step runs op by op.
+                return Err(ModelError::BadInput(format!(
+                    "a CUDA graph cannot record the MoE of {n} tokens (at most {KERNEL_CHUNK})"
+                )));
+            } else if n >= SORTED_MIN_TOKENS.get() {
+                self.forward_sorted(&flat)?
+            } else {
+                self.forward_kernel(&flat)?
+            };
             return Ok(out.reshape((b, len, hidden))?);
         }
         Ok(self.forward_grouped(&flat)?.reshape((b, len, hidden))?)
