@@ -7,7 +7,9 @@
 //! `seconds` is then its span on the GPU's timeline (its kernels and any time the GPU waited
 //! for the host inside it) and `host_seconds` the host's time in it, in a run whose own clocks
 //! stay close to a plain run's. Where a stage's span is well above its kernels' time (ncu),
-//! the GPU waited for the host.
+//! the GPU waited for the host. Stages their callers time themselves ([`record`]: the
+//! backward's ops, gspo-train's phases) still synchronize in this mode, and keep their memory
+//! columns; the event-timed stages report none.
 //!
 //! The coarse stages of training (names starting `train.`, `optim.`, `rollout.`) also keep the
 //! most GPU memory in use while they ran (GPU 0, polled every millisecond by a thread that
@@ -50,7 +52,8 @@ pub struct StageReport {
     /// the stage's events on the GPU's timeline).
     pub seconds: f64,
     /// The host's time inside the stage over all calls: from its start until its work was
-    /// enqueued (any read back inside it included), the closing synchronization not.
+    /// enqueued (any read back inside it included), the closing synchronization not. For a
+    /// stage timed by its caller ([`record`]), the same as `seconds`.
     pub host_seconds: f64,
     /// Calls.
     pub calls: u64,
@@ -74,6 +77,7 @@ pub fn enabled() -> bool {
 }
 
 /// Whether `FLEET_PROFILE=events`: stages timed by CUDA events, nothing synchronized.
+#[cfg(feature = "cuda")]
 fn events_mode() -> bool {
     static EVENTS: OnceLock<bool> = OnceLock::new();
     *EVENTS.get_or_init(|| std::env::var("FLEET_PROFILE").is_ok_and(|v| v == "events"))
@@ -169,7 +173,7 @@ fn time_stage<T>(dev: &Device, stage: &'static str, f: impl FnOnce() -> Result<T
     let out = f()?;
     let host = t.elapsed().as_secs_f64();
     dev.synchronize()?;
-    record_times(stage, t.elapsed().as_secs_f64(), host);
+    record_times(stage, t.elapsed().as_secs_f64(), host, true);
     Ok(out)
 }
 
@@ -241,7 +245,7 @@ mod events {
             // elapsed_ms waits for both events; a failed read (a device error) drops the call
             // rather than report a made-up span.
             if let Ok(ms) = p.start.elapsed_ms(&p.end) {
-                super::record_times(p.stage, f64::from(ms) / 1e3, p.host);
+                super::record_times(p.stage, f64::from(ms) / 1e3, p.host, false);
             }
         }
     }
@@ -251,15 +255,16 @@ mod events {
 /// synchronizing the device themselves and calling [`begin`] at the start of a coarse one);
 /// does nothing unless profiling.
 pub fn record(stage: &'static str, seconds: f64) {
-    record_times(stage, seconds, seconds);
+    record_times(stage, seconds, seconds, true);
 }
 
-/// [`record`] with the host's part of the time given apart.
-fn record_times(stage: &'static str, seconds: f64, host_seconds: f64) {
+/// [`record`] with the host's part of the time given apart; `memory`: whether the memory
+/// window is this stage's (a synchronized stage, not one read from its events later).
+fn record_times(stage: &'static str, seconds: f64, host_seconds: f64, memory: bool) {
     if !enabled() {
         return;
     }
-    let (peak, (live, reserved)) = if coarse(stage) && !events_mode() {
+    let (peak, (live, reserved)) = if coarse(stage) && memory {
         (
             PEAK.load(Ordering::Relaxed),
             fleet_topology::gpu_pool_high_water(0).unwrap_or((0, 0)),

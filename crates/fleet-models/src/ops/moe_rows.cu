@@ -3,7 +3,7 @@
 // .rs file of the same name.
 #include "common.cuh"
 
-// out[r] = x[idx[r]] for the m rows of `units` copy units each (U: 16, 4, 2 or 1 bytes, the
+// out[r] = x[idx[r]] for the m rows of `units` copy units each (U: 16, 4 or 2 bytes, the
 // largest that divides a row's bytes and both starts): a byte copy, whatever the dtype. A
 // row index at or past n_rows (which the callers never pass) writes zeros rather than read
 // outside x. candle's index_select ran at ~0.2 TB/s on the MoE prefill's rows (one thread an
@@ -35,18 +35,18 @@ __device__ void gather_rows(const U *x, const uint32_t *idx, U *out, long long m
 GATHER(int4, u16b)
 GATHER(uint32_t, u4b)
 GATHER(uint16_t, u2b)
-GATHER(uint8_t, u1b)
 
 // A MoE layer's output per token: out[t] = sum over j < k of rnd(rnd(w[t, j]) * y[p]) with
 // p = pos[t k + j] (or t k + j when pos is null), summed in f32 in j's order and rounded once
-// to T. Every rounding is the reference's: the weight cast to T, the product rounded to T
+// to T. A position at or past `slots` (y's rows; the routing's sort never gives one) adds
+// nothing rather than read outside y. Every rounding is the reference's: the weight cast to T, the product rounded to T
 // (candle's bf16/f16 multiply: the product of two 16-bit floats is exact in f32, rounded
 // once), the f32 sum of candle's small-sum kernel; so the two agree bit for bit. `cols` a
 // multiple of the 16-byte vector and the rows on 16 bytes for the vector kernel; the other
 // takes one element a thread.
 template <typename T, bool VEC>
 __device__ void moe_combine(const T *y, const float *w, const uint32_t *pos, T *out, long long n,
-                            int k, int cols) {
+                            int k, int cols, long long slots) {
     constexpr int V = VEC ? Vec16<T>::N : 1;
     const int per_row = cols / V;
     const long long total = n * per_row;
@@ -60,6 +60,7 @@ __device__ void moe_combine(const T *y, const float *w, const uint32_t *pos, T *
         for (int j = 0; j < k; ++j) {
             const long long s = t * k + j;
             const long long p = pos ? (long long)pos[s] : s;
+            if (p >= slots) continue;
             const float wj = rnd<T>(w[s]);
             const T *row = y + p * cols + c;
             if constexpr (VEC) {
@@ -84,13 +85,14 @@ __device__ void moe_combine(const T *y, const float *w, const uint32_t *pos, T *
 #define COMBINE(T, SUFFIX)                                                                       \
     extern "C" __global__ void moe_combine_vec_##SUFFIX(const T *y, const float *w,             \
                                                         const uint32_t *pos, T *out,            \
-                                                        long long n, int k, int cols) {         \
-        moe_combine<T, true>(y, w, pos, out, n, k, cols);                                       \
+                                                        long long n, int k, int cols,           \
+                                                        long long slots) {                      \
+        moe_combine<T, true>(y, w, pos, out, n, k, cols, slots);                                \
     }                                                                                            \
     extern "C" __global__ void moe_combine_##SUFFIX(const T *y, const float *w,                 \
                                                     const uint32_t *pos, T *out, long long n,   \
-                                                    int k, int cols) {                          \
-        moe_combine<T, false>(y, w, pos, out, n, k, cols);                                      \
+                                                    int k, int cols, long long slots) {         \
+        moe_combine<T, false>(y, w, pos, out, n, k, cols, slots);                               \
     }
 COMBINE(__half, f16)
 COMBINE(__nv_bfloat16, bf16)

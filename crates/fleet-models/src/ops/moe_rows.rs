@@ -23,10 +23,10 @@ fn set_kernel(on: Option<bool>) {
     KERNEL.force(on);
 }
 
-/// The rows `idx` (u32 `[m]`, each below `x`'s row count) of `x` (`[n, ..]`, any dtype):
-/// `[m, ..]`, as `x.index_select(idx, 0)`. On CUDA one kernel copies the rows in the widest
-/// unit (16 bytes down to 1) that divides a row and both starts; elsewhere candle's
-/// `index_select`. No gradient.
+/// The rows `idx` (u32 `[m]`, each below `x`'s row count) of `x` (`[n, ..]`): `[m, ..]`, as
+/// `x.index_select(idx, 0)`. On CUDA (f32, f16, bf16, u32) one kernel copies the rows in the
+/// widest unit (16, 4 or 2 bytes) that divides a row and both starts, and writes zeros for an
+/// index past the rows; elsewhere, and for other dtypes, candle's `index_select`. No gradient.
 pub fn gather_rows(x: &Tensor, idx: &Tensor) -> Result<Tensor> {
     if idx.rank() != 1 || idx.dtype() != DType::U32 || x.rank() == 0 {
         return Err(ModelError::BadInput(format!(
@@ -37,7 +37,12 @@ pub fn gather_rows(x: &Tensor, idx: &Tensor) -> Result<Tensor> {
             idx.dtype()
         )));
     }
-    if !(x.device().is_cuda() && KERNEL.on()) {
+    let kernel_dtype = matches!(
+        x.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32
+    );
+    if !(x.device().is_cuda() && KERNEL.on() && kernel_dtype) || x.dim(0)? == 0 {
+        // No rows to read: candle's index_select names a bad index.
         return gather_rows_reference(x, idx);
     }
     Ok(contig(x)?.apply_op2_no_bwd(&contig(idx)?, &GatherRows)?)
@@ -54,7 +59,8 @@ pub fn gather_rows_reference(x: &Tensor, idx: &Tensor) -> Result<Tensor> {
 /// `y` (u32 `[n k]`), or row `t k + j` without `position`. The weights are cast to `y`'s dtype
 /// and each product rounded to it before an f32 sum in `j`'s order, rounded once, as
 /// transformers scales in the model dtype: [`moe_combine_reference`]'s arithmetic, the same
-/// bits. On CUDA one kernel; elsewhere the reference. No gradient.
+/// bits. On CUDA one kernel, in which a position at or past `y`'s rows adds nothing (the
+/// reference's `index_select` refuses it); elsewhere the reference. No gradient.
 pub fn moe_combine(y: &Tensor, top_w: &Tensor, position: Option<&Tensor>) -> Result<Tensor> {
     let (slots, _) = y.dims2()?;
     let (n, k) = top_w.dims2()?;
@@ -280,8 +286,8 @@ mod cuda {
         let dev = s.device().clone();
         let ids = input::<u32>(s, l)?;
         // SAFETY: the counts kernel writes every one of the first `experts` entries; the order
-        // kernel writes the 2 slots after them whenever every id is below `experts` (the
-        // caller checks the counts' sum before reading them).
+        // kernel writes the 2 x slots entries after them whenever every id is below `experts`
+        // (the caller checks the counts' sum before reading them).
         let out: CudaSlice<u32> = unsafe { dev.alloc::<u32>(experts + 2 * slots)? };
         let cfg = LaunchConfig {
             grid_dim: (experts as u32, 1, 1),
@@ -327,16 +333,17 @@ mod cuda {
             let x = input::<T>(xs, xl)?;
             let idx = input::<u32>(is, il)?;
             let n_rows = xl.dims()[0];
-            let row = xl.shape().elem_count() / n_rows.max(1);
+            let row: usize = xl.dims()[1..].iter().product();
             let m = il.dims()[0];
             let size = std::mem::size_of::<T>();
             // The widest unit dividing a row's bytes and x's first byte (the output's buffer
             // starts aligned).
             let (row_bytes, start_bytes) = (row * size, xl.start_offset() * size);
-            let unit = [16usize, 4, 2, 1]
+            // Elements of 2 or 4 bytes: a 2-byte unit always divides both.
+            let unit = [16usize, 4, 2]
                 .into_iter()
                 .find(|u| row_bytes.is_multiple_of(*u) && start_bytes.is_multiple_of(*u))
-                .unwrap_or(1);
+                .unwrap_or(2);
             let func =
                 dev.get_or_load_custom_func(&format!("gather_rows_u{unit}b"), MODULE, PTX)?;
             // SAFETY: the kernel writes every unit of the m rows.
@@ -416,14 +423,15 @@ mod cuda {
                 None => b.arg(&null),
             };
             b.arg(&out);
-            let (n_i, k_i, cols_i) = (n as i64, k as i32, cols as i32);
+            let (n_i, k_i, cols_i, slots_i) = (n as i64, k as i32, cols as i32, slots as i64);
             b.arg(&n_i);
             b.arg(&k_i);
             b.arg(&cols_i);
+            b.arg(&slots_i);
             // SAFETY: the grid-stride loop writes n * cols elements of out, reading top_w's
-            // n k weights, position's n k entries and the rows of y they name (below slots: the
-            // caller's permutation), 16 bytes at a time on the vector path (cols a multiple and
-            // y's start aligned, checked above).
+            // n k weights, position's n k entries and the rows of y they name that lie below
+            // slots (the kernel skips the others), 16 bytes at a time on the vector path (cols a
+            // multiple and y's start aligned, checked above).
             unsafe { b.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
@@ -507,10 +515,15 @@ mod tests {
         // Four rows, not n k = 6, and no positions.
         let err = moe_combine(&y, &w, None).unwrap_err().to_string();
         assert!(err.contains("moe_combine"), "{err}");
+        // Five positions, not n k = 6.
         let pos = Tensor::zeros(5, DType::U32, &dev).unwrap();
         assert!(moe_combine(&y, &w, Some(&pos)).is_err());
+        // Six positions, but bf16 weights.
+        let pos = Tensor::zeros(6, DType::U32, &dev).unwrap();
+        assert!(moe_combine(&y, &w, Some(&pos)).is_ok());
         let w16 = w.to_dtype(DType::BF16).unwrap();
-        assert!(moe_combine(&y, &w16, Some(&pos)).is_err());
+        let err = moe_combine(&y, &w16, Some(&pos)).unwrap_err().to_string();
+        assert!(err.contains("BF16"), "{err}");
         let idx = Tensor::zeros(3, DType::F32, &dev).unwrap();
         assert!(gather_rows(&y, &idx).is_err());
     }
@@ -576,9 +589,24 @@ mod tests {
                     .map(|s| ((s * 11 + 5) % (n * k)) as u32)
                     .collect();
                 let pos = Tensor::from_vec(perm, n * k, &dev).unwrap();
-                for p in [None, Some(&pos)] {
-                    let got = moe_combine(&y, &w, p).unwrap();
-                    let want = moe_combine_reference(&y, &w, p).unwrap();
+                // The same rows starting three elements into their buffer: whole vectors a
+                // row, but not on 16 bytes, so the element kernel.
+                let y_off = Tensor::cat(
+                    &[
+                        &Tensor::zeros(3, dt, &dev).unwrap(),
+                        &y.flatten_all().unwrap(),
+                    ],
+                    0,
+                )
+                .unwrap()
+                .narrow(0, 3, n * k * cols)
+                .unwrap()
+                .reshape((n * k, cols))
+                .unwrap();
+                assert_eq!(y_off.layout().start_offset(), 3);
+                for (y, p) in [(&y, None), (&y, Some(&pos)), (&y_off, Some(&pos))] {
+                    let got = moe_combine(y, &w, p).unwrap();
+                    let want = moe_combine_reference(y, &w, p).unwrap();
                     assert_eq!(got.dims(), [n, cols]);
                     assert!(
                         bits(&got) == bits(&want),
@@ -610,6 +638,8 @@ mod tests {
         let cases: Vec<Vec<u32>> = vec![
             (0..333 * k).map(|_| next() % experts as u32).collect(),
             (0..1000 * k).map(|_| next() % 31).collect(),
+            // Fewer slots than a block's threads.
+            (0..20 * k).map(|_| next() % experts as u32).collect(),
             vec![5; 40 * k],
         ];
         for ids in cases {

@@ -65,7 +65,7 @@ static GROUPED_GEMM: crate::ops::EnvSwitch =
 
 /// From how many tokens a GPU call takes the sorted per-expert GEMMs instead of candle's fused
 /// kernels: `FLEET_MOE_SORTED_MIN_TOKENS`, default 256 (decode steps stay on the GEMV, which
-/// needs no host round trip).
+/// needs no host round trip; 1 sends every call that is not captured to the sorted path).
 #[cfg(feature = "cuda")]
 static SORTED_MIN_TOKENS: crate::ops::EnvCount =
     crate::ops::EnvCount::new("FLEET_MOE_SORTED_MIN_TOKENS", 256);
