@@ -174,8 +174,9 @@ passes)
 host_ab)
   # Two builds alternating (PREV_XZ, default dist/carry/edit-score-prev.xz, then JUDGE_XZ):
   # the 30B-A3B judge at batch 32 and the 8B at batch 64, 1024 px, 128 tokens, two batches a
-  # run, ROUNDS rounds (default 2). 2026-11-28f: before and after e9e398a (the pixel values
-  # cast on the host in parallel, half the upload; the features scattered by gather_rows).
+  # run, ROUNDS rounds (default 2). 2026-11-28f: 2e035f8 against the session's last build
+  # (the pixel values cast on the host in parallel, half the upload; the features scattered by
+  # gather_rows; qk_norm_rope's four warps a block; the MoE plan as one op, on the host).
   W=/tmp/nha; mkdir -p $W
   xz -dc ${PREV_XZ:-dist/carry/edit-score-prev.xz} > $W/es_a; chmod +x $W/es_a
   xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es_b; chmod +x $W/es_b
