@@ -38,18 +38,19 @@ export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=/usr/local/cuda/lib64
 T=/tmp/next; mkdir -p $T
 # Everything lands in $OUT/checks.tar (more files than a call brings back one by one).
 FINAL=$OUT; OUT=$FINAL/checks; mkdir -p $OUT
+# One test binary of $T, one thread (a GPU has one stream per process: ARCHITECTURE.md,
+# invariant 6), its output in $OUT/test_<name>.txt and a summary here.
+run_t() { # name binary args...
+  local name=$1 bin=$2; shift 2
+  timeout 300 $T/$bin --test-threads 1 "$@" > $OUT/test_$name.txt 2>&1
+  echo "$name: rc $? $(grep -E '^test result' $OUT/test_$name.txt | tail -1)"
+  grep -E 'panicked|FAILED|max \|' $OUT/test_$name.txt | head -12
+}
 for part in ${WHAT:-tests judge}; do
 case $part in
 tests)
   xz -dc dist/carry/next-tests.tar.xz | tar xf - -C $T
   cd crates/fleet-models
-  # One thread per binary: a GPU has one stream per process (ARCHITECTURE.md, invariant 6).
-  run_t() { # name binary filter...
-    local name=$1 bin=$2; shift 2
-    timeout 300 $T/$bin --test-threads 1 "$@" > $OUT/test_$name.txt 2>&1
-    echo "$name: rc $? $(grep -E '^test result' $OUT/test_$name.txt | tail -1)"
-    grep -E 'panicked|FAILED|max \|' $OUT/test_$name.txt | head -12
-  }
   run_t lib_linear fleet_models ops::linear --nocapture
   run_t lib_moe fleet_models qwen::moe --nocapture
   run_t lib_grouped_gemm fleet_models ops::grouped_gemm --nocapture
@@ -95,18 +96,12 @@ checks)
   # on cuda:0: the Qwen3 decoder through qk_norm_rope, prefill and paged decode).
   for a in lib-tests tests-next tests-vl; do xz -dc dist/carry/$a.tar.xz | tar xf - -C $T; done
   cd crates/fleet-models
-  run_c() { # name binary args...
-    local name=$1 bin=$2; shift 2
-    timeout 300 $T/$bin --test-threads 1 "$@" > $OUT/test_$name.txt 2>&1
-    echo "$name: rc $? $(grep -E '^test result' $OUT/test_$name.txt | tail -1)"
-    grep -E 'panicked|FAILED' $OUT/test_$name.txt | head -8
-  }
-  run_c lib_moe_rows fleet_models ops::moe_rows --nocapture
-  run_c lib_moe fleet_models qwen::moe
-  run_c ops_grad ops_grad cuda_ --nocapture
-  FLEET_TEST_DEVICES=cuda:0 run_c train_grads train_grads
-  FLEET_TEST_DEVICES=cuda:0 run_c qwen3_vl_parity qwen3_vl_parity
-  run_c paged_generation paged_generation
+  run_t lib_moe_rows fleet_models ops::moe_rows --nocapture
+  run_t lib_moe fleet_models qwen::moe
+  run_t ops_grad ops_grad cuda_ --nocapture
+  FLEET_TEST_DEVICES=cuda:0 run_t train_grads train_grads
+  FLEET_TEST_DEVICES=cuda:0 run_t qwen3_vl_parity qwen3_vl_parity
+  run_t paged_generation paged_generation
   cd - > /dev/null ;;
 moe_gemv)
   # The fleet_models lib tests of LIB_FILTERS (lib-tests.tar.xz, CUDA; default: `ops::linear`
@@ -114,9 +109,7 @@ moe_gemv)
   # `attention::kernel_tests` — the flash kernels, the fused backward among them).
   xz -dc dist/carry/lib-tests.tar.xz | tar xf - -C $T
   for f in ${LIB_FILTERS:-ops::linear qwen::moe attention::kernel_tests}; do
-    timeout 300 $T/fleet_models --test-threads 1 $f --nocapture > $OUT/test_lib_${f//::/_}.txt 2>&1
-    echo "lib $f: rc $? $(grep -E "^test result" $OUT/test_lib_${f//::/_}.txt | tail -1)"
-    grep -E "panicked|FAILED" $OUT/test_lib_${f//::/_}.txt | head -8
+    run_t lib_${f//::/_} fleet_models $f --nocapture
   done ;;
 moe_ab)
   # The 30B-A3B judge, batch 32, alternating A (AB_VAR=0) and B (AB_VAR=1); AB_VAR defaults to

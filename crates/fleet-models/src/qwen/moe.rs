@@ -411,12 +411,12 @@ impl SparseMoe {
 
     /// Many tokens at once (a prefill) on a GPU: the routing on the device, the (token, expert)
     /// pairs sorted by expert ([`ops::moe_plan`]: on the host, one copy of the ids back; or on
-    /// the device, the counts alone read back), the rows gathered once
-    /// into expert order ([`ops::gather_rows`]), one cuBLAS GEMM per expert on its contiguous
-    /// rows for gate/up and again for down, then each token's rows read back from their sorted
-    /// positions and summed with their weights ([`ops::moe_combine`]).
-    /// candle's fused kernels reach a small fraction of the tensor cores' rate at thousands of
-    /// tokens; per-expert GEMMs of hundreds of rows run near it.
+    /// the device, the counts alone read back), the rows gathered once into expert order
+    /// ([`ops::gather_rows`]), one cuBLAS grouped GEMM over the experts' contiguous rows for
+    /// gate/up and again for down ([`ops::grouped_linear`]; or one GEMM per expert), then each
+    /// token's rows read back from their sorted positions and summed with their weights
+    /// ([`ops::moe_combine`]). candle's fused kernels reach a small fraction of the tensor
+    /// cores' rate at thousands of tokens; per-expert GEMMs of hundreds of rows run near it.
     #[cfg(feature = "cuda")]
     fn forward_sorted(&self, x: &Tensor) -> Result<Tensor> {
         use crate::profile;
