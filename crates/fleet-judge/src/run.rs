@@ -769,10 +769,10 @@ pub struct JudgeWorker<'a, J> {
 
 type Images = (Arc<DynamicImage>, Arc<DynamicImage>);
 
-impl<J> JudgeWorker<'_, J> {
+impl RunCtx<'_> {
     /// Loads an item's two images, checked against the planned digests.
     fn load_pair(&self, item: usize) -> std::result::Result<Images, String> {
-        let plan = self.ctx.plan;
+        let plan = self.plan;
         let it = &plan.items[item];
         let (src_sha, edt_sha) = &plan.digests[item - plan.range.start];
         let load = |r: &ImageRef, sha: &str, role: &str| {
@@ -789,12 +789,14 @@ impl<J> JudgeWorker<'_, J> {
         };
         let source = load(&it.source, src_sha, "source")?;
         let mut edited = load(&it.edited, edt_sha, "edited")?;
-        if self.ctx.spec.resize_edited_to_source {
+        if self.spec.resize_edited_to_source {
             edited = resize_to_source(&edited, &source);
         }
         Ok((Arc::new(source), Arc::new(edited)))
     }
+}
 
+impl<J> JudgeWorker<'_, J> {
     #[allow(clippy::too_many_arguments)]
     fn record(
         &self,
@@ -874,19 +876,30 @@ impl<J: Judge + Send> Worker<Vec<usize>, BatchOutcome> for JudgeWorker<'_, J> {
         let ctx = self.ctx;
         let spec = ctx.spec;
         let mut outcome = BatchOutcome::default();
-        let mut images: HashMap<usize, std::result::Result<Images, String>> = HashMap::new();
+        // Recorded already: by an earlier attempt at this batch that failed part-way.
+        let todo: Vec<usize> = batch
+            .iter()
+            .copied()
+            .filter(|&t| !ctx.store.is_done(&ctx.plan.tasks[t].key, ctx.retry_failed))
+            .collect();
+        // Each item's pair once, the items in parallel: reading, hashing and decoding a pair of
+        // 1024 px images takes tens of milliseconds of one core, and a batch holds dozens, all
+        // before the GPU has any of the batch's work.
+        let mut items: Vec<usize> = todo.iter().map(|&t| ctx.plan.tasks[t].item).collect();
+        items.sort_unstable();
+        items.dedup();
+        let images: HashMap<usize, std::result::Result<Images, String>> = {
+            use rayon::prelude::*;
+            items
+                .par_iter()
+                .map(|&item| (item, ctx.load_pair(item)))
+                .collect()
+        };
         let mut requests = Vec::new();
         let mut request_tasks = Vec::new();
-        for &t in batch {
+        for &t in &todo {
             let task = &ctx.plan.tasks[t];
-            // Recorded already: by an earlier attempt at this batch that failed part-way.
-            if ctx.store.is_done(&task.key, ctx.retry_failed) {
-                continue;
-            }
-            let pair = images
-                .entry(task.item)
-                .or_insert_with(|| self.load_pair(task.item));
-            let (source, edited) = match pair {
+            let (source, edited) = match &images[&task.item] {
                 Ok(p) => p.clone(),
                 Err(e) => {
                     outcome.errors.push((t, format!("[{}] {e}", self.name)));
