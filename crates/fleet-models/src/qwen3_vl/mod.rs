@@ -73,33 +73,6 @@ struct PromptInputs {
     image_slots: Vec<u32>,
 }
 
-/// `parts` concatenated and mapped through `cast` (f32 to the encoder's dtype), in parallel
-/// over chunks (the buffer's zeros too): each output element depends on its input element
-/// alone.
-fn cast_concat<T: Send + Sync + Copy + Default>(
-    parts: &[&[f32]],
-    cast: impl Fn(f32) -> T + Sync,
-) -> Vec<T> {
-    use rayon::prelude::*;
-    const CHUNK: usize = 1 << 16;
-    let total: usize = parts.iter().map(|p| p.len()).sum();
-    let mut out = Vec::with_capacity(total);
-    out.par_extend(rayon::iter::repeat_n(T::default(), total));
-    let mut rest: &mut [T] = &mut out;
-    let mut pairs = Vec::new();
-    for part in parts {
-        let (head, tail) = rest.split_at_mut(part.len());
-        pairs.extend(head.chunks_mut(CHUNK).zip(part.chunks(CHUNK)));
-        rest = tail;
-    }
-    pairs.into_par_iter().for_each(|(dst, src)| {
-        for (d, &v) in dst.iter_mut().zip(src) {
-            *d = cast(v);
-        }
-    });
-    out
-}
-
 /// The map that puts feature row `k` at flattened place `slots[k]` of `places` places, for an
 /// `index_select` from a table whose row 0 is zeros and row `k + 1` is feature `k`: entry `r`
 /// is 0 where no feature goes. A gather of every row runs at the bandwidth, where candle's
@@ -220,6 +193,8 @@ pub struct Qwen3VlModel {
     cfg: Qwen3VlConfig,
     vision: VisionEncoder,
     text: QwenModel,
+    /// The pixel values' uploads to the encoder's device.
+    uploads: crate::upload::Uploads,
 }
 
 impl Qwen3VlModel {
@@ -239,6 +214,7 @@ impl Qwen3VlModel {
             cfg: cfg.clone(),
             vision,
             text,
+            uploads: crate::upload::Uploads::new(),
         })
     }
 
@@ -561,16 +537,12 @@ impl Qwen3VlModel {
                 rows += img.num_patches;
             }
         }
-        let dev = self.vision.device();
-        let pixels = match self.vision.dtype() {
-            DType::BF16 => {
-                Tensor::from_vec(cast_concat(&parts, half::bf16::from_f32), (rows, dim), dev)?
-            }
-            DType::F16 => {
-                Tensor::from_vec(cast_concat(&parts, half::f16::from_f32), (rows, dim), dev)?
-            }
-            _ => Tensor::from_vec(cast_concat(&parts, |v| v), (rows, dim), dev)?,
-        };
+        let pixels = self.uploads.cast_concat(
+            &parts,
+            self.vision.dtype(),
+            (rows, dim),
+            self.vision.device(),
+        )?;
         Ok((pixels, grids))
     }
 
@@ -688,30 +660,4 @@ pub fn expand_image_pads(ids: &[u32], image_token: u32, counts: &[usize]) -> Res
         }
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The parallel cast of the pixel rows is the serial concatenation cast element by
-    /// element: parts of other lengths (one longer than a chunk, one empty), order kept.
-    #[test]
-    fn cast_concat_is_the_concatenation_cast_in_order() {
-        let a: Vec<f32> = (0..(1 << 16) + 37)
-            .map(|i| (i as f32).sin() * 3.3)
-            .collect();
-        let b: Vec<f32> = Vec::new();
-        let c: Vec<f32> = (0..1000).map(|i| 1.0 / (i as f32 + 0.7)).collect();
-        let parts: Vec<&[f32]> = vec![&a, &b, &c];
-        let got = cast_concat(&parts, half::bf16::from_f32);
-        let want: Vec<half::bf16> = a
-            .iter()
-            .chain(&b)
-            .chain(&c)
-            .map(|&v| half::bf16::from_f32(v))
-            .collect();
-        assert_eq!(got, want);
-        assert_eq!(cast_concat(&parts, |v| v), [a, b, c].concat());
-    }
 }

@@ -1,0 +1,339 @@
+//! Host values cast and concatenated into one device tensor, in parallel, and on a GPU with
+//! `FLEET_PINNED_UPLOAD=1` through a reused buffer of page-locked memory that the GPU copies
+//! from while the host goes on.
+//!
+//! Why: from pageable memory (a `Vec`) the driver stages the copy through its own pinned
+//! buffers and returns only once it has read the source, so the host waits for the transfer.
+//! At the start of a prompt pass nothing is queued on the GPU, so the GPU waits too: the
+//! judge's `vision.pixels` stage (the pixel values of a pass, ~75 MB in bf16 at 1024 px) was
+//! ~7% of its prefill with the GPU idle (docs/benchmarks.md, 2026-11-28g). From pinned memory
+//! the copy is queued like a kernel and the host goes on to queue the vision tower's work.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// `parts` concatenated, each value mapped through `cast`, written into `out` (exactly the
+/// parts' total length) in parallel chunks: each output element depends on its input element
+/// alone, so the order of the chunks does not matter.
+pub(crate) fn cast_concat_into<T: Send>(
+    parts: &[&[f32]],
+    cast: impl Fn(f32) -> T + Sync,
+    out: &mut [T],
+) {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    assert_eq!(
+        out.len(),
+        total,
+        "cast_concat_into: the output must hold the parts"
+    );
+    let mut rest = out;
+    let mut pairs = Vec::new();
+    for part in parts {
+        let (head, tail) = rest.split_at_mut(part.len());
+        pairs.extend(head.chunks_mut(CHUNK).zip(part.chunks(CHUNK)));
+        rest = tail;
+    }
+    pairs.into_par_iter().for_each(|(dst, src)| {
+        for (d, &v) in dst.iter_mut().zip(src) {
+            *d = cast(v);
+        }
+    });
+}
+
+/// [`cast_concat_into`] a new vector.
+pub(crate) fn cast_concat<T: Send + Sync + Copy + Default>(
+    parts: &[&[f32]],
+    cast: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut out = Vec::with_capacity(total);
+    out.par_extend(rayon::iter::repeat_n(T::default(), total));
+    cast_concat_into(parts, cast, &mut out);
+    out
+}
+
+/// Whether [`Uploads::cast_concat`] goes through pinned memory on a GPU:
+/// `FLEET_PINNED_UPLOAD=1`; off until measured against the pageable upload.
+#[cfg(feature = "cuda")]
+static PINNED: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_PINNED_UPLOAD", false);
+
+/// Test switch for [`PINNED`]: `Some(on)` forces it, `None` leaves it to the environment.
+#[cfg(all(test, feature = "cuda"))]
+fn set_pinned(on: Option<bool>) {
+    PINNED.force(on);
+}
+
+/// One device's uploads of cast host values (see the module docs). Holds at most one pinned
+/// buffer, grown to the largest upload so far; a model keeps one per device it uploads to.
+#[derive(Default)]
+pub struct Uploads {
+    #[cfg(feature = "cuda")]
+    staging: Mutex<Option<Staging>>,
+    #[cfg(not(feature = "cuda"))]
+    _none: Mutex<()>,
+}
+
+/// The pinned buffer and the event after the last copy out of it.
+#[cfg(feature = "cuda")]
+struct Staging {
+    buf: candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u8>,
+    /// Recorded on the stream after the last copy from `buf`: the host waits for it before
+    /// writing `buf` again (cudarc records nothing itself: fleet turns its event tracking
+    /// off, `device::skip_event_tracking`).
+    copied: candle_core::cuda_backend::cudarc::driver::CudaEvent,
+}
+
+impl std::fmt::Debug for Uploads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Uploads").finish_non_exhaustive()
+    }
+}
+
+impl Uploads {
+    /// No buffer yet: the first pinned upload allocates it.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `parts` concatenated and cast to `dtype` (f32, bf16 or f16: the same rounding as
+    /// candle's `to_dtype`), as a `[rows, cols]` tensor on `dev`. The cast runs on the host in
+    /// parallel, so half the bytes of f32 go up for a half dtype.
+    ///
+    /// # Errors
+    /// Another dtype, parts that do not hold `rows x cols` values, or the device's error.
+    pub fn cast_concat(
+        &self,
+        parts: &[&[f32]],
+        dtype: DType,
+        (rows, cols): (usize, usize),
+        dev: &Device,
+    ) -> Result<Tensor> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total != rows * cols {
+            return Err(ModelError::BadInput(format!(
+                "an upload of [{rows}, {cols}] got {total} values"
+            )));
+        }
+        match dtype {
+            DType::BF16 => self.cast_as(parts, half::bf16::from_f32, (rows, cols), dev),
+            DType::F16 => self.cast_as(parts, half::f16::from_f32, (rows, cols), dev),
+            DType::F32 => self.cast_as(parts, |v| v, (rows, cols), dev),
+            other => Err(ModelError::BadInput(format!(
+                "an upload of f32 values cast to {other:?}: only f32, bf16 and f16 are taken"
+            ))),
+        }
+    }
+
+    fn cast_as<T: Upload>(
+        &self,
+        parts: &[&[f32]],
+        cast: impl Fn(f32) -> T + Sync,
+        shape: (usize, usize),
+        dev: &Device,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = dev {
+            if PINNED.on() {
+                return self.pinned(parts, cast, shape, cuda);
+            }
+        }
+        Ok(Tensor::from_vec(cast_concat(parts, cast), shape, dev)?)
+    }
+
+    /// The pinned path: cast into the buffer, one asynchronous copy, an event after it.
+    #[cfg(feature = "cuda")]
+    fn pinned<T: Upload>(
+        &self,
+        parts: &[&[f32]],
+        cast: impl Fn(f32) -> T + Sync,
+        (rows, cols): (usize, usize),
+        cuda: &candle_core::CudaDevice,
+    ) -> Result<Tensor> {
+        use candle_core::cuda_backend::WrapErr;
+        let total = rows * cols;
+        let bytes = total * std::mem::size_of::<T>();
+        let stream = cuda.cuda_stream();
+        let mut guard = self
+            .staging
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // The last copy out of the buffer must be done before it is written or freed.
+        if let Some(s) = guard.as_ref() {
+            s.copied.synchronize().w()?;
+        }
+        if guard.as_ref().is_none_or(|s| s.buf.len() < bytes) {
+            *guard = None;
+            let ctx = stream.context();
+            // A quarter more than asked, so that slightly larger passes reuse it.
+            // SAFETY: the bytes are written below before any copy reads them.
+            let buf = unsafe { ctx.alloc_pinned::<u8>(bytes + bytes / 4) }.w()?;
+            let copied = ctx.new_event(None).w()?;
+            *guard = Some(Staging { buf, copied });
+        }
+        let s = guard.as_mut().expect("allocated above");
+        let base = s.buf.as_mut_ptr().w()?;
+        // SAFETY: the buffer is page-aligned (cuMemHostAlloc) and at least `bytes` long, `T`
+        // is plain data (f32, bf16, f16), and no copy reads it now (synchronized above).
+        let host = unsafe { std::slice::from_raw_parts_mut(base.cast::<T>(), total) };
+        cast_concat_into(parts, cast, host);
+        // SAFETY: written in full by the copy queued next, before anything reads it.
+        let mut dst = unsafe { cuda.alloc::<T>(total) }?;
+        // A plain slice to cudarc (no stream sync); the driver sees page-locked memory and
+        // queues the copy without waiting for it. `copied` keeps the buffer until it is done.
+        stream.memcpy_htod(&*host, &mut dst).w()?;
+        s.copied.record(&stream).w()?;
+        Ok(Tensor::from_storage(
+            candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
+                dst,
+                cuda.clone(),
+            )),
+            (rows, cols),
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
+    }
+}
+
+/// What [`Uploads`] casts to: candle's dtypes that a device buffer holds as plain data.
+#[cfg(feature = "cuda")]
+trait Upload:
+    candle_core::WithDType
+    + candle_core::cuda_backend::CudaDType
+    + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+    + Default
+{
+}
+#[cfg(feature = "cuda")]
+impl<
+        T: candle_core::WithDType
+            + candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + Default,
+    > Upload for T
+{
+}
+#[cfg(not(feature = "cuda"))]
+trait Upload: candle_core::WithDType + Default {}
+#[cfg(not(feature = "cuda"))]
+impl<T: candle_core::WithDType + Default> Upload for T {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parallel cast of the pixel rows is the serial concatenation cast element by
+    /// element: parts of other lengths (one longer than a chunk, one empty), order kept.
+    #[test]
+    fn cast_concat_is_the_concatenation_cast_in_order() {
+        let a: Vec<f32> = (0..(1 << 16) + 37)
+            .map(|i| (i as f32).sin() * 3.3)
+            .collect();
+        let b: Vec<f32> = Vec::new();
+        let c: Vec<f32> = (0..1000).map(|i| 1.0 / (i as f32 + 0.7)).collect();
+        let parts: Vec<&[f32]> = vec![&a, &b, &c];
+        let got = cast_concat(&parts, half::bf16::from_f32);
+        let want: Vec<half::bf16> = a
+            .iter()
+            .chain(&b)
+            .chain(&c)
+            .map(|&v| half::bf16::from_f32(v))
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(cast_concat(&parts, |v| v), [a, b, c].concat());
+    }
+
+    #[test]
+    fn an_upload_is_candle_s_cast_of_the_concatenation() {
+        let a: Vec<f32> = (0..96).map(|i| i as f32 * 1.1e-3 - 0.05).collect();
+        let b: Vec<f32> = (0..48).map(|i| (i as f32).cos()).collect();
+        let up = Uploads::new();
+        let f32s =
+            Tensor::from_vec([a.clone(), b.clone()].concat(), (9, 16), &Device::Cpu).unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let got = up
+                .cast_concat(&[&a, &b], dtype, (9, 16), &Device::Cpu)
+                .unwrap();
+            assert_eq!(got.dtype(), dtype);
+            let want = f32s.to_dtype(dtype).unwrap();
+            let diff = (got.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(diff, 0.0, "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn a_wrong_size_or_dtype_is_refused() {
+        let a = vec![0.5f32; 10];
+        let up = Uploads::new();
+        let e = up
+            .cast_concat(&[&a], DType::BF16, (3, 4), &Device::Cpu)
+            .unwrap_err();
+        assert!(e.to_string().contains("[3, 4] got 10 values"), "{e}");
+        let e = up
+            .cast_concat(&[&a], DType::U32, (2, 5), &Device::Cpu)
+            .unwrap_err();
+        assert!(e.to_string().contains("U32"), "{e}");
+    }
+
+    /// The pinned path against the pageable one, bit for bit, through a buffer that grows and
+    /// is then reused, with the GPU kept busy so that a copy still queued when the host
+    /// rewrote the buffer would show.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_pinned_upload_is_the_pageable_one() {
+        let Some(dev) = crate::ops::test_gpu("the_pinned_upload_is_the_pageable_one") else {
+            return;
+        };
+        let up = Uploads::new();
+        let sizes = [(64, 1536), (4096, 1536), (1000, 1536), (4096, 1536)];
+        let mut got = Vec::new();
+        for (k, &(rows, cols)) in sizes.iter().enumerate() {
+            let vals: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i * 31 + k * 7) % 1009) as f32 / 1009.0 - 0.5)
+                .collect();
+            let (a, b) = vals.split_at(rows * cols / 3);
+            crate::ops::gpu_delay(&dev, 2_000_000).unwrap();
+            set_pinned(Some(true));
+            let pinned = up.cast_concat(&[a, b], DType::BF16, (rows, cols), &dev);
+            set_pinned(Some(false));
+            let pageable = up.cast_concat(&[a, b], DType::BF16, (rows, cols), &dev);
+            set_pinned(None);
+            got.push((pinned.unwrap(), pageable.unwrap()));
+        }
+        for (k, (pinned, pageable)) in got.iter().enumerate() {
+            let p: Vec<u16> = pinned
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_bits())
+                .collect();
+            let q: Vec<u16> = pageable
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_bits())
+                .collect();
+            assert!(p == q, "upload {k}: the pinned copy differs");
+        }
+    }
+}
