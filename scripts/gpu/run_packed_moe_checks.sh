@@ -92,7 +92,8 @@ moe_prefill)
   done; done ;;
 checks)
   # The GPU tests of what 2026-11-28f wrote after its device time: lib-tests.tar.xz
-  # (`ops::moe_rows`: the plan's kernels against the host's order, the row kernels; `qwen::moe`),
+  # (`ops::moe_rows`: the plan's kernels against the host's order, the row kernels; `qwen::moe`;
+  # `upload::`: the pinned upload against the pageable one),
   # tests-next.tar.xz (ops_grad's `cuda_` tests: qk_norm_rope's four warps a block against the
   # CPU twin; train_grads on cuda:0) and tests-vl.tar.xz (qwen3_vl_parity and paged_generation
   # on cuda:0: the Qwen3 decoder through qk_norm_rope, prefill and paged decode).
@@ -100,6 +101,7 @@ checks)
   cd crates/fleet-models
   run_t lib_moe_rows fleet_models ops::moe_rows --nocapture
   run_t lib_moe fleet_models qwen::moe
+  run_t lib_upload fleet_models upload:: --nocapture
   run_t ops_grad ops_grad cuda_ --nocapture
   FLEET_TEST_DEVICES=cuda:0 run_t train_grads train_grads
   FLEET_TEST_DEVICES=cuda:0 run_t qwen3_vl_parity qwen3_vl_parity
