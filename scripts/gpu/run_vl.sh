@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Qwen3-VL on the GPU machine: bf16 parity with transformers on real shapes, and judge speed of
-# fleet and transformers in the same call at the same batches. Carried: dist/carry/edit-score.xz
-# (CUDA build).
+# fleet and transformers in the same call at the same batches. Carried: JUDGE_XZ (default
+# dist/carry/edit-score.xz; a CUDA build of edit-score, xz).
 #
 #   WHAT=parity bash scripts/gpu/run_vl.sh      # 8B shape, and 30B-A3B shape with LAYERS30 layers
 #   WHAT=speed SHAPES="8b" SIZES="1024" BATCHES="8 16 32" bash scripts/gpu/run_vl.sh
@@ -47,7 +47,7 @@ mkdir -p "$R"
 W=/tmp/vl_work
 mkdir -p "$W"
 BIN="$W/edit-score"
-[ -x "$BIN" ] || { xz -dc dist/carry/edit-score.xz > "$BIN" && chmod +x "$BIN"; }
+[ -x "$BIN" ] || { xz -dc "${JUDGE_XZ:-dist/carry/edit-score.xz}" > "$BIN" && chmod +x "$BIN"; }
 FLEET_COMMIT="$(cat COMMIT 2>/dev/null || echo unknown)"
 export FLEET_COMMIT
 nvidia-smi > "$R/nvidia-smi.txt" 2>&1
