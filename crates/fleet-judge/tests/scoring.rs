@@ -389,46 +389,60 @@ fn a_changed_image_or_instruction_is_rescored_and_nothing_else() {
 
 #[test]
 fn an_image_changed_after_the_plan_fails_its_calls_and_the_batch_goes_on() {
-    // The whole benchmark in one batch, so that the changed pair is loaded beside the others
-    // (a batch loads its items in parallel): its call is recorded as failed, naming the
-    // file, and every other call is judged.
+    // VIEScore (two calls an item, sharing its pair) and the whole benchmark in one batch, so
+    // that the changed pair is loaded once for both its calls, beside the others (a batch
+    // loads its items in parallel): both its calls are recorded as failed, naming the file,
+    // and every other call is judged.
     let dir = tempfile::tempdir().unwrap();
     let bench = dir.path().join("bench");
-    write_benchmark(&bench, &single_items());
-    let prompts = prompt_set(dir.path(), "single.toml", SINGLE_SET);
-    let table = Arc::new(single_table());
+    let items: Vec<GenItem> = (1..=4)
+        .map(|n| GenItem {
+            n,
+            category: "color_alter",
+        })
+        .collect();
+    write_benchmark(&bench, &items);
+    let prompts = prompt_set(dir.path(), "vie.toml", VIE_SET);
+    let mut t = Table::new();
+    for n in 1..=4 {
+        t.insert((n, "sc", false), ok("{\"score\": [7, 8]}"));
+        t.insert((n, "pq", false), ok("{\"score\": [6, 9]}"));
+    }
+    let table = Arc::new(t);
     let seen = Arc::new(Mutex::new(Vec::new()));
     let out = dir.path().join("out");
     let loaded = load(&bench);
-    let session = Session::open(
-        &out,
-        spec(prompts.clone(), MODEL),
-        &SessionOptions::default(),
-    )
-    .unwrap();
+    let session = Session::open(&out, spec(prompts, MODEL), &SessionOptions::default()).unwrap();
     let plan = session.plan(&loaded, ShardSpec::single()).unwrap();
-    change_edit(&bench, 4, 1);
+    change_edit(&bench, 3, 1);
     let info = session
         .run(vec![scripted(&table, &seen)], &plan, &quiet(8))
         .unwrap();
-    let mut judged: Vec<u8> = seen.lock().unwrap().iter().map(|s| s.item).collect();
-    judged.sort_unstable();
-    assert_eq!(
-        judged,
-        vec![1, 2, 3, 5, 6],
-        "every unchanged item is judged"
-    );
-    assert_eq!(info.calls_judged, 5);
-    assert_eq!(info.failed.len(), 1, "{:?}", info.failed);
+    let mut judged: Vec<(u8, String)> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| (s.item, s.call.to_string()))
+        .collect();
+    judged.sort();
+    let want: Vec<(u8, String)> = [1, 2, 4]
+        .into_iter()
+        .flat_map(|n| [(n, "pq".to_string()), (n, "sc".to_string())])
+        .collect();
+    assert_eq!(judged, want, "every call of an unchanged item is judged");
+    assert_eq!(info.calls_judged, 6);
     let (records, _) = read_records(&out.join(RECORDS_FILE)).unwrap();
     let failed: Vec<&Record> = records.iter().filter(|r| r.failed.is_some()).collect();
-    assert_eq!(failed.len(), 1);
-    let why = failed[0].failed.as_deref().unwrap();
-    assert!(
-        why.contains("changed since the run was planned") && why.contains("4.png"),
-        "{why}"
-    );
-    assert_eq!(failed[0].score, None);
+    assert_eq!(failed.len(), 2, "both calls of the changed item");
+    for r in &failed {
+        let why = r.failed.as_deref().unwrap();
+        assert!(
+            why.contains("the edited image") && why.contains("edit/3.png"),
+            "{why}"
+        );
+        assert!(why.contains("changed since the run was planned"), "{why}");
+        assert_eq!(r.score, None);
+    }
 }
 
 #[test]

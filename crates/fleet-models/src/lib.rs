@@ -31,7 +31,7 @@ pub mod qwen3_vl;
 mod rope;
 pub mod source;
 pub mod tokenizer;
-pub mod upload;
+mod upload;
 pub mod vision;
 pub mod weights;
 

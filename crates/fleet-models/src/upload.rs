@@ -8,7 +8,10 @@
 //! judge's `vision.pixels` stage (the pixel values of a pass, ~75 MB in bf16 at 1024 px) was
 //! ~7% of its prefill with the GPU idle (docs/benchmarks.md, 2026-11-28g). From pinned memory
 //! the copy is queued like a kernel and the host goes on to queue the vision tower's work.
+//! (`FLEET_PROFILE=1` synchronizes after every stage, which hides exactly this: measure it by
+//! throughput, or with `FLEET_PROFILE=events`.)
 
+#[cfg(feature = "cuda")]
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor};
@@ -69,14 +72,15 @@ fn set_pinned(on: Option<bool>) {
     PINNED.force(on);
 }
 
-/// One device's uploads of cast host values (see the module docs). Holds at most one pinned
-/// buffer, grown to the largest upload so far; a model keeps one per device it uploads to.
+/// Uploads of cast host values (see the module docs). Holds at most one pinned buffer, grown to
+/// the largest upload so far, for the CUDA context it was made in (an upload to another
+/// context makes a new one); a model keeps one for its encoder's device.
 #[derive(Default)]
 pub struct Uploads {
+    /// The buffer between uploads. An upload takes it out and puts it back, so that the lock
+    /// is not held across the parallel cast (a rayon task waiting on it could deadlock).
     #[cfg(feature = "cuda")]
     staging: Mutex<Option<Staging>>,
-    #[cfg(not(feature = "cuda"))]
-    _none: Mutex<()>,
 }
 
 /// The pinned buffer and the event after the last copy out of it.
@@ -84,9 +88,19 @@ pub struct Uploads {
 struct Staging {
     buf: candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u8>,
     /// Recorded on the stream after the last copy from `buf`: the host waits for it before
-    /// writing `buf` again (cudarc records nothing itself: fleet turns its event tracking
-    /// off, `device::skip_event_tracking`).
+    /// writing or freeing `buf` (cudarc records nothing for it: its slice's own event is
+    /// never recorded, and fleet turns cudarc's event tracking off, see
+    /// `device::skip_event_tracking`).
     copied: candle_core::cuda_backend::cudarc::driver::CudaEvent,
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for Staging {
+    /// Waits for the last copy before `buf` is freed (`cuMemFreeHost` does not wait for
+    /// copies still queued).
+    fn drop(&mut self) {
+        let _ = self.copied.synchronize();
+    }
 }
 
 impl std::fmt::Debug for Uploads {
@@ -147,6 +161,7 @@ impl Uploads {
     }
 
     /// The pinned path: cast into the buffer, one asynchronous copy, an event after it.
+    /// Nothing to copy, or a buffer the driver will not pin, takes the pageable path.
     #[cfg(feature = "cuda")]
     fn pinned<T: Upload>(
         &self,
@@ -156,38 +171,73 @@ impl Uploads {
         cuda: &candle_core::CudaDevice,
     ) -> Result<Tensor> {
         use candle_core::cuda_backend::WrapErr;
+        let dev = Device::Cuda(cuda.clone());
         let total = rows * cols;
+        if total == 0 {
+            return Ok(Tensor::from_vec(Vec::<T>::new(), (rows, cols), &dev)?);
+        }
         let bytes = total * std::mem::size_of::<T>();
         let stream = cuda.cuda_stream();
-        let mut guard = self
+        let ctx = stream.context();
+        let taken = self
             .staging
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // The last copy out of the buffer must be done before it is written or freed.
-        if let Some(s) = guard.as_ref() {
-            s.copied.synchronize().w()?;
-        }
-        if guard.as_ref().is_none_or(|s| s.buf.len() < bytes) {
-            *guard = None;
-            let ctx = stream.context();
-            // A quarter more than asked, so that slightly larger passes reuse it.
-            // SAFETY: the bytes are written below before any copy reads them.
-            let buf = unsafe { ctx.alloc_pinned::<u8>(bytes + bytes / 4) }.w()?;
-            let copied = ctx.new_event(None).w()?;
-            *guard = Some(Staging { buf, copied });
-        }
-        let s = guard.as_mut().expect("allocated above");
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        // The last copy out of the buffer must be done before it is written (or, dropped
+        // here when too small or of another context, freed: `Staging`'s drop waits).
+        let mut s = match taken {
+            Some(s) if s.buf.len() >= bytes && std::sync::Arc::ptr_eq(s.buf.context(), ctx) => {
+                s.copied.synchronize().w()?;
+                s
+            }
+            old => {
+                drop(old);
+                // A quarter more than asked, so that slightly larger passes reuse it.
+                // SAFETY: zeroed below before anything reads it.
+                let buf = match unsafe { ctx.alloc_pinned::<u8>(bytes + bytes / 4) } {
+                    Ok(buf) => buf,
+                    Err(e) => {
+                        tracing::warn!(
+                            "FLEET_PINNED_UPLOAD: {} MB of pinned memory refused ({e}); this \
+                             upload goes from pageable memory",
+                            (bytes + bytes / 4) >> 20
+                        );
+                        return Ok(Tensor::from_vec(
+                            cast_concat(parts, cast),
+                            (rows, cols),
+                            &dev,
+                        )?);
+                    }
+                };
+                let mut s = Staging {
+                    copied: ctx.new_event(None).w()?,
+                    buf,
+                };
+                s.buf.as_mut_slice().w()?.fill(0);
+                s
+            }
+        };
         let base = s.buf.as_mut_ptr().w()?;
-        // SAFETY: the buffer is page-aligned (cuMemHostAlloc) and at least `bytes` long, `T`
-        // is plain data (f32, bf16, f16), and no copy reads it now (synchronized above).
+        // SAFETY: the buffer is page-aligned (cuMemHostAlloc), at least `bytes` long and
+        // initialized (zeroed when made), `T` is plain data (f32, bf16, f16), and no copy reads
+        // it now (its last one synchronized above).
         let host = unsafe { std::slice::from_raw_parts_mut(base.cast::<T>(), total) };
         cast_concat_into(parts, cast, host);
         // SAFETY: written in full by the copy queued next, before anything reads it.
         let mut dst = unsafe { cuda.alloc::<T>(total) }?;
         // A plain slice to cudarc (no stream sync); the driver sees page-locked memory and
-        // queues the copy without waiting for it. `copied` keeps the buffer until it is done.
+        // queues the copy without waiting for it.
         stream.memcpy_htod(&*host, &mut dst).w()?;
-        s.copied.record(&stream).w()?;
+        if let Err(e) = s.copied.record(&stream).w() {
+            // Without the event nothing would say when the copy is done: wait for it here.
+            let _ = stream.synchronize();
+            return Err(e.into());
+        }
+        *self
+            .staging
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(s);
         Ok(Tensor::from_storage(
             candle_core::Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(
                 dst,
@@ -287,53 +337,70 @@ mod tests {
         assert!(e.to_string().contains("U32"), "{e}");
     }
 
-    /// The pinned path against the pageable one, bit for bit, through a buffer that grows and
-    /// is then reused, with the GPU kept busy so that a copy still queued when the host
-    /// rewrote the buffer would show.
+    /// The pinned path against the host's cast, bit for bit: two uploads into one buffer
+    /// queued behind a long spin of the GPU, back to back. The first must return before the
+    /// spin ends (the copy is queued, not waited for), and the second must not overwrite the
+    /// buffer under the first's queued copy (without the wait on `copied` the first tensor
+    /// would hold the second's values). Then a larger upload, which replaces the buffer.
     #[cfg(feature = "cuda")]
     #[test]
-    fn the_pinned_upload_is_the_pageable_one() {
-        let Some(dev) = crate::ops::test_gpu("the_pinned_upload_is_the_pageable_one") else {
+    fn the_pinned_upload_is_the_cast_and_waits_for_its_last_copy() {
+        let Some(dev) =
+            crate::ops::test_gpu("the_pinned_upload_is_the_cast_and_waits_for_its_last_copy")
+        else {
             return;
         };
+        let shapes = [(2048, 1536), (2048, 1536), (4096, 1536)];
+        let inputs: Vec<Vec<f32>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(k, &(rows, cols))| {
+                (0..rows * cols)
+                    .map(|i| ((i * 31 + k * 7919) % 1009) as f32 / 1009.0 - 0.5)
+                    .collect()
+            })
+            .collect();
         let up = Uploads::new();
-        let sizes = [(64, 1536), (4096, 1536), (1000, 1536), (4096, 1536)];
+        set_pinned(Some(true));
+        // Kernels and the pool warmed, the buffer made at the first shape.
+        up.cast_concat(&[&inputs[0]], DType::BF16, shapes[0], &dev)
+            .unwrap();
+        dev.synchronize().unwrap();
+        let spin_ns = 300_000_000;
+        crate::ops::gpu_delay(&dev, spin_ns).unwrap();
+        let t = std::time::Instant::now();
         let mut got = Vec::new();
-        for (k, &(rows, cols)) in sizes.iter().enumerate() {
-            let vals: Vec<f32> = (0..rows * cols)
-                .map(|i| ((i * 31 + k * 7) % 1009) as f32 / 1009.0 - 0.5)
-                .collect();
-            let (a, b) = vals.split_at(rows * cols / 3);
-            crate::ops::gpu_delay(&dev, 2_000_000).unwrap();
-            set_pinned(Some(true));
-            let pinned = up.cast_concat(&[a, b], DType::BF16, (rows, cols), &dev);
-            set_pinned(Some(false));
-            let pageable = up.cast_concat(&[a, b], DType::BF16, (rows, cols), &dev);
-            set_pinned(None);
-            got.push((pinned.unwrap(), pageable.unwrap()));
+        for (x, &shape) in inputs.iter().zip(&shapes).take(1) {
+            let (a, b) = x.split_at(x.len() / 3);
+            got.push(up.cast_concat(&[a, b], DType::BF16, shape, &dev).unwrap());
         }
-        for (k, (pinned, pageable)) in got.iter().enumerate() {
-            let p: Vec<u16> = pinned
-                .to_dtype(DType::F32)
-                .unwrap()
+        let queued = t.elapsed();
+        for (x, &shape) in inputs.iter().zip(&shapes).skip(1) {
+            got.push(up.cast_concat(&[x], DType::BF16, shape, &dev).unwrap());
+        }
+        set_pinned(None);
+        assert!(
+            queued.as_nanos() < u128::from(spin_ns) / 2,
+            "the first upload took {queued:?} behind a {} ms spin: its copy was waited for",
+            spin_ns / 1_000_000
+        );
+        for (k, (t, x)) in got.iter().zip(&inputs).enumerate() {
+            let want: Vec<u16> = x
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let have: Vec<u16> = t
                 .flatten_all()
                 .unwrap()
-                .to_vec1::<f32>()
+                .to_vec1::<half::bf16>()
                 .unwrap()
                 .iter()
-                .map(|v| half::bf16::from_f32(*v).to_bits())
+                .map(|v| v.to_bits())
                 .collect();
-            let q: Vec<u16> = pageable
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .iter()
-                .map(|v| half::bf16::from_f32(*v).to_bits())
-                .collect();
-            assert!(p == q, "upload {k}: the pinned copy differs");
+            assert!(
+                have == want,
+                "upload {k} is not the host's cast of its values"
+            );
         }
     }
 }
