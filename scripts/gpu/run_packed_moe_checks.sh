@@ -32,7 +32,8 @@
 #                  edit-score-prev.xz and edit-score-nofa3.xz: the host side of a prompt pass
 #                  (two builds alternating), the stage tables, the decode attention's grid
 #   WHAT=env_ab AB_VAR=FLEET_PINNED_UPLOAD bash scripts/gpu/run_packed_moe_checks.sh   # one
-#                  switch at 0 and 1 on both judges (AB_SHAPES, default "30b-a3b:32 8b:64")
+#                  variable at each of AB_VALUES ("0 1") on both judges (AB_SHAPES, default
+#                  "30b-a3b:32 8b:64"), alternating
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -188,17 +189,18 @@ host_ab)
     done; done
   done ;;
 env_ab)
-  # One switch of the environment (AB_VAR, required) at 0 and 1, alternating, ROUNDS rounds:
-  # the 30B-A3B judge at batch 32 and the 8B at batch 64 (AB_SHAPES, "model:batch" pairs),
-  # 1024 px, 128 tokens, two batches a run. 2026-11-28g: FLEET_PINNED_UPLOAD (the pixel
-  # values through pinned memory).
+  # One variable of the environment (AB_VAR, required) at each of AB_VALUES (default "0 1"),
+  # alternating, ROUNDS rounds: the 30B-A3B judge at batch 32 and the 8B at batch 64
+  # (AB_SHAPES, "model:batch" pairs), 1024 px, 128 tokens, two batches a run. 2026-11-28g:
+  # FLEET_PINNED_UPLOAD (the pixel values through pinned memory), FLEET_QKV_ROPE_P4,
+  # FLEET_PREFILL_TOKENS.
   W=/tmp/nea; mkdir -p $W
   xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
-  V=${AB_VAR:?AB_VAR names the switch}
+  V=${AB_VAR:?AB_VAR names the variable}
   for shape in ${AB_SHAPES:-30b-a3b:32 8b:64}; do
     C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}
     $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
-    for i in $(seq 1 ${ROUNDS:-2}); do for g in 0 1; do
+    for i in $(seq 1 ${ROUNDS:-2}); do for g in ${AB_VALUES:-0 1}; do
       j=$OUT/judge_${shape%:*}_b${b}_${V}${g}_$i.json
       env $V=$g timeout 240 $W/es bench --config $C --image-size 1024 --batch $b \
         --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
