@@ -311,15 +311,7 @@ mod tests {
                 .unwrap();
             assert_eq!(got.dtype(), dtype);
             let want = f32s.to_dtype(dtype).unwrap();
-            let diff = (got.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert_eq!(diff, 0.0, "{dtype:?}");
+            assert_eq!(crate::ops::max_abs_diff(&got, &want), 0.0, "{dtype:?}");
         }
     }
 
