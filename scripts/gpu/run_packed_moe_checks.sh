@@ -49,6 +49,38 @@ run_t() { # name binary args...
   echo "$name: rc $? $(grep -E '^test result' $OUT/test_$name.txt | tail -1)"
   grep -E 'panicked|FAILED|max \|' $OUT/test_$name.txt | head -12
 }
+# An edit-score build unpacked as $1 (default JUDGE_XZ, else edit-score-nofa3.xz).
+unpack_judge() { # path [xz]
+  mkdir -p "$(dirname $1)"
+  xz -dc ${2:-${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz}} > $1 && chmod +x $1
+}
+# A short run of a judge shape ("model:batch") that loads its kernels and grows the pool.
+warm_judge() { # bin shape
+  $1 bench --config configs/models/qwen3-vl-${2%:*}.json --image-size 512 --batch 2 --samples 2 \
+    --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
+}
+# One judge bench run (1024 px, 128 tokens, two batches of the shape's batch) with the given
+# environment, its report in JSON, and a line saying what it measured.
+judge_run() { # bin shape json label [VAR=value ...]
+  local bin=$1 shape=$2 j=$3 label=$4; shift 4
+  local b=${shape#*:}
+  env "$@" timeout 240 $bin bench --config configs/models/qwen3-vl-${shape%:*}.json \
+    --image-size 1024 --batch $b --samples $((2 * b)) --new-tokens 128 --json $j \
+    > /tmp/judge_run.log 2>&1 || tail -3 /tmp/judge_run.log
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j "$label" || true
+}
+# One variable of the environment at each of its values, alternating, ROUNDS rounds (default
+# 2), on each judge shape: $OUT/judge_<model>_b<batch>_<VAR><value>_<round>.json.
+env_ab() { # bin var "values" "shapes"
+  local bin=$1 v=$2 values=$3 shapes=$4 shape i g
+  for shape in $shapes; do
+    warm_judge $bin $shape
+    for i in $(seq 1 ${ROUNDS:-2}); do for g in $values; do
+      judge_run $bin $shape $OUT/judge_${shape%:*}_b${shape#*:}_${v}${g}_$i.json \
+        "${shape%:*} b${shape#*:} $v=$g round $i" $v=$g
+    done; done
+  done
+}
 for part in ${WHAT:-tests judge}; do
 case $part in
 tests)
@@ -122,16 +154,9 @@ moe_ab)
   # generation's own prompt passes (since ba32c96), so a decode change shows in decode_s.
   # 2026-11-28e's call 4 ran ba32c96's build with FLEET_MOE_GEMV_REGS (register MoE GEMV
   # variants, removed after) and FLEET_MOE_GROUPED_GEMM switched together.
-  W=/tmp/nab; mkdir -p $W
-  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
+  W=/tmp/nab; unpack_judge $W/es
   C=configs/models/qwen3-vl-30b-a3b.json; V=${AB_VAR:-FLEET_MOE_MMA}
-  $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
-  for i in $(seq 1 ${ROUNDS:-2}); do for g in 0 1; do
-    j=$OUT/judge30_b32_${V}${g}_$i.json
-    env $V=$g timeout 240 $W/es bench --config $C \
-      --image-size 1024 --batch 32 --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 $V=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
-  done; done
+  env_ab $W/es $V "0 1" 30b-a3b:32
   # Then (unless NCU=0) ncu of a replayed decode step with B (stage gen.decode@20).
   [ "${NCU:-1}" = 0 ] && continue
   env $V=1 METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum TOP=12 \
@@ -143,8 +168,7 @@ prefill_profile)
   # stage table in the JSON's `profile`), then ncu of one prompt pass of the generation (the
   # 5th gen.prefill call, a pass of three prompts in the warm-up's second generation, kernels
   # loaded and the pool grown), every kernel.
-  W=/tmp/npp; mkdir -p $W
-  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
+  W=/tmp/npp; unpack_judge $W/es
   C=configs/models/qwen3-vl-30b-a3b.json
   FLEET_PROFILE=1 timeout 240 $W/es bench --config $C --image-size 1024 --batch 32 --samples 32 \
     --new-tokens 16 --json $OUT/judge30_b32_profile.json > $W/p.log 2>&1 || tail -3 $W/p.log
@@ -155,65 +179,40 @@ prefill_profile)
   head -34 $OUT/kernels_moe30_prefill_pass.txt ;;
 passes)
   # The prompt pass's token budget (FLEET_PREFILL_TOKENS, PASS_TOKENS default "8192 16384
-  # 32768"): the 30B-A3B judge at batch 32 and the 8B judge at batch 64, 1024 px, 128 tokens,
-  # two batches a run, each budget in turn.
-  W=/tmp/npt; mkdir -p $W
-  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
-  for shape in 30b-a3b:32 8b:64; do
-    C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}
-    $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
-    for t in ${PASS_TOKENS:-8192 16384 32768}; do
-      j=$OUT/judge_${shape%:*}_b${b}_pass$t.json
-      FLEET_PREFILL_TOKENS=$t timeout 240 $W/es bench --config $C --image-size 1024 --batch $b \
-        --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('${shape%:*} b$b FLEET_PREFILL_TOKENS=$t', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
-    done
-  done ;;
+  # 32768"): the 30B-A3B judge at batch 32 and the 8B judge at batch 64, each budget in turn,
+  # one round unless ROUNDS says more.
+  W=/tmp/npt; unpack_judge $W/es
+  ROUNDS=${ROUNDS:-1} env_ab $W/es FLEET_PREFILL_TOKENS "${PASS_TOKENS:-8192 16384 32768}" \
+    "30b-a3b:32 8b:64" ;;
 host_ab)
   # Two builds alternating (PREV_XZ, default dist/carry/edit-score-prev.xz, then JUDGE_XZ):
-  # the 30B-A3B judge at batch 32 and the 8B at batch 64, 1024 px, 128 tokens, two batches a
-  # run, ROUNDS rounds (default 2). 2026-11-28f: 2e035f8 against the session's last build
-  # (the pixel values cast on the host in parallel, half the upload; the features scattered by
-  # gather_rows; qk_norm_rope's four warps a block; the MoE plan as one op, on the host).
-  W=/tmp/nha; mkdir -p $W
-  xz -dc ${PREV_XZ:-dist/carry/edit-score-prev.xz} > $W/es_a; chmod +x $W/es_a
-  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es_b; chmod +x $W/es_b
+  # the 30B-A3B judge at batch 32 and the 8B at batch 64, ROUNDS rounds (default 2).
+  # 2026-11-28f/g: 2e035f8 against 25c532f (the pixel values cast on the host in parallel,
+  # half the upload; the features scattered by gather_rows; qk_norm_rope's four warps a block;
+  # the MoE plan as one op, on the host).
+  W=/tmp/nha
+  unpack_judge $W/es_a ${PREV_XZ:-dist/carry/edit-score-prev.xz}; unpack_judge $W/es_b
   for shape in 30b-a3b:32 8b:64; do
-    C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}
-    $W/es_a bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
+    warm_judge $W/es_a $shape
     for i in $(seq 1 ${ROUNDS:-2}); do for v in a b; do
-      j=$OUT/judge_${shape%:*}_b${b}_build_${v}_$i.json
-      timeout 240 $W/es_$v bench --config $C --image-size 1024 --batch $b \
-        --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('${shape%:*} b$b build $v round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
+      judge_run $W/es_$v $shape $OUT/judge_${shape%:*}_b${shape#*:}_build_${v}_$i.json \
+        "${shape%:*} b${shape#*:} build $v round $i"
     done; done
   done ;;
 env_ab)
   # One variable of the environment (AB_VAR, required) at each of AB_VALUES (default "0 1"),
   # alternating, ROUNDS rounds: the 30B-A3B judge at batch 32 and the 8B at batch 64
-  # (AB_SHAPES, "model:batch" pairs), 1024 px, 128 tokens, two batches a run. 2026-11-28g:
-  # FLEET_PINNED_UPLOAD (the pixel values through pinned memory), FLEET_QKV_ROPE_P4,
-  # FLEET_PREFILL_TOKENS.
-  W=/tmp/nea; mkdir -p $W
-  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
-  V=${AB_VAR:?AB_VAR names the variable}
-  for shape in ${AB_SHAPES:-30b-a3b:32 8b:64}; do
-    C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}
-    $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
-    for i in $(seq 1 ${ROUNDS:-2}); do for g in ${AB_VALUES:-0 1}; do
-      j=$OUT/judge_${shape%:*}_b${b}_${V}${g}_$i.json
-      env $V=$g timeout 240 $W/es bench --config $C --image-size 1024 --batch $b \
-        --samples $((2 * b)) --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('${shape%:*} b$b $V=$g round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch, peak GiB', round(d['peak_used_bytes']/2**30,1))" $j || true
-    done; done
-  done ;;
+  # (AB_SHAPES, "model:batch" pairs). 2026-11-28g: FLEET_PINNED_UPLOAD (the pixel values
+  # through pinned memory), FLEET_QKV_ROPE_P4, FLEET_PREFILL_TOKENS.
+  W=/tmp/nea; unpack_judge $W/es
+  env_ab $W/es ${AB_VAR:?AB_VAR names the variable} "${AB_VALUES:-0 1}" \
+    "${AB_SHAPES:-30b-a3b:32 8b:64}" ;;
 stage_tables)
   # Stage tables of the 30B-A3B judge at batch 32 and the 8B at batch 64, one batch, 16 new
   # tokens, in both modes: FLEET_PROFILE=events (each stage's span on the GPU's timeline,
   # nothing synchronized: the run keeps its plain speed) and FLEET_PROFILE=1 (every stage
   # synchronized: shares, not totals). Beside each, the host's seconds in the stage.
-  W=/tmp/nst; mkdir -p $W
-  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
+  W=/tmp/nst; unpack_judge $W/es
   for shape in 30b-a3b:32 8b:64; do for mode in events 1; do
     C=configs/models/qwen3-vl-${shape%:*}.json; b=${shape#*:}
     j=$OUT/profile_${mode}_${shape%:*}_b$b.json
@@ -224,16 +223,8 @@ stage_tables)
 decode_blocks)
   # The decode attention's grid target (FLEET_PAGED_MIN_BLOCKS, BLOCKS default "512 2048
   # 4096"; 512 is the default): the 30B-A3B judge at batch 32, alternating, ROUNDS rounds.
-  W=/tmp/ndb; mkdir -p $W
-  xz -dc ${JUDGE_XZ:-dist/carry/edit-score-nofa3.xz} > $W/es; chmod +x $W/es
-  C=configs/models/qwen3-vl-30b-a3b.json
-  $W/es bench --config $C --image-size 512 --batch 2 --samples 2 --new-tokens 4 > /dev/null 2>&1 || echo warm-up failed
-  for i in $(seq 1 ${ROUNDS:-2}); do for n in ${BLOCKS:-512 2048 4096}; do
-    j=$OUT/judge30_b32_minblocks${n}_$i.json
-    FLEET_PAGED_MIN_BLOCKS=$n timeout 240 $W/es bench --config $C --image-size 1024 --batch 32 \
-      --samples 64 --new-tokens 128 --json $j > $W/j.log 2>&1 || tail -3 $W/j.log
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('30B-A3B b32 FLEET_PAGED_MIN_BLOCKS=$n round $i', round(d['samples_per_s'],3), 'samples/s, prefill', round(d['prefill_s'],2), 'decode', round(d['decode_s'],2), 's a batch')" $j || true
-  done; done ;;
+  W=/tmp/ndb; unpack_judge $W/es
+  env_ab $W/es FLEET_PAGED_MIN_BLOCKS "${BLOCKS:-512 2048 4096}" 30b-a3b:32 ;;
 torch30)
   # transformers' 30B-A3B judge at TORCH_BATCH (default 32), 1024 px, 128 greedy tokens.
   b=${TORCH_BATCH:-32}

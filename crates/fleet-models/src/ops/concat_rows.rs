@@ -244,17 +244,20 @@ mod cuda {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let lens: Vec<usize> = parts.iter().map(|(_, l)| l.shape().elem_count()).collect();
             let total: usize = lens.iter().sum();
-            // Whole 16-byte vectors: every part's length and first element (candle's buffers
-            // start aligned, so the offset decides).
-            let per_vec = 16 / std::mem::size_of::<T>();
-            let vec = parts.iter().zip(&lens).all(|((_, l), n)| {
-                n.is_multiple_of(per_vec) && l.start_offset().is_multiple_of(per_vec)
-            });
+            // Whole 16-byte vectors: every part's length and first element.
+            let vec = parts
+                .iter()
+                .zip(&lens)
+                .all(|((_, l), &n)| whole_vectors::<T>(n, [l.start_offset()]));
             let name = format!("concat_rows_{}{dtype}", if vec { "vec_" } else { "" });
             let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             // SAFETY: the kernel writes every element.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(total)? };
-            let cfg = grid_stride(if vec { total / per_vec } else { total });
+            let cfg = grid_stride(if vec {
+                total / vector_len::<T>()
+            } else {
+                total
+            });
             let mut b = func.builder();
             b.arg(&out);
             // Two parts: the third is the second again, with no elements.

@@ -268,6 +268,19 @@ mod cuda_util {
         }
     }
 
+    /// Elements of `T` in one 16-byte vector: the load unit of the `_vec` kernels.
+    pub(super) fn vector_len<T>() -> usize {
+        16 / std::mem::size_of::<T>()
+    }
+
+    /// Whether a `_vec` kernel may take `n` elements (a row, or a whole part) read from inputs
+    /// whose first elements lie at `offsets`: `n` whole vectors and every start on one (candle's
+    /// buffers begin 16-byte aligned, so the offset decides).
+    pub(super) fn whole_vectors<T>(n: usize, offsets: impl IntoIterator<Item = usize>) -> bool {
+        let v = vector_len::<T>();
+        n.is_multiple_of(v) && offsets.into_iter().all(|o| o.is_multiple_of(v))
+    }
+
     /// One block of 1024 threads per row: the kernels that reduce over a row of logits.
     pub(super) fn row_blocks(rows: usize) -> LaunchConfig {
         LaunchConfig {
@@ -289,12 +302,8 @@ mod cuda_util {
     ) -> (String, u32) {
         static VEC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let on = *VEC.get_or_init(|| std::env::var("FLEET_VEC_NORM").map_or(true, |v| v != "0"));
-        let per_vec = 16 / std::mem::size_of::<T>();
-        let aligned = n.is_multiple_of(per_vec)
-            && inputs
-                .iter()
-                .all(|l| l.start_offset().is_multiple_of(per_vec));
-        let vectors = n / per_vec;
+        let aligned = whole_vectors::<T>(n, inputs.iter().map(|l| l.start_offset()));
+        let vectors = n / vector_len::<T>();
         match [1usize, 2, 4]
             .into_iter()
             .find(|&v| v <= max_vpt && vectors <= v * 1024)

@@ -400,8 +400,7 @@ mod cuda {
             if position.is_none() && slots != n * k {
                 candle_core::bail!("moe_combine: y has {slots} rows, not n k = {}", n * k);
             }
-            let per_vec = 16 / std::mem::size_of::<T>();
-            let vec = cols.is_multiple_of(per_vec) && yl.start_offset().is_multiple_of(per_vec);
+            let vec = whole_vectors::<T>(cols, [yl.start_offset()]);
             let func = dev.get_or_load_custom_func(
                 &format!(
                     "moe_combine_{}{}",
@@ -413,7 +412,7 @@ mod cuda {
             )?;
             // SAFETY: the kernel writes every element of the n rows.
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(n * cols)? };
-            let cfg = grid_stride(n * if vec { cols / per_vec } else { cols });
+            let cfg = grid_stride(n * if vec { cols / vector_len::<T>() } else { cols });
             let mut b = func.builder();
             b.arg(&y);
             b.arg(&w);

@@ -114,19 +114,10 @@ mod cuda {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/swiglu.ptx"));
     const MODULE: &str = "fleet_swiglu";
 
-    /// Elements of `T` in the vector kernels' 16-byte loads.
-    fn vector_len<T>() -> usize {
-        16 / std::mem::size_of::<T>()
-    }
-
-    /// Whether the `_vec` kernels take this call: `n_cols` a multiple of the vector and every
-    /// input's first element 16-byte aligned (candle's buffers are), unless switched off
+    /// Whether the `_vec` kernels take this call ([`whole_vectors`]), unless switched off
     /// ([`super::VECTOR`]).
     fn vectorized<T>(n_cols: usize, offsets: &[usize]) -> bool {
-        let v = vector_len::<T>();
-        super::VECTOR.on()
-            && n_cols.is_multiple_of(v)
-            && offsets.iter().all(|o| o.is_multiple_of(v))
+        super::VECTOR.on() && whole_vectors::<T>(n_cols, offsets.iter().copied())
     }
 
     pub(super) fn swiglu(s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
@@ -152,8 +143,7 @@ mod cuda {
             )?;
             // SAFETY: every element is written by the kernel.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(el)? };
-            let cfg =
-                super::super::cuda_util::grid_stride(if vec { el / vector_len::<T>() } else { el });
+            let cfg = grid_stride(if vec { el / vector_len::<T>() } else { el });
             let mut b = func.builder();
             b.arg(&x);
             b.arg(&y);
@@ -213,8 +203,7 @@ mod cuda {
             )?;
             // SAFETY: the kernel writes both halves of every row.
             let dx: CudaSlice<T> = unsafe { dev.alloc::<T>(2 * el)? };
-            let cfg =
-                super::super::cuda_util::grid_stride(if vec { el / vector_len::<T>() } else { el });
+            let cfg = grid_stride(if vec { el / vector_len::<T>() } else { el });
             let mut b = func.builder();
             b.arg(&x);
             b.arg(&g);

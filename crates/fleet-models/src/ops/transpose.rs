@@ -90,7 +90,6 @@ mod cuda {
             let x = input::<T>(s, l)?;
             let d = l.dims();
             let n = l.shape().elem_count();
-            let per_vec = 16 / std::mem::size_of::<T>();
             let name = format!("transpose12_vec_{}", suffix(s.dtype())?);
             let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             // SAFETY: the kernel writes every element.
@@ -103,7 +102,7 @@ mod cuda {
                 b.arg(v);
             }
             // SAFETY: the grid-stride loop writes out[0..n] once, each vector read within x.
-            unsafe { b.launch(grid_stride(n / per_vec)) }.w()?;
+            unsafe { b.launch(grid_stride(n / vector_len::<T>())) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
         match s.dtype() {
