@@ -670,9 +670,8 @@ mod cuda {
     /// Whether a head dimension padded to `padded` takes two row tiles a warp (up to 80)
     /// unless `FLEET_FLASH_R2=0` (one, for comparison).
     fn two_row_tiles(padded: usize) -> bool {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        padded <= 80
-            && *ON.get_or_init(|| std::env::var("FLEET_FLASH_R2").map_or(true, |v| v != "0"))
+        static ON: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_FLASH_R2", true);
+        padded <= 80 && ON.on()
     }
 
     /// A mask's key starts as the kernels read them, and whether there is one per query: u32

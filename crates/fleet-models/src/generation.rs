@@ -320,8 +320,8 @@ impl PagedOptions {
 /// `FLEET_ENFORCE_EAGER=1` in the environment (the way out should a graph misbehave on some
 /// driver, without a flag in every job).
 fn graphs_by_default() -> bool {
-    static EAGER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*EAGER.get_or_init(|| std::env::var("FLEET_ENFORCE_EAGER").is_ok_and(|v| v == "1"))
+    static EAGER: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_ENFORCE_EAGER", false);
+    !EAGER.on()
 }
 
 /// The decode-graph bucket of `n` live rows: powers of two up to 8, then multiples of 8 (a

@@ -69,8 +69,8 @@ fn linear_with(layer: &candle_nn::Linear, x: &Tensor, epilogue: Epilogue) -> Res
 /// not `0` (which keeps cuBLAS and the separate
 /// bias and activation kernels, for comparison).
 fn epilogue_takes(x: &Tensor, w: &Tensor, bias: &Tensor, rows: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("FLEET_LT_EPILOGUE").map_or(true, |v| v != "0"));
+    static ON: super::EnvSwitch = super::EnvSwitch::new("FLEET_LT_EPILOGUE", true);
+    let on = ON.on();
     on && matches!(x.dtype(), DType::BF16 | DType::F16)
         && w.dtype() == x.dtype()
         && bias.dtype() == x.dtype()

@@ -2,8 +2,6 @@
 //! few-row products as kernels that stream the weights once, each with its CPU twin: a GEMV
 //! for up to 4 rows, a tensor-core "skinny" GEMM for 5 to 64.
 
-use std::sync::OnceLock;
-
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 use super::*;
@@ -61,8 +59,8 @@ pub fn linear(layer: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
 /// a 2-D weight of the input's dtype, contiguous inputs whose rows start on 16 bytes, `k` a
 /// multiple of `k_multiple`, and `FLEET_DECODE_GEMV` not `0`.
 fn decode_kernel_takes(x: &Tensor, w: &Tensor, k_multiple: usize) -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("FLEET_DECODE_GEMV").map_or(true, |v| v != "0"));
+    static ON: EnvSwitch = EnvSwitch::new("FLEET_DECODE_GEMV", true);
+    let on = ON.on();
     let k = w.dims().last().copied().unwrap_or(0);
     let aligned = |t: &Tensor| {
         let (_, l) = t.storage_and_layout();

@@ -300,8 +300,8 @@ mod cuda_util {
         inputs: &[&Layout],
         max_vpt: usize,
     ) -> (String, u32) {
-        static VEC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *VEC.get_or_init(|| std::env::var("FLEET_VEC_NORM").map_or(true, |v| v != "0"));
+        static VEC: super::EnvSwitch = super::EnvSwitch::new("FLEET_VEC_NORM", true);
+        let on = VEC.on();
         let aligned = whole_vectors::<T>(n, inputs.iter().map(|l| l.start_offset()));
         let vectors = n / vector_len::<T>();
         match [1usize, 2, 4]

@@ -107,9 +107,8 @@ impl PagedKvWrite {
     /// backward), the caches of the projection's dtype, and `FLEET_FUSED_KV_WRITE` not `0`
     /// (which keeps the three launches, for comparison).
     fn fused(&self, qkv: &Tensor, tracked: bool) -> bool {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on =
-            *ON.get_or_init(|| std::env::var("FLEET_FUSED_KV_WRITE").map_or(true, |v| v != "0"));
+        static ON: super::EnvSwitch = super::EnvSwitch::new("FLEET_FUSED_KV_WRITE", true);
+        let on = ON.on();
         on && qkv.device().is_cuda()
             && !tracked
             && self.k_cache.dtype() == qkv.dtype()

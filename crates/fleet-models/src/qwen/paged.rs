@@ -349,9 +349,9 @@ impl QwenModel {
     /// `decode_graph_segments`, passed on two logical devices of an H100 on 2026-11-27;
     /// `FLEET_SEGMENT_GRAPHS=0` in the environment keeps such a model op by op).
     pub fn decode_graph_supported(&self, block_size: usize) -> bool {
-        static SEGMENTS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let segments = *SEGMENTS
-            .get_or_init(|| std::env::var("FLEET_SEGMENT_GRAPHS").map_or(true, |v| v != "0"));
+        static SEGMENTS: crate::ops::EnvSwitch =
+            crate::ops::EnvSwitch::new("FLEET_SEGMENT_GRAPHS", true);
+        let segments = SEGMENTS.on();
         let cuda = self.input_device().is_cuda()
             && self.output_device().is_cuda()
             && self
