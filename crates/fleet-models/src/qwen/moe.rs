@@ -410,8 +410,8 @@ impl SparseMoe {
     }
 
     /// Many tokens at once (a prefill) on a GPU: the routing on the device, the (token, expert)
-    /// pairs sorted by expert ([`ops::moe_plan`]: on the host, one copy of the ids back; or on
-    /// the device, the counts alone read back), the rows gathered once into expert order
+    /// pairs sorted by expert ([`ops::moe_plan`]: on the device, the counts alone read back;
+    /// with `FLEET_MOE_DEVICE_PLAN=0` on the host), the rows gathered once into expert order
     /// ([`ops::gather_rows`]), one cuBLAS grouped GEMM over the experts' contiguous rows for
     /// gate/up and again for down ([`ops::grouped_linear`]; or one GEMM per expert), then each
     /// token's rows read back from their sorted positions and summed with their weights
@@ -423,7 +423,7 @@ impl SparseMoe {
         let experts = self.gate_up.dim(0)?;
         let dev = x.device();
         // The sub-stages (FLEET_PROFILE): `moe.route` the router, `moe.plan` the sort by
-        // expert (the ids read back, the order uploaded; or on the device) and the gather,
+        // expert (its counts read back) and the gather,
         // `moe.gemm_host` the host's time inside the grouped GEMM calls (the enqueueing
         // alone: with FLEET_PROFILE=1 the device is idle before it).
         let (top_ids, top_w) = profile::time(dev, "moe.route", || self.route_on_device(x))?;
@@ -471,9 +471,8 @@ impl SparseMoe {
     /// A decode step on a GPU without a host round trip: the routing on the device, the slots
     /// sorted by expert there, then [`ops::moe_gemv`] for gate/up and again for down — each
     /// touched expert's weights read once for up to eight of its slots (four on the GEMV
-    /// kernel) — and each token's rows
-    /// scaled by their routing weights (in the model dtype, as transformers) and summed
-    /// ([`ops::moe_combine`]).
+    /// kernel) — and each token's rows scaled by their routing weights (in the model dtype, as
+    /// transformers) and summed ([`ops::moe_combine`]).
     #[cfg(feature = "cuda")]
     fn forward_gemv(&self, x: &Tensor) -> Result<Tensor> {
         let k = self.top_k;
