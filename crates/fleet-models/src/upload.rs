@@ -1,13 +1,14 @@
-//! Host values cast and concatenated into one device tensor, in parallel, and on a GPU with
-//! `FLEET_PINNED_UPLOAD=1` through a reused buffer of page-locked memory that the GPU copies
-//! from while the host goes on.
+//! Host values cast and concatenated into one device tensor, in parallel, and on a GPU
+//! through a reused buffer of page-locked memory that the GPU copies from while the host goes
+//! on (`FLEET_PINNED_UPLOAD=0`: from pageable memory, as before).
 //!
 //! Why: from pageable memory (a `Vec`) the driver stages the copy through its own pinned
 //! buffers and returns only once it has read the source, so the host waits for the transfer.
 //! At the start of a prompt pass nothing is queued on the GPU, so the GPU waits too: the
 //! judge's `vision.pixels` stage (the pixel values of a pass, ~75 MB in bf16 at 1024 px) was
 //! ~7% of its prefill with the GPU idle (docs/benchmarks.md, 2026-11-28g). From pinned memory
-//! the copy is queued like a kernel and the host goes on to queue the vision tower's work.
+//! the copy is queued like a kernel and the host goes on to queue the vision tower's work:
+//! +4–7% samples/s on both judges (2026-11-28h, docs/benchmarks.md).
 //! (`FLEET_PROFILE=1` synchronizes after every stage, which hides exactly this: measure it by
 //! throughput, or with `FLEET_PROFILE=events`.)
 
@@ -62,9 +63,9 @@ pub(crate) fn cast_concat<T: Send + Sync + Copy + Default>(
 }
 
 /// Whether [`Uploads::cast_concat`] goes through pinned memory on a GPU:
-/// `FLEET_PINNED_UPLOAD=1`; off until measured against the pageable upload.
+/// on unless `FLEET_PINNED_UPLOAD=0`.
 #[cfg(feature = "cuda")]
-static PINNED: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_PINNED_UPLOAD", false);
+static PINNED: crate::ops::EnvSwitch = crate::ops::EnvSwitch::new("FLEET_PINNED_UPLOAD", true);
 
 /// Test switch for [`PINNED`]: `Some(on)` forces it, `None` leaves it to the environment.
 #[cfg(all(test, feature = "cuda"))]
