@@ -68,47 +68,21 @@ __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *
     }
 }
 
-// `splits` warps of a block share each of its columns (GEMV_WARPS / splits columns a block):
-// warp s of a column sums the row's chunks [s * chunks / splits, (s + 1) * chunks / splits) as
-// above (lane l: the range's chunks l, l + 32, ...), and the column's first warp adds the
-// warps' sums in order of s before the one rounding. Why: a short output (the 7B's o and down
-// projections, 3,584 columns) gives one warp a column only ~27 warps an SM, too few loads in
-// flight to reach the bandwidth; splitting the row multiplies them without more registers.
-// Warps a block (the launcher's GEMV_WARPS).
-#define GEMV_WARPS 4
 template <typename T, int M>
-__device__ void gemv(const T *x, const T *w, T *y, int n, int k, int splits) {
-    __shared__ float part[GEMV_WARPS][M];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int col = blockIdx.x * (GEMV_WARPS / splits) + warp / splits, s = warp % splits;
-    const int chunks = k / 8;
-    const int first = (int)((long long)s * chunks / splits);
-    const int last = (int)((long long)(s + 1) * chunks / splits);
+__device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
+    const int lane = threadIdx.x % 32;
+    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (col >= n) return;
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
+    const T *xr[M];
     float acc[M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
-    if (col < n) {
-        const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k) + first;
-        const T *xr[M];
-#pragma unroll
-        for (int m = 0; m < M; ++m) xr[m] = x + (size_t)m * k + (size_t)first * 8;
-        gemv_lane_sums<T, M, true>(xr, wr, last - first, lane, acc);
+    for (int m = 0; m < M; ++m) {
+        xr[m] = x + (size_t)m * k;
+        acc[m] = 0.f;
     }
-    if (splits > 1) {
-        if (lane == 0) {
-#pragma unroll
-            for (int m = 0; m < M; ++m) part[warp][m] = acc[m];
-        }
-        __syncthreads();
-        if (s == 0 && lane == 0) {
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                acc[m] = part[warp][m];
-                for (int j = 1; j < splits; ++j) acc[m] += part[warp + j][m];
-            }
-        }
-    }
-    if (col < n && s == 0 && lane == 0) {
+    gemv_lane_sums<T, M, true>(xr, wr, k / 8, lane, acc);
+    if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m) y[(size_t)m * n + col] = from_f<T>(acc[m]);
     }
@@ -116,8 +90,8 @@ __device__ void gemv(const T *x, const T *w, T *y, int n, int k, int splits) {
 
 #define GEMV(T, SUFFIX, M)                                                                     \
     extern "C" __global__ void gemv_##SUFFIX##_m##M(const T *x, const T *w, T *y, int n,       \
-                                                    int k, int splits) {                       \
-        gemv<T, M>(x, w, y, n, k, splits);                                                     \
+                                                    int k) {                                   \
+        gemv<T, M>(x, w, y, n, k);                                                             \
     }
 #define GEMVS(T, SUFFIX)                                                                       \
     GEMV(T, SUFFIX, 1)                                                                         \

@@ -98,64 +98,16 @@ fn skinny_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
 /// 16 bytes): `[m, n]` in the inputs' dtype. One warp per output column: lane `l` sums the
 /// 8-element chunks `l, l + 32, ...` of the row in order (f32 fused multiply-adds), the 32
 /// lanes are summed by the xor butterfly, and the result is rounded once to the dtype, as the
-/// GEMM rounds it. With [`gemv_splits`] above one, that many warps share a column, each over a
-/// contiguous range of the chunks, their sums added in order before the rounding. On the CPU
-/// it is the kernel's twin (the same sums in the same order), for testing; [`linear`] uses it
-/// on CUDA only.
+/// GEMM rounds it. On the CPU it is the kernel's twin (the same sums in the same order), for
+/// testing; [`linear`] uses it on CUDA only.
 pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let splits = match w.dims() {
-        &[n, k] => gemv_splits(n, k),
-        _ => 1, // refused by the op's checks
-    };
-    gemv_split(x, w, splits)
-}
-
-/// [`gemv`] with `splits` warps a column (1, 2 or 4), whatever [`gemv_splits`] would choose.
-pub fn gemv_split(x: &Tensor, w: &Tensor, splits: usize) -> Result<Tensor> {
-    if ![1, 2, 4].contains(&splits) {
-        return Err(
-            candle_core::Error::Msg(format!("gemv: {splits} warps a column (1, 2 or 4)")).into(),
-        );
-    }
-    Ok(x.apply_op2_no_bwd(w, &FewRows::Gemv { splits })?)
-}
-
-/// Whether [`gemv`] splits the rows of short outputs over several warps
-/// (`FLEET_GEMV_SPLIT=1`; off until measured against one warp a column).
-static GEMV_SPLIT: EnvSwitch = EnvSwitch::new("FLEET_GEMV_SPLIT", false);
-
-/// Warps [`gemv`]'s grid aims at when it splits (`FLEET_GEMV_SPLIT_WARPS`, default 16,384:
-/// ~124 an SM of an H200, two rounds of the 64 an SM holds).
-static GEMV_SPLIT_WARPS: EnvCount = EnvCount::new("FLEET_GEMV_SPLIT_WARPS", 16_384);
-
-/// Warps that share one of [`gemv`]'s `n` columns of length `k`: 1 unless [`GEMV_SPLIT`] is
-/// on, else [`splits_for`] with [`GEMV_SPLIT_WARPS`]. A function of the shape alone, so that
-/// the twin and the kernel agree.
-pub fn gemv_splits(n: usize, k: usize) -> usize {
-    if GEMV_SPLIT.on() {
-        splits_for(n, k, GEMV_SPLIT_WARPS.get())
-    } else {
-        1
-    }
-}
-
-/// The largest of 4, 2 whose `n × splits` warps stay within `target` and leave each lane at
-/// least two chunks of its range; else 1.
-fn splits_for(n: usize, k: usize, target: usize) -> usize {
-    let chunks = k / GEMV_CHUNK;
-    [4, 2]
-        .into_iter()
-        .find(|&s| n * s <= target && chunks >= 2 * GEMV_LANES * s)
-        .unwrap_or(1)
+    Ok(x.apply_op2_no_bwd(w, &FewRows::Gemv)?)
 }
 
 /// Which few-row product ([`gemv`] or [`skinny_gemm`]).
 #[derive(Debug, Clone, Copy)]
 enum FewRows {
-    /// [`gemv`] with this many warps a column.
-    Gemv {
-        splits: usize,
-    },
+    Gemv,
     Skinny,
 }
 
@@ -164,29 +116,20 @@ const GEMV_LANES: usize = 32;
 /// Elements per 16-byte load of f16 or bf16.
 const GEMV_CHUNK: usize = 8;
 
-/// The GEMV kernel's twin with `splits` warps a column: each warp's lanes over its range of
-/// chunks, butterflied, and the warps' sums added in order.
-fn gemv_cpu<T: Float>(x: &[T], w: &[T], k: usize, splits: usize) -> Vec<T> {
+fn gemv_cpu<T: Float>(x: &[T], w: &[T], k: usize) -> Vec<T> {
     let (m, n) = (x.len() / k, w.len() / k);
-    let chunks = k / GEMV_CHUNK;
     let mut y = Vec::with_capacity(m * n);
     for xr in x.chunks(k) {
         for wr in w.chunks(k) {
-            let mut sum = 0f32;
-            for s in 0..splits {
-                let (first, last) = (s * chunks / splits, (s + 1) * chunks / splits);
-                let mut lanes = [0f32; GEMV_LANES];
-                for (lane, acc) in lanes.iter_mut().enumerate() {
-                    for c in (first + lane..last).step_by(GEMV_LANES) {
-                        for i in c * GEMV_CHUNK..(c + 1) * GEMV_CHUNK {
-                            *acc = xr[i].to_f32().mul_add(wr[i].to_f32(), *acc);
-                        }
+            let mut lanes = [0f32; GEMV_LANES];
+            for (lane, acc) in lanes.iter_mut().enumerate() {
+                for c in (lane..k / GEMV_CHUNK).step_by(GEMV_LANES) {
+                    for i in c * GEMV_CHUNK..(c + 1) * GEMV_CHUNK {
+                        *acc = xr[i].to_f32().mul_add(wr[i].to_f32(), *acc);
                     }
                 }
-                let part = butterfly(lanes);
-                sum = if s == 0 { part } else { sum + part };
             }
-            y.push(T::from_f32(sum));
+            y.push(T::from_f32(butterfly(lanes)));
         }
     }
     debug_assert_eq!(y.len(), m * n);
@@ -288,7 +231,7 @@ fn moe_gemv_cpu<T: Float>(
         }
         let xr = &x[s / in_div * k..(s / in_div + 1) * k];
         let we = &w[e as usize * n * k..(e as usize + 1) * n * k];
-        y[s * n..(s + 1) * n].copy_from_slice(&gemv_cpu(xr, we, k, 1));
+        y[s * n..(s + 1) * n].copy_from_slice(&gemv_cpu(xr, we, k));
     }
     Ok(y)
 }
@@ -406,7 +349,7 @@ pub fn set_skinny_gemm(enabled: bool) {
 impl candle_core::CustomOp2 for FewRows {
     fn name(&self) -> &'static str {
         match self {
-            FewRows::Gemv { .. } => "fleet-gemv",
+            FewRows::Gemv => "fleet-gemv",
             FewRows::Skinny => "fleet-skinny-gemm",
         }
     }
@@ -420,7 +363,7 @@ impl candle_core::CustomOp2 for FewRows {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (m, n, k) = self.dims(l1, l2)?;
         let out = float_cpu!("few-row product", (s1, l1) => x, (s2, l2) => w; match self {
-            FewRows::Gemv { splits } => gemv_cpu(x, w, k, *splits),
+            FewRows::Gemv => gemv_cpu(x, w, k),
             FewRows::Skinny => skinny_cpu(x, w, k),
         });
         Ok((out, Shape::from((m, n))))
@@ -440,7 +383,7 @@ impl candle_core::CustomOp2 for FewRows {
             candle_core::bail!("{}: the inputs' rows must start on 16 bytes", self.name());
         }
         let y = match self {
-            FewRows::Gemv { splits } => cuda::gemv(s1, l1, s2, l2, dims, *splits)?,
+            FewRows::Gemv => cuda::gemv(s1, l1, s2, l2, dims)?,
             FewRows::Skinny => cuda::skinny_gemm(s1, l1, s2, l2, dims)?,
         };
         Ok((y, Shape::from((dims.0, dims.1))))
@@ -450,7 +393,7 @@ impl candle_core::CustomOp2 for FewRows {
 impl FewRows {
     fn dims(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize)> {
         match self {
-            FewRows::Gemv { .. } => gemv_dims(l1, l2),
+            FewRows::Gemv => gemv_dims(l1, l2),
             FewRows::Skinny => skinny_dims(l1, l2),
         }
     }
@@ -573,8 +516,7 @@ mod cuda {
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/linear.ptx"));
     const MODULE: &str = "fleet_linear";
 
-    /// Warps per block of the GEMV kernel (`GEMV_WARPS` in linear.cu; output columns when
-    /// each has one warp). Four, not eight: the 7B's o and
+    /// Warps (output columns) per block of the GEMV kernel. Four, not eight: the 7B's o and
     /// down projections (3,584 columns) gave 448 blocks of eight, 3.4 per SM of an H100's 132,
     /// so the SMs holding four set the time (2.45 TB/s in ncu against 2.97 for the gate/up
     /// projection's 4,736 blocks); 896 blocks of four come to 6.8 per SM.
@@ -586,7 +528,6 @@ mod cuda {
         s2: &CudaStorage,
         l2: &Layout,
         (m, n, k): (usize, usize, usize),
-        splits: usize,
     ) -> candle_core::Result<CudaStorage> {
         fn run<T: CudaDType + DeviceRepr>(
             s1: &CudaStorage,
@@ -594,14 +535,10 @@ mod cuda {
             s2: &CudaStorage,
             l2: &Layout,
             (m, n, k): (usize, usize, usize),
-            splits: usize,
         ) -> candle_core::Result<CudaStorage> {
             let dev = s1.device().clone();
             if !(1..=super::GEMV_MAX_ROWS).contains(&m) {
                 candle_core::bail!("gemv: {m} rows (1 to {})", super::GEMV_MAX_ROWS);
-            }
-            if !GEMV_WARPS.is_multiple_of(splits) {
-                candle_core::bail!("gemv: {splits} warps a column (a divisor of {GEMV_WARPS})");
             }
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
             let func = dev.get_or_load_custom_func(
@@ -612,7 +549,7 @@ mod cuda {
             // SAFETY: the kernel writes every one of the m x n outputs.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
             let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(GEMV_WARPS / splits) as u32, 1, 1),
+                grid_dim: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
                 block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -620,19 +557,18 @@ mod cuda {
             builder.arg(&x);
             builder.arg(&w);
             builder.arg(&y);
-            let (n, k, splits) = (n as i32, k as i32, splits as i32);
+            let (n, k) = (n as i32, k as i32);
             builder.arg(&n);
             builder.arg(&k);
-            builder.arg(&splits);
-            // SAFETY: warp j of block b reads its range of row b * (GEMV_WARPS / splits) +
-            // j / splits of w (if below n) and of the m rows of x, 16 bytes at a time (k a
-            // multiple of 8, rows aligned: checked); the column's first warp writes it in y.
+            // SAFETY: warp j of block b reads row b * GEMV_WARPS + j of w (if below n) and
+            // the m rows of x, 16 bytes at a time (k a multiple of 8, rows aligned: checked),
+            // and writes that column of y.
             unsafe { builder.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev))
         }
         match s1.dtype() {
-            candle_core::DType::F16 => run::<f16>(s1, l1, s2, l2, (m, n, k), splits),
-            candle_core::DType::BF16 => run::<bf16>(s1, l1, s2, l2, (m, n, k), splits),
+            candle_core::DType::F16 => run::<f16>(s1, l1, s2, l2, (m, n, k)),
+            candle_core::DType::BF16 => run::<bf16>(s1, l1, s2, l2, (m, n, k)),
             other => candle_core::bail!("gemv: {other:?} on CUDA (f16 or bf16)"),
         }
     }
@@ -909,38 +845,15 @@ mod tests {
 
     /// The CPU twin is the product (in f32, to rounding), for every row count the kernel
     /// takes and k with and without a remainder past the unrolled chunks.
-    /// With one, two or four warps a column.
     #[test]
     fn gemv_twin_is_the_product() {
         for (m, n, k) in [(1, 5, 8), (2, 33, 264), (3, 7, 1032), (4, 19, 3584)] {
             let (x, w) = (test_tensor(&[m, k], 1), test_tensor(&[n, k], 2));
+            let got = gemv(&x, &w).unwrap();
             let want = x.matmul(&w.t().unwrap()).unwrap();
-            for splits in [1, 2, 4] {
-                let got = gemv_split(&x, &w, splits).unwrap();
-                let diff = max_abs_diff(&got, &want);
-                assert!(
-                    diff < 1e-4 * (k as f32).sqrt(),
-                    "m {m} n {n} k {k} splits {splits}: {diff}"
-                );
-            }
+            let diff = max_abs_diff(&got, &want);
+            assert!(diff < 1e-4 * (k as f32).sqrt(), "m {m} n {n} k {k}: {diff}");
         }
-        assert!(gemv_split(&test_tensor(&[1, 8], 1), &test_tensor(&[2, 8], 2), 3).is_err());
-    }
-
-    /// The split: the 7B's o and down projections (3,584 columns) take four warps a column at
-    /// the default target, q/k/v (4,608) two, gate/up (37,888) and the head one; a row too
-    /// short for two chunks a lane is not split that far.
-    #[test]
-    fn gemv_splits_short_outputs_of_long_rows() {
-        let t = 16_384;
-        assert_eq!(splits_for(3584, 3584, t), 4);
-        assert_eq!(splits_for(3584, 18944, t), 4);
-        assert_eq!(splits_for(4608, 3584, t), 2);
-        assert_eq!(splits_for(37888, 3584, t), 1);
-        assert_eq!(splits_for(152_064, 3584, t), 1);
-        assert_eq!(splits_for(896, 8 * 64 * 2, t), 2);
-        assert_eq!(splits_for(896, 8 * 64 * 2 - 8, t), 1);
-        assert_eq!(splits_for(3584, 3584, 8192), 2);
     }
 
     /// The plan: ranges of equal length over the (tile, chunk) units, one block each and
@@ -1078,9 +991,8 @@ mod tests {
 mod kernel_tests {
     use super::*;
 
-    /// The GEMV kernel gives its twin's values exactly (f16 and bf16, 1 to 4 rows, one, two
-    /// and four warps a column, k with and without a remainder past the unrolled chunks or a
-    /// split's even share, columns past a block's last warp), and
+    /// The GEMV kernel gives its twin's values exactly (f16 and bf16, 1 to 4 rows, k with and
+    /// without a remainder past the unrolled chunks, columns past a block's last warp), and
     /// [`linear`] takes it for few rows (with the bias added after) and cuBLAS for more.
     #[test]
     fn gemv_kernel_matches_its_twin() {
@@ -1088,15 +1000,10 @@ mod kernel_tests {
         let r =
             |s: &[usize], seed: u64, dtype: DType| test_tensor(s, seed).to_dtype(dtype).unwrap();
         for dtype in [DType::BF16, DType::F16] {
-            let shapes = [(1, 13, 8), (2, 300, 264), (3, 37, 1032), (4, 129, 3584)];
-            for ((m, n, k), splits) in shapes.into_iter().flat_map(|s| [1, 2, 4].map(|p| (s, p))) {
+            for (m, n, k) in [(1, 13, 8), (2, 300, 264), (3, 37, 1032), (4, 129, 3584)] {
                 let (x, w) = (r(&[m, k], 3, dtype), r(&[n, k], 4, dtype));
-                let want = gemv_split(&x, &w, splits)
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap();
-                let (xd, wd) = (x.to_device(&dev).unwrap(), w.to_device(&dev).unwrap());
-                let got = gemv_split(&xd, &wd, splits)
+                let want = gemv(&x, &w).unwrap().to_dtype(DType::F32).unwrap();
+                let got = gemv(&x.to_device(&dev).unwrap(), &w.to_device(&dev).unwrap())
                     .unwrap()
                     .to_dtype(DType::F32)
                     .unwrap()
@@ -1105,7 +1012,7 @@ mod kernel_tests {
                 assert_eq!(
                     got.to_vec2::<f32>().unwrap(),
                     want.to_vec2::<f32>().unwrap(),
-                    "{dtype:?} m {m} n {n} k {k} splits {splits}"
+                    "{dtype:?} m {m} n {n} k {k}"
                 );
             }
             // Through linear: 3 rows of a 3-D input take the kernel, the bias added after.

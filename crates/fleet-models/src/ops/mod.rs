@@ -569,8 +569,7 @@ pub use gpu_delay::gpu_delay;
 pub use grouped_gemm::grouped_linear;
 pub use layer_norm::LayerNorm;
 pub use linear::{
-    gemv, gemv_split, gemv_splits, linear, moe_gemv, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS,
-    SKINNY_MAX_ROWS,
+    gemv, linear, moe_gemv, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS,
 };
 pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;
