@@ -417,18 +417,22 @@ SKINNYS(__nv_bfloat16, bf16)
 
 // The MoE decode's products on the tensor cores: `moe_gemv`'s work (expert e's slots
 // bounds[e]..bounds[e + 1] against its weights) as the skinny GEMM's warps do it. Block (b, e)
-// takes expert e's columns b * SK_COLS.. (16 a warp) and its slots 8 at a time (the mma's
-// narrow side), their x rows gathered into shared memory 128 k at a time. w is streamed (read
-// once) where the expert has at most 8 slots; an expert with more keeps its rows cached for
-// the next group. Why: `moe_gemv` reloads and converts every
+// takes expert e's columns b * SK_COLS.. (16 a warp) and its slots `group` (8 or 16) at a time
+// (one or two of the mma's 8-wide sides against each load of the weights), their x rows
+// gathered into shared memory 128 k at a time. w is streamed (read once) where the expert's
+// slots fit one group; an expert with more keeps its rows cached for the next group. Why:
+// `moe_gemv` reloads and converts every
 // slot's input for each column, so its instructions, not its bytes, set its pace (ncu on an
 // H200, 30B-A3B decode at batch 32: 0.7-0.9 TB/s, and holding the weights in registers changed
-// nothing). Sums in f32 in the tensor cores' order, rounded once: within a unit in the last
+// nothing). Groups of 16: at batch 96 an expert has ~6 slots on average (768 routed over 128)
+// and about one in seven has 9 to 16, whose weights groups of 8 read twice. A slot's sums do
+// not depend on its group (each mma column is its own), so both group sizes give the same
+// bits. Sums in f32 in the tensor cores' order, rounded once: within a unit in the last
 // place of `moe_gemv`'s, not bit for bit. k a multiple of 32, n of 16 (the launcher checks).
 template <typename T>
 __device__ void moe_mma(const T *x, const T *w, const uint32_t *sorted, const uint32_t *bounds, T *y,
-                        int slots, int in_div, int n, int k) {
-    __shared__ __align__(16) T xs[8][SK_XSTRIDE];
+                        int slots, int in_div, int n, int k, int group) {
+    __shared__ __align__(16) T xs[16][SK_XSTRIDE];
     const uint32_t e = blockIdx.y;
     const int lo = bounds[e], hi = bounds[e + 1];
     if (lo == hi) return;  // the whole block: no barrier is skipped by some threads only
@@ -438,17 +442,25 @@ __device__ void moe_mma(const T *x, const T *w, const uint32_t *sorted, const ui
     const bool live = col0 < n;
     const T *w0 = w + ((size_t)e * n + (live ? col0 + g : 0)) * k;
     const T *w8 = w0 + (size_t)8 * k;
-    for (int r = lo; r < hi; r += 8) {
-        const int m = min(8, hi - r);
-        float acc[1][4];
-        skinny_segment<T, 1>(SlotRows<T>{x, sorted + slots + r, in_div, k}, w0, w8, xs, acc, m, 0, k, q, g,
-                             live, hi - lo <= 8);
-        // acc[0]: columns col0 + g (0, 1) and col0 + g + 8 (2, 3), slots r + 2q and + 1.
+    const bool stream = hi - lo <= group;
+    for (int r = lo; r < hi; r += group) {
+        const int m = min(group, hi - r);
+        const SlotRows<T> rows{x, sorted + slots + r, in_div, k};
+        float acc[2][4];
+        // m is the same for the whole block: every thread takes the same branch.
+        if (m > 8)
+            skinny_segment<T, 2>(rows, w0, w8, xs, acc, m, 0, k, q, g, live, stream);
+        else
+            skinny_segment<T, 1>(rows, w0, w8, xs, acc, m, 0, k, q, g, live, stream);
+        // acc[t]: columns col0 + g (0, 1) and col0 + g + 8 (2, 3), slots r + 8t + 2q and + 1.
         if (!live) continue;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int row = 2 * q + (i & 1), col = col0 + g + (i >> 1) * 8;
-            if (row < m) y[(size_t)sorted[slots + r + row] * n + col] = from_f<T>(acc[0][i]);
+        for (int t = 0; t < 2; ++t) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = 8 * t + 2 * q + (i & 1), col = col0 + g + (i >> 1) * 8;
+                if (row < m) y[(size_t)sorted[slots + r + row] * n + col] = from_f<T>(acc[t][i]);
+            }
         }
     }
 }
@@ -456,8 +468,8 @@ __device__ void moe_mma(const T *x, const T *w, const uint32_t *sorted, const ui
 #define MOE_MMA(T, SUFFIX)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * SK_WARPS, SK_BLOCKS_PER_SM)              \
         moe_mma_##SUFFIX(const T *x, const T *w, const uint32_t *sorted, const uint32_t *bounds, \
-                         T *y, int slots, int in_div, int n, int k) {                          \
-        moe_mma<T>(x, w, sorted, bounds, y, slots, in_div, n, k);                              \
+                         T *y, int slots, int in_div, int n, int k, int group) {               \
+        moe_mma<T>(x, w, sorted, bounds, y, slots, in_div, n, k, group);                       \
     }
 MOE_MMA(__half, f16)
 MOE_MMA(__nv_bfloat16, bf16)

@@ -160,13 +160,30 @@ pub fn moe_gemv(x: &Tensor, w: &Tensor, sorted: &Tensor, in_div: usize) -> Resul
 }
 
 /// Whether [`moe_gemv`] runs on the tensor cores on CUDA (the skinny GEMM's warps over each
-/// expert's slots, 8 at a time; sums in their order, within a unit in the last place of the
+/// expert's slots, 8 (or 16: [`MOE_MMA16`]) at a time; sums in their order, within a unit in the last place of the
 /// twin's), for `k` a multiple of 32 and `n` of 16: on by default, `FLEET_MOE_MMA=0` for the
 /// GEMV kernel (whose outputs are the twin's bit for bit). On an H200 (2026-11-28f) the
 /// 30B-A3B judge's decode took 2.04 / 2.02 s a batch of 32 against the GEMV's 3.46 / 3.58, the
 /// kernel at 2.5 TB/s against the GEMV's 0.7–0.9.
 #[cfg(feature = "cuda")]
 static MOE_MMA: EnvSwitch = EnvSwitch::new("FLEET_MOE_MMA", true);
+
+/// Whether the tensor-core kernel of [`moe_gemv`] takes an expert's slots 16 at a time
+/// against each load of its weights (`FLEET_MOE_MMA16=1`) instead of 8: an expert with 9 to 16
+/// slots has its weights read once, not twice. The same bits either way (each slot's sums are
+/// its own mma column). Off until measured on a judge's decode.
+#[cfg(feature = "cuda")]
+static MOE_MMA16: EnvSwitch = EnvSwitch::new("FLEET_MOE_MMA16", false);
+
+/// Slots a group of the tensor-core kernel of [`moe_gemv`] ([`MOE_MMA16`]).
+#[cfg(feature = "cuda")]
+fn moe_mma_group() -> usize {
+    if MOE_MMA16.on() {
+        16
+    } else {
+        8
+    }
+}
 
 /// Whether [`moe_gemv`] takes the tensor-core kernel for `[n, k]` experts (see [`MOE_MMA`]).
 #[cfg(feature = "cuda")]
@@ -614,21 +631,22 @@ mod cuda {
             // every one of the slots x n outputs.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(slots * n)? };
             let (slots_i, in_div_i, n_i, k_i) = (slots as i32, in_div as i32, n as i32, k as i32);
-            // The tensor-core kernel (no `cols`) or the GEMV kernel; the same arguments else.
-            let (name, cfg, cols) = if super::moe_mma_takes(n, k) {
+            // The tensor-core kernel (its last argument the slots a group) or the GEMV kernel
+            // (the columns a warp); the same arguments else.
+            let (name, cfg, last) = if super::moe_mma_takes(n, k) {
                 let cfg = LaunchConfig {
                     grid_dim: (n.div_ceil(super::SKINNY_COLS) as u32, experts as u32, 1),
                     block_dim: (super::SKINNY_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                ("moe_mma", cfg, None)
+                ("moe_mma", cfg, super::moe_mma_group() as i32)
             } else {
                 let cfg = LaunchConfig {
                     grid_dim: (n.div_ceil(GEMV_WARPS * MOE_COLS) as u32, experts as u32, 1),
                     block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                ("moe_gemv", cfg, Some(MOE_COLS as i32))
+                ("moe_gemv", cfg, MOE_COLS as i32)
             };
             let func = dev.get_or_load_custom_func(
                 &format!("{name}_{}", suffix(s1.dtype())?),
@@ -645,9 +663,7 @@ mod cuda {
             builder.arg(&in_div_i);
             builder.arg(&n_i);
             builder.arg(&k_i);
-            if let Some(cols) = &cols {
-                builder.arg(cols);
-            }
+            builder.arg(&last);
             // SAFETY: block (b, e) reads expert e's rows of w its columns cover (moe_mma:
             // b * SKINNY_COLS.., n a multiple of 16 so a warp's 16 rows are all in or all out,
             // k a multiple of 32; moe_gemv: b * GEMV_WARPS * MOE_COLS.., below n), the slots
@@ -1107,8 +1123,9 @@ mod kernel_tests {
 
     /// The MoE GEMV on the tensor cores (`FLEET_MOE_MMA`) agrees with its twin to a unit in
     /// the last place (f16 and bf16; the 30B-A3B's gate/up and down shapes and short ones; an
-    /// expert with more than eight slots, one with none; a block's last warps past `n`); a
-    /// second launch gives the same bits.
+    /// expert with more than eight slots, one with more than sixteen, one with none; a block's
+    /// last warps past `n`); a second launch, and groups of 16 slots (`FLEET_MOE_MMA16`), give
+    /// the same bits.
     #[test]
     fn moe_mma_kernel_agrees_with_its_twin() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
@@ -1119,7 +1136,7 @@ mod kernel_tests {
         };
         let _switch = MOE_MMA_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
         // test_routing gives expert 0 no slot in each case; at 23 tokens the others 14 to 23
-        // (groups of 8 and short ones). (23, 8, 12, 80, 160): a block's dead warps through
+        // (groups of 8 and short ones; of 16: one of 9 to 16, or 16 and a short one). (23, 8, 12, 80, 160): a block's dead warps through
         // several groups, and two k chunks of which the second is short.
         for (tokens, top_k, experts, n, k) in [
             (7, 4, 9, 80, 96),
@@ -1137,11 +1154,16 @@ mod kernel_tests {
                     let scale = host(&moe_gemv(&abs(&x), &abs(&w), &sorted, in_div).unwrap());
                     let on = |t: &Tensor| t.to_device(&dev).unwrap();
                     MOE_MMA.force(Some(true));
+                    MOE_MMA16.force(Some(false));
                     let got = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
                     let again = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
+                    MOE_MMA16.force(Some(true));
+                    let by16 = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
+                    MOE_MMA16.force(None);
                     MOE_MMA.force(None);
                     let what = format!("tokens {tokens} n {n} k {k} in_div {in_div}");
                     assert_eq!(host(&got), host(&again), "{dtype:?} {what}: not repeatable");
+                    assert_eq!(host(&got), host(&by16), "{dtype:?} {what}: groups of 16");
                     assert_within_ulp(dtype, &host(&got), &want, &scale, &what);
                 }
             }
