@@ -253,11 +253,15 @@ template <typename T> struct SlotRows {
 };
 
 // k from k0 to k1 into acc: the warp's 16 columns by the block's m x rows (`row(r)`); w's
-// loads streamed or cached as `stream` says (skinny_load_w).
+// loads streamed or cached as `stream` says (skinny_load_w). The next chunk's w is loaded
+// while this one is multiplied; with `prefetch_x` its x too (loaded before this chunk's
+// products instead of just before the next chunk's staging): without it each chunk waits for
+// its x rows' loads (an L2 round trip) between two barriers, which the MoE decode's kernel and
+// the skinny GEMM, whose blocks hold few warps, cannot hide. The same sums either way.
 template <typename T, int NT, typename Rows>
 __device__ __forceinline__ void skinny_segment(const Rows &row, const T *w0, const T *w8, T (*xs)[SK_XSTRIDE],
                                                float (*acc)[4], int m, int k0, int k1, int q,
-                                               int g, bool live, bool stream) {
+                                               int g, bool live, bool stream, bool prefetch_x) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
     uint4 wa[SK_UNROLL], wb[SK_UNROLL], na[SK_UNROLL], nb[SK_UNROLL];
@@ -271,24 +275,32 @@ __device__ __forceinline__ void skinny_segment(const Rows &row, const T *w0, con
         const int r = (threadIdx.x + j * 32 * SK_WARPS) / (SK_KCHUNK / 8);
         xrow[j] = r < m ? row(r) : nullptr;
     }
-    for (int kc = k0; kc < k1; kc += SK_KCHUNK) {
-        const int kn = min(SK_KCHUNK, k1 - kc);  // a multiple of 32
-        // The next chunk's w is in flight while this one's x is staged and multiplied.
-        if (kc + SK_KCHUNK < k1)
-            skinny_load_w<T>(w0, w8, kc + SK_KCHUNK, k1 - kc - SK_KCHUNK, q, live, stream, na, nb);
-        uint4 xv[XV];
+    // This thread's x vectors of the chunk at kc (zeros past k1 or past the m rows).
+    uint4 xv[XV];
+    auto load_x = [&](int kc) {
+        const int kn = min(SK_KCHUNK, k1 - kc);
 #pragma unroll
         for (int j = 0; j < XV; ++j) {
             const int c = (threadIdx.x + j * 32 * SK_WARPS) % (SK_KCHUNK / 8);
             xv[j] = make_uint4(0, 0, 0, 0);
             if (xrow[j] && c * 8 < kn) xv[j] = __ldg(reinterpret_cast<const uint4 *>(xrow[j] + kc + c * 8));
         }
+    };
+    if (prefetch_x) load_x(k0);
+    for (int kc = k0; kc < k1; kc += SK_KCHUNK) {
+        const int kn = min(SK_KCHUNK, k1 - kc);  // a multiple of 32
+        const bool more = kc + SK_KCHUNK < k1;
+        // The next chunk's w is in flight while this one's x is staged and multiplied.
+        if (more) skinny_load_w<T>(w0, w8, kc + SK_KCHUNK, k1 - kc - SK_KCHUNK, q, live, stream, na, nb);
+        if (!prefetch_x) load_x(kc);
         __syncthreads();  // the chunk before is read
 #pragma unroll
         for (int j = 0; j < XV; ++j) {
             const int i = threadIdx.x + j * 32 * SK_WARPS;
             *reinterpret_cast<uint4 *>(&xs[i / (SK_KCHUNK / 8)][(i % (SK_KCHUNK / 8)) * 8]) = xv[j];
         }
+        // The next chunk's x is in flight while this one is multiplied.
+        if (prefetch_x && more) load_x(kc + SK_KCHUNK);
         __syncthreads();
 #pragma unroll
         for (int u = 0; u < SK_UNROLL; ++u) {
@@ -315,7 +327,7 @@ __device__ __forceinline__ void skinny_segment(const Rows &row, const T *w0, con
 
 template <typename T, int NT>
 __device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsigned *counters, int m, int n,
-                            int k, int chunks_per_tile, int units_per_block, int max_slots) {
+                            int k, int chunks_per_tile, int units_per_block, int max_slots, bool prefetch_x) {
     __shared__ __align__(16) T xs[NT * 8][SK_XSTRIDE];
     __shared__ bool last;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -332,7 +344,7 @@ __device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsign
         const T *w8 = w0 + (size_t)8 * k;
         float acc[NT][4];
         skinny_segment<T, NT>(DenseRows<T>{x, k}, w0, w8, xs, acc, m, c0 * SK_KCHUNK, min(k, c1 * SK_KCHUNK), q, g,
-                              live, true);
+                              live, true, prefetch_x);
         // acc[t]: columns col0 + g (0, 1) and col0 + g + 8 (2, 3), x rows t * 8 + 2q and + 1.
         if (c0 == 0 && c1 == cpt) {
             if (!live) continue;
@@ -403,9 +415,10 @@ __device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsign
     extern "C" __global__ void __launch_bounds__(32 * SK_WARPS, SK_BLOCKS_PER_SM)              \
         skinny_gemm_##SUFFIX##_t##NT(const T *x, const T *w, T *y, float *partial,             \
                                      unsigned *counters, int m, int n, int k,                  \
-                                     int chunks_per_tile, int units_per_block, int max_slots) { \
+                                     int chunks_per_tile, int units_per_block, int max_slots, \
+                                     int prefetch_x) {                                         \
         skinny_gemm<T, NT>(x, w, y, partial, counters, m, n, k, chunks_per_tile,               \
-                           units_per_block, max_slots);                                        \
+                           units_per_block, max_slots, prefetch_x != 0);                       \
     }
 #define SKINNYS(T, SUFFIX)                                                                     \
     SKINNY(T, SUFFIX, 1)                                                                       \
@@ -431,7 +444,7 @@ SKINNYS(__nv_bfloat16, bf16)
 // place of `moe_gemv`'s, not bit for bit. k a multiple of 32, n of 16 (the launcher checks).
 template <typename T>
 __device__ void moe_mma(const T *x, const T *w, const uint32_t *sorted, const uint32_t *bounds, T *y,
-                        int slots, int in_div, int n, int k, int group) {
+                        int slots, int in_div, int n, int k, int group, bool prefetch_x) {
     __shared__ __align__(16) T xs[16][SK_XSTRIDE];
     const uint32_t e = blockIdx.y;
     const int lo = bounds[e], hi = bounds[e + 1];
@@ -449,9 +462,9 @@ __device__ void moe_mma(const T *x, const T *w, const uint32_t *sorted, const ui
         float acc[2][4];
         // m is the same for the whole block: every thread takes the same branch.
         if (m > 8)
-            skinny_segment<T, 2>(rows, w0, w8, xs, acc, m, 0, k, q, g, live, stream);
+            skinny_segment<T, 2>(rows, w0, w8, xs, acc, m, 0, k, q, g, live, stream, prefetch_x);
         else
-            skinny_segment<T, 1>(rows, w0, w8, xs, acc, m, 0, k, q, g, live, stream);
+            skinny_segment<T, 1>(rows, w0, w8, xs, acc, m, 0, k, q, g, live, stream, prefetch_x);
         // acc[t]: columns col0 + g (0, 1) and col0 + g + 8 (2, 3), slots r + 8t + 2q and + 1.
         if (!live) continue;
 #pragma unroll
@@ -468,8 +481,9 @@ __device__ void moe_mma(const T *x, const T *w, const uint32_t *sorted, const ui
 #define MOE_MMA(T, SUFFIX)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * SK_WARPS, SK_BLOCKS_PER_SM)              \
         moe_mma_##SUFFIX(const T *x, const T *w, const uint32_t *sorted, const uint32_t *bounds, \
-                         T *y, int slots, int in_div, int n, int k, int group) {               \
-        moe_mma<T>(x, w, sorted, bounds, y, slots, in_div, n, k, group);                       \
+                         T *y, int slots, int in_div, int n, int k, int group,                 \
+                         int prefetch_x) {                                                     \
+        moe_mma<T>(x, w, sorted, bounds, y, slots, in_div, n, k, group, prefetch_x != 0);      \
     }
 MOE_MMA(__half, f16)
 MOE_MMA(__nv_bfloat16, bf16)

@@ -350,6 +350,13 @@ fn skinny_dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, u
     Ok((m, n, k))
 }
 
+/// Whether the tensor-core kernels of [`skinny_gemm`] and [`moe_gemv`] load the next chunk's
+/// x rows while they multiply this one's (`FLEET_SKINNY_PREFETCH_X=1`), as they already do
+/// its weights, instead of just before staging it. The same sums either way. Off until
+/// measured (the MoE decode of the 30B-A3B judge; the skinny GEMM against cuBLAS).
+#[cfg(feature = "cuda")]
+static SKINNY_PREFETCH_X: EnvSwitch = EnvSwitch::new("FLEET_SKINNY_PREFETCH_X", false);
+
 /// Whether [`linear`] may take [`skinny_gemm`]: `FLEET_SKINNY_GEMM=1`, read once (or as
 /// [`set_skinny_gemm`] set it).
 static SKINNY_GEMM: EnvSwitch = EnvSwitch::new("FLEET_SKINNY_GEMM", false);
@@ -664,6 +671,10 @@ mod cuda {
             builder.arg(&n_i);
             builder.arg(&k_i);
             builder.arg(&last);
+            let prefetch_x = i32::from(super::SKINNY_PREFETCH_X.on());
+            if name == "moe_mma" {
+                builder.arg(&prefetch_x);
+            }
             // SAFETY: block (b, e) reads expert e's rows of w its columns cover (moe_mma:
             // b * SKINNY_COLS.., n a multiple of 16 so a warp's 16 rows are all in or all out,
             // k a multiple of 32; moe_gemv: b * GEMV_WARPS * MOE_COLS.., below n), the slots
@@ -779,6 +790,7 @@ mod cuda {
                 plan.chunks_per_tile,
                 plan.units_per_block,
                 plan.max_slots,
+                usize::from(super::SKINNY_PREFETCH_X.on()),
             ]
             .map(|v| v as i32);
             for v in &ints {
@@ -1036,8 +1048,9 @@ mod kernel_tests {
         }
     }
 
-    /// Held by the tests that force [`MOE_MMA`] (a process-wide switch), so that a parallel
-    /// `cargo test` does not run one under the other's choice.
+    /// Held by the tests that force [`MOE_MMA`], [`MOE_MMA16`] or [`SKINNY_PREFETCH_X`]
+    /// (process-wide switches), so that a parallel `cargo test` does not run one under the
+    /// other's choice.
     static MOE_MMA_SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     /// The MoE GEMV kernel gives its twin's values exactly (f16 and bf16; the gate/up and
@@ -1159,12 +1172,20 @@ mod kernel_tests {
                     let again = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
                     MOE_MMA16.force(Some(true));
                     let by16 = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
+                    SKINNY_PREFETCH_X.force(Some(true));
+                    let by16_prefetched = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
+                    MOE_MMA16.force(Some(false));
+                    let prefetched = moe_gemv(&on(&x), &on(&w), &on(&sorted), in_div).unwrap();
+                    SKINNY_PREFETCH_X.force(None);
                     MOE_MMA16.force(None);
                     MOE_MMA.force(None);
                     let what = format!("tokens {tokens} n {n} k {k} in_div {in_div}");
-                    assert_eq!(host(&got), host(&again), "{dtype:?} {what}: not repeatable");
-                    assert_eq!(host(&got), host(&by16), "{dtype:?} {what}: groups of 16");
-                    assert_within_ulp(dtype, &host(&got), &want, &scale, &what);
+                    let got = host(&got);
+                    assert_eq!(got, host(&again), "{dtype:?} {what}: not repeatable");
+                    assert_eq!(got, host(&by16), "{dtype:?} {what}: groups of 16");
+                    assert_eq!(got, host(&prefetched), "{dtype:?} {what}: x prefetched");
+                    assert_eq!(got, host(&by16_prefetched), "{dtype:?} {what}: both");
+                    assert_within_ulp(dtype, &got, &want, &scale, &what);
                 }
             }
         }
@@ -1174,8 +1195,9 @@ mod kernel_tests {
     /// (the tensor cores sum in their own order; both accumulate in f32 and round once), for
     /// every row-tile count (5 to 64 rows, rows past a tile's last padded), one split and many
     /// (the last split sums them), columns past a block's last warp, k with a short last chunk;
-    /// a second launch gives the same bits (the split counters were reset; the sums are in a
-    /// fixed order), and [`linear`] takes it for 5 to 64 rows with the bias added after.
+    /// a second launch, and one with the x rows prefetched ([`SKINNY_PREFETCH_X`]), give the
+    /// same bits (the split counters were reset; the sums are in a fixed order), and [`linear`]
+    /// takes it for 5 to 64 rows with the bias added after.
     #[test]
     fn skinny_gemm_kernel_agrees_with_its_twin() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
@@ -1210,13 +1232,22 @@ mod kernel_tests {
                 let abs = |t: &Tensor| t.to_dtype(DType::F32).unwrap().abs().unwrap();
                 let scale = host(&abs(&x).matmul(&abs(&w).t().unwrap()).unwrap());
                 let (xd, wd) = (x.to_device(&dev).unwrap(), w.to_device(&dev).unwrap());
+                let _switch = MOE_MMA_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
                 let got = skinny_gemm(&xd, &wd).unwrap();
                 let again = skinny_gemm(&xd, &wd).unwrap();
+                SKINNY_PREFETCH_X.force(Some(true));
+                let prefetched = skinny_gemm(&xd, &wd).unwrap();
+                SKINNY_PREFETCH_X.force(None);
                 let got = host(&got);
                 assert_eq!(
                     got,
                     host(&again),
                     "{dtype:?} m {m} n {n} k {k}: not repeatable"
+                );
+                assert_eq!(
+                    got,
+                    host(&prefetched),
+                    "{dtype:?} m {m} n {n} k {k}: x prefetched"
                 );
                 // One unit in the last place of |want| in the dtype (bf16: 8 bits of
                 // significand, f16: 11; at least the smallest normal f16's), plus 2^-18 of
