@@ -204,8 +204,9 @@ env_ab)
   # alternating, ROUNDS rounds: the 30B-A3B judge at batch 32 and the 8B at batch 64
   # (AB_SHAPES, "model:batch" pairs). 2026-11-28g: FLEET_PINNED_UPLOAD (the pixel values
   # through pinned memory; measured in 2026-11-28h and on since), FLEET_QKV_ROPE_P4,
-  # FLEET_PREFILL_TOKENS; 2026-11-28h: FLEET_MOE_MMA16 (the MoE decode's slots 16 a group,
-  # AB_SHAPES="30b-a3b:96 30b-a3b:64").
+  # FLEET_PREFILL_TOKENS; 2026-11-28h: FLEET_MOE_MMA16 (the MoE decode's slots 16 a group),
+  # FLEET_SKINNY_PREFETCH_X (its x rows prefetched), FLEET_PAGED_MMA (the decode attention's
+  # first pass on the tensor cores), e.g. AB_SHAPES="30b-a3b:96 8b:128".
   W=/tmp/nea; unpack_judge $W/es
   env_ab $W/es ${AB_VAR:?AB_VAR names the variable} "${AB_VALUES:-0 1}" \
     "${AB_SHAPES:-30b-a3b:32 8b:64}" ;;

@@ -578,6 +578,8 @@ pub use matmul_acc::{add_matmul_tn_, add_matmul_tn_supported};
 pub use moe_rows::{
     gather_rows, gather_rows_reference, moe_combine, moe_combine_reference, moe_plan, MoePlan,
 };
+#[cfg(feature = "cuda")]
+pub use paged_attention::set_paged_mma;
 pub use paged_attention::{
     paged_decode_attention, paged_decode_attention_reference, paged_decode_supported,
     paged_kv_write, PAGED_ATTENTION_MAX_GROUP, PAGED_ATTENTION_MIN_BLOCKS,

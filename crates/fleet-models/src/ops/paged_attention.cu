@@ -254,6 +254,183 @@ __device__ void paged_attn_partition(const T *q, const T *kc, const T *vc, const
     }
 }
 
+// Split-KV decode attention, pass 1, on the tensor cores: paged_attn_partition's block,
+// workspace and softmax (bf16 or f16, head_dim D of 64 or 128, a query group of at most 8),
+// with the two products as mma.sync m16n8k16 (f32 sums in the tensor cores' order) instead of
+// per-lane multiply-adds. Why: a group of 8 heads multiplies each K and V element 8 times, and
+// the per-lane kernel spent more issue slots on those multiply-adds, its shared-memory reads of
+// q and p and its conversions than the loads needed (ncu, 30B-A3B judge decode: 44% of the
+// bandwidth). Dynamic shared memory: scores [8][part], then max and sum [2][8] (f32).
+//
+// 1. Scores, a 16-token tile per warp at a time: S[token][head] = K_tile · Qᵀ. Lane (g, c)
+//    (g = lane / 4, c = lane % 4) loads 16 bytes of K rows g and g + 8 and of q head g at dims
+//    32s + 8c ..: a product is the same sum over any order of its k, so those 8 dims are the
+//    lane's two k-pairs of two mma k-steps (the skinny GEMM's trick); q is read once.
+// 2. The softmax statistics as paged_attn_partition.
+// 3. p·V: Oᵀ[dim][head] = V_tileᵀ · Pᵀ over 16-token tiles, warp w taking dims w D/4 ..; the
+//    mma's rows are the warp's dims relabelled so that lane (g, c)'s two rows are adjacent
+//    dims of one V row (one load a token), its k the tokens 2c, 2c + 1, 2c + 8, 2c + 9 of the
+//    tile, four tiles' V loaded before their products. p is rounded to T for the product, as
+//    transformers' eager attention rounds the probabilities to the dtype before p·V.
+template <typename T, int D>
+__device__ void paged_attn_partition_mma(const T *q, const T *kc, const T *vc, const uint32_t *tables,
+                                         const uint32_t *seq_lens, float *ws_max, float *ws_sum,
+                                         float *ws_out, int kv_heads, int group, int block_shift,
+                                         int max_blocks, int n_parts, int part, float scale) {
+    constexpr int KS = D / 32;   // 32-dim steps of a score product (two mma k-steps each)
+    constexpr int DW = D / 4;    // p·V: dims of a warp
+    constexpr int MT = DW / 16;  // p·V: mma row tiles of a warp (1 or 2)
+    extern __shared__ float4 smem4[];
+    float *s_s = reinterpret_cast<float *>(smem4);
+    float *stat_s = s_s + 8 * part;
+
+    const int p = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int block_size = 1 << block_shift;
+    const int len = min((int)seq_lens[b], max_blocks * block_size);
+    const int start = p * part;
+    if (start >= len) return;
+    const int n = min(part, len - start);
+    const int heads = kv_heads * group;
+    const uint32_t *table = tables + (size_t)b * max_blocks;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane >> 2, c = lane & 3;
+    auto kv_row = [&](const T *cache, int t) {
+        const size_t blk = table[t >> block_shift];
+        return cache + ((blk * kv_heads + h) * block_size + (t & (block_size - 1))) * D;
+    };
+    const int tiles = (n + 15) / 16;
+
+    {
+        uint4 qf[KS];
+        const T *qh = q + ((size_t)b * heads + (size_t)h * group + g) * D;
+#pragma unroll
+        for (int s = 0; s < KS; ++s)
+            qf[s] = g < group ? *reinterpret_cast<const uint4 *>(qh + 32 * s + 8 * c) : make_uint4(0, 0, 0, 0);
+        for (int t = warp; t < tiles; t += 4) {
+            const int ja = t * 16 + g, jb = ja + 8;
+            const T *ra = ja < n ? kv_row(kc, start + ja) : nullptr;
+            const T *rb = jb < n ? kv_row(kc, start + jb) : nullptr;
+            uint4 ka[KS], kb[KS];
+#pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                ka[s] = ra ? *reinterpret_cast<const uint4 *>(ra + 32 * s + 8 * c) : make_uint4(0, 0, 0, 0);
+                kb[s] = rb ? *reinterpret_cast<const uint4 *>(rb + 32 * s + 8 * c) : make_uint4(0, 0, 0, 0);
+            }
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                const uint32_t a0[4] = {ka[s].x, kb[s].x, ka[s].y, kb[s].y};
+                const uint32_t b0[2] = {qf[s].x, qf[s].y};
+                mma16816<T>(acc, a0, b0);
+                const uint32_t a1[4] = {ka[s].z, kb[s].z, ka[s].w, kb[s].w};
+                const uint32_t b1[2] = {qf[s].z, qf[s].w};
+                mma16816<T>(acc, a1, b1);
+            }
+            // acc: tokens ja (0, 1) and jb (2, 3); heads 2c (0, 2) and 2c + 1 (1, 3).
+            const int h0 = 2 * c, h1 = 2 * c + 1;
+            if (ja < n) {
+                if (h0 < group) s_s[h0 * part + ja] = acc[0] * scale;
+                if (h1 < group) s_s[h1 * part + ja] = acc[1] * scale;
+            }
+            if (jb < n) {
+                if (h0 < group) s_s[h0 * part + jb] = acc[2] * scale;
+                if (h1 < group) s_s[h1 * part + jb] = acc[3] * scale;
+            }
+        }
+    }
+    __syncthreads();
+
+    for (int hh = warp; hh < group; hh += 4) {
+        float *sg = s_s + hh * part;
+        float m = -INFINITY;
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, sg[j]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int j = lane; j < n; j += 32) {
+            const float e = expf(sg[j] - m);
+            sg[j] = e;
+            l += e;
+        }
+        l = butterfly_sum<16>(l);
+        // Zeros past the partition's tokens up to its last whole tile, which pass 3 reads.
+        for (int j = n + lane; j < tiles * 16; j += 32) sg[j] = 0.f;
+        if (lane == 0) {
+            stat_s[hh] = m;
+            stat_s[8 + hh] = l;
+        }
+    }
+    __syncthreads();
+
+    // This lane's 2 MT adjacent dims of every V row: tile u's row g is dim base + 2u, its row
+    // g + 8 dim base + 2u + 1.
+    const int base = warp * DW + 2 * MT * g;
+    float o[MT][4];
+#pragma unroll
+    for (int u = 0; u < MT; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.f;
+    for (int t0 = 0; t0 < tiles; t0 += 4) {
+        // v[i][r][u]: tile t0 + i, token row r (2c, 2c + 1, 2c + 8, 2c + 9), dims base + 2u, + 1.
+        uint32_t v[4][4][MT];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int j = (t0 + i) * 16 + 2 * c + (r & 1) + (r >> 1) * 8;
+                if (j < n) {
+                    const T *vr = kv_row(vc, start + j) + base;
+                    if constexpr (MT == 2) {
+                        const uint2 w = *reinterpret_cast<const uint2 *>(vr);
+                        v[i][r][0] = w.x;
+                        v[i][r][MT - 1] = w.y;
+                    } else {
+                        v[i][r][0] = *reinterpret_cast<const uint32_t *>(vr);
+                    }
+                } else {
+#pragma unroll
+                    for (int u = 0; u < MT; ++u) v[i][r][u] = 0u;
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int j0 = (t0 + i) * 16;
+            if (j0 >= n) break;
+            // Pᵀ: head g's probabilities of tokens 2c, 2c + 1 and 2c + 8, 2c + 9.
+            float2 pa = make_float2(0.f, 0.f), pb = make_float2(0.f, 0.f);
+            if (g < group) {
+                pa = *reinterpret_cast<const float2 *>(s_s + g * part + j0 + 2 * c);
+                pb = *reinterpret_cast<const float2 *>(s_s + g * part + j0 + 2 * c + 8);
+            }
+            const uint32_t bf[2] = {pack2<T>(pa.x, pa.y), pack2<T>(pb.x, pb.y)};
+#pragma unroll
+            for (int u = 0; u < MT; ++u) {
+                // Row g: the low halves (dim base + 2u), row g + 8: the high ones; k pairs
+                // (2c, 2c + 1) from rows 0 and 1, (2c + 8, 2c + 9) from rows 2 and 3.
+                const uint32_t a[4] = {__byte_perm(v[i][0][u], v[i][1][u], 0x5410),
+                                       __byte_perm(v[i][0][u], v[i][1][u], 0x7632),
+                                       __byte_perm(v[i][2][u], v[i][3][u], 0x5410),
+                                       __byte_perm(v[i][2][u], v[i][3][u], 0x7632)};
+                mma16816<T>(o[u], a, bf);
+            }
+        }
+    }
+    // o[u]: dims base + 2u (0, 1) and + 1 (2, 3); heads 2c (0, 2) and 2c + 1 (1, 3).
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int hh = 2 * c + e;
+        if (hh < group) {
+            const size_t row = ((size_t)b * heads + (size_t)h * group + hh) * n_parts + p;
+#pragma unroll
+            for (int u = 0; u < MT; ++u)
+                *reinterpret_cast<float2 *>(ws_out + row * D + base + 2 * u) = make_float2(o[u][e], o[u][2 + e]);
+        }
+    }
+    if (threadIdx.x < group) {
+        const size_t row = ((size_t)b * heads + (size_t)h * group + threadIdx.x) * n_parts + p;
+        ws_max[row] = stat_s[threadIdx.x];
+        ws_sum[row] = stat_s[8 + threadIdx.x];
+    }
+}
+
 // Split-KV decode attention, pass 2: one block per (query head, batch row) rescales the row's
 // partitions to their common max (log-sum-exp) and writes out = sum_p w_p acc_p / sum_p w_p l_p
 // with w_p = exp(max_p - max), rounded once to T; a row of length 0 gets zeros. Every thread
@@ -331,6 +508,21 @@ __device__ void paged_attn_combine(const float *ws_max, const float *ws_sum, con
     PARTITIONS(T, SUFFIX, 6)                                                                        \
     PARTITIONS(T, SUFFIX, 7)                                                                        \
     PARTITIONS(T, SUFFIX, 8)
+
+// The tensor-core partition kernel for head_dim 64 and 128 (bf16, f16), 4 blocks an SM.
+#define PARTITION_MMA(T, SUFFIX, D)                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS, 4) paged_attn_partition_mma_##SUFFIX##_d##D( \
+        const T *q, const T *kc, const T *vc, const uint32_t *tables, const uint32_t *seq_lens,     \
+        float *ws_max, float *ws_sum, float *ws_out, int kv_heads, int group, int block_shift,     \
+        int max_blocks, int n_parts, int part, float scale) {                                       \
+        paged_attn_partition_mma<T, D>(q, kc, vc, tables, seq_lens, ws_max, ws_sum, ws_out,         \
+                                       kv_heads, group, block_shift, max_blocks, n_parts, part,     \
+                                       scale);                                                      \
+    }
 OPS(float, f32)
 OPS(__half, f16)
 OPS(__nv_bfloat16, bf16)
+PARTITION_MMA(__half, f16, 64)
+PARTITION_MMA(__half, f16, 128)
+PARTITION_MMA(__nv_bfloat16, bf16, 64)
+PARTITION_MMA(__nv_bfloat16, bf16, 128)

@@ -29,6 +29,23 @@ pub const PAGED_ATTENTION_MIN_BLOCKS: usize = 512;
 /// ninth of another.
 static MIN_BLOCKS: EnvCount = EnvCount::new("FLEET_PAGED_MIN_BLOCKS", PAGED_ATTENTION_MIN_BLOCKS);
 
+/// Whether [`paged_decode_attention`]'s first pass runs on the tensor cores on CUDA where it
+/// can (bf16 or f16, head_dim 64 or 128, at most 8 query heads per KV head, q 16-byte
+/// aligned): `FLEET_PAGED_MMA=1`, off until measured. The same partitions, workspace and
+/// softmax; the scores and p·V are mma products (p rounded to the dtype for p·V, as
+/// transformers' eager attention rounds it), so it agrees with the twin to the dtype's
+/// rounding, not bit for bit.
+#[cfg(feature = "cuda")]
+static PAGED_MMA: EnvSwitch = EnvSwitch::new("FLEET_PAGED_MMA", false);
+
+/// Test switch: whether [`paged_decode_attention`] takes the tensor-core kernel in this
+/// process, whatever `FLEET_PAGED_MMA` says (`None`: the environment decides).
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub fn set_paged_mma(on: Option<bool>) {
+    PAGED_MMA.force(on);
+}
+
 /// Most query heads per KV head that [`paged_decode_attention`] takes (the kernel keeps the
 /// group's accumulators in registers).
 pub const PAGED_ATTENTION_MAX_GROUP: usize = 16;
@@ -792,18 +809,29 @@ mod cuda {
             // SAFETY: pass 2 writes every output element (zeros for inactive rows).
             let out: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * d.head_dim)? };
 
-            // The smallest group bound the kernels are built for (their accumulators).
-            let bound = [2, 4, 8, 16]
-                .into_iter()
-                .find(|&g| d.group <= g)
-                .unwrap_or(16);
-            let func = dev.get_or_load_custom_func(
-                &format!("paged_attn_partition_{sfx}_e{}_g{bound}", d.head_dim / 32),
-                MODULE,
-                PTX,
-            )?;
-            // q and scores of the group, then its max and sum: 33 KiB at most (group 16, D 256).
-            let smem = (d.group * d.head_dim + d.group * part + 2 * d.group) * 4;
+            // The tensor-core kernel where it applies (its q loads are 16 bytes wide).
+            let mma = super::PAGED_MMA.on()
+                && matches!(s1.dtype(), DType::BF16 | DType::F16)
+                && matches!(d.head_dim, 64 | 128)
+                && d.group <= 8
+                && aligned(l1);
+            let (name, smem) = if mma {
+                // Scores of 8 heads, then their max and sum.
+                let name = format!("paged_attn_partition_mma_{sfx}_d{}", d.head_dim);
+                (name, (8 * part + 16) * 4)
+            } else {
+                // The smallest group bound the kernels are built for (their accumulators).
+                let bound = [2, 4, 8, 16]
+                    .into_iter()
+                    .find(|&g| d.group <= g)
+                    .unwrap_or(16);
+                let name = format!("paged_attn_partition_{sfx}_e{}_g{bound}", d.head_dim / 32);
+                // q and scores of the group, then its max and sum: 33 KiB at most (group 16,
+                // D 256).
+                let smem = (d.group * d.head_dim + d.group * part + 2 * d.group) * 4;
+                (name, smem)
+            };
+            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
             let cfg = LaunchConfig {
                 grid_dim: (n_parts as u32, d.kv_heads as u32, d.batch as u32),
                 block_dim: (THREADS as u32, 1, 1),
