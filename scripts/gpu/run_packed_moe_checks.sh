@@ -34,6 +34,9 @@
 #   WHAT=env_ab AB_VAR=FLEET_PINNED_UPLOAD bash scripts/gpu/run_packed_moe_checks.sh   # one
 #                  variable at each of AB_VALUES ("0 1") on both judges (AB_SHAPES, default
 #                  "30b-a3b:32 8b:64"), alternating
+#   WHAT="moe_gemv paged" LIB_FILTERS="moe_mma_kernel_agrees skinny_gemm_kernel_agrees" bash \
+#       scripts/gpu/run_packed_moe_checks.sh   # 2026-11-28h's kernels: groups of 16, the x
+#                  rows prefetched, the decode attention on the tensor cores (lib-tests.tar.xz)
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -148,6 +151,11 @@ moe_gemv)
   for f in ${LIB_FILTERS:-ops::linear qwen::moe attention::kernel_tests}; do
     run_t lib_${f//::/_} fleet_models $f --nocapture
   done ;;
+paged)
+  # The decode attention's GPU tests (lib-tests.tar.xz's paged_attention binary, since
+  # 2026-11-28h): the per-lane and the tensor-core first pass (FLEET_PAGED_MMA) against the twin.
+  xz -dc dist/carry/lib-tests.tar.xz | tar xf - -C $T
+  run_t paged_attention paged_attention gpu_ --nocapture ;;
 moe_ab)
   # The 30B-A3B judge, batch 32, alternating A (AB_VAR=0) and B (AB_VAR=1); AB_VAR defaults to
   # FLEET_MOE_MMA (the MoE decode's products on the tensor cores). The bench's prefill is the
