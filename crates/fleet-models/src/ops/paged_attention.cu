@@ -58,6 +58,33 @@ constexpr int SETS = 4;
 
 } // namespace
 
+// Pass 1's softmax statistics, shared by both partition kernels: warp w takes heads w, w + 4,
+// ... of the group; lane l takes tokens l, l + 32, ... of the head's scores s_s[head][0..n) in
+// order: their max, then each score replaced by exp(s - max) and summed, the 32 lanes by the
+// butterfly; zeros from n to `zero_to`. The max goes to max_s[head], the sum to sum_s[head].
+__device__ __forceinline__ void partition_softmax(float *s_s, float *max_s, float *sum_s, int part, int n,
+                                                  int group, int zero_to) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int g = warp; g < group; g += THREADS / 32) {
+        float *sg = s_s + g * part;
+        float m = -INFINITY;
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, sg[j]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int j = lane; j < n; j += 32) {
+            const float e = expf(sg[j] - m);
+            sg[j] = e;
+            l += e;
+        }
+        l = butterfly_sum<16>(l);
+        for (int j = n + lane; j < zero_to; j += 32) sg[j] = 0.f;
+        if (lane == 0) {
+            max_s[g] = m;
+            sum_s[g] = l;
+        }
+    }
+}
+
 // Writes the rows of `src` ([tokens, kv_heads, head_dim], element strides s_tok, s_head, s_dim)
 // into `cache` at slots[t] = block * block_size + offset. A slot of 0xffffffff (a padding row)
 // or past the cache is skipped: the kernel cannot report it without a host sync. One block per
@@ -170,25 +197,8 @@ __device__ void paged_attn_partition(const T *q, const T *kc, const T *vc, const
     }
     __syncthreads();
 
-    for (int g = warp; g < group; g += 4) {
-        float *sg = s_s + g * part;
-        float m = -INFINITY;
-        for (int j = lane; j < n; j += 32) m = fmaxf(m, sg[j]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int j = lane; j < n; j += 32) {
-            const float e = expf(sg[j] - m);
-            sg[j] = e;
-            l += e;
-        }
-        l = butterfly_sum<16>(l);
-        // Zeros past the partition's tokens, which the p·V pass reads four at a time.
-        for (int j = n + lane; j < part; j += 32) sg[j] = 0.f;
-        if (lane == 0) {
-            stat_s[g] = m;
-            stat_s[group + g] = l;
-        }
-    }
+    // Zeros past the partition's tokens, which the p·V pass reads four at a time.
+    partition_softmax(s_s, stat_s, stat_s + group, part, n, group, part);
     __syncthreads();
 
     const int set = lane / 8;
@@ -340,25 +350,8 @@ __device__ void paged_attn_partition_mma(const T *q, const T *kc, const T *vc, c
     }
     __syncthreads();
 
-    for (int hh = warp; hh < group; hh += 4) {
-        float *sg = s_s + hh * part;
-        float m = -INFINITY;
-        for (int j = lane; j < n; j += 32) m = fmaxf(m, sg[j]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int j = lane; j < n; j += 32) {
-            const float e = expf(sg[j] - m);
-            sg[j] = e;
-            l += e;
-        }
-        l = butterfly_sum<16>(l);
-        // Zeros past the partition's tokens up to its last whole tile, which pass 3 reads.
-        for (int j = n + lane; j < tiles * 16; j += 32) sg[j] = 0.f;
-        if (lane == 0) {
-            stat_s[hh] = m;
-            stat_s[8 + hh] = l;
-        }
-    }
+    // Zeros past the partition's tokens up to its last whole tile, which pass 3 reads.
+    partition_softmax(s_s, stat_s, stat_s + 8, part, n, group, tiles * 16);
     __syncthreads();
 
     // This lane's 2 MT adjacent dims of every V row: tile u's row g is dim base + 2u, its row
