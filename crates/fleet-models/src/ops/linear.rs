@@ -160,11 +160,11 @@ pub fn moe_gemv(x: &Tensor, w: &Tensor, sorted: &Tensor, in_div: usize) -> Resul
 }
 
 /// Whether [`moe_gemv`] runs on the tensor cores on CUDA (the skinny GEMM's warps over each
-/// expert's slots, 8 (or 16: [`MOE_MMA16`]) at a time; sums in their order, within a unit in the last place of the
-/// twin's), for `k` a multiple of 32 and `n` of 16: on by default, `FLEET_MOE_MMA=0` for the
-/// GEMV kernel (whose outputs are the twin's bit for bit). On an H200 (2026-11-28f) the
-/// 30B-A3B judge's decode took 2.04 / 2.02 s a batch of 32 against the GEMV's 3.46 / 3.58, the
-/// kernel at 2.5 TB/s against the GEMV's 0.7–0.9.
+/// expert's slots, 8 (or 16: [`MOE_MMA16`]) at a time; sums in their order, within a unit in
+/// the last place of the twin's), for `k` a multiple of 32 and `n` of 16: on by default,
+/// `FLEET_MOE_MMA=0` for the GEMV kernel (whose outputs are the twin's bit for bit). On an
+/// H200 (2026-11-28f) the 30B-A3B judge's decode took 2.04 / 2.02 s a batch of 32 against the
+/// GEMV's 3.46 / 3.58, the kernel at 2.5 TB/s against the GEMV's 0.7–0.9.
 #[cfg(feature = "cuda")]
 static MOE_MMA: EnvSwitch = EnvSwitch::new("FLEET_MOE_MMA", true);
 
@@ -1149,8 +1149,9 @@ mod kernel_tests {
         };
         let _switch = MOE_MMA_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
         // test_routing gives expert 0 no slot in each case; at 23 tokens the others 14 to 23
-        // (groups of 8 and short ones; of 16: one of 9 to 16, or 16 and a short one). (23, 8, 12, 80, 160): a block's dead warps through
-        // several groups, and two k chunks of which the second is short.
+        // (groups of 8 and short ones; of 16: one of 9 to 16, or 16 and a short one).
+        // (23, 8, 12, 80, 160): a block's dead warps through several groups, and two k chunks
+        // of which the second is short.
         for (tokens, top_k, experts, n, k) in [
             (7, 4, 9, 80, 96),
             (23, 8, 12, 80, 160),
