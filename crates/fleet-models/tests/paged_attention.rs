@@ -618,46 +618,56 @@ fn gpu_kv_write_equals_cpu_bit_for_bit() {
     }
 }
 
-/// The kernels' time at a Qwen2.5-7B decode shape (28 heads over 4, head_dim 128, bf16), batch
-/// 64 at 2048 tokens a row: reported, not asserted (K and V are read once, so the rate is the
-/// cache bytes over the time).
+/// The kernels' time at two decode shapes, bf16, the per-lane first pass and the tensor-core
+/// one (`FLEET_PAGED_MMA`): Qwen2.5-7B's (28 heads over 4, head_dim 128), batch 64 at 2048
+/// tokens a row, and the 30B-A3B judge's (32 over 4), batch 96 at 2,270. Reported, not asserted
+/// (a diagnostic beside the benches: K and V are read once, so the rate is the cache bytes over
+/// the time).
 #[cfg(feature = "cuda")]
 #[test]
 fn gpu_decode_attention_rate() {
     let Some(gpu) = gpu_or_skip("gpu_decode_attention_rate") else {
         return;
     };
-    let (batch, heads, kvh, d, bs, len) = (64, 28, 4, 128, 16, 2048);
-    let blocks = batch * len / bs;
-    let r = |s: &[usize]| {
-        Tensor::randn(0f32, 1.0, s, &gpu)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap()
-    };
-    let (q, k, v) = (
-        r(&[batch, heads, d]),
-        r(&[blocks, kvh, bs, d]),
-        r(&[blocks, kvh, bs, d]),
-    );
-    let per_row = len / bs;
-    let tables: Vec<u32> = (0..blocks as u32).rev().collect();
-    let tables = Tensor::from_vec(tables, (batch, per_row), &gpu).unwrap();
-    let lens = Tensor::new(vec![len as u32; batch].as_slice(), &gpu).unwrap();
-    let run = || ops::paged_decode_attention(&q, &k, &v, &tables, &lens, 0.088).unwrap();
-    run();
-    gpu.synchronize().unwrap();
-    let iters = 50;
-    let t = std::time::Instant::now();
-    for _ in 0..iters {
-        run();
+    for (batch, heads, kvh, len) in [(64, 28, 4, 2048), (96, 32, 4, 2272)] {
+        let (d, bs) = (128, 16);
+        let blocks = batch * len / bs;
+        let r = |s: &[usize]| {
+            Tensor::randn(0f32, 1.0, s, &gpu)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap()
+        };
+        let (q, k, v) = (
+            r(&[batch, heads, d]),
+            r(&[blocks, kvh, bs, d]),
+            r(&[blocks, kvh, bs, d]),
+        );
+        let per_row = len / bs;
+        let tables: Vec<u32> = (0..blocks as u32).rev().collect();
+        let tables = Tensor::from_vec(tables, (batch, per_row), &gpu).unwrap();
+        let lens = Tensor::new(vec![len as u32; batch].as_slice(), &gpu).unwrap();
+        let run = || ops::paged_decode_attention(&q, &k, &v, &tables, &lens, 0.088).unwrap();
+        for mma in [false, true] {
+            ops::set_paged_mma(Some(mma));
+            run();
+            gpu.synchronize().unwrap();
+            let iters = 50;
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                run();
+            }
+            gpu.synchronize().unwrap();
+            ops::set_paged_mma(None);
+            let secs = t.elapsed().as_secs_f64() / iters as f64;
+            let bytes = (2 * blocks * kvh * bs * d * 2) as f64;
+            eprintln!(
+                "paged decode attention{}, batch {batch} x {len} tokens, {heads}/{kvh} heads, \
+                 d 128, bf16: {:.1} us, {:.0} GB/s of K/V",
+                if mma { " (tensor cores)" } else { "" },
+                secs * 1e6,
+                bytes / secs / 1e9
+            );
+        }
     }
-    gpu.synchronize().unwrap();
-    let secs = t.elapsed().as_secs_f64() / iters as f64;
-    let bytes = (2 * blocks * kvh * bs * d * 2) as f64;
-    eprintln!(
-        "paged decode attention, batch {batch} x {len} tokens, 28/4 heads, d 128, bf16: {:.1} us, {:.0} GB/s of K/V",
-        secs * 1e6,
-        bytes / secs / 1e9
-    );
 }
