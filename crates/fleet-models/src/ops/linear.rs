@@ -640,7 +640,8 @@ mod cuda {
             let (slots_i, in_div_i, n_i, k_i) = (slots as i32, in_div as i32, n as i32, k as i32);
             // The tensor-core kernel (its last argument the slots a group) or the GEMV kernel
             // (the columns a warp); the same arguments else.
-            let (name, cfg, last) = if super::moe_mma_takes(n, k) {
+            let mma = super::moe_mma_takes(n, k);
+            let (name, cfg, last) = if mma {
                 let cfg = LaunchConfig {
                     grid_dim: (n.div_ceil(super::SKINNY_COLS) as u32, experts as u32, 1),
                     block_dim: (super::SKINNY_THREADS, 1, 1),
@@ -672,7 +673,7 @@ mod cuda {
             builder.arg(&k_i);
             builder.arg(&last);
             let prefetch_x = i32::from(super::SKINNY_PREFETCH_X.on());
-            if name == "moe_mma" {
+            if mma {
                 builder.arg(&prefetch_x);
             }
             // SAFETY: block (b, e) reads expert e's rows of w its columns cover (moe_mma:

@@ -58,6 +58,28 @@ constexpr int SETS = 4;
 
 } // namespace
 
+// Partition blockIdx.x of row blockIdx.z and KV head blockIdx.y, as both partition kernels see
+// it: its first token, its token count (0 when it starts at or past the row's length, which is
+// clamped to the table's capacity: the row's table is all it may read) and its tokens' K or V
+// rows. Block sizes are powers of two: a shift and a mask, not a division, per token.
+template <typename T, int D> struct Partition {
+    const uint32_t *table;
+    int kv_heads, h, block_shift, start, n;
+    __device__ Partition(const uint32_t *tables, const uint32_t *seq_lens, int kv_heads_, int block_shift_,
+                         int max_blocks, int part)
+        : table(tables + (size_t)blockIdx.z * max_blocks), kv_heads(kv_heads_), h(blockIdx.y),
+          block_shift(block_shift_), start(blockIdx.x * part) {
+        const int len = min((int)seq_lens[blockIdx.z], max_blocks << block_shift);
+        n = max(0, min(part, len - start));
+    }
+    // The K or V row of the partition's token j (of the row's token start + j).
+    __device__ __forceinline__ const T *row(const T *cache, int j) const {
+        const int t = start + j, block_size = 1 << block_shift;
+        const size_t blk = table[t >> block_shift];
+        return cache + ((blk * kv_heads + h) * block_size + (t & (block_size - 1))) * D;
+    }
+};
+
 // Pass 1's softmax statistics, shared by both partition kernels: warp w takes heads w, w + 4,
 // ... of the group; lane l takes tokens l, l + 32, ... of the head's scores s_s[head][0..n) in
 // order: their max, then each score replaced by exp(s - max) and summed, the 32 lanes by the
@@ -134,21 +156,11 @@ __device__ void paged_attn_partition(const T *q, const T *kc, const T *vc, const
     float *stat_s = s_s + group * part;
 
     const int p = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    // Block sizes are powers of two: a shift and a mask, not a division, per token.
-    const int block_size = 1 << block_shift;
-    // A length past the table's capacity is clamped: the row's table is all it may read.
-    const int len = min((int)seq_lens[b], max_blocks * block_size);
-    const int start = p * part;
-    if (start >= len) return;
-    const int n = min(part, len - start);
+    const Partition<T, D> pt(tables, seq_lens, kv_heads, block_shift, max_blocks, part);
+    const int n = pt.n;
+    if (n == 0) return;
     const int heads = kv_heads * group;
-    const uint32_t *table = tables + (size_t)b * max_blocks;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // Row t's K or V of this head.
-    auto kv_row = [&](const T *cache, int t) {
-        const size_t blk = table[t >> block_shift];
-        return cache + ((blk * kv_heads + h) * block_size + (t & (block_size - 1))) * D;
-    };
 
     const T *qh = q + ((size_t)b * heads + (size_t)h * group) * D;
     for (int i = threadIdx.x; i < group * D; i += THREADS) q_s[i] = to_f(qh[i]);
@@ -162,7 +174,7 @@ __device__ void paged_attn_partition(const T *q, const T *kc, const T *vc, const
             const int j = j0 + lane / TG;
             float k[E][CHUNK];
             if (j < n) {
-                const T *kr = kv_row(kc, start + j);
+                const T *kr = pt.row(kc, j);
 #pragma unroll
                 for (int c = 0; c < E; ++c) load_f<T, CHUNK>(kr + (c * TG + tl) * CHUNK, k[c]);
             } else {
@@ -214,7 +226,7 @@ __device__ void paged_attn_partition(const T *q, const T *kc, const T *vc, const
     const int q4 = ((n + SETS - 1) / SETS + 3) & ~3;
     const int end = min(n, (set + 1) * q4);
     for (int j = set * q4; j < end; j += 4) {
-        const T *vr = kv_row(vc, start + j) + col;
+        const T *vr = pt.row(vc, j) + col;
         float v[4][E];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -295,19 +307,12 @@ __device__ void paged_attn_partition_mma(const T *q, const T *kc, const T *vc, c
     float *stat_s = s_s + 8 * part;
 
     const int p = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int block_size = 1 << block_shift;
-    const int len = min((int)seq_lens[b], max_blocks * block_size);
-    const int start = p * part;
-    if (start >= len) return;
-    const int n = min(part, len - start);
+    const Partition<T, D> pt(tables, seq_lens, kv_heads, block_shift, max_blocks, part);
+    const int n = pt.n;
+    if (n == 0) return;
     const int heads = kv_heads * group;
-    const uint32_t *table = tables + (size_t)b * max_blocks;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, c = lane & 3;
-    auto kv_row = [&](const T *cache, int t) {
-        const size_t blk = table[t >> block_shift];
-        return cache + ((blk * kv_heads + h) * block_size + (t & (block_size - 1))) * D;
-    };
     const int tiles = (n + 15) / 16;
 
     {
@@ -318,8 +323,8 @@ __device__ void paged_attn_partition_mma(const T *q, const T *kc, const T *vc, c
             qf[s] = g < group ? *reinterpret_cast<const uint4 *>(qh + 32 * s + 8 * c) : make_uint4(0, 0, 0, 0);
         for (int t = warp; t < tiles; t += 4) {
             const int ja = t * 16 + g, jb = ja + 8;
-            const T *ra = ja < n ? kv_row(kc, start + ja) : nullptr;
-            const T *rb = jb < n ? kv_row(kc, start + jb) : nullptr;
+            const T *ra = ja < n ? pt.row(kc, ja) : nullptr;
+            const T *rb = jb < n ? pt.row(kc, jb) : nullptr;
             uint4 ka[KS], kb[KS];
 #pragma unroll
             for (int s = 0; s < KS; ++s) {
@@ -369,7 +374,7 @@ __device__ void paged_attn_partition_mma(const T *q, const T *kc, const T *vc, c
             for (int r = 0; r < 4; ++r) {
                 const int j = (t0 + i) * 16 + 2 * c + (r & 1) + (r >> 1) * 8;
                 if (j < n) {
-                    const T *vr = kv_row(vc, start + j) + base;
+                    const T *vr = pt.row(vc, j) + base;
                     if constexpr (MT == 2) {
                         const uint2 w = *reinterpret_cast<const uint2 *>(vr);
                         v[i][r][0] = w.x;
