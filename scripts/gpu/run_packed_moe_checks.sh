@@ -37,6 +37,8 @@
 #   WHAT="moe_gemv paged" LIB_FILTERS="moe_mma_kernel_agrees skinny_gemm_kernel_agrees" bash \
 #       scripts/gpu/run_packed_moe_checks.sh   # 2026-11-28h's kernels: groups of 16, the x
 #                  rows prefetched, the decode attention on the tensor cores (lib-tests.tar.xz)
+#   WHAT=sets SHAPE=30b-a3b:96 SETS="- FLEET_PAGED_MMA=1 FLEET_MOE_MMA16=1,FLEET_PAGED_MMA=1" \
+#       bash scripts/gpu/run_packed_moe_checks.sh   # one shape under several environments
 #   WHAT="judge vision fa3" bash scripts/gpu/run_packed_moe_checks.sh   # BATCHES ("8 32"),
 #                                                      # VISION_BATCHES ("16 64"), ROUNDS (2)
 set -u
@@ -207,6 +209,18 @@ host_ab)
         "${shape%:*} b${shape#*:} build $v round $i"
     done; done
   done ;;
+sets)
+  # One judge shape (SHAPE, "model:batch", default 30b-a3b:96) under each environment set of
+  # SETS, in order, ROUNDS rounds (default 1): a set is comma-joined VAR=value pairs, "-" for
+  # the defaults. 2026-11-29: the three kernel switches of 2026-11-28h alone and together.
+  W=/tmp/nsets; unpack_judge $W/es; shape=${SHAPE:-30b-a3b:96}
+  warm_judge $W/es $shape
+  for i in $(seq 1 ${ROUNDS:-1}); do for set in ${SETS:?SETS lists the environment sets}; do
+    name=${set//,/+}; name=${name//=/}; [ "$set" = - ] && name=defaults
+    [ "$set" = - ] && set -- || { IFS=, read -ra envs <<< "$set"; set -- "${envs[@]}"; }
+    judge_run $W/es $shape $OUT/judge_${shape%:*}_b${shape#*:}_${name}_$i.json \
+      "${shape%:*} b${shape#*:} $name round $i" "$@"
+  done; done ;;
 env_ab)
   # One variable of the environment (AB_VAR, required) at each of AB_VALUES (default "0 1"),
   # alternating, ROUNDS rounds: the 30B-A3B judge at batch 32 and the 8B at batch 64

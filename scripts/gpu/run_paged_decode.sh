@@ -83,7 +83,7 @@ case "$PART" in
     # (FLEET_DECODE_GEMV=0: no GEMV for up to 4 rows, no skinny GEMM for 5 to 64).
     mode_flags() {
       gemv=1; batches=$BATCHES
-      skinny=0; vecnorm=1; fusedkv=1; prefetch=0
+      skinny=0; vecnorm=1; fusedkv=1; prefetch=0; attnmma=0
       case "$1" in
         continuous-splitkv) flags=(--batching continuous); fusedkv=0 ;;
         continuous-skinny) flags=(--batching continuous); skinny=1 ;;
@@ -91,6 +91,9 @@ case "$PART" in
         # (FLEET_SKINNY_PREFETCH_X, 2026-11-28h), reads every 8 as continuous-sync8.
         continuous-sync8-skinny) flags=(--batching continuous --num-scheduler-steps 8); skinny=1 ;;
         continuous-sync8-skinny-prefetch) flags=(--batching continuous --num-scheduler-steps 8); skinny=1; prefetch=1 ;;
+        # The decode attention's first pass on the tensor cores (FLEET_PAGED_MMA, 2026-11-28h).
+        continuous-sync8-attnmma) flags=(--batching continuous --num-scheduler-steps 8); attnmma=1 ;;
+        continuous-sync8-skinny-prefetch-attnmma) flags=(--batching continuous --num-scheduler-steps 8); skinny=1; prefetch=1; attnmma=1 ;;
         continuous-eager) flags=(--batching continuous --enforce-eager) ;;
         continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
         continuous-cublas) flags=(--batching continuous); gemv=0 ;;
@@ -101,7 +104,7 @@ case "$PART" in
     for mode in ${MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
       echo "== fleet $mode"
       mode_flags "$mode"
-      FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
+      FLEET_PAGED_MMA=$attnmma FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
         --prompt-len 512 --new-tokens 128 --repeats 2 "${flags[@]}" \
         --json "$OUT/fleet_7b_$mode.json"
     done
@@ -109,7 +112,7 @@ case "$PART" in
       for mode in ${ROLLOUT_MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
         echo "== fleet $shape rollouts $mode"
         mode_flags "$mode"
-        FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
+        FLEET_PAGED_MMA=$attnmma FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
           --prompt-len 128 --new-tokens 256 --repeats 3 "${flags[@]}" \
           --json "$OUT/fleet_${shape}_rollouts_$mode.json"
       done
