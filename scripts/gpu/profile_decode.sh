@@ -3,8 +3,8 @@
 # launch, caches flushed before each) over the timed run of `fleet bench generate` only
 # (`--cuda-profile-range` with `ncu --profile-from-start off`: not the model's build or the
 # warm-up): continuous batching without graphs (`--enforce-eager`: the kernels a graph replays),
-# prompt 16, NEW new tokens. scripts/gpu/decode_profile.py then sums its last decode steps by
-# kernel. Clocks run free (`--clock-control none`, NCU_CLOCKS); before 2026-11-28 ncu's default
+# prompt PROMPT tokens (default 16; 512 for the bench's decode shape), NEW new tokens.
+# scripts/gpu/decode_profile.py then sums its last decode steps by kernel. Clocks run free (`--clock-control none`, NCU_CLOCKS); before 2026-11-28 ncu's default
 # locked them to base.
 #
 # Carried: dist/carry/fleet.xz. SHAPES: shape:batch pairs (default "7b:1 7b:64 0.5b:64").
@@ -34,7 +34,7 @@ for s in $SHAPES; do
   echo "== $shape batch $batch ($layers layers), $NEW new tokens"
   timeout 300 "$NCU" --profile-from-start off --clock-control "${NCU_CLOCKS:-none}" --csv --print-units base --metrics \
     gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size \
-    "$F" bench generate --config "$cfg" --batch "$batch" --prompt-len 16 --new-tokens "$NEW" \
+    "$F" bench generate --config "$cfg" --batch "$batch" --prompt-len "${PROMPT:-16}" --new-tokens "$NEW" \
     --repeats 1 --batching continuous --enforce-eager --cuda-profile-range \
     > "$OUT/ncu_$name.csv" 2> "$OUT/ncu_$name.err"
   echo "rc $? $(wc -l < "$OUT/ncu_$name.csv") lines"
