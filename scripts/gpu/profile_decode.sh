@@ -4,8 +4,8 @@
 # (`--cuda-profile-range` with `ncu --profile-from-start off`: not the model's build or the
 # warm-up): continuous batching without graphs (`--enforce-eager`: the kernels a graph replays),
 # prompt PROMPT tokens (default 16; 512 for the bench's decode shape), NEW new tokens.
-# scripts/gpu/decode_profile.py then sums its last decode steps by kernel. Clocks run free (`--clock-control none`, NCU_CLOCKS); before 2026-11-28 ncu's default
-# locked them to base.
+# scripts/gpu/decode_profile.py then sums its last decode steps by kernel. Clocks run free
+# (`--clock-control none`, NCU_CLOCKS); before 2026-11-28 ncu's default locked them to base.
 #
 # Carried: dist/carry/fleet.xz. SHAPES: shape:batch pairs (default "7b:1 7b:64 0.5b:64").
 # Writes $OUT/decode_<shape>_b<batch>.txt (the parsed step), $OUT/profile.log and $OUT/ncu.tar
