@@ -5,7 +5,7 @@ The definitions are in benches/README.md. The Rust side must measure the same wa
 
   python3 benches/transformers_generate.py --config configs/models/qwen2.5-7b.json \
       --dtype bf16 --prompt-len 512 --new-tokens 128 --batch 1,32 --device cuda \
-      --json OUT.json [--seed 0]
+      --json OUT.json [--seed 0] [--cache-implementation static]
 
 The model is built from the config with random weights, directly on the target device
 (no CPU init, no checkpoint). Every 2-D weight ~ N(0, --init-std), biases 0, norm
@@ -22,6 +22,9 @@ For each batch size B:
     disabled, so exactly N new tokens). Timed the same way; we keep the median of
     --gen-repeats (3, as fleet's --repeats; 1 before 2026-11-28). The first new token comes from the prefill, so
     decode_tok_s = B * (N - 1) / (t_generate - t_prefill);
+  * --cache-implementation static: generate() with transformers' static cache, which on
+    CUDA makes generate() compile the decode step (torch.compile, its default
+    compile_config); the warm-up generate of each B pays the compilation, not the timing;
   * memory: torch.cuda.reset_peak_memory_stats() before the warm-up of each B, then
     max_memory_allocated() / max_memory_reserved() after the timed runs.
 """
@@ -65,6 +68,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-repeats", type=int, default=3)
     ap.add_argument("--gen-repeats", type=int, default=3)
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--cache-implementation", default="dynamic", choices=["dynamic", "static"],
+                    help="generate()'s KV cache: dynamic (transformers' default) or static, with "
+                         "which generate() compiles the decode step itself on CUDA (torch.compile, "
+                         "its default compile_config); the warm-up generate pays the compilation")
     args = ap.parse_args(argv)
 
     import torch
@@ -129,6 +136,8 @@ def main(argv=None) -> int:
     model.generation_config.pad_token_id = pad_id
     gcfg = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=N, min_new_tokens=N,
                             eos_token_id=None, pad_token_id=pad_id, use_cache=True)
+    if args.cache_implementation == "static":
+        gcfg.cache_implementation = "static"
 
     def prefill(ids, mask):
         sync()
@@ -227,7 +236,8 @@ def main(argv=None) -> int:
         "new_tokens": N,
         "seed": args.seed,
         "attn_implementation": attn_impl,
-        "cache": "DynamicCache (transformers default)",
+        "cache": ("DynamicCache (transformers default)" if args.cache_implementation == "dynamic"
+                  else "static (cache_implementation='static'; generate() compiles the decode step)"),
         "method": {
             "prefill": "median of prefill_repeats forward(use_cache=True, logits_to_keep=1) over [B, prompt_len]",
             "generate": "median of gen_repeats generate(greedy, max_new_tokens=min_new_tokens=N, no EOS)",
