@@ -19,7 +19,8 @@
 #                 FLEET_VEC_NORM=0 (the norms' first kernel); continuous-splitkv: with
 #                 FLEET_FUSED_KV_WRITE=0 (K/V written by their own launches); continuous-sync8: graphs, a read every
 #                 8 steps); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
-#                 128, 256 new) in the same modes
+#                 128, 256 new) in the same modes; HF_STATIC=1 adds transformers with its static
+#                 cache, whose generate() compiles the decode step (hf_7b_static.json)
 #   PART=sanitize the paged tests (dist/carry/paged-tests.tar.xz): the decode-graph test under
 #                 compute-sanitizer memcheck (sanitize.txt: the faulting kernel of the
 #                 illegal address), then the sampling kernel against its twin
@@ -79,6 +80,14 @@ case "$PART" in
     echo "== transformers"
     timeout 150 python3 benches/transformers_generate.py --config "$C" --dtype bf16 \
       --prompt-len 512 --new-tokens 128 --batch "$BATCHES" --device cuda --json "$OUT/hf_7b.json"
+    # HF_STATIC=1: transformers again with its static cache, whose generate() compiles the
+    # decode step (torch.compile; each batch's warm-up pays the compilation).
+    if [ "${HF_STATIC:-0}" = 1 ]; then
+      echo "== transformers, static cache + torch.compile"
+      timeout "${HF_STATIC_TIMEOUT:-420}" python3 benches/transformers_generate.py --config "$C" \
+        --dtype bf16 --prompt-len 512 --new-tokens 128 --batch "${HF_STATIC_BATCHES:-$BATCHES}" \
+        --device cuda --cache-implementation static --json "$OUT/hf_7b_static.json"
+    fi
     # continuous-cublas: as continuous, with cuBLAS for the few-row products too
     # (FLEET_DECODE_GEMV=0: no GEMV for up to 4 rows, no skinny GEMM for 5 to 64).
     mode_flags() {
