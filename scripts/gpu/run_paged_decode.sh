@@ -90,18 +90,23 @@ case "$PART" in
     fi
     # continuous-cublas: as continuous, with cuBLAS for the few-row products too
     # (FLEET_DECODE_GEMV=0: no GEMV for up to 4 rows, no skinny GEMM for 5 to 64).
+    # Every mode runs the library's defaults except what its name changes. (Until 2026-11-29
+    # the modes set FLEET_PAGED_MMA=0 and FLEET_SKINNY_PREFETCH_X=0 unless named: the runs
+    # of continuous-sync8 after 997da43 made them the defaults took the per-lane attention.)
     mode_flags() {
       gemv=1; batches=$BATCHES
-      skinny=0; vecnorm=1; fusedkv=1; prefetch=0; attnmma=0
+      skinny=0; vecnorm=1; fusedkv=1; prefetch=1; attnmma=1
       case "$1" in
         continuous-splitkv) flags=(--batching continuous); fusedkv=0 ;;
         continuous-skinny) flags=(--batching continuous); skinny=1 ;;
         # The skinny GEMM with the next chunk's x loaded during this one's products
         # (FLEET_SKINNY_PREFETCH_X, 2026-11-28h), reads every 8 as continuous-sync8.
-        continuous-sync8-skinny) flags=(--batching continuous --num-scheduler-steps 8); skinny=1 ;;
+        continuous-sync8-skinny) flags=(--batching continuous --num-scheduler-steps 8); skinny=1; prefetch=0 ;;
         continuous-sync8-skinny-prefetch) flags=(--batching continuous --num-scheduler-steps 8); skinny=1; prefetch=1 ;;
-        # The decode attention's first pass on the tensor cores (FLEET_PAGED_MMA, 2026-11-28h).
+        # The decode attention's first pass on the tensor cores (FLEET_PAGED_MMA, 2026-11-28h;
+        # the default since 997da43, so the same as continuous-sync8), and without it.
         continuous-sync8-attnmma) flags=(--batching continuous --num-scheduler-steps 8); attnmma=1 ;;
+        continuous-sync8-perlane) flags=(--batching continuous --num-scheduler-steps 8); attnmma=0 ;;
         continuous-sync8-skinny-prefetch-attnmma) flags=(--batching continuous --num-scheduler-steps 8); skinny=1; prefetch=1; attnmma=1 ;;
         continuous-eager) flags=(--batching continuous --enforce-eager) ;;
         continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
