@@ -22,7 +22,7 @@
 #     DETACH=1 N_QUESTIONS=1000 RUN_TIMEOUT=1500 bash scripts/gpu/run_argo_speed.sh
 #
 # BATCHING=static runs lock-step rounds instead of continuous batching (KV_GIB: the paged
-# cache's GiB). GPU_MODE=data-parallel spreads the LLM over every GPU (replicas after the first in processes
+# cache's GiB; NUM_SCHEDULER_STEPS: decode steps between two reads of their tokens). GPU_MODE=data-parallel spreads the LLM over every GPU (replicas after the first in processes
 # of their own); WORK=/tmp/other keeps a second run's records and cache apart.
 set -u
 if [ "${DETACH:-0}" = 1 ]; then
@@ -109,6 +109,7 @@ cat COMMIT > "$RUN/commit.txt" 2>/dev/null
       --index "$DATA/argo-index" --embedder "$EMB" --embed-device cuda:0 \
       --max-batch "${MAX_BATCH:-128}" --max-in-flight "${MAX_IN_FLIGHT:-1024}" \
       --batching "${BATCHING:-continuous}" --kv-cache-gib "${KV_GIB:-24}" \
+      --num-scheduler-steps "${NUM_SCHEDULER_STEPS:-1}" \
       --out "$WORK/real"
   echo "### exit $? $(date -u +%T)"
 } > "$LOG" 2>&1

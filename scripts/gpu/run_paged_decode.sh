@@ -110,6 +110,8 @@ case "$PART" in
         continuous-sync8-skinny-prefetch-attnmma) flags=(--batching continuous --num-scheduler-steps 8); skinny=1; prefetch=1; attnmma=1 ;;
         continuous-eager) flags=(--batching continuous --enforce-eager) ;;
         continuous-sync8) flags=(--batching continuous --num-scheduler-steps 8) ;;
+        # Sampling at temperature 1, each row its own seed (GSPO's rollouts sample so).
+        continuous-sync8-t1) flags=(--batching continuous --num-scheduler-steps 8 --temperature 1) ;;
         continuous-cublas) flags=(--batching continuous); gemv=0 ;;
         continuous-scalarnorm) flags=(--batching continuous); vecnorm=0 ;;
         *) flags=(--batching "$1") ;;

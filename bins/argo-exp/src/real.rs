@@ -186,6 +186,11 @@ pub struct RealArgs {
     /// Default: 8 on a GPU, 2 on the CPU.
     #[arg(long)]
     pub kv_cache_gib: Option<f64>,
+    /// With `--batching continuous`: decode steps queued before their tokens are read back
+    /// (vLLM's name). The records are the same for any value; a finished call's next one
+    /// joins up to that many steps later.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub num_scheduler_steps: u64,
     /// The retrieval index (`argo-exp ingest`).
     #[arg(long, default_value = "results/argo/index")]
     pub index: PathBuf,
@@ -298,6 +303,7 @@ fn real_config(args: &RealArgs, plan: Plan) -> Result<RealRunConfig> {
         max_in_flight: args.max_in_flight as usize,
         continuous_batching: args.batching == fleet_cli::Batching::Continuous,
         kv_cache_gib: args.kv_cache_gib,
+        num_scheduler_steps: args.num_scheduler_steps as usize,
         index: args.index.clone(),
         embedder: args.embedder.choice(),
         retrieval: RetrievalConfig {

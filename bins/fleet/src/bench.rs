@@ -58,6 +58,12 @@ pub struct BenchGenerateArgs {
     /// static (batches of --batch wait for their longest) and continuous; reports both.
     #[arg(long)]
     pub variable_lengths: Option<usize>,
+    /// The timed generations' sampling (transformers' names; greedy when absent, as
+    /// benches/transformers_generate.py runs): row r draws with seed r. The prefill and the
+    /// warm-up stay greedy. Sampling costs the sampler's draw over the vocabulary each step
+    /// (GSPO's rollouts sample at temperature 1).
+    #[command(flatten)]
+    pub sampling: fleet_cli::SamplingArgs,
     /// Write the results here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -120,6 +126,8 @@ struct Report {
     /// Continuous batching's settings: decode through captured graphs, steps per read.
     cuda_graphs: bool,
     num_scheduler_steps: usize,
+    /// The timed generations' sampling (row r's seed is r); greedy when absent.
+    sampling: fleet_models::SamplingParams,
     runs: Vec<Run>,
     /// The variable-length workload, static and continuous, per batch size.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -175,8 +183,14 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
             .collect();
         let requests: Vec<GenerationRequest> = prompts
             .iter()
-            .map(|p| GenerationRequest::greedy(p.clone(), args.new_tokens))
-            .collect();
+            .enumerate()
+            .map(|(r, p)| -> Result<GenerationRequest> {
+                Ok(GenerationRequest {
+                    sampling: args.sampling.params(0.0, r as u64)?,
+                    ..GenerationRequest::greedy(p.clone(), args.new_tokens)
+                })
+            })
+            .collect::<Result<_>>()?;
         let run_all = |requests: &[GenerationRequest]| -> Result<RunOutputs> {
             Ok(match args.batching {
                 Batching::Static => (generator.generate(requests, None)?, None),
@@ -302,6 +316,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         batching: args.batching,
         cuda_graphs: !args.enforce_eager,
         num_scheduler_steps: args.num_scheduler_steps,
+        sampling: args.sampling.params(0.0, 0)?,
         runs,
         variable,
         logical_devices: fleet_topology::logical::describe(),

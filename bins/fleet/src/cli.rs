@@ -215,6 +215,11 @@ pub struct GenerateArgs {
     /// --max-batch, each waiting for its longest). The same tokens either way.
     #[arg(long, value_enum, default_value = "continuous")]
     pub batching: fleet_cli::Batching,
+    /// With --ids-file and continuous batching: decode steps queued before their tokens are
+    /// read back (vLLM's name); the same tokens for any value, a finished prompt's place
+    /// refilled up to that many steps later.
+    #[arg(long, default_value_t = 1, value_parser = at_least(1))]
+    pub num_scheduler_steps: usize,
     /// A system message (else the template's default, if it has one).
     #[arg(long)]
     pub system: Option<String>,
@@ -234,16 +239,20 @@ pub struct GenerateArgs {
 }
 
 /// `requests` with continuous batching over every replica (`max_batch` slots each, KV for
-/// that many of the longest request): each request goes to the least busy replica as slots
-/// free up. Outputs in request order.
+/// that many of the longest request, tokens read back every `num_scheduler_steps`): each
+/// request goes to the least busy replica as slots free up. Outputs in request order.
 fn generate_streamed(
     replicas: &Replicas<Text>,
     requests: &[GenerationRequest],
     max_batch: usize,
+    num_scheduler_steps: usize,
 ) -> Result<Vec<fleet_models::GenerationOutput>> {
     let options = PagedOptions::for_requests(requests, max_batch, 16);
     let kv_bytes = options.num_blocks as u64 * replicas.models[0].model.paged_block_bytes(16);
-    let mut streams = replicas.streams(max_batch, kv_bytes)?;
+    let mut streams = replicas.streams(&fleet_serve::StreamConfig {
+        num_scheduler_steps,
+        ..fleet_serve::StreamConfig::new(max_batch, kv_bytes)
+    })?;
     let mut outputs = vec![None; requests.len()];
     let mut next = 0;
     let bar = indicatif::ProgressBar::new(requests.len() as u64);
@@ -316,9 +325,12 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
                     fleet_cli::Batching::Static => {
                         replicas.generate(&requests, args.max_batch, true)?
                     }
-                    fleet_cli::Batching::Continuous => {
-                        generate_streamed(&replicas, &requests, args.max_batch)?
-                    }
+                    fleet_cli::Batching::Continuous => generate_streamed(
+                        &replicas,
+                        &requests,
+                        args.max_batch,
+                        args.num_scheduler_steps,
+                    )?,
                 };
                 let secs = generating.elapsed().as_secs_f64();
                 let tokens: usize = outputs.iter().map(|o| o.token_ids.len()).sum();
@@ -339,7 +351,10 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
                         outputs
                     }
                     fleet_cli::Batching::Continuous => {
-                        let options = PagedOptions::for_requests(&requests, args.max_batch, 16);
+                        let options = PagedOptions {
+                            sync_every: args.num_scheduler_steps,
+                            ..PagedOptions::for_requests(&requests, args.max_batch, 16)
+                        };
                         model
                             .generator()
                             .generate_paged(&requests, &options, None)?

@@ -384,6 +384,35 @@ fn data_parallel_bench_runs_real_replicas() {
     assert_eq!(per.len(), 2);
 }
 
+/// `bench generate` with sampling (GSPO's rollouts draw at temperature 1): it runs on the
+/// paged path with reads every second step and records the sampling it timed.
+#[test]
+fn bench_generate_samples_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("gen.json");
+    let out = fleet()
+        .args(["bench", "generate", "--model"])
+        .arg(fixture("qwen2-tiny"))
+        .args(["--dtype", "f32", "--device", "cpu", "--batch", "2"])
+        .args(["--prompt-len", "4", "--new-tokens", "3", "--repeats", "1"])
+        .args(["--batching", "continuous", "--num-scheduler-steps", "2"])
+        .args(["--temperature", "1", "--top-k", "5", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["sampling"]["temperature"], 1.0, "{v}");
+    assert_eq!(v["sampling"]["top_k"], 5, "{v}");
+    assert_eq!(v["num_scheduler_steps"], 2);
+    assert_eq!(v["runs"][0]["batch"], 2);
+}
+
 #[test]
 fn data_parallel_group_size_must_divide_the_devices() {
     let out = fleet()

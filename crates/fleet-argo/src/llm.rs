@@ -211,6 +211,8 @@ pub struct FleetLlm {
     /// Continuous batching: the KV budget of each replica's paged cache, in bytes; `None`:
     /// lock-step batches.
     continuous_kv_bytes: Option<u64>,
+    /// Continuous batching's decode steps between two reads of their tokens.
+    num_scheduler_steps: usize,
 }
 
 impl FleetLlm {
@@ -227,6 +229,7 @@ impl FleetLlm {
             cache_file: None,
             stats: Mutex::new(LlmStats::default()),
             continuous_kv_bytes: None,
+            num_scheduler_steps: 1,
         }
     }
 
@@ -237,6 +240,14 @@ impl FleetLlm {
     /// process; with replicas in processes of their own the LLM stays lock-step.
     pub fn with_continuous_batching(mut self, kv_bytes: u64) -> Self {
         self.continuous_kv_bytes = Some(kv_bytes);
+        self
+    }
+
+    /// With continuous batching: `steps` decode steps queued before their tokens are read
+    /// back (vLLM's `num_scheduler_steps`; default 1). The replies are the same for any
+    /// value; a finished request's slot is refilled up to that many steps later.
+    pub fn with_scheduler_steps(mut self, steps: usize) -> Self {
+        self.num_scheduler_steps = steps.max(1);
         self
     }
 
@@ -595,7 +606,10 @@ impl Llm for FleetLlm {
         };
         Ok(Some(Box::new(FleetStream {
             llm: self,
-            replicas: self.replicas.streams(self.max_batch, kv_bytes)?,
+            replicas: self.replicas.streams(&fleet_serve::StreamConfig {
+                num_scheduler_steps: self.num_scheduler_steps,
+                ..fleet_serve::StreamConfig::new(self.max_batch, kv_bytes)
+            })?,
             next: 0,
             ready: Vec::new(),
             waiters: HashMap::new(),

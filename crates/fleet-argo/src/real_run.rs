@@ -142,6 +142,8 @@ pub struct RealRunConfig {
     pub continuous_batching: bool,
     /// Its paged KV cache per replica, in GiB; `None`: 8 on a GPU, 2 on the CPU.
     pub kv_cache_gib: Option<f64>,
+    /// Its decode steps queued before a read of their tokens (vLLM's `num_scheduler_steps`).
+    pub num_scheduler_steps: usize,
     /// The retrieval index.
     pub index: PathBuf,
     /// The embedder.
@@ -491,7 +493,9 @@ fn load_llm(
         let gib = config
             .kv_cache_gib
             .unwrap_or(if on_gpu { 8.0 } else { 2.0 });
-        llm = llm.with_continuous_batching((gib * (1u64 << 30) as f64) as u64);
+        llm = llm
+            .with_continuous_batching((gib * (1u64 << 30) as f64) as u64)
+            .with_scheduler_steps(config.num_scheduler_steps);
     }
     let llm = llm.with_cache_file(
         &run_dir.join(LLM_CACHE_FILE),

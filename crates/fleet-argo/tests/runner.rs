@@ -667,51 +667,57 @@ fn continuous_batching_gives_the_lock_step_records() {
     .unwrap();
     // Three decode slots for eight questions in flight: calls wait for slots and join as
     // others finish. Two replicas in this process: each call goes to the one with less work.
-    let two =
-        Replicas::<Text>::load(spec, &LoadOptions::default(), &[cpu_map(), cpu_map()]).unwrap();
-    assert_eq!(two.in_processes(), 0);
-    let continuous = FleetLlm::new(two, spec, 3).with_continuous_batching(64 << 20);
-    let mut got = RecordsFile::open(&tmp.path().join("continuous.jsonl")).unwrap();
-    let progress = run_jobs(
-        jobs.clone(),
-        &continuous,
-        &retriever,
-        &prompts,
-        &mut got,
-        8,
-        &mut |_| {},
-    )
-    .unwrap();
-    assert_eq!(progress.ran, jobs.len());
-    for j in &jobs {
-        let (a, b) = (want.get(&j.key()).unwrap(), got.get(&j.key()).unwrap());
-        assert_eq!(a.final_text, b.final_text, "{}", j.key());
-        assert_eq!(a.notes, b.notes, "{}", j.key());
-        assert_eq!(a.queries, b.queries, "{}", j.key());
-        assert_eq!(a.evidence, b.evidence, "{}", j.key());
-        assert_eq!(a.episode, b.episode, "{}", j.key());
-        assert_eq!(a.answer, b.answer, "{}", j.key());
+    // Tokens read back after every decode step, and after every third: the same records.
+    for steps in [1, 3] {
+        let two =
+            Replicas::<Text>::load(spec, &LoadOptions::default(), &[cpu_map(), cpu_map()]).unwrap();
+        assert_eq!(two.in_processes(), 0);
+        let continuous = FleetLlm::new(two, spec, 3)
+            .with_continuous_batching(64 << 20)
+            .with_scheduler_steps(steps);
+        let mut got =
+            RecordsFile::open(&tmp.path().join(format!("continuous-{steps}.jsonl"))).unwrap();
+        let progress = run_jobs(
+            jobs.clone(),
+            &continuous,
+            &retriever,
+            &prompts,
+            &mut got,
+            8,
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(progress.ran, jobs.len());
+        for j in &jobs {
+            let what = format!("{}, read every {steps}", j.key());
+            let (a, b) = (want.get(&j.key()).unwrap(), got.get(&j.key()).unwrap());
+            assert_eq!(a.final_text, b.final_text, "{what}");
+            assert_eq!(a.notes, b.notes, "{what}");
+            assert_eq!(a.queries, b.queries, "{what}");
+            assert_eq!(a.evidence, b.evidence, "{what}");
+            assert_eq!(a.episode, b.episode, "{what}");
+            assert_eq!(a.answer, b.answer, "{what}");
+            assert_eq!(
+                (a.llm_calls, a.prompt_tokens, a.new_tokens),
+                (b.llm_calls, b.prompt_tokens, b.new_tokens),
+                "{what}"
+            );
+        }
+        // The same calls, counted the same; the model ran each distinct call once either way.
+        let (s, c) = (lock_step.stats(), continuous.stats());
+        assert_eq!((s.calls, s.cache_hits), (c.calls, c.cache_hits));
         assert_eq!(
-            (a.llm_calls, a.prompt_tokens, a.new_tokens),
-            (b.llm_calls, b.prompt_tokens, b.new_tokens),
-            "{}",
-            j.key()
+            (s.prompt_tokens, s.new_tokens),
+            (c.prompt_tokens, c.new_tokens)
+        );
+        // A question's later calls extend its earlier prompts, and all share the system prompt:
+        // their leading blocks were not computed again.
+        assert_eq!(s.cached_prompt_tokens, 0);
+        assert!(
+            c.cached_prompt_tokens > c.prompt_tokens / 4,
+            "{} of {} prompt tokens reused",
+            c.cached_prompt_tokens,
+            c.prompt_tokens
         );
     }
-    // The same calls, counted the same; the model ran each distinct call once either way.
-    let (s, c) = (lock_step.stats(), continuous.stats());
-    assert_eq!((s.calls, s.cache_hits), (c.calls, c.cache_hits));
-    assert_eq!(
-        (s.prompt_tokens, s.new_tokens),
-        (c.prompt_tokens, c.new_tokens)
-    );
-    // A question's later calls extend its earlier prompts, and all share the system prompt:
-    // their leading blocks were not computed again.
-    assert_eq!(s.cached_prompt_tokens, 0);
-    assert!(
-        c.cached_prompt_tokens > c.prompt_tokens / 4,
-        "{} of {} prompt tokens reused",
-        c.cached_prompt_tokens,
-        c.prompt_tokens
-    );
 }

@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::chat::{generate_chats, ChatOutcome, ChatRequest};
 use crate::process::StreamWorker;
-use crate::stream::LocalStream;
+use crate::stream::{LocalStream, StreamConfig};
 use crate::wire::{Spool, WireChat};
 
 mod sealed {
@@ -61,10 +61,9 @@ pub trait ModelKind: sealed::Sealed + Sized + 'static {
     /// the kinds that stream.
     fn open_stream(
         model: &Self::Model,
-        max_batch: usize,
-        kv_bytes: u64,
+        config: &StreamConfig,
     ) -> Result<Box<dyn StreamWorker + '_>> {
-        let _ = (model, max_batch, kv_bytes);
+        let _ = (model, config);
         Err(ModelError::Replicas(format!(
             "{} replicas do not stream",
             Self::NAME
@@ -117,12 +116,8 @@ impl ModelKind for Text {
         model.generate(&batch, None).map_err(|e| e.to_string())
     }
 
-    fn open_stream(
-        model: &TextModel,
-        max_batch: usize,
-        kv_bytes: u64,
-    ) -> Result<Box<dyn StreamWorker + '_>> {
-        Ok(Box::new(LocalStream::new(model, max_batch, kv_bytes)?))
+    fn open_stream(model: &TextModel, config: &StreamConfig) -> Result<Box<dyn StreamWorker + '_>> {
+        Ok(Box::new(LocalStream::new(model, config)?))
     }
 }
 

@@ -51,5 +51,5 @@ pub use placement::{
 };
 pub use process::{serve_if_replica_worker, EXIT_AFTER_ENV, PROCESSES_ENV, WORKER_ENV};
 pub use replica::{Replica, Replicas};
-pub use stream::{step_all, stream_options, ReplicaStream};
+pub use stream::{step_all, stream_options, ReplicaStream, StreamConfig};
 pub use wire::Spool;

@@ -26,6 +26,7 @@ use fleet_models::{DeviceMap, HubOptions, LoadOptions, ModelError, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::kind::{ModelKind, Text, VisionLanguage};
+use crate::stream::StreamConfig;
 use crate::wire::Spool;
 
 /// The environment variable that makes a program a replica worker; it holds the worker's
@@ -100,7 +101,7 @@ enum WorkerReply<O> {
 #[serde(tag = "stream", rename_all = "snake_case")]
 enum StreamLine {
     /// Start the worker's paged session (answered by an empty `stepped`).
-    Open { max_batch: usize, kv_bytes: u64 },
+    Open(StreamConfig),
     /// Queue a request (no answer; a request that is refused fails the next step).
     Submit { id: u64, request: serde_json::Value },
     /// Run one step and answer with the requests that finished.
@@ -235,10 +236,7 @@ fn stream_line<'m, K: ModelKind>(
     msg: StreamLine,
 ) -> Option<WorkerReply<serde_json::Value>> {
     match msg {
-        StreamLine::Open {
-            max_batch,
-            kv_bytes,
-        } => Some(match K::open_stream(model, max_batch, kv_bytes) {
+        StreamLine::Open(config) => Some(match K::open_stream(model, &config) {
             Ok(s) => {
                 *stream = Some(s);
                 WorkerReply::Stepped {
@@ -451,13 +449,9 @@ impl<K> Drop for ReplicaProcess<K> {
 
 /// The parent's side of a worker's stream (text models: [`crate::ReplicaStream`]).
 impl ReplicaProcess<Text> {
-    /// Opens the worker's paged session: `max_batch` decode slots, `kv_bytes` of KV cache at
-    /// most.
-    pub(crate) fn stream_open(&mut self, max_batch: usize, kv_bytes: u64) -> Result<()> {
-        let line = StreamLine::Open {
-            max_batch,
-            kv_bytes,
-        };
+    /// Opens the worker's paged session of `config`.
+    pub(crate) fn stream_open(&mut self, config: &StreamConfig) -> Result<()> {
+        let line = StreamLine::Open(*config);
         self.send_line(&serde_json::to_string(&line).map_err(stream_encode)?)?;
         self.stream_receive().map(|_| ())
     }

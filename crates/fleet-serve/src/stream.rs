@@ -3,6 +3,7 @@
 //! that asks its next question as soon as an answer returns (argo-exp's runner) submits
 //! requests to them one by one and steps them all together, the processes in parallel.
 
+use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
@@ -19,17 +20,43 @@ use crate::replica::Replicas;
 /// Tokens per block of a stream's paged cache (the unit of prompt sharing).
 const BLOCK_SIZE: usize = 16;
 
-/// The paged session of a stream on `model`: `max_batch` decode slots and KV blocks for that
-/// many requests of the model's whole context or `kv_bytes`, whichever is less.
-pub fn stream_options(model: &TextModel, max_batch: usize, kv_bytes: u64) -> PagedOptions {
+/// What each replica's paged session of a stream holds and how it steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamConfig {
+    /// Requests decoded together at most.
+    pub max_batch: usize,
+    /// The paged KV cache's bytes at most.
+    pub kv_bytes: u64,
+    /// Decode steps queued before their tokens are read back (vLLM's `num_scheduler_steps`;
+    /// [`PagedOptions::sync_every`]): the same tokens for any value, a finished request's
+    /// slot refilled up to that many steps later.
+    pub num_scheduler_steps: usize,
+}
+
+impl StreamConfig {
+    /// `max_batch` slots, at most `kv_bytes` of KV cache, tokens read back after every step.
+    pub fn new(max_batch: usize, kv_bytes: u64) -> Self {
+        StreamConfig {
+            max_batch,
+            kv_bytes,
+            num_scheduler_steps: 1,
+        }
+    }
+}
+
+/// The paged session of a stream on `model`: `max_batch` decode slots, KV blocks for that many
+/// requests of the model's whole context or `kv_bytes`, whichever is less, and reads of the
+/// tokens every `num_scheduler_steps`.
+pub fn stream_options(model: &TextModel, config: &StreamConfig) -> PagedOptions {
     let context = model.model.config().max_position_embeddings;
     let block_bytes = model.model.paged_block_bytes(BLOCK_SIZE).max(1);
-    let whole = max_batch.max(1) * context.div_ceil(BLOCK_SIZE);
+    let whole = config.max_batch.max(1) * context.div_ceil(BLOCK_SIZE);
     PagedOptions {
         block_size: BLOCK_SIZE,
+        sync_every: config.num_scheduler_steps.max(1),
         ..PagedOptions::new(
-            max_batch.max(1),
-            whole.min((kv_bytes / block_bytes) as usize).max(1),
+            config.max_batch.max(1),
+            whole.min((config.kv_bytes / block_bytes) as usize).max(1),
         )
     }
 }
@@ -42,9 +69,9 @@ pub(crate) struct LocalStream<'m> {
 }
 
 impl<'m> LocalStream<'m> {
-    pub(crate) fn new(model: &'m TextModel, max_batch: usize, kv_bytes: u64) -> Result<Self> {
+    pub(crate) fn new(model: &'m TextModel, config: &StreamConfig) -> Result<Self> {
         let generator = model.generator();
-        let session = generator.paged_session(&stream_options(model, max_batch, kv_bytes))?;
+        let session = generator.paged_session(&stream_options(model, config))?;
         Ok(LocalStream {
             generator,
             session,
@@ -199,17 +226,15 @@ fn prefix_hash(tokens: &[u32]) -> u64 {
 }
 
 impl Replicas<Text> {
-    /// A stream per replica, in this process or in its replica process: `max_batch` decode
-    /// slots each and at most `kv_bytes` of paged KV cache ([`stream_options`]).
-    pub fn streams(&self, max_batch: usize, kv_bytes: u64) -> Result<Vec<ReplicaStream<'_>>> {
+    /// A stream per replica, in this process or in its replica process, each a paged session
+    /// of `config` ([`stream_options`]).
+    pub fn streams(&self, config: &StreamConfig) -> Result<Vec<ReplicaStream<'_>>> {
         let mut out = Vec::with_capacity(self.len());
         for model in &self.models {
-            out.push(Place::Local(Box::new(LocalStream::new(
-                model, max_batch, kv_bytes,
-            )?)));
+            out.push(Place::Local(Box::new(LocalStream::new(model, config)?)));
         }
         for p in self.processes() {
-            lock(p).stream_open(max_batch, kv_bytes)?;
+            lock(p).stream_open(config)?;
             out.push(Place::Process(p));
         }
         Ok(out

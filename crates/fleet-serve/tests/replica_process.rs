@@ -9,8 +9,8 @@ use fleet_models::{
     TextModel, VisionLanguageModel,
 };
 use fleet_serve::{
-    generate_chats, serve_if_replica_worker, ChatRequest, Replica, Replicas, Text, VisionLanguage,
-    EXIT_AFTER_ENV, PROCESSES_ENV,
+    generate_chats, serve_if_replica_worker, ChatRequest, Replica, Replicas, StreamConfig, Text,
+    VisionLanguage, EXIT_AFTER_ENV, PROCESSES_ENV,
 };
 
 mod common;
@@ -73,7 +73,13 @@ fn replicas_in_processes_generate_what_one_model_generates() {
 fn streams_in_processes_generate_what_one_model_generates() {
     let (requests, expected, replicas) = one_model_and_three_replicas();
     assert_eq!(replicas.in_processes(), 2);
-    let mut streams = replicas.streams(2, 16 << 20).unwrap();
+    // Tokens read back every third step: the worker's session takes the setting from the
+    // stream's open line, and the replies are the same.
+    let config = StreamConfig {
+        num_scheduler_steps: 3,
+        ..StreamConfig::new(2, 16 << 20)
+    };
+    let mut streams = replicas.streams(&config).unwrap();
     let mut got = vec![None; requests.len()];
     let mut next = 0;
     // Three requests per replica up front, the rest one per step as replies come in.
@@ -120,7 +126,7 @@ fn a_stream_whose_process_dies_is_an_error_naming_it() {
     unsafe { std::env::remove_var(EXIT_AFTER_ENV) };
     let replicas = loaded.unwrap();
     assert_eq!(replicas.in_processes(), 1);
-    let mut streams = replicas.streams(2, 16 << 20).unwrap();
+    let mut streams = replicas.streams(&StreamConfig::new(2, 16 << 20)).unwrap();
     streams[1].submit(0, requests(1)[0].clone()).unwrap();
     streams[1].start_step().unwrap();
     let err = streams[1].finish_step().unwrap_err().to_string();
