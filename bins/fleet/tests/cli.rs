@@ -13,6 +13,20 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// Runs `cmd` with `--json <a temporary file>`, asserts that it succeeded and returns the JSON
+/// it wrote.
+fn json_written_by(mut cmd: Command) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let out = cmd.arg("--json").arg(&json).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+}
+
 #[test]
 fn devices_lists_something() {
     let out = fleet().args(["devices", "--json"]).output().unwrap();
@@ -344,10 +358,8 @@ fn plan_that_does_not_fit_says_what_to_change() {
 /// The data-parallel path end to end: two real model replicas (CPU) behind fleet-dist's pool.
 #[test]
 fn data_parallel_bench_runs_real_replicas() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("dp.json");
-    let out = fleet()
-        .args(["bench", "data-parallel", "--model"])
+    let mut cmd = fleet();
+    cmd.args(["bench", "data-parallel", "--model"])
         .arg(fixture("qwen2-tiny"))
         .args(["--dtype", "f32", "--devices", "cpu,cpu", "--batch", "2"])
         .args([
@@ -357,18 +369,8 @@ fn data_parallel_bench_runs_real_replicas() {
             "8",
             "--new-tokens",
             "4",
-            "--json",
-        ])
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        ]);
+    let v = json_written_by(cmd);
     assert_eq!(v["items"], 6);
     assert_eq!(v["new_tokens_total"], 6 * 2 * 4);
     let per: Vec<u64> = v["replicas"]
@@ -388,25 +390,14 @@ fn data_parallel_bench_runs_real_replicas() {
 /// paged path with reads every second step and records the sampling it timed.
 #[test]
 fn bench_generate_samples_when_asked() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("gen.json");
-    let out = fleet()
-        .args(["bench", "generate", "--model"])
+    let mut cmd = fleet();
+    cmd.args(["bench", "generate", "--model"])
         .arg(fixture("qwen2-tiny"))
         .args(["--dtype", "f32", "--device", "cpu", "--batch", "2"])
         .args(["--prompt-len", "4", "--new-tokens", "3", "--repeats", "1"])
         .args(["--batching", "continuous", "--num-scheduler-steps", "2"])
-        .args(["--temperature", "1", "--top-k", "5", "--json"])
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        .args(["--temperature", "1", "--top-k", "5"]);
+    let v = json_written_by(cmd);
     assert_eq!(v["sampling"]["temperature"], 1.0, "{v}");
     assert_eq!(v["sampling"]["top_k"], 5, "{v}");
     assert_eq!(v["num_scheduler_steps"], 2);
