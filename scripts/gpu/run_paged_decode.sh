@@ -18,7 +18,11 @@
 #                 FLEET_DECODE_GEMV=0 (cuBLAS for every product); continuous-scalarnorm: with
 #                 FLEET_VEC_NORM=0 (the norms' first kernel); continuous-splitkv: with
 #                 FLEET_FUSED_KV_WRITE=0 (K/V written by their own launches); continuous-sync8: graphs, a read every
-#                 8 steps); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
+#                 8 steps; continuous-sync8-perlane: the same with the per-lane decode
+#                 attention (FLEET_PAGED_MMA=0); continuous-sync8-t1: sampling at
+#                 temperature 1; every mode runs the library's defaults otherwise — since
+#                 2026-11-29b, before which the modes turned FLEET_PAGED_MMA and
+#                 FLEET_SKINNY_PREFETCH_X off unless named); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
 #                 128, 256 new) in the same modes; HF_STATIC=1 adds transformers with its static
 #                 cache, whose generate() compiles the decode step (hf_7b_static.json)
 #   PART=sanitize the paged tests (dist/carry/paged-tests.tar.xz): the decode-graph test under

@@ -58,10 +58,10 @@ pub struct BenchGenerateArgs {
     /// static (batches of --batch wait for their longest) and continuous; reports both.
     #[arg(long)]
     pub variable_lengths: Option<usize>,
-    /// The timed generations' sampling (transformers' names; greedy when absent, as
-    /// benches/transformers_generate.py runs): row r draws with seed r. The prefill and the
-    /// warm-up stay greedy. Sampling costs the sampler's draw over the vocabulary each step
-    /// (GSPO's rollouts sample at temperature 1).
+    /// The generations' sampling (transformers' names; greedy when absent, as
+    /// benches/transformers_generate.py runs): row r draws with seed `--seed` + r. The timed
+    /// prefill (one token) and the variable-length workload stay greedy. Sampling costs the
+    /// sampler's draw over the vocabulary each step (GSPO's rollouts sample at temperature 1).
     #[command(flatten)]
     pub sampling: fleet_cli::SamplingArgs,
     /// Write the results here as JSON.
@@ -126,7 +126,8 @@ struct Report {
     /// Continuous batching's settings: decode through captured graphs, steps per read.
     cuda_graphs: bool,
     num_scheduler_steps: usize,
-    /// The timed generations' sampling (row r's seed is r); greedy when absent.
+    /// The timed generations' sampling, with row 0's seed (row r's is that plus r); greedy
+    /// when no sampling flag was given.
     sampling: fleet_models::SamplingParams,
     runs: Vec<Run>,
     /// The variable-length workload, static and continuous, per batch size.
@@ -186,7 +187,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
             .enumerate()
             .map(|(r, p)| -> Result<GenerationRequest> {
                 Ok(GenerationRequest {
-                    sampling: args.sampling.params(0.0, r as u64)?,
+                    sampling: args.sampling.params(0.0, args.model.seed + r as u64)?,
                     ..GenerationRequest::greedy(p.clone(), args.new_tokens)
                 })
             })
@@ -220,7 +221,11 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         };
         // Warm-up: kernel loading, cuBLAS handles, allocator growth.
         time_prefill()?;
-        let warm = GenerationRequest::greedy(prompts[0].clone(), 4.min(args.new_tokens));
+        // The timed runs' sampling, so that its first use is not timed.
+        let warm = GenerationRequest {
+            sampling: requests[0].sampling.clone(),
+            ..GenerationRequest::greedy(prompts[0].clone(), 4.min(args.new_tokens))
+        };
         run_all(&vec![warm; b])?;
         sync(&model)?;
 
@@ -316,7 +321,7 @@ pub fn generate(args: &BenchGenerateArgs) -> Result<()> {
         batching: args.batching,
         cuda_graphs: !args.enforce_eager,
         num_scheduler_steps: args.num_scheduler_steps,
-        sampling: args.sampling.params(0.0, 0)?,
+        sampling: args.sampling.params(0.0, args.model.seed)?,
         runs,
         variable,
         logical_devices: fleet_topology::logical::describe(),

@@ -501,3 +501,31 @@ pub(crate) type StreamStep = (Vec<(u64, fleet_models::GenerationOutput)>, u64);
 fn stream_encode(e: serde_json::Error) -> ModelError {
     ModelError::Replicas(format!("a stream line for a replica process: {e}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replica process's stream opens with the parent's whole config: the open line
+    /// carries the steps between reads beside the slots and the KV budget, and the worker's
+    /// session is made with them (a worker that dropped them would decode the same tokens, so
+    /// the stream tests alone could not tell).
+    #[test]
+    fn the_open_line_carries_the_whole_stream_config() {
+        let config = StreamConfig {
+            num_scheduler_steps: 3,
+            ..StreamConfig::new(2, 16 << 20)
+        };
+        let line = serde_json::to_string(&StreamLine::Open(config)).unwrap();
+        match serde_json::from_str::<StreamLine>(&line).unwrap() {
+            StreamLine::Open(got) => assert_eq!(got, config, "{line}"),
+            other => panic!("{line} read back as {other:?}"),
+        }
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen2-tiny");
+        let model =
+            fleet_models::TextModel::load(dir.to_str().unwrap(), &LoadOptions::default()).unwrap();
+        let options = crate::stream::stream_options(&model, &config);
+        assert_eq!((options.max_batch, options.sync_every), (2, 3));
+    }
+}
