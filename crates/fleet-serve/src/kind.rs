@@ -61,7 +61,7 @@ pub trait ModelKind: sealed::Sealed + Sized + 'static {
     /// the kinds that stream.
     fn open_stream(
         model: &Self::Model,
-        config: &StreamConfig,
+        config: StreamConfig,
     ) -> Result<Box<dyn StreamWorker + '_>> {
         let _ = (model, config);
         Err(ModelError::Replicas(format!(
@@ -116,8 +116,8 @@ impl ModelKind for Text {
         model.generate(&batch, None).map_err(|e| e.to_string())
     }
 
-    fn open_stream(model: &TextModel, config: &StreamConfig) -> Result<Box<dyn StreamWorker + '_>> {
-        Ok(Box::new(LocalStream::new(model, config)?))
+    fn open_stream(model: &TextModel, config: StreamConfig) -> Result<Box<dyn StreamWorker + '_>> {
+        Ok(Box::new(LocalStream::new(model, &config)?))
     }
 }
 

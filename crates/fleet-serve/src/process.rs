@@ -236,7 +236,7 @@ fn stream_line<'m, K: ModelKind>(
     msg: StreamLine,
 ) -> Option<WorkerReply<serde_json::Value>> {
     match msg {
-        StreamLine::Open(config) => Some(match K::open_stream(model, &config) {
+        StreamLine::Open(config) => Some(match K::open_stream(model, config) {
             Ok(s) => {
                 *stream = Some(s);
                 WorkerReply::Stepped {
