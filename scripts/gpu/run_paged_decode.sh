@@ -121,10 +121,15 @@ case "$PART" in
         *) flags=(--batching "$1") ;;
       esac
     }
+    # Runs its arguments under the kernel switches mode_flags chose.
+    in_mode_env() {
+      FLEET_PAGED_MMA=$attnmma FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv \
+        FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv "$@"
+    }
     for mode in ${MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
       echo "== fleet $mode"
       mode_flags "$mode"
-      FLEET_PAGED_MMA=$attnmma FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
+      in_mode_env timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
         --prompt-len 512 --new-tokens 128 --repeats 2 "${flags[@]}" \
         --json "$OUT/fleet_7b_$mode.json"
     done
@@ -132,7 +137,7 @@ case "$PART" in
       for mode in ${ROLLOUT_MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
         echo "== fleet $shape rollouts $mode"
         mode_flags "$mode"
-        FLEET_PAGED_MMA=$attnmma FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
+        in_mode_env timeout 60 "$F" bench generate --config "configs/models/qwen2.5-$shape.json" --batch 64 \
           --prompt-len 128 --new-tokens 256 --repeats 3 "${flags[@]}" \
           --json "$OUT/fleet_${shape}_rollouts_$mode.json"
       done

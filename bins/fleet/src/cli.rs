@@ -249,7 +249,7 @@ fn generate_streamed(
 ) -> Result<Vec<fleet_models::GenerationOutput>> {
     let options = PagedOptions::for_requests(requests, max_batch, 16);
     let kv_bytes = options.num_blocks as u64 * replicas.models[0].model.paged_block_bytes(16);
-    let mut streams = replicas.streams(&fleet_serve::StreamConfig {
+    let mut streams = replicas.streams(fleet_serve::StreamConfig {
         num_scheduler_steps,
         ..fleet_serve::StreamConfig::new(max_batch, kv_bytes)
     })?;

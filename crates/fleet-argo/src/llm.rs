@@ -606,7 +606,7 @@ impl Llm for FleetLlm {
         };
         Ok(Some(Box::new(FleetStream {
             llm: self,
-            replicas: self.replicas.streams(&fleet_serve::StreamConfig {
+            replicas: self.replicas.streams(fleet_serve::StreamConfig {
                 num_scheduler_steps: self.num_scheduler_steps,
                 ..fleet_serve::StreamConfig::new(self.max_batch, kv_bytes)
             })?,

@@ -117,7 +117,7 @@ impl ModelKind for Text {
     }
 
     fn open_stream(model: &TextModel, config: StreamConfig) -> Result<Box<dyn StreamWorker + '_>> {
-        Ok(Box::new(LocalStream::new(model, &config)?))
+        Ok(Box::new(LocalStream::new(model, config)?))
     }
 }
 

@@ -450,8 +450,8 @@ impl<K> Drop for ReplicaProcess<K> {
 /// The parent's side of a worker's stream (text models: [`crate::ReplicaStream`]).
 impl ReplicaProcess<Text> {
     /// Opens the worker's paged session of `config`.
-    pub(crate) fn stream_open(&mut self, config: &StreamConfig) -> Result<()> {
-        let line = StreamLine::Open(*config);
+    pub(crate) fn stream_open(&mut self, config: StreamConfig) -> Result<()> {
+        let line = StreamLine::Open(config);
         self.send_line(&serde_json::to_string(&line).map_err(stream_encode)?)?;
         self.stream_receive().map(|_| ())
     }
@@ -525,7 +525,7 @@ mod tests {
             .join("../../tests/fixtures/qwen2-tiny");
         let model =
             fleet_models::TextModel::load(dir.to_str().unwrap(), &LoadOptions::default()).unwrap();
-        let options = crate::stream::stream_options(&model, &config);
+        let options = crate::stream::stream_options(&model, config);
         assert_eq!((options.max_batch, options.sync_every), (2, 3));
     }
 }

@@ -47,7 +47,7 @@ impl StreamConfig {
 /// The paged session of a stream on `model`: `max_batch` decode slots, KV blocks for that many
 /// requests of the model's whole context or `kv_bytes`, whichever is less, and reads of the
 /// tokens every `num_scheduler_steps`.
-pub fn stream_options(model: &TextModel, config: &StreamConfig) -> PagedOptions {
+pub fn stream_options(model: &TextModel, config: StreamConfig) -> PagedOptions {
     let context = model.model.config().max_position_embeddings;
     let block_bytes = model.model.paged_block_bytes(BLOCK_SIZE).max(1);
     let whole = config.max_batch.max(1) * context.div_ceil(BLOCK_SIZE);
@@ -69,7 +69,7 @@ pub(crate) struct LocalStream<'m> {
 }
 
 impl<'m> LocalStream<'m> {
-    pub(crate) fn new(model: &'m TextModel, config: &StreamConfig) -> Result<Self> {
+    pub(crate) fn new(model: &'m TextModel, config: StreamConfig) -> Result<Self> {
         let generator = model.generator();
         let session = generator.paged_session(&stream_options(model, config))?;
         Ok(LocalStream {
@@ -228,7 +228,7 @@ fn prefix_hash(tokens: &[u32]) -> u64 {
 impl Replicas<Text> {
     /// A stream per replica, in this process or in its replica process, each a paged session
     /// of `config` ([`stream_options`]).
-    pub fn streams(&self, config: &StreamConfig) -> Result<Vec<ReplicaStream<'_>>> {
+    pub fn streams(&self, config: StreamConfig) -> Result<Vec<ReplicaStream<'_>>> {
         let mut out = Vec::with_capacity(self.len());
         for model in &self.models {
             out.push(Place::Local(Box::new(LocalStream::new(model, config)?)));

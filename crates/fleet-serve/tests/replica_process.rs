@@ -79,7 +79,7 @@ fn streams_in_processes_generate_what_one_model_generates() {
         num_scheduler_steps: 3,
         ..StreamConfig::new(2, 16 << 20)
     };
-    let mut streams = replicas.streams(&config).unwrap();
+    let mut streams = replicas.streams(config).unwrap();
     let mut got = vec![None; requests.len()];
     let mut next = 0;
     // Three requests per replica up front, the rest one per step as replies come in.
@@ -126,7 +126,7 @@ fn a_stream_whose_process_dies_is_an_error_naming_it() {
     unsafe { std::env::remove_var(EXIT_AFTER_ENV) };
     let replicas = loaded.unwrap();
     assert_eq!(replicas.in_processes(), 1);
-    let mut streams = replicas.streams(&StreamConfig::new(2, 16 << 20)).unwrap();
+    let mut streams = replicas.streams(StreamConfig::new(2, 16 << 20)).unwrap();
     streams[1].submit(0, requests(1)[0].clone()).unwrap();
     streams[1].start_step().unwrap();
     let err = streams[1].finish_step().unwrap_err().to_string();
