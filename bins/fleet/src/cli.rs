@@ -306,6 +306,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
                     batch: args.max_batch.min(requests.len()).max(1),
                     seq_len: longest + args.max_new_tokens,
                     full_logits: false,
+                    kv_pool_bytes: None,
                     max_attention_bytes: None,
                 })?;
                 let loading = std::time::Instant::now();

@@ -475,26 +475,35 @@ fn load_llm(
             )));
         }
     }
+    // Continuous batching's KV is a pool of --kv-cache-gib (default 8 on a GPU, 2 on the CPU)
+    // and its prompt passes have their own token budget: the plan is sized for those, not for
+    // max_batch full-length sequences prefilled at once.
+    let on_gpu = fleet_topology::discover()?
+        .iter()
+        .any(|d| d.location.cuda_ordinal().is_some());
+    let kv_pool_bytes = config.continuous_batching.then(|| {
+        let gib = config
+            .kv_cache_gib
+            .unwrap_or(if on_gpu { 8.0 } else { 2.0 });
+        (gib * (1u64 << 30) as f64) as u64
+    });
+    let workload = match kv_pool_bytes {
+        Some(bytes) => fleet_serve::paged_workload(bytes, attention_budget),
+        None => fleet_serve::default_workload(config.max_batch, attention_budget),
+    };
     let placement = PlacementRequest::from_flags(
         &config.gpu_mode,
         config.gpu_ids.clone(),
         config.max_memory.as_deref(),
-        fleet_serve::default_workload(config.max_batch, attention_budget),
+        workload,
     )?;
     let replicas = Replicas::<Text>::load_planned(&config.model, &checkpoint.opts, &placement)?;
     let placement_text = format!("{} mode, {} replica(s)", placement.mode, replicas.len());
-    let on_gpu = replicas
-        .models
-        .first()
-        .is_some_and(|m| m.model.input_device().is_cuda());
     let mut llm = FleetLlm::new(replicas, checkpoint.model_id.clone(), config.max_batch)
         .with_attention_budget(attention_budget);
-    if config.continuous_batching {
-        let gib = config
-            .kv_cache_gib
-            .unwrap_or(if on_gpu { 8.0 } else { 2.0 });
+    if let Some(bytes) = kv_pool_bytes {
         llm = llm
-            .with_continuous_batching((gib * (1u64 << 30) as f64) as u64)
+            .with_continuous_batching(bytes)
             .with_scheduler_steps(config.num_scheduler_steps);
     }
     let llm = llm.with_cache_file(

@@ -595,6 +595,7 @@ fn load_replicas(
                     seq_len: 4096,
                     full_logits: false,
                     // GPU prefills in bf16/f16 go through fused attention: no score buffers.
+                    kv_pool_bytes: None,
                     max_attention_bytes: fleet_models::attention::fused_prefill(
                         job.dtype,
                         checkpoint.config.text.head_dim(),

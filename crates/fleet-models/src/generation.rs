@@ -403,6 +403,12 @@ const PREFILL_TOKENS: usize = 8192;
 static PASS_TOKENS: crate::ops::EnvCount =
     crate::ops::EnvCount::new("FLEET_PREFILL_TOKENS", PREFILL_TOKENS);
 
+/// Tokens (padding included) of one prompt pass of continuous batching: what a memory plan
+/// sizes the paged path's workspace for (a prompt longer than it gets a pass of its own).
+pub fn prefill_pass_tokens() -> usize {
+    PASS_TOKENS.get()
+}
+
 /// A newcomer that forks the one admitted before it with the same prompt.
 struct Fork {
     /// Its place in the running sequences, and its twin's.
@@ -991,8 +997,11 @@ impl<'a> Generator<'a> {
                 shift: 0,
             });
         }
-        // The prompt passes: newcomers in admission order, as many per pass as
-        // PASS_TOKENS (padding included) holds.
+        // The prompt passes: newcomers longest uncached part first (a pass pads its rows to
+        // its longest, so like lengths go together), as many per pass as PASS_TOKENS
+        // (padding included) holds.
+        to_prefill
+            .sort_by_key(|&i| std::cmp::Reverse(running[i].seq.len() - running[i].seq.cached));
         let mut first_logits: Vec<Option<Tensor>> = vec![None; running.len() - first_new];
         let mut start = 0;
         while start < to_prefill.len() {

@@ -46,8 +46,8 @@ mod wire;
 pub use chat::{generate_chats, ChatOutcome, ChatRequest};
 pub use kind::{ModelKind, Text, VisionLanguage};
 pub use placement::{
-    default_workload, device_maps, plan_on_this_machine, MaxMemory, PlacementRequest, PlanMode,
-    Workload,
+    default_workload, device_maps, paged_workload, plan_on_this_machine, MaxMemory,
+    PlacementRequest, PlanMode, Workload,
 };
 pub use process::{serve_if_replica_worker, EXIT_AFTER_ENV, PROCESSES_ENV, WORKER_ENV};
 pub use replica::{Replica, Replicas};

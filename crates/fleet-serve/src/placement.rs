@@ -64,7 +64,26 @@ pub fn default_workload(batch: usize, max_attention_bytes: u64) -> Workload {
         batch: batch.max(1),
         seq_len: 4096,
         full_logits: false,
+        kv_pool_bytes: None,
         max_attention_bytes: Some(max_attention_bytes),
+    }
+}
+
+/// The workload of continuous batching: a paged KV pool of `kv_pool_bytes`, and a workspace
+/// for one prompt pass — at most [`fleet_models::generation::prefill_pass_tokens`] tokens, or
+/// one prompt of up to 4096 alone — with its attention scores under `max_attention_bytes`. The
+/// decode slots do not enter it: a decode step of any number of rows needs far less than a
+/// prompt pass.
+pub fn paged_workload(kv_pool_bytes: u64, max_attention_bytes: u64) -> Workload {
+    const SEQ_LEN: usize = 4096;
+    Workload {
+        batch: fleet_models::generation::prefill_pass_tokens()
+            .div_ceil(SEQ_LEN)
+            .max(1),
+        seq_len: SEQ_LEN,
+        full_logits: false,
+        max_attention_bytes: Some(max_attention_bytes),
+        kv_pool_bytes: Some(kv_pool_bytes),
     }
 }
 

@@ -466,8 +466,13 @@ impl ModelShape {
     pub fn device_cost(&self, part: DevicePart, dtype: DType, workload: &Workload) -> DeviceCost {
         let b = dtype.size_in_bytes();
         let params = self.part_params(part);
-        let kv_cache =
-            part.layers as u64 * self.kv_bytes_per_token_per_layer(dtype) * workload.tokens();
+        let kv_cache = match workload.kv_pool_bytes {
+            // The pool holds the same blocks in every layer: a device's share is its layers'.
+            Some(pool) if self.num_layers > 0 => {
+                (u128::from(pool) * part.layers as u128 / self.num_layers as u128) as u64
+            }
+            _ => part.layers as u64 * self.kv_bytes_per_token_per_layer(dtype) * workload.tokens(),
+        };
         let workspace = self.workspace_bytes(part, dtype, workload);
         DeviceCost {
             weights: params * b,
@@ -571,8 +576,9 @@ impl DeviceCost {
     }
 }
 
-/// The batch a plan is sized for: KV cache for `batch * seq_len` tokens, workspace for a
-/// prefill of `batch` sequences of `seq_len` tokens.
+/// The batch a plan is sized for: KV cache for `batch * seq_len` tokens (or a paged pool of
+/// [`Workload::kv_pool_bytes`]), workspace for a prefill of `batch` sequences of `seq_len`
+/// tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Workload {
     /// Sequences processed together.
@@ -587,6 +593,11 @@ pub struct Workload {
     /// batch is prefilled at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attention_bytes: Option<u64>,
+    /// A paged KV pool of this many bytes over the whole model (each device holds its layers'
+    /// share) instead of `batch * seq_len` tokens: continuous batching, whose pool is sized by
+    /// the user and whose prompt passes are bounded by their own token budget, not by `batch`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_pool_bytes: Option<u64>,
 }
 
 impl Default for Workload {
@@ -597,6 +608,7 @@ impl Default for Workload {
             seq_len: 2048,
             full_logits: false,
             max_attention_bytes: None,
+            kv_pool_bytes: None,
         }
     }
 }

@@ -539,6 +539,7 @@ impl TrainingWorkload {
             batch: self.per_device_train_batch_size,
             seq_len: self.seq_len(),
             full_logits: false,
+            kv_pool_bytes: None,
             max_attention_bytes: None,
         };
         let body = DevicePart {
@@ -579,6 +580,7 @@ impl TrainingWorkload {
                 batch: self.generation_batch(),
                 seq_len: self.max_prompt_length,
                 full_logits: false,
+                kv_pool_bytes: None,
                 max_attention_bytes: self.max_attention_bytes,
             },
         }

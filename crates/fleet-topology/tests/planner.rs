@@ -183,6 +183,7 @@ fn kv_cache_and_tied_weights() {
         batch: 2,
         seq_len: 512,
         full_logits: true,
+        kv_pool_bytes: None,
         max_attention_bytes: None,
     };
     let head = t.workspace_bytes(part(0, false, true), DType::Bf16, &full);
@@ -270,6 +271,7 @@ fn qwen14b_on_rtx3060_is_two_replicas_of_four() {
             batch: 1,
             seq_len: 512,
             full_logits: false,
+            kv_pool_bytes: None,
             max_attention_bytes: None,
         },
         ..PlanRequest::default()
@@ -478,6 +480,7 @@ fn selected_gpus_and_bad_requests() {
             batch: 0,
             seq_len: 10,
             full_logits: false,
+            kv_pool_bytes: None,
             max_attention_bytes: None,
         },
         ..PlanRequest::default()
@@ -624,6 +627,7 @@ fn capped_attention_makes_a_large_batch_fit() {
         batch: 128,
         seq_len: 4096,
         full_logits: false,
+        kv_pool_bytes: None,
         max_attention_bytes: None,
     };
     let capped = Workload {

@@ -538,6 +538,7 @@ fn reward_model_config_is_a_classifier() {
         batch: 4,
         seq_len: 100,
         full_logits: true,
+        kv_pool_bytes: None,
         max_attention_bytes: None,
     };
     assert_eq!(
