@@ -183,7 +183,8 @@ pub struct RealArgs {
     pub batching: fleet_cli::Batching,
     /// With `--batching continuous`: GiB of each replica's paged KV cache, allocated when the
     /// run starts (fewer when --max-batch calls of the model's whole context need less).
-    /// Default: 8 on a GPU, 2 on the CPU.
+    /// Default: on GPUs, what the placement's budgets (--max-memory; each GPU less 10%) leave
+    /// beside the weights and a prompt pass, as vLLM sizes its cache; 2 on the CPU.
     #[arg(long)]
     pub kv_cache_gib: Option<f64>,
     /// With `--batching continuous`: decode steps queued before their tokens are read back

@@ -140,7 +140,8 @@ pub struct RealRunConfig {
     pub max_in_flight: usize,
     /// Continuous batching (else lock-step rounds).
     pub continuous_batching: bool,
-    /// Its paged KV cache per replica, in GiB; `None`: 8 on a GPU, 2 on the CPU.
+    /// Its paged KV cache per replica, in GiB; `None`: on GPUs what the placement leaves
+    /// beside the model (`Plan::kv_pool_room`), 2 on the CPU.
     pub kv_cache_gib: Option<f64>,
     /// Its decode steps queued before a read of their tokens (vLLM's `num_scheduler_steps`).
     pub num_scheduler_steps: usize,
@@ -475,28 +476,26 @@ fn load_llm(
             )));
         }
     }
-    // Continuous batching's KV is a pool of --kv-cache-gib (default 8 on a GPU, 2 on the CPU)
-    // and its prompt passes have their own token budget: the plan is sized for those, not for
-    // max_batch full-length sequences prefilled at once.
-    let on_gpu = fleet_topology::discover()?
-        .iter()
-        .any(|d| d.location.cuda_ordinal().is_some());
-    let kv_pool_bytes = config.continuous_batching.then(|| {
-        let gib = config
-            .kv_cache_gib
-            .unwrap_or(if on_gpu { 8.0 } else { 2.0 });
-        (gib * (1u64 << 30) as f64) as u64
-    });
+    // Continuous batching's KV is one pool and its prompt passes have their own token budget:
+    // the plan is sized for those, not for max_batch full-length sequences prefilled at once.
+    let request = |workload| {
+        PlacementRequest::from_flags(
+            &config.gpu_mode,
+            config.gpu_ids.clone(),
+            config.max_memory.as_deref(),
+            workload,
+        )
+    };
+    let kv_pool_bytes = match (config.continuous_batching, config.kv_cache_gib) {
+        (false, _) => None,
+        (true, Some(gib)) => Some((gib * (1u64 << 30) as f64) as u64),
+        (true, None) => Some(auto_kv_pool(config, checkpoint, &request)?),
+    };
     let workload = match kv_pool_bytes {
         Some(bytes) => fleet_serve::paged_workload(bytes, attention_budget),
         None => fleet_serve::default_workload(config.max_batch, attention_budget),
     };
-    let placement = PlacementRequest::from_flags(
-        &config.gpu_mode,
-        config.gpu_ids.clone(),
-        config.max_memory.as_deref(),
-        workload,
-    )?;
+    let placement = request(workload)?;
     let replicas = Replicas::<Text>::load_planned(&config.model, &checkpoint.opts, &placement)?;
     let placement_text = format!("{} mode, {} replica(s)", placement.mode, replicas.len());
     let mut llm = FleetLlm::new(replicas, checkpoint.model_id.clone(), config.max_batch)
@@ -512,6 +511,36 @@ fn load_llm(
         config.overwrite,
     )?;
     Ok((llm, placement_text))
+}
+
+/// The paged KV pool when `--kv-cache-gib` is not given: on GPUs, all that the placement's
+/// budgets (`--max-memory`; by default each GPU's memory less 10%) leave beside the weights
+/// and one prompt pass's workspace, as vLLM's `gpu_memory_utilization` sizes its cache; on the
+/// CPU, 2 GiB.
+fn auto_kv_pool(
+    config: &RealRunConfig,
+    checkpoint: &Checkpoint,
+    request: &dyn Fn(fleet_serve::Workload) -> fleet_models::Result<PlacementRequest>,
+) -> Result<u64, RealRunError> {
+    let attention_budget = (config.attention_budget_gib * (1u64 << 30) as f64) as u64;
+    let without_pool = request(fleet_serve::paged_workload(0, attention_budget))?;
+    match fleet_serve::plan_on_this_machine(&config.model, &checkpoint.opts, &without_pool)? {
+        None => Ok(2 << 30),
+        Some(plan) => match plan.kv_pool_room() {
+            Some(room) if room >= 1 << 30 => {
+                eprintln!(
+                    "paged KV cache: {} (what the placement leaves; --kv-cache-gib sets it)",
+                    fleet_topology::format_bytes(room)
+                );
+                Ok(room)
+            }
+            _ => Err(invalid(format!(
+                "the placement leaves {} for the paged KV cache beside the model: give \
+                 --kv-cache-gib, a larger --max-memory, or more GPUs (--gpu-mode)",
+                fleet_topology::format_bytes(plan.kv_pool_room().unwrap_or(0))
+            ))),
+        },
+    }
 }
 
 /// Runs `work` with a progress bar over `jobs` jobs driven by its events (cleared when the

@@ -179,6 +179,28 @@ impl Plan {
     pub fn group_size(&self) -> usize {
         self.replicas.first().map_or(0, |r| r.devices.len())
     }
+
+    /// The largest paged KV pool (bytes over the whole model, as
+    /// [`Workload::kv_pool_bytes`]) that every replica holds within its budgets in place of
+    /// the KV the plan charged: each device's headroom plus that KV, scaled from its layers to
+    /// the whole model; the tightest device decides. `None` when no device holds a layer.
+    pub fn kv_pool_room(&self) -> Option<u64> {
+        self.replicas
+            .iter()
+            .filter_map(|r| {
+                let layers: usize = r.devices.iter().map(|d| d.layers.len()).sum();
+                r.devices
+                    .iter()
+                    .filter(|d| !d.layers.is_empty())
+                    .map(|d| {
+                        let room = u128::from(d.headroom + d.cost.kv_cache);
+                        (room * layers as u128 / d.layers.len() as u128).min(u128::from(u64::MAX))
+                            as u64
+                    })
+                    .min()
+            })
+            .min()
+    }
 }
 
 impl fmt::Display for Plan {

@@ -765,3 +765,100 @@ count = 8
     .to_string();
     assert!(e.contains("GPU 2"), "{e}");
 }
+
+/// A paged KV pool is charged as its bytes, split over the devices by their layers, whatever
+/// the batch: continuous batching at 256 decode slots with a 64 GiB pool fits one H200, where
+/// KV for 256 full-length sequences would not.
+#[test]
+fn a_paged_pool_is_charged_by_its_bytes_and_split_by_layers() {
+    let shape = qwen25("7b");
+    let part = |layers| DevicePart {
+        layers,
+        embed: false,
+        head: false,
+        gpu: true,
+    };
+    let pool = Workload {
+        batch: 2,
+        seq_len: 4096,
+        full_logits: false,
+        max_attention_bytes: Some(1 << 30),
+        kv_pool_bytes: Some(64 << 30),
+    };
+    assert_eq!(
+        shape.device_cost(part(28), DType::Bf16, &pool).kv_cache,
+        64 << 30
+    );
+    assert_eq!(
+        shape.device_cost(part(7), DType::Bf16, &pool).kv_cache,
+        16 << 30
+    );
+    let request = |workload| PlanRequest {
+        mode: PlanMode::Single,
+        dtype: DType::Bf16,
+        workload,
+        max_memory: MaxMemory::new(),
+    };
+    let h200 = topo("h200-1x");
+    assert_eq!(
+        plan(&shape, &h200, &request(pool)).unwrap().replicas.len(),
+        1
+    );
+    let per_sequence = Workload {
+        batch: 256,
+        kv_pool_bytes: None,
+        ..pool
+    };
+    assert!(plan(&shape, &h200, &request(per_sequence)).is_err());
+    // A pool larger than the GPU is refused.
+    let too_big = Workload {
+        kv_pool_bytes: Some(200 << 30),
+        ..pool
+    };
+    assert!(plan(&shape, &h200, &request(too_big)).is_err());
+}
+
+/// The room a plan leaves for a paged pool is what a second plan can charge: the 7B on one
+/// H200 leaves ~100 GiB beside its weights and a prompt pass, a pool of that size fits and
+/// one GiB more does not; sharded over two GPUs, each device's headroom counts for its
+/// layers' share.
+#[test]
+fn the_room_left_for_a_paged_pool_is_what_fits() {
+    let shape = qwen25("7b");
+    let request = |mode, pool| PlanRequest {
+        mode,
+        dtype: DType::Bf16,
+        workload: Workload {
+            batch: 2,
+            seq_len: 4096,
+            full_logits: false,
+            max_attention_bytes: Some(1 << 30),
+            kv_pool_bytes: Some(pool),
+        },
+        max_memory: MaxMemory::new(),
+    };
+    let h200 = topo("h200-1x");
+    let room = plan(&shape, &h200, &request(PlanMode::Single, 0))
+        .unwrap()
+        .kv_pool_room()
+        .unwrap();
+    assert!((95u64 << 30..115 << 30).contains(&room), "{room}");
+    let full = plan(&shape, &h200, &request(PlanMode::Single, room)).unwrap();
+    assert_eq!(full.kv_pool_room(), Some(room));
+    assert!(full.replicas[0].devices[0].headroom < 1 << 20);
+    assert!(plan(&shape, &h200, &request(PlanMode::Single, room + (1 << 30))).is_err());
+
+    let two = topo("h200-2x");
+    let pair = PlanMode::Hybrid {
+        group_size: Some(2),
+    };
+    let sharded = plan(&shape, &two, &request(pair, 0)).unwrap();
+    assert_eq!(sharded.replicas[0].devices.len(), 2);
+    let room2 = sharded.kv_pool_room().unwrap();
+    assert!(room2 > room, "two GPUs hold more pool: {room2} vs {room}");
+    let full2 = plan(&shape, &two, &request(PlanMode::LayerSharded, room2)).unwrap();
+    assert_eq!(
+        full2.replicas[0].devices.len(),
+        sharded.replicas[0].devices.len()
+    );
+}
