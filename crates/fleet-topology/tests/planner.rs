@@ -65,6 +65,16 @@ const QWEN3_VL_30B_A3B: &str = r#"{
   }
 }"#;
 
+/// One replica on one GPU in bf16, sized for `workload`.
+fn single(workload: Workload) -> PlanRequest {
+    PlanRequest {
+        mode: PlanMode::Single,
+        dtype: DType::Bf16,
+        workload,
+        max_memory: MaxMemory::new(),
+    }
+}
+
 fn auto() -> PlanRequest {
     PlanRequest::default()
 }
@@ -639,19 +649,10 @@ fn capped_attention_makes_a_large_batch_fit() {
     assert!(big > 300 << 30, "{big}");
     // What is left is the hidden states and the MLP of the full batch.
     assert!(small < big / 4, "{small}");
-    let request = |workload| PlanRequest {
-        mode: PlanMode::Single,
-        dtype: DType::Bf16,
-        workload,
-        max_memory: MaxMemory::new(),
-    };
     let h200 = topo("h200-1x");
-    assert!(plan(&shape, &h200, &request(uncapped)).is_err());
+    assert!(plan(&shape, &h200, &single(uncapped)).is_err());
     assert_eq!(
-        plan(&shape, &h200, &request(capped))
-            .unwrap()
-            .replicas
-            .len(),
+        plan(&shape, &h200, &single(capped)).unwrap().replicas.len(),
         1
     );
 }
@@ -793,15 +794,9 @@ fn a_paged_pool_is_charged_by_its_bytes_and_split_by_layers() {
         shape.device_cost(part(7), DType::Bf16, &pool).kv_cache,
         16 << 30
     );
-    let request = |workload| PlanRequest {
-        mode: PlanMode::Single,
-        dtype: DType::Bf16,
-        workload,
-        max_memory: MaxMemory::new(),
-    };
     let h200 = topo("h200-1x");
     assert_eq!(
-        plan(&shape, &h200, &request(pool)).unwrap().replicas.len(),
+        plan(&shape, &h200, &single(pool)).unwrap().replicas.len(),
         1
     );
     let per_sequence = Workload {
@@ -809,13 +804,13 @@ fn a_paged_pool_is_charged_by_its_bytes_and_split_by_layers() {
         kv_pool_bytes: None,
         ..pool
     };
-    assert!(plan(&shape, &h200, &request(per_sequence)).is_err());
+    assert!(plan(&shape, &h200, &single(per_sequence)).is_err());
     // A pool larger than the GPU is refused.
     let too_big = Workload {
         kv_pool_bytes: Some(200 << 30),
         ..pool
     };
-    assert!(plan(&shape, &h200, &request(too_big)).is_err());
+    assert!(plan(&shape, &h200, &single(too_big)).is_err());
 }
 
 /// The room a plan leaves for a paged pool is what a second plan can charge: the 7B on one
@@ -856,9 +851,6 @@ fn the_room_left_for_a_paged_pool_is_what_fits() {
     assert_eq!(sharded.replicas[0].devices.len(), 2);
     let room2 = sharded.kv_pool_room().unwrap();
     assert!(room2 > room, "two GPUs hold more pool: {room2} vs {room}");
-    let full2 = plan(&shape, &two, &request(PlanMode::LayerSharded, room2)).unwrap();
-    assert_eq!(
-        full2.replicas[0].devices.len(),
-        sharded.replicas[0].devices.len()
-    );
+    assert!(plan(&shape, &two, &request(pair, room2)).is_ok());
+    assert!(plan(&shape, &two, &request(pair, room2 + (2 << 30))).is_err());
 }
