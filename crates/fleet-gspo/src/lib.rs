@@ -30,7 +30,8 @@
 //! 2. [`WeightedSum::score_batch`] scores the completions; [`group_advantages`] turns the
 //!    totals into advantages.
 //! 3. Off-policy ([`GspoConfig::is_on_policy`] false), old log-probs are computed once, without
-//!    gradients; on-policy the loss gets `None`.
+//!    gradients, for the micro-batches after the first optimizer step (the ones before it take
+//!    the update's own, detached, as TRL does on-policy); on-policy the loss gets `None`.
 //! 4. Per micro-batch: [`policy_loss`] → `backward` → [`AdamW::gradients`], accumulated; after
 //!    `gradient_accumulation_steps` micro-batches: [`clip_grad_norm`], [`AdamW::step`] at
 //!    [`LrSchedule::lr`], and one [`StepMetrics`] line.

@@ -304,7 +304,8 @@ pub fn trainer_epoch(
 pub struct StepTimings {
     /// Sampling completions (0 for a step that reused a buffered generation batch).
     pub generation_seconds: f64,
-    /// Reward functions, advantages, old / reference log-probs (0 likewise).
+    /// Reward functions, advantages, old / reference log-probs, their GPU work waited for
+    /// (as TRL's `_generate_and_score_completions` holds them; 0 likewise).
     pub scoring_seconds: f64,
     /// Forward and backward of the step's micro-batches, the ranks' gradient all-reduce,
     /// gradient clipping and the AdamW update.

@@ -6,7 +6,9 @@
 //!    with the current weights (fleet-models' inference path: KV cache, fused kernels);
 //! 2. score them ([`WeightedSum`]) and turn the totals into group advantages;
 //! 3. off-policy (see [`GspoConfig::is_on_policy`]), compute the old log-probs once, without
-//!    gradients; with `beta > 0`, the reference model's log-probs;
+//!    gradients — except for the micro-batches before the first optimizer step, which still
+//!    see the weights that generated the batch and take the update's own forward's (the same
+//!    values to the bit); with `beta > 0`, the reference model's log-probs;
 //! 4. shuffle the completions once and cut them into `steps_per_generation` micro-batches,
 //!    each read as wide as its longest scored completion (the log-prob passes of step 3 cut
 //!    them alike); `num_iterations` passes over them; every `gradient_accumulation_steps`
@@ -143,8 +145,14 @@ struct Rollouts {
     micro_batches: Vec<Vec<usize>>,
     /// Where a row this rank trains on sits in `old_logp` / `ref_logp`.
     logp_pos: std::collections::HashMap<usize, usize>,
-    /// Old log-probs (off-policy) of this rank's rows, `[rank rows, width]`.
+    /// Old log-probs (off-policy) of this rank's rows, `[rank rows, width]`; zeros in the
+    /// rows of the first `own_old_logp` micro-batches.
     old_logp: Option<Tensor>,
+    /// Leading micro-batches (of the first iteration) that run before the generation batch's
+    /// first optimizer step, on the weights that generated it: their old log-probs are the
+    /// update's own forward's, detached (to the bit what a pass of their own would give, a
+    /// test in fleet-models checks), so no pass is spent on them.
+    own_old_logp: usize,
     /// Reference log-probs (beta > 0) of this rank's rows, `[rank rows, width]`.
     ref_logp: Option<Tensor>,
     stats: CompletionStats,
@@ -216,7 +224,7 @@ impl Trainer {
         // gradient_accumulation_steps / split of them per step), as TRL computes it.
         let split = self.layout.micro_split.max(1);
         let configured_gas = (gas / split).max(1) as f64;
-        for _ in 0..cfg.num_iterations {
+        for iteration in 0..cfg.num_iterations {
             for (m, micro) in rollouts.micro_batches.iter().enumerate() {
                 if self.state.step >= self.total_steps {
                     return Ok(());
@@ -233,7 +241,14 @@ impl Trainer {
                 let rows = shares.of(micro);
                 let (loss, metrics, tokens) =
                     fleet_models::profile::profiler_window("train.micro_step", || {
-                        self.micro_step(&rollouts, rows, global_sequences, &loss_config, &mut grads)
+                        self.micro_step(
+                            &rollouts,
+                            rows,
+                            iteration == 0 && m < rollouts.own_old_logp,
+                            global_sequences,
+                            &loss_config,
+                            &mut grads,
+                        )
                     })?;
                 step_loss += loss / configured_gas;
                 // The parts of a split micro-batch are one micro-batch of TRL's (one value
@@ -998,6 +1013,7 @@ impl Trainer {
             micro_batches,
             logp_pos,
             old_logp: None,
+            own_old_logp: 0,
             ref_logp: None,
             stats: stats.ok_or_else(|| {
                 TrainError::Setup("a generation batch without completions".into())
@@ -1007,14 +1023,28 @@ impl Trainer {
             scoring_seconds: 0.0,
         };
         if !cfg.is_on_policy() {
+            // LoRA's dropout makes the update's forward another draw than a plain pass: then
+            // every micro-batch gets its pass.
+            rollouts.own_old_logp =
+                if (cfg.use_peft && cfg.lora_dropout > 0.0) || !OWN_OLD_LOGP.on() {
+                    0
+                } else {
+                    cfg.gradient_accumulation_steps
+                        .min(rollouts.micro_batches.len())
+                };
             let timer = Stage::start(self, "rollout.old_logprobs");
-            rollouts.old_logp = Some(self.all_logprobs(&self.policy, &rollouts, width)?);
+            rollouts.old_logp =
+                Some(self.all_logprobs(&self.policy, &rollouts, width, rollouts.own_old_logp)?);
             timer.stop(self)?;
         }
         if cfg.beta > 0.0 {
             let reference = self.reference.as_ref().ok_or(TrainError::NoReference)?;
-            rollouts.ref_logp = Some(self.all_logprobs(reference, &rollouts, width)?);
+            rollouts.ref_logp = Some(self.all_logprobs(reference, &rollouts, width, 0)?);
+            reference.head_device().synchronize()?;
         }
+        // The log-prob passes are queued asynchronously: without waiting for them here their
+        // GPU time would be counted in the update's phase, where TRL's is not.
+        self.policy_head_device().synchronize()?;
         rollouts.scoring_seconds = scoring.elapsed().as_secs_f64();
         Ok(rollouts)
     }
@@ -1026,32 +1056,45 @@ impl Trainer {
     /// Log-probs of this rank's rows under `model`, `[rows, width]` in `r.logp_pos` order: each
     /// micro-batch's share as the update reads it (the same rows, cut to the same
     /// [`Self::micro_width`]), so that the update's first forward gives these values to the
-    /// bit; zeros past a micro-batch's width.
+    /// bit; zeros past a micro-batch's width, and in the rows of the first `skip` micro-batches
+    /// (not computed).
     fn all_logprobs(
         &self,
         model: &TrainableQwen,
         r: &Rollouts,
         width: usize,
+        skip: usize,
     ) -> Result<Tensor, TrainError> {
         let shares = self.shares();
         let dev = self.policy_head_device();
-        let mut parts = Vec::new();
-        for micro in &r.micro_batches {
+        // Computed parts, and the row counts of the skipped ones (zeros in the passes' dtype).
+        let mut parts: Vec<Result<Tensor, usize>> = Vec::new();
+        let mut dtype = DType::F32;
+        for (m, micro) in r.micro_batches.iter().enumerate() {
             let rows = shares.of(micro);
             if rows.is_empty() {
+                continue;
+            }
+            if m < skip {
+                parts.push(Err(rows.len()));
                 continue;
             }
             let w = self.micro_width(r, rows);
             let batch = self.token_batch(r, rows, w)?;
             let lp = model.logprobs(&batch, self.config.temperature)?;
             let lp = fleet_models::device::transfer(&lp.logp, &dev)?;
-            parts.push(if w < width {
+            dtype = lp.dtype();
+            parts.push(Ok(if w < width {
                 let zeros = Tensor::zeros((rows.len(), width - w), lp.dtype(), &dev)?;
                 Tensor::cat(&[lp, zeros], 1)?
             } else {
                 lp
-            });
+            }));
         }
+        let parts = parts
+            .into_iter()
+            .map(|p| p.or_else(|rows| Tensor::zeros((rows, width), dtype, &dev)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Tensor::cat(&parts, 0)?)
     }
 
@@ -1107,10 +1150,13 @@ impl Trainer {
     /// The share's loss is its sum over `global_sequences`, the micro-batch's sequences over
     /// all ranks, so that summing the ranks' gradients gives the whole micro-batch's. Returns
     /// the loss, this share's metrics (the policy's entropy added) and the tokens trained on.
+    /// `own_old_logp`: the weights are still those that generated the batch, and the old
+    /// log-probs are this forward's own (see `Rollouts::own_old_logp`).
     fn micro_step(
         &self,
         r: &Rollouts,
         rows: &[usize],
+        own_old_logp: bool,
         global_sequences: u64,
         loss_config: &LossConfig,
         grads: &mut ParamGrads,
@@ -1137,6 +1183,7 @@ impl Trainer {
         let old = r
             .old_logp
             .as_ref()
+            .filter(|_| !own_old_logp)
             .map(|t| t.index_select(&pos, 0)?.narrow(1, 0, width))
             .transpose()?;
         let reference = r
@@ -1223,6 +1270,13 @@ impl Stage {
         Ok(())
     }
 }
+
+/// Whether the micro-batches before a generation batch's first optimizer step take the
+/// update's own log-probs as their old ones (`Rollouts::own_old_logp`) instead of a pass of
+/// their own: on unless `FLEET_OWN_OLD_LOGP=0`, which gives the measurement of both in one
+/// call and a test of their equality.
+pub static OWN_OLD_LOGP: fleet_models::ops::EnvSwitch =
+    fleet_models::ops::EnvSwitch::new("FLEET_OWN_OLD_LOGP", true);
 
 /// Mixed into the run seed for LoRA's dropout keys (apart from the sampling seeds).
 const LORA_DROPOUT_SALT: u64 = 0x6c6f_7261_5f64_726f;

@@ -178,3 +178,43 @@ fn a_padding_free_run_matches_the_padded_run() {
         close(a.entropy.unwrap(), b.entropy.unwrap(), "entropy", i);
     }
 }
+
+/// Off-policy (4 optimizer steps per generation batch), the micro-batches before a batch's
+/// first optimizer step take the update's own log-probs as their old ones instead of a pass of
+/// their own: the run is the same to the bit, every logged value but the clocks.
+#[test]
+fn old_logprobs_from_the_updates_own_forward_change_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let switch = &fleet_gspo::trainer::OWN_OLD_LOGP;
+    let overrides = ["learning_rate=0.05"];
+    switch.force(Some(false));
+    let with_pass = run(&tmp.path().join("pass"), 8, &overrides);
+    switch.force(Some(true));
+    let own = run(&tmp.path().join("own"), 8, &overrides);
+    switch.force(None);
+    let values = |m: &[StepMetrics]| -> Vec<serde_json::Value> {
+        m.iter()
+            .map(|r| {
+                let mut v = serde_json::to_value(r).unwrap();
+                let o = v.as_object_mut().unwrap();
+                for clock in [
+                    "step_time",
+                    "tokens_per_second",
+                    "generation_seconds",
+                    "scoring_seconds",
+                    "update_seconds",
+                    "peak_memory_bytes",
+                ] {
+                    o.remove(clock);
+                }
+                v
+            })
+            .collect()
+    };
+    assert_eq!(values(&with_pass), values(&own));
+    // The later steps of a batch read the old log-probs: the policy has moved by then.
+    assert!(
+        own.iter().any(|r| r.ratio_mean.is_some_and(|x| x != 1.0)),
+        "no step saw a ratio other than 1: the test would not see a wrong old log-prob"
+    );
+}

@@ -138,6 +138,17 @@ fn check(name: &str, model: &TrainableQwen) {
     let (out, loss) = backward_into(model, &g, &mut grads);
     let e = rel_err(&masked(&out.logp), &masked(&g.logp));
     assert!(e < 1e-5, "{name}: forward_backward logp rel err {e}");
+    // The log-prob pass gives the training forward's values to the bit: gspo-train takes the
+    // update's own log-probs as the old ones of the micro-batches before its first optimizer
+    // step, instead of a pass of their own.
+    let bits = |t: &Tensor| masked(t).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert!(
+        bits(&lp.logp)
+            .iter()
+            .zip(bits(&out.logp))
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{name}: the log-prob pass and the training forward differ"
+    );
     assert!(loss.is_finite());
 
     let params = model.params();

@@ -459,10 +459,11 @@ impl EnvCount {
     }
 }
 
-/// A kernel choice read once from an environment variable, which a test may force either way
-/// (for comparing two kernels in one process): on unless the variable is `0` when
+/// A kernel (or path) choice read once from an environment variable, which a test may force
+/// either way (for comparing two paths in one process): on unless the variable is `0` when
 /// `on_by_default`, else on only when it is `1`.
-pub(crate) struct EnvSwitch {
+#[derive(Debug)]
+pub struct EnvSwitch {
     var: &'static str,
     on_by_default: bool,
     from_env: std::sync::OnceLock<bool>,
@@ -471,7 +472,8 @@ pub(crate) struct EnvSwitch {
 }
 
 impl EnvSwitch {
-    pub(crate) const fn new(var: &'static str, on_by_default: bool) -> Self {
+    /// The switch of variable `var`, on or off when it is unset.
+    pub const fn new(var: &'static str, on_by_default: bool) -> Self {
         EnvSwitch {
             var,
             on_by_default,
@@ -481,7 +483,7 @@ impl EnvSwitch {
     }
 
     /// Whether the choice is on now.
-    pub(crate) fn on(&self) -> bool {
+    pub fn on(&self) -> bool {
         match self.forced.load(std::sync::atomic::Ordering::Relaxed) {
             1 => false,
             2 => true,
@@ -494,7 +496,7 @@ impl EnvSwitch {
     }
 
     /// Forces the choice (`Some`) or hands it back to the environment (`None`).
-    pub(crate) fn force(&self, on: Option<bool>) {
+    pub fn force(&self, on: Option<bool>) {
         let v = match on {
             None => 0,
             Some(false) => 1,
