@@ -489,7 +489,12 @@ fn load_llm(
     let kv_pool_bytes = match (config.continuous_batching, config.kv_cache_gib) {
         (false, _) => None,
         (true, Some(gib)) => Some((gib * (1u64 << 30) as f64) as u64),
-        (true, None) => Some(auto_kv_pool(config, checkpoint, &request)?),
+        (true, None) => Some(auto_kv_pool(
+            config,
+            checkpoint,
+            attention_budget,
+            &request,
+        )?),
     };
     let workload = match kv_pool_bytes {
         Some(bytes) => fleet_serve::paged_workload(bytes, attention_budget),
@@ -520,27 +525,28 @@ fn load_llm(
 fn auto_kv_pool(
     config: &RealRunConfig,
     checkpoint: &Checkpoint,
+    attention_budget: u64,
     request: &dyn Fn(fleet_serve::Workload) -> fleet_models::Result<PlacementRequest>,
 ) -> Result<u64, RealRunError> {
-    let attention_budget = (config.attention_budget_gib * (1u64 << 30) as f64) as u64;
     let without_pool = request(fleet_serve::paged_workload(0, attention_budget))?;
-    match fleet_serve::plan_on_this_machine(&config.model, &checkpoint.opts, &without_pool)? {
-        None => Ok(2 << 30),
-        Some(plan) => match plan.kv_pool_room() {
-            Some(room) if room >= 1 << 30 => {
-                eprintln!(
-                    "paged KV cache: {} (what the placement leaves; --kv-cache-gib sets it)",
-                    fleet_topology::format_bytes(room)
-                );
-                Ok(room)
-            }
-            _ => Err(invalid(format!(
-                "the placement leaves {} for the paged KV cache beside the model: give \
-                 --kv-cache-gib, a larger --max-memory, or more GPUs (--gpu-mode)",
-                fleet_topology::format_bytes(plan.kv_pool_room().unwrap_or(0))
-            ))),
-        },
+    let Some(plan) =
+        fleet_serve::plan_on_this_machine(&config.model, &checkpoint.opts, &without_pool)?
+    else {
+        return Ok(2 << 30);
+    };
+    let room = plan.kv_pool_room().unwrap_or(0);
+    if room < 1 << 30 {
+        return Err(invalid(format!(
+            "the placement leaves {} for the paged KV cache beside the model: give \
+             --kv-cache-gib, a larger --max-memory, or more GPUs (--gpu-mode)",
+            fleet_topology::format_bytes(room)
+        )));
     }
+    eprintln!(
+        "paged KV cache: {} (what the placement leaves; --kv-cache-gib sets it)",
+        fleet_topology::format_bytes(room)
+    );
+    Ok(room)
 }
 
 /// Runs `work` with a progress bar over `jobs` jobs driven by its events (cleared when the
