@@ -52,6 +52,18 @@ fn ingest_query_compare_and_resume_on_tiny_fixtures() {
     assert_eq!(summary["results"].as_array().unwrap().len(), 3);
     assert_eq!(summary["resumed_jobs"], 0);
     assert!(summary["llm"]["calls"].as_u64().unwrap() >= 9);
+    // The settings its speed depends on, defaults included: continuous batching with 384
+    // slots, 1,024 questions in flight, a 2 GiB pool on the CPU, tokens read every step.
+    assert_eq!(
+        summary["batching"],
+        serde_json::json!({
+            "mode": "continuous",
+            "max_batch": 384,
+            "max_in_flight": 1024,
+            "kv_cache_bytes": 2u64 << 30,
+            "num_scheduler_steps": 1,
+        })
+    );
     let records = std::fs::read_to_string(out_dir.join("records.jsonl")).unwrap();
     assert_eq!(records.lines().count(), 9);
 

@@ -195,8 +195,28 @@ pub struct RealRunSummary {
     pub retrieval: RetrievalConfig,
     /// Where the GPU work ran (placement mode and replicas).
     pub placement: String,
+    /// How the LLM's calls were batched.
+    pub batching: BatchingSummary,
     /// The commit measured.
     pub commit: String,
+}
+
+/// How a real run batched its LLM calls (the settings its speed depends on; its records do
+/// not).
+#[derive(Debug, Clone, Serialize)]
+pub struct BatchingSummary {
+    /// `continuous` or `static`.
+    pub mode: &'static str,
+    /// Per replica: decode slots (continuous) or prompts per batch (static).
+    pub max_batch: usize,
+    /// Questions advancing together.
+    pub max_in_flight: usize,
+    /// Each replica's paged KV cache in bytes (continuous only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache_bytes: Option<u64>,
+    /// Decode steps queued before a read of their tokens (continuous only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_scheduler_steps: Option<usize>,
 }
 
 /// A table of the results, one row per (c_r, strategy).

@@ -27,8 +27,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::dataset::{Dataset, DatasetSource, Difficulty, Question};
 use crate::experiment::{
-    build_jobs, real_run_manifest, render_real_table, RealRunInputs, RealRunSummary,
-    RetrievalConfig,
+    build_jobs, real_run_manifest, render_real_table, BatchingSummary, RealRunInputs,
+    RealRunSummary, RetrievalConfig,
 };
 use crate::index::VectorIndex;
 use crate::llm::{cache_manifest, FleetLlm, Llm};
@@ -228,7 +228,7 @@ pub fn run(config: &RealRunConfig) -> Result<RealRun, RealRunError> {
     .note("index", config.index.display().to_string())
     .note("dataset", config.dataset.display().to_string());
     let run_dir = open_run_dir(config, &manifest)?;
-    let (llm, placement) = load_llm(config, &checkpoint, &run_dir)?;
+    let (llm, placement, kv_cache_bytes) = load_llm(config, &checkpoint, &run_dir)?;
     let jobs = build_jobs(&data.questions, &cfg, &cfg.strategies.list, &c_r_values)?;
     let keys: Vec<String> = jobs.iter().map(|j| j.key()).collect();
     let mut records = RecordsFile::open(&run_dir.join("records.jsonl"))?;
@@ -270,6 +270,19 @@ pub fn run(config: &RealRunConfig) -> Result<RealRun, RealRunError> {
         config: cfg,
         retrieval: config.retrieval,
         placement,
+        batching: BatchingSummary {
+            mode: if config.continuous_batching {
+                "continuous"
+            } else {
+                "static"
+            },
+            max_batch: config.max_batch,
+            max_in_flight: config.max_in_flight,
+            kv_cache_bytes,
+            num_scheduler_steps: config
+                .continuous_batching
+                .then_some(config.num_scheduler_steps),
+        },
         commit: commit_id(),
     };
     Ok(RealRun {
@@ -462,12 +475,13 @@ fn open_run_dir(
     Ok(run_dir)
 }
 
-/// The LLM on its placement, with the run's cache file; and the placement in words.
+/// The LLM on its placement, with the run's cache file; the placement in words, and the
+/// paged KV cache's bytes (continuous batching).
 fn load_llm(
     config: &RealRunConfig,
     checkpoint: &Checkpoint,
     run_dir: &RunDir,
-) -> Result<(FleetLlm, String), RealRunError> {
+) -> Result<(FleetLlm, String, Option<u64>), RealRunError> {
     let attention_budget = (config.attention_budget_gib * (1u64 << 30) as f64) as u64;
     if let Some(gib) = config.kv_cache_gib {
         if !(gib.is_finite() && gib > 0.0) {
@@ -515,7 +529,7 @@ fn load_llm(
         &cache_manifest(&checkpoint.identity, checkpoint.dtype),
         config.overwrite,
     )?;
-    Ok((llm, placement_text))
+    Ok((llm, placement_text, kv_pool_bytes))
 }
 
 /// The paged KV pool when `--kv-cache-gib` is not given: on GPUs, all that the placement's
