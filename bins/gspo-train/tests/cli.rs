@@ -212,14 +212,7 @@ fn a_killed_run_resumes_bit_for_bit() {
             .map(|mut r| {
                 // Timings and memory differ between runs; the training does not.
                 let o = r.as_object_mut().unwrap();
-                for k in [
-                    "step_time",
-                    "tokens_per_second",
-                    "generation_seconds",
-                    "scoring_seconds",
-                    "update_seconds",
-                    "peak_memory_bytes",
-                ] {
+                for k in fleet_gspo::StepMetrics::CLOCK_FIELDS {
                     o.remove(k);
                 }
                 r

@@ -445,6 +445,17 @@ pub struct StepParts<'a> {
 }
 
 impl StepMetrics {
+    /// The metrics.jsonl fields that differ between two runs of the same training (clocks and
+    /// memory): what a comparison of runs leaves out.
+    pub const CLOCK_FIELDS: [&'static str; 6] = [
+        "step_time",
+        "tokens_per_second",
+        "generation_seconds",
+        "scoring_seconds",
+        "update_seconds",
+        "peak_memory_bytes",
+    ];
+
     /// Assembles a record from the step's pieces.
     pub fn from_parts(p: &StepParts<'_>) -> StepMetrics {
         let lm = p.loss_metrics;
@@ -1132,15 +1143,12 @@ mod tests {
             "grad_norm",
             "learning_rate",
             "num_tokens",
-            "step_time",
-            "tokens_per_second",
-            "generation_seconds",
-            "scoring_seconds",
-            "update_seconds",
-            "peak_memory_bytes",
             "failed_rewards",
             "unparsed_answers",
-        ] {
+        ]
+        .into_iter()
+        .chain(StepMetrics::CLOCK_FIELDS)
+        {
             assert!(v.get(key).is_some(), "missing {key} in {v}");
         }
         assert!(v.get("kl").is_none(), "kl only with beta > 0");

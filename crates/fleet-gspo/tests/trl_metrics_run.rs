@@ -197,14 +197,7 @@ fn old_logprobs_from_the_updates_own_forward_change_nothing() {
             .map(|r| {
                 let mut v = serde_json::to_value(r).unwrap();
                 let o = v.as_object_mut().unwrap();
-                for clock in [
-                    "step_time",
-                    "tokens_per_second",
-                    "generation_seconds",
-                    "scoring_seconds",
-                    "update_seconds",
-                    "peak_memory_bytes",
-                ] {
+                for clock in StepMetrics::CLOCK_FIELDS {
                     o.remove(clock);
                 }
                 v
