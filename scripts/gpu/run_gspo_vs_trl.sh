@@ -35,7 +35,9 @@
 # adapters, r 16, alpha 32, lora_dropout 0.05 (TRL's default), on every linear layer, against full fine-tuning in the same call;
 # also fleet-bf16-packed: padding_free (packed sequences; with EOS_SCALE, below, where the
 # completions' lengths vary); fleet-bf16-steps1: rollouts
-# reading tokens back after every decode step (the default is every 8); fleet-bf16-mb8: each micro-batch
+# reading tokens back after every decode step (the default is every 8); fleet-bf16-oldpass: an
+# old log-prob pass for every micro-batch (FLEET_OWN_OLD_LOGP=0), as before 2026-11-29c;
+# fleet-bf16-mb8: each micro-batch
 # run as micro-batches of 8 with gradient accumulation, the same optimizer steps, for batches that
 # are multiples of 8; and fleet-bf16-auto, whose --max-memory is TRL's peak measured just before
 # at the same batch).
@@ -118,11 +120,12 @@ trl_run() {
   [ "$st" = ok ]
 }
 fleet_run() {
-  local variant=$1 shape=$2 b=$3 steps=$4 mode=$5 name="$1-$2-b$3" extra rc st trl_mib t
+  local variant=$1 shape=$2 b=$3 steps=$4 mode=$5 name="$1-$2-b$3" extra envs="" rc st trl_mib t
   case "$variant" in
     fleet) extra="" ;;
     fleet-bf16) extra="--torch-dtype bfloat16" ;;
     fleet-bf16-steps1) extra="--torch-dtype bfloat16 --set num_scheduler_steps=1" ;;
+    fleet-bf16-oldpass) extra="--torch-dtype bfloat16"; envs="FLEET_OWN_OLD_LOGP=0" ;;
     fleet-bf16-packed) extra="--torch-dtype bfloat16 --set padding_free=true" ;;
     fleet-bf16-lora) extra="--torch-dtype bfloat16 --set use_peft=true --set lora_r=16 --set lora_alpha=32 --set lora_target_modules=all-linear --set lora_dropout=0.05" ;;
     fleet-lora) extra="--set use_peft=true --set lora_r=16 --set lora_alpha=32 --set lora_target_modules=all-linear --set lora_dropout=0.05" ;;
@@ -139,7 +142,7 @@ fleet_run() {
   if [ "$t" = 0 ]; then printf '%s\t%s:%s\t%s\tskipped\ttime budget used up\n' "$variant" "$mode" "$shape" "$b" >> "$SEARCH_TSV"; return 1; fi
   rm -rf "${WORK:?}/$name"
   # shellcheck disable=SC2086
-  with_peak "$name" timeout "$t" "$WORK/gspo-train" --config configs/gspo/bench.toml \
+  with_peak "$name" env $envs timeout "$t" "$WORK/gspo-train" --config configs/gspo/bench.toml \
       --model "$WORK/q$shape" --dataset "$WORK/prompts.jsonl" --output-dir "$WORK/$name" \
       --max-steps "$steps" --dtype bf16 --per-device-train-batch-size "$b" $extra
   rc=$?
