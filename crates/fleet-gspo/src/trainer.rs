@@ -1067,34 +1067,28 @@ impl Trainer {
     ) -> Result<Tensor, TrainError> {
         let shares = self.shares();
         let dev = self.policy_head_device();
-        // Computed parts, and the row counts of the skipped ones (zeros in the passes' dtype).
-        let mut parts: Vec<Result<Tensor, usize>> = Vec::new();
-        let mut dtype = DType::F32;
+        let mut parts = Vec::new();
         for (m, micro) in r.micro_batches.iter().enumerate() {
             let rows = shares.of(micro);
             if rows.is_empty() {
                 continue;
             }
             if m < skip {
-                parts.push(Err(rows.len()));
+                // The passes give f32 log-probs (`ops::logp_entropy`).
+                parts.push(Tensor::zeros((rows.len(), width), DType::F32, &dev)?);
                 continue;
             }
             let w = self.micro_width(r, rows);
             let batch = self.token_batch(r, rows, w)?;
             let lp = model.logprobs(&batch, self.config.temperature)?;
             let lp = fleet_models::device::transfer(&lp.logp, &dev)?;
-            dtype = lp.dtype();
-            parts.push(Ok(if w < width {
+            parts.push(if w < width {
                 let zeros = Tensor::zeros((rows.len(), width - w), lp.dtype(), &dev)?;
                 Tensor::cat(&[lp, zeros], 1)?
             } else {
                 lp
-            }));
+            });
         }
-        let parts = parts
-            .into_iter()
-            .map(|p| p.or_else(|rows| Tensor::zeros((rows, width), dtype, &dev)))
-            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Tensor::cat(&parts, 0)?)
     }
 

@@ -1000,12 +1000,11 @@ impl<'a> Generator<'a> {
         // The prompt passes: newcomers longest uncached part first (a pass pads its rows to
         // its longest, so like lengths go together), as many per pass as PASS_TOKENS
         // (padding included) holds.
-        to_prefill
-            .sort_by_key(|&i| std::cmp::Reverse(running[i].seq.len() - running[i].seq.cached));
+        to_prefill.sort_by_key(|&i| std::cmp::Reverse(running[i].seq.uncached()));
         let mut first_logits: Vec<Option<Tensor>> = vec![None; running.len() - first_new];
         let mut start = 0;
         while start < to_prefill.len() {
-            let uncached = |i: usize| running[i].seq.len() - running[i].seq.cached;
+            let uncached = |i: usize| running[i].seq.uncached();
             let mut end = start + 1;
             let mut window = uncached(to_prefill[start]);
             while end < to_prefill.len() {

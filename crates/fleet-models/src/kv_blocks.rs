@@ -83,6 +83,11 @@ impl SequenceBlocks {
         self.tokens.is_empty()
     }
 
+    /// Tokens after the cached prefix: what a prefill of the sequence computes.
+    pub fn uncached(&self) -> usize {
+        self.len() - self.cached
+    }
+
     /// The slot of token `i`.
     pub fn slot(&self, i: usize, block_size: usize) -> u32 {
         self.blocks[i / block_size] * block_size as u32 + (i % block_size) as u32

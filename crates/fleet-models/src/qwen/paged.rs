@@ -793,7 +793,7 @@ pub(crate) fn paged_prefill_layout(
     bs: usize,
     kv_heads: usize,
 ) -> PrefillLayout {
-    let window = seqs.iter().map(|s| s.len() - s.cached).max().unwrap_or(0);
+    let window = seqs.iter().map(|s| s.uncached()).max().unwrap_or(0);
     let max_len = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
     let pad = seqs.iter().map(|s| max_len - s.len()).collect();
     let mut positions = Vec::with_capacity(seqs.len() * window);
