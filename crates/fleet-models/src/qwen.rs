@@ -44,6 +44,33 @@ impl RmsNorm {
     fn add_forward(&self, x: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
         ops::add_rms_norm(x, h, &self.weight, self.eps)
     }
+
+    /// `(s, norm(s))` of the residual stream `s = x + pending` (`x` when nothing is pending).
+    fn stream_forward(&self, x: &Tensor, pending: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        match pending {
+            Some(p) => self.add_forward(x, p),
+            None => Ok((x.clone(), self.forward(x)?)),
+        }
+    }
+
+    /// `(s, proj(norm(s)))` with `proj`'s LoRA adapters, and `swiglu` after it for the MLP's
+    /// gate/up projection: how a decoder layer opens its attention and its MLP. Without
+    /// adapters this is [`ops::norm_linear`], one kernel on a decode step.
+    fn projection(
+        &self,
+        x: &Tensor,
+        pending: Option<&Tensor>,
+        proj: &Linear,
+        lora: &Adapters,
+        swiglu: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        if lora.0.is_empty() {
+            return ops::norm_linear(x, pending, (&self.weight, self.eps), proj, swiglu);
+        }
+        let (s, h) = self.stream_forward(x, pending)?;
+        let y = lora.apply(&h, ops::linear(proj, &h)?)?;
+        Ok((s, if swiglu { ops::swiglu(&y)? } else { y }))
+    }
 }
 
 /// From how many queries (a prefill) attention on a GPU runs through the fused kernel; decode
@@ -364,13 +391,17 @@ impl LayerHooks for DeepstackHooks<'_> {
 }
 
 impl Attention {
-    fn forward(&self, x: &Tensor, inputs: &DeviceInputs, cache: &mut LayerCache) -> Result<Tensor> {
+    /// Attention from the fused q/k/v projection `qkv` (`[b, q_len, (heads + 2 kv_heads) d]`,
+    /// no bias yet), through the output projection.
+    fn forward(
+        &self,
+        qkv: &Tensor,
+        inputs: &DeviceInputs,
+        cache: &mut LayerCache,
+    ) -> Result<Tensor> {
         let (rope, pad) = (&inputs.rope, &inputs.pad);
-        let q_len = x.dim(1)?;
-        let dev = x.device();
-        let qkv = profile::time(dev, "attn.qkv_proj", || {
-            self.qkv_lora.apply(x, ops::linear(&self.qkv, x)?)
-        })?;
+        let q_len = qkv.dim(1)?;
+        let dev = qkv.device();
         // On a paged cache the keys and values go straight into it at this call's slots.
         let kv = match &inputs.paged {
             Some(paged) => {
@@ -384,7 +415,7 @@ impl Attention {
             None => None,
         };
         let (q, kv_out) =
-            profile::time(dev, "attn.rope", || self.heads(&qkv, &rope.cs, kv.as_ref()))?;
+            profile::time(dev, "attn.rope", || self.heads(qkv, &rope.cs, kv.as_ref()))?;
         if let Some(paged) = &inputs.paged {
             let out = self.paged_attention(&q, paged, pad, cache)?;
             return profile::time(dev, "attn.o_proj", || {
@@ -528,24 +559,11 @@ impl Attention {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dev = x.device();
-        let gu = profile::time(dev, "mlp.gate_up", || {
-            self.gate_up_lora.apply(x, ops::linear(&self.gate_up, x)?)
-        })?;
-        let act = profile::time(dev, "mlp.act", || ops::swiglu(&gu))?;
-        profile::time(dev, "mlp.down", || {
-            self.down_lora.apply(&act, ops::linear(&self.down, &act)?)
+    /// The down projection of the SwiGLU activations.
+    fn down(&self, act: &Tensor) -> Result<Tensor> {
+        profile::time(act.device(), "mlp.down", || {
+            self.down_lora.apply(act, ops::linear(&self.down, act)?)
         })
-    }
-}
-
-impl Ffn {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Ffn::Dense(m) => m.forward(x),
-            Ffn::Moe(m) => profile::time(x.device(), "moe", || m.forward(x)),
-        }
     }
 }
 
@@ -714,14 +732,25 @@ impl DecoderLayer {
         cache: &mut LayerCache,
     ) -> Result<(Tensor, Tensor)> {
         let dev = x.device();
-        let (x, h) = profile::time(dev, "norm", || match pending {
-            Some(p) => self.input_norm.add_forward(x, p),
-            None => Ok((x.clone(), self.input_norm.forward(x)?)),
+        let at = &self.attn;
+        let (x, qkv) = profile::time(dev, "norm+attn.qkv_proj", || {
+            self.input_norm
+                .projection(x, pending, &at.qkv, &at.qkv_lora, false)
         })?;
-        let attn = self.attn.forward(&h, inputs, cache)?;
-        let (x, h) = profile::time(dev, "norm", || self.post_attn_norm.add_forward(&x, &attn))?;
-        let mlp = self.mlp.forward(&h)?;
-        Ok((x, mlp))
+        let attn = at.forward(&qkv, inputs, cache)?;
+        let norm = &self.post_attn_norm;
+        match &self.mlp {
+            Ffn::Dense(m) => {
+                let (x, act) = profile::time(dev, "norm+mlp.gate_up_act", || {
+                    norm.projection(&x, Some(&attn), &m.gate_up, &m.gate_up_lora, true)
+                })?;
+                Ok((x, m.down(&act)?))
+            }
+            Ffn::Moe(m) => {
+                let (x, h) = profile::time(dev, "norm", || norm.add_forward(&x, &attn))?;
+                Ok((x, profile::time(dev, "moe", || m.forward(&h))?))
+            }
+        }
     }
 }
 

@@ -36,6 +36,59 @@ __device__ __forceinline__ float block_sum(float v) {
 // The value `x` holds once rounded to T.
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
+// One row of RMSNorm (transformers' arithmetic, as the `rms_norm` kernels) by the whole block,
+// on 16-byte vectors (n a multiple of V = 16 / sizeof(T), rows 16-byte aligned): s = x + h
+// rounded to T (h == nullptr: s = x), written to s_out unless it is null, and
+// y = T(T(s * rsqrt(mean(s^2) + eps)) * w). Thread t holds vectors t, t + blockDim.x, ... (at
+// most VPT of them: blockDim.x * VPT >= n / V) in registers, so x, h and w are read once, and
+// one block_sum gives the statistics: y's bits depend on blockDim.x through that sum's order
+// only. y may point to shared memory. Every thread of the block calls it (block_sum).
+template <typename T, int VPT>
+__device__ void norm_row_vec(const T *x, const T *h, const T *w, T *s_out, T *y, int n,
+                             float eps) {
+    constexpr int V = 16 / sizeof(T);
+    const int nv = n / V;
+    const uint4 *xr = reinterpret_cast<const uint4 *>(x);
+    const uint4 *hr = h ? reinterpret_cast<const uint4 *>(h) : nullptr;
+    const uint4 *wv = reinterpret_cast<const uint4 *>(w);
+    uint4 sv[VPT], wvals[VPT];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int v = threadIdx.x + i * blockDim.x;
+        if (v >= nv) continue;
+        uint4 a = xr[v];
+        wvals[i] = wv[v];
+        T *pa = reinterpret_cast<T *>(&a);
+        if (hr) {
+            uint4 b = hr[v];
+            const T *pb = reinterpret_cast<const T *>(&b);
+#pragma unroll
+            for (int j = 0; j < V; ++j) pa[j] = from_f<T>(to_f(pa[j]) + to_f(pb[j]));
+            if (s_out) reinterpret_cast<uint4 *>(s_out)[v] = a;
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float f = to_f(pa[j]);
+            ss += f * f;
+        }
+        sv[i] = a;
+    }
+    const float inv = rsqrtf(block_sum(ss) / n + eps);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int v = threadIdx.x + i * blockDim.x;
+        if (v >= nv) continue;
+        uint4 o;
+        const T *pa = reinterpret_cast<const T *>(&sv[i]);
+        const T *pw = reinterpret_cast<const T *>(&wvals[i]);
+        T *po = reinterpret_cast<T *>(&o);
+#pragma unroll
+        for (int j = 0; j < V; ++j) po[j] = from_f<T>(rnd<T>(to_f(pa[j]) * inv) * to_f(pw[j]));
+        reinterpret_cast<uint4 *>(y)[v] = o;
+    }
+}
+
 
 // Max of `v` over the block (as block_sum, with partials of its own). Call it with every
 // thread; a second call needs a __syncthreads() before it.

@@ -37,7 +37,9 @@ template <typename T> __device__ __forceinline__ void unpack8(const uint4 &v, fl
 // chunks): chunks lane, lane + 32, ... in order, four loads of w in flight at a time, the same
 // order as the twin. STREAM: w's loads evict first (read once a launch); otherwise they stay
 // cached (the MoE kernel reads an expert's row again for its next rows).
-template <typename T, int M, bool STREAM>
+// X_SHARED: the rows xr point to shared memory (read plainly), else to global memory (read
+// through the read-only cache).
+template <typename T, int M, bool STREAM, bool X_SHARED = false>
 __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *wr, int chunks,
                                                int lane, float *acc) {
     auto load = [&](const uint4 *p) { return STREAM ? __ldcs(p) : __ldg(p); };
@@ -47,7 +49,8 @@ __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xf[8];
-            unpack8<T>(__ldg(reinterpret_cast<const uint4 *>(xr[m]) + c), xf);
+            const uint4 *xv = reinterpret_cast<const uint4 *>(xr[m]) + c;
+            unpack8<T>(X_SHARED ? *xv : __ldg(xv), xf);
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[m] = __fmaf_rn(xf[e], wf[e], acc[m]);
         }
@@ -100,6 +103,87 @@ __device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
     GEMV(T, SUFFIX, 4)
 GEMVS(__half, f16)
 GEMVS(__nv_bfloat16, bf16)
+
+// A decode step's projection fused with the RMSNorm before it and, for the MLP's gate/up
+// projection (SWIGLU), the SwiGLU after it: three launches of a layer's ten become one. Each
+// block first normalises the M rows (1..4) of s = x + p (p == nullptr: s = x) into shared
+// memory with `norm_row_vec`, launched with as many threads as add_rms_norm's vector kernel
+// (n / 8 rounded up to warps), so the block sums in the same order and the normalised rows are
+// that kernel's bits; block 0 also writes s to s_out (when p is given). The weights' first
+// loads are asked of L2 before that, so the prologue overlaps their latency. Then each warp is
+// `gemv`'s warp for one output column, reading the rows from shared memory: the same sums in
+// the same order. SWIGLU: w is [gate; up] with 2 n rows; warp `col` sums rows col and n + col
+// and writes silu(T(gate)) * T(up) rounded as the `swiglu` kernel rounds it. So y is the bits
+// of the unfused ops. Dynamic shared memory: M * k elements.
+template <typename T, int M, bool SWIGLU>
+__device__ void norm_gemv(const T *x, const T *p, const T *nw, float eps, T *s_out, const T *w,
+                          T *y, int n, int k) {
+    extern __shared__ __align__(16) unsigned char norm_gemv_smem[];
+    T *hs = reinterpret_cast<T *>(norm_gemv_smem);
+    const int lane = threadIdx.x % 32;
+    const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int chunks = k / 8;
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
+    const uint4 *ur = wr + (size_t)n * chunks;
+    if (col < n) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int c = lane + 32 * u;
+            if (c >= chunks) break;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + c));
+            if (SWIGLU) asm volatile("prefetch.global.L2 [%0];" ::"l"(ur + c));
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (m) __syncthreads(); // block_sum's partials are reused
+        const size_t row = (size_t)m * k;
+        T *s_row = p && blockIdx.x == 0 ? s_out + row : nullptr;
+        norm_row_vec<T, 1>(x + row, p ? p + row : nullptr, nw, s_row, hs + row, k, eps);
+    }
+    __syncthreads();
+    if (col >= n) return;
+    const T *xr[M];
+    float acc[M], acc_up[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        xr[m] = hs + (size_t)m * k;
+        acc[m] = 0.f;
+        acc_up[m] = 0.f;
+    }
+    gemv_lane_sums<T, M, true, true>(xr, wr, chunks, lane, acc);
+    if (SWIGLU) gemv_lane_sums<T, M, true, true>(xr, ur, chunks, lane, acc_up);
+    if (lane == 0) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float out = acc[m];
+            if (SWIGLU) {
+                const float g = rnd<T>(acc[m]);
+                out = rnd<T>(g / (1.f + expf(-g))) * rnd<T>(acc_up[m]);
+            }
+            y[(size_t)m * n + col] = from_f<T>(out);
+        }
+    }
+}
+
+#define NORM_GEMV(T, SUFFIX, M)                                                                \
+    extern "C" __global__ void norm_gemv_##SUFFIX##_m##M(                                      \
+        const T *x, const T *p, const T *nw, float eps, T *s_out, const T *w, T *y, int n,     \
+        int k) {                                                                               \
+        norm_gemv<T, M, false>(x, p, nw, eps, s_out, w, y, n, k);                              \
+    }                                                                                          \
+    extern "C" __global__ void norm_gemv_swiglu_##SUFFIX##_m##M(                               \
+        const T *x, const T *p, const T *nw, float eps, T *s_out, const T *w, T *y, int n,     \
+        int k) {                                                                               \
+        norm_gemv<T, M, true>(x, p, nw, eps, s_out, w, y, n, k);                               \
+    }
+#define NORM_GEMVS(T, SUFFIX)                                                                  \
+    NORM_GEMV(T, SUFFIX, 1)                                                                    \
+    NORM_GEMV(T, SUFFIX, 2)                                                                    \
+    NORM_GEMV(T, SUFFIX, 3)                                                                    \
+    NORM_GEMV(T, SUFFIX, 4)
+NORM_GEMVS(__half, f16)
+NORM_GEMVS(__nv_bfloat16, bf16)
 
 // The routed slots' products with their experts' weights, for a MoE decode step: for slot s
 // (token s / k's j-th expert e, in the order sorted by expert), y[s][col] = sum_k

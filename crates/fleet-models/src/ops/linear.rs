@@ -104,6 +104,165 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.apply_op2_no_bwd(w, &FewRows::Gemv)?)
 }
 
+/// A bias-free linear layer `proj` on the RMSNorm of the residual stream, as a decoder layer
+/// opens its attention and its MLP: `(s, y)` with `s = x + pending` (`x` itself when nothing
+/// is pending), `h = rms_norm(s) * norm_w` ([`add_rms_norm`]'s arithmetic) and
+/// `y = linear(proj, h)`, or with `swiglu` (`proj` the fused gate/up projection)
+/// `y = swiglu(linear(proj, h))`. On a decode step on CUDA ([`norm_gemv_takes`]) this is one
+/// kernel instead of two or three, whose outputs are the unfused ops' bits (the GPU test checks
+/// it); otherwise it is those ops, [`norm_linear_reference`].
+pub fn norm_linear(
+    x: &Tensor,
+    pending: Option<&Tensor>,
+    (norm_w, eps): (&Tensor, f32),
+    proj: &candle_nn::Linear,
+    swiglu: bool,
+) -> Result<(Tensor, Tensor)> {
+    let w = proj.weight();
+    if proj.bias().is_some() || !norm_gemv_takes(x, pending, norm_w, w, swiglu) {
+        return norm_linear_reference(x, pending, (norm_w, eps), proj, swiglu);
+    }
+    let dims = x.dims();
+    let k = dims[dims.len() - 1];
+    let rows = x.elem_count() / k;
+    let n = if swiglu { w.dim(0)? / 2 } else { w.dim(0)? };
+    let op = NormGemv {
+        pending: pending.map(contig).transpose()?,
+        norm_w: contig(norm_w)?,
+        eps,
+        swiglu,
+    };
+    let flat = contig(x)?.apply_op2_no_bwd(&contig(w)?, &op)?;
+    // The kernel's one buffer: s (when something was pending), then y.
+    let s_len = if pending.is_some() { rows * k } else { 0 };
+    let s = match pending {
+        Some(_) => flat.narrow(0, 0, s_len)?.reshape(dims)?,
+        None => x.clone(),
+    };
+    let mut y_dims = dims.to_vec();
+    *y_dims.last_mut().expect("rank >= 1") = n;
+    let y = flat.narrow(0, s_len, rows * n)?.reshape(y_dims)?;
+    Ok((s, y))
+}
+
+/// [`norm_linear`] op by op: [`add_rms_norm`] (or [`rms_norm`]), [`linear`], [`swiglu`]. The
+/// fused kernel's twin, and its path wherever the kernel does not run.
+pub fn norm_linear_reference(
+    x: &Tensor,
+    pending: Option<&Tensor>,
+    (norm_w, eps): (&Tensor, f32),
+    proj: &candle_nn::Linear,
+    swiglu: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (s, h) = match pending {
+        Some(p) => add_rms_norm(x, p, norm_w, eps)?,
+        None => (x.clone(), rms_norm(x, norm_w, eps)?),
+    };
+    let y = linear(proj, &h)?;
+    Ok((s, if swiglu { super::swiglu(&y)? } else { y }))
+}
+
+/// Switch of the fused decode projection ([`norm_linear`]): `FLEET_NORM_GEMV=0` runs the norm,
+/// the GEMV and the SwiGLU as separate kernels (the same bits), for measuring what the fusion
+/// gains.
+static NORM_GEMV: EnvSwitch = EnvSwitch::new("FLEET_NORM_GEMV", true);
+
+/// Largest shared memory the fused decode projection asks for: its rows of `h` (the default
+/// a block may use without opting in).
+const NORM_GEMV_SMEM: usize = 48 * 1024;
+
+/// Whether [`norm_linear`] runs as one kernel: a product [`gemv`] takes (up to
+/// [`GEMV_MAX_ROWS`] rows, f16 or bf16 on CUDA, nothing tracked), whose normalised rows fit in
+/// [`NORM_GEMV_SMEM`] and whose norm the one-pass kernel computes in one vector a thread (rows
+/// of up to 8,192 elements: the kernel's prologue is that norm's arithmetic), `pending` and
+/// `norm_w` contiguous, of `x`'s dtype and shape (`norm_w` its last dimension), and
+/// `FLEET_NORM_GEMV` not `0`.
+fn norm_gemv_takes(
+    x: &Tensor,
+    pending: Option<&Tensor>,
+    norm_w: &Tensor,
+    w: &Tensor,
+    swiglu: bool,
+) -> bool {
+    let k = w.dims().last().copied().unwrap_or(0);
+    let rows = x.elem_count() / k.max(1);
+    let tracked = [Some(x), pending, Some(norm_w), Some(w)]
+        .into_iter()
+        .flatten()
+        .any(|t| t.track_op());
+    let like_x = |t: &Tensor, dims: &[usize]| {
+        let (_, l) = t.storage_and_layout();
+        t.dtype() == x.dtype()
+            && t.dims() == dims
+            && l.is_contiguous()
+            && l.start_offset().is_multiple_of(GEMV_CHUNK)
+    };
+    NORM_GEMV.on()
+        && x.device().is_cuda()
+        && !tracked
+        && vec_norm_on()
+        && x.dims().last() == Some(&k)
+        && k / GEMV_CHUNK <= 1024
+        && rows * k * x.dtype().size_in_bytes() <= NORM_GEMV_SMEM
+        && (!swiglu || w.dim(0).is_ok_and(|n| n % 2 == 0))
+        && gemv_takes(x, w, rows)
+        && pending.is_none_or(|p| like_x(p, x.dims()))
+        && like_x(norm_w, &[k])
+}
+
+/// Whether the norms run their one-pass kernels (the fused projection's prologue is theirs).
+fn vec_norm_on() -> bool {
+    #[cfg(feature = "cuda")]
+    return super::cuda_util::vec_norm_on();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// [`norm_linear`]'s kernel as a custom op on `(x, w)`: one flat output, `s` (when `pending`)
+/// then `y`. CUDA only: elsewhere [`norm_linear`] runs [`norm_linear_reference`].
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct NormGemv {
+    pending: Option<Tensor>,
+    norm_w: Tensor,
+    eps: f32,
+    swiglu: bool,
+}
+
+impl candle_core::CustomOp2 for NormGemv {
+    fn name(&self) -> &'static str {
+        "fleet-norm-gemv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("fleet-norm-gemv runs on CUDA only (norm_linear_reference elsewhere)")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let k = l1.dims()[l1.dims().len() - 1];
+        let (m, (n2, k2)) = (l1.shape().elem_count() / k, l2.shape().dims2()?);
+        if k != k2 || !(1..=GEMV_MAX_ROWS).contains(&m) || !k.is_multiple_of(GEMV_CHUNK) {
+            candle_core::bail!("norm_gemv: x [{m}, {k}] and w [{n2}, {k2}]");
+        }
+        let n = if self.swiglu { n2 / 2 } else { n2 };
+        let out = cuda::norm_gemv(self, (s1, l1), (s2, l2), (m, n, k))?;
+        let len = if self.pending.is_some() { m * k } else { 0 } + m * n;
+        Ok((out, Shape::from(len)))
+    }
+}
+
 /// Which few-row product ([`gemv`] or [`skinny_gemm`]).
 #[derive(Debug, Clone, Copy)]
 enum FewRows {
@@ -600,6 +759,92 @@ mod cuda {
         }
     }
 
+    /// [`super::norm_linear`]'s kernel: one warp per output column as [`gemv`], blocks of as
+    /// many threads as the one-pass norm kernel takes for a row of `k` (so the prologue's sums
+    /// are that kernel's), `m * k` elements of shared memory for the normalised rows.
+    pub(super) fn norm_gemv(
+        op: &super::NormGemv,
+        (s1, l1): (&CudaStorage, &Layout),
+        (s2, l2): (&CudaStorage, &Layout),
+        (m, n, k): (usize, usize, usize),
+    ) -> candle_core::Result<CudaStorage> {
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &super::NormGemv,
+            (s1, l1): (&CudaStorage, &Layout),
+            (s2, l2): (&CudaStorage, &Layout),
+            (m, n, k): (usize, usize, usize),
+        ) -> candle_core::Result<CudaStorage> {
+            let dev = s1.device().clone();
+            let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
+            let (nw_s, nw_l) = op.norm_w.storage_and_layout();
+            let candle_core::Storage::Cuda(nw_s) = &*nw_s else {
+                candle_core::bail!("norm_gemv: the norm's weight is not on CUDA");
+            };
+            let nw = input::<T>(nw_s, nw_l)?;
+            let pending = op.pending.as_ref().map(|p| p.storage_and_layout());
+            let name = if op.swiglu {
+                "norm_gemv_swiglu"
+            } else {
+                "norm_gemv"
+            };
+            let func = dev.get_or_load_custom_func(
+                &format!("{name}_{}_m{m}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            let s_len = if pending.is_some() { m * k } else { 0 };
+            // SAFETY: block 0 writes all m x k sums when something is pending, and the warps
+            // write every one of the m x n outputs.
+            let out: CudaSlice<T> = unsafe { dev.alloc::<T>(s_len + m * n)? };
+            let threads = vec_norm_threads(k / 8, 1);
+            let warps = threads as usize / 32;
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(warps) as u32, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: (m * k * std::mem::size_of::<T>()) as u32,
+            };
+            let mut builder = func.builder();
+            builder.arg(&x);
+            // No pending rows: a null pointer (the kernel then normalises x itself).
+            let null: u64 = 0;
+            let p_view = match &pending {
+                Some((ps, pl)) => {
+                    let candle_core::Storage::Cuda(ps) = &**ps else {
+                        candle_core::bail!("norm_gemv: the pending rows are not on CUDA");
+                    };
+                    Some(input::<T>(ps, pl)?)
+                }
+                None => None,
+            };
+            match &p_view {
+                Some(p) => builder.arg(p),
+                None => builder.arg(&null),
+            };
+            builder.arg(&nw);
+            builder.arg(&op.eps);
+            builder.arg(&out);
+            builder.arg(&w);
+            let y = out.slice(s_len..);
+            builder.arg(&y);
+            let (n_arg, k_arg) = (n as i32, k as i32);
+            builder.arg(&n_arg);
+            builder.arg(&k_arg);
+            // SAFETY: as `gemv` (warp j of block b reads row b * warps + j of w, and with
+            // swiglu row n + that one, all k of it, 16 bytes at a time, k a multiple of 8 and
+            // rows aligned: checked by `norm_gemv_takes`), plus the m rows of x, pending and
+            // the norm's k weights, read 16 bytes at a time by one thread per vector; s and y
+            // are the two disjoint parts of `out`.
+            unsafe { builder.launch(cfg) }.w()?;
+            drop(y);
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        match s1.dtype() {
+            candle_core::DType::F16 => run::<f16>(op, (s1, l1), (s2, l2), (m, n, k)),
+            candle_core::DType::BF16 => run::<bf16>(op, (s1, l1), (s2, l2), (m, n, k)),
+            other => candle_core::bail!("norm_gemv: {other:?} on CUDA (f16 or bf16)"),
+        }
+    }
+
     /// Columns each warp of the MoE GEMV takes in turn (the kernel's `cols`).
     const MOE_COLS: usize = 4;
 
@@ -1049,6 +1294,62 @@ mod kernel_tests {
             }
             // Through linear: 3 rows of a 3-D input take the kernel, the bias added after.
             linear_takes(&dev, dtype, 3, 40, gemv);
+        }
+    }
+
+    /// The fused decode projection ([`norm_linear`]) gives the unfused ops' bits on the GPU,
+    /// the residual sum and the product: f16 and bf16, 1 to 4 rows, with and without a pending
+    /// add, plain and with SwiGLU, rows of 896, 1,536 and 3,584 elements (the Qwen2.5 0.5B, 1.5B
+    /// and 7B hidden sizes: norms of 4, 6 and 14 warps, a lane's last chunks missing at 1,536),
+    /// columns past a block's last warp; and the kernel is what ran (`norm_gemv_takes`).
+    #[test]
+    fn norm_gemv_kernel_gives_the_unfused_ops_bits() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        let r = |s: &[usize], seed: u64, dtype: DType| {
+            test_tensor(s, seed)
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&dev)
+                .unwrap()
+        };
+        let f = |t: &Tensor| {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        for dtype in [DType::BF16, DType::F16] {
+            for (m, k, n) in [(1, 896, 70), (2, 1536, 33), (3, 3584, 129), (4, 896, 200)] {
+                let x = r(&[m, 1, k], 1, dtype);
+                let p = r(&[m, 1, k], 2, dtype);
+                // Norm weights around 1, as a trained model's.
+                let nw = test_tensor(&[k], 3)
+                    .affine(0.1, 1.0)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to_device(&dev)
+                    .unwrap();
+                for swiglu in [false, true] {
+                    let rows = if swiglu { 2 * n } else { n };
+                    let proj = candle_nn::Linear::new(r(&[rows, k], 4, dtype), None);
+                    for pending in [None, Some(&p)] {
+                        let what = format!("{dtype:?} m {m} k {k} n {n} swiglu {swiglu}");
+                        assert!(
+                            norm_gemv_takes(&x, pending, &nw, proj.weight(), swiglu),
+                            "{what}"
+                        );
+                        let (s, y) = norm_linear(&x, pending, (&nw, 1e-6), &proj, swiglu).unwrap();
+                        let (ws, wy) =
+                            norm_linear_reference(&x, pending, (&nw, 1e-6), &proj, swiglu).unwrap();
+                        assert_eq!(y.dims(), wy.dims(), "{what}");
+                        assert_eq!(f(&s), f(&ws), "{what}: the residual sum");
+                        assert_eq!(f(&y), f(&wy), "{what} pending {}", pending.is_some());
+                    }
+                }
+            }
         }
     }
 

@@ -290,6 +290,20 @@ mod cuda_util {
         }
     }
 
+    /// Whether the norms take their one-pass vector kernels where they can
+    /// (`FLEET_VEC_NORM=0` keeps the first kernels, for comparison).
+    pub(super) fn vec_norm_on() -> bool {
+        static VEC: super::EnvSwitch = super::EnvSwitch::new("FLEET_VEC_NORM", true);
+        VEC.on()
+    }
+
+    /// Threads per block of a one-pass norm kernel over rows of `vectors` 16-byte vectors, `vpt`
+    /// a thread: the block's sum runs over this many threads, so a kernel that normalises a row
+    /// the same way (the fused decode GEMV's prologue) launches as many to get the same bits.
+    pub(super) fn vec_norm_threads(vectors: usize, vpt: usize) -> u32 {
+        vectors.div_ceil(vpt).next_multiple_of(32) as u32
+    }
+
     /// The norm kernel (`<op>` or its one-pass `<op>_vec<VPT>`) and threads per block for rows of
     /// `n` elements of `T`: the one-pass kernel when a row is whole 16-byte vectors, every
     /// input starts on one, and a block holds the row in up to `max_vpt` (1, 2 or 4) vectors a
@@ -300,18 +314,16 @@ mod cuda_util {
         inputs: &[&Layout],
         max_vpt: usize,
     ) -> (String, u32) {
-        static VEC: super::EnvSwitch = super::EnvSwitch::new("FLEET_VEC_NORM", true);
-        let on = VEC.on();
+        let on = vec_norm_on();
         let aligned = whole_vectors::<T>(n, inputs.iter().map(|l| l.start_offset()));
         let vectors = n / vector_len::<T>();
         match [1usize, 2, 4]
             .into_iter()
             .find(|&v| v <= max_vpt && vectors <= v * 1024)
         {
-            Some(vpt) if on && aligned => (
-                format!("{op}_vec{vpt}"),
-                vectors.div_ceil(vpt).next_multiple_of(32) as u32,
-            ),
+            Some(vpt) if on && aligned => {
+                (format!("{op}_vec{vpt}"), vec_norm_threads(vectors, vpt))
+            }
             _ => (op.to_string(), 1024.min(n.next_multiple_of(32)) as u32),
         }
     }
@@ -571,7 +583,8 @@ pub use gpu_delay::gpu_delay;
 pub use grouped_gemm::grouped_linear;
 pub use layer_norm::LayerNorm;
 pub use linear::{
-    gemv, linear, moe_gemv, set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS,
+    gemv, linear, moe_gemv, norm_linear, norm_linear_reference, set_skinny_gemm, skinny_gemm,
+    GEMV_MAX_ROWS, SKINNY_MAX_ROWS,
 };
 pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;

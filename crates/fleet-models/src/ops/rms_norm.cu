@@ -52,58 +52,17 @@ __device__ void add_rms_norm(const T *x, const T *h, const T *w, T *out, int n_r
 }
 
 // One-pass variants of both for rows of n = V * k elements (V = 16 / sizeof(T): 16-byte
-// vectors, 16-byte aligned rows), the same arithmetic: each thread holds up to VPT vectors of
-// the row in registers, so x, h and w are read once, the sums written once and never read
-// back, and one block reduction gives the statistics. A decode step's norms are one block
-// per row: the scalar kernel's three dependent trips to memory were most of its ~7 us.
-// h == nullptr: plain RMSNorm (s = x, nothing written but y).
+// vectors, 16-byte aligned rows): `norm_row_vec` (common.cuh) on row blockIdx.x. A decode
+// step's norms are one block per row: the scalar kernel's three dependent trips to memory were
+// most of its ~7 us. h == nullptr: plain RMSNorm (s = x, nothing written but y).
 template <typename T, int VPT>
 __device__ void norm_rows_vec(const T *x, const T *h, const T *w, T *s_out, T *y, int n_rows,
                               int n, float eps) {
-    constexpr int V = 16 / sizeof(T);
     const int row = blockIdx.x;
     if (row >= n_rows) return;
-    const int nv = n / V;
-    const size_t base = (size_t)row * nv;
-    const uint4 *xr = reinterpret_cast<const uint4 *>(x) + base;
-    const uint4 *hr = h ? reinterpret_cast<const uint4 *>(h) + base : nullptr;
-    const uint4 *wv = reinterpret_cast<const uint4 *>(w);
-    uint4 sv[VPT], wvals[VPT];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-        const int v = threadIdx.x + i * blockDim.x;
-        if (v >= nv) continue;
-        uint4 a = xr[v];
-        wvals[i] = wv[v];
-        T *pa = reinterpret_cast<T *>(&a);
-        if (hr) {
-            uint4 b = hr[v];
-            const T *pb = reinterpret_cast<const T *>(&b);
-#pragma unroll
-            for (int j = 0; j < V; ++j) pa[j] = from_f<T>(to_f(pa[j]) + to_f(pb[j]));
-            reinterpret_cast<uint4 *>(s_out)[base + v] = a;
-        }
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const float f = to_f(pa[j]);
-            ss += f * f;
-        }
-        sv[i] = a;
-    }
-    const float inv = rsqrtf(block_sum(ss) / n + eps);
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-        const int v = threadIdx.x + i * blockDim.x;
-        if (v >= nv) continue;
-        uint4 o;
-        const T *pa = reinterpret_cast<const T *>(&sv[i]);
-        const T *pw = reinterpret_cast<const T *>(&wvals[i]);
-        T *po = reinterpret_cast<T *>(&o);
-#pragma unroll
-        for (int j = 0; j < V; ++j) po[j] = from_f<T>(rnd<T>(to_f(pa[j]) * inv) * to_f(pw[j]));
-        reinterpret_cast<uint4 *>(y)[base + v] = o;
-    }
+    const size_t base = (size_t)row * n;
+    norm_row_vec<T, VPT>(x + base, h ? h + base : nullptr, w, h ? s_out + base : nullptr,
+                         y + base, n, eps);
 }
 
 // Backward of RMSNorm (y = w * T(s * r), r = rsqrt(mean(s^2) + eps)) for one row per block:
