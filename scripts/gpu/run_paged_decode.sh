@@ -20,8 +20,8 @@
 #                 FLEET_FUSED_KV_WRITE=0 (K/V written by their own launches); continuous-sync8: graphs, a read every
 #                 8 steps; continuous-sync8-perlane: the same with the per-lane decode
 #                 attention (FLEET_PAGED_MMA=0); continuous-sync8-t1: sampling at
-#                 temperature 1; continuous-sync8-unfused: the norm, GEMV and SwiGLU as
-#                 separate launches (FLEET_NORM_GEMV=0); every mode runs the library's defaults otherwise — since
+#                 temperature 1; continuous-sync8-normgemv: the norm, GEMV and SwiGLU as
+#                 one kernel (FLEET_NORM_GEMV=1); every mode runs the library's defaults otherwise — since
 #                 2026-11-29b, before which the modes turned FLEET_PAGED_MMA and
 #                 FLEET_SKINNY_PREFETCH_X off unless named); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
 #                 128, 256 new) in the same modes; HF_STATIC=1 adds transformers with its static
@@ -100,11 +100,11 @@ case "$PART" in
     # of continuous-sync8 after 997da43 made them the defaults took the per-lane attention.)
     mode_flags() {
       gemv=1; batches=$BATCHES
-      skinny=0; vecnorm=1; fusedkv=1; prefetch=1; attnmma=1; normgemv=1
+      skinny=0; vecnorm=1; fusedkv=1; prefetch=1; attnmma=1; normgemv=0
       case "$1" in
-        # The norm, the GEMV and the SwiGLU as separate launches (FLEET_NORM_GEMV=0; fused
-        # into the GEMV by default since 2026-11-29d), reads every 8 as continuous-sync8.
-        continuous-sync8-unfused) flags=(--batching continuous --num-scheduler-steps 8); normgemv=0 ;;
+        # The norm, the GEMV and the SwiGLU as one kernel (FLEET_NORM_GEMV=1, 2026-11-29d; off
+        # by default: slower so far), reads every 8 as continuous-sync8.
+        continuous-sync8-normgemv) flags=(--batching continuous --num-scheduler-steps 8); normgemv=1 ;;
         continuous-splitkv) flags=(--batching continuous); fusedkv=0 ;;
         continuous-skinny) flags=(--batching continuous); skinny=1 ;;
         # The skinny GEMM with the next chunk's x loaded during this one's products

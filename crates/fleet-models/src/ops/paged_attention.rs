@@ -796,12 +796,12 @@ mod cuda {
             let sfx = suffix(s1.dtype())?;
             let (part, n_parts) = (d.partition(), d.parts());
             let rows = d.batch * d.heads;
-            // The combine kernel holds one weight per partition in shared memory.
-            if n_parts * 4 > 48 * 1024 {
+            // The combine kernel holds a weight and a sum per partition in shared memory.
+            if n_parts * 8 > 48 * 1024 {
                 candle_core::bail!(
                     "paged_decode_attention: {} tokens per row is past the {} the combine holds",
                     d.capacity(),
-                    48 * 1024 / 4 * part
+                    48 * 1024 / 8 * part
                 );
             }
             // Sized from shapes only; partitions past a row's length are neither written nor read.
@@ -872,7 +872,7 @@ mod cuda {
                 grid_dim: (d.heads as u32, d.batch as u32, 1),
                 block_dim: (d.head_dim.min(128) as u32, 1, 1),
                 // Rounded to 16 bytes: the compiler reads the weights four at a time.
-                shared_mem_bytes: (n_parts.next_multiple_of(4) * 4) as u32,
+                shared_mem_bytes: (2 * n_parts.next_multiple_of(4) * 4) as u32,
             };
             let mut bld = func.builder();
             bld.arg(&ws_max);
