@@ -21,7 +21,8 @@
 #                 8 steps; continuous-sync8-perlane: the same with the per-lane decode
 #                 attention (FLEET_PAGED_MMA=0); continuous-sync8-t1: sampling at
 #                 temperature 1; continuous-sync8-normgemv: the norm, GEMV and SwiGLU as
-#                 one kernel (FLEET_NORM_GEMV=1); every mode runs the library's defaults otherwise — since
+#                 one kernel (FLEET_NORM_GEMV=1); continuous-sync8-nopipe: the GEMV's
+#                 four-loads kernel for every product (FLEET_GEMV_PIPE=0); every mode runs the library's defaults otherwise — since
 #                 2026-11-29b, before which the modes turned FLEET_PAGED_MMA and
 #                 FLEET_SKINNY_PREFETCH_X off unless named); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
 #                 128, 256 new) in the same modes; HF_STATIC=1 adds transformers with its static
@@ -100,8 +101,11 @@ case "$PART" in
     # of continuous-sync8 after 997da43 made them the defaults took the per-lane attention.)
     mode_flags() {
       gemv=1; batches=$BATCHES
-      skinny=0; vecnorm=1; fusedkv=1; prefetch=1; attnmma=1; normgemv=0
+      skinny=0; vecnorm=1; fusedkv=1; prefetch=1; attnmma=1; normgemv=0; gemvpipe=1
       case "$1" in
+        # The GEMV's four-loads kernel for every product (FLEET_GEMV_PIPE=0; the pipelined one
+        # takes grids of less than a wave by default since 2026-11-29d), reads every 8.
+        continuous-sync8-nopipe) flags=(--batching continuous --num-scheduler-steps 8); gemvpipe=0 ;;
         # The norm, the GEMV and the SwiGLU as one kernel (FLEET_NORM_GEMV=1, 2026-11-29d; off
         # by default: slower so far), reads every 8 as continuous-sync8.
         continuous-sync8-normgemv) flags=(--batching continuous --num-scheduler-steps 8); normgemv=1 ;;
@@ -127,7 +131,7 @@ case "$PART" in
     }
     # Runs its arguments under the kernel switches mode_flags chose.
     in_mode_env() {
-      FLEET_NORM_GEMV=$normgemv \
+      FLEET_NORM_GEMV=$normgemv FLEET_GEMV_PIPE=$gemvpipe \
         FLEET_PAGED_MMA=$attnmma FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv \
         FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv "$@"
     }

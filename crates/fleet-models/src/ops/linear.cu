@@ -38,8 +38,10 @@ template <typename T> __device__ __forceinline__ void unpack8(const uint4 &v, fl
 // order as the twin. STREAM: w's loads evict first (read once a launch); otherwise they stay
 // cached (the MoE kernel reads an expert's row again for its next rows).
 // X_SHARED: the rows xr point to shared memory (read plainly), else to global memory (read
-// through the read-only cache).
-template <typename T, int M, bool STREAM, bool X_SHARED = false>
+// through the read-only cache). PIPE: the next four chunks' loads are issued before this four's
+// products (eight in flight a lane, the same chunks in the same order), for grids too small
+// to fill the SMs with warps, where each warp's bytes in flight set the bandwidth.
+template <typename T, int M, bool STREAM, bool X_SHARED = false, bool PIPE = false>
 __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *wr, int chunks,
                                                int lane, float *acc) {
     auto load = [&](const uint4 *p) { return STREAM ? __ldcs(p) : __ldg(p); };
@@ -56,12 +58,32 @@ __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *
         }
     };
     int c = lane;
-    for (; c + 96 < chunks; c += 128) {
-        uint4 wv[4];
+    if (PIPE) {
+        if (c + 96 < chunks) {
+            uint4 cur[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) wv[u] = load(wr + c + 32 * u);
+            for (int u = 0; u < 4; ++u) cur[u] = load(wr + c + 32 * u);
+            for (; c + 128 + 96 < chunks; c += 128) {
+                uint4 next[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) fma_chunk(wv[u], c + 32 * u);
+                for (int u = 0; u < 4; ++u) next[u] = load(wr + c + 128 + 32 * u);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) fma_chunk(cur[u], c + 32 * u);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) cur[u] = next[u];
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) fma_chunk(cur[u], c + 32 * u);
+            c += 128;
+        }
+    } else {
+        for (; c + 96 < chunks; c += 128) {
+            uint4 wv[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) wv[u] = load(wr + c + 32 * u);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) fma_chunk(wv[u], c + 32 * u);
+        }
     }
     for (; c < chunks; c += 32) fma_chunk(load(wr + c), c);
 #pragma unroll
@@ -71,7 +93,7 @@ __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *
     }
 }
 
-template <typename T, int M>
+template <typename T, int M, bool PIPE>
 __device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
     const int lane = threadIdx.x % 32;
     const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -84,17 +106,23 @@ __device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
         xr[m] = x + (size_t)m * k;
         acc[m] = 0.f;
     }
-    gemv_lane_sums<T, M, true>(xr, wr, k / 8, lane, acc);
+    gemv_lane_sums<T, M, true, false, PIPE>(xr, wr, k / 8, lane, acc);
     if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m) y[(size_t)m * n + col] = from_f<T>(acc[m]);
     }
 }
 
+// gemv_pipe: the same sums with eight loads in flight a lane (PIPE), for grids smaller than a
+// wave of the SMs (the launcher chooses).
 #define GEMV(T, SUFFIX, M)                                                                     \
     extern "C" __global__ void gemv_##SUFFIX##_m##M(const T *x, const T *w, T *y, int n,       \
                                                     int k) {                                   \
-        gemv<T, M>(x, w, y, n, k);                                                             \
+        gemv<T, M, false>(x, w, y, n, k);                                                      \
+    }                                                                                          \
+    extern "C" __global__ void gemv_pipe_##SUFFIX##_m##M(const T *x, const T *w, T *y, int n,  \
+                                                         int k) {                              \
+        gemv<T, M, true>(x, w, y, n, k);                                                       \
     }
 #define GEMVS(T, SUFFIX)                                                                       \
     GEMV(T, SUFFIX, 1)                                                                         \

@@ -172,6 +172,11 @@ pub fn norm_linear_reference(
 /// [`norm_linear`]).
 static NORM_GEMV: EnvSwitch = EnvSwitch::new("FLEET_NORM_GEMV", false);
 
+/// Switch of the GEMV's pipelined kernel for grids of less than a wave (`FLEET_GEMV_PIPE=0`:
+/// the four-loads kernel for every product; the same bits either way).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+static GEMV_PIPE: EnvSwitch = EnvSwitch::new("FLEET_GEMV_PIPE", true);
+
 /// Largest shared memory the fused decode projection asks for: its rows of `h` (the default
 /// a block may use without opting in).
 const NORM_GEMV_SMEM: usize = 48 * 1024;
@@ -713,6 +718,24 @@ mod cuda {
     /// projection's 4,736 blocks); 896 blocks of four come to 6.8 per SM.
     const GEMV_WARPS: usize = 4;
 
+    /// Output columns (warps) per SM up to which the GEMV takes its pipelined kernel
+    /// (`gemv_pipe`, eight loads in flight a lane instead of four): a grid of at most this many
+    /// warps an SM runs in one wave, so its bandwidth is what each warp keeps in flight (the
+    /// 7B's o and down projections, 27 warps an SM of an H200, streamed at 70% of the
+    /// bandwidth where the gate/up projection's many waves reached 87%; ncu, 2026-11-29d).
+    const GEMV_PIPE_WARPS_PER_SM: usize = 48;
+
+    /// The device's SMs.
+    fn sms(dev: &candle_core::CudaDevice) -> candle_core::Result<usize> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let n = dev
+            .cuda_stream()
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()?;
+        Ok(n as usize)
+    }
+
     pub(super) fn gemv(
         s1: &CudaStorage,
         l1: &Layout,
@@ -732,8 +755,13 @@ mod cuda {
                 candle_core::bail!("gemv: {m} rows (1 to {})", super::GEMV_MAX_ROWS);
             }
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
+            let kind = if super::GEMV_PIPE.on() && n <= GEMV_PIPE_WARPS_PER_SM * sms(&dev)? {
+                "gemv_pipe"
+            } else {
+                "gemv"
+            };
             let func = dev.get_or_load_custom_func(
-                &format!("gemv_{}_m{m}", suffix(s1.dtype())?),
+                &format!("{kind}_{}_m{m}", suffix(s1.dtype())?),
                 MODULE,
                 PTX,
             )?;
@@ -963,14 +991,9 @@ mod cuda {
     fn skinny_state(
         dev: &candle_core::CudaDevice,
     ) -> candle_core::Result<Option<std::sync::Arc<SkinnyState>>> {
-        use candle_core::cuda_backend::cudarc::driver::sys;
         static STATES: std::sync::OnceLock<SkinnyStates> = std::sync::OnceLock::new();
         per_device(STATES.get_or_init(Default::default), dev, || {
-            let sms = dev
-                .cuda_stream()
-                .context()
-                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .w()? as usize;
+            let sms = sms(dev)?;
             Ok(SkinnyState {
                 counters: dev.alloc_zeros::<u32>(super::SKINNY_COUNTERS)?,
                 sms,
@@ -1274,29 +1297,45 @@ mod kernel_tests {
     use super::*;
 
     /// The GEMV kernel gives its twin's values exactly (f16 and bf16, 1 to 4 rows, k with and
-    /// without a remainder past the unrolled chunks, columns past a block's last warp), and
-    /// [`linear`] takes it for few rows (with the bias added after) and cuBLAS for more.
+    /// without a remainder past the unrolled chunks, the pipelined loop run many times at the
+    /// 7B's k of 18,944, columns past a block's last warp; both kernels, the pipelined one
+    /// and the four-loads one), and [`linear`] takes it for few rows (with the bias added
+    /// after) and cuBLAS for more.
     #[test]
     fn gemv_kernel_matches_its_twin() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
         let r =
             |s: &[usize], seed: u64, dtype: DType| test_tensor(s, seed).to_dtype(dtype).unwrap();
+        let shapes = [
+            (1, 13, 8),
+            (2, 300, 264),
+            (3, 37, 1032),
+            (4, 129, 3584),
+            (1, 40, 18944),
+            (2, 70, 4104),
+        ];
+        for ((m, n, k), dtype, pipe) in shapes.into_iter().flat_map(|s| {
+            [DType::BF16, DType::F16]
+                .into_iter()
+                .flat_map(move |d| [(s, d, true), (s, d, false)])
+        }) {
+            GEMV_PIPE.force(Some(pipe));
+            let (x, w) = (r(&[m, k], 3, dtype), r(&[n, k], 4, dtype));
+            let want = gemv(&x, &w).unwrap().to_dtype(DType::F32).unwrap();
+            let got = gemv(&x.to_device(&dev).unwrap(), &w.to_device(&dev).unwrap())
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_device(&candle_core::Device::Cpu)
+                .unwrap();
+            assert_eq!(
+                got.to_vec2::<f32>().unwrap(),
+                want.to_vec2::<f32>().unwrap(),
+                "{dtype:?} m {m} n {n} k {k} pipelined {pipe}"
+            );
+        }
+        GEMV_PIPE.force(None);
         for dtype in [DType::BF16, DType::F16] {
-            for (m, n, k) in [(1, 13, 8), (2, 300, 264), (3, 37, 1032), (4, 129, 3584)] {
-                let (x, w) = (r(&[m, k], 3, dtype), r(&[n, k], 4, dtype));
-                let want = gemv(&x, &w).unwrap().to_dtype(DType::F32).unwrap();
-                let got = gemv(&x.to_device(&dev).unwrap(), &w.to_device(&dev).unwrap())
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .to_device(&candle_core::Device::Cpu)
-                    .unwrap();
-                assert_eq!(
-                    got.to_vec2::<f32>().unwrap(),
-                    want.to_vec2::<f32>().unwrap(),
-                    "{dtype:?} m {m} n {n} k {k}"
-                );
-            }
             // Through linear: 3 rows of a 3-D input take the kernel, the bias added after.
             linear_takes(&dev, dtype, 3, 40, gemv);
         }
