@@ -34,15 +34,14 @@ template <typename T> __device__ __forceinline__ void unpack8(const uint4 &v, fl
 }
 
 // Lane `lane`'s partial sums of the rows xr[0..M) against w's row `wr` (`chunks` 16-byte
-// chunks): chunks lane, lane + 32, ... in order, DEPTH groups of four loads of w in flight, the same
+// chunks): chunks lane, lane + 32, ... in order, four loads of w in flight at a time, the same
 // order as the twin. STREAM: w's loads evict first (read once a launch); otherwise they stay
 // cached (the MoE kernel reads an expert's row again for its next rows).
 // X_SHARED: the rows xr point to shared memory (read plainly), else to global memory (read
-// through the read-only cache). DEPTH: groups of four chunks' loads in flight a lane (1: load
-// four, then their products; 2 and 3: the next groups' loads issued before this group's
-// products), the same chunks in the same order, for grids too small to fill the SMs with
-// warps, where each warp's bytes in flight set the bandwidth.
-template <typename T, int M, bool STREAM, bool X_SHARED = false, int DEPTH = 1>
+// through the read-only cache). PIPE: the next four chunks' loads are issued before this four's
+// products (eight in flight a lane, the same chunks in the same order), for grids too small
+// to fill the SMs with warps, where each warp's bytes in flight set the bandwidth.
+template <typename T, int M, bool STREAM, bool X_SHARED = false, bool PIPE = false>
 __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *wr, int chunks,
                                                int lane, float *acc) {
     auto load = [&](const uint4 *p) { return STREAM ? __ldcs(p) : __ldg(p); };
@@ -59,49 +58,32 @@ __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *
         }
     };
     int c = lane;
-    auto load_group = [&](uint4 *g, int at) {
+    if (PIPE) {
+        if (c + 96 < chunks) {
+            uint4 cur[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) g[u] = load(wr + at + 32 * u);
-    };
-    auto fma_group = [&](const uint4 *g, int at) {
-#pragma unroll
-        for (int u = 0; u < 4; ++u) fma_chunk(g[u], at + 32 * u);
-    };
-    // A group at c exists while c + 96 < chunks (its four chunks c, c + 32, c + 64, c + 96).
-    if (DEPTH == 1) {
-        for (; c + 96 < chunks; c += 128) {
-            uint4 g[4];
-            load_group(g, c);
-            fma_group(g, c);
-        }
-    } else if (c + 96 < chunks) {
-        uint4 g0[4], g1[4], g2[4];
-        load_group(g0, c);
-        if (DEPTH == 3 && c + 128 + 96 < chunks) {
-            load_group(g1, c + 128);
-            for (; c + 256 + 96 < chunks; c += 128) {
-                load_group(g2, c + 256);
-                fma_group(g0, c);
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    g0[u] = g1[u];
-                    g1[u] = g2[u];
-                }
-            }
-            fma_group(g0, c);
-            c += 128;
-#pragma unroll
-            for (int u = 0; u < 4; ++u) g0[u] = g1[u];
-        } else {
+            for (int u = 0; u < 4; ++u) cur[u] = load(wr + c + 32 * u);
             for (; c + 128 + 96 < chunks; c += 128) {
-                load_group(g1, c + 128);
-                fma_group(g0, c);
+                uint4 next[4];
 #pragma unroll
-                for (int u = 0; u < 4; ++u) g0[u] = g1[u];
+                for (int u = 0; u < 4; ++u) next[u] = load(wr + c + 128 + 32 * u);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) fma_chunk(cur[u], c + 32 * u);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) cur[u] = next[u];
             }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) fma_chunk(cur[u], c + 32 * u);
+            c += 128;
         }
-        fma_group(g0, c);
-        c += 128;
+    } else {
+        for (; c + 96 < chunks; c += 128) {
+            uint4 wv[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) wv[u] = load(wr + c + 32 * u);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) fma_chunk(wv[u], c + 32 * u);
+        }
     }
     for (; c < chunks; c += 32) fma_chunk(load(wr + c), c);
 #pragma unroll
@@ -111,7 +93,7 @@ __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *
     }
 }
 
-template <typename T, int M, int DEPTH>
+template <typename T, int M, bool PIPE>
 __device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
     const int lane = threadIdx.x % 32;
     const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -124,29 +106,23 @@ __device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
         xr[m] = x + (size_t)m * k;
         acc[m] = 0.f;
     }
-    gemv_lane_sums<T, M, true, false, DEPTH>(xr, wr, k / 8, lane, acc);
+    gemv_lane_sums<T, M, true, false, PIPE>(xr, wr, k / 8, lane, acc);
     if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m) y[(size_t)m * n + col] = from_f<T>(acc[m]);
     }
 }
 
-// gemv_pipe2, gemv_pipe3: the same sums with two and three groups of four loads in flight a
-// lane (DEPTH), for grids smaller than a wave of the SMs (the launcher chooses). The deepest
-// is bounded to fit seven blocks of four warps an SM (73 registers; it took 80 unbounded), so
-// that the 7B's o and down projections (896 blocks, 6.8 an SM of an H200) run in one wave.
+// gemv_pipe: the same sums with eight loads in flight a lane (PIPE), for grids smaller than a
+// wave of the SMs (the launcher chooses).
 #define GEMV(T, SUFFIX, M)                                                                     \
     extern "C" __global__ void gemv_##SUFFIX##_m##M(const T *x, const T *w, T *y, int n,       \
                                                     int k) {                                   \
-        gemv<T, M, 1>(x, w, y, n, k);                                                          \
+        gemv<T, M, false>(x, w, y, n, k);                                                      \
     }                                                                                          \
-    extern "C" __global__ void gemv_pipe2_##SUFFIX##_m##M(const T *x, const T *w, T *y, int n, \
-                                                          int k) {                             \
-        gemv<T, M, 2>(x, w, y, n, k);                                                          \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128, 7)                                      \
-        gemv_pipe3_##SUFFIX##_m##M(const T *x, const T *w, T *y, int n, int k) {                 \
-        gemv<T, M, 3>(x, w, y, n, k);                                                          \
+    extern "C" __global__ void gemv_pipe_##SUFFIX##_m##M(const T *x, const T *w, T *y, int n,  \
+                                                         int k) {                              \
+        gemv<T, M, true>(x, w, y, n, k);                                                       \
     }
 #define GEMVS(T, SUFFIX)                                                                       \
     GEMV(T, SUFFIX, 1)                                                                         \

@@ -172,26 +172,10 @@ pub fn norm_linear_reference(
 /// [`norm_linear`]).
 static NORM_GEMV: EnvSwitch = EnvSwitch::new("FLEET_NORM_GEMV", false);
 
-/// Groups of four loads in flight a lane in the GEMV for grids of less than a wave of the SMs
-/// (`FLEET_GEMV_PIPE`: 1 the plain kernel's four loads, then their products; 2 or 3 the
-/// pipelined kernels, the next groups' loads issued before this group's products). The same
-/// bits at every depth.
+/// Switch of the GEMV's pipelined kernel for grids of less than a wave (`FLEET_GEMV_PIPE=0`:
+/// the four-loads kernel for every product; the same bits either way).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-static GEMV_PIPE: EnvCount = EnvCount::new("FLEET_GEMV_PIPE", 3);
-
-/// A depth a test forces over [`GEMV_PIPE`] (0: none).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-static GEMV_PIPE_FORCED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// The GEMV's depth for grids of less than a wave: [`GEMV_PIPE`] (or what a test forces), at
-/// most 3.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn gemv_pipe_depth() -> usize {
-    match GEMV_PIPE_FORCED.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => GEMV_PIPE.get().min(3),
-        forced => forced,
-    }
-}
+static GEMV_PIPE: EnvSwitch = EnvSwitch::new("FLEET_GEMV_PIPE", true);
 
 /// Largest shared memory the fused decode projection asks for: its rows of `h` (the default
 /// a block may use without opting in).
@@ -734,14 +718,14 @@ mod cuda {
     /// projection's 4,736 blocks); 896 blocks of four come to 6.8 per SM.
     const GEMV_WARPS: usize = 4;
 
-    /// Output columns (warps) per SM up to which the GEMV takes its pipelined kernels
-    /// (`gemv_pipe2`, `gemv_pipe3`: eight or twelve loads in flight a lane instead of four,
-    /// [`super::GEMV_PIPE`]): a grid of at most this many warps an SM runs in one wave, even
-    /// of the deepest kernel (seven 4-warp blocks an SM), so its bandwidth is what each warp
-    /// keeps in flight. The 7B's o and down projections (27 warps an SM of an H200) streamed at
-    /// 70% of the bandwidth where the gate/up projection's many waves reached 87%, and at 74%
-    /// with eight loads in flight (ncu, 2026-11-29d); its q/k/v projection (35 an SM, 60%) was
-    /// not faster with eight.
+    /// Output columns (warps) per SM up to which the GEMV takes its pipelined kernel
+    /// (`gemv_pipe`, eight loads in flight a lane instead of four): a grid of at most this
+    /// many warps an SM runs in one wave, so its bandwidth is what each warp keeps in flight.
+    /// The 7B's o and down projections (27 warps an SM of an H200) streamed at 70% of the
+    /// bandwidth where the gate/up projection's many waves reached 87%, and at 74% with eight
+    /// loads in flight: 244.0 tok/s at batch 1 against 238.4 (ncu and the bench, 2026-11-29d);
+    /// its q/k/v projection (35 an SM) was no faster, so it stays below. Twelve loads in flight
+    /// (bounded to fit seven blocks an SM) were slower: 219.5 against 240.2.
     const GEMV_PIPE_WARPS_PER_SM: usize = 28;
 
     /// The device's SMs.
@@ -774,11 +758,10 @@ mod cuda {
                 candle_core::bail!("gemv: {m} rows (1 to {})", super::GEMV_MAX_ROWS);
             }
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
-            let depth = super::gemv_pipe_depth();
-            let kind = if depth > 1 && n <= GEMV_PIPE_WARPS_PER_SM * sms(&dev)? {
-                format!("gemv_pipe{depth}")
+            let kind = if super::GEMV_PIPE.on() && n <= GEMV_PIPE_WARPS_PER_SM * sms(&dev)? {
+                "gemv_pipe"
             } else {
-                "gemv".to_string()
+                "gemv"
             };
             let func = dev.get_or_load_custom_func(
                 &format!("{kind}_{}_m{m}", suffix(s1.dtype())?),
@@ -1317,9 +1300,9 @@ mod kernel_tests {
     use super::*;
 
     /// The GEMV kernel gives its twin's values exactly (f16 and bf16, 1 to 4 rows, k with and
-    /// without a remainder past the unrolled chunks, the pipelined loops run many times at the
-    /// 7B's k of 18,944, columns past a block's last warp; at each depth of loads in flight,
-    /// 1 to 3), and [`linear`] takes it for few rows (with the bias added
+    /// without a remainder past the unrolled chunks, the pipelined loop run many times at the
+    /// 7B's k of 18,944, columns past a block's last warp; both kernels, the pipelined one
+    /// and the four-loads one), and [`linear`] takes it for few rows (with the bias added
     /// after) and cuBLAS for more.
     #[test]
     fn gemv_kernel_matches_its_twin() {
@@ -1334,12 +1317,12 @@ mod kernel_tests {
             (1, 40, 18944),
             (2, 70, 4104),
         ];
-        for ((m, n, k), dtype, depth) in shapes.into_iter().flat_map(|s| {
+        for ((m, n, k), dtype, pipe) in shapes.into_iter().flat_map(|s| {
             [DType::BF16, DType::F16]
                 .into_iter()
-                .flat_map(move |d| [1, 2, 3].map(|depth| (s, d, depth)))
+                .flat_map(move |d| [(s, d, true), (s, d, false)])
         }) {
-            GEMV_PIPE_FORCED.store(depth, std::sync::atomic::Ordering::Relaxed);
+            GEMV_PIPE.force(Some(pipe));
             let (x, w) = (r(&[m, k], 3, dtype), r(&[n, k], 4, dtype));
             let want = gemv(&x, &w).unwrap().to_dtype(DType::F32).unwrap();
             let got = gemv(&x.to_device(&dev).unwrap(), &w.to_device(&dev).unwrap())
@@ -1351,10 +1334,10 @@ mod kernel_tests {
             assert_eq!(
                 got.to_vec2::<f32>().unwrap(),
                 want.to_vec2::<f32>().unwrap(),
-                "{dtype:?} m {m} n {n} k {k} depth {depth}"
+                "{dtype:?} m {m} n {n} k {k} pipelined {pipe}"
             );
         }
-        GEMV_PIPE_FORCED.store(0, std::sync::atomic::Ordering::Relaxed);
+        GEMV_PIPE.force(None);
         for dtype in [DType::BF16, DType::F16] {
             // Through linear: 3 rows of a 3-D input take the kernel, the bias added after.
             linear_takes(&dev, dtype, 3, 40, gemv);
