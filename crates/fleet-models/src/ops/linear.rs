@@ -109,7 +109,8 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// is pending), `h = rms_norm(s) * norm_w` ([`add_rms_norm`]'s arithmetic) and
 /// `y = linear(proj, h)`, or with `swiglu` (`proj` the fused gate/up projection)
 /// `y = swiglu(linear(proj, h))`. With `FLEET_NORM_GEMV=1`, on a decode step on CUDA
-/// ([`norm_gemv_takes`]), this is one kernel instead of two or three, whose outputs are the
+/// (a product [`gemv`] takes, its normalised rows fitting in shared memory), this is one
+/// kernel instead of two or three, whose outputs are the
 /// unfused ops' bits (its GPU test passes on an H200); otherwise, and by default, it is those
 /// ops, [`norm_linear_reference`]. Off by default because it is slower: the 7B's decode at
 /// batch 1 ran 219.5 tok/s fused against 233.5 unfused (H200, 2026-11-29d). By ncu the fused
