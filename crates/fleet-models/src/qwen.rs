@@ -36,10 +36,6 @@ struct RmsNorm {
 }
 
 impl RmsNorm {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::rms_norm(x, &self.weight, self.eps)
-    }
-
     /// `(x + h, norm(x + h))` in one kernel.
     fn add_forward(&self, x: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
         ops::add_rms_norm(x, h, &self.weight, self.eps)
@@ -47,10 +43,7 @@ impl RmsNorm {
 
     /// `(s, norm(s))` of the residual stream `s = x + pending` (`x` when nothing is pending).
     fn stream_forward(&self, x: &Tensor, pending: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-        match pending {
-            Some(p) => self.add_forward(x, p),
-            None => Ok((x.clone(), self.forward(x)?)),
-        }
+        ops::residual_rms_norm(x, pending, &self.weight, self.eps)
     }
 
     /// `(s, proj(norm(s)))` with `proj`'s LoRA adapters, and `swiglu` after it for the MLP's
@@ -1353,10 +1346,7 @@ impl QwenModel {
         }
         let Stream { x, pending } = stream;
         profile::time(head_dev, "head", || {
-            let x = match &pending {
-                Some(p) => self.norm.add_forward(&x, p)?.1,
-                None => self.norm.forward(&x)?,
-            };
+            let (_, x) = self.norm.stream_forward(&x, pending.as_ref())?;
             Ok(ops::linear(&self.lm_head, &x)?.to_dtype(DType::F32)?)
         })
     }

@@ -151,8 +151,8 @@ pub fn norm_linear(
     Ok((s, y))
 }
 
-/// [`norm_linear`] op by op: [`add_rms_norm`] (or [`rms_norm`]), [`linear`], [`swiglu`]. The
-/// fused kernel's twin, and its path wherever the kernel does not run.
+/// [`norm_linear`] op by op: [`residual_rms_norm`], [`linear`], [`swiglu`]. The fused kernel's
+/// twin, and its path wherever the kernel does not run.
 pub fn norm_linear_reference(
     x: &Tensor,
     pending: Option<&Tensor>,
@@ -160,10 +160,7 @@ pub fn norm_linear_reference(
     proj: &candle_nn::Linear,
     swiglu: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let (s, h) = match pending {
-        Some(p) => add_rms_norm(x, p, norm_w, eps)?,
-        None => (x.clone(), rms_norm(x, norm_w, eps)?),
-    };
+    let (s, h) = residual_rms_norm(x, pending, norm_w, eps)?;
     let y = linear(proj, &h)?;
     Ok((s, if swiglu { super::swiglu(&y)? } else { y }))
 }
@@ -813,11 +810,11 @@ mod cuda {
         ) -> candle_core::Result<CudaStorage> {
             let dev = s1.device().clone();
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
-            let (nw_s, nw_l) = op.norm_w.storage_and_layout();
-            let candle_core::Storage::Cuda(nw_s) = &*nw_s else {
-                candle_core::bail!("norm_gemv: the norm's weight is not on CUDA");
-            };
-            let nw = input::<T>(nw_s, nw_l)?;
+            let (nw_guard, nw_l) = op.norm_w.storage_and_layout();
+            let nw = input::<T>(
+                held("norm_gemv", "the norm's weight", &nw_guard, &dev)?,
+                nw_l,
+            )?;
             let pending = op.pending.as_ref().map(|p| p.storage_and_layout());
             let name = if op.swiglu {
                 "norm_gemv_swiglu"
@@ -845,12 +842,10 @@ mod cuda {
             // No pending rows: a null pointer (the kernel then normalises x itself).
             let null: u64 = 0;
             let p_view = match &pending {
-                Some((ps, pl)) => {
-                    let candle_core::Storage::Cuda(ps) = &**ps else {
-                        candle_core::bail!("norm_gemv: the pending rows are not on CUDA");
-                    };
-                    Some(input::<T>(ps, pl)?)
-                }
+                Some((guard, pl)) => Some(input::<T>(
+                    held("norm_gemv", "the pending rows", guard, &dev)?,
+                    pl,
+                )?),
                 None => None,
             };
             match &p_view {

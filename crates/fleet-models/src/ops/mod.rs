@@ -605,7 +605,7 @@ pub use qkv_rope::{
     set_qkv_rope_fused_backward, set_qkv_rope_pairs, PagedKvWrite,
 };
 pub use reduce::{gradient_seed, scale_in_place, sum_squares, update_rows_in_place};
-pub use rms_norm::{add_rms_norm, rms_norm, set_norm_backward_vector_kernel};
+pub use rms_norm::{add_rms_norm, residual_rms_norm, rms_norm, set_norm_backward_vector_kernel};
 pub use sample::{sample_tokens, sample_tokens_on_device, RowSampling, SAMPLER_VERSION};
 pub use swiglu::{set_swiglu_scalar_kernels, swiglu};
 pub use transpose::{set_transpose12_kernel, transpose12};

@@ -24,6 +24,20 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, weight: &Tensor, eps: f32) -> Result
     Ok((both.get(0)?, both.get(1)?))
 }
 
+/// `(s, rms_norm(s) * weight)` of the residual stream `s = x + pending`: [`add_rms_norm`], or
+/// with nothing pending `s = x` and [`rms_norm`].
+pub fn residual_rms_norm(
+    x: &Tensor,
+    pending: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, Tensor)> {
+    match pending {
+        Some(p) => add_rms_norm(x, p, weight, eps),
+        None => Ok((x.clone(), rms_norm(x, weight, eps)?)),
+    }
+}
+
 /// The gradient of `y = rms_norm(s) * w` (transformers' arithmetic) for rows over the last
 /// dimension: `(ds, dw)` in f32, from `s` and the output gradient `g` in f32. With
 /// `r = rsqrt(mean(s²) + eps)` and `n = s * r`: `dn = g * w`,

@@ -636,10 +636,9 @@ impl QwenModel {
             )?;
         }
         if seg.head {
-            let x = match &stream.pending {
-                Some(p) => self.norm.add_forward(&stream.x, p)?.1,
-                None => self.norm.forward(&stream.x)?,
-            };
+            let (_, x) = self
+                .norm
+                .stream_forward(&stream.x, stream.pending.as_ref())?;
             let logits = crate::ops::linear(&self.lm_head, &x)?;
             return Ok(graph.logits.slice_set(&logits, 0, 0)?);
         }
