@@ -52,6 +52,9 @@ case "$PART" in
     xz -dc "${TESTS_TAR:-dist/carry/paged-tests.tar.xz}" | tar xf - -C "$T"
     BUILT_AT="${BUILT_AT:-/work/main}"
     [ -e "$BUILT_AT/tests/fixtures" ] || { mkdir -p "$(dirname "$BUILT_AT")"; ln -sfn "$PWD" "$BUILT_AT"; }
+    # TESTS=0 skips the tests (a speed-only call); HF=0 skips transformers; LIB_TESTS filters
+    # the library's kernel tests.
+    [ "${TESTS:-1}" = 1 ] || T=/nonexistent
     for t in paged_generation generation parity paged_attention qwen3_vl_parity; do
       [ -x "$T/$t" ] || { echo "== $t: not carried"; continue; }
       echo "== $t"
@@ -61,6 +64,7 @@ case "$PART" in
     # The same generation tests with the skinny GEMM on for 5-64 rows (off by default until
     # its kernel test has passed on a GPU).
     for t in ${SKINNY_TESTS-paged_generation generation}; do
+      [ -x "$T/$t" ] || continue
       echo "== $t (FLEET_SKINNY_GEMM=1)"
       FLEET_SKINNY_GEMM=1 timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_${t}_skinny.txt" 2>&1
       echo "rc $?"; grep -E 'test result|panicked|FAILED' "$OUT/test_${t}_skinny.txt"
@@ -68,8 +72,8 @@ case "$PART" in
     # The crate's own kernel tests (the library's unit tests): the GEMV and the linear layer;
     # the CUDA ops against their twins; decode graphs on two logical devices (a binary of its
     # own: the logical mapping is process-wide).
-    echo "== fleet_models kernel tests (linear, dropout, the q/k/v kernels' paged write)"
-    timeout 120 "$T/fleet_models" --test-threads 1 ops::linear ops::dropout ops::qkv_rope > "$OUT/test_lib.txt" 2>&1
+    [ -x "$T/fleet_models" ] && echo "== fleet_models kernel tests (linear, dropout, the q/k/v kernels' paged write)" &&
+    timeout 120 "$T/fleet_models" --test-threads 1 ${LIB_TESTS:-ops::linear ops::dropout ops::qkv_rope} > "$OUT/test_lib.txt" 2>&1
     echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_lib.txt"
     if [ -x "$T/ops_grad" ]; then
       echo "== ops_grad (cuda)"
@@ -83,7 +87,7 @@ case "$PART" in
     fi
     C=configs/models/qwen2.5-7b.json
     # The reference first, so that a call cut short still has it.
-    echo "== transformers"
+    [ "${HF:-1}" = 1 ] && echo "== transformers" &&
     timeout 150 python3 benches/transformers_generate.py --config "$C" --dtype bf16 \
       --prompt-len 512 --new-tokens 128 --batch "$BATCHES" --device cuda --json "$OUT/hf_7b.json"
     # HF_STATIC=1: transformers again with its static cache, whose generate() compiles the
@@ -102,7 +106,10 @@ case "$PART" in
     mode_flags() {
       gemv=1; batches=$BATCHES
       skinny=0; vecnorm=1; fusedkv=1; prefetch=1; attnmma=1; normgemv=0; gemvpipe=1
+      gemvswiglu=1
       case "$1" in
+        # The GEMV and the SwiGLU as two kernels (FLEET_GEMV_SWIGLU=0; one since 2026-11-29e).
+        continuous-sync8-noswiglu) flags=(--batching continuous --num-scheduler-steps 8); gemvswiglu=0 ;;
         # The GEMV's four-loads kernel for every product (FLEET_GEMV_PIPE=0; the pipelined one
         # takes grids of less than a wave by default since 2026-11-29d), reads every 8.
         continuous-sync8-nopipe) flags=(--batching continuous --num-scheduler-steps 8); gemvpipe=0 ;;
@@ -131,16 +138,18 @@ case "$PART" in
     }
     # Runs its arguments under the kernel switches mode_flags chose.
     in_mode_env() {
-      FLEET_NORM_GEMV=$normgemv FLEET_GEMV_PIPE=$gemvpipe \
+      FLEET_GEMV_SWIGLU=$gemvswiglu \
+        FLEET_NORM_GEMV=$normgemv FLEET_GEMV_PIPE=$gemvpipe \
         FLEET_PAGED_MMA=$attnmma FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv \
         FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv "$@"
     }
+    # A mode may carry a suffix @N (a repeat in the same call, its own JSON file).
     for mode in ${MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do
       echo "== fleet $mode"
-      mode_flags "$mode"
+      mode_flags "${mode%@*}"
       in_mode_env timeout 150 "$F" bench generate --config "$C" --batch "$batches" \
         --prompt-len 512 --new-tokens 128 --repeats 2 "${flags[@]}" \
-        --json "$OUT/fleet_7b_$mode.json"
+        --json "$OUT/fleet_7b_${mode//@/-r}.json"
     done
     for shape in 0.5b 1.5b; do
       for mode in ${ROLLOUT_MODES:-static continuous continuous-skinny continuous-cublas continuous-sync8}; do

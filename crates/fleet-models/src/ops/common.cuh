@@ -36,6 +36,13 @@ __device__ __forceinline__ float block_sum(float v) {
 // The value `x` holds once rounded to T.
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
+// SwiGLU of one element as transformers rounds it, to be rounded once more to T by the caller:
+// g and u are the gate and up projections' values (already T's), silu(g) is rounded to T
+// before the product. One definition for the `swiglu` kernels and the GEMVs that end in it.
+template <typename T> __device__ __forceinline__ float silu_mul(float g, float u) {
+    return rnd<T>(g / (1.f + expf(-g))) * u;
+}
+
 // One row of RMSNorm (transformers' arithmetic, as the `rms_norm` kernels) by the whole block,
 // on 16-byte vectors (n a multiple of V = 16 / sizeof(T), rows 16-byte aligned): s = x + h
 // rounded to T (h == nullptr: s = x), written to s_out unless it is null, and

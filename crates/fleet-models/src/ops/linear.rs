@@ -104,6 +104,42 @@ pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.apply_op2_no_bwd(w, &FewRows::Gemv)?)
 }
 
+/// [`swiglu`](super::swiglu) of [`gemv`] for the MLP's fused gate/up weight `w` (`[2n, k]`,
+/// gate rows then up rows): `[m, n]`, one kernel on CUDA whose warp for column `j` sums rows
+/// `j` and `n + j` as [`gemv`] does and ends in the SwiGLU kernel's arithmetic, so the result
+/// is the two ops' bits (its GPU test checks it) with one launch and one `[m, 2n]` round trip
+/// fewer. On the CPU the twin is the two twins in turn.
+pub fn gemv_swiglu(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(x.apply_op2_no_bwd(w, &FewRows::GemvSwiglu)?)
+}
+
+/// `swiglu(linear(layer, x))` for the MLP's fused gate/up projection: [`gemv_swiglu`] where
+/// [`linear`] would take the GEMV (a decode step of up to [`GEMV_MAX_ROWS`] rows on CUDA, no
+/// bias, nothing tracked) and `FLEET_GEMV_SWIGLU` is not `0`, else the two ops.
+pub fn linear_swiglu(layer: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
+    let w = layer.weight();
+    let dims = x.dims();
+    let k = dims[dims.len() - 1];
+    let rows = x.elem_count() / k.max(1);
+    let fused = GEMV_SWIGLU.on()
+        && x.device().is_cuda()
+        && layer.bias().is_none()
+        && !(x.track_op() || w.track_op())
+        && w.dim(0).is_ok_and(|n| n.is_multiple_of(2))
+        && gemv_takes(x, w, rows);
+    if !fused {
+        return super::swiglu(&linear(layer, x)?);
+    }
+    let y = gemv_swiglu(&x.reshape((rows, k))?, w)?;
+    let mut out_dims = dims.to_vec();
+    *out_dims.last_mut().expect("rank >= 1") = w.dim(0)? / 2;
+    Ok(y.reshape(out_dims)?)
+}
+
+/// Switch of [`linear_swiglu`]'s one kernel (`FLEET_GEMV_SWIGLU=0`: the GEMV and the SwiGLU
+/// kernel; the same bits either way).
+static GEMV_SWIGLU: EnvSwitch = EnvSwitch::new("FLEET_GEMV_SWIGLU", true);
+
 /// A bias-free linear layer `proj` on the RMSNorm of the residual stream, as a decoder layer
 /// opens its attention and its MLP: `(s, y)` with `s = x + pending` (`x` itself when nothing
 /// is pending), `h = rms_norm(s) * norm_w` ([`add_rms_norm`]'s arithmetic) and
@@ -151,8 +187,8 @@ pub fn norm_linear(
     Ok((s, y))
 }
 
-/// [`norm_linear`] op by op: [`residual_rms_norm`], [`linear`], [`swiglu`]. The fused kernel's
-/// twin, and its path wherever the kernel does not run.
+/// [`norm_linear`] op by op: [`residual_rms_norm`], [`linear`] (and [`swiglu`]: together
+/// [`linear_swiglu`]). The fused kernel's twin, and its path wherever the kernel does not run.
 pub fn norm_linear_reference(
     x: &Tensor,
     pending: Option<&Tensor>,
@@ -161,8 +197,11 @@ pub fn norm_linear_reference(
     swiglu: bool,
 ) -> Result<(Tensor, Tensor)> {
     let (s, h) = residual_rms_norm(x, pending, norm_w, eps)?;
-    let y = linear(proj, &h)?;
-    Ok((s, if swiglu { super::swiglu(&y)? } else { y }))
+    let y = match swiglu {
+        true => linear_swiglu(proj, &h)?,
+        false => linear(proj, &h)?,
+    };
+    Ok((s, y))
 }
 
 /// Switch of the fused decode projection ([`norm_linear`]): `FLEET_NORM_GEMV=1` runs the norm,
@@ -275,6 +314,8 @@ impl candle_core::CustomOp2 for NormGemv {
 #[derive(Debug, Clone, Copy)]
 enum FewRows {
     Gemv,
+    /// [`gemv`] ending in the SwiGLU ([`gemv_swiglu`]).
+    GemvSwiglu,
     Skinny,
 }
 
@@ -544,6 +585,7 @@ impl candle_core::CustomOp2 for FewRows {
     fn name(&self) -> &'static str {
         match self {
             FewRows::Gemv => "fleet-gemv",
+            FewRows::GemvSwiglu => "fleet-gemv-swiglu",
             FewRows::Skinny => "fleet-skinny-gemm",
         }
     }
@@ -558,6 +600,7 @@ impl candle_core::CustomOp2 for FewRows {
         let (m, n, k) = self.dims(l1, l2)?;
         let out = float_cpu!("few-row product", (s1, l1) => x, (s2, l2) => w; match self {
             FewRows::Gemv => gemv_cpu(x, w, k),
+            FewRows::GemvSwiglu => super::swiglu::swiglu_cpu(&gemv_cpu(x, w, k), n),
             FewRows::Skinny => skinny_cpu(x, w, k),
         });
         Ok((out, Shape::from((m, n))))
@@ -577,7 +620,8 @@ impl candle_core::CustomOp2 for FewRows {
             candle_core::bail!("{}: the inputs' rows must start on 16 bytes", self.name());
         }
         let y = match self {
-            FewRows::Gemv => cuda::gemv(s1, l1, s2, l2, dims)?,
+            FewRows::Gemv => cuda::gemv(s1, l1, s2, l2, dims, false)?,
+            FewRows::GemvSwiglu => cuda::gemv(s1, l1, s2, l2, dims, true)?,
             FewRows::Skinny => cuda::skinny_gemm(s1, l1, s2, l2, dims)?,
         };
         Ok((y, Shape::from((dims.0, dims.1))))
@@ -588,6 +632,10 @@ impl FewRows {
     fn dims(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize)> {
         match self {
             FewRows::Gemv => gemv_dims(l1, l2),
+            FewRows::GemvSwiglu => match gemv_dims(l1, l2)? {
+                (m, n, k) if n.is_multiple_of(2) => Ok((m, n / 2, k)),
+                (_, n, _) => candle_core::bail!("gemv_swiglu: w has {n} rows (gate and up: even)"),
+            },
             FewRows::Skinny => skinny_dims(l1, l2),
         }
     }
@@ -737,12 +785,15 @@ mod cuda {
         Ok(n as usize)
     }
 
+    /// [`super::gemv`], or with `swiglu` [`super::gemv_swiglu`] (`n` the output columns, half
+    /// of w's rows).
     pub(super) fn gemv(
         s1: &CudaStorage,
         l1: &Layout,
         s2: &CudaStorage,
         l2: &Layout,
         (m, n, k): (usize, usize, usize),
+        swiglu: bool,
     ) -> candle_core::Result<CudaStorage> {
         fn run<T: CudaDType + DeviceRepr>(
             s1: &CudaStorage,
@@ -750,6 +801,7 @@ mod cuda {
             s2: &CudaStorage,
             l2: &Layout,
             (m, n, k): (usize, usize, usize),
+            swiglu: bool,
         ) -> candle_core::Result<CudaStorage> {
             let dev = s1.device().clone();
             if !(1..=super::GEMV_MAX_ROWS).contains(&m) {
@@ -761,8 +813,9 @@ mod cuda {
             } else {
                 "gemv"
             };
+            let tail = if swiglu { "_swiglu" } else { "" };
             let func = dev.get_or_load_custom_func(
-                &format!("{kind}_{}_m{m}", suffix(s1.dtype())?),
+                &format!("{kind}{tail}_{}_m{m}", suffix(s1.dtype())?),
                 MODULE,
                 PTX,
             )?;
@@ -780,15 +833,16 @@ mod cuda {
             let (n, k) = (n as i32, k as i32);
             builder.arg(&n);
             builder.arg(&k);
-            // SAFETY: warp j of block b reads row b * GEMV_WARPS + j of w (if below n) and
+            // SAFETY: warp j of block b reads row c = b * GEMV_WARPS + j of w (if below n;
+            // with swiglu also row n + c, w having 2 n rows: checked by the op's dims) and
             // the m rows of x, 16 bytes at a time (k a multiple of 8, rows aligned: checked),
-            // and writes that column of y.
+            // and writes column c of y.
             unsafe { builder.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev))
         }
         match s1.dtype() {
-            candle_core::DType::F16 => run::<f16>(s1, l1, s2, l2, (m, n, k)),
-            candle_core::DType::BF16 => run::<bf16>(s1, l1, s2, l2, (m, n, k)),
+            candle_core::DType::F16 => run::<f16>(s1, l1, s2, l2, (m, n, k), swiglu),
+            candle_core::DType::BF16 => run::<bf16>(s1, l1, s2, l2, (m, n, k), swiglu),
             other => candle_core::bail!("gemv: {other:?} on CUDA (f16 or bf16)"),
         }
     }
@@ -867,7 +921,6 @@ mod cuda {
             // the norm's k weights, read 16 bytes at a time by one thread per vector; s and y
             // are the two disjoint parts of `out`.
             unsafe { builder.launch(cfg) }.w()?;
-            drop(y);
             Ok(CudaStorage::wrap_cuda_slice(out, dev))
         }
         match s1.dtype() {
@@ -1147,6 +1200,36 @@ mod cuda {
 mod tests {
     use super::*;
 
+    /// The fused GEMV + SwiGLU's CPU twin is the two twins in turn, and [`linear_swiglu`] on
+    /// the CPU is the two ops.
+    #[test]
+    fn gemv_swiglu_twin_is_the_two_twins() {
+        for dtype in [DType::F32, DType::BF16] {
+            let x = test_tensor(&[3, 264], 1).to_dtype(dtype).unwrap();
+            let w = test_tensor(&[2 * 19, 264], 2).to_dtype(dtype).unwrap();
+            let got = gemv_swiglu(&x, &w).unwrap().to_dtype(DType::F32).unwrap();
+            let want = super::super::swiglu(&gemv(&x, &w).unwrap())
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            assert_eq!(got.dims(), &[3, 19]);
+            assert_eq!(max_abs_diff(&got, &want), 0.0, "{dtype:?}");
+            let layer = candle_nn::Linear::new(w.clone(), None);
+            let via = linear_swiglu(&layer, &x).unwrap();
+            let two = super::super::swiglu(&linear(&layer, &x).unwrap()).unwrap();
+            assert_eq!(
+                max_abs_diff(
+                    &via.to_dtype(DType::F32).unwrap(),
+                    &two.to_dtype(DType::F32).unwrap()
+                ),
+                0.0,
+                "{dtype:?}: linear_swiglu"
+            );
+        }
+        let odd = gemv_swiglu(&test_tensor(&[1, 8], 1), &test_tensor(&[3, 8], 2));
+        assert!(odd.unwrap_err().to_string().contains("even"));
+    }
+
     /// The CPU twin is the product (in f32, to rounding), for every row count the kernel
     /// takes and k with and without a remainder past the unrolled chunks.
     #[test]
@@ -1398,6 +1481,57 @@ mod kernel_tests {
             }
         }
         NORM_GEMV.force(None);
+    }
+
+    /// The GEMV ending in the SwiGLU gives the two kernels' bits (f16 and bf16, 1 to 4 rows,
+    /// the 0.5B's and the 7B's gate/up shapes, a grid small enough for the pipelined kernel,
+    /// columns past a block's last warp), and [`linear_swiglu`] takes it for few rows and the
+    /// two ops for more.
+    #[test]
+    fn gemv_swiglu_kernel_gives_the_unfused_bits() {
+        let dev = candle_core::Device::new_cuda(0).unwrap();
+        let r = |s: &[usize], seed: u64, dtype: DType| {
+            test_tensor(s, seed)
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&dev)
+                .unwrap()
+        };
+        let f = |t: &Tensor| {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        for dtype in [DType::BF16, DType::F16] {
+            for (m, k, n) in [
+                (1, 3584, 18944),
+                (2, 896, 4864),
+                (3, 264, 13),
+                (4, 1536, 300),
+            ] {
+                let what = format!("{dtype:?} m {m} k {k} n {n}");
+                let x = r(&[m, k], 1, dtype);
+                let w = r(&[2 * n, k], 2, dtype);
+                let fused = gemv_swiglu(&x, &w).unwrap();
+                let unfused = super::super::swiglu(&gemv(&x, &w).unwrap()).unwrap();
+                assert_eq!(fused.dims(), &[m, n], "{what}");
+                assert_eq!(f(&fused), f(&unfused), "{what}");
+                let layer = candle_nn::Linear::new(w.clone(), None);
+                let via = linear_swiglu(&layer, &x.unsqueeze(1).unwrap()).unwrap();
+                assert_eq!(via.dims(), &[m, 1, n], "{what}");
+                assert_eq!(f(&via), f(&fused), "{what}: linear_swiglu");
+            }
+            // More rows than the GEMV takes: cuBLAS and the SwiGLU kernel.
+            let x = r(&[8, 896], 3, dtype);
+            let layer = candle_nn::Linear::new(r(&[2 * 64, 896], 4, dtype), None);
+            let via = linear_swiglu(&layer, &x).unwrap();
+            let want =
+                super::super::swiglu(&candle_core::Module::forward(&layer, &x).unwrap()).unwrap();
+            assert_eq!(f(&via), f(&want), "{dtype:?}: 8 rows");
+        }
     }
 
     /// Held by the tests that force [`MOE_MMA`], [`MOE_MMA16`] or [`SKINNY_PREFETCH_X`]

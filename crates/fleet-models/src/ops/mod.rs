@@ -583,8 +583,8 @@ pub use gpu_delay::gpu_delay;
 pub use grouped_gemm::grouped_linear;
 pub use layer_norm::LayerNorm;
 pub use linear::{
-    gemv, linear, moe_gemv, norm_linear, norm_linear_reference, set_skinny_gemm, skinny_gemm,
-    GEMV_MAX_ROWS, SKINNY_MAX_ROWS,
+    gemv, gemv_swiglu, linear, linear_swiglu, moe_gemv, norm_linear, norm_linear_reference,
+    set_skinny_gemm, skinny_gemm, GEMV_MAX_ROWS, SKINNY_MAX_ROWS,
 };
 pub use logp::{logp_entropy, logp_grad};
 pub use masked_softmax::masked_softmax;

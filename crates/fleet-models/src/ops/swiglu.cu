@@ -12,8 +12,7 @@ __device__ void swiglu(const T *x, T *y, int n_rows, int n_cols) {
         const size_t r = i / n_cols, c = i % n_cols;
         const float g = to_f(x[r * 2 * n_cols + c]);
         const float u = to_f(x[r * 2 * n_cols + n_cols + c]);
-        const float act = to_f(from_f<T>(g / (1.f + expf(-g))));
-        y[i] = from_f<T>(act * u);
+        y[i] = from_f<T>(silu_mul<T>(g, u));
     }
 }
 
@@ -51,11 +50,7 @@ __device__ void swiglu_vec(const T *x, T *y, int n_rows, int n_cols) {
         const Vec16<T> g = load16(x + r * 2 * n_cols + c), u = load16(x + r * 2 * n_cols + n_cols + c);
         Vec16<T> out;
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-            const float gf = to_f(g.v[e]);
-            const float act = to_f(from_f<T>(gf / (1.f + expf(-gf))));
-            out.v[e] = from_f<T>(act * to_f(u.v[e]));
-        }
+        for (int e = 0; e < V; ++e) out.v[e] = from_f<T>(silu_mul<T>(to_f(g.v[e]), to_f(u.v[e])));
         store16(y + i * V, out);
     }
 }

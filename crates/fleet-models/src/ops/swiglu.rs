@@ -15,7 +15,7 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
 
 struct SwiGlu;
 
-fn swiglu_cpu<T: Float>(x: &[T], n_cols: usize) -> Vec<T> {
+pub(super) fn swiglu_cpu<T: Float>(x: &[T], n_cols: usize) -> Vec<T> {
     let mut y = Vec::with_capacity(x.len() / 2);
     for row in x.chunks(2 * n_cols) {
         let (gate, up) = row.split_at(n_cols);
