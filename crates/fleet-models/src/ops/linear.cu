@@ -33,44 +33,56 @@ template <typename T> __device__ __forceinline__ void unpack8(const uint4 &v, fl
     for (int e = 0; e < 8; ++e) out[e] = to_f(t[e]);
 }
 
-// Lane `lane`'s partial sums of the rows xr[0..M) against w's row `wr` (`chunks` 16-byte
-// chunks): chunks lane, lane + 32, ... in order, four loads of w in flight at a time, the same
-// order as the twin. STREAM: w's loads evict first (read once a launch); otherwise they stay
-// cached (the MoE kernel reads an expert's row again for its next rows).
-// X_SHARED: the rows xr point to shared memory (read plainly), else to global memory (read
-// through the read-only cache). PIPE: the next four chunks' loads are issued before this four's
-// products (eight in flight a lane, the same chunks in the same order), for grids too small
-// to fill the SMs with warps, where each warp's bytes in flight set the bandwidth.
-template <typename T, int M, bool STREAM, bool X_SHARED = false, bool PIPE = false>
-__device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *wr, int chunks,
-                                               int lane, float *acc) {
+// Lane `lane`'s partial sums of the rows xr[0..M) against R rows of w, wr[0..R) (`chunks`
+// 16-byte chunks each): chunks lane, lane + 32, ... in order, four chunks of every w row in
+// flight at a time, each row's sums in the twin's order (R = 2: the gate and up rows of a
+// SwiGLU, whose loads go out together and share the x chunk). STREAM: w's loads evict first
+// (read once a launch); otherwise they stay cached (the MoE kernel reads an expert's row again
+// for its next rows). X_SHARED: the rows xr point to shared memory (read plainly), else to
+// global memory (read through the read-only cache). PIPE: the next four chunks' loads are
+// issued before this four's products (eight a row in flight a lane, the same chunks in the same
+// order), for grids too small to fill the SMs with warps, where each warp's bytes in flight set
+// the bandwidth. acc[r][m]: row r of w against row m of x, summed over the warp.
+template <typename T, int M, bool STREAM, bool X_SHARED = false, bool PIPE = false, int R = 1>
+__device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *const *wr, int chunks,
+                                               int lane, float (*acc)[M]) {
     auto load = [&](const uint4 *p) { return STREAM ? __ldcs(p) : __ldg(p); };
-    auto fma_chunk = [&](const uint4 &wv, int c) {
-        float wf[8];
-        unpack8<T>(wv, wf);
+    auto fma_chunk = [&](const uint4 *wv, int c) {
+        float wf[R][8];
+#pragma unroll
+        for (int r = 0; r < R; ++r) unpack8<T>(wv[r], wf[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xf[8];
             const uint4 *xv = reinterpret_cast<const uint4 *>(xr[m]) + c;
             unpack8<T>(X_SHARED ? *xv : __ldg(xv), xf);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[m] = __fmaf_rn(xf[e], wf[e], acc[m]);
+            for (int r = 0; r < R; ++r) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[r][m] = __fmaf_rn(xf[e], wf[r][e], acc[r][m]);
+            }
         }
     };
     int c = lane;
     if (PIPE) {
         if (c + 96 < chunks) {
-            uint4 cur[4];
+            uint4 cur[4][R];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) cur[u] = load(wr + c + 32 * u);
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int r = 0; r < R; ++r) cur[u][r] = load(wr[r] + c + 32 * u);
             for (; c + 128 + 96 < chunks; c += 128) {
-                uint4 next[4];
+                uint4 next[4][R];
 #pragma unroll
-                for (int u = 0; u < 4; ++u) next[u] = load(wr + c + 128 + 32 * u);
+                for (int u = 0; u < 4; ++u)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) next[u][r] = load(wr[r] + c + 128 + 32 * u);
 #pragma unroll
                 for (int u = 0; u < 4; ++u) fma_chunk(cur[u], c + 32 * u);
 #pragma unroll
-                for (int u = 0; u < 4; ++u) cur[u] = next[u];
+                for (int u = 0; u < 4; ++u)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) cur[u][r] = next[u][r];
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) fma_chunk(cur[u], c + 32 * u);
@@ -78,23 +90,34 @@ __device__ __forceinline__ void gemv_lane_sums(const T *const *xr, const uint4 *
         }
     } else {
         for (; c + 96 < chunks; c += 128) {
-            uint4 wv[4];
+            uint4 wv[4][R];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) wv[u] = load(wr + c + 32 * u);
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int r = 0; r < R; ++r) wv[u][r] = load(wr[r] + c + 32 * u);
 #pragma unroll
             for (int u = 0; u < 4; ++u) fma_chunk(wv[u], c + 32 * u);
         }
     }
-    for (; c < chunks; c += 32) fma_chunk(load(wr + c), c);
+    for (; c < chunks; c += 32) {
+        uint4 wv[R];
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
+        for (int r = 0; r < R; ++r) wv[r] = load(wr[r] + c);
+        fma_chunk(wv, c);
+    }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffff, acc[m], o);
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffff, acc[r][m], o);
+        }
     }
 }
 
 // SWIGLU: w is the MLP's fused [gate; up] projection (2 n rows): warp `col` sums rows col and
-// n + col as the plain kernel sums each, rounds both to T and writes silu_mul of them (the
+// n + col (their loads together) as the plain kernel sums each, rounds both to T and writes
+// silu_mul of them (the
 // `swiglu` kernel's arithmetic), so y is the bits of the GEMV followed by that kernel, with
 // one launch and one [m, 2 n] round trip fewer.
 template <typename T, int M, bool PIPE, bool SWIGLU>
@@ -102,21 +125,24 @@ __device__ void gemv(const T *x, const T *w, T *y, int n, int k) {
     const int lane = threadIdx.x % 32;
     const int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (col >= n) return;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)col * k);
+    constexpr int R = SWIGLU ? 2 : 1;
+    const uint4 *wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4 *>(w + ((size_t)r * n + col) * k);
     const T *xr[M];
-    float acc[M], acc_up[M];
+    float acc[R][M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         xr[m] = x + (size_t)m * k;
-        acc[m] = 0.f;
-        acc_up[m] = 0.f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][m] = 0.f;
     }
-    gemv_lane_sums<T, M, true, false, PIPE>(xr, wr, k / 8, lane, acc);
-    if (SWIGLU) gemv_lane_sums<T, M, true, false, PIPE>(xr, wr + (size_t)n * (k / 8), k / 8, lane, acc_up);
+    gemv_lane_sums<T, M, true, false, PIPE, R>(xr, wr, k / 8, lane, acc);
     if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m)
-            y[(size_t)m * n + col] = from_f<T>(SWIGLU ? silu_mul<T>(rnd<T>(acc[m]), rnd<T>(acc_up[m])) : acc[m]);
+            y[(size_t)m * n + col] =
+                from_f<T>(SWIGLU ? silu_mul<T>(rnd<T>(acc[0][m]), rnd<T>(acc[R - 1][m])) : acc[0][m]);
     }
 }
 
@@ -156,7 +182,7 @@ GEMVS(__nv_bfloat16, bf16)
 // loads are asked of L2 before that, so the prologue overlaps their latency. Then each warp is
 // `gemv`'s warp for one output column, reading the rows from shared memory: the same sums in
 // the same order. SWIGLU: w is [gate; up] with 2 n rows; warp `col` sums rows col and n + col
-// and writes silu(T(gate)) * T(up) rounded as the `swiglu` kernel rounds it. So y is the bits
+// (their loads together) and writes silu(T(gate)) * T(up) rounded as the `swiglu` kernel rounds it. So y is the bits
 // of the unfused ops. Dynamic shared memory: M * k elements.
 template <typename T, int M, bool SWIGLU>
 __device__ void norm_gemv(const T *x, const T *p, const T *nw, float eps, T *s_out, const T *w,
@@ -186,20 +212,22 @@ __device__ void norm_gemv(const T *x, const T *p, const T *nw, float eps, T *s_o
     }
     __syncthreads();
     if (col >= n) return;
+    constexpr int R = SWIGLU ? 2 : 1;
+    const uint4 *rows[2] = {wr, ur};
     const T *xr[M];
-    float acc[M], acc_up[M];
+    float acc[R][M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         xr[m] = hs + (size_t)m * k;
-        acc[m] = 0.f;
-        acc_up[m] = 0.f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][m] = 0.f;
     }
-    gemv_lane_sums<T, M, true, true>(xr, wr, chunks, lane, acc);
-    if (SWIGLU) gemv_lane_sums<T, M, true, true>(xr, ur, chunks, lane, acc_up);
+    gemv_lane_sums<T, M, true, true, false, R>(xr, rows, chunks, lane, acc);
     if (lane == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            y[(size_t)m * n + col] = from_f<T>(SWIGLU ? silu_mul<T>(rnd<T>(acc[m]), rnd<T>(acc_up[m])) : acc[m]);
+            y[(size_t)m * n + col] =
+                from_f<T>(SWIGLU ? silu_mul<T>(rnd<T>(acc[0][m]), rnd<T>(acc[R - 1][m])) : acc[0][m]);
         }
     }
 }
@@ -268,23 +296,23 @@ __device__ void moe_gemv(const T *x, const T *w, const uint32_t *sorted, const u
     for (int j = 0; j < cols; ++j) {
         const int col = (blockIdx.x * cols + j) * warps + threadIdx.x / 32;
         if (col >= n) return;
-        const uint4 *wr = reinterpret_cast<const uint4 *>(w + ((size_t)e * n + col) * k);
+        const uint4 *wr[1] = {reinterpret_cast<const uint4 *>(w + ((size_t)e * n + col) * k)};
         for (int r = lo; r < hi; r += MOE_ROWS) {
             const int rows = min(MOE_ROWS, hi - r);
             const T *xr[MOE_ROWS];
-            float acc[MOE_ROWS];
+            float acc[1][MOE_ROWS];
 #pragma unroll
             for (int m = 0; m < MOE_ROWS; ++m) {
                 // Past the expert's last slot: its last row again, summed and not written.
                 const uint32_t slot = sorted[slots + r + min(m, rows - 1)];
                 xr[m] = x + (size_t)(slot / in_div) * k;
-                acc[m] = 0.f;
+                acc[0][m] = 0.f;
             }
             gemv_lane_sums<T, MOE_ROWS, false>(xr, wr, k / 8, lane, acc);
             if (lane == 0) {
 #pragma unroll
                 for (int m = 0; m < MOE_ROWS; ++m)
-                    if (m < rows) y[(size_t)sorted[slots + r + m] * n + col] = from_f<T>(acc[m]);
+                    if (m < rows) y[(size_t)sorted[slots + r + m] * n + col] = from_f<T>(acc[0][m]);
             }
         }
     }
