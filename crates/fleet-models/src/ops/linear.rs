@@ -152,7 +152,8 @@ static GEMV_SWIGLU: EnvSwitch = EnvSwitch::new("FLEET_GEMV_SWIGLU", true);
 /// batch 1 ran 219.5 tok/s fused against 233.5 unfused (H200, 2026-11-29d). By ncu the fused
 /// gate/up streamed at 3.56 TB/s against the GEMV's 4.20, and q/k/v at 2.12 against 2.88:
 /// its blocks have the norm's thread count (14 warps at the 7B's 3,584, 330 blocks for
-/// q/k/v, 2.5 an SM) where the GEMV's have 4, and each warp streams the gate and then the up row.
+/// q/k/v, 2.5 an SM) where the GEMV's have 4, and each warp streamed the gate and then the up row
+/// (their loads go out together since 2026-11-29e, not measured here since).
 pub fn norm_linear(
     x: &Tensor,
     pending: Option<&Tensor>,
