@@ -1424,6 +1424,25 @@ mod kernel_tests {
         }
     }
 
+    /// [`test_tensor`] in `dtype` on `dev`.
+    fn gpu_tensor(dev: &candle_core::Device, shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        test_tensor(shape, seed)
+            .to_dtype(dtype)
+            .unwrap()
+            .to_device(dev)
+            .unwrap()
+    }
+
+    /// A tensor's values in f32, flat: f16 and bf16 exactly, to compare bits.
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    }
+
     /// The fused decode projection ([`norm_linear`]) gives the unfused ops' bits on the GPU,
     /// the residual sum and the product: f16 and bf16, 1 to 4 rows, with and without a pending
     /// add, plain and with SwiGLU, rows of 896, 1,536 and 3,584 elements (the Qwen2.5 0.5B, 1.5B
@@ -1435,21 +1454,8 @@ mod kernel_tests {
         // The kernel whatever FLEET_NORM_GEMV says (off by default); the reference below runs
         // the unfused ops itself.
         NORM_GEMV.force(Some(true));
-        let r = |s: &[usize], seed: u64, dtype: DType| {
-            test_tensor(s, seed)
-                .to_dtype(dtype)
-                .unwrap()
-                .to_device(&dev)
-                .unwrap()
-        };
-        let f = |t: &Tensor| {
-            t.to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-        };
+        let r = |s: &[usize], seed: u64, dtype: DType| gpu_tensor(&dev, s, seed, dtype);
+        let f = values;
         for dtype in [DType::BF16, DType::F16] {
             for (m, k, n) in [(1, 896, 70), (2, 1536, 33), (3, 3584, 129), (4, 896, 200)] {
                 let x = r(&[m, 1, k], 1, dtype);
@@ -1491,21 +1497,8 @@ mod kernel_tests {
     #[test]
     fn gemv_swiglu_kernel_gives_the_unfused_bits() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
-        let r = |s: &[usize], seed: u64, dtype: DType| {
-            test_tensor(s, seed)
-                .to_dtype(dtype)
-                .unwrap()
-                .to_device(&dev)
-                .unwrap()
-        };
-        let f = |t: &Tensor| {
-            t.to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-        };
+        let r = |s: &[usize], seed: u64, dtype: DType| gpu_tensor(&dev, s, seed, dtype);
+        let f = values;
         for dtype in [DType::BF16, DType::F16] {
             for (m, k, n) in [
                 (1, 3584, 18944),
