@@ -22,7 +22,11 @@
 #                 attention (FLEET_PAGED_MMA=0); continuous-sync8-t1: sampling at
 #                 temperature 1; continuous-sync8-normgemv: the norm, GEMV and SwiGLU as
 #                 one kernel (FLEET_NORM_GEMV=1); continuous-sync8-nopipe: the GEMV's
-#                 four-loads kernel for every product (FLEET_GEMV_PIPE=0); every mode runs the library's defaults otherwise — since
+#                 four-loads kernel for every product (FLEET_GEMV_PIPE=0);
+#                 continuous-sync8-noswiglu: the gate/up GEMV and the SwiGLU as two kernels
+#                 (FLEET_GEMV_SWIGLU=0); a mode may end in @N (a repeat with its own JSON);
+#                 TESTS=0 skips the tests, HF=0 transformers, LIB_TESTS filters the
+#                 library's tests; every mode runs the library's defaults otherwise — since
 #                 2026-11-29b, before which the modes turned FLEET_PAGED_MMA and
 #                 FLEET_SKINNY_PREFETCH_X off unless named); and GSPO's rollout shape (0.5B and 1.5B, 64 rows, prompt
 #                 128, 256 new) in the same modes; HF_STATIC=1 adds transformers with its static
