@@ -52,48 +52,52 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT
 "$F" --version
 case "$PART" in
   graphs)
-    T=/tmp/paged_tests; mkdir -p "$T"
-    xz -dc "${TESTS_TAR:-dist/carry/paged-tests.tar.xz}" | tar xf - -C "$T"
-    BUILT_AT="${BUILT_AT:-/work/main}"
-    [ -e "$BUILT_AT/tests/fixtures" ] || { mkdir -p "$(dirname "$BUILT_AT")"; ln -sfn "$PWD" "$BUILT_AT"; }
-    # TESTS=0 skips the tests (a speed-only call); HF=0 skips transformers; LIB_TESTS filters
-    # the library's kernel tests.
-    [ "${TESTS:-1}" = 1 ] || T=/nonexistent
-    for t in paged_generation generation parity paged_attention qwen3_vl_parity; do
-      [ -x "$T/$t" ] || { echo "== $t: not carried"; continue; }
-      echo "== $t"
-      timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_$t.txt" 2>&1
-      echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_$t.txt"
-    done
-    # The same generation tests with the skinny GEMM on for 5-64 rows (off by default until
-    # its kernel test has passed on a GPU).
-    for t in ${SKINNY_TESTS-paged_generation generation}; do
-      [ -x "$T/$t" ] || continue
-      echo "== $t (FLEET_SKINNY_GEMM=1)"
-      FLEET_SKINNY_GEMM=1 timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_${t}_skinny.txt" 2>&1
-      echo "rc $?"; grep -E 'test result|panicked|FAILED' "$OUT/test_${t}_skinny.txt"
-    done
-    # The crate's own kernel tests (the library's unit tests): the GEMV and the linear layer;
-    # the CUDA ops against their twins; decode graphs on two logical devices (a binary of its
-    # own: the logical mapping is process-wide).
-    [ -x "$T/fleet_models" ] && echo "== fleet_models kernel tests (linear, dropout, the q/k/v kernels' paged write)" &&
-    timeout 120 "$T/fleet_models" --test-threads 1 ${LIB_TESTS:-ops::linear ops::dropout ops::qkv_rope} > "$OUT/test_lib.txt" 2>&1
-    echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_lib.txt"
-    if [ -x "$T/ops_grad" ]; then
-      echo "== ops_grad (cuda)"
-      timeout 120 "$T/ops_grad" --test-threads 1 cuda > "$OUT/test_ops_grad.txt" 2>&1
-      echo "rc $?"; grep -E '^test |test result|panicked|FAILED' "$OUT/test_ops_grad.txt"
-    fi
-    if [ -x "$T/decode_graph_segments" ]; then
-      echo "== decode_graph_segments (two logical devices)"
-      timeout 120 "$T/decode_graph_segments" > "$OUT/test_segments.txt" 2>&1
-      echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_segments.txt"
+    # TESTS=0 skips the tests (a speed-only call); LIB_TESTS filters the library's kernel tests.
+    if [ "${TESTS:-1}" = 1 ]; then
+      T=/tmp/paged_tests; mkdir -p "$T"
+      xz -dc "${TESTS_TAR:-dist/carry/paged-tests.tar.xz}" | tar xf - -C "$T"
+      BUILT_AT="${BUILT_AT:-/work/main}"
+      [ -e "$BUILT_AT/tests/fixtures" ] || { mkdir -p "$(dirname "$BUILT_AT")"; ln -sfn "$PWD" "$BUILT_AT"; }
+      for t in paged_generation generation parity paged_attention qwen3_vl_parity; do
+        [ -x "$T/$t" ] || { echo "== $t: not carried"; continue; }
+        echo "== $t"
+        timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_$t.txt" 2>&1
+        echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_$t.txt"
+      done
+      # The same generation tests with the skinny GEMM on for 5-64 rows (off by default until
+      # its kernel test has passed on a GPU).
+      for t in ${SKINNY_TESTS-paged_generation generation}; do
+        [ -x "$T/$t" ] || continue
+        echo "== $t (FLEET_SKINNY_GEMM=1)"
+        FLEET_SKINNY_GEMM=1 timeout 120 "$T/$t" --test-threads 1 > "$OUT/test_${t}_skinny.txt" 2>&1
+        echo "rc $?"; grep -E 'test result|panicked|FAILED' "$OUT/test_${t}_skinny.txt"
+      done
+      # The crate's own kernel tests (the library's unit tests): the GEMV and the linear layer;
+      # the CUDA ops against their twins; decode graphs on two logical devices (a binary of its
+      # own: the logical mapping is process-wide).
+      if [ -x "$T/fleet_models" ]; then
+        echo "== fleet_models kernel tests (${LIB_TESTS:-ops::linear ops::dropout ops::qkv_rope})"
+        timeout 120 "$T/fleet_models" --test-threads 1 ${LIB_TESTS:-ops::linear ops::dropout ops::qkv_rope} > "$OUT/test_lib.txt" 2>&1
+        echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_lib.txt"
+      fi
+      if [ -x "$T/ops_grad" ]; then
+        echo "== ops_grad (cuda)"
+        timeout 120 "$T/ops_grad" --test-threads 1 cuda > "$OUT/test_ops_grad.txt" 2>&1
+        echo "rc $?"; grep -E '^test |test result|panicked|FAILED' "$OUT/test_ops_grad.txt"
+      fi
+      if [ -x "$T/decode_graph_segments" ]; then
+        echo "== decode_graph_segments (two logical devices)"
+        timeout 120 "$T/decode_graph_segments" > "$OUT/test_segments.txt" 2>&1
+        echo "rc $?"; grep -E '^test |test result|panicked|FAILED|left|right' "$OUT/test_segments.txt"
+      fi
     fi
     C=configs/models/qwen2.5-7b.json
-    # The reference first, so that a call cut short still has it.
-    [ "${HF:-1}" = 1 ] && echo "== transformers" &&
-    timeout 150 python3 benches/transformers_generate.py --config "$C" --dtype bf16 \
-      --prompt-len 512 --new-tokens 128 --batch "$BATCHES" --device cuda --json "$OUT/hf_7b.json"
+    # The reference first, so that a call cut short still has it (HF=0 skips it).
+    if [ "${HF:-1}" = 1 ]; then
+      echo "== transformers"
+      timeout 150 python3 benches/transformers_generate.py --config "$C" --dtype bf16 \
+        --prompt-len 512 --new-tokens 128 --batch "$BATCHES" --device cuda --json "$OUT/hf_7b.json"
+    fi
     # HF_STATIC=1: transformers again with its static cache, whose generate() compiles the
     # decode step (torch.compile; each batch's warm-up pays the compilation).
     if [ "${HF_STATIC:-0}" = 1 ]; then

@@ -28,31 +28,48 @@ pub const SKINNY_MAX_ROWS: usize = 64;
 ///   strided kernel that took 4x the GEMM itself on the vision tower's `[65536, 4304]`
 ///   activations (measured on an H200).
 pub fn linear(layer: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
+    project(layer, x, false)
+}
+
+/// [`linear`], then with `swiglu` (`layer` the MLP's fused gate/up projection) the SwiGLU:
+/// where the product takes the GEMV and no bias comes between, one kernel ([`gemv_swiglu`]).
+fn project(layer: &candle_nn::Linear, x: &Tensor, swiglu: bool) -> Result<Tensor> {
     use candle_core::Module;
     let w = layer.weight();
     let bias = layer.bias();
+    let act = |y: Tensor| match swiglu {
+        true => super::swiglu(&y),
+        false => Ok(y),
+    };
     let tracked = x.track_op() || w.track_op() || bias.is_some_and(|b| b.track_op());
     if !x.device().is_cuda() || tracked {
-        return Ok(layer.forward(x)?);
+        return act(layer.forward(x)?);
     }
     let dims = x.dims();
     let k = dims[dims.len() - 1];
     let rows = x.elem_count() / k.max(1);
+    let with_width = |y: Tensor, n: usize| -> Result<Tensor> {
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("rank >= 1") = n;
+        Ok(y.reshape(out_dims)?)
+    };
     let y = if gemv_takes(x, w, rows) {
+        let n = w.dim(0)?;
+        if swiglu && bias.is_none() && GEMV_SWIGLU.on() && n.is_multiple_of(2) {
+            return with_width(gemv_swiglu(&x.reshape((rows, k))?, w)?, n / 2);
+        }
         gemv(&x.reshape((rows, k))?, w)?
     } else if skinny_takes(x, w, rows) {
         skinny_gemm(&x.reshape((rows, k))?, w)?
     } else if bias.is_none() {
-        return Ok(layer.forward(x)?);
+        return act(layer.forward(x)?);
     } else {
         x.reshape((rows, k))?.matmul(&w.t()?)?
     };
     if let Some(bias) = bias {
         y.inplace_op2(&contig(bias)?, &AddBiasRows)?;
     }
-    let mut out_dims = dims.to_vec();
-    *out_dims.last_mut().expect("rank >= 1") = w.dim(0)?;
-    Ok(y.reshape(out_dims)?)
+    act(with_width(y, w.dim(0)?)?)
 }
 
 /// Whether the decode kernels ([`gemv`], [`skinny_gemm`]) may take this product: f16 or bf16,
@@ -117,23 +134,7 @@ pub fn gemv_swiglu(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// [`linear`] would take the GEMV (a decode step of up to [`GEMV_MAX_ROWS`] rows on CUDA, no
 /// bias, nothing tracked) and `FLEET_GEMV_SWIGLU` is not `0`, else the two ops.
 pub fn linear_swiglu(layer: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
-    let w = layer.weight();
-    let dims = x.dims();
-    let k = dims[dims.len() - 1];
-    let rows = x.elem_count() / k.max(1);
-    let fused = GEMV_SWIGLU.on()
-        && x.device().is_cuda()
-        && layer.bias().is_none()
-        && !(x.track_op() || w.track_op())
-        && w.dim(0).is_ok_and(|n| n.is_multiple_of(2))
-        && gemv_takes(x, w, rows);
-    if !fused {
-        return super::swiglu(&linear(layer, x)?);
-    }
-    let y = gemv_swiglu(&x.reshape((rows, k))?, w)?;
-    let mut out_dims = dims.to_vec();
-    *out_dims.last_mut().expect("rank >= 1") = w.dim(0)? / 2;
-    Ok(y.reshape(out_dims)?)
+    project(layer, x, true)
 }
 
 /// Switch of [`linear_swiglu`]'s one kernel (`FLEET_GEMV_SWIGLU=0`: the GEMV and the SwiGLU
