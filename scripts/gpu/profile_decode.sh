@@ -7,6 +7,8 @@
 # scripts/gpu/decode_profile.py then sums its last decode steps by kernel. Clocks run free
 # (`--clock-control none`, NCU_CLOCKS); before 2026-11-28 ncu's default locked them to base.
 # NCU_CACHE=none keeps the caches between launches (to see what an L2 prefetch left there).
+# NCU_METRICS: more metrics (comma-separated) for the CSV in ncu.tar (the parsed step ignores them);
+# TAG: a suffix for the file names (decode_<shape>_b<batch>_<TAG>.txt).
 #
 # Carried: dist/carry/fleet.xz. SHAPES: shape:batch pairs (default "7b:1 7b:64 0.5b:64").
 # Writes $OUT/decode_<shape>_b<batch>.txt (the parsed step), $OUT/profile.log and $OUT/ncu.tar
@@ -31,11 +33,11 @@ for s in $SHAPES; do
   shape=${s%%:*}; batch=${s##*:}
   cfg="configs/models/qwen2.5-$shape.json"
   layers=$(python3 -c "import json; print(json.load(open('$cfg'))['num_hidden_layers'])")
-  name="${shape}_b$batch"
+  name="${shape}_b$batch${TAG:+_$TAG}"
   echo "== $shape batch $batch ($layers layers), $NEW new tokens"
   timeout 300 "$NCU" --profile-from-start off --clock-control "${NCU_CLOCKS:-none}" \
     --cache-control "${NCU_CACHE:-all}" --csv --print-units base --metrics \
-    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size \
+    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size${NCU_METRICS:+,$NCU_METRICS} \
     "$F" bench generate --config "$cfg" --batch "$batch" --prompt-len "${PROMPT:-16}" --new-tokens "$NEW" \
     --repeats 1 --batching continuous --enforce-eager --cuda-profile-range \
     > "$OUT/ncu_$name.csv" 2> "$OUT/ncu_$name.err"

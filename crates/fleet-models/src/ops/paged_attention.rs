@@ -16,12 +16,20 @@ use crate::error::Result;
 /// [`PAGED_ATTENTION_MIN_BLOCKS`]); the CPU twin cuts sequences at the same points.
 pub const PAGED_ATTENTION_PARTITION: usize = 256;
 
-/// The grid [`paged_decode_attention`] aims for: partitions are halved (down to 16 tokens and
-/// the block size) until rows x KV heads x partitions reaches this many blocks, about four per
-/// SM of an H100. Measured on a 7B decode step at batch 1 (4 KV heads, 640 tokens): 256-token
+/// The grid [`paged_decode_attention`] aims for: partitions are halved (down to
+/// [`PAGED_ATTENTION_MIN_PARTITION`] tokens and the block size) until rows x KV heads x
+/// partitions reaches this many blocks, about four per SM of an H100. Measured on a 7B decode step at batch 1 (4 KV heads, 640 tokens): 256-token
 /// partitions gave 12 blocks and 20 us per layer, 7.7% of the step. `FLEET_PAGED_MIN_BLOCKS`
 /// sets another (read once: every graph of a process takes the same partitions).
 pub const PAGED_ATTENTION_MIN_BLOCKS: usize = 512;
+
+/// The smallest partition the halving goes to (or the block size, if larger): at batch 1 the
+/// grid cannot reach [`PAGED_ATTENTION_MIN_BLOCKS`] anyway, and the 7B's decode (4 KV heads,
+/// 640 tokens) ran faster with 17 partitions of 32 tokens (68 blocks) than with 33 of 16
+/// (132 blocks: a longer combine) or 9 of 64 (36 blocks): 238.1 / 237.5 tok/s against
+/// 234.9 / 235.0 and 231.2 / 232.9 (one H200, 2026-11-30, `FLEET_PAGED_MIN_BLOCKS` 64, 512,
+/// 32; a build with a GEMV kernel since removed). Batches of 8 and more reach the grid with partitions of 32 tokens or more.
+pub const PAGED_ATTENTION_MIN_PARTITION: usize = 32;
 
 /// [`PAGED_ATTENTION_MIN_BLOCKS`], or `FLEET_PAGED_MIN_BLOCKS` where it is a positive number.
 /// A larger grid cuts the last wave's idle SMs: the 30B-A3B judge's decode at 32 rows of
@@ -354,7 +362,7 @@ impl AttnDims {
     /// than [`PAGED_ATTENTION_MIN_BLOCKS`] (or `FLEET_PAGED_MIN_BLOCKS`; shapes only, so the
     /// same for a captured graph's every replay and for the twin).
     fn partition(&self) -> usize {
-        let floor = self.block_size.max(16);
+        let floor = self.block_size.max(PAGED_ATTENTION_MIN_PARTITION);
         let mut part = PAGED_ATTENTION_PARTITION;
         while part / 2 >= floor
             && self.batch * self.kv_heads * self.capacity().div_ceil(part) < MIN_BLOCKS.get()

@@ -57,12 +57,12 @@ __device__ __forceinline__ float sample_score(const L *row, unsigned int v, cons
 }
 
 // Calls f(v, row[v]) for v = threadIdx.x, threadIdx.x + SAMPLE_THREADS, ... in that order (the
-// order of the twin's sums), with the loads of four of them issued before the first call: with
-// one block per row, a pass is bound by the loads' latency (a 7B step's sampler took 100 us at
-// batch 1, loading one logit at a time).
+// order of the twin's sums), with the loads of sixteen of them issued before the first call:
+// with one block per row, a pass is bound by the loads' latency (a 7B step's sampler took
+// 100 us at batch 1 loading one logit at a time, 62 us loading four, 53 sixteen: ncu, H200).
 template <typename L, typename F>
 __device__ __forceinline__ void each_logit(const L *row, int vocab, F f) {
-    constexpr int U = 4;
+    constexpr int U = 16;
     int v = threadIdx.x;
     for (; v + (U - 1) * SAMPLE_THREADS < vocab; v += U * SAMPLE_THREADS) {
         float x[U];
@@ -307,9 +307,12 @@ __device__ void sample_tokens(const L *logits, const uint32_t *params, const uin
     }
 }
 
+// At most 64 registers a thread (SAMPLE_THREADS of them a block): the sixteen loads in flight
+// took it to the bound, which a later compiler must not pass.
 #define SAMPLE(L, NAME)                                                                           \
-    extern "C" __global__ void NAME(const L *logits, const uint32_t *params, const uint32_t *pen, \
-                                    uint32_t *out, int vocab, int rows) {                         \
+    extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                                  \
+        NAME(const L *logits, const uint32_t *params, const uint32_t *pen, uint32_t *out,         \
+             int vocab, int rows) {                                                               \
         sample_tokens<L>(logits, params, pen, out, vocab, rows);                                  \
     }
 SAMPLE(float, sample_tokens_f32)
