@@ -20,9 +20,15 @@ fn kernel_sources() -> Vec<PathBuf> {
 
 fn main() {
     let sources = kernel_sources();
-    // A new .cu in src/ops changes the directory; common.cuh is included by every op's kernel.
+    // A new .cu in src/ops changes the directory; the headers (common.cuh, included by every
+    // op's kernel, and gemv.cuh) are watched one by one.
     println!("cargo:rerun-if-changed=src/ops");
-    println!("cargo:rerun-if-changed=src/ops/common.cuh");
+    for h in std::fs::read_dir("src/ops").expect("src/ops is part of the crate") {
+        let h = h.expect("src/ops is readable").path();
+        if h.extension().is_some_and(|e| e == "cuh") {
+            println!("cargo:rerun-if-changed={}", h.display());
+        }
+    }
     for k in &sources {
         println!("cargo:rerun-if-changed={}", k.display());
     }

@@ -24,7 +24,9 @@
 #                 one kernel (FLEET_NORM_GEMV=1); continuous-sync8-nopipe: the GEMV's
 #                 four-loads kernel for every product (FLEET_GEMV_PIPE=0);
 #                 continuous-sync8-noswiglu: the gate/up GEMV and the SwiGLU as two kernels
-#                 (FLEET_GEMV_SWIGLU=0); a mode may end in @N (a repeat with its own JSON);
+#                 (FLEET_GEMV_SWIGLU=0); continuous-sync8-noqkvrope: the q/k/v GEMV and the
+#                 q/k/v + RoPE + K/V write kernel as two launches (FLEET_QKV_GEMV_ROPE=0);
+#                 a mode may end in @N (a repeat with its own JSON);
 #                 TESTS=0 skips the tests, HF=0 transformers, LIB_TESTS filters the
 #                 library's tests; every mode runs the library's defaults otherwise — since
 #                 2026-11-29b, before which the modes turned FLEET_PAGED_MMA and
@@ -114,8 +116,11 @@ case "$PART" in
     mode_flags() {
       gemv=1; batches=$BATCHES
       skinny=0; vecnorm=1; fusedkv=1; prefetch=1; attnmma=1; normgemv=0; gemvpipe=1
-      gemvswiglu=1
+      gemvswiglu=1; qkvrope=1
       case "$1" in
+        # The q/k/v GEMV and the q/k/v + RoPE + K/V write kernel as two launches
+        # (FLEET_QKV_GEMV_ROPE=0; one since 2026-11-29f).
+        continuous-sync8-noqkvrope) flags=(--batching continuous --num-scheduler-steps 8); qkvrope=0 ;;
         # The GEMV and the SwiGLU as two kernels (FLEET_GEMV_SWIGLU=0; one since 2026-11-29e).
         continuous-sync8-noswiglu) flags=(--batching continuous --num-scheduler-steps 8); gemvswiglu=0 ;;
         # The GEMV's four-loads kernel for every product (FLEET_GEMV_PIPE=0; the pipelined one
@@ -146,7 +151,7 @@ case "$PART" in
     }
     # Runs its arguments under the kernel switches mode_flags chose.
     in_mode_env() {
-      FLEET_GEMV_SWIGLU=$gemvswiglu \
+      FLEET_GEMV_SWIGLU=$gemvswiglu FLEET_QKV_GEMV_ROPE=$qkvrope \
         FLEET_NORM_GEMV=$normgemv FLEET_GEMV_PIPE=$gemvpipe \
         FLEET_PAGED_MMA=$attnmma FLEET_SKINNY_PREFETCH_X=$prefetch FLEET_FUSED_KV_WRITE=$fusedkv \
         FLEET_VEC_NORM=$vecnorm FLEET_SKINNY_GEMM=$skinny FLEET_DECODE_GEMV=$gemv "$@"

@@ -395,25 +395,11 @@ impl Attention {
         let (rope, pad) = (&inputs.rope, &inputs.pad);
         let q_len = qkv.dim(1)?;
         let dev = qkv.device();
-        // On a paged cache the keys and values go straight into it at this call's slots.
-        let kv = match &inputs.paged {
-            Some(paged) => {
-                let (kc, vc) = cache.paged()?;
-                Some(ops::PagedKvWrite {
-                    k_cache: kc.clone(),
-                    v_cache: vc.clone(),
-                    slots: paged.slots.clone(),
-                })
-            }
-            None => None,
-        };
+        let kv = self.paged_write(inputs, cache)?;
         let (q, kv_out) =
             profile::time(dev, "attn.rope", || self.heads(qkv, &rope.cs, kv.as_ref()))?;
         if let Some(paged) = &inputs.paged {
-            let out = self.paged_attention(&q, paged, pad, cache)?;
-            return profile::time(dev, "attn.o_proj", || {
-                self.o_lora.apply(&out, ops::linear(&self.o_proj, &out)?)
-            });
+            return self.paged_output(&q, paged, pad, cache);
         }
         let (k, v) = kv_out.expect("without a paged write, heads returns k and v");
         let (k, v) = profile::time(dev, "attn.cache", || cache.append(&k, &v))?;
@@ -470,6 +456,76 @@ fn causal_attention(
 }
 
 impl Attention {
+    /// Whether a call's attention starts from the normalised hidden state
+    /// ([`Attention::forward_decode`]): a decode step on a paged cache of Qwen2's attention (no
+    /// q/k norms) without adapters, whose projection, bias, RoPE and K/V write
+    /// [`ops::linear_qkv_rope_paged`] makes one kernel.
+    fn projects_decode(&self, inputs: &DeviceInputs) -> bool {
+        self.q_norm.is_none()
+            && self.qkv_lora.0.is_empty()
+            && matches!(
+                inputs.paged,
+                Some(PagedInputs {
+                    read: PagedRead::Decode { .. },
+                    ..
+                })
+            )
+    }
+
+    /// A decode step's attention from the normalised hidden state `h` (`[b, 1, hidden]`;
+    /// where [`Attention::projects_decode`]): the q/k/v projection, its bias, RoPE and the
+    /// K/V write as [`ops::linear_qkv_rope_paged`], then the paged attention and the output
+    /// projection.
+    fn forward_decode(
+        &self,
+        h: &Tensor,
+        inputs: &DeviceInputs,
+        cache: &mut LayerCache,
+    ) -> Result<Tensor> {
+        let (paged, kv) = match (&inputs.paged, self.paged_write(inputs, cache)?) {
+            (Some(paged), Some(kv)) => (paged, kv),
+            _ => unreachable!("projects_decode: a paged call"),
+        };
+        let heads = (self.num_heads, self.num_kv_heads);
+        let q = profile::time(h.device(), "attn.qkv_proj+rope", || {
+            let (bias, cs) = (&self.qkv_bias, &inputs.rope.cs);
+            ops::linear_qkv_rope_paged(h, &self.qkv, bias, cs, heads, self.head_dim, &kv)
+        })?;
+        self.paged_output(&q, paged, &inputs.pad, cache)
+    }
+
+    /// On a paged cache, where this call's keys and values go: straight into it at its slots.
+    fn paged_write(
+        &self,
+        inputs: &DeviceInputs,
+        cache: &LayerCache,
+    ) -> Result<Option<ops::PagedKvWrite>> {
+        let Some(paged) = &inputs.paged else {
+            return Ok(None);
+        };
+        let (kc, vc) = cache.paged()?;
+        Ok(Some(ops::PagedKvWrite {
+            k_cache: kc.clone(),
+            v_cache: vc.clone(),
+            slots: paged.slots.clone(),
+        }))
+    }
+
+    /// The paged attention of `q` (its keys and values already in the cache), through the
+    /// output projection.
+    fn paged_output(
+        &self,
+        q: &Tensor,
+        paged: &PagedInputs,
+        pad: &RowPadding,
+        cache: &LayerCache,
+    ) -> Result<Tensor> {
+        let out = self.paged_attention(q, paged, pad, cache)?;
+        profile::time(q.device(), "attn.o_proj", || {
+            self.o_lora.apply(&out, ops::linear(&self.o_proj, &out)?)
+        })
+    }
+
     /// The attention input from the fused projection, in one kernel: the bias, the split into
     /// head-major q `[b, heads, t, d]`, k and v `[b, kv_heads, t, d]`, Qwen3's per-head norms,
     /// RoPE on q and k. With `kv`, the keys and values go into the paged cache instead and
@@ -726,11 +782,16 @@ impl DecoderLayer {
     ) -> Result<(Tensor, Tensor)> {
         let dev = x.device();
         let at = &self.attn;
-        let (x, qkv) = profile::time(dev, "norm+attn.qkv_proj", || {
-            self.input_norm
-                .projection(x, pending, &at.qkv, &at.qkv_lora, false)
-        })?;
-        let attn = at.forward(&qkv, inputs, cache)?;
+        let (x, attn) = if at.projects_decode(inputs) {
+            let (x, h) = profile::time(dev, "norm", || self.input_norm.stream_forward(x, pending))?;
+            (x, at.forward_decode(&h, inputs, cache)?)
+        } else {
+            let (x, qkv) = profile::time(dev, "norm+attn.qkv_proj", || {
+                self.input_norm
+                    .projection(x, pending, &at.qkv, &at.qkv_lora, false)
+            })?;
+            (x, at.forward(&qkv, inputs, cache)?)
+        };
         let norm = &self.post_attn_norm;
         match &self.mlp {
             Ffn::Dense(m) => {

@@ -93,7 +93,7 @@ fn decode_kernel_takes(x: &Tensor, w: &Tensor, k_multiple: usize) -> bool {
 
 /// Whether [`linear`] sends this product to [`gemv`]: at most [`GEMV_MAX_ROWS`] rows, `k` a
 /// multiple of 8 ([`decode_kernel_takes`]).
-fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
+pub(super) fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
     (1..=GEMV_MAX_ROWS).contains(&rows) && decode_kernel_takes(x, w, GEMV_CHUNK)
 }
 

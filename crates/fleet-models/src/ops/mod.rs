@@ -18,7 +18,8 @@
 //! - [`qkv_rope`]: the fused q/k/v projection split into head-major q, k, v with RoPE applied
 //!   to q and k (replaces a transpose copy, per-part copies and the RoPE kernels);
 //!   [`qk_norm_rope`]: the same for Qwen3, with the per-head RMSNorm of q and k before RoPE;
-//!   [`qkv_rope_paged`] and [`qk_norm_rope_paged`] write k and v into a paged cache instead.
+//!   [`qkv_rope_paged`] and [`qk_norm_rope_paged`] write k and v into a paged cache instead;
+//!   [`linear_qkv_rope_paged`] is the projection and [`qkv_rope_paged`] in one decode kernel.
 //!   Both read one RoPE table layout: `[cos | sin]` per position.
 //! - [`logp_entropy`] and [`logp_grad`]: the training head's log-softmax, forward and backward.
 //! - [`sample_tokens`]: the next token of every row (transformers' sampling processors and
@@ -601,8 +602,8 @@ pub use paged_attention::{
     PAGED_ATTENTION_PARTITION,
 };
 pub use qkv_rope::{
-    qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_backward, qkv_rope_paged,
-    set_qkv_rope_fused_backward, set_qkv_rope_pairs, PagedKvWrite,
+    linear_qkv_rope_paged, qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_backward,
+    qkv_rope_paged, set_qkv_rope_fused_backward, set_qkv_rope_pairs, PagedKvWrite,
 };
 pub use reduce::{gradient_seed, scale_in_place, sum_squares, update_rows_in_place};
 pub use rms_norm::{add_rms_norm, residual_rms_norm, rms_norm, set_norm_backward_vector_kernel};

@@ -27,7 +27,7 @@ pub const PAGED_ATTENTION_MIN_BLOCKS: usize = 512;
 /// grid cannot reach [`PAGED_ATTENTION_MIN_BLOCKS`] anyway, and the 7B's decode (4 KV heads,
 /// 640 tokens) ran faster with 17 partitions of 32 tokens (68 blocks) than with 33 of 16
 /// (132 blocks: a longer combine) or 9 of 64 (36 blocks): 238.1 / 237.5 tok/s against
-/// 234.9 / 235.0 and 231.2 / 232.9 (one H200, 2026-11-30, `FLEET_PAGED_MIN_BLOCKS` 64, 512,
+/// 234.9 / 235.0 and 231.2 / 232.9 (one H200, 2026-11-29f, `FLEET_PAGED_MIN_BLOCKS` 64, 512,
 /// 32; a build with a GEMV kernel since removed). Batches of 8 and more reach the grid with partitions of 32 tokens or more.
 pub const PAGED_ATTENTION_MIN_PARTITION: usize = 32;
 

@@ -1,6 +1,7 @@
 // The fused kernels of ops/qkv_rope.rs, compiled to PTX by build.rs (feature `cuda`); the
 // launcher and the CPU twin are in the .rs file of the same name.
 #include "common.cuh"
+#include "gemv.cuh"
 
 // Where a k or v head of token `tok` goes. Without a cache (`cache` null): `out + offset`, the
 // head-major output. With one (the paged decode and prefill): the token's slot of the paged
@@ -30,6 +31,14 @@ template <typename E, int P> struct alignas(P * sizeof(E)) Pack {
 };
 template <typename E, int P> __device__ __forceinline__ Pack<E, P> load_pack(const E *p) {
     return *reinterpret_cast<const Pack<E, P> *>(p);
+}
+
+// The rotate-half RoPE of one pair (x0, x1) = (x[i], x[i + d/2]) with cos c and sin s, in f32,
+// rounded once: one definition for qkv_rope and the GEMV that ends in it (gemv_qkv_rope).
+template <typename T>
+__device__ __forceinline__ void rope_rotate(float x0, float x1, float c, float s, T &o0, T &o1) {
+    o0 = from_f<T>(x0 * c - x1 * s);
+    o1 = from_f<T>(x1 * c + x0 * s);
 }
 
 // `P` pairs (i, i + d/2) a thread (P = 4: each thread's index arithmetic serves eight elements,
@@ -83,9 +92,7 @@ __device__ void qkv_rope(const T *x, const T *bias, const C *cs, T *out, int b, 
     if (dst == nullptr) return;
 #pragma unroll
     for (int e = 0; e < P; ++e) {
-        const float c = to_f(cp.v[e]), s = to_f(sp.v[e]);
-        o0.v[e] = from_f<T>(x0[e] * c - x1[e] * s);
-        o1.v[e] = from_f<T>(x1[e] * c + x0[e] * s);
+        rope_rotate<T>(x0[e], x1[e], to_f(cp.v[e]), to_f(sp.v[e]), o0.v[e], o1.v[e]);
     }
     *reinterpret_cast<Pack<T, P> *>(dst + i) = o0;
     *reinterpret_cast<Pack<T, P> *>(dst + i + half) = o1;
@@ -152,6 +159,75 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
         dst[i + half] = from_f<T>(rnd<T>(__fmul_rn(y1, c)) + rnd<T>(__fmul_rn(y0, s)));
     }
 }
+
+// A decode step's q/k/v projection fused with qkv_rope's paged epilogue (the bias, RoPE, the
+// K/V write): one launch a layer fewer, and warps that read two rows of w each. Warp `pair`
+// = (head hh, element i < d/2) sums rows hh d + i and hh d + i + d/2 of the fused projection
+// w ([(h + 2 kvh) d, k]) against the M rows of x as `gemv` sums each (the register pipeline,
+// eight loads a row in flight), rounds both to T as the GEMV's output is rounded, and then
+// computes what qkv_rope computes from that output: x + bias in f32, rotated (q and k heads)
+// with row m's cos/sin (cs [M, 1, d] when per_row, else [1, d]), one rounding; q heads to q_out [M, h, 1, d], k and v heads
+// to the paged caches at slots[m] (kv_dst). So q and the caches get the bits of the GEMV
+// followed by qkv_rope. Lane m writes row m.
+template <typename T, int M>
+__device__ void gemv_qkv_rope(const T *x, const T *w, const T *bias, const T *cs, int per_row,
+                              T *q_out, int h, int kvh, int d, int k, T *kc, T *vc, const uint32_t *slots,
+                              int block_size, long long num_slots) {
+    const int lane = threadIdx.x % 32;
+    const int half = d / 2, heads = h + 2 * kvh;
+    const int pair = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (pair >= heads * half) return;
+    const int hh = pair / half, i = pair % half;
+    const uint4 *wr[2] = {reinterpret_cast<const uint4 *>(w + ((size_t)hh * d + i) * k),
+                          reinterpret_cast<const uint4 *>(w + ((size_t)hh * d + i + half) * k)};
+    const T *xr[M];
+    float acc[2][M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        xr[m] = x + (size_t)m * k;
+        acc[0][m] = acc[1][m] = 0.f;
+    }
+    gemv_lane_sums<T, M, true, false, true, 2>(xr, wr, k / 8, lane, acc);
+    const float b0 = to_f(bias[hh * d + i]), b1 = to_f(bias[hh * d + i + half]);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (lane != m) continue;
+        const float x0 = rnd<T>(acc[0][m]) + b0, x1 = rnd<T>(acc[1][m]) + b1;
+        T *dst;
+        T o0, o1;
+        if (hh >= h + kvh) {
+            dst = kv_dst<T>(nullptr, 0, vc, slots, m, hh - h - kvh, kvh, d, block_size, num_slots);
+            o0 = from_f<T>(x0);
+            o1 = from_f<T>(x1);
+        } else {
+            dst = hh < h ? q_out + ((size_t)m * h + hh) * d
+                         : kv_dst<T>(nullptr, 0, kc, slots, m, hh - h, kvh, d, block_size, num_slots);
+            const T *row = cs + (per_row ? (size_t)m * d : 0);
+            rope_rotate<T>(x0, x1, to_f(row[i]), to_f(row[half + i]), o0, o1);
+        }
+        if (dst == nullptr) continue;
+        dst[i] = o0;
+        dst[i + half] = o1;
+    }
+}
+
+// Blocks of two warps, nine an SM (at most 113 registers a thread: 96 for one row): the 7B's
+// 2,304 warps (36 heads of 64 pairs) in one wave of an H200's 132 SMs, where blocks of four
+// warps at the 102 registers the pipeline took unbounded fitted four an SM, two waves.
+#define GEMV_QKV_ROPE(T, SUFFIX, M)                                                                \
+    extern "C" __global__ void __launch_bounds__(64, 9) gemv_qkv_rope_##SUFFIX##_m##M(             \
+        const T *x, const T *w, const T *bias, const T *cs, int per_row, T *q_out, int h, int kvh, \
+        int d, int k, T *kc, T *vc, const uint32_t *slots, int block_size, long long num_slots) {         \
+        gemv_qkv_rope<T, M>(x, w, bias, cs, per_row, q_out, h, kvh, d, k, kc, vc, slots, block_size,        \
+                            num_slots);                                                            \
+    }
+#define GEMV_QKV_ROPES(T, SUFFIX)                                                                  \
+    GEMV_QKV_ROPE(T, SUFFIX, 1)                                                                    \
+    GEMV_QKV_ROPE(T, SUFFIX, 2)                                                                    \
+    GEMV_QKV_ROPE(T, SUFFIX, 3)                                                                    \
+    GEMV_QKV_ROPE(T, SUFFIX, 4)
+GEMV_QKV_ROPES(__half, f16)
+GEMV_QKV_ROPES(__nv_bfloat16, bf16)
 
 // One qkv_rope entry point: tables of type C, P pairs a thread.
 #define QKV_ROPE(NAME, T, C, P)                                                                    \

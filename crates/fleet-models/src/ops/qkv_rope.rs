@@ -172,6 +172,56 @@ pub fn qkv_rope_paged(
     Ok(q.reshape((b, h, t, head_dim))?)
 }
 
+/// Switch of [`linear_qkv_rope_paged`]'s one kernel (`FLEET_QKV_GEMV_ROPE=0`: the GEMV, then
+/// [`qkv_rope_paged`]'s kernel; the same bits either way).
+static QKV_GEMV_ROPE: EnvSwitch = EnvSwitch::new("FLEET_QKV_GEMV_ROPE", true);
+
+/// [`qkv_rope_paged`] of `linear(proj, h)`: `proj` the fused q/k/v projection without a bias
+/// of its own (`bias` is the one [`qkv_rope`] adds), `h` `[b, t, k]` the normalised hidden
+/// state. On a decode step whose product [`linear`] sends to the GEMV (up to
+/// [`GEMV_MAX_ROWS`] rows on CUDA) and whose keys and values [`qkv_rope_paged`] writes in its
+/// kernel, this is one kernel (`gemv_qkv_rope`): the warp of a rotated pair `(i, i + d/2)` of a
+/// head sums both rows of `proj` as the GEMV sums each, rounds them as the GEMV's output is
+/// rounded, then computes [`qkv_rope_paged`]'s epilogue (the bias, RoPE, the K/V write), so
+/// `q` and the caches get the two kernels' bits (its GPU test) with one launch and one
+/// `[b, (h + 2 kvh) d]` round trip fewer a layer. Otherwise, and with `FLEET_QKV_GEMV_ROPE=0`,
+/// those two ops. Returns `q`, `[b, h, t, d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_qkv_rope_paged(
+    h: &Tensor,
+    proj: &candle_nn::Linear,
+    bias: &Tensor,
+    cs: &Tensor,
+    heads: (usize, usize),
+    head_dim: usize,
+    kv: &PagedKvWrite,
+) -> Result<Tensor> {
+    let w = proj.weight();
+    let (b, t, _) = h.dims3()?;
+    let tracked = [h, w, bias].iter().any(|x| x.track_op());
+    let takes = QKV_GEMV_ROPE.on()
+        && t == 1
+        && proj.bias().is_none()
+        && super::linear::gemv_takes(h, w, b)
+        && kv.fused(h, tracked)
+        && bias.dtype() == h.dtype()
+        && cs.dtype() == h.dtype();
+    if !takes {
+        return qkv_rope_paged(&linear(proj, h)?, bias, cs, heads, head_dim, kv);
+    }
+    let op = QkvRopeGemv {
+        rope: QkvRope {
+            h: heads.0,
+            kvh: heads.1,
+            d: head_dim,
+            cache: Some(kv.clone()),
+        },
+        w: contig(w)?,
+    };
+    let q = contig(h)?.apply_op3_no_bwd(&contig(bias)?, &contig(cs)?, &op)?;
+    Ok(q.reshape((b, heads.0, t, head_dim))?)
+}
+
 /// [`qk_norm_rope`] with the keys and values written into the paged caches, as
 /// [`qkv_rope_paged`] does for [`qkv_rope`]. Returns `q`, `[b, h, t, d]`.
 #[allow(clippy::too_many_arguments)]
@@ -333,6 +383,48 @@ impl QkvRope {
             }
         }
         out
+    }
+}
+
+/// [`linear_qkv_rope_paged`]'s kernel: inputs `h` `[b, 1, k]`, the bias, the tables; the
+/// projection's weight `w` `[(h + 2 kvh) d, k]` held beside them, the caches in `rope`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct QkvRopeGemv {
+    rope: QkvRope,
+    w: Tensor,
+}
+
+impl CustomOp3 for QkvRopeGemv {
+    fn name(&self) -> &'static str {
+        "fleet-qkv-rope-gemv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!(
+            "qkv_rope_gemv: a CUDA kernel (linear_qkv_rope_paged takes the GEMV and qkv_rope_paged \
+             elsewhere)"
+        )
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::qkv_rope_gemv(self, (s1, l1), (s2, l2), (s3, l3))
     }
 }
 
@@ -1055,6 +1147,99 @@ mod cuda {
         Ok((out, Shape::from(n)))
     }
 
+    /// [`super::linear_qkv_rope_paged`]'s kernel: `h` `[b, 1, k]` (b up to the GEMV's rows),
+    /// the bias `[n]`, the tables `[b, 1, d]` or `[1, d]` in h's dtype; q `[b * h * d]` out,
+    /// k and v into the caches.
+    pub(super) fn qkv_rope_gemv(
+        op: &super::QkvRopeGemv,
+        (s1, l1): (&CudaStorage, &Layout),
+        (s2, l2): (&CudaStorage, &Layout),
+        (s3, l3): (&CudaStorage, &Layout),
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn run<T: CudaDType + DeviceRepr>(
+            op: &super::QkvRopeGemv,
+            (s1, l1): (&CudaStorage, &Layout),
+            (s2, l2): (&CudaStorage, &Layout),
+            (s3, l3): (&CudaStorage, &Layout),
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
+            let dev = s1.device().clone();
+            let rope = &op.rope;
+            let (h, kvh, d) = (rope.h, rope.kvh, rope.d);
+            let n = (h + 2 * kvh) * d;
+            let (b, t, k) = l1.shape().dims3()?;
+            let (w_guard, wl) = op.w.storage_and_layout();
+            let per_row = l3.dims().len() == 3;
+            let tables: &[usize] = if per_row { &[b, 1, d] } else { &[1, d] };
+            if t != 1
+                || !(1..=crate::ops::GEMV_MAX_ROWS).contains(&b)
+                || !k.is_multiple_of(8)
+                || !d.is_multiple_of(2)
+                || wl.dims() != [n, k]
+                || l2.dims() != [n]
+                || l3.dims() != tables
+                || !(l1.start_offset().is_multiple_of(8) && wl.start_offset().is_multiple_of(8))
+            {
+                candle_core::bail!(
+                    "qkv_rope_gemv: h {:?}, w {:?}, bias {:?}, tables {:?} for {h} + 2 x {kvh} \
+                     heads of {d}: h must be [1..=4, 1, k] (k a multiple of 8, rows on 16 \
+                     bytes), w [{n}, k], the bias [{n}], the tables [b, 1, {d}] or [1, {d}]",
+                    l1.dims(),
+                    wl.dims(),
+                    l2.dims(),
+                    l3.dims()
+                );
+            }
+            let w_storage = held("qkv_rope_gemv", "projection weight", &w_guard, &dev)?;
+            let w = input::<T>(w_storage, wl)?;
+            let (x, bias, cs) = (
+                input::<T>(s1, l1)?,
+                input::<T>(s2, l2)?,
+                input::<T>(s3, l3)?,
+            );
+            let cache_dims = cache_dims(rope.cache.as_ref(), (b, 1), kvh, d)?;
+            let guards = cache_guards(rope.cache.as_ref());
+            let views = cache_views::<T, _>(&guards, &dev)?;
+            let func = dev.get_or_load_custom_func(
+                &format!("gemv_qkv_rope_{}_m{b}", suffix(s1.dtype())?),
+                MODULE,
+                PTX,
+            )?;
+            // SAFETY: the kernel writes q's every element (one warp a pair of every q head).
+            let q: CudaSlice<T> = unsafe { dev.alloc::<T>(b * h * d)? };
+            // Two warps a block (the kernel's launch bounds).
+            let pairs = (h + 2 * kvh) * d / 2;
+            let cfg = LaunchConfig {
+                grid_dim: (pairs.div_ceil(2) as u32, 1, 1),
+                block_dim: (64, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut bld = func.builder();
+            bld.arg(&x);
+            bld.arg(&w);
+            bld.arg(&bias);
+            bld.arg(&cs);
+            let args = [i32::from(per_row)];
+            bld.arg(&args[0]);
+            bld.arg(&q);
+            let dims = [h as i32, kvh as i32, d as i32, k as i32];
+            for a in &dims {
+                bld.arg(a);
+            }
+            push_cache(&mut bld, &views, &cache_dims);
+            // SAFETY: warp p < pairs reads rows (p / (d/2)) d + p % (d/2) and + d/2 of w (n rows
+            // of k, checked) and the b rows of x, 16 bytes at a time (k a multiple of 8, rows
+            // aligned: checked); it writes q's element pair of its head, or its k/v pair at
+            // checked slots of the caches (cache_views, cache_dims).
+            unsafe { bld.launch(cfg) }.w()?;
+            Ok((CudaStorage::wrap_cuda_slice(q, dev), Shape::from(b * h * d)))
+        }
+        match s1.dtype() {
+            DType::F16 => run::<f16>(op, (s1, l1), (s2, l2), (s3, l3)),
+            DType::BF16 => run::<bf16>(op, (s1, l1), (s2, l2), (s3, l3)),
+            other => candle_core::bail!("qkv_rope_gemv: {other:?} on CUDA (f16 or bf16)"),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn qk_norm_rope(
         op: &QkNormRope,
@@ -1408,6 +1593,94 @@ mod kernel_tests {
                     assert_ne!(
                         host(&fused.k_cache),
                         host(&cache(10)),
+                        "nothing written, {what}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The q/k/v GEMV ending in qkv_rope's paged epilogue gives the GEMV's and the paged
+    /// kernel's bits: q and both caches (the other slots kept, a `u32::MAX` slot writing
+    /// nothing), 1 to 4 rows, bf16 and f16, per-row and shared tables, the 0.5B's, 1.5B's and
+    /// 7B's heads; and [`linear_qkv_rope_paged`] takes it.
+    #[test]
+    fn qkv_gemv_rope_gives_the_two_kernels_bits() {
+        let Some(gpu) = test_gpu("qkv_gemv_rope_gives_the_two_kernels_bits") else {
+            return;
+        };
+        let (blocks, bs) = (6, 16);
+        let host = |x: &Tensor| -> Vec<u32> {
+            let x = x.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            x.to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        for (h, kvh, d, k) in [(14, 2, 64, 896), (12, 2, 128, 1536), (28, 4, 128, 3584)] {
+            for dtype in [DType::BF16, DType::F16] {
+                for (b, per_row) in [(1, true), (2, false), (3, true), (4, true)] {
+                    let rnd = |shape: &[usize], seed: u64| -> Tensor {
+                        let x = test_tensor(shape, seed).to_device(&gpu).unwrap();
+                        x.to_dtype(dtype).unwrap()
+                    };
+                    let n = (h + 2 * kvh) * d;
+                    let x = rnd(&[b, 1, k], 1);
+                    let proj = candle_nn::Linear::new(rnd(&[n, k], 2), None);
+                    let bias = rnd(&[n], 3);
+                    let cs = if per_row {
+                        rnd(&[b, 1, d], 4)
+                    } else {
+                        rnd(&[1, d], 4)
+                    };
+                    let mut slots: Vec<u32> = (0..b).map(|i| (i * 37 + 5) as u32 % 96).collect();
+                    if b > 1 {
+                        slots[1] = u32::MAX;
+                    }
+                    let target = || PagedKvWrite {
+                        k_cache: rnd(&[blocks, kvh, bs, d], 10),
+                        v_cache: rnd(&[blocks, kvh, bs, d], 11),
+                        slots: Tensor::new(slots.as_slice(), &gpu).unwrap(),
+                    };
+                    let what =
+                        format!("{dtype:?} h {h} kvh {kvh} d {d} k {k} b {b} per_row {per_row}");
+                    let (fused, via, split) = (target(), target(), target());
+                    let op = QkvRopeGemv {
+                        rope: QkvRope {
+                            h,
+                            kvh,
+                            d,
+                            cache: Some(fused.clone()),
+                        },
+                        w: proj.weight().clone(),
+                    };
+                    let q_fused = x.apply_op3_no_bwd(&bias, &cs, &op).unwrap();
+                    let q_via =
+                        linear_qkv_rope_paged(&x, &proj, &bias, &cs, (h, kvh), d, &via).unwrap();
+                    let qkv = super::super::gemv(&x.squeeze(1).unwrap(), proj.weight())
+                        .unwrap()
+                        .unsqueeze(1)
+                        .unwrap();
+                    let q = qkv_rope_paged(&qkv, &bias, &cs, (h, kvh), d, &split).unwrap();
+                    assert_eq!(q_via.dims(), q.dims(), "{what}");
+                    assert_eq!(host(&q_fused), host(&q), "q, {what}");
+                    assert_eq!(
+                        host(&q_via),
+                        host(&q),
+                        "q through linear_qkv_rope_paged, {what}"
+                    );
+                    for (name, a, b) in [
+                        ("k", &fused.k_cache, &split.k_cache),
+                        ("v", &fused.v_cache, &split.v_cache),
+                        ("k via", &via.k_cache, &split.k_cache),
+                        ("v via", &via.v_cache, &split.v_cache),
+                    ] {
+                        assert_eq!(host(a), host(b), "{name} cache, {what}");
+                    }
+                    assert_ne!(
+                        host(&fused.v_cache),
+                        host(&target().v_cache),
                         "nothing written, {what}"
                     );
                 }
