@@ -599,7 +599,7 @@ pub use paged_attention::set_paged_mma;
 pub use paged_attention::{
     paged_decode_attention, paged_decode_attention_reference, paged_decode_supported,
     paged_kv_write, PAGED_ATTENTION_MAX_GROUP, PAGED_ATTENTION_MIN_BLOCKS,
-    PAGED_ATTENTION_PARTITION,
+    PAGED_ATTENTION_MIN_PARTITION, PAGED_ATTENTION_PARTITION,
 };
 pub use qkv_rope::{
     linear_qkv_rope_paged, qk_norm_rope, qk_norm_rope_paged, qkv_rope, qkv_rope_backward,

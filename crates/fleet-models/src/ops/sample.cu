@@ -244,21 +244,40 @@ __device__ void sample_tokens(const L *logits, const uint32_t *params, const uin
     __shared__ unsigned int pick[1];
     __shared__ unsigned long long left;
 
-    // 1. The raw logits' (max, sum exp) for the log-probability; the scores' max.
+    const bool greedy = !(inv_t > 0.f);
+    // Whether top-k, top-p or min-p may drop tokens: only then does the draw need the passes
+    // below first; otherwise it keeps every token and is made in the first pass.
+    const bool filtered = !greedy && ((top_k > 0 && top_k < (unsigned int)vocab) || top_p < 1.f ||
+                                      min_p > 0.f);
+    // The draw's candidate for token v: score + Gumbel noise (greedy: the score), kept as the
+    // thread's best (the lowest index among equals).
+    float best = -INFINITY;
+    int best_v = 0x7fffffff;
+    auto draw = [&](int v, float sc) {
+        const float z = greedy ? sc : sc - logf(-logf(gumbel_uniform(seed, counter, (unsigned int)v)));
+        if (z > best || (z == best && v < best_v)) {
+            best = z;
+            best_v = v;
+        }
+    };
+
+    // 1. The raw logits' (max, sum exp) for the log-probability; the scores' max; unfiltered,
+    // the draw itself (the same candidates in the same order as step 5's pass with every token
+    // kept, so the same token: one pass over the logits instead of two).
     float m = -INFINITY, s = 0.f, smax = -INFINITY;
     each_logit(row, vocab, [&](int v, float l) {
         online_merge(m, s, l, 1.f);
-        smax = fmaxf(smax, score_of(l, v, pen_ids, n_pen, penalty, inv_t));
+        const float sc = score_of(l, v, pen_ids, n_pen, penalty, inv_t);
+        smax = fmaxf(smax, sc);
+        if (!filtered) draw(v, sc);
     });
     block_online(m, s, sm, ss);
-    {
-        int unused = 0;
-        block_argmax(smax, unused, sm, si);
-    }
 
-    unsigned int threshold = 0;  // keys >= threshold are kept
-    const bool greedy = !(inv_t > 0.f);
-    if (!greedy) {
+    if (filtered) {
+        {
+            int unused = 0;
+            block_argmax(smax, unused, sm, si);
+        }
         // 2. Top-k: the k-th largest key.
         const unsigned int t_k =
             top_k > 0 && top_k < (unsigned int)vocab
@@ -284,21 +303,14 @@ __device__ void sample_tokens(const L *logits, const uint32_t *params, const uin
         }
         // 4. Min-p: scores at least max + ln(min_p).
         const unsigned int t_m = min_p > 0.f ? sort_key(smax + logf(min_p)) : 0u;
-        threshold = max(t_k, max(t_p, t_m));
-    }
+        const unsigned int threshold = max(t_k, max(t_p, t_m)); // keys >= threshold are kept
 
-    // 5. The draw: argmax of score + Gumbel noise over the kept tokens (greedy: of the score).
-    float best = -INFINITY;
-    int best_v = 0x7fffffff;
-    each_logit(row, vocab, [&](int v, float l) {
-        const float sc = score_of(l, v, pen_ids, n_pen, penalty, inv_t);
-        if (sort_key(sc) < threshold) return;
-        const float z = greedy ? sc : sc - logf(-logf(gumbel_uniform(seed, counter, (unsigned int)v)));
-        if (z > best || (z == best && v < best_v)) {
-            best = z;
-            best_v = v;
-        }
-    });
+        // 5. The draw over the kept tokens: argmax of score + Gumbel noise.
+        each_logit(row, vocab, [&](int v, float l) {
+            const float sc = score_of(l, v, pen_ids, n_pen, penalty, inv_t);
+            if (sort_key(sc) >= threshold) draw(v, sc);
+        });
+    }
     block_argmax(best, best_v, sm, si);
     if (threadIdx.x == 0) {
         const int tok = best_v == 0x7fffffff ? 0 : best_v;
