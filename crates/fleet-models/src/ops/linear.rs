@@ -154,7 +154,11 @@ static GEMV_SWIGLU: EnvSwitch = EnvSwitch::new("FLEET_GEMV_SWIGLU", true);
 /// gate/up streamed at 3.56 TB/s against the GEMV's 4.20, and q/k/v at 2.12 against 2.88:
 /// its blocks have the norm's thread count (14 warps at the 7B's 3,584, 330 blocks for
 /// q/k/v, 2.5 an SM) where the GEMV's have 4, and each warp streamed the gate and then the up row
-/// (their loads go out together since 2026-11-29e, not measured here since).
+/// (their loads go out together since 2026-11-29e, not measured here since). A paged decode
+/// step of Qwen2's attention opens with the norm alone and [`linear_qkv_rope_paged`] instead
+/// (the decoder layer's choice), so there only the MLP's projection takes this kernel.
+///
+/// [`linear_qkv_rope_paged`]: super::linear_qkv_rope_paged
 pub fn norm_linear(
     x: &Tensor,
     pending: Option<&Tensor>,
