@@ -302,6 +302,23 @@ fn split_grad(
     ))
 }
 
+/// Whether a cos|sin table of shape `dims` holds a row per token (`[b, t, d]`) rather than
+/// one per position (`[t, d]`), after checking that it is one of the two; `op` names the
+/// kernel in the error.
+fn per_row_tables(
+    op: &str,
+    dims: &[usize],
+    (b, t): (usize, usize),
+    d: usize,
+) -> candle_core::Result<bool> {
+    let per_row = dims.len() == 3;
+    let want: &[usize] = if per_row { &[b, t, d] } else { &[t, d] };
+    if dims != want {
+        candle_core::bail!("{op}: cos|sin table {dims:?}, expected {want:?}");
+    }
+    Ok(per_row)
+}
+
 struct QkvRope {
     h: usize,
     kvh: usize,
@@ -326,15 +343,7 @@ impl QkvRope {
                 l2.dims()
             );
         }
-        let per_row = l3.dims().len() == 3;
-        let want: Vec<usize> = if per_row {
-            vec![b, t, self.d]
-        } else {
-            vec![t, self.d]
-        };
-        if l3.dims() != want.as_slice() {
-            candle_core::bail!("qkv_rope: cos|sin table {:?}, expected {want:?}", l3.dims());
-        }
+        let per_row = per_row_tables("qkv_rope", l3.dims(), (b, t), self.d)?;
         Ok((b, t, per_row))
     }
 
@@ -561,14 +570,7 @@ impl QkNormRope {
                 candle_core::bail!("qk_norm_rope: bias {:?}, expected [{w}]", bias.dims());
             }
         }
-        let per_row = self.cs.rank() == 3;
-        let want: Vec<usize> = if per_row { vec![b, t, d] } else { vec![t, d] };
-        if self.cs.dims() != want.as_slice() {
-            candle_core::bail!(
-                "qk_norm_rope: cos|sin table {:?}, expected {want:?}",
-                self.cs.dims()
-            );
-        }
+        let per_row = per_row_tables("qk_norm_rope", self.cs.dims(), (b, t), d)?;
         Ok((b, t, per_row))
     }
 
@@ -1168,25 +1170,22 @@ mod cuda {
             let n = (h + 2 * kvh) * d;
             let (b, t, k) = l1.shape().dims3()?;
             let (w_guard, wl) = op.w.storage_and_layout();
-            let per_row = l3.dims().len() == 3;
-            let tables: &[usize] = if per_row { &[b, 1, d] } else { &[1, d] };
+            let per_row = super::per_row_tables("qkv_rope_gemv", l3.dims(), (b, 1), d)?;
             if t != 1
                 || !(1..=crate::ops::GEMV_MAX_ROWS).contains(&b)
                 || !k.is_multiple_of(8)
                 || !d.is_multiple_of(2)
                 || wl.dims() != [n, k]
                 || l2.dims() != [n]
-                || l3.dims() != tables
                 || !(l1.start_offset().is_multiple_of(8) && wl.start_offset().is_multiple_of(8))
             {
                 candle_core::bail!(
-                    "qkv_rope_gemv: h {:?}, w {:?}, bias {:?}, tables {:?} for {h} + 2 x {kvh} \
-                     heads of {d}: h must be [1..=4, 1, k] (k a multiple of 8, rows on 16 \
-                     bytes), w [{n}, k], the bias [{n}], the tables [b, 1, {d}] or [1, {d}]",
+                    "qkv_rope_gemv: h {:?}, w {:?}, bias {:?} for {h} + 2 x {kvh} heads of {d}: \
+                     h must be [1..=4, 1, k] (k a multiple of 8, rows on 16 bytes), w [{n}, k], \
+                     the bias [{n}]",
                     l1.dims(),
                     wl.dims(),
-                    l2.dims(),
-                    l3.dims()
+                    l2.dims()
                 );
             }
             let w_storage = held("qkv_rope_gemv", "projection weight", &w_guard, &dev)?;
@@ -1218,8 +1217,8 @@ mod cuda {
             bld.arg(&w);
             bld.arg(&bias);
             bld.arg(&cs);
-            let args = [i32::from(per_row)];
-            bld.arg(&args[0]);
+            let per_row = i32::from(per_row);
+            bld.arg(&per_row);
             bld.arg(&q);
             let dims = [h as i32, kvh as i32, d as i32, k as i32];
             for a in &dims {
