@@ -149,6 +149,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t *r, const void *smem)
                  : "r"(a));
 }
 
+// L2 policies for data read once (evicted first: a decode step's weights) and for data many
+// blocks read again (kept last: the few rows of x every block of a skinny GEMM reads).
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+
 // Two f32 values rounded to T and packed into one register, `lo` in the low half (the lower
 // column of a fragment pair).
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);

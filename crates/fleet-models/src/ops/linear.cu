@@ -1,5 +1,7 @@
 // The fused kernels of ops/linear.rs, compiled to PTX by build.rs (feature `cuda`); the
 // launcher and the CPU twin are in the .rs file of the same name.
+#include <cuda.h>  // CUtensorMap (the skinny GEMM's TMA copies)
+
 #include "common.cuh"
 #include "gemv.cuh"
 
@@ -235,39 +237,25 @@ MOE_GEMV(__half, f16)
 MOE_GEMV(__nv_bfloat16, bf16)
 
 
-// y[m][col] = sum_k x[m][k] w[col][k] for 5..64 rows of x on the tensor cores
-// (mma.sync.m16n8k16, f32 accumulators): a decode step of 5 to 64 sequences, still bound by
-// reading w once, where cuBLAS's kernels for so few rows reached 1.0-1.6 TB/s of an H100's
-// 3.35 (ncu, 0.5B at 64 rows).
+// The MoE decode's products on the tensor cores (mma.sync.m16n8k16, f32 accumulators): a
+// few routed slots' rows of x against an expert's w, bound by reading w once.
 //
 // The product is computed transposed, w as the mma's A operand (16 output columns per warp)
 // and x as B (8 of its rows per n-tile, NT tiles): the few rows fill the mma's narrow side.
 // Fragments are loaded straight from memory, 16 bytes per thread: within each 32-wide block of
 // k, thread q of a quad loads elements 8q..8q+7 of its row, which the fragment layout reads as
 // k = {2q, 2q+1, 2q+8, 2q+9} of two consecutive k-steps. Both operands use the same
-// permutation of k, so the sum over k is the product's. w streams from memory once (evict
-// first); the block's 64 columns share x, staged in shared memory 128 k at a time, while the
-// next chunk's w is already in flight.
-//
-// Work is spread stream-K fashion: the (column tile, 128-k chunk) units, tile-major, are cut
-// into equal contiguous ranges, one per block, with as many blocks as fit the GPU at once, so
-// no partial wave idles most SMs at the end (ncu on an H100: the 7B's gate/up projection in
-// 592 whole-tile blocks over 528 slots ran at 37% of the bandwidth, 1.12 waves). A tile whose
-// chunks all fall in one block's range is written directly; a tile cut by range ends gets f32
-// partials from each of its blocks (slot = block - the tile's first block), and the block
-// that counts last sums them in slot order (deterministic: replays and plain steps give the
-// same values), rounds once to T and resets the tile's counter for the next launch.
+// permutation of k, so the sum over k is the product's. The block's 64 columns share x,
+// staged in shared memory 128 k at a time, while the next chunk's w is already in flight.
+// (The dense skinny GEMM below streams w through a TMA ring instead.)
 #define SK_WARPS 4
 #define SK_COLS (16 * SK_WARPS)
 #define SK_KB 32
 #define SK_UNROLL 4
 #define SK_KCHUNK (SK_KB * SK_UNROLL)
 #define SK_XSTRIDE (SK_KCHUNK + 8)
-// Blocks an SM holds (the launch bounds cap the registers to fit them): the host sizes the
-// grid as SMs x this (SKINNY_BLOCKS_PER_SM in linear.rs).
+// Blocks an SM holds (the launch bounds cap the registers to fit them).
 #define SK_BLOCKS_PER_SM 3
-// Most blocks a cut tile's units may spread over (SKINNY_MAX_SLOTS in linear.rs).
-#define SK_MAX_SLOTS 8
 
 // This thread's 16-byte pieces of its two w rows (g and g + 8 of the warp's 16) for the
 // SK_UNROLL k-blocks of the chunk at kc (zeros past `kn` or for a warp past the last column).
@@ -292,14 +280,8 @@ __device__ __forceinline__ void skinny_load_w(const T *w0, const T *w8, int kc, 
     }
 }
 
-// Where the skinny kernels' x rows are: consecutive rows of `k` elements (the GEMM) ...
-template <typename T> struct DenseRows {
-    const T *x;
-    int k;
-    __device__ __forceinline__ const T *operator()(int r) const { return x + (size_t)r * k; }
-};
-// ... or a MoE expert's slots (the sorted slots from `slot` on), slot s reading row s / in_div
-// (the gate/up projection reads its token's row, down the slot's own).
+// Where the MoE kernel's x rows are: an expert's slots (the sorted slots from `slot` on), slot
+// s reading row s / in_div (the gate/up projection reads its token's row, down the slot's own).
 template <typename T> struct SlotRows {
     const T *x;
     const uint32_t *slot;
@@ -382,51 +364,168 @@ __device__ __forceinline__ void skinny_segment(const Rows &row, const T *w0, con
     }
 }
 
+// The skinny GEMM on Hopper: the (column tile, 64-k chunk) units of a block stream through a
+// ring of shared-memory stages filled by the tensor memory accelerator (TMA): one thread asks
+// for a unit's w tile ([SKT_COLS rows][64 k], 16 KiB) and x rows ([NT * 8][64 k]) with two
+// bulk tensor copies that complete on the stage's mbarrier, SkStages - 1 units ahead of the
+// unit being multiplied and across tile ends, so one block an SM keeps 128-144 KiB of w in
+// flight. Why: at 32 rows an SM needs ~140 KiB in flight for its share of the bandwidth
+// (cuBLAS's 32-row kernels keep 128-144 KiB: nvjet's 384x32 tiles in four 64-k stages, 128x32
+// in ten), and per-thread copies could not deliver it (2026-11-29g: the same ring filled by
+// cp.async streamed at most ~2.7 TB/s with the products left out; the register-held
+// one-chunk-ahead loads before it reached 60-79% on the large products, 35% on q/k/v and o).
+// The copies use the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), so the
+// fragments' ldmatrix loads (eight rows of one chunk a phase) fall on distinct banks. Only
+// for sm_90 and later (the launcher checks).
+//
+// Work is spread stream-K fashion: the units, tile-major, are cut into equal contiguous
+// ranges, one per block, as many blocks as fit the GPU at once, so no partial wave idles most
+// SMs at the end. A tile whose chunks all fall in one block's range is written directly; a
+// tile cut by range ends gets f32 partials from each of its blocks (slot = block - the tile's
+// first block), and the block that counts last sums them in slot order (deterministic:
+// replays and plain steps give the same values), rounds once to T and resets the tile's
+// counter for the next launch.
+#define SKT_WARPS 8
+#define SKT_COLS (16 * SKT_WARPS)
+#define SKT_KCHUNK 64
+// Most blocks a cut tile's units may spread over (SKINNY_MAX_SLOTS in linear.rs).
+#define SK_MAX_SLOTS 8
+template <int NT> struct SkStages {
+    static constexpr int value = NT >= 8 ? 9 : 10;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+// Arrives once on `bar` and tells it to expect `bytes` more of transactions this phase.
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+// Returns once `bar`'s phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+}
+// The box of `map` at (c0 innermost, c1) into shared memory at dst, completing on bar.
+__device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar,
+                                            uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "l"(policy)
+        : "memory");
+}
+// The 16-byte chunk `c` of row `r` of a 128-byte-swizzled tile whose rows are 128 bytes.
+__device__ __forceinline__ const void *swizzled(const unsigned char *tile, int r, int c) {
+    return tile + r * 128 + ((c ^ (r & 7)) << 4);
+}
+
 template <typename T, int NT>
-__device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsigned *counters, int m, int n,
-                            int k, int chunks_per_tile, int units_per_block, int max_slots, bool prefetch_x) {
-    __shared__ __align__(16) T xs[NT * 8][SK_XSTRIDE];
+__device__ void skinny_gemm(const CUtensorMap *wmap, const CUtensorMap *xmap, T *y, float *partial,
+                            unsigned *counters, int m, int n, int k, int chunks_per_tile, int units_per_block,
+                            int max_slots) {
+    constexpr int S = SkStages<NT>::value;
+    constexpr unsigned WBYTES = SKT_COLS * SKT_KCHUNK * 2, XBYTES = NT * 8 * SKT_KCHUNK * 2;
+    extern __shared__ unsigned char skt_raw[];
+    // The 128-byte swizzle repeats every 1024 bytes: stages start on 1024 (the launcher asks
+    // for 1024 bytes more than the stages).
+    unsigned char *ws = reinterpret_cast<unsigned char *>((reinterpret_cast<uintptr_t>(skt_raw) + 1023) & ~uintptr_t(1023));
+    unsigned char *xs = ws + S * WBYTES;
+    __shared__ __align__(8) uint64_t full[S];
     __shared__ bool last;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, q = lane & 3;
-    const int cpt = chunks_per_tile, upb = units_per_block;
-    const int tiles = (n + SK_COLS - 1) / SK_COLS;
-    const int u_end = min((blockIdx.x + 1) * upb, tiles * cpt);
-    for (int u = blockIdx.x * upb; u < u_end;) {
-        const int tile = u / cpt, c0 = u % cpt, c1 = min(cpt, c0 + (u_end - u));
-        u += c1 - c0;
-        const int col0 = tile * SK_COLS + warp * 16;  // n is a multiple of 16
+    const int cpt = chunks_per_tile;
+    const int tiles = (n + SKT_COLS - 1) / SKT_COLS;
+    const int u_begin = blockIdx.x * units_per_block;
+    const int units = min(u_begin + units_per_block, tiles * cpt) - u_begin;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) mbar_init(&full[s], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    // Unit j of the block into stage j % S (TMA zero-fills rows past n or m and k past k).
+    auto issue = [&](int j) {
+        if (j >= units) return;
+        const int u = u_begin + j, s = j % S;
+        mbar_expect_tx(&full[s], WBYTES + XBYTES);
+        const uint64_t evict_first = l2_evict_first_policy(), evict_last = l2_evict_last_policy();
+        tma_load_2d(ws + s * WBYTES, wmap, (u % cpt) * SKT_KCHUNK, (u / cpt) * SKT_COLS, &full[s], evict_first);
+        tma_load_2d(xs + s * XBYTES, xmap, (u % cpt) * SKT_KCHUNK, 0, &full[s], evict_last);
+    };
+    if (threadIdx.x == 0)
+        for (int j = 0; j < S - 1; ++j) issue(j);
+    float acc[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    int c0 = u_begin % cpt;  // the first chunk of the tile segment being summed
+    // This lane's ldmatrix rows: of w, row (l / 8 odd: + 8) of the warp's 16, chunk + l / 16;
+    // of x, row l % 8 of an 8-row tile, chunk + l / 8.
+    const int a_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, a_chunk = lane >> 4;
+    const int b_row = lane & 7, b_chunk = lane >> 3;
+    for (int j = 0; j < units; ++j) {
+        if (j > 0) __syncthreads();  // unit j - 1's stage is read: it takes unit j + S - 1
+        if (threadIdx.x == 0) issue(j + S - 1);
+        const int s = j % S;
+        mbar_wait(&full[s], (j / S) & 1);
+        const int u = u_begin + j, tile = u / cpt, chunk = u % cpt;
+        const int kn = min(SKT_KCHUNK, k - chunk * SKT_KCHUNK);  // 32 or 64
+        const unsigned char *wt = ws + s * WBYTES, *xt = xs + s * XBYTES;
+#pragma unroll
+        for (int kk = 0; kk < SKT_KCHUNK / 16; kk += 2) {
+            if (kk * 16 >= kn) break;
+            // Two k-steps of 16: A fragments for each, B fragments of each x tile for both.
+            uint32_t a[2][4];
+            ldmatrix_x4(a[0], swizzled(wt, a_row, 2 * kk + a_chunk));
+            ldmatrix_x4(a[1], swizzled(wt, a_row, 2 * kk + 2 + a_chunk));
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                uint32_t b[4];
+                ldmatrix_x4(b, swizzled(xt, t * 8 + b_row, 2 * kk + b_chunk));
+                mma16816<T>(acc[t], a[0], b);
+                mma16816<T>(acc[t], a[1], b + 2);
+            }
+        }
+        if (chunk != cpt - 1 && j != units - 1) continue;
+        // The end of a tile segment: acc[t] holds columns col0 + g (0, 1) and col0 + g + 8
+        // (2, 3), x rows t * 8 + 2q and + 1, over chunks c0..chunk of k.
+        const int col0 = tile * SKT_COLS + warp * 16;  // n is a multiple of 16
         const bool live = col0 < n;
-        const T *w0 = w + (size_t)(live ? col0 + g : 0) * k;
-        const T *w8 = w0 + (size_t)8 * k;
-        float acc[NT][4];
-        skinny_segment<T, NT>(DenseRows<T>{x, k}, w0, w8, xs, acc, m, c0 * SK_KCHUNK, min(k, c1 * SK_KCHUNK), q, g,
-                              live, true, prefetch_x);
-        // acc[t]: columns col0 + g (0, 1) and col0 + g + 8 (2, 3), x rows t * 8 + 2q and + 1.
-        if (c0 == 0 && c1 == cpt) {
-            if (!live) continue;
+        const bool whole = c0 == 0 && chunk == cpt - 1;
+        c0 = 0;  // the next segment starts a tile
+        if (whole) {
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = t * 8 + 2 * q + (e & 1), col = col0 + g + (e >> 1) * 8;
-                    if (row < m) y[(size_t)row * n + col] = from_f<T>(acc[t][e]);
+                    if (live && row < m) y[(size_t)row * n + col] = from_f<T>(acc[t][e]);
+                    acc[t][e] = 0.f;
                 }
             }
             continue;
         }
-        // Part of the tile: partial[tile][slot] is [m][SK_COLS] f32.
-        const int first = tile * cpt / upb, last_block = (tile * cpt + cpt - 1) / upb;
+        // Part of the tile: partial[tile][slot] is [m][SKT_COLS] f32.
+        const int first = tile * cpt / units_per_block, last_block = (tile * cpt + cpt - 1) / units_per_block;
         const int slot = blockIdx.x - first, slots = last_block - first + 1;
-        float *mine = partial + ((size_t)tile * max_slots + slot) * m * SK_COLS;
-        if (live) {
+        float *mine = partial + ((size_t)tile * max_slots + slot) * m * SKT_COLS;
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
+        for (int t = 0; t < NT; ++t) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = t * 8 + 2 * q + (e & 1), col = warp * 16 + g + (e >> 1) * 8;
-                    if (row < m) mine[(size_t)row * SK_COLS + col] = acc[t][e];
-                }
+            for (int e = 0; e < 4; ++e) {
+                const int row = t * 8 + 2 * q + (e & 1), col = warp * 16 + g + (e >> 1) * 8;
+                if (live && row < m) mine[(size_t)row * SKT_COLS + col] = acc[t][e];
+                acc[t][e] = 0.f;
             }
         }
         __threadfence();  // the partials are visible before this block counts as done
@@ -437,16 +536,16 @@ __device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsign
         __threadfence();
         // Four columns a thread, every slot's load issued before the first add (a loop of
         // dependent loads, one L2 round trip per slot and output, made this sum the kernel's
-        // longest part: ncu, 25-40 us a launch).
-        const float *base = partial + (size_t)tile * max_slots * m * SK_COLS;
-        for (int i = threadIdx.x; i < m * SK_COLS / 4; i += blockDim.x) {
-            const int row = i / (SK_COLS / 4), c = (i % (SK_COLS / 4)) * 4;
-            const int col = tile * SK_COLS + c;
+        // longest part: ncu, 25-40 us a launch). Slot order: deterministic.
+        const float *base = partial + (size_t)tile * max_slots * m * SKT_COLS;
+        for (int i = threadIdx.x; i < m * SKT_COLS / 4; i += blockDim.x) {
+            const int row = i / (SKT_COLS / 4), cc = (i % (SKT_COLS / 4)) * 4;
+            const int col = tile * SKT_COLS + cc;
             float4 v[SK_MAX_SLOTS];
 #pragma unroll
             for (int p = 0; p < SK_MAX_SLOTS; ++p)
                 if (p < slots)
-                    v[p] = __ldcg(reinterpret_cast<const float4 *>(base + ((size_t)p * m + row) * SK_COLS + c));
+                    v[p] = __ldcg(reinterpret_cast<const float4 *>(base + ((size_t)p * m + row) * SKT_COLS + cc));
             float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int p = 0; p < SK_MAX_SLOTS; ++p)
@@ -467,15 +566,21 @@ __device__ void skinny_gemm(const T *x, const T *w, T *y, float *partial, unsign
         if (threadIdx.x == 0) counters[tile] = 0;
     }
 }
+#define SKINNY_BODY(T, NT) skinny_gemm<T, NT>(&wmap, &xmap, y, partial, counters, m, n, k, chunks_per_tile, units_per_block, max_slots)
+#else
+#define SKINNY_BODY(T, NT) __trap()
+#endif
 
+// One block an SM (its stages take up to 217 KiB of shared memory; SKINNY_BLOCKS_PER_SM in
+// linear.rs sizes the grid to match). The maps are the launcher's CUtensorMaps of w ([n, k],
+// boxes of SKT_COLS x 64) and x ([m, k], boxes of NT * 8 x 64), both 128-byte swizzled.
 #define SKINNY(T, SUFFIX, NT)                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS, SK_BLOCKS_PER_SM)              \
-        skinny_gemm_##SUFFIX##_t##NT(const T *x, const T *w, T *y, float *partial,             \
-                                     unsigned *counters, int m, int n, int k,                  \
-                                     int chunks_per_tile, int units_per_block, int max_slots, \
-                                     int prefetch_x) {                                         \
-        skinny_gemm<T, NT>(x, w, y, partial, counters, m, n, k, chunks_per_tile,               \
-                           units_per_block, max_slots, prefetch_x != 0);                       \
+    extern "C" __global__ void __launch_bounds__(32 * SKT_WARPS, 1)                            \
+        skinny_gemm_##SUFFIX##_t##NT(const __grid_constant__ CUtensorMap wmap,                 \
+                                     const __grid_constant__ CUtensorMap xmap, T *y,           \
+                                     float *partial, unsigned *counters, int m, int n, int k,  \
+                                     int chunks_per_tile, int units_per_block, int max_slots) { \
+        SKINNY_BODY(T, NT);                                                                    \
     }
 #define SKINNYS(T, SUFFIX)                                                                     \
     SKINNY(T, SUFFIX, 1)                                                                       \

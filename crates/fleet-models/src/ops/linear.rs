@@ -20,9 +20,9 @@ pub const SKINNY_MAX_ROWS: usize = 64;
 /// - up to [`GEMV_MAX_ROWS`] rows in f16 or bf16 (a decode step) take [`gemv`], which reads
 ///   each weight once at close to the memory bandwidth (cuBLAS reached 57–86% on a 7B decode
 ///   step at batch 1, measured with ncu on an H100); up to [`SKINNY_MAX_ROWS`] take
-///   [`skinny_gemm`] with `FLEET_SKINNY_GEMM=1` (correct on an H100; off by default: since
-///   its stream-K rework within 2% of cuBLAS at 8–16 rows of a 7B decode and behind from 32,
-///   0.66x at 64, 0.6x on the 0.5B/1.5B rollouts — its small products are latency-bound);
+///   [`skinny_gemm`] with `FLEET_SKINNY_GEMM=1` and kernels built for sm_90 (correct; off by
+///   default: on an H200 its TMA ring is 0.88x cuBLAS at 8 rows of a 7B decode, 0.81x at 32,
+///   0.69x at 64 and 0.6x on the 0.5B/1.5B rollouts — docs/benchmarks.md, 2026-11-29g);
 ///   `FLEET_DECODE_GEMV=0` turns both off;
 /// - the bias is added in place by one kernel after the product: candle's broadcast add is a
 ///   strided kernel that took 4x the GEMM itself on the vision tower's `[65536, 4304]`
@@ -99,10 +99,12 @@ pub(super) fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
 
 /// Whether [`linear`] sends this product to [`skinny_gemm`]: more than [`GEMV_MAX_ROWS`] and at
 /// most [`SKINNY_MAX_ROWS`] rows, `k` a multiple of 32 and `n` of 16 ([`decode_kernel_takes`]),
-/// and `FLEET_SKINNY_GEMM=1` in the environment: off by default, slower than cuBLAS (its GPU
-/// test passes; docs/benchmarks.md has the speeds).
+/// kernels built for sm_90 or later (its TMA copies), and `FLEET_SKINNY_GEMM=1` in the
+/// environment: off by default, slower than cuBLAS (its GPU test passes; docs/benchmarks.md has
+/// the speeds).
 fn skinny_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
     SKINNY_GEMM.on()
+        && built_for_sm90()
         && (GEMV_MAX_ROWS + 1..=SKINNY_MAX_ROWS).contains(&rows)
         && w.dims()
             .first()
@@ -373,7 +375,7 @@ pub fn moe_gemv(x: &Tensor, w: &Tensor, sorted: &Tensor, in_div: usize) -> Resul
     Ok(x.apply_op3_no_bwd(w, sorted, &MoeGemv { in_div })?)
 }
 
-/// Whether [`moe_gemv`] runs on the tensor cores on CUDA (the skinny GEMM's warps over each
+/// Whether [`moe_gemv`] runs on the tensor cores on CUDA (warps of 16 columns over each
 /// expert's slots, 8 (or 16: [`MOE_MMA16`]) at a time; sums in their order, within a unit in
 /// the last place of the twin's), for `k` a multiple of 32 and `n` of 16: on by default,
 /// `FLEET_MOE_MMA=0` for the GEMV kernel (whose outputs are the twin's bit for bit). On an
@@ -519,14 +521,23 @@ impl candle_core::CustomOp3 for MoeGemv {
 
 /// `x · wᵀ` for `x` `[m, k]` with 1 to [`SKINNY_MAX_ROWS`] rows and `w` `[n, k]` (f32, f16 or
 /// bf16, contiguous; on CUDA f16 or bf16, `k` a multiple of 32, `n` of 16, rows starting on 16
-/// bytes): `[m, n]` in the inputs' dtype. On CUDA a tensor-core kernel that reads `w` once
-/// (`mma.sync`, f32 accumulators, long `k` split over blocks and the splits summed in order:
-/// deterministic), rounded once to the dtype. Its CPU twin is the product summed in f32 in `k`
+/// bytes): `[m, n]` in the inputs' dtype. On CUDA (kernels built for sm_90 or later) a
+/// tensor-core kernel that streams `w` once through a ring of shared-memory stages filled by
+/// the TMA (`mma.sync`, f32 accumulators, long `k` split over blocks and the splits summed in
+/// order: deterministic), rounded once to the dtype. Its CPU twin is the product summed in f32 in `k`
 /// order and rounded once: the kernel's sums run in another order (the tensor cores' own), so
 /// the two agree to a unit in the last place of the dtype, not bit for bit. [`linear`] uses
 /// it on CUDA only.
 pub fn skinny_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.apply_op2_no_bwd(w, &FewRows::Skinny)?)
+}
+
+/// Whether the CUDA kernels were built for compute capability 9.0 or later (the skinny GEMM's
+/// TMA copies).
+fn built_for_sm90() -> bool {
+    option_env!("FLEET_CUDA_COMPUTE_CAP")
+        .and_then(|c| c.parse::<u32>().ok())
+        .is_some_and(|c| c >= 90)
 }
 
 /// `k` is walked in blocks of 32 (two mma k-steps of 16).
@@ -565,12 +576,11 @@ fn skinny_dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, u
     Ok((m, n, k))
 }
 
-/// Whether the tensor-core kernels of [`skinny_gemm`] and [`moe_gemv`] load the next chunk's
-/// x rows while they multiply this one's, as they already do its weights, instead of just
-/// before staging it (`FLEET_SKINNY_PREFETCH_X=0` for the latter). The same sums either way.
-/// On an H200 (2026-11-29) the 30B-A3B judge's decode at 96 took 4.54 s a batch against 4.92
-/// without it; the skinny GEMM stays behind cuBLAS with it (the 7B at batch 32: 4,811 tok/s
-/// against 5,908).
+/// Whether the MoE decode's tensor-core kernel ([`moe_gemv`]) loads the next chunk's x rows
+/// while it multiplies this one's, as it already does its weights, instead of just before
+/// staging it (`FLEET_SKINNY_PREFETCH_X=0` for the latter). The same sums either way. On an
+/// H200 (2026-11-29) the 30B-A3B judge's decode at 96 took 4.54 s a batch against 4.92 without
+/// it.
 #[cfg(feature = "cuda")]
 static SKINNY_PREFETCH_X: EnvSwitch = EnvSwitch::new("FLEET_SKINNY_PREFETCH_X", true);
 
@@ -647,19 +657,48 @@ impl FewRows {
     }
 }
 
-/// Output columns per block of the skinny GEMM (`SK_COLS`: 4 warps of 16).
+/// Output columns per block of the MoE decode's tensor-core kernel (`SK_COLS`: 4 warps of 16).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_COLS: usize = 64;
+const MOE_MMA_COLS: usize = 64;
+/// Threads per block of the MoE decode's tensor-core kernel.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const MOE_MMA_THREADS: u32 = 128;
+
+/// Output columns per block of the skinny GEMM (`SKT_COLS`: 8 warps of 16), the rows of w's
+/// TMA box.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const SKINNY_COLS: usize = 128;
 /// Threads per block of the skinny GEMM.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_THREADS: u32 = 128;
-/// `k` a block stages at a time (`SK_KCHUNK`): splits of `k` are multiples of it.
+const SKINNY_THREADS: u32 = 256;
+/// `k` of one pipeline stage (`SKT_KCHUNK`: 128 bytes a row, the span of the 128-byte
+/// swizzle): the units of work are (column tile, chunk of k).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_KCHUNK: usize = 128;
-/// Blocks an SM holds at once (`SK_BLOCKS_PER_SM`: the kernel's launch bounds cap its
-/// registers to fit three); the grid is sized to the SMs times this.
+const SKINNY_KCHUNK: usize = 64;
+/// Blocks an SM holds at once (the stages take up to 217 KiB of shared memory: one); the grid
+/// is sized to the SMs times this.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_BLOCKS_PER_SM: usize = 3;
+const SKINNY_BLOCKS_PER_SM: usize = 1;
+
+/// Stages of the skinny GEMM's TMA ring for `x_tiles` tiles of 8 x rows (`SkStages` in
+/// linear.cu): units in flight plus the one being multiplied.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn skinny_stages(x_tiles: usize) -> usize {
+    if x_tiles >= 8 {
+        9
+    } else {
+        10
+    }
+}
+
+/// Dynamic shared memory of one skinny GEMM block: each stage holds a [`SKINNY_COLS`] x
+/// [`SKINNY_KCHUNK`] tile of w and `8 x_tiles` x rows of the chunk (2 bytes an element),
+/// plus 1024 bytes to start the stages on the swizzle's 1024-byte period.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn skinny_smem_bytes(x_tiles: usize) -> usize {
+    skinny_stages(x_tiles) * (SKINNY_COLS + 8 * x_tiles) * SKINNY_KCHUNK * 2 + 1024
+}
+
 /// Most blocks one tile's units may spread over (`SK_MAX_SLOTS`: the last block holds one
 /// partial of each in registers while it sums them).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -752,7 +791,7 @@ impl candle_core::InplaceOp2 for AddBiasRows {
 mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+        CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, Layout};
@@ -763,6 +802,62 @@ mod cuda {
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/linear.ptx"));
     const MODULE: &str = "fleet_linear";
+
+    /// A TMA descriptor (`CUtensorMap`) that a kernel takes by value (`__grid_constant__`).
+    #[repr(transparent)]
+    struct TensorMap(candle_core::cuda_backend::cudarc::driver::sys::CUtensorMap);
+
+    // SAFETY: a plain 128-byte value, copied into the kernel's parameters as it is.
+    unsafe impl DeviceRepr for TensorMap {}
+
+    impl TensorMap {
+        /// The row-major `[rows, k]` matrix of 16-bit elements at `ptr`, read in boxes of
+        /// `box_rows` rows by 64 elements (128 bytes, stored with the 128-byte swizzle); what
+        /// a box covers past the rows or past `k` reads as zeros.
+        fn rows<T: candle_core::WithDType>(
+            ptr: u64,
+            rows: usize,
+            k: usize,
+            box_rows: u32,
+        ) -> candle_core::Result<Self> {
+            use candle_core::cuda_backend::cudarc::driver::sys;
+            let dtype = match T::DTYPE {
+                candle_core::DType::BF16 => {
+                    sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                }
+                candle_core::DType::F16 => {
+                    sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                }
+                other => candle_core::bail!("TensorMap::rows: {other:?} (f16 or bf16)"),
+            };
+            let dims = [k as u64, rows as u64];
+            let strides = [(k * 2) as u64];
+            let boxes = [super::SKINNY_KCHUNK as u32, box_rows];
+            let steps = [1u32, 1];
+            let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+            // SAFETY: the arrays hold the rank (2) of dims and boxes and rank - 1 strides; the
+            // driver checks the address (16-byte aligned), strides and box sizes.
+            unsafe {
+                sys::cuTensorMapEncodeTiled(
+                    map.as_mut_ptr(),
+                    dtype,
+                    2,
+                    ptr as *mut std::ffi::c_void,
+                    dims.as_ptr(),
+                    strides.as_ptr(),
+                    boxes.as_ptr(),
+                    steps.as_ptr(),
+                    sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                    sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                    sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+                )
+                .result()
+                .w()?;
+                Ok(Self(map.assume_init()))
+            }
+        }
+    }
 
     /// Warps (output columns) per block of the GEMV kernel. Four, not eight: the 7B's o and
     /// down projections (3,584 columns) gave 448 blocks of eight, 3.4 per SM of an H100's 132,
@@ -982,8 +1077,8 @@ mod cuda {
             let mma = super::moe_mma_takes(n, k);
             let (name, cfg, last) = if mma {
                 let cfg = LaunchConfig {
-                    grid_dim: (n.div_ceil(super::SKINNY_COLS) as u32, experts as u32, 1),
-                    block_dim: (super::SKINNY_THREADS, 1, 1),
+                    grid_dim: (n.div_ceil(super::MOE_MMA_COLS) as u32, experts as u32, 1),
+                    block_dim: (super::MOE_MMA_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 ("moe_mma", cfg, super::moe_mma_group() as i32)
@@ -1016,7 +1111,7 @@ mod cuda {
                 builder.arg(&prefetch_x);
             }
             // SAFETY: block (b, e) reads expert e's rows of w its columns cover (moe_mma:
-            // b * SKINNY_COLS.., n a multiple of 16 so a warp's 16 rows are all in or all out,
+            // b * MOE_MMA_COLS.., n a multiple of 16 so a warp's 16 rows are all in or all out,
             // k a multiple of 32; moe_gemv: b * GEMV_WARPS * MOE_COLS.., below n), the slots
             // bounds[e]..bounds[e + 1] of sorted and the rows of x they name (below rows:
             // checked), 16 bytes at a time, and writes those slots' columns of y.
@@ -1066,19 +1161,25 @@ mod cuda {
         l2: &Layout,
         (m, n, k): (usize, usize, usize),
     ) -> candle_core::Result<CudaStorage> {
-        fn run<T: CudaDType + DeviceRepr>(
+        fn run<T: CudaDType + DeviceRepr + candle_core::WithDType>(
             s1: &CudaStorage,
             l1: &Layout,
             s2: &CudaStorage,
             l2: &Layout,
             (m, n, k): (usize, usize, usize),
         ) -> candle_core::Result<CudaStorage> {
+            if !super::built_for_sm90() {
+                candle_core::bail!(
+                    "skinny_gemm: its kernel needs sm_90 (TMA); these kernels were built for an \
+                     older GPU (CUDA_COMPUTE_CAP)"
+                );
+            }
             let dev = s1.device().clone();
             let (x, w) = (input::<T>(s1, l1)?, input::<T>(s2, l2)?);
             // x's rows in tiles of 8: 1, 2, 4 or 8 tiles (a kernel each).
-            let tiles = m.div_ceil(8).next_power_of_two();
+            let x_tiles = m.div_ceil(8).next_power_of_two();
             let func = dev.get_or_load_custom_func(
-                &format!("skinny_gemm_{}_t{tiles}", suffix(s1.dtype())?),
+                &format!("skinny_gemm_{}_t{x_tiles}", suffix(s1.dtype())?),
                 MODULE,
                 PTX,
             )?;
@@ -1088,8 +1189,8 @@ mod cuda {
             // SAFETY: each tile's outputs are written by its only block or by the last of its
             // blocks to finish.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
-            // Per tile and slot an [m, 64] f32 partial where tiles are cut (one float when
-            // none is: unread).
+            // Per tile and slot an [m, SKINNY_COLS] f32 partial where tiles are cut (one float
+            // when none is: unread).
             let tiles = n.div_ceil(super::SKINNY_COLS);
             let partials = if plan.max_slots > 1 {
                 tiles * plan.max_slots * m * super::SKINNY_COLS
@@ -1098,10 +1199,30 @@ mod cuda {
             };
             // SAFETY: each block writes its partials before the tile's last block reads them.
             let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(partials)? };
+            // The TMA's view of w ([n, k], boxes of SKINNY_COLS rows) and x ([m, k], boxes of
+            // all its row tiles), 64 k a box.
+            let stream = dev.cuda_stream();
+            let (w_ptr, _w_sync) = w.device_ptr(&stream);
+            let (x_ptr, _x_sync) = x.device_ptr(&stream);
+            let wmap = TensorMap::rows::<T>(w_ptr, n, k, super::SKINNY_COLS as u32)?;
+            let xmap = TensorMap::rows::<T>(x_ptr, m, k, (8 * x_tiles) as u32)?;
+            // Up to 217 KiB of stages a block: above the 48 KiB a launch gets unasked, and the
+            // whole carveout as shared memory.
+            let smem = super::skinny_smem_bytes(x_tiles);
+            {
+                use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute as A;
+                func.set_attribute(
+                    A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .w()?;
+                func.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                    .w()?;
+            }
             let cfg = LaunchConfig {
                 grid_dim: (plan.blocks as u32, 1, 1),
                 block_dim: (super::SKINNY_THREADS, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: smem as u32,
             };
             let uncut;
             let counters = match &state {
@@ -1113,8 +1234,8 @@ mod cuda {
                 }
             };
             let mut builder = func.builder();
-            builder.arg(&x);
-            builder.arg(&w);
+            builder.arg(&wmap);
+            builder.arg(&xmap);
             builder.arg(&y);
             builder.arg(&partial);
             builder.arg(counters);
@@ -1125,18 +1246,16 @@ mod cuda {
                 plan.chunks_per_tile,
                 plan.units_per_block,
                 plan.max_slots,
-                usize::from(super::SKINNY_PREFETCH_X.on()),
             ]
             .map(|v| v as i32);
             for v in &ints {
                 builder.arg(v);
             }
-            // SAFETY: a block reads, for each tile its units touch, rows 64t..64t+64 of w (n a
-            // multiple of 16: a warp's 16 rows are all in or all out) and the m rows of x over
-            // those chunks of k (a multiple of 32), 16 bytes at a time (rows aligned: checked);
-            // it writes whole tiles' outputs, or its partials and, if last of a cut tile, the
-            // tile's outputs and counter (SKINNY_COUNTERS tiles at most: checked by
-            // skinny_plan).
+            // SAFETY: the TMA reads boxes of w and x through maps of their exact shapes (what
+            // falls outside is zero-filled, not read; rows aligned to 16 bytes: checked);
+            // each block writes whole tiles' outputs, or its partials and, if last of a cut tile,
+            // the tile's outputs and counter (SKINNY_COUNTERS tiles at most: checked by
+            // skinny_plan); w and x outlive the launch (their sync guards are held to here).
             unsafe { builder.launch(cfg) }.w()?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev))
         }
@@ -1253,26 +1372,26 @@ mod tests {
     /// blocks for every slot of the GPU; whole tiles without counters or with too many tiles.
     #[test]
     fn skinny_plan_fills_the_device_with_equal_ranges() {
-        // 7B gate/up at 132 SMs: 592 tiles x 28 chunks = 16,576 units over 396 slots.
+        // 7B gate/up at 132 SMs: 296 tiles x 56 chunks = 16,576 units over 132 slots.
         let p = skinny_plan(37888, 3584, 132, true);
-        assert_eq!((p.chunks_per_tile, p.units_per_block), (28, 42));
-        assert_eq!((p.blocks, p.max_slots), (395, 2));
-        // 7B down: 56 tiles x 148 chunks; 21 a block would spread a tile over 9 blocks: 22.
+        assert_eq!((p.chunks_per_tile, p.units_per_block), (56, 126));
+        assert_eq!((p.blocks, p.max_slots), (132, 2));
+        // 7B down: 28 tiles x 296 chunks = 8,288 units, 63 a block (a tile over 5 or 6).
         let p = skinny_plan(3584, 18944, 132, true);
-        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (377, 22, 8));
-        // 0.5B qkv: 18 tiles x 7 chunks: one chunk a block.
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (132, 63, 6));
+        // 0.5B qkv: 9 tiles x 14 chunks: two chunks a block (one would spread a tile over 14).
         let p = skinny_plan(1152, 896, 132, true);
-        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (126, 1, 8));
-        // 0.5B down: 14 tiles x 38 chunks would give 2 a block and 20 blocks a tile: 6.
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (63, 2, 8));
+        // 0.5B down: 7 tiles x 76 chunks would give 5 a block and 16 blocks a tile: 11.
         let p = skinny_plan(896, 4864, 132, true);
-        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (89, 6, 8));
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (49, 11, 8));
         // Whole tiles a block when the ranges fall on tile ends, without counters, or past
         // the counters' tiles.
-        let p = skinny_plan(6 * 64, 256, 1, true);
-        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (3, 4, 1));
+        let p = skinny_plan(6 * SKINNY_COLS, 256, 1, true);
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (1, 24, 1));
         for p in [
             skinny_plan(3584, 18944, 132, false),
-            skinny_plan(64 * (SKINNY_COUNTERS + 1), 256, 132, true),
+            skinny_plan(SKINNY_COLS * (SKINNY_COUNTERS + 1), 256, 132, true),
         ] {
             assert_eq!(p.units_per_block, p.chunks_per_tile);
             assert_eq!(p.max_slots, 1);
@@ -1682,10 +1801,10 @@ mod kernel_tests {
     /// The skinny GEMM kernel agrees with its twin to a unit in the last place of the dtype
     /// (the tensor cores sum in their own order; both accumulate in f32 and round once), for
     /// every row-tile count (5 to 64 rows, rows past a tile's last padded), one split and many
-    /// (the last split sums them), columns past a block's last warp, k with a short last chunk;
-    /// a second launch, and one with the x rows prefetched ([`SKINNY_PREFETCH_X`]), give the
-    /// same bits (the split counters were reset; the sums are in a fixed order), and [`linear`]
-    /// takes it for 5 to 64 rows with the bias added after.
+    /// (the last split sums them), blocks whose units cross tile ends, fewer units than
+    /// pipeline stages, columns past a block's last warp, k with a short last chunk; a second
+    /// launch gives the same bits (the split counters were reset; the sums are in a fixed
+    /// order), and [`linear`] takes it for 5 to 64 rows with the bias added after.
     #[test]
     fn skinny_gemm_kernel_agrees_with_its_twin() {
         let dev = candle_core::Device::new_cuda(0).unwrap();
@@ -1720,24 +1839,9 @@ mod kernel_tests {
                 let abs = |t: &Tensor| t.to_dtype(DType::F32).unwrap().abs().unwrap();
                 let scale = host(&abs(&x).matmul(&abs(&w).t().unwrap()).unwrap());
                 let (xd, wd) = (x.to_device(&dev).unwrap(), w.to_device(&dev).unwrap());
-                let _switch = MOE_MMA_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-                SKINNY_PREFETCH_X.force(Some(false));
-                let got = skinny_gemm(&xd, &wd).unwrap();
-                let again = skinny_gemm(&xd, &wd).unwrap();
-                SKINNY_PREFETCH_X.force(Some(true));
-                let prefetched = skinny_gemm(&xd, &wd).unwrap();
-                SKINNY_PREFETCH_X.force(None);
-                let got = host(&got);
-                assert_eq!(
-                    got,
-                    host(&again),
-                    "{dtype:?} m {m} n {n} k {k}: not repeatable"
-                );
-                assert_eq!(
-                    got,
-                    host(&prefetched),
-                    "{dtype:?} m {m} n {n} k {k}: x prefetched"
-                );
+                let got = host(&skinny_gemm(&xd, &wd).unwrap());
+                let again = host(&skinny_gemm(&xd, &wd).unwrap());
+                assert_eq!(got, again, "{dtype:?} m {m} n {n} k {k}: not repeatable");
                 // One unit in the last place of |want| in the dtype (bf16: 8 bits of
                 // significand, f16: 11; at least the smallest normal f16's), plus 2^-18 of
                 // sum |x w| for the f32 sums' own rounding in another order. A fragment or
