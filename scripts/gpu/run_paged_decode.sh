@@ -131,8 +131,9 @@ case "$PART" in
         continuous-sync8-normgemv) flags=(--batching continuous --num-scheduler-steps 8); normgemv=1 ;;
         continuous-splitkv) flags=(--batching continuous); fusedkv=0 ;;
         continuous-skinny) flags=(--batching continuous); skinny=1 ;;
-        # The skinny GEMM with the next chunk's x loaded during this one's products
-        # (FLEET_SKINNY_PREFETCH_X, 2026-11-28h), reads every 8 as continuous-sync8.
+        # The skinny GEMM for 5-64 rows (FLEET_SKINNY_GEMM=1), reads every 8 as continuous-sync8.
+        # FLEET_SKINNY_PREFETCH_X (2026-11-28h) reaches only the MoE kernel since the skinny
+        # GEMM's TMA ring (2026-11-29g): the two modes run the same dense products.
         continuous-sync8-skinny) flags=(--batching continuous --num-scheduler-steps 8); skinny=1; prefetch=0 ;;
         continuous-sync8-skinny-prefetch) flags=(--batching continuous --num-scheduler-steps 8); skinny=1; prefetch=1 ;;
         # The decode attention's first pass on the tensor cores (FLEET_PAGED_MMA, 2026-11-28h;
