@@ -439,7 +439,8 @@ __device__ void skinny_gemm(const CUtensorMap *wmap, const CUtensorMap *xmap, T 
     extern __shared__ unsigned char skt_raw[];
     // The 128-byte swizzle repeats every 1024 bytes: stages start on 1024 (the launcher asks
     // for 1024 bytes more than the stages).
-    unsigned char *ws = reinterpret_cast<unsigned char *>((reinterpret_cast<uintptr_t>(skt_raw) + 1023) & ~uintptr_t(1023));
+    unsigned char *ws =
+        reinterpret_cast<unsigned char *>((reinterpret_cast<uintptr_t>(skt_raw) + 1023) & ~uintptr_t(1023));
     unsigned char *xs = ws + S * WBYTES;
     __shared__ __align__(8) uint64_t full[S];
     __shared__ bool last;
@@ -566,7 +567,8 @@ __device__ void skinny_gemm(const CUtensorMap *wmap, const CUtensorMap *xmap, T 
         if (threadIdx.x == 0) counters[tile] = 0;
     }
 }
-#define SKINNY_BODY(T, NT) skinny_gemm<T, NT>(&wmap, &xmap, y, partial, counters, m, n, k, chunks_per_tile, units_per_block, max_slots)
+#define SKINNY_BODY(T, NT)                                                                     \
+    skinny_gemm<T, NT>(&wmap, &xmap, y, partial, counters, m, n, k, chunks_per_tile, units_per_block, max_slots)
 #else
 #define SKINNY_BODY(T, NT) __trap()
 #endif

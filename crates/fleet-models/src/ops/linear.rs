@@ -524,10 +524,10 @@ impl candle_core::CustomOp3 for MoeGemv {
 /// bytes): `[m, n]` in the inputs' dtype. On CUDA (kernels built for sm_90 or later) a
 /// tensor-core kernel that streams `w` once through a ring of shared-memory stages filled by
 /// the TMA (`mma.sync`, f32 accumulators, long `k` split over blocks and the splits summed in
-/// order: deterministic), rounded once to the dtype. Its CPU twin is the product summed in f32 in `k`
-/// order and rounded once: the kernel's sums run in another order (the tensor cores' own), so
-/// the two agree to a unit in the last place of the dtype, not bit for bit. [`linear`] uses
-/// it on CUDA only.
+/// order: deterministic), rounded once to the dtype. Its CPU twin is the product summed in f32
+/// in `k` order and rounded once: the kernel's sums run in another order (the tensor cores'
+/// own), so the two agree to a unit in the last place of the dtype, not bit for bit.
+/// [`linear`] uses it on CUDA only.
 pub fn skinny_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.apply_op2_no_bwd(w, &FewRows::Skinny)?)
 }
