@@ -383,6 +383,16 @@ impl LayerHooks for DeepstackHooks<'_> {
     }
 }
 
+/// Where a paged call's keys and values go: straight into the layer's cache at its slots.
+fn kv_write(paged: &PagedInputs, cache: &LayerCache) -> Result<ops::PagedKvWrite> {
+    let (kc, vc) = cache.paged()?;
+    Ok(ops::PagedKvWrite {
+        k_cache: kc.clone(),
+        v_cache: vc.clone(),
+        slots: paged.slots.clone(),
+    })
+}
+
 impl Attention {
     /// Attention from the fused q/k/v projection `qkv` (`[b, q_len, (heads + 2 kv_heads) d]`,
     /// no bias yet), through the output projection.
@@ -456,36 +466,28 @@ fn causal_attention(
 }
 
 impl Attention {
-    /// Whether a call's attention starts from the normalised hidden state
+    /// The paged inputs of a call whose attention starts from the normalised hidden state
     /// ([`Attention::forward_decode`]): a decode step on a paged cache of Qwen2's attention (no
     /// q/k norms) without adapters, whose projection, bias, RoPE and K/V write
-    /// [`ops::linear_qkv_rope_paged`] makes one kernel.
-    fn projects_decode(&self, inputs: &DeviceInputs) -> bool {
-        self.q_norm.is_none()
-            && self.qkv_lora.0.is_empty()
-            && matches!(
-                inputs.paged,
-                Some(PagedInputs {
-                    read: PagedRead::Decode { .. },
-                    ..
-                })
-            )
+    /// [`ops::linear_qkv_rope_paged`] makes one kernel; `None` for every other call.
+    fn projects_decode<'a>(&self, inputs: &'a DeviceInputs) -> Option<&'a PagedInputs> {
+        let paged = inputs.paged.as_ref()?;
+        let decode = matches!(paged.read, PagedRead::Decode { .. });
+        (decode && self.q_norm.is_none() && self.qkv_lora.0.is_empty()).then_some(paged)
     }
 
     /// A decode step's attention from the normalised hidden state `h` (`[b, 1, hidden]`;
-    /// where [`Attention::projects_decode`]): the q/k/v projection, its bias, RoPE and the
-    /// K/V write as [`ops::linear_qkv_rope_paged`], then the paged attention and the output
-    /// projection.
+    /// `paged` as [`Attention::projects_decode`] gave it): the q/k/v projection, its bias,
+    /// RoPE and the K/V write as [`ops::linear_qkv_rope_paged`], then the paged attention and
+    /// the output projection.
     fn forward_decode(
         &self,
         h: &Tensor,
+        paged: &PagedInputs,
         inputs: &DeviceInputs,
         cache: &mut LayerCache,
     ) -> Result<Tensor> {
-        let (paged, kv) = match (&inputs.paged, self.paged_write(inputs, cache)?) {
-            (Some(paged), Some(kv)) => (paged, kv),
-            _ => unreachable!("projects_decode: a paged call"),
-        };
+        let kv = kv_write(paged, cache)?;
         let heads = (self.num_heads, self.num_kv_heads);
         let q = profile::time(h.device(), "attn.qkv_proj+rope", || {
             let (bias, cs) = (&self.qkv_bias, &inputs.rope.cs);
@@ -500,15 +502,11 @@ impl Attention {
         inputs: &DeviceInputs,
         cache: &LayerCache,
     ) -> Result<Option<ops::PagedKvWrite>> {
-        let Some(paged) = &inputs.paged else {
-            return Ok(None);
-        };
-        let (kc, vc) = cache.paged()?;
-        Ok(Some(ops::PagedKvWrite {
-            k_cache: kc.clone(),
-            v_cache: vc.clone(),
-            slots: paged.slots.clone(),
-        }))
+        inputs
+            .paged
+            .as_ref()
+            .map(|paged| kv_write(paged, cache))
+            .transpose()
     }
 
     /// The paged attention of `q` (its keys and values already in the cache), through the
@@ -782,9 +780,9 @@ impl DecoderLayer {
     ) -> Result<(Tensor, Tensor)> {
         let dev = x.device();
         let at = &self.attn;
-        let (x, attn) = if at.projects_decode(inputs) {
+        let (x, attn) = if let Some(paged) = at.projects_decode(inputs) {
             let (x, h) = profile::time(dev, "norm", || self.input_norm.stream_forward(x, pending))?;
-            (x, at.forward_decode(&h, inputs, cache)?)
+            (x, at.forward_decode(&h, paged, inputs, cache)?)
         } else {
             let (x, qkv) = profile::time(dev, "norm+attn.qkv_proj", || {
                 self.input_norm

@@ -18,8 +18,9 @@ pub const PAGED_ATTENTION_PARTITION: usize = 256;
 
 /// The grid [`paged_decode_attention`] aims for: partitions are halved (down to
 /// [`PAGED_ATTENTION_MIN_PARTITION`] tokens and the block size) until rows x KV heads x
-/// partitions reaches this many blocks, about four per SM of an H100. Measured on a 7B decode step at batch 1 (4 KV heads, 640 tokens): 256-token
-/// partitions gave 12 blocks and 20 us per layer, 7.7% of the step. `FLEET_PAGED_MIN_BLOCKS`
+/// partitions reaches this many blocks, about four per SM of an H100. Measured on a 7B decode
+/// step at batch 1 (4 KV heads, 640 tokens): 256-token partitions gave 12 blocks and 20 us per
+/// layer, 7.7% of the step. `FLEET_PAGED_MIN_BLOCKS`
 /// sets another (read once: every graph of a process takes the same partitions).
 pub const PAGED_ATTENTION_MIN_BLOCKS: usize = 512;
 
@@ -28,7 +29,8 @@ pub const PAGED_ATTENTION_MIN_BLOCKS: usize = 512;
 /// 640 tokens) ran faster with 17 partitions of 32 tokens (68 blocks) than with 33 of 16
 /// (132 blocks: a longer combine) or 9 of 64 (36 blocks): 238.1 / 237.5 tok/s against
 /// 234.9 / 235.0 and 231.2 / 232.9 (one H200, 2026-11-29f, `FLEET_PAGED_MIN_BLOCKS` 64, 512,
-/// 32; a build with a GEMV kernel since removed). Batches of 8 and more reach the grid with partitions of 32 tokens or more.
+/// 32; a build with a GEMV kernel since removed). Batches of 8 and more reach the grid with
+/// partitions of 32 tokens or more.
 pub const PAGED_ATTENTION_MIN_PARTITION: usize = 32;
 
 /// [`PAGED_ATTENTION_MIN_BLOCKS`], or `FLEET_PAGED_MIN_BLOCKS` where it is a positive number.

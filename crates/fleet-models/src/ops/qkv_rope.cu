@@ -166,9 +166,9 @@ __device__ void qk_norm_rope(const T *x, const T *bias, const T *cs, const T *qw
 // w ([(h + 2 kvh) d, k]) against the M rows of x as `gemv` sums each (the register pipeline,
 // eight loads a row in flight), rounds both to T as the GEMV's output is rounded, and then
 // computes what qkv_rope computes from that output: x + bias in f32, rotated (q and k heads)
-// with row m's cos/sin (cs [M, 1, d] when per_row, else [1, d]), one rounding; q heads to q_out [M, h, 1, d], k and v heads
-// to the paged caches at slots[m] (kv_dst). So q and the caches get the bits of the GEMV
-// followed by qkv_rope. Lane m writes row m.
+// with row m's cos/sin (cs [M, 1, d] when per_row, else [1, d]), one rounding; q heads to
+// q_out [M, h, 1, d], k and v heads to the paged caches at slots[m] (kv_dst). So q and the
+// caches get the bits of the GEMV followed by qkv_rope. Lane m writes row m.
 template <typename T, int M>
 __device__ void gemv_qkv_rope(const T *x, const T *w, const T *bias, const T *cs, int per_row,
                               T *q_out, int h, int kvh, int d, int k, T *kc, T *vc, const uint32_t *slots,
@@ -217,9 +217,9 @@ __device__ void gemv_qkv_rope(const T *x, const T *w, const T *bias, const T *cs
 #define GEMV_QKV_ROPE(T, SUFFIX, M)                                                                \
     extern "C" __global__ void __launch_bounds__(64, 9) gemv_qkv_rope_##SUFFIX##_m##M(             \
         const T *x, const T *w, const T *bias, const T *cs, int per_row, T *q_out, int h, int kvh, \
-        int d, int k, T *kc, T *vc, const uint32_t *slots, int block_size, long long num_slots) {         \
-        gemv_qkv_rope<T, M>(x, w, bias, cs, per_row, q_out, h, kvh, d, k, kc, vc, slots, block_size,        \
-                            num_slots);                                                            \
+        int d, int k, T *kc, T *vc, const uint32_t *slots, int block_size, long long num_slots) {  \
+        gemv_qkv_rope<T, M>(x, w, bias, cs, per_row, q_out, h, kvh, d, k, kc, vc, slots,           \
+                            block_size, num_slots);                                                \
     }
 #define GEMV_QKV_ROPES(T, SUFFIX)                                                                  \
     GEMV_QKV_ROPE(T, SUFFIX, 1)                                                                    \
