@@ -365,33 +365,36 @@ __device__ __forceinline__ void skinny_segment(const Rows &row, const T *w0, con
 }
 
 // The skinny GEMM on Hopper: the (column tile, 64-k chunk) units of a block stream through a
-// ring of shared-memory stages filled by the tensor memory accelerator (TMA): one thread asks
-// for a unit's w tile ([SKT_COLS rows][64 k], 16 KiB) and x rows ([NT * 8][64 k]) with two
-// bulk tensor copies that complete on the stage's mbarrier, SkStages - 1 units ahead of the
-// unit being multiplied and across tile ends, so one block an SM keeps 128-144 KiB of w in
-// flight. Why: at 32 rows an SM needs ~140 KiB in flight for its share of the bandwidth
-// (cuBLAS's 32-row kernels keep 128-144 KiB: nvjet's 384x32 tiles in four 64-k stages, 128x32
-// in ten), and per-thread copies could not deliver it (2026-11-29g: the same ring filled by
-// cp.async streamed at most ~2.7 TB/s with the products left out; the register-held
-// one-chunk-ahead loads before it reached 60-79% on the large products, 35% on q/k/v and o).
-// The copies use the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), so the
-// fragments' ldmatrix loads (eight rows of one chunk a phase) fall on distinct banks. Only
-// for sm_90 and later (the launcher checks).
+// ring of shared-memory stages filled by the tensor memory accelerator (TMA). A producer warp
+// (one thread) asks for each unit's w tile ([SKT_COLS rows][64 k], 32 KiB) and x rows
+// ([NT * 8][64 k]) with two bulk tensor copies that complete on the stage's `full` mbarrier,
+// as soon as the eight consumer warps have released the stage's previous unit on its `empty`
+// mbarrier; each consumer warp multiplies its two 16-column tiles of every unit and releases
+// it. One block an SM keeps five or six units — 160-192 KiB of w — in flight. Why: at 32 rows
+// an SM needs ~140 KiB in flight for its share of the bandwidth (cuBLAS's 32-row kernels keep
+// 128-144 KiB: nvjet's 384x32 tiles in four 64-k stages, 128x32 in ten); per-thread cp.async
+// copies could not deliver it (2026-11-29g: ~2.7 TB/s with the products left out), and the
+// first TMA ring (16 KiB units, a block-wide barrier before each copy) streamed at 2.6-3.3
+// TB/s. With the producer warp the stream alone (products and partials left out, ncu
+// 2026-11-29h) reaches 81-86% of the DRAM's peak on the 7B's gate/up and down. The copies use
+// the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), so the fragments' ldmatrix
+// loads (eight rows of one chunk a phase) fall on distinct banks. Only for sm_90 and later
+// (the launcher checks).
 //
 // Work is spread stream-K fashion: the units, tile-major, are cut into equal contiguous
 // ranges, one per block, as many blocks as fit the GPU at once, so no partial wave idles most
 // SMs at the end. A tile whose chunks all fall in one block's range is written directly; a
 // tile cut by range ends gets f32 partials from each of its blocks (slot = block - the tile's
-// first block), and the block that counts last sums them in slot order (deterministic:
-// replays and plain steps give the same values), rounds once to T and resets the tile's
-// counter for the next launch.
+// first block), which `skinny_reduce`, launched next on the stream, sums.
+// Consumer warps (the producer is one more), each SKT_MT tiles of 16 columns.
 #define SKT_WARPS 8
-#define SKT_COLS (16 * SKT_WARPS)
+#define SKT_MT 2
+#define SKT_COLS (16 * SKT_MT * SKT_WARPS)
 #define SKT_KCHUNK 64
 // Most blocks a cut tile's units may spread over (SKINNY_MAX_SLOTS in linear.rs).
-#define SK_MAX_SLOTS 8
+#define SKINNY_MAX_SLOTS 16
 template <int NT> struct SkStages {
-    static constexpr int value = NT >= 8 ? 9 : 10;
+    static constexpr int value = NT >= 8 ? 5 : 6;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -403,6 +406,10 @@ __device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
 __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
                  : "memory");
+}
+// Arrives once on `bar`.
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 // Returns once `bar`'s phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
@@ -431,9 +438,8 @@ __device__ __forceinline__ const void *swizzled(const unsigned char *tile, int r
 }
 
 template <typename T, int NT>
-__device__ void skinny_gemm(const CUtensorMap *wmap, const CUtensorMap *xmap, T *y, float *partial,
-                            unsigned *counters, int m, int n, int k, int chunks_per_tile, int units_per_block,
-                            int max_slots) {
+__device__ void skinny_gemm(const CUtensorMap *wmap, const CUtensorMap *xmap, T *y, float *partial, int m,
+                            int n, int k, int chunks_per_tile, int units_per_block, int max_slots) {
     constexpr int S = SkStages<NT>::value;
     constexpr unsigned WBYTES = SKT_COLS * SKT_KCHUNK * 2, XBYTES = NT * 8 * SKT_KCHUNK * 2;
     extern __shared__ unsigned char skt_raw[];
@@ -442,8 +448,9 @@ __device__ void skinny_gemm(const CUtensorMap *wmap, const CUtensorMap *xmap, T 
     unsigned char *ws =
         reinterpret_cast<unsigned char *>((reinterpret_cast<uintptr_t>(skt_raw) + 1023) & ~uintptr_t(1023));
     unsigned char *xs = ws + S * WBYTES;
-    __shared__ __align__(8) uint64_t full[S];
-    __shared__ bool last;
+    // full[s]: stage s holds its unit (the TMA's bytes landed); empty[s]: every consumer warp
+    // has read it.
+    __shared__ __align__(8) uint64_t full[S], empty[S];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, q = lane & 3;
     const int cpt = chunks_per_tile;
@@ -451,137 +458,140 @@ __device__ void skinny_gemm(const CUtensorMap *wmap, const CUtensorMap *xmap, T 
     const int u_begin = blockIdx.x * units_per_block;
     const int units = min(u_begin + units_per_block, tiles * cpt) - u_begin;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < S; ++s) mbar_init(&full[s], 1);
+        for (int s = 0; s < S; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], SKT_WARPS);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    // Unit j of the block into stage j % S (TMA zero-fills rows past n or m and k past k).
-    auto issue = [&](int j) {
-        if (j >= units) return;
-        const int u = u_begin + j, s = j % S;
-        mbar_expect_tx(&full[s], WBYTES + XBYTES);
-        const uint64_t evict_first = l2_evict_first_policy(), evict_last = l2_evict_last_policy();
-        tma_load_2d(ws + s * WBYTES, wmap, (u % cpt) * SKT_KCHUNK, (u / cpt) * SKT_COLS, &full[s], evict_first);
-        tma_load_2d(xs + s * XBYTES, xmap, (u % cpt) * SKT_KCHUNK, 0, &full[s], evict_last);
-    };
-    if (threadIdx.x == 0)
-        for (int j = 0; j < S - 1; ++j) issue(j);
-    float acc[NT][4];
+    if (warp == SKT_WARPS) {
+        // The producer: one thread walks the block's units, each into the next stage once
+        // the consumers have released what it held (TMA zero-fills rows past n or m and k
+        // past k), never waiting for the consumers' own progress otherwise.
+        if (lane == 0) {
+            const uint64_t evict_first = l2_evict_first_policy(), evict_last = l2_evict_last_policy();
+            int tile = u_begin / cpt, chunk = u_begin % cpt;
+            for (int j = 0; j < units; ++j) {
+                const int s = j % S;
+                if (j >= S) mbar_wait(&empty[s], (j / S - 1) & 1);
+                mbar_expect_tx(&full[s], WBYTES + XBYTES);
+                tma_load_2d(ws + s * WBYTES, wmap, chunk * SKT_KCHUNK, tile * SKT_COLS, &full[s], evict_first);
+                tma_load_2d(xs + s * XBYTES, xmap, chunk * SKT_KCHUNK, 0, &full[s], evict_last);
+                if (++chunk == cpt) {
+                    chunk = 0;
+                    ++tile;
+                }
+            }
+        }
+        return;  // the consumers wait for every unit the producer asked for
+    }
+    float acc[SKT_MT][NT][4];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-    int c0 = u_begin % cpt;  // the first chunk of the tile segment being summed
-    // This lane's ldmatrix rows: of w, row (l / 8 odd: + 8) of the warp's 16, chunk + l / 16;
+    for (int mt = 0; mt < SKT_MT; ++mt)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[mt][t][0] = acc[mt][t][1] = acc[mt][t][2] = acc[mt][t][3] = 0.f;
+    int tile = u_begin / cpt, chunk = u_begin % cpt;
+    int c0 = chunk;  // the first chunk of the tile segment being summed
+    // This lane's ldmatrix rows: of w, row (l / 8 odd: + 8) of a 16-row tile, chunk + l / 16;
     // of x, row l % 8 of an 8-row tile, chunk + l / 8.
-    const int a_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, a_chunk = lane >> 4;
+    const int a_row = warp * 16 * SKT_MT + (lane & 7) + ((lane >> 3) & 1) * 8, a_chunk = lane >> 4;
     const int b_row = lane & 7, b_chunk = lane >> 3;
     for (int j = 0; j < units; ++j) {
-        if (j > 0) __syncthreads();  // unit j - 1's stage is read: it takes unit j + S - 1
-        if (threadIdx.x == 0) issue(j + S - 1);
         const int s = j % S;
         mbar_wait(&full[s], (j / S) & 1);
-        const int u = u_begin + j, tile = u / cpt, chunk = u % cpt;
         const int kn = min(SKT_KCHUNK, k - chunk * SKT_KCHUNK);  // 32 or 64
         const unsigned char *wt = ws + s * WBYTES, *xt = xs + s * XBYTES;
 #pragma unroll
         for (int kk = 0; kk < SKT_KCHUNK / 16; kk += 2) {
             if (kk * 16 >= kn) break;
-            // Two k-steps of 16: A fragments for each, B fragments of each x tile for both.
-            uint32_t a[2][4];
-            ldmatrix_x4(a[0], swizzled(wt, a_row, 2 * kk + a_chunk));
-            ldmatrix_x4(a[1], swizzled(wt, a_row, 2 * kk + 2 + a_chunk));
+            // Two k-steps of 16: A fragments of each w tile for each, B fragments of each x
+            // tile for both.
+            uint32_t a[SKT_MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < SKT_MT; ++mt) {
+                ldmatrix_x4(a[mt][0], swizzled(wt, a_row + mt * 16, 2 * kk + a_chunk));
+                ldmatrix_x4(a[mt][1], swizzled(wt, a_row + mt * 16, 2 * kk + 2 + a_chunk));
+            }
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
                 uint32_t b[4];
                 ldmatrix_x4(b, swizzled(xt, t * 8 + b_row, 2 * kk + b_chunk));
-                mma16816<T>(acc[t], a[0], b);
-                mma16816<T>(acc[t], a[1], b + 2);
+#pragma unroll
+                for (int mt = 0; mt < SKT_MT; ++mt) {
+                    mma16816<T>(acc[mt][t], a[mt][0], b);
+                    mma16816<T>(acc[mt][t], a[mt][1], b + 2);
+                }
             }
         }
-        if (chunk != cpt - 1 && j != units - 1) continue;
-        // The end of a tile segment: acc[t] holds columns col0 + g (0, 1) and col0 + g + 8
-        // (2, 3), x rows t * 8 + 2q and + 1, over chunks c0..chunk of k.
-        const int col0 = tile * SKT_COLS + warp * 16;  // n is a multiple of 16
-        const bool live = col0 < n;
-        const bool whole = c0 == 0 && chunk == cpt - 1;
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);  // this warp is done with stage s
+        const int this_tile = tile, this_chunk = chunk;
+        if (++chunk == cpt) {
+            chunk = 0;
+            ++tile;
+        }
+        if (this_chunk != cpt - 1 && j != units - 1) continue;
+        // The end of a tile segment: acc[mt][t] holds columns col0 + g (0, 1) and col0 + g + 8
+        // (2, 3) of the warp's 16-column tile mt, x rows t * 8 + 2q and + 1, over chunks
+        // c0..this_chunk of k.
+        const bool whole = c0 == 0 && this_chunk == cpt - 1;
         c0 = 0;  // the next segment starts a tile
         if (whole) {
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
+            for (int mt = 0; mt < SKT_MT; ++mt) {
+                const int col0 = this_tile * SKT_COLS + (warp * SKT_MT + mt) * 16;  // n: a multiple of 16
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = t * 8 + 2 * q + (e & 1), col = col0 + g + (e >> 1) * 8;
-                    if (live && row < m) y[(size_t)row * n + col] = from_f<T>(acc[t][e]);
-                    acc[t][e] = 0.f;
+                for (int t = 0; t < NT; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = t * 8 + 2 * q + (e & 1), col = col0 + g + (e >> 1) * 8;
+                        if (col0 < n && row < m) y[(size_t)row * n + col] = from_f<T>(acc[mt][t][e]);
+                        acc[mt][t][e] = 0.f;
+                    }
                 }
             }
             continue;
         }
-        // Part of the tile: partial[tile][slot] is [m][SKT_COLS] f32.
-        const int first = tile * cpt / units_per_block, last_block = (tile * cpt + cpt - 1) / units_per_block;
-        const int slot = blockIdx.x - first, slots = last_block - first + 1;
-        float *mine = partial + ((size_t)tile * max_slots + slot) * m * SKT_COLS;
+        // Part of the tile: its slot of partial[tile] ([max_slots][m][SKT_COLS] f32), summed by
+        // skinny_reduce after this launch. Why not by the tile's last block: that block's
+        // fence, count and serial sum (up to sixteen slots of [m][256] f32) stalled its
+        // consumers and ended the launch late: 2026-11-29h, ncu at 32 rows, 12-16 us of each
+        // product (7B gate/up 80 us with them, 67 without; q/k/v 26 and 12).
+        const int slot = blockIdx.x - this_tile * cpt / units_per_block;
+        float *mine = partial + ((size_t)this_tile * max_slots + slot) * m * SKT_COLS;
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
+        for (int mt = 0; mt < SKT_MT; ++mt) {
+            const int c_in = (warp * SKT_MT + mt) * 16;
+            const bool live = this_tile * SKT_COLS + c_in < n;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = t * 8 + 2 * q + (e & 1), col = warp * 16 + g + (e >> 1) * 8;
-                if (live && row < m) mine[(size_t)row * SKT_COLS + col] = acc[t][e];
-                acc[t][e] = 0.f;
-            }
-        }
-        __threadfence();  // the partials are visible before this block counts as done
-        __syncthreads();
-        if (threadIdx.x == 0) last = atomicAdd(&counters[tile], 1u) == (unsigned)(slots - 1);
-        __syncthreads();
-        if (!last) continue;
-        __threadfence();
-        // Four columns a thread, every slot's load issued before the first add (a loop of
-        // dependent loads, one L2 round trip per slot and output, made this sum the kernel's
-        // longest part: ncu, 25-40 us a launch). Slot order: deterministic.
-        const float *base = partial + (size_t)tile * max_slots * m * SKT_COLS;
-        for (int i = threadIdx.x; i < m * SKT_COLS / 4; i += blockDim.x) {
-            const int row = i / (SKT_COLS / 4), cc = (i % (SKT_COLS / 4)) * 4;
-            const int col = tile * SKT_COLS + cc;
-            float4 v[SK_MAX_SLOTS];
+            for (int t = 0; t < NT; ++t) {
 #pragma unroll
-            for (int p = 0; p < SK_MAX_SLOTS; ++p)
-                if (p < slots)
-                    v[p] = __ldcg(reinterpret_cast<const float4 *>(base + ((size_t)p * m + row) * SKT_COLS + cc));
-            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int p = 0; p < SK_MAX_SLOTS; ++p)
-                if (p < slots) {
-                    sum.x += v[p].x;
-                    sum.y += v[p].y;
-                    sum.z += v[p].z;
-                    sum.w += v[p].w;
+                for (int e = 0; e < 4; ++e) {
+                    const int row = t * 8 + 2 * q + (e & 1), col = c_in + g + (e >> 1) * 8;
+                    if (live && row < m) mine[(size_t)row * SKT_COLS + col] = acc[mt][t][e];
+                    acc[mt][t][e] = 0.f;
                 }
-            if (col < n) {  // n is a multiple of 16: the four columns are all in or all out
-                T *out = y + (size_t)row * n + col;
-                out[0] = from_f<T>(sum.x);
-                out[1] = from_f<T>(sum.y);
-                out[2] = from_f<T>(sum.z);
-                out[3] = from_f<T>(sum.w);
             }
         }
-        if (threadIdx.x == 0) counters[tile] = 0;
     }
 }
 #define SKINNY_BODY(T, NT)                                                                     \
-    skinny_gemm<T, NT>(&wmap, &xmap, y, partial, counters, m, n, k, chunks_per_tile, units_per_block, max_slots)
+    skinny_gemm<T, NT>(&wmap, &xmap, y, partial, m, n, k, chunks_per_tile, units_per_block, max_slots)
 #else
 #define SKINNY_BODY(T, NT) __trap()
 #endif
 
 // One block an SM (its stages take up to 217 KiB of shared memory; SKINNY_BLOCKS_PER_SM in
-// linear.rs sizes the grid to match). The maps are the launcher's CUtensorMaps of w ([n, k],
-// boxes of SKT_COLS x 64) and x ([m, k], boxes of NT * 8 x 64), both 128-byte swizzled.
+// linear.rs sizes the grid to match): eight consumer warps and the producer's. The maps are
+// the launcher's CUtensorMaps of w ([n, k], boxes of SKT_COLS x 64) and x ([m, k], boxes of
+// NT * 8 x 64), both 128-byte swizzled.
 #define SKINNY(T, SUFFIX, NT)                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * SKT_WARPS, 1)                            \
+    extern "C" __global__ void __launch_bounds__(32 * (SKT_WARPS + 1), 1)                      \
         skinny_gemm_##SUFFIX##_t##NT(const __grid_constant__ CUtensorMap wmap,                 \
                                      const __grid_constant__ CUtensorMap xmap, T *y,           \
-                                     float *partial, unsigned *counters, int m, int n, int k,  \
-                                     int chunks_per_tile, int units_per_block, int max_slots) { \
+                                     float *partial, int m, int n, int k, int chunks_per_tile, \
+                                     int units_per_block, int max_slots) {                     \
         SKINNY_BODY(T, NT);                                                                    \
     }
 #define SKINNYS(T, SUFFIX)                                                                     \
@@ -591,6 +601,51 @@ __device__ void skinny_gemm(const CUtensorMap *wmap, const CUtensorMap *xmap, T 
     SKINNY(T, SUFFIX, 8)
 SKINNYS(__half, f16)
 SKINNYS(__nv_bfloat16, bf16)
+
+// The sums of the tiles the skinny GEMM cut: one thread per four columns of a row of a tile,
+// the tile's slots added in slot order (deterministic: replays and plain steps give the same
+// values) and rounded once to T. Tiles one block took whole were written by that block.
+template <typename T>
+__device__ void skinny_reduce(const float *partial, T *y, int m, int n, int chunks_per_tile, int units_per_block,
+                              int max_slots) {
+    const int per_tile = m * SKT_COLS / 4;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int tile = i / per_tile, r = i % per_tile;
+    const int row = r / (SKT_COLS / 4), col = tile * SKT_COLS + (r % (SKT_COLS / 4)) * 4;
+    if (col >= n) return;  // n is a multiple of 16: the four columns are all in or all out
+    const int cpt = chunks_per_tile;
+    const int slots = (tile * cpt + cpt - 1) / units_per_block - tile * cpt / units_per_block + 1;
+    if (slots == 1) return;
+    const float *p = partial + ((size_t)tile * max_slots * m + row) * SKT_COLS + (r % (SKT_COLS / 4)) * 4;
+    // Every slot's load issued before the first add. (ncu, 2026-11-29h, caches flushed: 4.6-8.3
+    // us a launch, as with four loads in flight: the launch, not the loads, sets its time.)
+    float4 v[SKINNY_MAX_SLOTS];
+#pragma unroll
+    for (int s = 0; s < SKINNY_MAX_SLOTS; ++s)
+        if (s < slots) v[s] = __ldcg(reinterpret_cast<const float4 *>(p + (size_t)s * m * SKT_COLS));
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < SKINNY_MAX_SLOTS; ++s)
+        if (s < slots) {
+            sum.x += v[s].x;
+            sum.y += v[s].y;
+            sum.z += v[s].z;
+            sum.w += v[s].w;
+        }
+    T *out = y + (size_t)row * n + col;
+    out[0] = from_f<T>(sum.x);
+    out[1] = from_f<T>(sum.y);
+    out[2] = from_f<T>(sum.z);
+    out[3] = from_f<T>(sum.w);
+}
+#define SKINNY_REDUCE(T, SUFFIX)                                                                        \
+    extern "C" __global__ void skinny_reduce_##SUFFIX(const float *partial, T *y, int m, int n,         \
+                                                      int chunks_per_tile, int units_per_block,         \
+                                                      int max_slots) {                                  \
+        skinny_reduce<T>(partial, y, m, n, chunks_per_tile, units_per_block, max_slots);                \
+    }
+SKINNY_REDUCE(__half, f16)
+SKINNY_REDUCE(__nv_bfloat16, bf16)
 
 // The MoE decode's products on the tensor cores: `moe_gemv`'s work (expert e's slots
 // bounds[e]..bounds[e + 1] against its weights) as the skinny GEMM's warps do it. Block (b, e)

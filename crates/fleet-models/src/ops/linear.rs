@@ -21,8 +21,9 @@ pub const SKINNY_MAX_ROWS: usize = 64;
 ///   each weight once at close to the memory bandwidth (cuBLAS reached 57–86% on a 7B decode
 ///   step at batch 1, measured with ncu on an H100); up to [`SKINNY_MAX_ROWS`] take
 ///   [`skinny_gemm`] with `FLEET_SKINNY_GEMM=1` and kernels built for sm_90 (correct; off by
-///   default: on an H200 its TMA ring is 0.88x cuBLAS at 8 rows of a 7B decode, 0.81x at 32,
-///   0.69x at 64 and 0.6x on the 0.5B/1.5B rollouts — docs/benchmarks.md, 2026-11-29g);
+///   default: on an H200 it is 1.00-1.03x cuBLAS at 5-8 rows of a 7B decode, 0.94-0.99x at
+///   32, 0.89x at 64 and 0.76-0.82x on the 0.5B/1.5B rollouts — docs/benchmarks.md,
+///   2026-11-29h);
 ///   `FLEET_DECODE_GEMV=0` turns both off;
 /// - the bias is added in place by one kernel after the product: candle's broadcast add is a
 ///   strided kernel that took 4x the GEMM itself on the vision tower's `[65536, 4304]`
@@ -100,8 +101,8 @@ pub(super) fn gemv_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
 /// Whether [`linear`] sends this product to [`skinny_gemm`]: more than [`GEMV_MAX_ROWS`] and at
 /// most [`SKINNY_MAX_ROWS`] rows, `k` a multiple of 32 and `n` of 16 ([`decode_kernel_takes`]),
 /// kernels built for sm_90 or later (its TMA copies), and `FLEET_SKINNY_GEMM=1` in the
-/// environment: off by default, slower than cuBLAS (its GPU test passes; docs/benchmarks.md has
-/// the speeds).
+/// environment: off by default, no faster than cuBLAS beyond a 1-3% margin at 5-8 rows of a 7B
+/// (its GPU test passes; docs/benchmarks.md has the speeds).
 fn skinny_takes(x: &Tensor, w: &Tensor, rows: usize) -> bool {
     SKINNY_GEMM.on()
         && built_for_sm90()
@@ -664,13 +665,13 @@ const MOE_MMA_COLS: usize = 64;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const MOE_MMA_THREADS: u32 = 128;
 
-/// Output columns per block of the skinny GEMM (`SKT_COLS`: 8 warps of 16), the rows of w's
-/// TMA box.
+/// Output columns per block of the skinny GEMM (`SKT_COLS`: 8 consumer warps of two 16-column
+/// tiles), the rows of w's TMA box.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_COLS: usize = 128;
-/// Threads per block of the skinny GEMM.
+const SKINNY_COLS: usize = 256;
+/// Threads per block of the skinny GEMM: the 8 consumer warps and the producer's.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_THREADS: u32 = 256;
+const SKINNY_THREADS: u32 = 288;
 /// `k` of one pipeline stage (`SKT_KCHUNK`: 128 bytes a row, the span of the 128-byte
 /// swizzle): the units of work are (column tile, chunk of k).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -685,9 +686,9 @@ const SKINNY_BLOCKS_PER_SM: usize = 1;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn skinny_stages(x_tiles: usize) -> usize {
     if x_tiles >= 8 {
-        9
+        5
     } else {
-        10
+        6
     }
 }
 
@@ -699,13 +700,10 @@ fn skinny_smem_bytes(x_tiles: usize) -> usize {
     skinny_stages(x_tiles) * (SKINNY_COLS + 8 * x_tiles) * SKINNY_KCHUNK * 2 + 1024
 }
 
-/// Most blocks one tile's units may spread over (`SK_MAX_SLOTS`: the last block holds one
-/// partial of each in registers while it sums them).
+/// Most blocks one tile's units may spread over: the partials' slots per tile (each a
+/// `[rows, SKINNY_COLS]` f32 that `skinny_reduce` reads back).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_MAX_SLOTS: usize = 8;
-/// Column tiles a device's counters cover; a product of more tiles is not split.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const SKINNY_COUNTERS: usize = 4096;
+const SKINNY_MAX_SLOTS: usize = 16;
 
 /// How the skinny GEMM spreads its work: the `(column tile, chunk of k)` units, tile-major,
 /// cut into equal contiguous ranges, one per block.
@@ -725,20 +723,11 @@ struct SkinnyPlan {
 
 /// The plan for `n` columns and `k`: as many blocks as the GPU holds at once (`sms` x
 /// [`SKINNY_BLOCKS_PER_SM`]) with equal ranges, so that no partial wave leaves most SMs idle,
-/// unless a tile would spread over more than [`SKINNY_MAX_SLOTS`] blocks; whole tiles a block
-/// (no partials) without counters or with more tiles than they cover.
+/// unless a tile would spread over more than [`SKINNY_MAX_SLOTS`] blocks.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn skinny_plan(n: usize, k: usize, sms: usize, counters: bool) -> SkinnyPlan {
+fn skinny_plan(n: usize, k: usize, sms: usize) -> SkinnyPlan {
     let tiles = n.div_ceil(SKINNY_COLS);
     let chunks_per_tile = k.div_ceil(SKINNY_KCHUNK);
-    if !counters || tiles > SKINNY_COUNTERS {
-        return SkinnyPlan {
-            blocks: tiles,
-            chunks_per_tile,
-            units_per_block: chunks_per_tile,
-            max_slots: 1,
-        };
-    }
     let total = tiles * chunks_per_tile;
     // Enough units a block that a tile spreads over at most SKINNY_MAX_SLOTS blocks.
     let per = total
@@ -1126,34 +1115,6 @@ mod cuda {
         }
     }
 
-    /// A device's split counters (zero between launches: the last split resets its own) and
-    /// its SM count, made once per device outside any capture.
-    struct SkinnyState {
-        counters: CudaSlice<u32>,
-        sms: usize,
-    }
-
-    type SkinnyStates = std::sync::Mutex<
-        Vec<(
-            candle_core::cuda_backend::DeviceId,
-            std::sync::Arc<SkinnyState>,
-        )>,
-    >;
-
-    /// The device's [`SkinnyState`] ([`per_device`]: `None` inside a capture before it exists).
-    fn skinny_state(
-        dev: &candle_core::CudaDevice,
-    ) -> candle_core::Result<Option<std::sync::Arc<SkinnyState>>> {
-        static STATES: std::sync::OnceLock<SkinnyStates> = std::sync::OnceLock::new();
-        per_device(STATES.get_or_init(Default::default), dev, || {
-            let sms = sms(dev)?;
-            Ok(SkinnyState {
-                counters: dev.alloc_zeros::<u32>(super::SKINNY_COUNTERS)?,
-                sms,
-            })
-        })
-    }
-
     pub(super) fn skinny_gemm(
         s1: &CudaStorage,
         l1: &Layout,
@@ -1183,11 +1144,8 @@ mod cuda {
                 MODULE,
                 PTX,
             )?;
-            let state = skinny_state(&dev)?;
-            let sms = state.as_ref().map_or(1, |s| s.sms);
-            let plan = super::skinny_plan(n, k, sms, state.is_some());
-            // SAFETY: each tile's outputs are written by its only block or by the last of its
-            // blocks to finish.
+            let plan = super::skinny_plan(n, k, sms(&dev)?);
+            // SAFETY: each tile's outputs are written by its only block or by skinny_reduce.
             let y: CudaSlice<T> = unsafe { dev.alloc::<T>(m * n)? };
             // Per tile and slot an [m, SKINNY_COLS] f32 partial where tiles are cut (one float
             // when none is: unread).
@@ -1197,7 +1155,7 @@ mod cuda {
             } else {
                 1
             };
-            // SAFETY: each block writes its partials before the tile's last block reads them.
+            // SAFETY: skinny_reduce, after the GEMM on the stream, reads what its blocks wrote.
             let partial: CudaSlice<f32> = unsafe { dev.alloc::<f32>(partials)? };
             // The TMA's view of w ([n, k], boxes of SKINNY_COLS rows) and x ([m, k], boxes of
             // all its row tiles), 64 k a box.
@@ -1224,21 +1182,11 @@ mod cuda {
                 block_dim: (super::SKINNY_THREADS, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
-            let uncut;
-            let counters = match &state {
-                Some(s) => &s.counters,
-                None => {
-                    // Not read: whole tiles never touch the counters.
-                    uncut = dev.alloc_zeros::<u32>(1)?;
-                    &uncut
-                }
-            };
             let mut builder = func.builder();
             builder.arg(&wmap);
             builder.arg(&xmap);
             builder.arg(&y);
             builder.arg(&partial);
-            builder.arg(counters);
             let ints = [
                 m,
                 n,
@@ -1253,10 +1201,41 @@ mod cuda {
             }
             // SAFETY: the TMA reads boxes of w and x through maps of their exact shapes (what
             // falls outside is zero-filled, not read; rows aligned to 16 bytes: checked);
-            // each block writes whole tiles' outputs, or its partials and, if last of a cut tile,
-            // the tile's outputs and counter (SKINNY_COUNTERS tiles at most: checked by
-            // skinny_plan); w and x outlive the launch (their sync guards are held to here).
+            // each block writes whole tiles' outputs or its slot of a cut tile's partials
+            // (max_slots of them a tile: skinny_plan); w and x outlive the launch (their sync
+            // guards are held to here).
             unsafe { builder.launch(cfg) }.w()?;
+            if plan.max_slots > 1 {
+                // The cut tiles' sums: a thread per four columns of a row of a tile.
+                let func = dev.get_or_load_custom_func(
+                    &format!("skinny_reduce_{}", suffix(s1.dtype())?),
+                    MODULE,
+                    PTX,
+                )?;
+                let threads = tiles * m * super::SKINNY_COLS / 4;
+                let cfg = LaunchConfig {
+                    grid_dim: (threads.div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut builder = func.builder();
+                builder.arg(&partial);
+                builder.arg(&y);
+                let ints = [
+                    m,
+                    n,
+                    plan.chunks_per_tile,
+                    plan.units_per_block,
+                    plan.max_slots,
+                ]
+                .map(|v| v as i32);
+                for v in &ints {
+                    builder.arg(v);
+                }
+                // SAFETY: reads the slots the GEMM wrote for each cut tile (the same plan),
+                // writes those tiles' outputs; threads past n return.
+                unsafe { builder.launch(cfg) }.w()?;
+            }
             Ok(CudaStorage::wrap_cuda_slice(y, dev))
         }
         match s1.dtype() {
@@ -1369,33 +1348,25 @@ mod tests {
     }
 
     /// The plan: ranges of equal length over the (tile, chunk) units, one block each and
-    /// blocks for every slot of the GPU; whole tiles without counters or with too many tiles.
+    /// blocks for every slot of the GPU; whole tiles where the ranges fall on tile ends.
     #[test]
     fn skinny_plan_fills_the_device_with_equal_ranges() {
-        // 7B gate/up at 132 SMs: 296 tiles x 56 chunks = 16,576 units over 132 slots.
-        let p = skinny_plan(37888, 3584, 132, true);
-        assert_eq!((p.chunks_per_tile, p.units_per_block), (56, 126));
+        // 7B gate/up at 132 SMs: 148 tiles x 56 chunks = 8,288 units over 132 slots.
+        let p = skinny_plan(37888, 3584, 132);
+        assert_eq!((p.chunks_per_tile, p.units_per_block), (56, 63));
         assert_eq!((p.blocks, p.max_slots), (132, 2));
-        // 7B down: 28 tiles x 296 chunks = 8,288 units, 63 a block (a tile over 5 or 6).
-        let p = skinny_plan(3584, 18944, 132, true);
-        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (132, 63, 6));
-        // 0.5B qkv: 9 tiles x 14 chunks: two chunks a block (one would spread a tile over 14).
-        let p = skinny_plan(1152, 896, 132, true);
-        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (63, 2, 8));
-        // 0.5B down: 7 tiles x 76 chunks would give 5 a block and 16 blocks a tile: 11.
-        let p = skinny_plan(896, 4864, 132, true);
-        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (49, 11, 8));
-        // Whole tiles a block when the ranges fall on tile ends, without counters, or past
-        // the counters' tiles.
-        let p = skinny_plan(6 * SKINNY_COLS, 256, 1, true);
+        // 7B down: 14 tiles x 296 chunks = 4,144 units, 32 a block (a tile over 10 or 11).
+        let p = skinny_plan(3584, 18944, 132);
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (130, 32, 11));
+        // 0.5B qkv: 5 tiles x 14 chunks: one chunk a block.
+        let p = skinny_plan(1152, 896, 132);
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (70, 1, 15));
+        // 0.5B down: 4 tiles x 76 chunks would give 3 a block and 26 blocks a tile: 6.
+        let p = skinny_plan(896, 4864, 132);
+        assert_eq!((p.blocks, p.units_per_block, p.max_slots), (51, 6, 14));
+        // Whole tiles a block when the ranges fall on tile ends.
+        let p = skinny_plan(6 * SKINNY_COLS, 256, 1);
         assert_eq!((p.blocks, p.units_per_block, p.max_slots), (1, 24, 1));
-        for p in [
-            skinny_plan(3584, 18944, 132, false),
-            skinny_plan(SKINNY_COLS * (SKINNY_COUNTERS + 1), 256, 132, true),
-        ] {
-            assert_eq!(p.units_per_block, p.chunks_per_tile);
-            assert_eq!(p.max_slots, 1);
-        }
         // Every unit is in exactly one range.
         for (n, k) in [
             (37888, 3584),
@@ -1404,7 +1375,7 @@ mod tests {
             (9728, 896),
             (80, 96),
         ] {
-            let p = skinny_plan(n, k, 132, true);
+            let p = skinny_plan(n, k, 132);
             let total = n.div_ceil(SKINNY_COLS) * p.chunks_per_tile;
             assert!(p.blocks * p.units_per_block >= total);
             assert!((p.blocks - 1) * p.units_per_block < total);
@@ -1803,7 +1774,7 @@ mod kernel_tests {
     /// every row-tile count (5 to 64 rows, rows past a tile's last padded), one split and many
     /// (the last split sums them), blocks whose units cross tile ends, fewer units than
     /// pipeline stages, columns past a block's last warp, k with a short last chunk; a second
-    /// launch gives the same bits (the split counters were reset; the sums are in a fixed
+    /// launch gives the same bits (the sums are in a fixed
     /// order), and [`linear`] takes it for 5 to 64 rows with the bias added after.
     #[test]
     fn skinny_gemm_kernel_agrees_with_its_twin() {
