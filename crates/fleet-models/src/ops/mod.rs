@@ -349,7 +349,7 @@ mod cuda_util {
             != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
-    /// Per-device state of a kernel family (split counters, a cuBLASLt handle), one per opened
+    /// Per-device state of a kernel family (a cuBLASLt handle), one per opened
     /// GPU or logical device in `registry`, made by `make` on first use; `None` while none
     /// exists and `dev`'s stream is capturing a graph (an allocation inside a capture would
     /// belong to the graph).
