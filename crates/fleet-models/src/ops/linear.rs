@@ -1182,21 +1182,16 @@ mod cuda {
                 block_dim: (super::SKINNY_THREADS, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
+            // The plan's split, the last three arguments of both kernels.
+            let split =
+                [plan.chunks_per_tile, plan.units_per_block, plan.max_slots].map(|v| v as i32);
             let mut builder = func.builder();
             builder.arg(&wmap);
             builder.arg(&xmap);
             builder.arg(&y);
             builder.arg(&partial);
-            let ints = [
-                m,
-                n,
-                k,
-                plan.chunks_per_tile,
-                plan.units_per_block,
-                plan.max_slots,
-            ]
-            .map(|v| v as i32);
-            for v in &ints {
+            let ints = [m, n, k].map(|v| v as i32);
+            for v in ints.iter().chain(&split) {
                 builder.arg(v);
             }
             // SAFETY: the TMA reads boxes of w and x through maps of their exact shapes (what
@@ -1221,15 +1216,8 @@ mod cuda {
                 let mut builder = func.builder();
                 builder.arg(&partial);
                 builder.arg(&y);
-                let ints = [
-                    m,
-                    n,
-                    plan.chunks_per_tile,
-                    plan.units_per_block,
-                    plan.max_slots,
-                ]
-                .map(|v| v as i32);
-                for v in &ints {
+                let ints = [m as i32, n as i32];
+                for v in ints.iter().chain(&split) {
                     builder.arg(v);
                 }
                 // SAFETY: reads the slots the GEMM wrote for each cut tile (the same plan),
